@@ -1,0 +1,3 @@
+from moetrace.cli import main
+
+main()

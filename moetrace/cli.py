@@ -1,0 +1,67 @@
+"""The ``moetrace`` command line: a thin typer layer over the library.
+
+Commands live in ``cli_*.py`` modules, each with ``register(app)``. Importing this module imports
+no heavy dependency, so ``moetrace --help`` works on a bare install.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from moetrace import __version__
+
+app = typer.Typer(
+    name="moetrace",
+    help=(
+        "Record which experts every token of every request activates in a Mixture-of-Experts model, "
+        "find the structure in it, and turn it into expert placements and micro-batch groups.\n\n"
+        "Start with: moetrace demo -o demo-out"
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+_COMMAND_MODULES = (
+    "moetrace.cli_collect",
+    "moetrace.cli_trace",
+    "moetrace.cli_synth",
+    "moetrace.cli_import",
+    "moetrace.cli_analyze",
+    "moetrace.cli_place",
+    "moetrace.cli_dashboard",
+    "moetrace.cli_demo",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"moetrace {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """moetrace: expert-activation traces for MoE serving."""
+
+
+for _name in _COMMAND_MODULES:
+    try:
+        _mod = importlib.import_module(_name)
+    except ModuleNotFoundError as _exc:
+        if _exc.name != _name:  # a real import error inside the module must surface
+            raise
+        continue  # this command module is not part of this build yet
+    _mod.register(app)
+
+
+def main() -> None:
+    app(prog_name="moetrace")
+
+
+if __name__ == "__main__":
+    main()

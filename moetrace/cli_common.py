@@ -1,0 +1,73 @@
+"""Pieces shared by every CLI command: options defined once, and clean domain errors.
+
+Each command module registers its commands on the root app with ``register(app)``; a command is a
+few lines over one library call.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated, Callable, TypeVar
+
+import typer
+
+from moetrace.errors import MoetraceError, TraceValidationError
+
+F = TypeVar("F", bound=Callable)
+
+# ---- options shared by several commands (defined once) -------------------------------------
+TraceArg = Annotated[Path, typer.Argument(help="Trace directory (manifest.json, requests/, routing/).", show_default=False)]
+OutDir = Annotated[Path, typer.Option("--out", "-o", help="Output directory.", show_default=False)]
+Seed = Annotated[int, typer.Option(help="Random seed; the same seed gives the same result.")]
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Model preset (see `moetrace models`), a local checkpoint directory, or a hub id.",
+    ),
+]
+AllowIncomplete = Annotated[
+    bool, typer.Option("--allow-incomplete", help="Read a trace whose collection has not finished (committed parts only).")
+]
+
+
+def err(message: str) -> None:
+    """Print a one-line error (or several) to stderr in the CLI's style."""
+    typer.secho(f"Error: {message}", fg=typer.colors.RED, err=True)
+
+
+def friendly_errors(fn: F) -> F:
+    """Turn moetrace's domain errors into a message and exit code 2 instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TraceValidationError as exc:
+            err(f"{len(exc.problems)} problem(s) found:")
+            for p in exc.problems:
+                typer.echo(f"  - {p}", err=True)
+            raise typer.Exit(1) from None
+        except MoetraceError as exc:
+            err(str(exc))
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err("interrupted; committed work is kept (re-run with --resume where the command has it)")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def stderr_is_tty() -> bool:
+    return sys.stderr.isatty()

@@ -1,0 +1,58 @@
+"""Commands over traces: ``validate``, ``info``, ``models``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from moetrace.cli_common import TraceArg, friendly_errors
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate")(validate_cmd)
+    app.command("info")(info_cmd)
+    app.command("models")(models_cmd)
+
+
+@friendly_errors
+def validate_cmd(trace: TraceArg) -> None:
+    """Check a trace against format v1 and name every problem; exit 1 if there is any.
+
+    Example: moetrace validate traces/dsv3-gsm8k
+    """
+    from moetrace.tracer.validate import validate
+
+    validate(trace)
+    typer.secho(f"{trace}: valid moetrace trace (format v1)", fg=typer.colors.GREEN)
+
+
+@friendly_errors
+def info_cmd(
+    trace: TraceArg,
+    allow_incomplete: Annotated[bool, typer.Option("--allow-incomplete", help="Also show an unfinished trace.")] = False,
+) -> None:
+    """Summarize a trace: model, backend, requests and tokens per dataset and stage, size on disk.
+
+    Example: moetrace info traces/dsv3-gsm8k
+    """
+    from moetrace.tracer.summary import trace_summary
+
+    typer.echo(trace_summary(trace, allow_incomplete=allow_incomplete))
+
+
+def models_cmd() -> None:
+    """List the model presets (each also has a CPU-sized ``-tiny`` variant).
+
+    Example: moetrace models
+    """
+    from moetrace.tracer.presets import list_presets
+
+    typer.echo(f"{'preset':<18} {'layers (MoE)':<14} {'experts':>7} {'top-k':>5} {'shared':>6} {'hidden':>6}  hub id")
+    for p in list_presets():
+        typer.echo(
+            f"{p.name:<18} {f'{p.num_hidden_layers} ({len(p.moe_layers)})':<14} {p.num_experts:>7} {p.top_k:>5} "
+            f"{p.num_shared_experts:>6} {p.hidden_size:>6}  {p.hub_id}"
+        )
+    typer.echo("\nAppend -tiny (e.g. deepseek-v3-tiny) for the same routing topology with small hidden sizes on a CPU.")
+

@@ -1,0 +1,40 @@
+"""Domain errors. The CLI turns every ``MoetraceError`` into a clean message and exit code 2.
+
+Messages quote the offending values and say how to fix the problem.
+"""
+
+
+class MoetraceError(Exception):
+    "Base class of every error moetrace reports to a user."
+
+
+class MissingDependencyError(MoetraceError, ImportError):
+    "An optional dependency (an extra) is not installed."
+
+
+class TraceFormatError(MoetraceError):
+    "A file or directory does not match the moetrace trace format."
+
+
+class TraceValidationError(MoetraceError):
+    "A trace failed validation; ``problems`` lists every problem found."
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(f"{len(self.problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+class OutputExistsError(MoetraceError):
+    "The output directory holds something incompatible with what would be written."
+
+
+class ModelError(MoetraceError):
+    "A model preset, path or configuration cannot be used as asked."
+
+
+class DatasetError(MoetraceError):
+    "A prompt set or dataset cannot be loaded."
+
+
+class ConfigError(MoetraceError, ValueError):
+    "A deployment, placement or analysis configuration is inconsistent."

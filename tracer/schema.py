@@ -1,0 +1,156 @@
+"""Trace format v1: the explicit Arrow schemas and the manifest (SPEC §2).
+
+A trace is a directory::
+
+    manifest.json            format, version, complete, model, backend, collection
+    requests/<part>.parquet  one row per request
+    routing/<part>.parquet   one row per token (prompt tokens, then generated tokens)
+
+Shape legend used across ``moetrace.tracer``:
+    T tokens, R requests, L MoE layers (``model.moe_layers``), K top-k, X = L*K flattened ids.
+
+Out of scope here: reading and writing files (``store``), checking a trace (``validate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from moetrace.errors import TraceFormatError
+
+FORMAT = "moetrace.trace"
+VERSION = 1
+
+STAGE_PREFILL = "prefill"
+STAGE_DECODE = "decode"
+
+#: expert id written where nothing was recorded for a token (prefix-cache hit, final token)
+NO_EXPERT = -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """What the trace needs to know about the model that produced it (manifest ``model``)."""
+
+    name: str  # preset name or path the user gave
+    source: str  # hub id or local path of the weights/config
+    architecture: str  # HF class name, e.g. "DeepseekV3ForCausalLM"
+    num_hidden_layers: int  # all decoder layers, dense and MoE
+    moe_layers: tuple[int, ...]  # model layer indices that route, ascending; column order of `experts`
+    num_experts: int  # routed experts per MoE layer
+    top_k: int  # experts chosen per token and layer
+    num_shared_experts: int  # always-on experts (not traced)
+    hidden_size: int  # model dimension (bytes per token of all-to-all = hidden_size * dtype bytes)
+    n_group: int | None = None  # expert groups of a group-limited router (DeepSeek-V3: 8)
+    topk_group: int | None = None  # groups a token may use (DeepSeek-V3: 4)
+
+    def __post_init__(self) -> None:
+        layers = list(self.moe_layers)
+        if not layers:
+            raise TraceFormatError(f"model {self.name!r}: moe_layers is empty; a trace needs at least one MoE layer")
+        if layers != sorted(set(layers)):
+            raise TraceFormatError(f"model {self.name!r}: moe_layers must be ascending and unique, got {layers}")
+        if layers[0] < 0 or layers[-1] >= self.num_hidden_layers:
+            raise TraceFormatError(
+                f"model {self.name!r}: moe_layers {layers[0]}..{layers[-1]} outside 0..{self.num_hidden_layers - 1}"
+            )
+        if not (1 <= self.top_k <= self.num_experts):
+            raise TraceFormatError(f"model {self.name!r}: top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        if self.num_experts > 32767:
+            raise TraceFormatError(f"model {self.name!r}: {self.num_experts} experts do not fit the int16 expert ids")
+        object.__setattr__(self, "moe_layers", tuple(int(x) for x in layers))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def ids_per_token(self) -> int:
+        """X = L*K: length of the ``experts`` list of one routing row."""
+        return len(self.moe_layers) * self.top_k
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["moe_layers"] = list(self.moe_layers)
+        return {k: v for k, v in d.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelInfo":
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = [n for n in names if n not in d and n not in ("n_group", "topk_group")]
+        if missing:
+            raise TraceFormatError(f"manifest `model` lacks {sorted(missing)}")
+        return cls(**{k: d[k] for k in names if k in d})
+
+
+def routing_schema(ids_per_token: int, *, with_weights: bool) -> pa.Schema:
+    """Schema of ``routing/*.parquet``.
+
+    ``experts`` is ``fixed_size_list<int16>[L*K]``, row-major ``[layer][slot]``; ``weights`` (optional)
+    has the same layout in float32.
+    """
+    fields = [
+        pa.field("request_id", pa.int64(), nullable=False),
+        pa.field("position", pa.int32(), nullable=False),
+        pa.field("stage", pa.string(), nullable=False),
+        pa.field("experts", pa.list_(pa.field("item", pa.int16(), nullable=False), ids_per_token), nullable=False),
+    ]
+    if with_weights:
+        fields.append(
+            pa.field("weights", pa.list_(pa.field("item", pa.float32(), nullable=False), ids_per_token), nullable=False)
+        )
+    return pa.schema(fields)
+
+
+def requests_schema(*, with_text: bool) -> pa.Schema:
+    """Schema of ``requests/*.parquet``; text columns only when the user opted in."""
+    fields = [
+        pa.field("request_id", pa.int64(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("prompt_tokens", pa.int32(), nullable=False),
+        pa.field("output_tokens", pa.int32(), nullable=False),
+    ]
+    if with_text:
+        fields += [pa.field("prompt_text", pa.string()), pa.field("output_text", pa.string())]
+    return pa.schema(fields)
+
+
+#: required columns and their types, for validation of files written by any tool
+REQUIRED_ROUTING = {"request_id": pa.int64(), "position": pa.int32(), "stage": pa.string()}
+REQUIRED_REQUESTS = {
+    "request_id": pa.int64(),
+    "dataset": pa.string(),
+    "prompt_tokens": pa.int32(),
+    "output_tokens": pa.int32(),
+}
+
+
+def new_manifest(*, model: ModelInfo, backend: dict[str, Any], collection: dict[str, Any]) -> dict[str, Any]:
+    """A manifest for a trace being written (``complete: false``)."""
+    if "name" not in backend:
+        raise TraceFormatError("manifest `backend` needs a `name` (vllm, hf, synthetic, import, ...)")
+    from moetrace import __version__
+
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "complete": False,
+        "model": model.to_dict(),
+        "backend": dict(backend),
+        "collection": dict(collection),
+        "moetrace_version": __version__,
+    }
+
+
+def check_manifest_header(manifest: dict[str, Any], *, where: str) -> None:
+    """Raise ``TraceFormatError`` unless ``manifest`` is a moetrace trace manifest of a known version."""
+    if manifest.get("format") != FORMAT:
+        raise TraceFormatError(f"{where}: `format` is {manifest.get('format')!r}, expected {FORMAT!r}; not a moetrace trace")
+    if manifest.get("version") != VERSION:
+        raise TraceFormatError(
+            f"{where}: trace format version {manifest.get('version')!r} is not supported (this moetrace reads {VERSION})"
+        )

@@ -1,0 +1,581 @@
+"""The trace store: one writer used by every backend, and the reader.
+
+Crash safety. Rows are buffered and flushed as Parquet row groups into an open *part*, written under
+a temporary name (``.<name>.parquet.tmp``). ``commit()`` closes the part: the routing file is renamed
+to its final name first, then the matching requests file. A request is *committed* exactly when its
+row is in a final ``requests/*.parquet``; a routing part without its requests part (a kill between
+the two renames) is an orphan and is removed on resume. Readers only ever look at final names.
+``manifest.json`` is written (atomically) with ``complete: false`` at start and finalized by
+``close()``.
+
+Shape legend: T tokens, R requests, L MoE layers, K top-k, X = L*K.
+
+Out of scope: what the rows mean (``schema``), checking a trace (``validate``), collecting them
+(``hf``, ``vllm``, ``synth``, ``importers``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal, NamedTuple, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moetrace.errors import OutputExistsError, TraceFormatError
+from moetrace.tracer.schema import (
+    STAGE_DECODE,
+    STAGE_PREFILL,
+    ModelInfo,
+    check_manifest_header,
+    new_manifest,
+    requests_schema,
+    routing_schema,
+)
+
+MANIFEST = "manifest.json"
+ROUTING_DIR = "routing"
+REQUESTS_DIR = "requests"
+_PART_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+)-(?P<seq>\d{6})\.parquet$")
+
+OnExisting = Literal["refuse", "resume", "overwrite"]
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to ``path`` through a temporary file and a rename (never half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """Read ``manifest.json`` of the trace directory ``path``."""
+    mpath = Path(path) / MANIFEST
+    if not Path(path).is_dir():
+        raise TraceFormatError(f"{path}: no such trace directory")
+    if not mpath.exists():
+        raise TraceFormatError(f"{path}: no {MANIFEST}; not a moetrace trace directory")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{mpath}: not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise TraceFormatError(f"{mpath}: expected a JSON object")
+    return manifest
+
+
+@dataclass(frozen=True)
+class WriterStats:
+    """Totals of what a writer committed (this run and, on resume, before it)."""
+
+    num_requests: int
+    num_tokens: int
+    num_parts: int
+    bytes_on_disk: int
+
+
+class TraceWriter:
+    """Write a trace directory in format v1.
+
+    Use as a context manager; leaving the ``with`` block normally finalizes the manifest
+    (``complete: true``), leaving it by an exception commits what is buffered and leaves the trace
+    incomplete (resumable).
+
+    Parameters
+    ----------
+    path
+        Trace directory (created if missing).
+    model, backend, collection
+        Manifest sections (SPEC §2).
+    on_existing
+        ``refuse`` (default): error if ``path`` already holds a trace; ``resume``: keep its committed
+        requests (``completed_request_ids``) and append, after checking it is the same model and
+        format; ``overwrite``: delete the existing trace first.
+    with_weights
+        Write the optional ``weights`` column.
+    with_text
+        Write ``prompt_text``/``output_text`` (privacy: only when the user opted in).
+    part_prefix
+        Part file prefix; distinct prefixes let several writers (shards) share a directory.
+    row_group_tokens
+        Tokens buffered before a row group is flushed (bounds memory).
+    part_tokens
+        A part is committed automatically once it holds this many tokens.
+    compression
+        Parquet codec (``zstd``, ``lz4``, ``snappy``, ``none``).
+    manifest_name
+        File name of this writer's manifest (sharded writers use ``manifests/<shard>.json``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        model: ModelInfo,
+        backend: dict[str, Any],
+        collection: dict[str, Any],
+        on_existing: OnExisting = "refuse",
+        with_weights: bool = False,
+        with_text: bool = False,
+        part_prefix: str = "part",
+        row_group_tokens: int = 131072,
+        part_tokens: int = 4_194_304,
+        compression: str = "lz4",
+        manifest_name: str = MANIFEST,
+    ) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_]+", part_prefix):
+            raise ValueError(f"`part_prefix` must be letters, digits and '_', got {part_prefix!r}")
+        self.path = Path(path)
+        self.model = model
+        self.with_weights = with_weights
+        self.with_text = with_text
+        self.part_prefix = part_prefix
+        self.row_group_tokens = int(row_group_tokens)
+        self.part_tokens = int(part_tokens)
+        self.compression = None if compression == "none" else compression
+        self._manifest_path = self.path / manifest_name
+        self.routing_schema = routing_schema(model.ids_per_token, with_weights=with_weights)
+        self.requests_schema = requests_schema(with_text=with_text)
+        self._closed = False
+
+        self.completed_request_ids: set[int] = set()
+        self._prior_tokens = 0
+        self._prior_parts = 0
+        self._prepare_directory(on_existing, backend=backend, collection=collection)
+        self._next_seq = self._first_free_seq()
+
+        # the open part
+        self._pq: pq.ParquetWriter | None = None
+        self._part_name: str | None = None
+        self._part_tokens = 0
+        self._buf: list[pa.RecordBatch] = []
+        self._buf_tokens = 0
+        self._req_rows: list[dict[str, Any]] = []
+        self._seen_in_run: set[int] = set()
+        self.num_requests_written = 0
+        self.num_tokens_written = 0
+
+    # ------------------------------------------------------------------ directory handling
+    def _prepare_directory(self, on_existing: OnExisting, *, backend: dict, collection: dict) -> None:
+        exists = self._manifest_path.exists() or (self.path / ROUTING_DIR).exists()
+        if exists and on_existing == "refuse":
+            raise OutputExistsError(
+                f"{self.path} already holds a trace. Re-run with --resume to continue it, or --overwrite "
+                "to replace it (or choose another -o)."
+            )
+        if exists and on_existing == "overwrite":
+            self._remove_trace_files()
+            exists = False
+        (self.path / ROUTING_DIR).mkdir(parents=True, exist_ok=True)
+        (self.path / REQUESTS_DIR).mkdir(parents=True, exist_ok=True)
+        self._manifest_path.parent.mkdir(parents=True, exist_ok=True)
+        if exists:
+            self._manifest = self._check_resumable(backend=backend, collection=collection)
+            self._cleanup_uncommitted()
+            self._load_committed()
+            self._manifest["complete"] = False
+        else:
+            self._manifest = new_manifest(model=self.model, backend=backend, collection=collection)
+        self._manifest["writer"] = {
+            "with_weights": self.with_weights,
+            "with_text": self.with_text,
+            "compression": self.compression or "none",
+        }
+        write_json_atomic(self._manifest_path, self._manifest)
+
+    def _remove_trace_files(self) -> None:
+        for sub in (ROUTING_DIR, REQUESTS_DIR):
+            d = self.path / sub
+            if d.is_dir():
+                for f in d.iterdir():
+                    if f.name.endswith(".parquet") or f.name.endswith(".parquet.tmp"):
+                        f.unlink()
+        if self._manifest_path.exists():
+            self._manifest_path.unlink()
+
+    def _check_resumable(self, *, backend: dict, collection: dict) -> dict[str, Any]:
+        if not self._manifest_path.exists():
+            raise OutputExistsError(
+                f"{self.path} has part files but no {self._manifest_path.name}; use --overwrite to start afresh"
+            )
+        manifest = json.loads(self._manifest_path.read_text())
+        try:
+            check_manifest_header(manifest, where=str(self._manifest_path))
+        except TraceFormatError as exc:
+            raise OutputExistsError(f"{exc}. Use --overwrite to replace it.") from exc
+        old = manifest.get("model", {})
+        new = self.model.to_dict()
+        keys = ("source", "architecture", "moe_layers", "num_experts", "top_k")
+        diff = [f"{k}: {old.get(k)!r} (on disk) vs {new.get(k)!r} (now)" for k in keys if old.get(k) != new.get(k)]
+        if diff:
+            raise OutputExistsError(
+                f"{self.path} holds a trace of a different model ({'; '.join(diff)}). "
+                "Use another -o, or --overwrite to replace it."
+            )
+        old_w = manifest.get("writer", {})
+        for key, mine in (("with_weights", self.with_weights), ("with_text", self.with_text)):
+            if key in old_w and bool(old_w[key]) != mine:
+                raise OutputExistsError(
+                    f"{self.path} was written with {key}={old_w[key]}, this run has {key}={mine}; "
+                    "use the same options to resume, or --overwrite"
+                )
+        for key in ("datasets", "seed", "max_new_tokens", "sampling"):
+            if key in manifest.get("collection", {}) and key in collection and manifest["collection"][key] != collection[key]:
+                raise OutputExistsError(
+                    f"{self.path} was collected with {key}={manifest['collection'][key]!r}, this run asks for "
+                    f"{key}={collection[key]!r}; resume with the same settings, or --overwrite"
+                )
+        return manifest
+
+    def _cleanup_uncommitted(self) -> None:
+        """Remove temporary files and orphan routing parts (no matching requests part)."""
+        for sub in (ROUTING_DIR, REQUESTS_DIR):
+            for f in (self.path / sub).glob(".*.tmp"):
+                f.unlink()
+        committed = {f.name for f in (self.path / REQUESTS_DIR).glob("*.parquet")}
+        for f in (self.path / ROUTING_DIR).glob("*.parquet"):
+            if f.name not in committed and _PART_RE.match(f.name) and _PART_RE.match(f.name)["prefix"] == self.part_prefix:
+                f.unlink()
+
+    def _load_committed(self) -> None:
+        for f in sorted((self.path / REQUESTS_DIR).glob("*.parquet")):
+            ids = pq.read_table(f, columns=["request_id"]).column(0).to_numpy()
+            self.completed_request_ids.update(int(x) for x in ids)
+            self._prior_parts += 1
+            meta = pq.read_metadata(self.path / ROUTING_DIR / f.name) if (self.path / ROUTING_DIR / f.name).exists() else None
+            self._prior_tokens += meta.num_rows if meta is not None else 0
+
+    def _first_free_seq(self) -> int:
+        seqs = [
+            int(m["seq"])
+            for sub in (ROUTING_DIR, REQUESTS_DIR)
+            for f in (self.path / sub).glob("*.parquet")
+            if (m := _PART_RE.match(f.name)) and m["prefix"] == self.part_prefix
+        ]
+        return max(seqs) + 1 if seqs else 0
+
+    # ------------------------------------------------------------------ writing
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.close(complete=False)
+
+    def add_request(
+        self,
+        *,
+        request_id: int,
+        dataset: str,
+        prompt_tokens: int,
+        experts_TX: np.ndarray,
+        weights_TX: np.ndarray | None = None,
+        prompt_text: str | None = None,
+        output_text: str | None = None,
+    ) -> None:
+        """Add one whole request.
+
+        ``experts_TX``: int16-castable ``[T, L*K]`` (or ``[T, L, K]``), T = prompt + output tokens,
+        rows in position order; ``-1`` where nothing was recorded. ``output_tokens`` = T - prompt_tokens.
+        """
+        experts = np.asarray(experts_TX)
+        T = experts.shape[0]
+        self.add_requests(
+            request_id_R=np.array([request_id], dtype=np.int64),
+            dataset_R=[dataset],
+            prompt_tokens_R=np.array([prompt_tokens], dtype=np.int32),
+            output_tokens_R=np.array([T - prompt_tokens], dtype=np.int32),
+            experts_TX=experts,
+            weights_TX=weights_TX,
+            prompt_text_R=None if prompt_text is None and output_text is None else [prompt_text],
+            output_text_R=None if prompt_text is None and output_text is None else [output_text],
+        )
+
+    def add_requests(
+        self,
+        *,
+        request_id_R: np.ndarray,
+        dataset_R: Sequence[str] | pa.Array,
+        prompt_tokens_R: np.ndarray,
+        output_tokens_R: np.ndarray,
+        experts_TX: np.ndarray,
+        weights_TX: np.ndarray | None = None,
+        prompt_text_R: Sequence[str | None] | None = None,
+        output_text_R: Sequence[str | None] | None = None,
+    ) -> None:
+        """Add R whole requests at once (the fast path for synthetic and imported traces).
+
+        ``experts_TX`` holds the tokens of all R requests back to back, each request's prompt
+        positions then its generated positions; ``sum(prompt_tokens_R + output_tokens_R) == T``.
+        """
+        if self._closed:
+            raise RuntimeError("TraceWriter is closed")
+        X = self.model.ids_per_token
+        rid = np.ascontiguousarray(request_id_R, dtype=np.int64)
+        ptok = np.ascontiguousarray(prompt_tokens_R, dtype=np.int32)
+        otok = np.ascontiguousarray(output_tokens_R, dtype=np.int32)
+        R = rid.shape[0]
+        if not (ptok.shape == otok.shape == (R,)) or len(dataset_R) != R:
+            raise ValueError("request arrays must all have length R")
+        if np.any(ptok < 1) or np.any(otok < 0):
+            raise ValueError("every request needs prompt_tokens >= 1 and output_tokens >= 0")
+        lengths = ptok.astype(np.int64) + otok
+        T = int(lengths.sum())
+        experts = np.asarray(experts_TX)
+        if experts.ndim == 3:
+            experts = experts.reshape(experts.shape[0], -1)
+        if experts.shape != (T, X):
+            raise ValueError(f"experts_TX has shape {experts.shape}, expected ({T}, {X}) = (tokens, moe_layers*top_k)")
+        experts = np.ascontiguousarray(experts, dtype=np.int16)
+        dup = [int(r) for r in rid if int(r) in self.completed_request_ids or int(r) in self._seen_in_run]
+        if dup or len(np.unique(rid)) != R:
+            raise ValueError(f"request ids already written: {dup[:5] or 'duplicates within the batch'}")
+        self._seen_in_run.update(int(r) for r in rid)
+
+        # per-token columns, vectorized: request id, position within the request, stage
+        starts = np.zeros(R, dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        req_T = np.repeat(rid, lengths)
+        pos_T = (np.arange(T, dtype=np.int64) - np.repeat(starts, lengths)).astype(np.int32)
+        is_decode_T = pos_T >= np.repeat(ptok, lengths)
+        stage = pa.DictionaryArray.from_arrays(
+            pa.array(is_decode_T.view(np.int8)), pa.array([STAGE_PREFILL, STAGE_DECODE])
+        ).cast(pa.string())
+        cols = [
+            pa.array(req_T, type=pa.int64()),
+            pa.array(pos_T, type=pa.int32()),
+            stage,
+            pa.FixedSizeListArray.from_arrays(pa.array(experts.reshape(-1), type=pa.int16()), X),
+        ]
+        if self.with_weights:
+            if weights_TX is None:
+                raise ValueError("this writer has with_weights=True; pass weights_TX")
+            w = np.ascontiguousarray(np.asarray(weights_TX, dtype=np.float32).reshape(T, X))
+            cols.append(pa.FixedSizeListArray.from_arrays(pa.array(w.reshape(-1), type=pa.float32()), X))
+        batch = pa.RecordBatch.from_arrays(cols, schema=self.routing_schema)
+
+        datasets = list(dataset_R) if not isinstance(dataset_R, pa.Array) else dataset_R.to_pylist()
+        for i in range(R):
+            row = {
+                "request_id": int(rid[i]),
+                "dataset": str(datasets[i]),
+                "prompt_tokens": int(ptok[i]),
+                "output_tokens": int(otok[i]),
+            }
+            if self.with_text:
+                row["prompt_text"] = prompt_text_R[i] if prompt_text_R is not None else None
+                row["output_text"] = output_text_R[i] if output_text_R is not None else None
+            self._req_rows.append(row)
+
+        self._buf.append(batch)
+        self._buf_tokens += T
+        self._part_tokens += T
+        self.num_requests_written += R
+        self.num_tokens_written += T
+        if self._buf_tokens >= self.row_group_tokens:
+            self._flush_row_group()
+        if self._part_tokens >= self.part_tokens:
+            self.commit()
+
+    def _open_part(self) -> None:
+        self._part_name = f"{self.part_prefix}-{self._next_seq:06d}.parquet"
+        self._next_seq += 1
+        tmp = self.path / ROUTING_DIR / f".{self._part_name}.tmp"
+        self._pq = pq.ParquetWriter(
+            tmp,
+            self.routing_schema,
+            compression=self.compression,
+            use_dictionary=["stage", "experts.list.item"],
+            write_statistics=["request_id", "position"],
+        )
+
+    def _flush_row_group(self) -> None:
+        if not self._buf:
+            return
+        if self._pq is None:
+            self._open_part()
+        table = pa.Table.from_batches(self._buf, schema=self.routing_schema)
+        self._pq.write_table(table, row_group_size=max(table.num_rows, 1))
+        self._buf = []
+        self._buf_tokens = 0
+
+    def commit(self) -> None:
+        """Close the open part: everything added so far becomes durable and visible to readers."""
+        if not self._req_rows:
+            return
+        self._flush_row_group()
+        assert self._pq is not None and self._part_name is not None
+        self._pq.close()
+        rdir, qdir = self.path / ROUTING_DIR, self.path / REQUESTS_DIR
+        _fsync_file(rdir / f".{self._part_name}.tmp")
+        req_tmp = qdir / f".{self._part_name}.tmp"
+        pq.write_table(pa.Table.from_pylist(self._req_rows, schema=self.requests_schema), req_tmp, compression="zstd")
+        _fsync_file(req_tmp)
+        os.replace(rdir / f".{self._part_name}.tmp", rdir / self._part_name)  # routing first
+        os.replace(req_tmp, qdir / self._part_name)  # then requests: the commit point
+        self.completed_request_ids.update(r["request_id"] for r in self._req_rows)
+        self._pq = None
+        self._part_name = None
+        self._part_tokens = 0
+        self._req_rows = []
+
+    def close(self, *, complete: bool = True, extra_manifest: dict[str, Any] | None = None) -> WriterStats:
+        """Commit what is buffered and finalize the manifest (``complete`` as given)."""
+        if self._closed:
+            return self.stats()
+        self.commit()
+        self._closed = True
+        stats = self.stats()
+        self._manifest["complete"] = bool(complete)
+        self._manifest["totals"] = {"num_requests": stats.num_requests, "num_tokens": stats.num_tokens}
+        if extra_manifest:
+            self._manifest.update(extra_manifest)
+        write_json_atomic(self._manifest_path, self._manifest)
+        return stats
+
+    def update_manifest(self, **sections: Any) -> None:
+        """Merge keys into the manifest (written at ``close``)."""
+        self._manifest.update(sections)
+
+    def stats(self) -> WriterStats:
+        files = [*(self.path / ROUTING_DIR).glob("*.parquet"), *(self.path / REQUESTS_DIR).glob("*.parquet")]
+        return WriterStats(
+            num_requests=len(self.completed_request_ids),
+            num_tokens=self._prior_tokens + self.num_tokens_written,
+            num_parts=len(list((self.path / REQUESTS_DIR).glob("*.parquet"))),
+            bytes_on_disk=sum(f.stat().st_size for f in files),
+        )
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ====================================================================== reading
+
+
+class TokenArrays(NamedTuple):
+    """Routing rows as numpy arrays (the fast path).
+
+    request_id_T int64, position_T int32, is_decode_T bool, topk_ids_TLK int16 (-1: not recorded).
+    """
+
+    request_id_T: np.ndarray
+    position_T: np.ndarray
+    is_decode_T: np.ndarray
+    topk_ids_TLK: np.ndarray
+
+
+class Trace:
+    """A trace directory opened for reading. Use :func:`open_trace`."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.model = ModelInfo.from_dict(manifest["model"])
+
+    def __repr__(self) -> str:
+        return f"Trace({str(self.path)!r}, model={self.model.name!r}, complete={self.manifest.get('complete')})"
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    def part_names(self) -> list[str]:
+        """Committed parts (a requests file exists), in name order."""
+        return sorted(f.name for f in (self.path / REQUESTS_DIR).glob("*.parquet"))
+
+    def routing_files(self) -> list[Path]:
+        return [self.path / ROUTING_DIR / n for n in self.part_names()]
+
+    def requests_files(self) -> list[Path]:
+        return [self.path / REQUESTS_DIR / n for n in self.part_names()]
+
+    def requests(self) -> "pl.LazyFrame":  # noqa: F821
+        """One row per request: ``request_id, dataset, prompt_tokens, output_tokens`` (+ extras)."""
+        import polars as pl
+
+        files = self.requests_files()
+        if not files:
+            return pl.LazyFrame(schema=pl.Schema(pl.from_arrow(requests_schema(with_text=False).empty_table()).schema))
+        return pl.scan_parquet(files)
+
+    def routing(self) -> "pl.LazyFrame":  # noqa: F821
+        """One row per token: ``request_id, position, stage, experts`` (``Array[i16, L*K]``)."""
+        import polars as pl
+
+        files = self.routing_files()
+        if not files:
+            empty = routing_schema(self.model.ids_per_token, with_weights=False).empty_table()
+            return pl.from_arrow(empty).lazy()
+        return pl.scan_parquet(files)
+
+    def iter_token_arrays(self, *, batch_tokens: int = 1 << 20) -> Iterator[TokenArrays]:
+        """Stream routing rows as numpy arrays, part by part, row group by row group (bounded memory)."""
+        L, K = self.model.num_moe_layers, self.model.top_k
+        for f in self.routing_files():
+            pf = pq.ParquetFile(f)
+            for rb in pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "stage", "experts"]):
+                yield _batch_to_arrays(rb, L, K)
+
+    def token_arrays(self) -> TokenArrays:
+        """All routing rows as numpy arrays ``[T, L, K]`` (loads the whole trace into memory)."""
+        parts = list(self.iter_token_arrays())
+        if not parts:
+            L, K = self.model.num_moe_layers, self.model.top_k
+            return TokenArrays(
+                np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, bool), np.zeros((0, L, K), np.int16)
+            )
+        return TokenArrays(*(np.concatenate(cols) for cols in zip(*parts)))
+
+
+def _batch_to_arrays(rb: pa.RecordBatch, L: int, K: int) -> TokenArrays:
+    experts = rb.column("experts")
+    flat = experts.values.to_numpy(zero_copy_only=False)
+    if experts.offset:
+        flat = flat[experts.offset * L * K :]
+    stage = rb.column("stage")
+    if pa.types.is_dictionary(stage.type):
+        stage = stage.cast(pa.string())
+    import pyarrow.compute as pc
+
+    is_decode = pc.equal(stage, STAGE_DECODE).to_numpy(zero_copy_only=False)
+    return TokenArrays(
+        rb.column("request_id").to_numpy(),
+        rb.column("position").to_numpy(),
+        is_decode,
+        flat[: rb.num_rows * L * K].reshape(rb.num_rows, L, K),
+    )
+
+
+def open_trace(path: str | os.PathLike, *, require_complete: bool = True) -> Trace:
+    """Open the trace directory ``path`` for reading.
+
+    Raises ``TraceFormatError`` if it is not a format-v1 trace, or (with ``require_complete``) if its
+    collection has not finished; ``moetrace collect --resume`` completes it.
+    """
+    p = Path(path)
+    manifest = read_manifest(p)
+    check_manifest_header(manifest, where=str(p / MANIFEST))
+    if require_complete and not manifest.get("complete"):
+        raise TraceFormatError(
+            f"{p}: the trace is incomplete (manifest `complete: false`): its collection was interrupted or is "
+            "still running. Resume it by re-running the same command with --resume, or pass "
+            "--allow-incomplete to read the committed part."
+        )
+    return Trace(p, manifest)
