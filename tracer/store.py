@@ -396,7 +396,7 @@ class TraceWriter:
             tmp,
             self.routing_schema,
             compression=self.compression,
-            use_dictionary=["stage", "experts.list.item"],
+            use_dictionary=["stage", "experts.list.element"],
             write_statistics=["request_id", "position"],
         )
 
