@@ -1,0 +1,139 @@
+"""``moetrace collect``: run a model on prompt sets and record every token's routed experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import typer
+
+from moetrace.cli_common import ModelOpt, OutDir, Seed, friendly_errors, human_bytes
+
+
+def register(app: typer.Typer) -> None:
+    app.command("collect")(collect_cmd)
+
+
+@friendly_errors
+def collect_cmd(
+    model: ModelOpt,
+    out: OutDir,
+    dataset: Annotated[
+        list[str],
+        typer.Option(
+            "--dataset",
+            "-d",
+            help="Prompt source, repeatable or comma-separated: a bundled set (math-word, math-competition, code, "
+            "chat, summarize; 'bundled' = all five), a hub dataset (gsm8k, math, mbpp, humaneval, lmsys-chat, "
+            "xsum, tldr) or a local .jsonl/.json/.parquet file.",
+        ),
+    ] = ["bundled"],
+    per_dataset: Annotated[Optional[int], typer.Option(help="Requests per dataset (equal representation).")] = None,
+    num_requests: Annotated[Optional[int], typer.Option(help="Total requests, split evenly over datasets.")] = None,
+    prompt_field: Annotated[Optional[str], typer.Option(help="Field holding the prompt in local files.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Generated tokens per request at most.")] = 64,
+    batch_size: Annotated[int, typer.Option(help="Requests per generation batch (HF backend).")] = 8,
+    seed: Seed = 0,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy.")] = 0.0,
+    device: Annotated[str, typer.Option(help="Torch device for the HF backend (cpu, cuda, cuda:1, ...).")] = "cpu",
+    backend: Annotated[
+        str, typer.Option(help="auto (vLLM when importable and CUDA is present, else hf), hf or vllm.")
+    ] = "auto",
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted collection in OUT.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a trace already in OUT.")] = False,
+    store_text: Annotated[
+        bool, typer.Option("--store-text", help="Keep prompt and output text in the trace (off: no text is stored).")
+    ] = False,
+    chat_template: Annotated[
+        bool, typer.Option("--chat-template/--no-chat-template", help="Apply the tokenizer's chat template.")
+    ] = True,
+    record_weights: Annotated[bool, typer.Option("--weights", help="Also store routing weights.")] = False,
+    tp: Annotated[int, typer.Option(help="vLLM: tensor-parallel size.")] = 1,
+    ep: Annotated[bool, typer.Option("--ep", help="vLLM: enable expert parallelism.")] = False,
+    dp: Annotated[int, typer.Option(help="vLLM: data-parallel size.")] = 1,
+    max_model_len: Annotated[Optional[int], typer.Option(help="vLLM: maximum sequence length.")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM: fraction of GPU memory to use.")] = 0.9,
+    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: disable CUDA graphs.")] = False,
+) -> None:
+    """Collect a trace: the experts every token of every request is routed to, as Parquet.
+
+    Example: moetrace collect --model deepseek-v3-tiny --dataset bundled --per-dataset 8 -o traces/tiny
+
+    On GPU nodes with vLLM: moetrace collect --model deepseek-v3 --dataset gsm8k --tp 8 --ep -o traces/dsv3
+    """
+    from moetrace.tracer.collect import CollectConfig, collect
+
+    if resume and overwrite:
+        raise typer.BadParameter("--resume and --overwrite exclude each other")
+    if backend not in ("auto", "hf", "vllm"):
+        raise typer.BadParameter(f"--backend must be auto, hf or vllm, not {backend!r}")
+    datasets = tuple(s.strip() for item in dataset for s in item.split(",") if s.strip())
+    config = CollectConfig(
+        model=model,
+        datasets=datasets,
+        per_dataset=per_dataset,
+        num_requests=num_requests,
+        prompt_field=prompt_field,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        seed=seed,
+        temperature=temperature,
+        chat_template=chat_template,
+        store_text=store_text,
+        record_weights=record_weights,
+        device=device,
+    )
+    engine = None
+    if backend == "vllm" or (backend == "auto" and device != "cpu"):
+        engine = _engine_config(
+            tp=tp, ep=ep, dp=dp, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+        )
+    on_existing: Literal["refuse", "resume", "overwrite"] = "resume" if resume else "overwrite" if overwrite else "refuse"
+    result = _run_with_progress(config, out=out, backend=backend, on_existing=on_existing, engine=engine)
+    s = result.stats
+    rate = result.num_new_tokens / result.seconds if result.seconds > 0 else 0.0
+    typer.secho(f"collected {out}", fg=typer.colors.GREEN)
+    typer.echo(
+        f"  backend {result.backend}, model {model}\n"
+        f"  {result.num_new_requests} new requests, {result.num_new_tokens} tokens in {result.seconds:.1f}s "
+        f"({rate:,.0f} tokens/s)\n"
+        f"  trace: {s.num_requests} requests, {s.num_tokens} tokens, {s.num_parts} parts, {human_bytes(s.bytes_on_disk)}\n"
+        f"  next: moetrace validate {out}   |   moetrace analyze {out} -o {Path(str(out) + '-analysis')}"
+    )
+
+
+def _engine_config(**kw):
+    from moetrace.tracer.vllm_backend import VllmEngineConfig
+
+    return VllmEngineConfig(**kw)
+
+
+def _run_with_progress(config, *, out, backend, on_existing, engine):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from moetrace.tracer.collect import collect
+
+    tokens = {"n": 0}
+    with Progress(
+        TextColumn("[bold]collect"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("requests"),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
+    ) as progress:
+        task = progress.add_task("collect", total=None, rate="")
+
+        def on_start(pending: int, total: int) -> None:
+            progress.update(task, total=total, completed=total - pending)
+
+        def on_progress(requests: int, toks: int) -> None:
+            tokens["n"] += toks
+            elapsed = progress.tasks[task].elapsed or 1e-9
+            progress.update(task, advance=requests, rate=f"{tokens['n'] / elapsed:,.0f} tok/s")
+
+        return collect(config, out=out, backend=backend, on_existing=on_existing, engine=engine,
+                       on_start=on_start, on_progress=on_progress)

@@ -1,0 +1,405 @@
+"""HF transformers backend: record the experts each token was actually routed to.
+
+How. transformers >= 5 MoE blocks call a router module that returns the routing decision, and pass
+its indices to the experts module (``DeepseekV3TopkRouter``, ``Qwen3MoeTopKRouter``,
+``MixtralTopKRouter``, ``OlmoeTopKRouter``, ``GptOssTopKRouter`` return ``(router_logits,
+topk_weights, topk_indices)``; ``Llama4Router`` returns ``(router_scores, router_logits)`` with
+``router_scores`` zero outside the chosen experts). A forward hook on each MoE layer's router keeps
+those indices: the decision the model made, including DeepSeek-V3's group-limited, bias-corrected
+selection; nothing is recomputed from logits.
+
+Generation uses ``model.generate`` with a KV cache and left padding. Forward 0 of a batch is the
+prefill (every prompt token), forward j >= 1 feeds generated token j-1. So prompt positions are
+``prefill``, generated positions are ``decode``, and the last generated token, never fed back, has
+no routing: its row holds -1. Padding (left pads, and the pads fed after a request finished while
+others continue) is never recorded.
+
+Shape legend: B batch, S padded sequence length, N = B*S router rows, T tokens of one request,
+L MoE layers, K top-k, X = L*K.
+
+Out of scope: prompt loading (``datasets``), the run loop, resume and progress (``collect``),
+vLLM (``vllm_backend``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from moetrace._deps import require
+from moetrace.errors import ModelError
+from moetrace.tracer.schema import NO_EXPERT, ModelInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+#: largest model (parameters) `collect` agrees to run on a CPU
+MAX_CPU_PARAMS = 3_000_000_000
+
+#: MLP attribute names of decoder layers, and router attribute names of MoE blocks
+_MLP_ATTRS = ("mlp", "feed_forward", "block_sparse_moe")
+_ROUTER_ATTRS = ("gate", "router")
+
+
+# ---------------------------------------------------------------------------------------- models
+def tiny_tokenizer():
+    """The byte-level tokenizer of the ``-tiny`` models: 256 byte tokens + ``<pad> <bos> <eos>``.
+
+    Built in code (nothing downloaded); ids 0..255 are bytes, 256 pad, 257 bos, 258 eos.
+    """
+    tokenizers = require("tokenizers", purpose="the tiny models' tokenizer")
+    transformers = require("transformers", purpose="the HF transformers backend")
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for name in ("<pad>", "<bos>", "<eos>"):
+        vocab[name] = len(vocab)
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
+    fast.padding_side = "left"
+    return fast
+
+
+def build_tiny_model(preset_name: str, *, seed: int, device: str = "cpu", dtype: str = "float32"):
+    """Build a ``-tiny`` preset: real architecture class, real routing topology, seeded random weights.
+
+    DeepSeek-V3's router bias (``e_score_correction_bias``) is drawn at random too, so that the
+    bias-corrected, group-limited selection differs from a plain top-k of the scores, as in the
+    released model.
+    """
+    torch = require("torch", purpose="the HF transformers backend")
+    transformers = require("transformers", purpose="the HF transformers backend")
+    from moetrace.tracer.presets import get_preset
+
+    preset, tiny = get_preset(preset_name)
+    if not tiny:
+        raise ModelError(f"{preset_name!r} is not a -tiny preset")
+    cfg = transformers.AutoConfig.for_model(
+        preset.model_type,
+        **preset.hf_config_dict(tiny=True),
+        pad_token_id=256,
+        bos_token_id=257,
+        eos_token_id=258,
+        tie_word_embeddings=False,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    for _, router in _iter_routers(model):
+        bias = getattr(router, "e_score_correction_bias", None)
+        if bias is not None:
+            with torch.no_grad():
+                bias.copy_(0.02 * torch.randn(bias.shape, generator=gen))
+    model.generation_config.pad_token_id = 256
+    model.generation_config.eos_token_id = 258
+    model.generation_config.bos_token_id = 257
+    return model.to(device).eval(), preset.model_info(tiny=True)
+
+
+def load_model(
+    name: str, *, seed: int, device: str = "cpu", dtype: str = "auto"
+) -> tuple[Any, Any, ModelInfo]:
+    """Return ``(model, tokenizer, model_info)`` for a ``-tiny`` preset, a preset, a path or a hub id.
+
+    A full-size model is refused on a CPU with a message that names the ``-tiny`` preset.
+    """
+    torch = require("torch", purpose="the HF transformers backend")
+    transformers = require("transformers", purpose="the HF transformers backend")
+    from moetrace.tracer.presets import TINY_SUFFIX, get_preset, is_preset, model_info_from_hf_config
+
+    if is_preset(name) and name.endswith(TINY_SUFFIX):
+        model, info = build_tiny_model(name, seed=seed, device=device, dtype="float32" if dtype == "auto" else dtype)
+        return model, tiny_tokenizer(), info
+    source = get_preset(name)[0].hub_id if is_preset(name) else name
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(source)
+    except OSError as exc:
+        raise ModelError(
+            f"cannot load the config of {source!r} ({str(exc).splitlines()[0]}). Pass a local checkpoint "
+            "directory, a reachable hub id, or a -tiny preset (see `moetrace models`)."
+        ) from exc
+    info = model_info_from_hf_config(cfg, name=name, source=source)
+    if str(device).startswith("cpu"):
+        with torch.device("meta"):
+            meta = transformers.AutoModelForCausalLM.from_config(cfg)
+        n = sum(p.numel() for p in meta.parameters())
+        if n > MAX_CPU_PARAMS:
+            base = name if is_preset(name) else "deepseek-v3"
+            raise ModelError(
+                f"{name} has {n / 1e9:.0f}B parameters: too large to run on a CPU. Use the same routing "
+                f"topology at CPU size with --model {base.removesuffix(TINY_SUFFIX)}{TINY_SUFFIX}, or collect on "
+                "GPUs with --backend vllm."
+            )
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device)
+    tok = transformers.AutoTokenizer.from_pretrained(source)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model.eval(), tok, info
+
+
+# -------------------------------------------------------------------------------------- routers
+def _decoder_layers(model) -> Sequence[Any]:
+    inner = getattr(model, "model", model)
+    inner = getattr(inner, "language_model", inner)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ModelError(f"{type(model).__name__}: cannot find the decoder layers (model.model.layers)")
+    return layers
+
+
+def _iter_routers(model):
+    """Yield ``(layer_index, router_module)`` for every decoder layer with a routed-expert block."""
+    for i, layer in enumerate(_decoder_layers(model)):
+        for mattr in _MLP_ATTRS:
+            block = getattr(layer, mattr, None)
+            if block is None or not hasattr(block, "experts"):
+                continue
+            for rattr in _ROUTER_ATTRS:
+                router = getattr(block, rattr, None)
+                if router is not None:
+                    yield i, router
+                    break
+            break
+
+
+@dataclass
+class RoutingRecorder:
+    """Forward hooks on every MoE router of ``model``; one entry per forward pass and MoE layer.
+
+    Use as a context manager around ``model.generate``; ``steps`` then holds, per forward pass, a
+    list over MoE layers of ``topk_ids_NK`` (int64 tensors on the model's device) and, with
+    ``record_weights``, ``topk_weights_NK``.
+    """
+
+    model: Any
+    info: ModelInfo
+    record_weights: bool = False
+    ids: list[list[Any]] = field(default_factory=list)  # [layer][forward] -> topk_ids_NK
+    weights: list[list[Any]] = field(default_factory=list)  # [layer][forward] -> topk_weights_NK
+
+    def __post_init__(self) -> None:
+        self._handles: list[Any] = []
+        routers = list(_iter_routers(self.model))
+        found = tuple(i for i, _ in routers)
+        if found != self.info.moe_layers:
+            raise ModelError(
+                f"{self.info.name}: routers found at layers {list(found)[:6]}... ({len(found)}), but the config "
+                f"says MoE layers {list(self.info.moe_layers)[:6]}... ({self.info.num_moe_layers})"
+            )
+        self._routers = [r for _, r in routers]
+        self.ids = [[] for _ in routers]
+        self.weights = [[] for _ in routers]
+
+    def _hook(self, slot: int):
+        K = self.info.top_k
+
+        def hook(module, args, output):
+            if len(output) == 3:  # (router_logits, topk_weights, topk_indices)
+                ids, w = output[2], output[1]
+            elif len(output) == 2:  # Llama-4: (router_scores [N, E] zero outside the choice, router_logits)
+                scores = output[0]
+                w, ids = scores.topk(K, dim=-1)
+            else:
+                raise ModelError(f"{type(module).__name__} returned {len(output)} values; cannot read its routing")
+            self.ids[slot].append(ids.detach())
+            if self.record_weights:
+                w = w.detach()
+                if w.shape[-1] != K:  # some routers return dense [N, E] scores
+                    w = w.gather(-1, ids)
+                self.weights[slot].append(w.float())
+
+        return hook
+
+    def __enter__(self) -> "RoutingRecorder":
+        for slot, router in enumerate(self._routers):
+            self._handles.append(router.register_forward_hook(self._hook(slot)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def clear(self) -> None:
+        for lst in (*self.ids, *self.weights):
+            lst.clear()
+
+    @property
+    def num_forwards(self) -> int:
+        return len(self.ids[0]) if self.ids else 0
+
+
+# ----------------------------------------------------------------------------------- generation
+@dataclass(frozen=True)
+class GeneratedRequest:
+    """One finished request: its routing rows (positions 0..T-1) and token counts."""
+
+    prompt_tokens: int
+    output_tokens: int
+    experts_TX: np.ndarray  # int16 [T, L*K], -1 where nothing was recorded
+    weights_TX: np.ndarray | None  # float32 [T, L*K] or None
+    output_ids: list[int]
+
+
+def generate_batch(
+    model,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    info: ModelInfo,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    record_weights: bool = False,
+) -> list[GeneratedRequest]:
+    """Generate for a batch of tokenized prompts and return each request's routing rows.
+
+    Greedy when ``temperature == 0`` (default); otherwise sampling seeded with ``seed``.
+    Attribution is exact: row ``p`` of request ``b`` is the routing of the forward pass that fed
+    the token at position ``p`` of ``b``.
+    """
+    torch = require("torch", purpose="the HF transformers backend")
+    B = len(prompt_ids)
+    lens = [len(p) for p in prompt_ids]
+    if min(lens) < 1:
+        raise ValueError("empty prompt")
+    S = max(lens)
+    pad = tokenizer.pad_token_id
+    device = next(model.parameters()).device
+    input_ids = torch.full((B, S), pad, dtype=torch.long)
+    attn = torch.zeros((B, S), dtype=torch.long)
+    for b, p in enumerate(prompt_ids):  # left padding
+        input_ids[b, S - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attn[b, S - len(p) :] = 1
+    gen_kwargs: dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=1,
+        pad_token_id=pad,
+        eos_token_id=model.generation_config.eos_token_id,
+        use_cache=True,
+        return_dict_in_generate=False,
+    )
+    if temperature > 0:
+        gen_kwargs.update(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+        torch.manual_seed(seed)
+    else:
+        gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+
+    rec = RoutingRecorder(model, info, record_weights=record_weights)
+    with rec, torch.inference_mode():
+        seqs = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), **gen_kwargs)
+    new = seqs[:, S:].cpu()
+    n_forwards = rec.num_forwards
+    if n_forwards != new.shape[1]:
+        raise RuntimeError(f"recorded {n_forwards} forward passes for {new.shape[1]} generated tokens")
+    eos = model.generation_config.eos_token_id
+    eos_set = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
+
+    L, K = info.num_moe_layers, info.top_k
+    # stack per layer: prefill [B, S, K] and decode [B, n-1, K]
+    pre_LBSK = torch.stack([rec.ids[l][0].reshape(B, S, K) for l in range(L)]).to("cpu", torch.int16).numpy()
+    if n_forwards > 1:
+        dec_LBJK = torch.stack(
+            [torch.stack([x.reshape(B, K) for x in rec.ids[l][1:]], dim=1) for l in range(L)]
+        ).to("cpu", torch.int16).numpy()
+    if record_weights:
+        wpre = torch.stack([rec.weights[l][0].reshape(B, S, K) for l in range(L)]).cpu().numpy()
+        if n_forwards > 1:
+            wdec = torch.stack(
+                [torch.stack([x.reshape(B, K) for x in rec.weights[l][1:]], dim=1) for l in range(L)]
+            ).cpu().numpy()
+
+    out = []
+    for b in range(B):
+        toks = new[b].tolist()
+        O = len(toks)
+        for j, t in enumerate(toks):
+            if t in eos_set:
+                O = j + 1
+                break
+        P = lens[b]
+        T = P + O
+        ex = np.full((T, L, K), NO_EXPERT, dtype=np.int16)
+        ex[:P] = pre_LBSK[:, b, S - P :, :].transpose(1, 0, 2)
+        if O > 1:  # generated token j (j < O-1) was fed at forward j+1
+            ex[P : P + O - 1] = dec_LBJK[:, b, : O - 1, :].transpose(1, 0, 2)
+        w = None
+        if record_weights:
+            w = np.zeros((T, L, K), dtype=np.float32)
+            w[:P] = wpre[:, b, S - P :, :].transpose(1, 0, 2)
+            if O > 1:
+                w[P : P + O - 1] = wdec[:, b, : O - 1, :].transpose(1, 0, 2)
+            w = w.reshape(T, L * K)
+        out.append(GeneratedRequest(P, O, ex.reshape(T, L * K), w, toks[:O]))
+    return out
+
+
+def collect_with_hf(
+    prompts: Sequence[Any],
+    *,
+    writer,
+    model,
+    tokenizer,
+    info: ModelInfo,
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float,
+    seed: int,
+    chat_template: bool,
+    store_text: bool,
+    record_weights: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Run every prompt not yet in ``writer.completed_request_ids`` and write its rows; commit per batch.
+
+    Prompts are sorted by token length so batches pad little; each batch is one commit, so a kill
+    loses at most the batch in flight.
+    """
+    from moetrace.tracer.datasets import render_prompt_ids
+
+    pending = [p for p in prompts if p.request_id not in writer.completed_request_ids]
+    encoded = [(p, render_prompt_ids(p, tokenizer, chat_template=chat_template)) for p in pending]
+    encoded.sort(key=lambda pe: (len(pe[1]), pe[0].request_id))
+    for start in range(0, len(encoded), batch_size):
+        chunk = encoded[start : start + batch_size]
+        results = generate_batch(
+            model,
+            tokenizer,
+            [ids for _, ids in chunk],
+            info=info,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed + start,
+            record_weights=record_weights,
+        )
+        tokens = 0
+        for (p, _), r in zip(chunk, results):
+            writer.add_request(
+                request_id=p.request_id,
+                dataset=p.dataset,
+                prompt_tokens=r.prompt_tokens,
+                experts_TX=r.experts_TX,
+                weights_TX=r.weights_TX,
+                prompt_text=p.text if store_text else None,
+                output_text=tokenizer.decode(r.output_ids, skip_special_tokens=True) if store_text else None,
+            )
+            tokens += r.prompt_tokens + r.output_tokens
+        writer.commit()
+        if on_progress is not None:
+            on_progress(len(chunk), tokens)
+
+
+def backend_versions() -> dict[str, str]:
+    torch = require("torch", purpose="the HF transformers backend")
+    transformers = require("transformers", purpose="the HF transformers backend")
+    return {"name": "hf", "transformers": transformers.__version__, "torch": torch.__version__}
+
