@@ -1,0 +1,71 @@
+"""Recognise what each dashboard input directory is, by its manifest file.
+
+A directory is one of:
+
+- a **trace** (``manifest.json`` with ``format: "moetrace.trace"``, SPEC §2);
+- an **analysis** result (written by ``moetrace analyze``);
+- a **placement** result (written by ``moetrace compare`` / ``moetrace place``).
+
+Anything else is an error that names the directory and what was expected, so a typo in a path
+never yields a silently empty report.
+
+Out of scope: reading the results themselves (``section_*``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from moetrace.errors import TraceFormatError
+
+InputKind = Literal["trace", "analysis", "placement"]
+
+#: (manifest file name, value of its ``format`` key) -> kind; the first match wins
+MANIFESTS: tuple[tuple[str, str, InputKind], ...] = (
+    ("manifest.json", "moetrace.trace", "trace"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Input:
+    """One recognised input directory."""
+
+    kind: InputKind  # what it holds
+    path: Path  # the directory
+    manifest: dict[str, Any]  # its manifest, parsed
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def detect(path: str | Path) -> Input:
+    """Classify ``path`` by the manifest it holds; raise ``TraceFormatError`` if it is none of them."""
+    p = Path(path)
+    if not p.is_dir():
+        raise TraceFormatError(
+            f"{p}: no such directory. Pass trace directories and the output directories of "
+            "`moetrace analyze` / `moetrace compare`."
+        )
+    seen = []
+    for name, fmt, kind in MANIFESTS:
+        f = p / name
+        if not f.exists():
+            continue
+        manifest = _read_json(f)
+        seen.append(f"{name} (format {manifest.get('format')!r})" if manifest else f"{name} (unreadable)")
+        if manifest is not None and manifest.get("format") == fmt:
+            return Input(kind=kind, path=p, manifest=manifest)
+    expected = ", ".join(sorted({f"{n} with format {f!r}" for n, f, _ in MANIFESTS}))
+    found = f"; found {', '.join(seen)}" if seen else ""
+    raise TraceFormatError(
+        f"{p}: not a trace, analysis or placement result directory (expected {expected}{found}). "
+        "Pass the directory given to -o of `moetrace analyze` or `moetrace compare`, or a trace directory."
+    )

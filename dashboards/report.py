@@ -1,0 +1,100 @@
+"""``write_dashboard``: turn any mix of traces and result directories into one HTML report.
+
+Each input directory is recognised by its manifest (``inputs``); every section whose results are
+present is rendered, every section whose results are absent is listed in
+``DashboardReport.omitted`` with the reason (and in the page's footer), never an error.
+
+Out of scope: computing results (``moetrace analyze`` / ``moetrace compare`` do that; the
+dashboard only reads their files), serving the page.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from moetrace.dashboards.inputs import Input, detect
+from moetrace.dashboards.page import Section, render_page
+from moetrace.errors import ConfigError, OutputExistsError
+
+
+@dataclass(frozen=True, kw_only=True)
+class DashboardConfig:
+    """Knobs of a report."""
+
+    max_points: int = 20_000  # scatter points drawn per figure; more are sampled down (cap shown on the figure)
+    seed: int = 0  # seed of that sampling
+    title: str | None = None  # page title; default names the model(s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DashboardReport:
+    """What ``write_dashboard`` wrote."""
+
+    path: Path  # the HTML file
+    size_bytes: int  # its size (plotly.js alone is ~4.8 MB)
+    sections: tuple[str, ...]  # keys of the sections rendered, in page order
+    num_figures: int  # plotly figures on the page
+    omitted: tuple[str, ...]  # sections not rendered and why (results absent)
+
+
+def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple[list[Section], list[str]]:
+    """The sections for these inputs, and notes on the sections left out."""
+    from moetrace.dashboards.section_overview import overview_section
+    from moetrace.tracer.store import open_trace
+
+    traces = [i for i in inputs if i.kind == "trace"]
+    sections: list[Section] = []
+    omitted: list[str] = []
+    for n, t in enumerate(traces):
+        trace = open_trace(t.path, require_complete=False)
+        sections.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))
+    if not traces:
+        omitted.append("overview: no trace directory among the inputs")
+    return sections, omitted
+
+
+def write_dashboard(
+    inputs: Sequence[str | os.PathLike],
+    *,
+    out: str | os.PathLike,
+    config: DashboardConfig = DashboardConfig(),
+    overwrite: bool = True,
+) -> DashboardReport:
+    """Write one self-contained HTML report for ``inputs`` to ``out`` and say what is in it.
+
+    ``inputs``: trace directories and result directories of ``moetrace analyze`` and
+    ``moetrace compare``, in any order and mix. ``out``: the ``.html`` file to write (its parent
+    is created). The file is written to a temporary name and renamed, so a failure never leaves a
+    half-written report.
+    """
+    if not inputs:
+        raise ConfigError("no inputs: pass at least one trace or results directory")
+    if config.max_points < 1:
+        raise ConfigError(f"`max_points` must be >= 1, got {config.max_points}")
+    out = Path(out)
+    if out.exists() and out.is_dir():
+        raise OutputExistsError(f"{out} is a directory; -o takes the report's file name, e.g. {out / 'report.html'}")
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"{out} exists; choose another -o or allow overwriting")
+    found = [detect(p) for p in inputs]
+    sections, omitted = build_sections(found, config=config)
+    if not sections:
+        raise ConfigError("nothing to show: " + "; ".join(omitted))
+    models = sorted({i.manifest.get("model", {}).get("name", "") for i in found if i.manifest.get("model")} - {""})
+    title = config.title or f"moetrace report: {', '.join(models) or 'expert activations'}"
+    subtitle = "Inputs: " + ", ".join(f"{i.path} ({i.kind})" for i in found)
+    text = render_page(sections, title=title, subtitle=subtitle, footer_notes=[f"Not shown: {o}" for o in omitted])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out)
+    return DashboardReport(
+        path=out,
+        size_bytes=out.stat().st_size,
+        sections=tuple(s.key for s in sections),
+        num_figures=sum(len(s.figures) for s in sections),
+        omitted=tuple(omitted),
+    )

@@ -1,0 +1,156 @@
+"""Overview section: what was traced (model, datasets, requests, tokens) and how (provenance).
+
+Read from a trace directory: ``manifest.json`` (model, backend, collection) and the requests table.
+Token counts are the requests table's ``prompt_tokens`` (prefill) and ``output_tokens`` (decode)
+sums, i.e. positions of the trace, including positions whose routing was not recorded (``-1``).
+
+Shape legend: R requests.
+
+Out of scope: routing statistics (those come from ``moetrace analyze`` results).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from moetrace.dashboards.page import Figure, Section, Table
+from moetrace.dashboards.theme import category_colours, finish, plotly_go
+from moetrace.tracer.store import Trace
+
+
+def trace_label(trace: Trace) -> str:
+    """How figures name a trace: ``<dir name> (<model>)``."""
+    return f"trace {trace.path.name} ({trace.model.name})"
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _flat(d: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """Nested manifest dicts as (dotted key, compact value) rows."""
+    rows: list[tuple[str, str]] = []
+    if isinstance(d, dict):
+        for k, v in d.items():
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, dict) and v and len(json.dumps(v)) > 80:
+                rows.extend(_flat(v, key))
+            else:
+                rows.append((key, v if isinstance(v, str) else json.dumps(v)))
+    return rows
+
+
+def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
+    """The overview of one trace: model and provenance tables, per-dataset counts, length figures."""
+    from moetrace.cli_common import human_bytes
+
+    go = plotly_go()
+    m = trace.model
+    label = trace_label(trace)
+    req = trace.requests().select("request_id", "dataset", "prompt_tokens", "output_tokens").collect()
+    per = (
+        req.group_by("dataset")
+        .agg(
+            pl.len().alias("requests"),
+            pl.col("prompt_tokens").sum().alias("prefill"),
+            pl.col("output_tokens").sum().alias("decode"),
+            pl.col("prompt_tokens").median().alias("prompt_median"),
+            pl.col("output_tokens").median().alias("output_median"),
+        )
+        .sort("dataset")
+    )
+    model_rows = (
+        ("model", m.name),
+        ("source", m.source),
+        ("architecture", m.architecture),
+        ("layers (MoE / all)", f"{m.num_moe_layers} / {m.num_hidden_layers}"),
+        ("routed experts per layer", m.num_experts),
+        ("top-k", m.top_k),
+        ("shared experts", m.num_shared_experts),
+        ("hidden size", m.hidden_size),
+        ("router groups (n_group / topk_group)", f"{m.n_group} / {m.topk_group}" if m.n_group else "none"),
+    )
+    trace_rows = (
+        ("directory", str(trace.path)),
+        ("complete", trace.complete),
+        ("parts", len(trace.part_names())),
+        ("size on disk", human_bytes(_dir_bytes(trace.path))),
+        ("requests", req.height),
+        ("tokens (prefill + decode)", int(req["prompt_tokens"].sum() or 0) + int(req["output_tokens"].sum() or 0)),
+        ("moetrace version", trace.manifest.get("moetrace_version", "unknown")),
+    )
+    prov = _flat({"backend": trace.manifest.get("backend", {}), "collection": trace.manifest.get("collection", {})})
+    counts_rows = tuple(
+        (r["dataset"], r["requests"], int(r["prefill"]), int(r["decode"]), float(r["prompt_median"]), float(r["output_median"]))
+        for r in per.iter_rows(named=True)
+    )
+    if per.height > 1:
+        counts_rows += (
+            ("total", req.height, int(req["prompt_tokens"].sum()), int(req["output_tokens"].sum()),
+             float(req["prompt_tokens"].median()), float(req["output_tokens"].median())),
+        )  # fmt: skip
+    tables = (
+        Table(key=f"{key_prefix}overview-model", header=("model", ""), rows=model_rows, caption=f"Model of {label}."),
+        Table(key=f"{key_prefix}overview-trace", header=("trace", ""), rows=trace_rows),
+        Table(
+            key=f"{key_prefix}overview-datasets",
+            header=("dataset", "requests", "prefill tokens", "decode tokens", "median prompt", "median output"),
+            rows=counts_rows,
+            caption="Requests and tokens per dataset (prefill = prompt positions, decode = generated positions).",
+        ),
+        Table(
+            key=f"{key_prefix}overview-provenance",
+            header=("provenance", ""),
+            rows=tuple(prov),
+            caption="How the trace was collected (manifest backend and collection sections).",
+        ),
+    )
+
+    # prompt and output length distributions per dataset (box plots over requests)
+    colours = category_colours(per["dataset"].to_list())
+    fig = go.Figure()
+    for ds in per["dataset"].to_list():
+        sub = req.filter(pl.col("dataset") == ds)
+        for col, name, side in (("prompt_tokens", "prompt", "x"), ("output_tokens", "output", "x2")):
+            fig.add_trace(
+                go.Box(
+                    y=sub[col].to_numpy().astype(np.int32),
+                    name=ds,
+                    legendgroup=ds,
+                    showlegend=name == "prompt",
+                    marker_color=colours[ds],
+                    boxpoints=False,
+                    xaxis=side,
+                    yaxis="y" if name == "prompt" else "y2",
+                    hovertemplate=f"{ds}<br>{name} length %{{y}} tokens<extra></extra>",
+                )
+            )
+    fig.update_layout(
+        grid={"rows": 1, "columns": 2, "pattern": "independent"},
+        xaxis={"title": {"text": "dataset (prompt)"}},
+        xaxis2={"title": {"text": "dataset (output)"}},
+        yaxis={"title": {"text": "prompt length (tokens)"}},
+        yaxis2={"title": {"text": "output length (tokens)"}},
+    )
+    finish(fig, what="Prompt and output lengths per dataset", source=label, height=400)
+    figures = (
+        Figure(
+            key=f"{key_prefix}overview-lengths",
+            figure=fig,
+            source=str(trace.path / "requests"),
+            caption="Box plots over requests: prompt tokens (prefill) left, generated tokens (decode) right.",
+        ),
+    )
+    return Section(
+        key=f"{key_prefix}overview",
+        title="Overview" if not key_prefix else f"Overview: {trace.path.name}",
+        intro=f"{label}: {req.height:,} requests from {per.height} dataset(s).",
+        tables=tables,
+        figures=figures,
+    )
+

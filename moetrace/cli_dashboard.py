@@ -1,0 +1,44 @@
+"""``moetrace dashboard``: one self-contained HTML report from traces and result directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moetrace.cli_common import Seed, friendly_errors, human_bytes
+
+
+def register(app: typer.Typer) -> None:
+    app.command("dashboard")(dashboard_cmd)
+
+
+@friendly_errors
+def dashboard_cmd(
+    inputs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Trace directories and output directories of `moetrace analyze` / `moetrace compare`, in any mix.",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The HTML file to write.")] = Path("report.html"),
+    max_points: Annotated[
+        int, typer.Option(help="Most points drawn per scatter; larger clouds are sampled down (the cap is shown).")
+    ] = 20_000,
+    seed: Seed = 0,
+    title: Annotated[str | None, typer.Option(help="Page title (default: names the model).")] = None,
+) -> None:
+    """Write an interactive, offline HTML report: overview, load imbalance, correlations, clusters,
+    classifiers, placements and all-to-all volume, for whatever results are given.
+
+    Example: moetrace dashboard traces/dsv3 results/dsv3-analysis results/dsv3-compare -o report.html
+    """
+    from moetrace.dashboards.report import DashboardConfig, write_dashboard
+
+    rep = write_dashboard(inputs, out=out, config=DashboardConfig(max_points=max_points, seed=seed, title=title))
+    typer.echo(f"wrote {rep.path} ({human_bytes(rep.size_bytes)}, {rep.num_figures} figures)")
+    typer.echo(f"sections: {', '.join(rep.sections)}")
+    for note in rep.omitted:
+        typer.echo(f"not shown: {note}")

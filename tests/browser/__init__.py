@@ -1,0 +1,1 @@
+"""Headless-Chromium helpers for the dashboard tests (``harness``)."""

@@ -1,0 +1,138 @@
+"""Open a dashboard in headless Chromium and read back what the page really drew.
+
+Used by ``tests/test_dashboard_browser.py``; also a script for a quick look::
+
+    .venv/bin/python tests/browser/harness.py report.html --screenshot report.png
+
+Chromium is Debian's ``chromium`` package (``/usr/bin/chromium``), driven through the
+``playwright`` Python package with ``executable_path`` (no ``playwright install``: nothing is
+downloaded). The page is loaded from ``file://``; every request the page makes other than the
+report itself is recorded, as are console errors and uncaught exceptions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LAUNCH_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+# every figure div, with the data plotly holds for it (typed arrays turned into plain lists)
+_READ_FIGURES_JS = """
+() => {
+  const plain = (k, v) => (ArrayBuffer.isView(v) ? Array.from(v) : v);
+  return Array.from(document.querySelectorAll('div.figure')).map(div => ({
+    key: div.dataset.key,
+    source: div.dataset.source,
+    plotted: div.classList.contains('js-plotly-plot'),
+    num_svg: div.querySelectorAll('.main-svg').length,
+    num_canvas: div.querySelectorAll('canvas').length,
+    num_drawn: div.querySelectorAll('.trace, .hm image, .heatmaplayer image, .gl-container canvas, .boxlayer path').length,
+    title: div.layout && div.layout.title ? div.layout.title.text : null,
+    annotations: div.layout && div.layout.annotations ? div.layout.annotations.map(a => a.text) : [],
+    sliders: div.layout && div.layout.sliders ? div.layout.sliders.map(s => s.steps.map(st => st.label)) : [],
+    data: JSON.parse(JSON.stringify(div._fullData ? div._fullData.map(t => ({
+        type: t.type, name: t.name, x: t.x, y: t.y, z: t.z, text: t.text, customdata: t.customdata,
+        visible: t.visible, mode: t.mode, orientation: t.orientation})) : [], plain)),
+  }));
+}
+"""
+
+
+def chromium_path() -> str | None:
+    """The Chromium binary to drive, or None when it is not installed."""
+    for name in (os.environ.get("MOETRACE_CHROMIUM", ""), "chromium", "chromium-browser"):
+        if name and (found := shutil.which(name)):
+            return found
+    return None
+
+
+@dataclass
+class PageLoad:
+    """What one load of a report produced."""
+
+    url: str  # the file:// URL loaded
+    rendered: str | None  # body data-rendered: number of figures drawn, or "error"
+    console_errors: list[str]  # console.error messages and uncaught exceptions
+    requests: list[str]  # URLs requested other than the report itself
+    figures: list[dict[str, Any]]  # per figure div: key, source, plotted, num_svg, num_canvas, data, ...
+    nav: list[str]  # nav link targets
+    sections: list[str]  # section ids
+    screenshot: Path | None  # full-page PNG, when asked for
+
+
+def load_report(
+    path: str | os.PathLike, *, screenshot: str | os.PathLike | None = None, timeout_s: float = 90, width: int = 1400
+) -> PageLoad:
+    """Load ``path`` in headless Chromium, wait until every figure is drawn, and read the page."""
+    from playwright.sync_api import sync_playwright
+
+    exe = chromium_path()
+    if exe is None:
+        raise RuntimeError("chromium is not installed (apt-get install -y chromium)")
+    url = Path(path).resolve().as_uri()
+    errors: list[str] = []
+    requests: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="moetrace-chromium-") as profile, sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(
+            profile,
+            executable_path=exe,
+            headless=True,
+            args=LAUNCH_ARGS,
+            viewport={"width": width, "height": 900},
+        )
+        try:
+            page = ctx.new_page()
+            page.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
+            page.on("request", lambda r: requests.append(r.url) if r.url != url else None)
+            page.goto(url, wait_until="load", timeout=timeout_s * 1000)
+            page.wait_for_function("() => document.body.dataset.rendered !== undefined", timeout=timeout_s * 1000)
+            rendered = page.evaluate("() => document.body.dataset.rendered")
+            figures = page.evaluate(_READ_FIGURES_JS)
+            nav = page.evaluate("() => Array.from(document.querySelectorAll('nav a')).map(a => a.getAttribute('href'))")
+            sections = page.evaluate("() => Array.from(document.querySelectorAll('section')).map(s => s.id)")
+            shot = None
+            if screenshot is not None:
+                shot = Path(screenshot)
+                page.screenshot(path=str(shot), full_page=True)
+        finally:
+            ctx.close()
+    return PageLoad(
+        url=url,
+        rendered=rendered,
+        console_errors=errors,
+        requests=requests,
+        figures=figures,
+        nav=nav,
+        sections=sections,
+        screenshot=shot,
+    )
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="Load a moetrace dashboard in headless Chromium and summarize it.")
+    ap.add_argument("report")
+    ap.add_argument("--screenshot", default=None)
+    args = ap.parse_args()
+    res = load_report(args.report, screenshot=args.screenshot)
+    print(json.dumps({"rendered": res.rendered, "errors": res.console_errors, "requests": res.requests,
+                      "sections": res.sections}, indent=1))
+    for f in res.figures:
+        print(f["key"], "plotted" if f["plotted"] else "NOT PLOTTED", f"svg={f['num_svg']} canvas={f['num_canvas']}",
+              f"drawn={f['num_drawn']}", f"traces={len(f['data'])}", f["annotations"])
