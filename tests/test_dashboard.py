@@ -1,0 +1,96 @@
+"""Dashboard tests without a browser: inputs, the HTML file, figure data against its sources, CLI."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from browser.figjson import figures_from_html
+from browser.fixtures import make_trace
+from moetrace.cli import app
+from moetrace.dashboards.inputs import detect
+from moetrace.dashboards.report import DashboardConfig, write_dashboard
+from moetrace.dashboards.theme import downsample, layer_slider
+from moetrace.errors import ConfigError, TraceFormatError
+from moetrace.tracer.store import open_trace
+
+pytest.importorskip("plotly")
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    return make_trace(tmp_path_factory.mktemp("dash") / "trace")
+
+
+def test_detect_names_what_it_expected(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"format": "something.else"}')
+    with pytest.raises(TraceFormatError, match=r"not a trace, analysis or placement.*something.else"):
+        detect(tmp_path)
+    with pytest.raises(TraceFormatError, match="no such directory"):
+        detect(tmp_path / "missing")
+
+
+def test_report_is_one_offline_file(trace, tmp_path):
+    rep = write_dashboard([trace], out=tmp_path / "r.html")
+    text = rep.path.read_text()
+    assert rep.size_bytes == rep.path.stat().st_size > 3_000_000  # plotly.js is inside
+    assert "overview" in rep.sections and rep.num_figures >= 1
+    # no external resources of any kind
+    assert not re.search(r"<script[^>]+src=", text)
+    assert not re.search(r"<link[^>]+href=", text)
+    assert "default-src 'none'" in text
+    assert not (tmp_path / ".r.html.tmp").exists()
+
+
+def test_overview_lengths_equal_requests_table(trace, tmp_path):
+    rep = write_dashboard([trace], out=tmp_path / "r.html")
+    figs = figures_from_html(rep.path.read_text())
+    fig = figs["overview-lengths"]
+    req = open_trace(trace).requests().collect()
+    assert fig["source"].endswith("requests")
+    by = {}
+    for t in fig["data"]:
+        by.setdefault(t["name"], []).append(np.asarray(t["y"]))
+    assert sorted(by) == sorted(req["dataset"].unique().to_list())
+    for ds, (prompt, output) in by.items():
+        sub = req.filter(pl.col("dataset") == ds)
+        np.testing.assert_array_equal(np.sort(prompt), np.sort(sub["prompt_tokens"].to_numpy()))
+        np.testing.assert_array_equal(np.sort(output), np.sort(sub["output_tokens"].to_numpy()))
+    assert "trace" in fig["layout"]["title"]["text"]  # names where the data comes from
+
+
+def test_downsample_caps_and_says_so():
+    idx, note = downsample(10, cap=20, seed=0)
+    assert idx.tolist() == list(range(10)) and note == ""
+    idx, note = downsample(100_000, cap=500, seed=3)
+    assert idx.shape == (500,) and len(np.unique(idx)) == 500 and np.all(np.diff(idx) > 0)
+    assert "500 of 100,000" in note
+    again, _ = downsample(100_000, cap=500, seed=3)
+    np.testing.assert_array_equal(idx, again)
+
+
+def test_layer_slider_shows_one_layer_at_a_time():
+    (slider,) = layer_slider(3, traces_per_layer=2, layer_labels=["3", "4", "5"], extra_visible=1)
+    vis = [s["args"][0]["visible"] for s in slider["steps"]]
+    assert vis[1] == [False, False, True, True, False, False, True]
+    assert [s["label"] for s in slider["steps"]] == ["3", "4", "5"]
+
+
+def test_bad_inputs_are_clean_errors(trace, tmp_path):
+    with pytest.raises(ConfigError, match="no inputs"):
+        write_dashboard([], out=tmp_path / "r.html")
+    with pytest.raises(ConfigError, match="max_points"):
+        write_dashboard([trace], out=tmp_path / "r.html", config=DashboardConfig(max_points=0))
+    res = CliRunner().invoke(app, ["dashboard", str(tmp_path / "nope"), "-o", str(tmp_path / "r.html")])
+    assert res.exit_code == 2 and "no such directory" in res.output and "Traceback" not in res.output
+
+
+def test_cli_writes_and_reports_size(trace, tmp_path):
+    out = tmp_path / "sub" / "report.html"
+    res = CliRunner().invoke(app, ["dashboard", str(trace), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.exists() and f"wrote {out}" in res.output and "MiB" in res.output

@@ -1,0 +1,88 @@
+"""Dashboards in a real headless Chromium: loads offline, draws every figure, data equals its sources.
+
+Needs Debian's ``chromium`` (apt) and the ``playwright`` pip package (driven with
+``executable_path``; no browser download). Without them the tests skip, unless ``CI=true``, where
+they fail: CI must install both.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from browser.fixtures import make_trace
+from browser.harness import chromium_path
+from moetrace.dashboards.report import write_dashboard
+
+_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _need_browser() -> None:
+    missing = []
+    if chromium_path() is None:
+        missing.append("chromium (apt-get install -y chromium)")
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        missing.append("playwright (pip install playwright)")
+    if missing:
+        msg = "headless browser tests need " + " and ".join(missing)
+        if _CI:
+            pytest.fail(msg + "; CI=true, so this is an error")
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """One report over every kind of input we can produce, loaded once in Chromium."""
+    _need_browser()
+    pytest.importorskip("plotly")
+    from browser.harness import load_report
+
+    d = tmp_path_factory.mktemp("dash-browser")
+    trace = make_trace(d / "trace")
+    rep = write_dashboard([trace], out=d / "report.html")
+    page = load_report(rep.path, screenshot=d / "report.png")
+    return rep, page
+
+
+def test_loads_offline_without_errors(loaded):
+    rep, page = loaded
+    assert page.console_errors == []
+    assert page.requests == []  # nothing but the file itself
+    assert page.rendered == str(rep.num_figures)
+
+
+def test_every_section_and_figure_renders(loaded):
+    rep, page = loaded
+    assert page.sections == list(rep.sections)
+    assert page.nav == [f"#{s}" for s in rep.sections]
+    assert len(page.figures) == rep.num_figures
+    for f in page.figures:
+        assert f["plotted"], f["key"]
+        assert f["num_svg"] >= 1 and f["num_drawn"] >= 1, f["key"]
+        assert f["title"], f["key"]
+
+
+def test_screenshot_png(loaded):
+    _, page = loaded
+    data = page.screenshot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_drawn_overview_data_equals_requests(loaded):
+    from moetrace.tracer.store import open_trace
+
+    rep, page = loaded
+    (fig,) = [f for f in page.figures if f["key"] == "overview-lengths"]
+    trace = open_trace(fig["source"].rsplit("/requests", 1)[0])
+    req = trace.requests().collect().sort("request_id")
+    drawn = {}
+    for t in fig["data"]:
+        drawn.setdefault(t["name"], []).append(np.asarray(t["y"]))
+    for ds in req["dataset"].unique().to_list():
+        sub = req.filter(req["dataset"] == ds)
+        np.testing.assert_array_equal(np.sort(drawn[ds][0]), np.sort(sub["prompt_tokens"].to_numpy()))
+        np.testing.assert_array_equal(np.sort(drawn[ds][1]), np.sort(sub["output_tokens"].to_numpy()))
