@@ -16,6 +16,7 @@ _EXTRA = {
     "ray": "ray",
     "sklearn": "analysis",
     "umap": "analysis",
+    "numba": "analysis",
     "plotly": "viz",
 }
 

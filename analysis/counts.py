@@ -1,0 +1,356 @@
+"""Token counts per (request, stage, layer, expert): the aggregation every analysis builds on.
+
+``count_trace(trace)`` streams the routing part files once (row group by row group, so memory is
+bounded by one batch plus the result) and returns :class:`RequestCounts`, dense arrays for the
+algorithms. ``write_counts_table`` writes the same numbers as a tidy Parquet table (non-zero rows
+only) for polars/DuckDB.
+
+Definition: ``counts_RSLE[r, s, l, e]`` = number of tokens of request r in stage s whose routed
+top-k set at MoE layer l contains expert e. Stage is decided by position: positions below the
+request's ``prompt_tokens`` are prefill (s = 0), the rest decode (s = 1), which is exactly the
+``stage`` column of a valid trace (SPEC §2), so the string column is never read. Ids == -1
+(nothing recorded: the final generated token, prefix-cache hits) are skipped.
+
+Shape legend:
+    T tokens, R requests, S stages (0 prefill, 1 decode), L MoE layers, K top-k, E experts,
+    X = L*K ids per token (row-major [layer][slot]).
+
+Counts dtype: the smallest unsigned integer that holds the largest per-request stage length among
+the selected stages (uint8 up to 255 tokens, uint16 up to 65535, else uint32). A valid router picks
+distinct experts per token and layer, so no count can exceed that length; the kernel still checks
+for wrap-around and raises ``TraceFormatError`` if a malformed trace repeats an id within a token.
+
+Memory: R * S * L * E * itemsize bytes, e.g. DeepSeek-V3 (L=58, E=256) with 100k requests and
+both stages in uint16 is 5.9 GB; select one stage or a few layers to shrink it.
+
+Out of scope: metrics over the counts (``imbalance``, ``correlation``, ...), token-level statistics
+that need the full top-k set of one token (``affinity``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Literal, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moetrace._deps import require
+from moetrace.errors import ConfigError, TraceFormatError
+from moetrace.tracer.schema import STAGE_DECODE, STAGE_PREFILL
+from moetrace.tracer.store import Trace, open_trace
+
+STAGES = (STAGE_PREFILL, STAGE_DECODE)
+Stage = Literal["prefill", "decode"]
+
+__all__ = ["RequestCounts", "count_trace", "count_arrays", "write_counts_table", "read_requests", "STAGES"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestCounts:
+    """Per-request token counts, dense.
+
+    Rows are the trace's requests sorted by ``request_id``. Axis S holds ``stages`` in the order
+    given (default ``("prefill", "decode")``), axis L the selected MoE layers ``layers``.
+    """
+
+    request_id_R: np.ndarray  # int64, ascending, unique
+    dataset_R: np.ndarray  # str (numpy unicode), the request's dataset label
+    prompt_tokens_R: np.ndarray  # int32, prompt length (prefill positions)
+    output_tokens_R: np.ndarray  # int32, generated length (decode positions, incl. the final unrouted token)
+    counts_RSLE: np.ndarray  # uint8/16/32 [R, S, L, E], tokens of request r in stage s routed to expert e at layer l
+    stages: tuple[str, ...]  # names of axis S ("prefill", "decode")
+    layers: tuple[int, ...]  # MoE-layer ordinals (0..num_moe_layers-1) of axis L
+    model_layers: tuple[int, ...]  # the model's layer index of each entry of ``layers``
+    num_experts: int  # E
+    top_k: int  # K
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.request_id_R.shape[0])
+
+    def stage(self, name: Stage) -> np.ndarray:
+        """``counts_RLE`` of one stage (a view, no copy)."""
+        if name not in self.stages:
+            raise ConfigError(f"stage {name!r} was not counted (have {list(self.stages)}); count it with stages=[..., {name!r}]")
+        return self.counts_RSLE[:, self.stages.index(name)]
+
+    def datasets(self) -> list[str]:
+        """Dataset labels present, sorted."""
+        return sorted(set(self.dataset_R.tolist()))
+
+
+# ---------------------------------------------------------------------------------- the kernel
+_KERNELS: dict[str, Callable] = {}
+
+
+def _kernel() -> Callable:
+    """The numba counting kernel, compiled on first use (cached on disk by numba)."""
+    if "count" in _KERNELS:
+        return _KERNELS["count"]
+    numba = require("numba", purpose="the fast expert-count kernel of `moetrace analyze`")
+
+    @numba.njit(parallel=True, cache=True, nogil=True)
+    def count_kernel(counts_RSLE, row_T, stage_T, ids_TX, layers_L, top_k, num_chunks):
+        # counts_RSLE: unsigned [R, S, L_sel, E]; row_T: int64 row of each token (-1: skip token);
+        # stage_T: int8 index into axis S (-1: stage not selected); ids_TX: int16 [T, L_all*K];
+        # layers_L: int64 MoE-layer ordinal of each selected layer. Each thread owns a contiguous
+        # chunk of the selected layers (no two threads write one cell) and streams the tokens in
+        # order, reading its part of each row. Returns the number of bad ids (>= E) and overflows.
+        T = ids_TX.shape[0]
+        E = counts_RSLE.shape[3]
+        n_sel = layers_L.shape[0]
+        bad_C = np.zeros(num_chunks, dtype=np.int64)
+        for c in numba.prange(num_chunks):
+            lo = c * n_sel // num_chunks
+            hi = (c + 1) * n_sel // num_chunks
+            bad = 0
+            for t in range(T):
+                r = row_T[t]
+                s = stage_T[t]
+                if r < 0 or s < 0:
+                    continue
+                for j in range(lo, hi):
+                    base = layers_L[j] * top_k
+                    for k in range(top_k):
+                        e = ids_TX[t, base + k]
+                        if e >= 0:
+                            if e < E:
+                                counts_RSLE[r, s, j, e] += 1
+                                if counts_RSLE[r, s, j, e] == 0:
+                                    bad += 1
+                            else:
+                                bad += 1
+            bad_C[c] = bad
+        return bad_C.sum()
+
+    _KERNELS["count"] = count_kernel
+    return count_kernel
+
+
+def count_arrays(
+    counts_RSLE: np.ndarray,
+    *,
+    row_T: np.ndarray,
+    stage_T: np.ndarray,
+    ids_TX: np.ndarray,
+    layers_L: np.ndarray,
+    top_k: int,
+) -> None:
+    """Add one batch of tokens to ``counts_RSLE`` in place (the pure array form of the aggregation).
+
+    counts_RSLE: uint8/16/32 ``[R, S, L_sel, E]``; row_T: int64 ``[T]`` row of each token in R (-1
+    skips the token); stage_T: int8 ``[T]`` index into axis S (-1 skips); ids_TX: int16 ``[T, L*K]``
+    row-major ``[layer][slot]`` (-1 ids skipped); layers_L: int64 ``[L_sel]`` MoE-layer ordinals to
+    count, in the order of axis L. Raises ``TraceFormatError`` on an id >= E or a count overflow
+    (an expert repeated within one token's top-k).
+    """
+    bad = _kernel()(
+        counts_RSLE,
+        np.ascontiguousarray(row_T, dtype=np.int64),
+        np.ascontiguousarray(stage_T, dtype=np.int8),
+        np.ascontiguousarray(ids_TX, dtype=np.int16),
+        np.ascontiguousarray(layers_L, dtype=np.int64),
+        int(top_k),
+        max(1, min(len(layers_L), _num_threads())),
+    )
+    if bad:
+        raise TraceFormatError(
+            f"{bad} expert ids are >= num_experts={counts_RSLE.shape[3]} or repeat within one token's top-k "
+            "(a count overflowed); the trace is malformed: run `moetrace validate` on it"
+        )
+
+
+def _num_threads() -> int:
+    return int(require("numba", purpose="the fast expert-count kernel").get_num_threads())
+
+
+# ---------------------------------------------------------------------------------- streaming
+def read_requests(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The requests table as arrays sorted by request id: ``request_id_R, dataset_R, prompt_tokens_R, output_tokens_R``."""
+    files = trace.requests_files()
+    if not files:
+        raise TraceFormatError(f"{trace.path}: the trace holds no committed requests")
+    table = pa.concat_tables(
+        [pq.read_table(f, columns=["request_id", "dataset", "prompt_tokens", "output_tokens"]) for f in files]
+    )
+    rid = table.column("request_id").to_numpy()
+    order = np.argsort(rid, kind="stable")
+    rid = rid[order]
+    if rid.size > 1 and np.any(rid[1:] == rid[:-1]):
+        raise TraceFormatError(f"{trace.path}: duplicate request ids in requests/*.parquet; run `moetrace validate`")
+    dataset = np.asarray(table.column("dataset").to_pylist(), dtype=str)[order]
+    ptok = table.column("prompt_tokens").to_numpy().astype(np.int32)[order]
+    otok = table.column("output_tokens").to_numpy().astype(np.int32)[order]
+    return rid, dataset, ptok, otok
+
+
+def _counts_dtype(max_count: int) -> np.dtype:
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if max_count <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.uint64)
+
+
+def _iter_batches(trace: Trace, batch_tokens: int) -> Iterator[pa.RecordBatch]:
+    for f in trace.routing_files():
+        pf = pq.ParquetFile(f, memory_map=True)
+        yield from pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "experts"], use_threads=True)
+
+
+def _ids_view(rb: pa.RecordBatch, X: int) -> np.ndarray:
+    col = rb.column("experts")
+    flat = col.values.to_numpy(zero_copy_only=False)
+    start = col.offset * X
+    return flat[start : start + rb.num_rows * X].reshape(rb.num_rows, X)
+
+
+def count_trace(
+    trace: Trace | str | os.PathLike,
+    *,
+    stages: Sequence[Stage] = STAGES,
+    layers: Sequence[int] | None = None,
+    allow_incomplete: bool = False,
+    batch_tokens: int = 1 << 16,
+    progress: Callable[[int, int], None] | None = None,
+) -> RequestCounts:
+    """Count tokens per (request, stage, layer, expert) over a whole trace, streaming.
+
+    Parameters
+    ----------
+    trace
+        An opened :class:`~moetrace.tracer.store.Trace` or a trace directory.
+    stages
+        Stages to count, in the order of axis S (``("prefill", "decode")`` by default; pass
+        ``["decode"]`` to halve the memory).
+    layers
+        MoE-layer ordinals (0 .. num_moe_layers-1, i.e. positions in ``model.moe_layers``, not the
+        model's layer numbers) in the order of axis L; default all.
+    allow_incomplete
+        Count the committed part of an unfinished trace.
+    batch_tokens
+        Routing rows decoded per batch (bounds the streaming memory: ~ batch_tokens * L * K * 2 bytes).
+    progress
+        Called as ``progress(tokens_done, tokens_total)`` after each batch.
+
+    Returns
+    -------
+    RequestCounts with ``counts_RSLE`` ``[R, len(stages), len(layers), E]`` in the smallest safe
+    unsigned dtype (see the module docstring). Routing rows of requests missing from the requests
+    table are an error (``TraceFormatError``); ids == -1 are ignored.
+    """
+    if not isinstance(trace, Trace):
+        trace = open_trace(trace, require_complete=not allow_incomplete)
+    model = trace.model
+    L, K, E = model.num_moe_layers, model.top_k, model.num_experts
+    stages = tuple(stages)
+    if not stages or any(s not in STAGES for s in stages) or len(set(stages)) != len(stages):
+        raise ConfigError(f"stages must be distinct names out of {list(STAGES)}, got {list(stages)}")
+    layer_sel = tuple(range(L)) if layers is None else tuple(int(x) for x in layers)
+    if not layer_sel or any(not 0 <= x < L for x in layer_sel) or len(set(layer_sel)) != len(layer_sel):
+        raise ConfigError(
+            f"layers must be distinct MoE-layer ordinals in 0..{L - 1} (positions in moe_layers), got {list(layer_sel)}"
+        )
+
+    rid_R, dataset_R, ptok_R, otok_R = read_requests(trace)
+    R = rid_R.shape[0]
+    max_len = 0
+    if STAGE_PREFILL in stages and R:
+        max_len = max(max_len, int(ptok_R.max()))
+    if STAGE_DECODE in stages and R:
+        max_len = max(max_len, int(otok_R.max()))
+    counts = np.zeros((R, len(stages), len(layer_sel), E), dtype=_counts_dtype(max_len))
+    # stage index of (is_decode): -1 when the stage is not selected
+    stage_of = np.array([stages.index(s) if s in stages else -1 for s in STAGES], dtype=np.int8)
+    layers_arr = np.asarray(layer_sel, dtype=np.int64)
+
+    total = sum(pq.read_metadata(f).num_rows for f in trace.routing_files())
+    done = 0
+    for rb in _iter_batches(trace, batch_tokens):
+        rid_T = rb.column("request_id").to_numpy()
+        row_T = np.searchsorted(rid_R, rid_T)
+        row_T[row_T >= R] = 0
+        missing = rid_R[row_T] != rid_T if R else np.ones(rid_T.shape, bool)
+        if missing.any():
+            raise TraceFormatError(
+                f"{trace.path}: routing rows of request ids {np.unique(rid_T[missing])[:5].tolist()} have no row in "
+                "requests/*.parquet; run `moetrace validate`"
+            )
+        is_decode_T = rb.column("position").to_numpy() >= ptok_R[row_T]
+        count_arrays(
+            counts,
+            row_T=row_T,
+            stage_T=stage_of[is_decode_T.view(np.int8)],
+            ids_TX=_ids_view(rb, L * K),
+            layers_L=layers_arr,
+            top_k=K,
+        )
+        done += rb.num_rows
+        if progress is not None:
+            progress(done, total)
+
+    return RequestCounts(
+        request_id_R=rid_R,
+        dataset_R=dataset_R,
+        prompt_tokens_R=ptok_R,
+        output_tokens_R=otok_R,
+        counts_RSLE=counts,
+        stages=stages,
+        layers=layer_sel,
+        model_layers=tuple(model.moe_layers[i] for i in layer_sel),
+        num_experts=E,
+        top_k=K,
+    )
+
+
+# ---------------------------------------------------------------------------------- tidy table
+COUNTS_TABLE_SCHEMA = pa.schema(
+    [
+        pa.field("request_id", pa.int64(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("stage", pa.string(), nullable=False),
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("model_layer", pa.int16(), nullable=False),
+        pa.field("expert", pa.int16(), nullable=False),
+        pa.field("count", pa.int32(), nullable=False),
+    ]
+)
+
+
+def write_counts_table(counts: RequestCounts, path: str | os.PathLike, *, chunk_requests: int = 4096) -> int:
+    """Write the non-zero cells of ``counts`` as a tidy Parquet table; returns the number of rows.
+
+    Columns: ``request_id`` int64, ``dataset`` string, ``stage`` string (prefill/decode), ``layer``
+    int16 (MoE-layer ordinal), ``model_layer`` int16 (the model's layer index), ``expert`` int16,
+    ``count`` int32 (tokens). Rows ordered by request, stage, layer, expert. Written in request
+    chunks (bounded memory), to a temporary name and renamed.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    stage_names = pa.array(list(counts.stages))
+    model_layer = np.asarray(counts.model_layers, dtype=np.int16)
+    layer = np.asarray(counts.layers, dtype=np.int16)
+    n = 0
+    with pq.ParquetWriter(tmp, COUNTS_TABLE_SCHEMA, compression="zstd") as w:
+        for lo in range(0, counts.num_requests, chunk_requests):
+            block = counts.counts_RSLE[lo : lo + chunk_requests]
+            r, s, l, e = np.nonzero(block)
+            if r.size == 0:
+                continue
+            r = r + lo
+            cols = [
+                pa.array(counts.request_id_R[r]),
+                pa.array(counts.dataset_R[r].tolist(), type=pa.string()),
+                stage_names.take(pa.array(s)),
+                pa.array(layer[l]),
+                pa.array(model_layer[l]),
+                pa.array(e.astype(np.int16)),
+                pa.array(block[r - lo, s, l, e].astype(np.int32)),
+            ]
+            w.write_batch(pa.RecordBatch.from_arrays(cols, schema=COUNTS_TABLE_SCHEMA))
+            n += r.size
+    os.replace(tmp, path)
+    return n
