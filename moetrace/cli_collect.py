@@ -115,7 +115,7 @@ def _run_with_progress(config, *, out, backend, on_existing, engine):
     from moetrace.tracer.collect import collect
 
     tokens = {"n": 0}
-    with Progress(
+    progress = Progress(
         TextColumn("[bold]collect"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -123,17 +123,20 @@ def _run_with_progress(config, *, out, backend, on_existing, engine):
         TextColumn("{task.fields[rate]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
-        transient=False,
-    ) as progress:
-        task = progress.add_task("collect", total=None, rate="")
+    )
+    task = progress.add_task("collect", total=None, rate="")
 
-        def on_start(pending: int, total: int) -> None:
-            progress.update(task, total=total, completed=total - pending)
+    def on_start(pending: int, total: int) -> None:  # shown once the model and prompts are loaded
+        progress.update(task, total=total, completed=total - pending)
+        progress.start()
 
-        def on_progress(requests: int, toks: int) -> None:
-            tokens["n"] += toks
-            elapsed = progress.tasks[task].elapsed or 1e-9
-            progress.update(task, advance=requests, rate=f"{tokens['n'] / elapsed:,.0f} tok/s")
+    def on_progress(requests: int, toks: int) -> None:
+        tokens["n"] += toks
+        elapsed = progress.tasks[task].elapsed or 1e-9
+        progress.update(task, advance=requests, rate=f"{tokens['n'] / elapsed:,.0f} tok/s")
 
+    try:
         return collect(config, out=out, backend=backend, on_existing=on_existing, engine=engine,
                        on_start=on_start, on_progress=on_progress)
+    finally:
+        progress.stop()

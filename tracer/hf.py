@@ -118,25 +118,27 @@ def load_model(
     if is_preset(name) and name.endswith(TINY_SUFFIX):
         model, info = build_tiny_model(name, seed=seed, device=device, dtype="float32" if dtype == "auto" else dtype)
         return model, tiny_tokenizer(), info
-    source = get_preset(name)[0].hub_id if is_preset(name) else name
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(source)
-    except OSError as exc:
-        raise ModelError(
-            f"cannot load the config of {source!r} ({str(exc).splitlines()[0]}). Pass a local checkpoint "
-            "directory, a reachable hub id, or a -tiny preset (see `moetrace models`)."
-        ) from exc
+    if is_preset(name):
+        preset = get_preset(name)[0]
+        source = preset.hub_id
+        cfg = transformers.AutoConfig.for_model(preset.model_type, **preset.hf_config_dict(tiny=False))
+    else:
+        source = name
+        try:
+            cfg = transformers.AutoConfig.from_pretrained(source)
+        except OSError as exc:
+            raise ModelError(
+                f"cannot load the config of {source!r} ({str(exc).splitlines()[0]}). Pass a local checkpoint "
+                "directory, a reachable hub id, or a -tiny preset (see `moetrace models`)."
+            ) from exc
     info = model_info_from_hf_config(cfg, name=name, source=source)
     if str(device).startswith("cpu"):
-        with torch.device("meta"):
-            meta = transformers.AutoModelForCausalLM.from_config(cfg)
-        n = sum(p.numel() for p in meta.parameters())
+        n = count_parameters(cfg)
         if n > MAX_CPU_PARAMS:
-            base = name if is_preset(name) else "deepseek-v3"
+            tiny = f"{name}{TINY_SUFFIX}" if is_preset(name) else "a -tiny preset (see `moetrace models`)"
             raise ModelError(
-                f"{name} has {n / 1e9:.0f}B parameters: too large to run on a CPU. Use the same routing "
-                f"topology at CPU size with --model {base.removesuffix(TINY_SUFFIX)}{TINY_SUFFIX}, or collect on "
-                "GPUs with --backend vllm."
+                f"{name} has {n / 1e9:.0f}B parameters: too large to run on a CPU. Use the same routing topology "
+                f"at CPU size with --model {tiny}, or collect on GPUs (--backend vllm, or --device cuda)."
             )
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device)
     tok = transformers.AutoTokenizer.from_pretrained(source)
@@ -147,6 +149,15 @@ def load_model(
 
 
 # -------------------------------------------------------------------------------------- routers
+def count_parameters(cfg) -> int:
+    """Parameters of the model a config describes (built on the meta device: no memory, no download)."""
+    torch = require("torch", purpose="the HF transformers backend")
+    transformers = require("transformers", purpose="the HF transformers backend")
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in meta.parameters())
+
+
 def _decoder_layers(model) -> Sequence[Any]:
     inner = getattr(model, "model", model)
     inner = getattr(inner, "language_model", inner)

@@ -1,0 +1,101 @@
+"""`moetrace collect` end to end on -tiny models: output, privacy, refusal, kill and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from moetrace.cli import app  # noqa: E402
+from moetrace.tracer.store import open_trace  # noqa: E402
+from moetrace.tracer.validate import find_problems  # noqa: E402
+
+runner = CliRunner()
+FAST = ["--model", "olmoe-1b-7b-tiny", "--max-new-tokens", "6"]
+
+
+def _rows(path):
+    arr = open_trace(path).token_arrays()
+    order = np.lexsort((arr.position_T, arr.request_id_T))
+    return arr.request_id_T[order], arr.position_T[order], arr.topk_ids_TLK[order]
+
+
+def test_collect_writes_a_valid_trace_without_text(tmp_path):
+    out = tmp_path / "t"
+    res = runner.invoke(app, ["collect", *FAST, "--dataset", "math-word,code", "--per-dataset", "3", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "6 new requests" in res.output
+    assert find_problems(out) == []
+    t = open_trace(out)
+    req = t.requests().collect()
+    assert sorted(req["dataset"].to_list()) == ["code"] * 3 + ["math-word"] * 3
+    assert "prompt_text" not in req.columns and "output_text" not in req.columns
+    assert (req["output_tokens"] == 6).all()
+    m = t.manifest
+    assert m["backend"]["name"] == "hf" and m["backend"]["transformers"]
+    assert m["collection"]["datasets"] == ["math-word", "code"]
+    assert m["model"]["architecture"] == "OlmoeForCausalLM" and m["model"]["num_experts"] == 64
+    for f in t.requests_files():
+        assert "prompt_text" not in pq.read_schema(f).names
+
+
+def test_store_text_is_opt_in(tmp_path):
+    out = tmp_path / "t"
+    res = runner.invoke(app, ["collect", *FAST, "--dataset", "chat", "--num-requests", "2", "--store-text", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    req = open_trace(out).requests().collect()
+    assert all(isinstance(x, str) and x for x in req["prompt_text"].to_list())
+    assert find_problems(out) == []
+
+
+def test_refuses_existing_output_and_full_size_model_on_cpu(tmp_path):
+    out = tmp_path / "t"
+    assert runner.invoke(app, ["collect", *FAST, "--dataset", "chat", "--num-requests", "1", "-o", str(out)]).exit_code == 0
+    res = runner.invoke(app, ["collect", *FAST, "--dataset", "chat", "--num-requests", "1", "-o", str(out)])
+    assert res.exit_code == 2 and "--resume" in res.output
+    res = runner.invoke(app, ["collect", "--model", "mixtral-8x7b-tiny", "--dataset", "chat", "--num-requests", "1", "--resume", "-o", str(out)])
+    assert res.exit_code == 2 and "different model" in res.output
+    res = runner.invoke(app, ["collect", "--model", "deepseek-v3", "-o", str(tmp_path / "big")])
+    assert res.exit_code == 2 and "deepseek-v3-tiny" in res.output and "671B" in res.output
+    assert not (tmp_path / "big").exists()
+
+
+def test_sigkill_then_resume_loses_nothing_and_duplicates_nothing(tmp_path):
+    """Kill -9 mid-collection, resume, and compare with an uninterrupted run of the same command."""
+    args = [*FAST, "--dataset", "bundled", "--per-dataset", "4", "--batch-size", "2", "--max-new-tokens", "12"]
+    ref = tmp_path / "ref"
+    assert runner.invoke(app, ["collect", *args, "-o", str(ref)]).exit_code == 0
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "moetrace", "collect", *args, "-o", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list((out / "requests").glob("*.parquet"))) < 3:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    committed = len(list((out / "requests").glob("*.parquet")))
+    assert 3 <= committed < 10, "the kill should land mid-run"
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False
+    assert any("complete" in p for p in find_problems(out))
+    before = open_trace(out, require_complete=False).requests().collect().height
+
+    res = runner.invoke(app, ["collect", *args, "-o", str(out), "--resume"])
+    assert res.exit_code == 0, res.output
+    assert f"{20 - before} new requests" in res.output
+    assert find_problems(out) == []
+    rid, pos, ids = _rows(out)
+    rid0, pos0, ids0 = _rows(ref)
+    assert np.array_equal(rid, rid0) and np.array_equal(pos, pos0)
+    assert np.array_equal(np.sort(ids, -1), np.sort(ids0, -1))
