@@ -1,0 +1,114 @@
+"""Workload-aware micro-batch grouping (core paper §4.1) and the serving-time request router.
+
+Requests are clustered on their decode activation vectors (tokens per (MoE layer, expert), all
+layers concatenated, L2-normalized) with K-means; the C clusters are mapped to the G expert groups
+(one group = one node) in one of three ways: C = G one to one; G > C every cluster one group, then
+the remaining groups to the largest clusters round robin; C > G the C centroids are clustered again
+into G meta-clusters. At serving time only the prompt has been seen, so the router predicts the
+cluster from the request's prefill vector: nearest prefill centroid (cosine), where the prefill
+centroid of a cluster is the mean normalized prefill vector of its training requests.
+
+Shape legend: R requests, F features (L*E), C clusters, G groups.
+
+Out of scope: which expert goes to which group (``data_placement``, ``improved``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moetrace._deps import require
+from moetrace.errors import ConfigError
+
+__all__ = ["Grouping", "l2_normalize", "map_clusters_to_groups", "fit_grouping", "predict_clusters", "groups_of_clusters"]
+
+
+def l2_normalize(x_RF: np.ndarray) -> np.ndarray:
+    """Each row divided by its L2 norm (all-zero rows stay zero), float64 [R, F]."""
+    x = np.asarray(x_RF, dtype=np.float64)
+    norm = np.linalg.norm(x, axis=1, keepdims=True)
+    return np.divide(x, norm, out=np.zeros_like(x), where=norm > 0)
+
+
+def _kmeans(x_RF: np.ndarray, num_clusters: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    sklearn_cluster = require("sklearn.cluster", purpose="K-means micro-batch grouping")
+    km = sklearn_cluster.KMeans(n_clusters=num_clusters, n_init=4, random_state=seed).fit(x_RF)
+    return km.labels_.astype(np.int64), km.cluster_centers_
+
+
+def map_clusters_to_groups(
+    cluster_size_C: np.ndarray, *, num_groups: int, centroids_CF: np.ndarray | None = None, seed: int = 0
+) -> list[list[int]]:
+    """Groups of each cluster (core paper §4.1.2); every group serves exactly one cluster.
+
+    C == G: cluster c -> group c. G > C: one group each, then the remaining groups to clusters in
+    descending size, round robin. C > G: K-means on the centroids into G meta-clusters; meta-cluster
+    g -> group g (needs ``centroids_CF``).
+    """
+    sizes = np.asarray(cluster_size_C)
+    C = len(sizes)
+    if C == num_groups:
+        return [[c] for c in range(C)]
+    if num_groups > C:
+        out = [[c] for c in range(C)]
+        by_size = np.argsort(-sizes, kind="stable")
+        for j, g in enumerate(range(C, num_groups)):
+            out[int(by_size[j % C])].append(g)
+        return out
+    if centroids_CF is None:
+        raise ConfigError("more clusters than groups needs the cluster centroids to merge them")
+    meta, _ = _kmeans(l2_normalize(centroids_CF), num_groups, seed)
+    if len(np.unique(meta)) < num_groups:
+        raise ConfigError(f"the {C} cluster centroids do not form {num_groups} distinct meta-clusters; use fewer clusters")
+    return [[int(m)] for m in meta]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grouping:
+    """A fitted grouping: clusters, their groups and what the router needs."""
+
+    num_groups: int  # G expert groups (nodes)
+    cluster_to_groups: list[list[int]]  # groups serving each cluster
+    decode_centroids_CF: np.ndarray  # K-means centroids in normalized decode space
+    prefill_centroids_CF: np.ndarray  # mean normalized prefill vector per cluster (router)
+    labels_R: np.ndarray  # cluster of each training request (from its decode vector)
+
+    @property
+    def num_clusters(self) -> int:
+        return len(self.cluster_to_groups)
+
+
+def fit_grouping(
+    decode_RF: np.ndarray, prefill_RF: np.ndarray, *, num_clusters: int, num_groups: int, seed: int
+) -> Grouping:
+    """Cluster training requests on decode vectors and map clusters to groups."""
+    R = decode_RF.shape[0]
+    if num_clusters < 1 or num_clusters > R:
+        raise ConfigError(f"--clusters must be in 1..{R} (the training requests), got {num_clusters}")
+    x = l2_normalize(decode_RF)
+    labels, centroids = _kmeans(x, num_clusters, seed)
+    sizes = np.bincount(labels, minlength=num_clusters)
+    c2g = map_clusters_to_groups(sizes, num_groups=num_groups, centroids_CF=centroids, seed=seed)
+    p = l2_normalize(prefill_RF)
+    pre = np.zeros((num_clusters, p.shape[1]))
+    np.add.at(pre, labels, p)
+    pre /= np.maximum(sizes, 1)[:, None]
+    return Grouping(
+        num_groups=num_groups, cluster_to_groups=c2g, decode_centroids_CF=centroids, prefill_centroids_CF=pre, labels_R=labels
+    )
+
+
+def predict_clusters(x_RF: np.ndarray, centroids_CF: np.ndarray) -> np.ndarray:
+    """Nearest centroid by cosine similarity, int64 [R]."""
+    return np.argmax(l2_normalize(x_RF) @ l2_normalize(centroids_CF).T, axis=1).astype(np.int64)
+
+
+def groups_of_clusters(cluster_R: np.ndarray, cluster_to_groups: list[list[int]]) -> np.ndarray:
+    """Group of each request: a cluster's requests take its groups in turn (round robin), int64 [R]."""
+    out = np.empty(len(cluster_R), dtype=np.int64)
+    for c, groups in enumerate(cluster_to_groups):
+        idx = np.flatnonzero(cluster_R == c)
+        out[idx] = np.asarray(groups)[np.arange(len(idx)) % len(groups)]
+    return out
