@@ -354,3 +354,19 @@ def write_counts_table(counts: RequestCounts, path: str | os.PathLike, *, chunk_
             n += r.size
     os.replace(tmp, path)
     return n
+
+
+# ---------------------------------------------------------------------------------- group sums
+def sum_by_label(counts_R_: np.ndarray, label_R: np.ndarray, *, chunk_requests: int = 2048) -> tuple[list[str], np.ndarray]:
+    """Sum per-request counts over the requests of each label.
+
+    counts_R_: ``[R, ...]`` any integer dtype; label_R: ``[R]`` labels (e.g. datasets). Returns the
+    sorted labels and int64 sums ``[D, ...]``, summed in request chunks (no full-size temporary).
+    """
+    labels, inv = np.unique(np.asarray(label_R), return_inverse=True)
+    out = np.zeros((len(labels), *counts_R_.shape[1:]), dtype=np.int64)
+    for d in range(len(labels)):
+        idx = np.flatnonzero(inv == d)
+        for lo in range(0, idx.size, chunk_requests):
+            out[d] += counts_R_[idx[lo : lo + chunk_requests]].sum(axis=0, dtype=np.int64)
+    return [str(x) for x in labels], out

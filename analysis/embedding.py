@@ -1,0 +1,118 @@
+"""2-D embeddings of per-request activation vectors and how well they cluster by dataset (core paper §3.4).
+
+Features of request r for one stage: its counts per expert at one layer (``[E]``), or at every
+selected layer concatenated (``[L*E]``), divided by their L2 norm (the whole concatenated vector
+is normalized once). Requests with an all-zero vector (e.g. no decode token) are left out.
+
+Subsample cap: t-SNE and UMAP are quadratic-ish; at most ``max_requests`` requests are embedded,
+drawn per dataset in proportion to its size (at least one each, seeded). Before t-SNE the features
+are reduced to at most 50 principal components (standard practice; UMAP takes them as they are).
+
+Cluster quality against the dataset labels, on the normalized features of the embedded requests:
+silhouette (Euclidean on the unit vectors, i.e. a monotone function of cosine distance; -1..1,
+higher = datasets separate) and the adjusted Rand index between the labels and K-means clusters
+with C = number of datasets (0 = chance, 1 = identical). Silhouette of each 2-D embedding is
+reported too.
+
+Shape legend: R requests, L layers, E experts, F features, N embedded requests.
+
+Out of scope: choosing clusters for placement (``placement``), drawing (``dashboards``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from moetrace._deps import require
+from moetrace.errors import ConfigError
+
+Method = Literal["tsne", "umap"]
+
+
+def request_features(counts_RLE: np.ndarray, *, layer: int | None = None) -> np.ndarray:
+    """L2-normalized activation vectors: float32 ``[R, E]`` (one layer) or ``[R, L*E]`` (``layer=None``).
+
+    All-zero rows stay zero (callers drop them)."""
+    x = counts_RLE[:, layer] if layer is not None else counts_RLE.reshape(counts_RLE.shape[0], -1)
+    x = x.astype(np.float32)
+    norm = np.linalg.norm(x, axis=1, keepdims=True)
+    np.divide(x, norm, out=x, where=norm > 0)
+    return x
+
+
+def stratified_subsample(label_R: np.ndarray, *, max_requests: int, seed: int) -> np.ndarray:
+    """Sorted row indices: all rows if there are at most ``max_requests``, else per label in
+    proportion to its size (at least one each)."""
+    R = label_R.shape[0]
+    if R <= max_requests:
+        return np.arange(R)
+    rng = np.random.default_rng(seed)
+    labels, inv = np.unique(label_R, return_inverse=True)
+    sizes = np.bincount(inv)
+    take = np.maximum(1, np.floor(sizes * max_requests / R).astype(int))
+    picks = [rng.choice(np.flatnonzero(inv == d), size=min(take[d], sizes[d]), replace=False) for d in range(len(labels))]
+    return np.sort(np.concatenate(picks))
+
+
+def project(features_NF: np.ndarray, *, method: Method, seed: int) -> np.ndarray:
+    """2-D projection float32 ``[N, 2]`` with t-SNE (scikit-learn) or UMAP (umap-learn), seeded."""
+    N = features_NF.shape[0]
+    if N < 5:
+        raise ConfigError(f"an embedding needs at least 5 requests with tokens, have {N}")
+    if method == "tsne":
+        manifold = require("sklearn.manifold", purpose="t-SNE embeddings")
+        decomposition = require("sklearn.decomposition", purpose="t-SNE embeddings")
+        x = features_NF
+        if x.shape[1] > 50:
+            x = decomposition.PCA(n_components=min(50, N), random_state=seed).fit_transform(x)
+        perplexity = float(min(30.0, (N - 1) / 3))
+        return manifold.TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(x).astype(np.float32)
+    if method == "umap":
+        umap = require("umap", purpose="UMAP embeddings")
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*n_jobs.*")  # seeded UMAP runs single-threaded, by design
+            reducer = umap.UMAP(n_components=2, n_neighbors=min(15, N - 1), random_state=seed)
+            return reducer.fit_transform(features_NF).astype(np.float32)
+    raise ConfigError(f"unknown embedding method {method!r}; use 'tsne' or 'umap'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterScores:
+    """How well requests group by dataset."""
+
+    silhouette: float  # of the normalized features vs dataset labels (NaN with one dataset)
+    adjusted_rand: float  # ARI of K-means (C = number of datasets) vs dataset labels
+    num_requests: int  # requests scored
+    num_datasets: int  # C
+
+
+def cluster_scores(features_NF: np.ndarray, label_N: np.ndarray, *, seed: int) -> ClusterScores:
+    """Silhouette and K-means ARI of ``features_NF`` against ``label_N`` (see the module docstring)."""
+    cluster = require("sklearn.cluster", purpose="cluster-quality scores")
+    metrics = require("sklearn.metrics", purpose="cluster-quality scores")
+    labels, inv = np.unique(label_N, return_inverse=True)
+    C = len(labels)
+    N = features_NF.shape[0]
+    if C < 2 or N <= C:
+        return ClusterScores(silhouette=float("nan"), adjusted_rand=float("nan"), num_requests=N, num_datasets=C)
+    km = cluster.KMeans(n_clusters=C, n_init=4, random_state=seed).fit(features_NF)
+    return ClusterScores(
+        silhouette=float(metrics.silhouette_score(features_NF, inv, random_state=seed, sample_size=min(N, 5000))),
+        adjusted_rand=float(metrics.adjusted_rand_score(inv, km.labels_)),
+        num_requests=N,
+        num_datasets=C,
+    )
+
+
+def silhouette_2d(xy_N2: np.ndarray, label_N: np.ndarray, *, seed: int) -> float:
+    """Silhouette of a 2-D embedding against the labels (NaN with fewer than 2 labels)."""
+    metrics = require("sklearn.metrics", purpose="cluster-quality scores")
+    _, inv = np.unique(label_N, return_inverse=True)
+    if inv.max(initial=0) < 1 or xy_N2.shape[0] <= inv.max() + 1:
+        return float("nan")
+    return float(metrics.silhouette_score(xy_N2, inv, random_state=seed, sample_size=min(xy_N2.shape[0], 5000)))

@@ -1,0 +1,377 @@
+"""``analyze()``: count once, run the chosen analyses, write every result into a results directory.
+
+Each result is a Parquet table (or JSON) named in ``docs/analysis.md``; ``manifest.json`` records
+what was computed, from which trace (path and the trace manifest's model/backend/collection),
+when, with which moetrace version and parameters; ``summary.json`` holds the headline numbers.
+
+Out of scope: the algorithms themselves (one module each), drawing (``dashboards``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+import polars as pl
+
+from moetrace.errors import ConfigError, OutputExistsError
+from moetrace.tracer.store import open_trace, write_json_atomic
+
+Analysis = Literal["imbalance", "correlation", "embedding", "classify", "affinity", "counts"]
+#: what runs when nothing is chosen (``counts``, the tidy table, is opt-in: it can be large)
+DEFAULT_ANALYSES: tuple[str, ...] = ("imbalance", "correlation", "embedding", "classify", "affinity")
+ANALYSES: tuple[str, ...] = (*DEFAULT_ANALYSES, "counts")
+RESULTS_MANIFEST = "manifest.json"
+RESULTS_FORMAT = "moetrace.analysis"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnalyzeConfig:
+    """Parameters of one ``analyze`` run (recorded in the results manifest)."""
+
+    only: tuple[str, ...] = DEFAULT_ANALYSES  # analyses to run, out of ANALYSES
+    seed: int = 0  # seeds batches, splits, subsamples, t-SNE/UMAP, K-means, token sampling
+    layers: tuple[int, ...] | None = None  # MoE-layer ordinals to analyse (default all); affinity always uses all
+    batch_size: int = 64  # requests per serving batch for the batch IF distribution
+    num_batches: int = 1000  # at most this many batches per scope
+    embedding_max_requests: int = 4000  # subsample cap for t-SNE/UMAP (stratified by dataset)
+    embedding_layer: int | None = None  # MoE-layer ordinal to embed; None = all analysed layers concatenated
+    embedding_methods: tuple[str, ...] = ("tsne", "umap")  # projections to compute
+    classify_max_requests_per_dataset: int = 5000  # cap per dataset before the 80:20 split
+    affinity_max_tokens: int = 500_000  # token sample for cross-layer affinity and co-activation
+    recall_k: int | None = None  # k of prefill→decode recall@k (default the model's top-k)
+    allow_incomplete: bool = False  # analyse the committed part of an unfinished trace
+
+    def __post_init__(self) -> None:
+        bad = [a for a in self.only if a not in ANALYSES]
+        if bad or not self.only:
+            raise ConfigError(f"unknown analyses {bad or '(none chosen)'}; choose from {', '.join(ANALYSES)}")
+        if self.batch_size < 1 or self.num_batches < 1:
+            raise ConfigError(f"batch size and number of batches must be >= 1, got {self.batch_size}, {self.num_batches}")
+        for m in self.embedding_methods:
+            if m not in ("tsne", "umap"):
+                raise ConfigError(f"unknown embedding method {m!r}; use tsne and/or umap")
+
+
+def analyze(
+    trace_path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    config: AnalyzeConfig = AnalyzeConfig(),
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the analyses of ``config`` on the trace at ``trace_path``; write results into ``out``.
+
+    Returns the summary (also written as ``summary.json``). ``log`` receives one line per step,
+    ``progress(tokens_done, tokens_total)`` follows the counting pass.
+    """
+    from moetrace import __version__
+    from moetrace.analysis.counts import count_trace, write_counts_table
+
+    say = log or (lambda _msg: None)
+    trace = open_trace(trace_path, require_complete=not config.allow_incomplete)
+    out = Path(out)
+    if (out / RESULTS_MANIFEST).exists() and not overwrite:
+        raise OutputExistsError(f"{out} already holds analysis results; choose another -o or pass --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    if config.embedding_layer is not None and config.layers is not None and config.embedding_layer not in config.layers:
+        raise ConfigError(f"embedding layer {config.embedding_layer} is not among the analysed layers {list(config.layers)}")
+
+    t_start = time.perf_counter()
+    files: dict[str, str] = {}
+    summary: dict[str, Any] = {}
+    timings: dict[str, float] = {}
+
+    def write(name: str, df: pl.DataFrame, what: str) -> None:
+        tmp = out / f".{name}.tmp"
+        df.write_parquet(tmp, compression="zstd")
+        os.replace(tmp, out / name)
+        files[name] = what
+
+    needs_counts = [a for a in config.only if a != "affinity"]
+    counts = None
+    if needs_counts:
+        say("counting tokens per (request, stage, layer, expert)")
+        t0 = time.perf_counter()
+        counts = count_trace(trace, layers=config.layers, allow_incomplete=config.allow_incomplete, progress=progress)
+        timings["counts"] = time.perf_counter() - t0
+        summary["num_requests"] = counts.num_requests
+        summary["datasets"] = counts.datasets()
+
+    if "counts" in config.only:
+        t0 = time.perf_counter()
+        n = write_counts_table(counts, out / "counts.parquet")
+        files["counts.parquet"] = "tidy non-zero token counts per request, stage, layer, expert"
+        summary["counts_rows"] = n
+        timings["counts_table"] = time.perf_counter() - t0
+
+    if "imbalance" in config.only:
+        say("imbalance: expert load and imbalance factor")
+        t0 = time.perf_counter()
+        summary["imbalance"] = _run_imbalance(counts, config, write)
+        timings["imbalance"] = time.perf_counter() - t0
+
+    if "correlation" in config.only:
+        say("correlation: datasets, prefill↔decode (pooled, per request), recall@k")
+        t0 = time.perf_counter()
+        summary["correlation"] = _run_correlation(counts, config, write)
+        timings["correlation"] = time.perf_counter() - t0
+
+    if "classify" in config.only:
+        say("classify: per-layer logistic regression from prefill counts to dataset")
+        t0 = time.perf_counter()
+        summary["classify"] = _run_classify(counts, config, write)
+        timings["classify"] = time.perf_counter() - t0
+
+    if "embedding" in config.only:
+        say("embedding: t-SNE / UMAP of normalized per-request vectors")
+        t0 = time.perf_counter()
+        summary["embedding"] = _run_embedding(counts, config, write)
+        timings["embedding"] = time.perf_counter() - t0
+
+    if "affinity" in config.only:
+        say("affinity: cross-layer affinity and co-activation on a token sample")
+        t0 = time.perf_counter()
+        summary["affinity"] = _run_affinity(trace, config, write)
+        timings["affinity"] = time.perf_counter() - t0
+
+    summary["seconds"] = round(time.perf_counter() - t_start, 3)
+    write_json_atomic(out / "summary.json", _jsonable(summary))
+    files["summary.json"] = "headline numbers"
+    manifest = {
+        "format": RESULTS_FORMAT,
+        "version": 1,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "moetrace_version": __version__,
+        "trace": {
+            "path": str(Path(trace_path).resolve()),
+            "complete": trace.complete,
+            "model": trace.manifest.get("model"),
+            "backend": trace.manifest.get("backend"),
+            "collection": trace.manifest.get("collection"),
+        },
+        "parameters": _jsonable(dataclasses.asdict(config)),
+        "analyses": list(config.only),
+        "files": files,
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+    }
+    write_json_atomic(out / RESULTS_MANIFEST, manifest)
+    return summary
+
+
+# ------------------------------------------------------------------------------------- steps
+def _run_imbalance(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
+    from moetrace.analysis.imbalance import batch_imbalance_table, expert_load_table, imbalance_table
+
+    imb = imbalance_table(counts)
+    write("imbalance.parquet", imb, "imbalance factor per dataset, stage, layer")
+    write("expert_load.parquet", expert_load_table(counts), "expert load per dataset, stage, layer, expert")
+    out: dict[str, Any] = {
+        "mean_if": _nested(imb.group_by("dataset", "stage").agg(pl.col("imbalance_factor").mean()), "imbalance_factor")
+    }
+    batch_size = min(config.batch_size, counts.num_requests)
+    if batch_size != config.batch_size:
+        out["batch_size_note"] = f"batch size lowered to the {counts.num_requests} requests of the trace"
+    bt = batch_imbalance_table(counts, batch_size=batch_size, seed=config.seed, num_batches=config.num_batches)
+    write("batch_imbalance.parquet", bt, f"imbalance factor of random batches of {batch_size} requests")
+    out["batch_size"] = batch_size
+    out["batch_if"] = _nested(
+        bt.filter(pl.col("dataset") == "all").group_by("dataset", "stage").agg(pl.col("imbalance_factor").median().alias("median")),
+        "median",
+    )
+    return out
+
+
+def _run_correlation(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
+    from moetrace.analysis.correlation import (
+        dataset_correlation,
+        prefill_decode_per_request,
+        prefill_decode_pooled,
+        prefill_decode_recall,
+    )
+
+    per_layer, mean = dataset_correlation(counts)
+    write("dataset_correlation.parquet", per_layer, "dataset × dataset Pearson r per stage and layer")
+    write("dataset_correlation_mean.parquet", mean, "dataset × dataset Pearson r per stage, mean over layers")
+    out: dict[str, Any] = {}
+    if "prefill" in counts.stages and "decode" in counts.stages:
+        pooled = prefill_decode_pooled(counts)
+        write("prefill_decode_pooled.parquet", pooled, "pooled prefill↔decode r per dataset and layer")
+        pr_layers, pr_req = prefill_decode_per_request(counts)
+        write("prefill_decode_per_request_layers.parquet", pr_layers, "per-request prefill↔decode r, mean per layer")
+        write("prefill_decode_per_request.parquet", pr_req, "per-request prefill↔decode r, mean over layers")
+        rec = prefill_decode_recall(counts, k=config.recall_k)
+        write("prefill_decode_recall.parquet", rec, "recall@k of decode hot experts from prefill counts")
+        ds = pooled.filter(pl.col("dataset") != "all")
+        out["prefill_decode_pooled"] = _mean(ds["pearson"])
+        out["prefill_decode_pooled_by_dataset"] = {
+            r["dataset"]: r["pearson"] for r in ds.group_by("dataset").agg(pl.col("pearson").mean()).iter_rows(named=True)
+        }
+        out["prefill_decode_per_request"] = _mean(pr_layers.filter(pl.col("dataset") == "all")["pearson_mean"])
+        allrec = rec.filter(pl.col("dataset") == "all")
+        out["recall_k"] = int(allrec["k"][0])
+        out["recall"] = _mean(allrec["recall"])
+        out["recall_popularity"] = _mean(allrec["recall_popularity"])
+    return out
+
+
+def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
+    from moetrace.analysis.classify import classify_layers, classify_tables
+
+    if len(counts.datasets()) < 2:
+        return {"skipped": f"needs at least 2 datasets, the trace has {counts.datasets()}"}
+    res = classify_layers(
+        counts.stage("prefill"),
+        counts.dataset_R,
+        layers=counts.layers,
+        seed=config.seed,
+        max_requests_per_dataset=config.classify_max_requests_per_dataset,
+    )
+    acc, conf = classify_tables(res, model_layers=counts.model_layers)
+    write("classify_accuracy.parquet", acc, "test accuracy per layer, shuffled-label control, chance")
+    write("classify_confusion.parquet", conf, "confusion matrix per layer (test split)")
+    return {
+        "mean_accuracy": res.mean_accuracy,
+        "best_layer_accuracy": float(res.accuracy_L.max()),
+        "chance": res.chance,
+        "mean_shuffled_accuracy": res.mean_shuffled_accuracy,
+        "num_train": res.num_train,
+        "num_test": res.num_test,
+    }
+
+
+def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
+    from moetrace.analysis.embedding import cluster_scores, project, request_features, silhouette_2d, stratified_subsample
+
+    layer_pos = None if config.embedding_layer is None else counts.layers.index(config.embedding_layer)
+    layer_name = -1 if layer_pos is None else config.embedding_layer
+    frames, scores = [], []
+    for stage in counts.stages:
+        feats = request_features(counts.stage(stage), layer=layer_pos)
+        has = np.flatnonzero(np.abs(feats).sum(1) > 0)
+        pick = has[stratified_subsample(counts.dataset_R[has], max_requests=config.embedding_max_requests, seed=config.seed)]
+        if pick.size < 5:
+            continue
+        x, lab = feats[pick], counts.dataset_R[pick]
+        cs = cluster_scores(x, lab, seed=config.seed)
+        row: dict[str, Any] = {
+            "stage": stage,
+            "layer": layer_name,
+            "num_requests": int(pick.size),
+            "num_datasets": cs.num_datasets,
+            "silhouette": cs.silhouette,
+            "adjusted_rand": cs.adjusted_rand,
+        }
+        for method in config.embedding_methods:
+            xy = project(x, method=method, seed=config.seed)
+            row[f"silhouette_{method}"] = silhouette_2d(xy, lab, seed=config.seed)
+            frames.append(
+                pl.DataFrame(
+                    {
+                        "request_id": counts.request_id_R[pick],
+                        "dataset": lab,
+                        "stage": [stage] * pick.size,
+                        "method": [method] * pick.size,
+                        "layer": np.full(pick.size, layer_name, np.int32),
+                        "x": xy[:, 0],
+                        "y": xy[:, 1],
+                    }
+                )
+            )
+        scores.append(row)
+    if frames:
+        write("embedding.parquet", pl.concat(frames), "2-D request embeddings (t-SNE/UMAP) per stage")
+    if scores:
+        write("embedding_scores.parquet", pl.DataFrame(scores), "cluster quality vs dataset labels per stage")
+    return {r["stage"]: {k: v for k, v in r.items() if k != "stage"} for r in scores}
+
+
+def _run_affinity(trace, config: AnalyzeConfig, write) -> dict[str, Any]:
+    from moetrace.analysis.affinity import affinity_table, coactivation_table, pair_counts
+
+    pc = pair_counts(trace, max_tokens=config.affinity_max_tokens, seed=config.seed, allow_incomplete=config.allow_incomplete)
+    aff = affinity_table(pc)
+    write("affinity.parquet", aff, "cross-layer affinity per consecutive MoE-layer pair")
+    write("coactivation.parquet", coactivation_table(pc), "expert pairs co-activated within a token, per layer, with lift")
+    return {
+        "sampled_tokens": pc.num_sampled,
+        "uncertainty_coefficient": _mean(aff["uncertainty_coefficient"]),
+        "top1_predictability": _mean(aff["top1_predictability"]),
+        "top1_marginal": _mean(aff["top1_marginal"]),
+    }
+
+
+# ------------------------------------------------------------------------------------- helpers
+def _mean(s: pl.Series) -> float | None:
+    v = s.fill_nan(None).mean()
+    return None if v is None else float(v)
+
+
+def _nested(df: pl.DataFrame, col: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for r in df.sort("dataset", "stage").iter_rows(named=True):
+        out.setdefault(r["dataset"], {})[r["stage"]] = None if r[col] is None or np.isnan(r[col]) else float(r[col])
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        return None if np.isnan(x) else float(x)
+    return x
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The compact table ``moetrace analyze`` prints."""
+    lines = []
+    imb = summary.get("imbalance")
+    if imb:
+        stages = sorted({s for v in imb["mean_if"].values() for s in v})
+        lines.append("mean imbalance factor (over layers)")
+        lines.append(f"  {'dataset':<16}" + "".join(f"{s:>10}" for s in stages))
+        for ds, v in imb["mean_if"].items():
+            lines.append(f"  {ds:<16}" + "".join(f"{_f(v.get(s)):>10}" for s in stages))
+        lines.append(f"  median IF of random {imb['batch_size']}-request batches: "
+                     + ", ".join(f"{s} {_f(v)}" for s, v in imb["batch_if"].get("all", {}).items()))
+    cor = summary.get("correlation")
+    if cor and "prefill_decode_pooled" in cor:
+        lines.append("prefill↔decode correlation (mean over layers)")
+        lines.append(f"  pooled per dataset   {_f(cor['prefill_decode_pooled'])}   "
+                     + "  ".join(f"{d} {_f(v)}" for d, v in sorted(cor["prefill_decode_pooled_by_dataset"].items())))
+        lines.append(f"  per request          {_f(cor['prefill_decode_per_request'])}")
+        lines.append(f"  recall@{cor['recall_k']} of decode hot experts from prefill {_f(cor['recall'])} "
+                     f"(popularity baseline {_f(cor['recall_popularity'])})")
+    cl = summary.get("classify")
+    if cl and "mean_accuracy" in cl:
+        lines.append(f"dataset classification from prefill counts: mean accuracy {_f(cl['mean_accuracy'])} "
+                     f"(best layer {_f(cl['best_layer_accuracy'])}, chance {_f(cl['chance'])}, "
+                     f"shuffled control {_f(cl['mean_shuffled_accuracy'])}; {cl['num_train']} train / {cl['num_test']} test)")
+    elif cl:
+        lines.append(f"dataset classification: skipped ({cl['skipped']})")
+    emb = summary.get("embedding")
+    if emb:
+        lines.append("clustering by dataset: " + "; ".join(
+            f"{s} silhouette {_f(v['silhouette'])}, K-means ARI {_f(v['adjusted_rand'])}" for s, v in emb.items()))
+    aff = summary.get("affinity")
+    if aff:
+        lines.append(f"cross-layer affinity: uncertainty coefficient {_f(aff['uncertainty_coefficient'])}, top-1 "
+                     f"predictability {_f(aff['top1_predictability'])} vs marginal {_f(aff['top1_marginal'])} "
+                     f"({aff['sampled_tokens']} tokens)")
+    return "\n".join(lines)
+
+
+def _f(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"

@@ -1,0 +1,72 @@
+"""``moetrace analyze``: a thin layer over ``moetrace.analysis.run.analyze``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from moetrace.cli_common import AllowIncomplete, OutDir, Seed, TraceArg, friendly_errors
+
+
+def register(app: typer.Typer) -> None:
+    app.command("analyze")(analyze_cmd)
+
+
+def _int_list(text: str | None, what: str) -> tuple[int, ...] | None:
+    from moetrace.errors import ConfigError
+
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers, e.g. 0,1,2; got {text!r}") from None
+
+
+@friendly_errors
+def analyze_cmd(
+    trace: TraceArg,
+    *,
+    out: OutDir,
+    only: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated subset of: imbalance, correlation, embedding, classify, affinity, counts "
+                     "(counts = the tidy per-request table, opt-in). Default: all but counts."),
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Requests per serving batch for the batch imbalance distribution.")] = 64,
+    seed: Seed = 0,
+    layers: Annotated[
+        str | None, typer.Option(help="Comma-separated MoE-layer ordinals (0-based positions in moe_layers). Default: all.")
+    ] = None,
+    embedding_max_requests: Annotated[int, typer.Option(help="Subsample cap for t-SNE/UMAP (stratified by dataset).")] = 4000,
+    overwrite: Annotated[bool, typer.Option(help="Replace results already in the output directory.")] = False,
+    allow_incomplete: AllowIncomplete = False,
+) -> None:
+    """Characterize a trace: imbalance, correlations, embeddings, classifiers, cross-layer affinity.
+
+    Writes one Parquet/JSON file per result plus manifest.json into -o and prints a summary.
+
+    Example: moetrace analyze traces/dsv3 -o results/dsv3 --only imbalance,correlation --batch-size 128
+    """
+    from moetrace.analysis.run import DEFAULT_ANALYSES, AnalyzeConfig, analyze, format_summary
+
+    config = AnalyzeConfig(
+        only=tuple(x.strip() for x in only.split(",") if x.strip()) if only else DEFAULT_ANALYSES,
+        seed=seed,
+        layers=_int_list(layers, "--layers"),
+        batch_size=batch_size,
+        embedding_max_requests=embedding_max_requests,
+        allow_incomplete=allow_incomplete,
+    )
+    last = [-1]
+
+    def progress(done: int, total: int) -> None:
+        pct = 100 * done // max(total, 1)
+        if pct // 10 != last[0]:
+            last[0] = pct // 10
+            typer.echo(f"  counted {done:,} / {total:,} tokens ({pct}%)", err=True)
+
+    summary = analyze(trace, out, config=config, overwrite=overwrite, log=lambda m: typer.echo(m, err=True), progress=progress)
+    typer.echo(format_summary(summary))
+    typer.echo(f"\nresults in {out} ({summary['seconds']:.1f} s); files are listed in {out}/manifest.json")
