@@ -99,3 +99,30 @@ def test_sigkill_then_resume_loses_nothing_and_duplicates_nothing(tmp_path):
     rid0, pos0, ids0 = _rows(ref)
     assert np.array_equal(rid, rid0) and np.array_equal(pos, pos0)
     assert np.array_equal(np.sort(ids, -1), np.sort(ids0, -1))
+
+
+def test_collect_from_a_local_checkpoint_directory(tmp_path):
+    """`--model PATH` loads config, weights and tokenizer through transformers' real loaders."""
+    from moetrace.tracer.hf import build_tiny_model, tiny_tokenizer
+
+    model, _ = build_tiny_model("mixtral-8x7b-tiny", seed=3)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt)
+    tiny_tokenizer().save_pretrained(ckpt)
+    out = tmp_path / "t"
+    res = runner.invoke(app, ["collect", "--model", str(ckpt), "--dataset", "code", "--num-requests", "2",
+                              "--max-new-tokens", "4", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    t = open_trace(out)
+    assert t.model.source == str(ckpt) and t.model.architecture == "MixtralForCausalLM"
+    assert (t.model.num_experts, t.model.top_k, t.model.num_moe_layers) == (8, 2, 32)
+    assert find_problems(out) == []
+
+
+def test_info_summarizes(tmp_path):
+    out = tmp_path / "t"
+    assert runner.invoke(app, ["collect", *FAST, "--dataset", "chat,code", "--num-requests", "4", "-o", str(out)]).exit_code == 0
+    res = runner.invoke(app, ["info", str(out)])
+    assert res.exit_code == 0
+    assert "olmoe-1b-7b-tiny" in res.output and "16 MoE layers of 16, 64 experts, top-8" in res.output
+    assert "chat" in res.output and "total" in res.output

@@ -140,7 +140,7 @@ def load_model(
                 f"{name} has {n / 1e9:.0f}B parameters: too large to run on a CPU. Use the same routing topology "
                 f"at CPU size with --model {tiny}, or collect on GPUs (--backend vllm, or --device cuda)."
             )
-    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=device)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
     tok = transformers.AutoTokenizer.from_pretrained(source)
     tok.padding_side = "left"
     if tok.pad_token is None:
