@@ -49,7 +49,7 @@ def collect_cmd(
     ] = True,
     record_weights: Annotated[bool, typer.Option("--weights", help="Also store routing weights.")] = False,
     tp: Annotated[int, typer.Option(help="vLLM: tensor-parallel size.")] = 1,
-    ep: Annotated[bool, typer.Option("--ep", help="vLLM: enable expert parallelism.")] = False,
+    ep: Annotated[int, typer.Option(help="vLLM: expert-parallel size: 1 (off) or tp*dp (experts sharded over all ranks).")] = 1,
     dp: Annotated[int, typer.Option(help="vLLM: data-parallel size.")] = 1,
     max_model_len: Annotated[Optional[int], typer.Option(help="vLLM: maximum sequence length.")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM: fraction of GPU memory to use.")] = 0.9,
@@ -59,7 +59,7 @@ def collect_cmd(
 
     Example: moetrace collect --model deepseek-v3-tiny --dataset bundled --per-dataset 8 -o traces/tiny
 
-    On GPU nodes with vLLM: moetrace collect --model deepseek-v3 --dataset gsm8k --tp 8 --ep -o traces/dsv3
+    On GPU nodes with vLLM: moetrace collect --model deepseek-v3 --dataset gsm8k --tp 8 --ep 8 -o traces/dsv3
     """
     from moetrace.tracer.collect import CollectConfig, collect
 

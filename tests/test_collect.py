@@ -126,3 +126,13 @@ def test_info_summarizes(tmp_path):
     assert res.exit_code == 0
     assert "olmoe-1b-7b-tiny" in res.output and "16 MoE layers of 16, 64 experts, top-8" in res.output
     assert "chat" in res.output and "total" in res.output
+
+
+def test_vllm_backend_fails_early_without_writing(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here; this checks the message when it is not")
+    res = runner.invoke(app, ["collect", "--model", "deepseek-v3", "--backend", "vllm", "--dataset", "chat", "-o", str(tmp_path / "v")])
+    assert res.exit_code == 2 and "moetrace[vllm]" in res.output
+    assert not (tmp_path / "v").exists()

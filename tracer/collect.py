@@ -109,8 +109,11 @@ def collect(
     else:
         from moetrace.tracer import vllm_backend
 
+        if engine is None:
+            engine = vllm_backend.VllmEngineConfig()
+        version = vllm_backend.check_environment(engine)  # fail before anything is written
         info = vllm_backend.model_info_for_vllm(config.model)
-        backend_section = {"name": "vllm"}
+        backend_section = {"name": "vllm", "vllm": version}
 
     with TraceWriter(
         out,
@@ -146,7 +149,7 @@ def collect(
                 prompts,
                 writer=writer,
                 model=config.model,
-                engine=engine if engine is not None else vllm_backend.VllmEngineConfig(),
+                engine=engine,
                 max_new_tokens=config.max_new_tokens,
                 seed=config.seed,
                 temperature=config.temperature,
