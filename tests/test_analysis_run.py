@@ -1,0 +1,127 @@
+"""`moetrace analyze` end to end: files, manifest, summary, subsets, clean errors; and on a collected trace."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from moetrace.analysis.run import AnalyzeConfig, analyze
+from moetrace.cli import app
+from moetrace.errors import ConfigError
+from test_analysis_planted import profile_trace
+
+runner = CliRunner()
+
+EXPECTED_FILES = {
+    "imbalance.parquet": ["dataset", "stage", "layer", "model_layer", "tokens", "imbalance_factor", "hottest_expert"],
+    "expert_load.parquet": ["dataset", "stage", "layer", "model_layer", "expert", "tokens", "load"],
+    "batch_imbalance.parquet": ["dataset", "batch", "stage", "layer", "model_layer", "imbalance_factor"],
+    "dataset_correlation.parquet": ["stage", "layer", "model_layer", "dataset_a", "dataset_b", "pearson"],
+    "dataset_correlation_mean.parquet": ["stage", "dataset_a", "dataset_b", "pearson"],
+    "prefill_decode_pooled.parquet": ["dataset", "layer", "model_layer", "pearson"],
+    "prefill_decode_per_request_layers.parquet": ["dataset", "layer", "model_layer", "pearson_mean", "num_requests"],
+    "prefill_decode_per_request.parquet": ["request_id", "dataset", "pearson_mean", "num_layers"],
+    "prefill_decode_recall.parquet": ["dataset", "layer", "model_layer", "k", "recall", "recall_popularity", "num_requests"],
+    "classify_accuracy.parquet": ["layer", "model_layer", "accuracy", "shuffled_accuracy", "chance"],
+    "classify_confusion.parquet": ["layer", "model_layer", "true_dataset", "predicted_dataset", "count"],
+    "embedding.parquet": ["request_id", "dataset", "stage", "method", "layer", "x", "y"],
+    "embedding_scores.parquet": [
+        "stage", "layer", "num_requests", "num_datasets", "silhouette", "adjusted_rand", "silhouette_tsne", "silhouette_umap",
+    ],
+    "affinity.parquet": [
+        "layer", "model_layer", "next_model_layer", "mutual_information_bits", "uncertainty_coefficient",
+        "top1_predictability", "top1_marginal", "pairs",
+    ],
+    "coactivation.parquet": ["layer", "model_layer", "expert_a", "expert_b", "count", "lift"],
+}
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    E, L = 16, 3
+    prof = np.ones((2, 2, L, E))
+    prof[0, :, :, :4] = 10.0
+    prof[1, :, :, 8:12] = 10.0
+    return profile_trace(tmp_path_factory.mktemp("run") / "t", profiles_DSLE=prof, requests_per_dataset=40, seed=2)
+
+
+def test_cli_writes_every_result_with_the_documented_columns(planted, tmp_path):
+    out = tmp_path / "res"
+    res = runner.invoke(app, ["analyze", str(planted), "-o", str(out), "--batch-size", "8", "--embedding-max-requests", "60"])
+    assert res.exit_code == 0, res.output
+    for name, cols in EXPECTED_FILES.items():
+        assert pl.read_parquet(out / name).columns == cols, name
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["format"] == "moetrace.analysis" and man["trace"]["path"] == str(planted.resolve())
+    assert man["trace"]["model"]["num_experts"] == 16 and man["trace"]["backend"]["name"] == "synthetic"
+    assert man["parameters"]["batch_size"] == 8 and man["parameters"]["seed"] == 0
+    assert set(man["files"]) == set(EXPECTED_FILES) | {"summary.json"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["classify"]["mean_accuracy"] > 0.9 and summary["classify"]["chance"] == 0.5
+    # the printed table carries the paper's headline numbers
+    for text in ("mean imbalance factor", "prefill↔decode correlation", "pooled per dataset", "per request",
+                 "mean accuracy", "chance 0.500", "shuffled control"):
+        assert text in res.output
+    emb = pl.read_parquet(out / "embedding.parquet")
+    assert emb.filter((pl.col("stage") == "prefill") & (pl.col("method") == "umap")).height == 60  # the cap, stratified
+    assert emb.filter((pl.col("stage") == "decode") & (pl.col("method") == "tsne")).group_by("dataset").len()["len"].to_list() == [30, 30]
+
+
+def test_subset_layers_and_seeded_reproducibility(planted, tmp_path):
+    cfg = AnalyzeConfig(only=("imbalance", "correlation"), layers=(2, 0), batch_size=4, seed=3)
+    s1 = analyze(planted, tmp_path / "a", config=cfg)
+    s2 = analyze(planted, tmp_path / "b", config=cfg)
+    assert set(s1) >= {"imbalance", "correlation"} and "classify" not in s1
+    assert not (tmp_path / "a" / "classify_accuracy.parquet").exists()
+    imb = pl.read_parquet(tmp_path / "a" / "imbalance.parquet")
+    assert sorted(imb["layer"].unique().to_list()) == [0, 2]
+    assert pl.read_parquet(tmp_path / "a" / "batch_imbalance.parquet").equals(pl.read_parquet(tmp_path / "b" / "batch_imbalance.parquet"))
+    assert s1["imbalance"] == s2["imbalance"]
+
+
+def test_counts_table_is_opt_in(planted, tmp_path):
+    analyze(planted, tmp_path / "c", config=AnalyzeConfig(only=("counts",)))
+    df = pl.read_parquet(tmp_path / "c" / "counts.parquet")
+    assert df["count"].sum() == 80 * (30 + 20) * 3 * 2  # requests * tokens * layers * top-k, nothing unrouted
+
+
+def test_cli_errors_are_clean(planted, tmp_path):
+    res = runner.invoke(app, ["analyze", str(planted), "-o", str(tmp_path / "x"), "--only", "imbalance,clusters"])
+    assert res.exit_code == 2 and "clusters" in res.output and "Traceback" not in res.output
+    res = runner.invoke(app, ["analyze", str(planted), "-o", str(tmp_path / "x"), "--layers", "0,a"])
+    assert res.exit_code == 2 and "--layers" in res.output
+    res = runner.invoke(app, ["analyze", str(planted), "-o", str(tmp_path / "x"), "--layers", "7"])
+    assert res.exit_code == 2 and "0..2" in res.output
+    res = runner.invoke(app, ["analyze", str(tmp_path / "nope"), "-o", str(tmp_path / "x")])
+    assert res.exit_code == 2 and "no such trace directory" in res.output
+    ok = runner.invoke(app, ["analyze", str(planted), "-o", str(tmp_path / "y"), "--only", "imbalance"])
+    assert ok.exit_code == 0
+    again = runner.invoke(app, ["analyze", str(planted), "-o", str(tmp_path / "y"), "--only", "imbalance"])
+    assert again.exit_code == 2 and "--overwrite" in again.output
+    assert runner.invoke(app, ["analyze", str(planted), "-o", str(tmp_path / "y"), "--only", "imbalance", "--overwrite"]).exit_code == 0
+    with pytest.raises(ConfigError):
+        AnalyzeConfig(batch_size=0)
+
+
+def test_analyze_a_trace_from_the_tiny_model_collector(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    trace = tmp_path / "tiny"
+    res = runner.invoke(app, ["collect", "--model", "olmoe-1b-7b-tiny", "--max-new-tokens", "6", "--dataset", "math-word,code",
+                              "--per-dataset", "6", "-o", str(trace)])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "res"
+    res = runner.invoke(app, ["analyze", str(trace), "-o", str(out), "--batch-size", "4", "--only", "imbalance,correlation,classify,affinity"])
+    assert res.exit_code == 0, res.output
+    imb = pl.read_parquet(out / "imbalance.parquet")
+    assert imb["layer"].n_unique() == 16 and set(imb["dataset"]) == {"all", "code", "math-word"}
+    # IF is bounded by E/k: at most every token on the same k experts
+    assert imb["imbalance_factor"].drop_nans().is_between(1.0, 64 / 8).all()
+    # decode tokens: 5 routed per request (the 6th is never forwarded) x 12 requests
+    assert imb.filter((pl.col("dataset") == "all") & (pl.col("stage") == "decode"))["tokens"].unique().to_list() == [60]
+    acc = pl.read_parquet(out / "classify_accuracy.parquet")
+    assert acc.height == 16 and (acc["chance"] == 0.5).all()
