@@ -26,6 +26,7 @@ InputKind = Literal["trace", "analysis", "placement"]
 #: (manifest file name, value of its ``format`` key) -> kind; the first match wins
 MANIFESTS: tuple[tuple[str, str, InputKind], ...] = (
     ("manifest.json", "moetrace.trace", "trace"),
+    ("manifest.json", "moetrace.analysis", "analysis"),
 )
 
 

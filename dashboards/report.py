@@ -17,7 +17,7 @@ from typing import Sequence
 
 from moetrace.dashboards.inputs import Input, detect
 from moetrace.dashboards.page import Section, render_page
-from moetrace.errors import ConfigError, OutputExistsError
+from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,17 +42,47 @@ class DashboardReport:
 
 def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple[list[Section], list[str]]:
     """The sections for these inputs, and notes on the sections left out."""
+    from moetrace.dashboards.results import Results
+    from moetrace.dashboards.section_clusters import classifiers_section, clusters_section
+    from moetrace.dashboards.section_correlation import correlation_section
+    from moetrace.dashboards.section_imbalance import imbalance_section
     from moetrace.dashboards.section_overview import overview_section
     from moetrace.tracer.store import open_trace
 
     traces = [i for i in inputs if i.kind == "trace"]
+    analyses = [Results.from_input(i) for i in inputs if i.kind == "analysis"]
+    # a results directory names its trace: show that trace's overview too when it is at hand
+    given = {t.path.resolve() for t in traces}
+    for r in analyses:
+        tp = r.trace_path
+        if tp is not None and tp.resolve() not in given and (tp / "manifest.json").is_file():
+            try:
+                traces.append(detect(tp))
+                given.add(tp.resolve())
+            except TraceFormatError:
+                pass  # moved or rewritten since the analysis: the overview note below says so
     sections: list[Section] = []
     omitted: list[str] = []
     for n, t in enumerate(traces):
         trace = open_trace(t.path, require_complete=False)
         sections.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))
     if not traces:
-        omitted.append("overview: no trace directory among the inputs")
+        omitted.append("overview: no trace directory among the inputs (and the results name none that exists)")
+
+    builders = (
+        lambda r, kp: imbalance_section(r, key_prefix=kp),
+        lambda r, kp: correlation_section(r, key_prefix=kp),
+        lambda r, kp: clusters_section(r, max_points=config.max_points, seed=config.seed, key_prefix=kp),
+        lambda r, kp: classifiers_section(r, key_prefix=kp),
+    )
+    for build in builders:
+        for n, r in enumerate(analyses):
+            sec, notes = build(r, f"a{n}-" if len(analyses) > 1 else "")
+            if sec is not None:
+                sections.append(sec)
+            omitted.extend(notes)
+    if not analyses:
+        omitted.append("load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs")
     return sections, omitted
 
 

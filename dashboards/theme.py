@@ -53,6 +53,7 @@ def title(what: str, *, source: str) -> dict[str, Any]:
     return {
         "text": f"{what}<br><span style='font-size:12px;color:#555'>{source}</span>",
         "x": 0.0,
+        "xref": "paper",
         "xanchor": "left",
         "font": {"size": 16},
     }
@@ -137,3 +138,28 @@ def plotly_go():
     import plotly.graph_objects as go
 
     return go
+
+
+def dropdown(labels: Sequence[str], visible: Sequence[Sequence[bool]], *, prefix: str) -> list[dict[str, Any]]:
+    """Plotly ``updatemenus``: a dropdown whose i-th entry shows the traces flagged in ``visible[i]``."""
+    return [
+        {
+            "type": "dropdown",
+            "direction": "down",
+            "active": 0,
+            "x": 1.0,
+            "xanchor": "right",
+            "y": 1.12,
+            "yanchor": "bottom",
+            "showactive": True,
+            "buttons": [
+                {"label": f"{prefix}{lab}", "method": "restyle", "args": [{"visible": list(vis)}]}
+                for lab, vis in zip(labels, visible)
+            ],
+        }
+    ]
+
+
+def height_for_rows(num_rows: int, *, per_row: int = 14, low: int = 380, high: int = 1100) -> int:
+    """Figure height (px) that keeps ``num_rows`` heatmap rows readable."""
+    return int(min(max(140 + per_row * num_rows, low), high))

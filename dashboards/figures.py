@@ -1,0 +1,264 @@
+"""Figure builders shared by the sections: pure functions from arrays to plotly figures.
+
+Each builder takes arrays with shape suffixes and the labels to print, and returns a
+``go.Figure`` already finished with the report's look (``theme.finish``). None reads files.
+
+Shape legend: L layers, Y rows of a heatmap, X columns, N points, C categories, B values of a
+distribution.
+
+Out of scope: reading results (``section_*``), the page (``page``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from moetrace.dashboards.theme import (
+    DIVERGING,
+    REFERENCE_LINE,
+    SEQUENTIAL,
+    category_colours,
+    downsample,
+    finish,
+    layer_slider,
+    note_annotation,
+    plotly_go,
+)
+
+
+def _colorbar(title: str) -> dict[str, Any]:
+    return {"title": {"text": title, "side": "right"}, "thickness": 14}
+
+
+def heatmap(
+    z_YX: np.ndarray,
+    *,
+    x: Sequence[Any],
+    y: Sequence[Any],
+    x_title: str,
+    y_title: str,
+    value_title: str,
+    what: str,
+    source: str,
+    colorscale: str = SEQUENTIAL,
+    zmin: float | None = None,
+    zmax: float | None = None,
+    zmid: float | None = None,
+    reverse: bool = False,
+    value_format: str = ".3f",
+    show_values: bool = False,
+    height: int = 460,
+) -> Any:
+    """One heatmap ``z_YX`` (rows ``y``, columns ``x``); ``value_title`` names the quantity and unit."""
+    go = plotly_go()
+    z = np.asarray(z_YX, dtype=np.float64)
+    trace = go.Heatmap(
+        z=z,
+        x=[str(v) for v in x],
+        y=[str(v) for v in y],
+        colorscale=colorscale,
+        reversescale=reverse,
+        zmin=zmin,
+        zmax=zmax,
+        zmid=zmid,
+        colorbar=_colorbar(value_title),
+        hovertemplate=f"{y_title} %{{y}}<br>{x_title} %{{x}}<br>{value_title} %{{z:{value_format}}}<extra></extra>",
+        texttemplate=f"%{{z:{value_format}}}" if show_values else None,
+    )
+    fig = go.Figure(trace)
+    fig.update_layout(
+        xaxis={"title": {"text": x_title}, "type": "category"},
+        yaxis={"title": {"text": y_title}, "type": "category", "autorange": "reversed"},
+    )
+    return finish(fig, what=what, source=source, height=height)
+
+
+def heatmaps_by_layer(
+    z_LYX: np.ndarray,
+    *,
+    layer_labels: Sequence[Any],
+    x: Sequence[Any],
+    y: Sequence[Any],
+    x_title: str,
+    y_title: str,
+    value_title: str,
+    what: str,
+    source: str,
+    colorscale: str = SEQUENTIAL,
+    zmin: float | None = None,
+    zmax: float | None = None,
+    zmid: float | None = None,
+    reverse: bool = False,
+    value_format: str = ".3f",
+    show_values: bool = False,
+    height: int = 520,
+) -> Any:
+    """One heatmap per layer behind a layer slider; the colour range is shared by all layers."""
+    go = plotly_go()
+    z = np.asarray(z_LYX, dtype=np.float64)
+    finite = z[np.isfinite(z)]
+    lo = zmin if zmin is not None else (float(finite.min()) if finite.size else 0.0)
+    hi = zmax if zmax is not None else (float(finite.max()) if finite.size else 1.0)
+    fig = go.Figure()
+    for i in range(z.shape[0]):
+        fig.add_trace(
+            go.Heatmap(
+                z=z[i],
+                x=[str(v) for v in x],
+                y=[str(v) for v in y],
+                colorscale=colorscale,
+                reversescale=reverse,
+                zmin=lo,
+                zmax=hi,
+                zmid=zmid,
+                colorbar=_colorbar(value_title),
+                visible=i == 0,
+                name=f"layer {layer_labels[i]}",
+                hovertemplate=f"layer {layer_labels[i]}<br>{y_title} %{{y}}<br>{x_title} %{{x}}<br>"
+                f"{value_title} %{{z:{value_format}}}<extra></extra>",
+                texttemplate=f"%{{z:{value_format}}}" if show_values else None,
+            )
+        )
+    fig.update_layout(
+        sliders=layer_slider(z.shape[0], traces_per_layer=1, layer_labels=[str(v) for v in layer_labels]),
+        xaxis={"title": {"text": x_title}, "type": "category"},
+        yaxis={"title": {"text": y_title}, "type": "category", "autorange": "reversed"},
+    )
+    return finish(fig, what=what, source=source, height=height)
+
+
+def lines_by_layer(
+    series: dict[str, np.ndarray],
+    *,
+    layers: Sequence[Any],
+    y_title: str,
+    what: str,
+    source: str,
+    reference: dict[str, float] | None = None,
+    y_range: tuple[float, float] | None = None,
+    colours: dict[str, str] | None = None,
+    dash: dict[str, str] | None = None,
+    height: int = 420,
+) -> Any:
+    """One line per named series over layers (x axis: the model's layer index), plus horizontal
+    reference lines (``{"chance": 0.5}``) drawn in grey and labelled."""
+    go = plotly_go()
+    colours = colours or category_colours(list(series))
+    fig = go.Figure()
+    xs = [int(v) if isinstance(v, (int, np.integer)) else v for v in layers]
+    for name, y_L in series.items():
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=np.asarray(y_L, dtype=np.float64),
+                mode="lines+markers",
+                name=name,
+                line={"color": colours.get(name), "dash": (dash or {}).get(name, "solid")},
+                hovertemplate=f"{name}<br>layer %{{x}}<br>{y_title} %{{y:.3f}}<extra></extra>",
+            )
+        )
+    for name, value in (reference or {}).items():
+        fig.add_hline(
+            y=value,
+            line={"color": REFERENCE_LINE, "dash": "dot", "width": 1.5},
+            annotation={"text": f"{name} ({value:.3g})", "font": {"size": 11, "color": REFERENCE_LINE}},
+            annotation_position="top left",
+        )
+    fig.update_layout(xaxis={"title": {"text": "layer (model index)"}}, yaxis={"title": {"text": y_title}})
+    if y_range is not None:
+        fig.update_yaxes(range=list(y_range))
+    return finish(fig, what=what, source=source, height=height)
+
+
+def distributions(
+    values: dict[str, np.ndarray],
+    *,
+    value_title: str,
+    what: str,
+    source: str,
+    category_title: str,
+    kind: str = "box",
+    reference: dict[str, float] | None = None,
+    colours: dict[str, str] | None = None,
+    height: int = 420,
+) -> Any:
+    """A box (or violin) per category of the values ``values[name]`` [B]."""
+    go = plotly_go()
+    colours = colours or category_colours(list(values))
+    fig = go.Figure()
+    for name, v_B in values.items():
+        v = np.asarray(v_B, dtype=np.float64)
+        common = dict(
+            y=v,
+            name=str(name),
+            marker_color=colours.get(name),
+            hovertemplate=f"{name}<br>{value_title} %{{y:.3f}}<extra></extra>",
+        )
+        if kind == "violin":
+            fig.add_trace(go.Violin(**common, box_visible=True, meanline_visible=False, points=False))
+        else:
+            fig.add_trace(go.Box(**common, boxpoints="outliers"))
+    for name, value in (reference or {}).items():
+        fig.add_hline(
+            y=value,
+            line={"color": REFERENCE_LINE, "dash": "dot", "width": 1.5},
+            annotation={"text": f"{name} ({value:.3g})", "font": {"size": 11, "color": REFERENCE_LINE}},
+            annotation_position="top left",
+        )
+    fig.update_layout(
+        xaxis={"title": {"text": category_title}}, yaxis={"title": {"text": value_title}}, showlegend=False
+    )
+    return finish(fig, what=what, source=source, height=height)
+
+
+def scatter_by_category(
+    x_N: np.ndarray,
+    y_N: np.ndarray,
+    *,
+    category_N: Sequence[str],
+    hover_N: dict[str, np.ndarray],
+    x_title: str,
+    y_title: str,
+    what: str,
+    source: str,
+    max_points: int,
+    seed: int,
+    height: int = 560,
+) -> Any:
+    """A WebGL scatter coloured by category, sampled down to ``max_points`` with the cap printed on it.
+
+    ``hover_N``: extra per-point columns shown on hover (e.g. request id, prompt tokens).
+    """
+    go = plotly_go()
+    x_N, y_N = np.asarray(x_N), np.asarray(y_N)
+    cat_N = np.asarray(category_N).astype(str)
+    idx, note = downsample(x_N.shape[0], cap=max_points, seed=seed)
+    names = list(hover_N)
+    custom_NH = np.stack([np.asarray(hover_N[n])[idx] for n in names], axis=1) if names else None
+    hover = "<br>".join(f"{n} %{{customdata[{j}]}}" for j, n in enumerate(names))
+    colours = category_colours(cat_N.tolist())
+    fig = go.Figure()
+    cat_idx = cat_N[idx]
+    for name in sorted(colours):
+        sel = cat_idx == name
+        fig.add_trace(
+            go.Scattergl(
+                x=x_N[idx][sel],
+                y=y_N[idx][sel],
+                mode="markers",
+                name=name,
+                marker={"color": colours[name], "size": 6, "opacity": 0.8},
+                customdata=custom_NH[sel] if custom_NH is not None else None,
+                hovertemplate=f"<b>{name}</b><br>{hover}<extra></extra>",
+            )
+        )
+    fig.update_layout(
+        xaxis={"title": {"text": x_title}, "zeroline": False},
+        yaxis={"title": {"text": y_title}, "zeroline": False},
+        legend={"title": {"text": "dataset"}, "itemsizing": "constant"},
+    )
+    if note:
+        fig.add_annotation(**note_annotation(note))
+    return finish(fig, what=what, source=source, height=height)

@@ -1,0 +1,112 @@
+"""Read access to a results directory for the sections: its tables, its trace, its label.
+
+A results directory is what ``moetrace analyze`` or ``moetrace compare`` wrote: a ``manifest.json``
+naming the trace it was computed from and a set of Parquet/JSON files. A section asks for a file by
+name and gets ``None`` when it is absent (that section is then left out, with a note).
+
+Out of scope: recognising directories (``inputs``), drawing (``section_*``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from moetrace.dashboards.inputs import Input
+
+
+@dataclass(frozen=True, kw_only=True)
+class Results:
+    """One results directory."""
+
+    path: Path  # the directory
+    manifest: dict[str, Any]  # its manifest
+    kind: str  # "analysis" or "placement"
+
+    @classmethod
+    def from_input(cls, inp: Input) -> "Results":
+        return cls(path=inp.path, manifest=inp.manifest, kind=inp.kind)
+
+    def has(self, name: str) -> bool:
+        return (self.path / name).is_file()
+
+    def table(self, name: str) -> pl.DataFrame | None:
+        """The Parquet file ``name`` as a DataFrame, or None when it was not computed."""
+        return pl.read_parquet(self.path / name) if self.has(name) else None
+
+    def json(self, name: str) -> Any:
+        return json.loads((self.path / name).read_text()) if self.has(name) else None
+
+    def source(self, name: str) -> str:
+        """How a figure cites the file it was drawn from."""
+        return str(self.path / name)
+
+    @property
+    def trace_path(self) -> Path | None:
+        t = self.manifest.get("trace")
+        p = t.get("path") if isinstance(t, dict) else t if isinstance(t, str) else None
+        return Path(p) if p else None
+
+    @property
+    def model_name(self) -> str:
+        t = self.manifest.get("trace")
+        m = (t.get("model") if isinstance(t, dict) else None) or self.manifest.get("model") or {}
+        return str(m.get("name", "unknown model")) if isinstance(m, dict) else str(m)
+
+    @property
+    def label(self) -> str:
+        """``trace <name> (<model>), results <dir>``: the provenance line of every figure."""
+        tp = self.trace_path
+        trace = f"trace {tp.name}" if tp else "trace unknown"
+        return f"{trace} ({self.model_name}), {self.kind} results {self.path.name}"
+
+
+def layer_order(df: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct ``(layer, model_layer)`` of a results table, sorted by layer: (layer_L, model_layer_L)."""
+    u = df.select("layer", "model_layer").unique().sort("layer")
+    return u["layer"].to_numpy(), u["model_layer"].to_numpy()
+
+
+def datasets_all_last(values: list[str]) -> list[str]:
+    """Dataset labels sorted, with the pooled ``"all"`` scope last."""
+    named = sorted(v for v in set(values) if v != "all")
+    return named + (["all"] if "all" in values else [])
+
+
+def pivot_LX(df: pl.DataFrame, *, x: str, x_order: list[Any], value: str, layers_L: np.ndarray) -> np.ndarray:
+    """``value`` as a dense ``[L, X]`` float array (NaN where a cell is absent)."""
+    xi = {v: i for i, v in enumerate(x_order)}
+    li = {int(v): i for i, v in enumerate(layers_L)}
+    out = np.full((len(layers_L), len(x_order)), np.nan)
+    sub = df.filter(pl.col(x).is_in(list(x_order)) & pl.col("layer").is_in(list(li)))
+    if sub.height:
+        col = sub[x].replace_strict(xi, return_dtype=pl.Int64).to_numpy()
+        row = sub["layer"].cast(pl.Int64).replace_strict(li, return_dtype=pl.Int64).to_numpy()
+        out[row, col] = sub[value].cast(pl.Float64).fill_null(np.nan).to_numpy()
+    return out
+
+
+def box_stats(values_B: np.ndarray) -> dict[str, float]:
+    """Exact quartiles (numpy's linear interpolation), mean, min and max of ``values_B``; NaNs ignored.
+
+    Figures draw boxes from these numbers instead of shipping every value to the browser.
+    """
+    v = np.asarray(values_B, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return {"q1": np.nan, "median": np.nan, "q3": np.nan, "mean": np.nan, "lowerfence": np.nan, "upperfence": np.nan, "n": 0}
+    q1, med, q3 = np.quantile(v, [0.25, 0.5, 0.75])
+    return {
+        "q1": float(q1),
+        "median": float(med),
+        "q3": float(q3),
+        "mean": float(v.mean()),
+        "lowerfence": float(v.min()),
+        "upperfence": float(v.max()),
+        "n": int(v.size),
+    }

@@ -1,0 +1,200 @@
+"""Load-imbalance section, from ``moetrace analyze`` results.
+
+Figures (files and columns as written by ``moetrace.analysis.run``):
+
+- IF heatmap layer × dataset, one per stage: ``imbalance.parquet`` (dataset, stage, layer,
+  model_layer, imbalance_factor); the ``all`` column pools every dataset.
+- Expert-load heatmap layer × expert, a dropdown over (dataset, stage): ``expert_load.parquet``
+  (load = tokens routed to the expert / (T·k/E); 1 = balanced).
+- IF distribution over random serving-sized batches, a box per layer and stage, a dropdown over
+  the batch scope (``all`` = mixed batches, or single-dataset batches): ``batch_imbalance.parquet``.
+  Boxes are drawn from exact statistics of every batch (quartiles by linear interpolation,
+  whiskers from min to max, the mean dashed), so no batch is dropped and the page stays small.
+
+Shape legend: L layers, D datasets (+ ``all``), E experts, S stages, B batches.
+
+Out of scope: computing any of it (``moetrace.analysis.imbalance``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from moetrace.dashboards.figures import heatmap
+from moetrace.dashboards.page import Figure, Section
+from moetrace.dashboards.results import Results, box_stats, datasets_all_last, layer_order, pivot_LX
+from moetrace.dashboards.theme import (
+    OKABE_ITO,
+    REFERENCE_LINE,
+    SEQUENTIAL,
+    dropdown,
+    finish,
+    height_for_rows,
+    plotly_go,
+)
+
+STAGE_COLOURS = {"prefill": OKABE_ITO[4], "decode": OKABE_ITO[5]}  # blue, vermillion
+
+
+def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | None, list[str]]:
+    """The section (None when no imbalance results exist) and notes on figures left out."""
+    figures: list[Figure] = []
+    notes: list[str] = []
+    kp = f"{key_prefix}imbalance"
+
+    imb = res.table("imbalance.parquet")
+    if imb is not None:
+        layers_L, model_L = layer_order(imb)
+        ds = datasets_all_last(imb["dataset"].unique().to_list())
+        for stage in _stages(imb):
+            sub = imb.filter(pl.col("stage") == stage)
+            z_LD = pivot_LX(sub, x="dataset", x_order=ds, value="imbalance_factor", layers_L=layers_L)
+            fig = heatmap(
+                z_LD,
+                x=ds,
+                y=model_L,
+                x_title="dataset",
+                y_title="layer",
+                value_title="imbalance factor (max load, 1 = balanced)",
+                what=f"Imbalance factor by layer and dataset: {stage}",
+                source=res.label,
+                colorscale=SEQUENTIAL,
+                zmin=1.0,
+                value_format=".2f",
+                show_values=len(model_L) <= 24 and len(ds) <= 10,
+                height=height_for_rows(len(model_L)),
+            )
+            figures.append(
+                Figure(
+                    key=f"{kp}-if-{stage}",
+                    figure=fig,
+                    source=res.source("imbalance.parquet"),
+                    caption=f"IF of a layer = max over experts of (tokens routed to the expert) / (T·k/E), over all "
+                    f"{stage} tokens of the dataset; 'all' pools every dataset. The slowest expert bounds the layer.",
+                )
+            )
+    else:
+        notes.append("imbalance.parquet absent: no IF heatmap")
+
+    load = res.table("expert_load.parquet")
+    if load is not None:
+        figures.append(_expert_load_figure(load, res, key=f"{kp}-expert-load"))
+    else:
+        notes.append("expert_load.parquet absent: no expert-load heatmap")
+
+    bt = res.table("batch_imbalance.parquet")
+    if bt is not None:
+        figures.append(_batch_figure(bt, res, key=f"{kp}-batches"))
+    else:
+        notes.append("batch_imbalance.parquet absent: no IF distribution over batches")
+
+    if not figures:
+        return None, ["load imbalance: no imbalance results in " + str(res.path)]
+    summary = res.json("summary.json") or {}
+    bs = (summary.get("imbalance") or {}).get("batch_size")
+    intro = (
+        "How unevenly tokens spread over experts, per layer, dataset and stage (SPEC §3). "
+        + (f"Batches hold {bs} requests each. " if bs else "")
+    )
+    return Section(key=kp, title="Load imbalance", intro=intro, figures=tuple(figures), notes=tuple(notes)), []
+
+
+def _stages(df: pl.DataFrame) -> list[str]:
+    have = df["stage"].unique().to_list()
+    return [s for s in ("prefill", "decode") if s in have] + sorted(s for s in have if s not in ("prefill", "decode"))
+
+
+def _expert_load_figure(load: pl.DataFrame, res: Results, *, key: str) -> Figure:
+    go = plotly_go()
+    layers_L, model_L = layer_order(load)
+    experts = np.sort(load["expert"].unique().to_numpy())
+    ds = datasets_all_last(load["dataset"].unique().to_list())
+    stages = _stages(load)
+    scopes = [(d, s) for d in ds for s in stages]
+    # the pooled scope first: it is what a placement sees
+    scopes.sort(key=lambda ds_s: (ds_s[0] != "all", ds.index(ds_s[0]), stages.index(ds_s[1])))
+    zmax = float(load["load"].max())
+    fig = go.Figure()
+    for i, (d, s) in enumerate(scopes):
+        sub = load.filter((pl.col("dataset") == d) & (pl.col("stage") == s))
+        z_LE = pivot_LX(sub, x="expert", x_order=experts.tolist(), value="load", layers_L=layers_L)
+        fig.add_trace(
+            go.Heatmap(
+                z=z_LE.astype(np.float32),
+                x=experts,
+                y=[str(v) for v in model_L],
+                colorscale=SEQUENTIAL,
+                zmin=0.0,
+                zmax=zmax,
+                visible=i == 0,
+                name=f"{d} · {s}",
+                colorbar={"title": {"text": "expert load (1 = balanced)", "side": "right"}, "thickness": 14},
+                hovertemplate=f"{d} · {s}<br>layer %{{y}}<br>expert %{{x}}<br>load %{{z:.3f}}<extra></extra>",
+            )
+        )
+    vis = [[j == i for j in range(len(scopes))] for i in range(len(scopes))]
+    fig.update_layout(
+        updatemenus=dropdown([f"{d} · {s}" for d, s in scopes], vis, prefix=""),
+        xaxis={"title": {"text": "expert id"}},
+        yaxis={"title": {"text": "layer"}, "type": "category", "autorange": "reversed"},
+    )
+    finish(fig, what="Expert load by layer and expert (pick dataset · stage)", source=res.label,
+           height=height_for_rows(len(model_L)))  # fmt: skip
+    return Figure(
+        key=key,
+        figure=fig,
+        source=res.source("expert_load.parquet"),
+        caption="Expert load = tokens routed to the expert / (T·k/E) in the chosen dataset and stage; the colour "
+        "range is shared by every choice, so scopes compare directly.",
+    )
+
+
+def _batch_figure(bt: pl.DataFrame, res: Results, *, key: str) -> Figure:
+    go = plotly_go()
+    layers_L, model_L = layer_order(bt)
+    scopes = datasets_all_last(bt["dataset"].unique().to_list())
+    scopes = (["all"] if "all" in scopes else []) + [s for s in scopes if s != "all"]
+    stages = _stages(bt)
+    fig = go.Figure()
+    n_batches = {}
+    for scope in scopes:
+        for stage in stages:
+            sub = bt.filter((pl.col("dataset") == scope) & (pl.col("stage") == stage))
+            n_batches[scope] = int(sub["batch"].n_unique())
+            stats = [box_stats(sub.filter(pl.col("layer") == int(lay))["imbalance_factor"].to_numpy()) for lay in layers_L]
+            fig.add_trace(
+                go.Box(
+                    x=[str(v) for v in model_L],
+                    q1=[s["q1"] for s in stats],
+                    median=[s["median"] for s in stats],
+                    q3=[s["q3"] for s in stats],
+                    lowerfence=[s["lowerfence"] for s in stats],
+                    upperfence=[s["upperfence"] for s in stats],
+                    mean=[s["mean"] for s in stats],
+                    boxmean=True,
+                    name=stage,
+                    legendgroup=stage,
+                    marker_color=STAGE_COLOURS.get(stage, OKABE_ITO[2]),
+                    visible=scope == scopes[0],
+                    hoverinfo="x+y",
+                )
+            )
+    vis = [[sc == scope for sc in scopes for _ in stages] for scope in scopes]
+    labels = [f"mixed batches ({n_batches[s]})" if s == "all" else f"{s} batches ({n_batches[s]})" for s in scopes]
+    fig.add_hline(y=1.0, line={"color": REFERENCE_LINE, "dash": "dot", "width": 1})
+    fig.update_layout(
+        boxmode="group",
+        updatemenus=dropdown(labels, vis, prefix=""),
+        xaxis={"title": {"text": "layer"}, "type": "category"},
+        yaxis={"title": {"text": "imbalance factor of a batch (1 = balanced)"}},
+        legend={"title": {"text": "stage"}},
+    )
+    finish(fig, what="Imbalance factor over random serving-sized batches, per layer", source=res.label, height=460)
+    return Figure(
+        key=key,
+        figure=fig,
+        source=res.source("batch_imbalance.parquet"),
+        caption="Each box summarizes the IF of every batch (requests shuffled and cut into batches): box = quartiles, "
+        "line = median, dashed = mean, whiskers = min to max. The dotted line is perfect balance.",
+    )
