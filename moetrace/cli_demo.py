@@ -1,0 +1,79 @@
+"""``moetrace demo``: the whole pipeline on the embedded default, as the commands a user would type.
+
+Each step is printed as its command line and run through the same CLI in this process, so the demo
+is also a walkthrough: copy any line to repeat a step.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moetrace.cli_common import OutDir, Seed, err, friendly_errors
+
+SYNTH_DATASETS = "gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo_cmd)
+
+
+def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_requests: int, seed: int) -> list[list[str]]:
+    """The demo's command lines (without the leading ``moetrace``)."""
+    tiny, tiny_an = out / "traces" / "tiny-dsv3", out / "results" / "tiny-dsv3-analysis"
+    syn, syn_an, cmp_ = out / "traces" / "synth-dsv3", out / "results" / "synth-dsv3-analysis", out / "results" / "synth-dsv3-compare"
+    placement = out / "placement" / "improved.json"
+    return [
+        ["collect", "--model", "deepseek-v3-tiny", "--dataset", "bundled", "--per-dataset", str(per_dataset),
+         "--max-new-tokens", str(max_new_tokens), "--seed", str(seed), "-o", str(tiny), "--overwrite"],
+        ["validate", str(tiny)],
+        ["analyze", str(tiny), "-o", str(tiny_an), "--seed", str(seed), "--overwrite"],
+        ["synth", "--model", "deepseek-v3", "--datasets", SYNTH_DATASETS, "--requests", str(synth_requests),
+         "--seed", str(seed), "-o", str(syn), "--overwrite"],
+        ["validate", str(syn)],
+        ["analyze", str(syn), "-o", str(syn_an), "--seed", str(seed), "--overwrite"],
+        ["compare", str(syn), "--config", "DP8TP8EP64", "--strategies", "linear,round_robin,eplb,data,improved",
+         "--seed", str(seed), "-o", str(cmp_)],
+        ["place", str(syn), "--config", "DP8TP8EP64", "--strategy", "improved", "--seed", str(seed), "-o", str(placement)],
+        ["export", str(placement), "--format", "sglang", "-o", str(out / "placement" / "sglang-init-expert-location.json")],
+        ["export", str(placement), "--format", "trtllm", "-o", str(out / "placement" / "trtllm-moe-load-balancer.yaml")],
+        ["dashboard", str(tiny), str(tiny_an), str(syn), str(syn_an), str(cmp_), "-o", str(out / "report.html")],
+    ]
+
+
+@friendly_errors
+def demo_cmd(
+    out: OutDir = Path("demo-out"),
+    per_dataset: Annotated[int, typer.Option(help="Requests per bundled prompt set for the tiny-model collection.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="Generated tokens per request in the collection.")] = 32,
+    synth_requests: Annotated[int, typer.Option(help="Requests in the DeepSeek-V3-scale synthetic trace.")] = 2100,
+    seed: Seed = 0,
+) -> None:
+    """Run the whole pipeline on the embedded default (CPU, nothing downloaded) and write a dashboard.
+
+    Collects a trace with the tiny DeepSeek-V3 on the bundled prompts, validates and analyzes it,
+    synthesizes a DeepSeek-V3-scale trace with planted domain structure, compares expert placements
+    at DP8TP8EP64 on held-out requests, exports the best one, and writes report.html.
+
+    Example: moetrace demo -o demo-out
+    """
+    from moetrace.cli import app
+
+    t_all = time.perf_counter()
+    steps = demo_steps(out, per_dataset=per_dataset, max_new_tokens=max_new_tokens, synth_requests=synth_requests, seed=seed)
+    for i, args in enumerate(steps, 1):
+        typer.secho(f"\n[{i}/{len(steps)}] $ moetrace {shlex.join(args)}", fg=typer.colors.CYAN, bold=True)
+        t0 = time.perf_counter()
+        code = app(args, prog_name="moetrace", standalone_mode=False)
+        if code not in (None, 0):
+            err(f"step {i} failed (exit {code}); fix the problem above and re-run, or run the step alone")
+            raise typer.Exit(code)
+        typer.echo(f"  ({time.perf_counter() - t0:.1f}s)")
+    report = (out / "report.html").resolve()
+    typer.secho(f"\ndemo finished in {time.perf_counter() - t_all:.0f}s", fg=typer.colors.GREEN, bold=True)
+    typer.echo(f"dashboard: {report}")
+    typer.echo(f"open it in a browser: file://{report}")
