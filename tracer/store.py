@@ -143,6 +143,8 @@ class TraceWriter:
         self.part_tokens = int(part_tokens)
         self.compression = None if compression == "none" else compression
         self._manifest_path = self.path / manifest_name
+        # a shard writer (own manifest file) sees only its own part files: shards share the directory
+        self._own_parts_glob = f"{part_prefix}-*.parquet" if manifest_name != MANIFEST else "*.parquet"
         self.routing_schema = routing_schema(model.ids_per_token, with_weights=with_weights)
         self.requests_schema = requests_schema(with_text=with_text)
         self._closed = False
@@ -166,7 +168,10 @@ class TraceWriter:
 
     # ------------------------------------------------------------------ directory handling
     def _prepare_directory(self, on_existing: OnExisting, *, backend: dict, collection: dict) -> None:
-        exists = self._manifest_path.exists() or (self.path / ROUTING_DIR).exists()
+        if self._own_parts_glob == "*.parquet":
+            exists = self._manifest_path.exists() or (self.path / ROUTING_DIR).exists()
+        else:
+            exists = self._manifest_path.exists() or any((self.path / ROUTING_DIR).glob(self._own_parts_glob))
         if exists and on_existing == "refuse":
             raise OutputExistsError(
                 f"{self.path} already holds a trace. Re-run with --resume to continue it, or --overwrite "
@@ -197,6 +202,8 @@ class TraceWriter:
             d = self.path / sub
             if d.is_dir():
                 for f in d.iterdir():
+                    if self._own_parts_glob != "*.parquet" and not f.name.lstrip(".").startswith(f"{self.part_prefix}-"):
+                        continue  # another shard's file
                     if f.name.endswith(".parquet") or f.name.endswith(".parquet.tmp"):
                         f.unlink()
         if self._manifest_path.exists():
@@ -239,7 +246,8 @@ class TraceWriter:
     def _cleanup_uncommitted(self) -> None:
         """Remove temporary files and orphan routing parts (no matching requests part)."""
         for sub in (ROUTING_DIR, REQUESTS_DIR):
-            for f in (self.path / sub).glob(".*.tmp"):
+            tmp_glob = ".*.tmp" if self._own_parts_glob == "*.parquet" else f".{self.part_prefix}-*.tmp"
+            for f in (self.path / sub).glob(tmp_glob):
                 f.unlink()
         committed = {f.name for f in (self.path / REQUESTS_DIR).glob("*.parquet")}
         for f in (self.path / ROUTING_DIR).glob("*.parquet"):
@@ -247,7 +255,7 @@ class TraceWriter:
                 f.unlink()
 
     def _load_committed(self) -> None:
-        for f in sorted((self.path / REQUESTS_DIR).glob("*.parquet")):
+        for f in sorted((self.path / REQUESTS_DIR).glob(self._own_parts_glob)):
             ids = pq.read_table(f, columns=["request_id"]).column(0).to_numpy()
             self.completed_request_ids.update(int(x) for x in ids)
             self._prior_parts += 1
@@ -449,11 +457,12 @@ class TraceWriter:
         self._manifest.update(sections)
 
     def stats(self) -> WriterStats:
-        files = [*(self.path / ROUTING_DIR).glob("*.parquet"), *(self.path / REQUESTS_DIR).glob("*.parquet")]
+        own = self._own_parts_glob
+        files = [*(self.path / ROUTING_DIR).glob(own), *(self.path / REQUESTS_DIR).glob(own)]
         return WriterStats(
             num_requests=len(self.completed_request_ids),
             num_tokens=self._prior_tokens + self.num_tokens_written,
-            num_parts=len(list((self.path / REQUESTS_DIR).glob("*.parquet"))),
+            num_parts=len(list((self.path / REQUESTS_DIR).glob(own))),
             bytes_on_disk=sum(f.stat().st_size for f in files),
         )
 

@@ -1,0 +1,118 @@
+"""Sharded collection into one trace directory, and the merge of shard manifests (no Ray needed)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+
+import pytest
+
+from moetrace.errors import TraceFormatError
+from moetrace.tracer import sharding as S
+from moetrace.tracer.collect import CollectConfig
+from moetrace.tracer.datasets import load_prompts
+from moetrace.tracer.store import open_trace
+from moetrace.tracer.validate import find_problems
+
+CONFIG = CollectConfig(model="olmoe-1b-7b-tiny", datasets=("bundled",), per_dataset=2, max_new_tokens=3, batch_size=4)
+
+
+def test_shards_partition_the_run_and_mix_datasets():
+    prompts = load_prompts(["bundled"], per_dataset=3)
+    shards = [S.shard_prompts(prompts, shard=s, num_shards=4) for s in range(4)]
+    ids = sorted(p.request_id for sh in shards for p in sh)
+    assert ids == list(range(len(prompts)))
+    assert len({p.dataset for p in shards[0]}) >= 3  # interleaved ids: each shard gets several datasets
+    with pytest.raises(Exception, match="outside 0..3"):
+        S.shard_prompts(prompts, shard=4, num_shards=4)
+
+
+@pytest.fixture(scope="module")
+def sharded_trace(tmp_path_factory):
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("sharded") / "trace"
+    for s in (0, 2):  # shard 1 later: the merge must notice it missing
+        S.collect_shard(CONFIG, out=out, shard=s, num_shards=3, backend="hf")
+    return out
+
+
+def test_merge_refuses_a_missing_shard_then_merges_all(sharded_trace):
+    with pytest.raises(TraceFormatError, match=r"shards \[1\] of 3 have no manifest"):
+        S.merge_shards(sharded_trace)
+    stats = S.collect_shard(CONFIG, out=sharded_trace, shard=1, num_shards=3, backend="hf")
+    assert stats.num_requests == 3  # ids 1, 4, 7 of 10
+    manifest = S.merge_shards(sharded_trace)
+    assert manifest["complete"] is True and manifest["totals"]["num_requests"] == 10
+    assert [s["shard"] for s in manifest["shards"]] == [0, 1, 2]
+    assert "shard" not in manifest["collection"] and manifest["collection"]["num_shards"] == 3
+    assert find_problems(sharded_trace) == []
+    tr = open_trace(sharded_trace)
+    req = tr.requests().collect()
+    assert sorted(req["request_id"].to_list()) == list(range(10))
+    assert tr.routing().collect().height == manifest["totals"]["num_tokens"]
+    # resuming a finished shard runs nothing and leaves the other shards' files alone
+    before = sorted(p.name for p in (sharded_trace / "routing").iterdir())
+    again = S.collect_shard(CONFIG, out=sharded_trace, shard=1, num_shards=3, backend="hf", on_existing="resume")
+    assert again.num_requests == 3
+    assert sorted(p.name for p in (sharded_trace / "routing").iterdir()) == before
+
+
+def _shard_manifest(i: int, n: int, **over):
+    m = {"format": "moetrace.trace", "version": 1, "complete": True,
+         "model": {"name": "x", "moe_layers": [0, 1]}, "backend": {"name": "vllm", "vllm_version": "0.32.0"},
+         "collection": {"datasets": ["gsm8k"], "seed": 0, "shard": i, "num_shards": n},
+         "totals": {"num_requests": 5, "num_tokens": 50 + i}}
+    for k, v in over.items():
+        m[k] = v
+    return m
+
+
+def test_merge_manifests_checks_agreement():
+    good = {i: _shard_manifest(i, 2) for i in range(2)}
+    merged = S.merge_manifests(good)
+    assert merged["totals"] == {"num_requests": 10, "num_tokens": 101} and merged["complete"]
+    bad = copy.deepcopy(good)
+    bad[1]["model"]["moe_layers"] = [0]
+    bad[1]["collection"]["seed"] = 7
+    with pytest.raises(TraceFormatError) as exc:
+        S.merge_manifests(bad)
+    assert "shard 1: model differs" in str(exc.value) and "shard 1: collection differs" in str(exc.value)
+    unfinished = copy.deepcopy(good)
+    unfinished[0]["complete"] = False
+    with pytest.raises(TraceFormatError, match=r"shards \[0\] are not complete"):
+        S.merge_manifests(unfinished)
+    assert S.merge_manifests(unfinished, allow_incomplete=True)["complete"] is False
+    with pytest.raises(TraceFormatError, match="no shard manifests"):
+        S.merge_manifests({})
+
+
+def test_clashing_request_ids_are_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "requests").mkdir()
+    (tmp_path / "manifests").mkdir()
+    for i in range(2):
+        (tmp_path / "manifests" / f"shard-00{i}.json").write_text(json.dumps(_shard_manifest(i, 2)))
+        pq.write_table(pa.table({"request_id": pa.array([3, 4 + i], pa.int64())}),
+                       tmp_path / "requests" / f"shard00{i}-000000.parquet")
+    with pytest.raises(TraceFormatError, match="written by two shards .e.g. 3 by shards 0 and 1"):
+        S.merge_shards(tmp_path)
+
+
+@pytest.mark.slow
+def test_ray_runs_the_shards_as_tasks(tmp_path):
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed (pip install 'moetrace[ray]')")
+    pytest.importorskip("transformers")
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        manifest = S.collect_sharded_with_ray(CONFIG, out=tmp_path / "t", num_shards=2, backend="hf",
+                                              num_gpus_per_shard=0, ray_address=None)
+    finally:
+        ray.shutdown()
+    assert manifest["complete"] and manifest["totals"]["num_requests"] == 10
+    assert find_problems(tmp_path / "t") == []
