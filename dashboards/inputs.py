@@ -4,7 +4,8 @@ A directory is one of:
 
 - a **trace** (``manifest.json`` with ``format: "moetrace.trace"``, SPEC §2);
 - an **analysis** result (written by ``moetrace analyze``);
-- a **placement** result (written by ``moetrace compare`` / ``moetrace place``).
+- a **placement** result (written by ``moetrace compare``: ``compare.json`` beside ``layers.parquet``,
+  ``batches.parquet``, ``summary.parquet``, ``placements.parquet``).
 
 Anything else is an error that names the directory and what was expected, so a typo in a path
 never yields a silently empty report.
@@ -23,10 +24,13 @@ from moetrace.errors import TraceFormatError
 
 InputKind = Literal["trace", "analysis", "placement"]
 
-#: (manifest file name, value of its ``format`` key) -> kind; the first match wins
-MANIFESTS: tuple[tuple[str, str, InputKind], ...] = (
-    ("manifest.json", "moetrace.trace", "trace"),
-    ("manifest.json", "moetrace.analysis", "analysis"),
+#: (manifest file name, value of its ``format`` key, kind, keys it must have); the first match wins.
+#: ``compare.json`` carries no ``format`` key (as of this writing), so it is known by its keys.
+MANIFESTS: tuple[tuple[str, str | None, InputKind, tuple[str, ...]], ...] = (
+    ("manifest.json", "moetrace.trace", "trace", ()),
+    ("manifest.json", "moetrace.analysis", "analysis", ()),
+    ("compare.json", "moetrace.compare", "placement", ()),
+    ("compare.json", None, "placement", ("strategies", "reference", "num_ep")),
 )
 
 
@@ -55,18 +59,20 @@ def detect(path: str | Path) -> Input:
             f"{p}: no such directory. Pass trace directories and the output directories of "
             "`moetrace analyze` / `moetrace compare`."
         )
-    seen = []
-    for name, fmt, kind in MANIFESTS:
+    seen: list[str] = []
+    for name, fmt, kind, keys in MANIFESTS:
         f = p / name
         if not f.exists():
             continue
         manifest = _read_json(f)
         seen.append(f"{name} (format {manifest.get('format')!r})" if manifest else f"{name} (unreadable)")
-        if manifest is not None and manifest.get("format") == fmt:
+        if manifest is None:
+            continue
+        if (fmt is not None and manifest.get("format") == fmt) or (fmt is None and all(k in manifest for k in keys)):
             return Input(kind=kind, path=p, manifest=manifest)
-    expected = ", ".join(sorted({f"{n} with format {f!r}" for n, f, _ in MANIFESTS}))
+    expected = ", ".join(sorted({f"{n} with format {f!r}" for n, f, _, _ in MANIFESTS if f}))
     found = f"; found {', '.join(seen)}" if seen else ""
     raise TraceFormatError(
-        f"{p}: not a trace, analysis or placement result directory (expected {expected}{found}). "
+        f"{p}: not a trace, analysis or placement result directory (expected {expected}, or a compare.json{found}). "
         "Pass the directory given to -o of `moetrace analyze` or `moetrace compare`, or a trace directory."
     )

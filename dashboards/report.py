@@ -47,13 +47,15 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
     from moetrace.dashboards.section_correlation import correlation_section
     from moetrace.dashboards.section_imbalance import imbalance_section
     from moetrace.dashboards.section_overview import overview_section
+    from moetrace.dashboards.section_placement import placement_section
     from moetrace.tracer.store import open_trace
 
     traces = [i for i in inputs if i.kind == "trace"]
     analyses = [Results.from_input(i) for i in inputs if i.kind == "analysis"]
+    placements = [Results.from_input(i) for i in inputs if i.kind == "placement"]
     # a results directory names its trace: show that trace's overview too when it is at hand
     given = {t.path.resolve() for t in traces}
-    for r in analyses:
+    for r in [*analyses, *placements]:
         tp = r.trace_path
         if tp is not None and tp.resolve() not in given and (tp / "manifest.json").is_file():
             try:
@@ -83,6 +85,14 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
             omitted.extend(notes)
     if not analyses:
         omitted.append("load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs")
+    for n, r in enumerate(placements):
+        sec, notes = placement_section(r, key_prefix=f"p{n}-" if len(placements) > 1 else "")
+        if sec is not None:
+            sections.append(sec)
+        omitted.extend(notes)
+    if not placements:
+        omitted.append("placement: no `moetrace compare` results among the inputs")
+    omitted = list(dict.fromkeys(omitted))
     return sections, omitted
 
 

@@ -38,9 +38,13 @@ FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, 'DejaVu Sans', sans-serif"
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True, "showLink": False, "modeBarButtonsToRemove": ["sendDataToCloud"]}
 
 
+#: category order: Okabe-Ito without black, yellow last (it is faint on white)
+_CATEGORY_ORDER = (0, 1, 2, 4, 5, 6, 3)
+
+
 def category_colour(i: int) -> str:
     """Colour of the i-th category (datasets, strategies), cycling through Okabe-Ito without black."""
-    return OKABE_ITO[i % (len(OKABE_ITO) - 1)]
+    return OKABE_ITO[_CATEGORY_ORDER[i % len(_CATEGORY_ORDER)]]
 
 
 def category_colours(names: Sequence[str]) -> dict[str, str]:
