@@ -1,0 +1,185 @@
+"""``moetrace import``: SGLang /generate responses and per-token JSONL → trace format v1."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from moetrace.cli import app
+from moetrace.errors import ModelError, TraceFormatError
+from moetrace.tracer.importers import import_trace, model_info_for_import, sglang_response_rows
+from moetrace.tracer.presets import model_info_for
+from moetrace.tracer.store import open_trace
+from moetrace.tracer.validate import find_problems
+
+MAV = model_info_for("llama4-maverick-tiny")  # 48 layers, MoE every 2nd (1, 3, ..., 47), 128 experts, top-1
+OLMOE = model_info_for("olmoe-1b-7b-tiny")  # 16 layers all MoE, 64 experts, top-8
+
+
+def planted(n: int, info, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([np.stack([rng.choice(info.num_experts, info.top_k, replace=False) for _ in info.moe_layers])
+                     for _ in range(n)]).astype(np.int32)
+
+
+def sglang_response(prompt: int, output: int, truth_NLK: np.ndarray, info, *, start: int = 0, all_layers=True,
+                    **top):
+    """A /generate response as SGLang returns it: base64 of int32 [rows, layers, top_k], rows
+    covering [start, prompt+output-1); the layer axis over all decoder layers (dense = 0)."""
+    rows = truth_NLK[start:]
+    if all_layers:
+        full = np.zeros((len(rows), info.num_hidden_layers, info.top_k), dtype="<i4")
+        full[:, list(info.moe_layers)] = rows
+        rows = full
+    meta = {"id": "a1b2", "prompt_tokens": prompt, "completion_tokens": output, "cached_tokens": 0,
+            "finish_reason": {"type": "length", "length": output},
+            "routed_experts": base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode()}
+    if start:
+        meta["routed_experts_start_len"] = start
+    return {"text": "...", "output_ids": list(range(output)), "meta_info": meta, **top}
+
+
+def test_sglang_response_rows_drop_dense_layers_and_mark_final_token():
+    truth = planted(5 + 3 - 1, MAV, 0)
+    P, O, rows = sglang_response_rows(sglang_response(5, 3, truth, MAV), info=MAV)
+    assert (P, O) == (5, 3) and rows.shape == (8, 24)
+    np.testing.assert_array_equal(rows[:-1], truth.reshape(7, 24))
+    assert (rows[-1] == -1).all()
+
+
+def test_sglang_start_len_leaves_skipped_prefix_unrecorded():
+    truth = planted(6 + 2 - 1, OLMOE, 1)
+    P, O, rows = sglang_response_rows(sglang_response(6, 2, truth, OLMOE, start=4, all_layers=False), info=OLMOE)
+    assert (rows[:4] == -1).all() and (rows[-1] == -1).all()
+    np.testing.assert_array_equal(rows[4:7], truth[4:].reshape(3, -1))
+
+
+def test_sglang_jsonl_several_requests_batched_line_and_labels(tmp_path):
+    shapes = [(5, 3), (2, 1), (7, 4)]
+    truths = [planted(p + o - 1, MAV, i) for i, (p, o) in enumerate(shapes)]
+    resps = [sglang_response(p, o, t, MAV) for (p, o), t in zip(shapes, truths)]
+    resps[2]["dataset"] = "code"
+    src = tmp_path / "gsm8k-run.jsonl"
+    src.write_text(json.dumps(resps[0]) + "\n" + json.dumps(resps[1:]) + "\n")  # a batched response list
+    stats = import_trace(src, out=tmp_path / "t", model=MAV)
+    assert (stats.num_requests, stats.num_tokens) == (3, sum(p + o for p, o in shapes))
+    assert find_problems(tmp_path / "t") == []
+    tr = open_trace(tmp_path / "t")
+    assert tr.manifest["backend"] == {"name": "import", "source_format": "sglang", "source_file": str(src)}
+    assert tr.manifest["collection"]["datasets"] == ["code", "gsm8k-run"]
+    ta = tr.token_arrays()
+    for rid, ((p, o), t) in enumerate(zip(shapes, truths)):
+        sel = ta.request_id_T == rid
+        assert ta.is_decode_T[sel].tolist() == [False] * p + [True] * o
+        np.testing.assert_array_equal(ta.topk_ids_TLK[sel][:-1], t)
+
+
+def test_sglang_errors_name_the_fix(tmp_path):
+    resp = sglang_response(3, 2, planted(4, MAV, 0), MAV)
+    del resp["meta_info"]["routed_experts"]
+    src = tmp_path / "r.jsonl"
+    src.write_text(json.dumps(resp) + "\n")
+    with pytest.raises(TraceFormatError, match=r"r.jsonl:1: .*--enable-return-routed-experts"):
+        import_trace(src, out=tmp_path / "t", model=MAV)
+    short = sglang_response(3, 2, planted(4, MAV, 0), MAV)
+    short["meta_info"]["completion_tokens"] = 5  # rows no longer match the token counts
+    src.write_text(json.dumps(short) + "\n")
+    with pytest.raises(TraceFormatError, match="not a multiple|cover"):
+        import_trace(src, out=tmp_path / "t2", model=MAV)
+    wrong_model = sglang_response(3, 2, planted(4, MAV, 0), MAV)
+    src.write_text(json.dumps(wrong_model) + "\n")
+    with pytest.raises(TraceFormatError):
+        import_trace(src, out=tmp_path / "t3", model=OLMOE)
+
+
+def token_records(truths: dict, prompts: dict, info, *, skip=()):
+    out = []
+    for rid, t in truths.items():
+        for pos in range(t.shape[0]):
+            for li, layer in enumerate(info.moe_layers):
+                if (rid, pos, layer) in skip:
+                    continue
+                out.append({"request": rid, "layer": layer, "position": pos,
+                            "stage": "prefill" if pos < prompts[rid] else "decode",
+                            "experts": t[pos, li].tolist(), "dataset": f"ds-{rid}"})
+    return out
+
+
+def test_tokens_jsonl_round_trip_with_gaps(tmp_path):
+    truths = {"req-b": planted(6, MAV, 3), "req-a": planted(4, MAV, 4)}
+    prompts = {"req-b": 4, "req-a": 1}
+    recs = token_records(truths, prompts, MAV, skip={("req-b", 2, 5)})
+    for r in recs:
+        r["dataset"] = "chat" if r["request"] == "req-b" else "code"
+    rng = np.random.default_rng(0)
+    src = tmp_path / "tokens.jsonl"
+    src.write_text("".join(json.dumps(recs[i]) + "\n" for i in rng.permutation(len(recs))))  # any order
+    import_trace(src, out=tmp_path / "t", model=MAV)
+    assert find_problems(tmp_path / "t") == []
+    tr = open_trace(tmp_path / "t")
+    assert tr.manifest["backend"]["source_format"] == "tokens"
+    req = tr.requests().collect().sort("request_id")
+    ta = tr.token_arrays()
+    for name, t in truths.items():
+        rid = req.filter(req["dataset"] == ("chat" if name == "req-b" else "code"))["request_id"][0]
+        sel = ta.request_id_T == rid
+        got = ta.topk_ids_TLK[sel]
+        want = t.copy()
+        if name == "req-b":
+            want[2, MAV.moe_layers.index(5)] = -1  # the missing record
+        np.testing.assert_array_equal(got, want)
+        assert int(ta.is_decode_T[sel].sum()) == t.shape[0] - prompts[name]
+    assert sorted(req["request_id"].to_list()) == [0, 1]  # string ids numbered 0..R-1
+
+
+def test_tokens_errors(tmp_path):
+    t = planted(3, MAV, 0)
+    bad_layer = token_records({0: t}, {0: 2}, MAV)
+    bad_layer[0]["layer"] = 2  # a dense layer of Maverick
+    src = tmp_path / "x.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in bad_layer))
+    with pytest.raises(TraceFormatError, match="layer 2 is not a MoE layer"):
+        import_trace(src, out=tmp_path / "t1", model=MAV)
+    order = token_records({0: t}, {0: 2}, MAV)
+    for r in order:
+        r["stage"] = "decode" if r["position"] == 0 else "prefill"
+    src.write_text("".join(json.dumps(r) + "\n" for r in order))
+    with pytest.raises(TraceFormatError, match="prefill position comes after a decode"):
+        import_trace(src, out=tmp_path / "t2", model=MAV, source_format="tokens")
+    nostage = [{k: v for k, v in r.items() if k != "stage"} for r in token_records({0: t}, {0: 2}, MAV)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in nostage))
+    with pytest.raises(TraceFormatError, match=r"lack \['stage'\]"):
+        import_trace(src, out=tmp_path / "t3", model=MAV, source_format="tokens")
+    src.write_text(json.dumps({"foo": 1}) + "\n")
+    with pytest.raises(TraceFormatError, match="Pass --format"):
+        import_trace(src, out=tmp_path / "t4", model=MAV)
+
+
+def test_model_from_hf_config_file(tmp_path):
+    cfg = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 6,
+           "first_k_dense_replace": 2, "moe_layer_freq": 1, "n_routed_experts": 32, "num_experts_per_tok": 4,
+           "n_shared_experts": 1, "hidden_size": 256, "n_group": 4, "topk_group": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    info = model_info_for_import(str(tmp_path))
+    assert info.moe_layers == (2, 3, 4, 5) and info.num_experts == 32 and info.n_group == 4
+    with pytest.raises(ModelError, match="neither a preset"):
+        model_info_for_import(str(tmp_path / "nothing"))
+
+
+def test_cli_import_and_clean_errors(tmp_path):
+    truth = planted(4, OLMOE, 0)
+    src = tmp_path / "s.jsonl"
+    src.write_text(json.dumps(sglang_response(3, 2, truth, OLMOE)) + "\n")
+    runner = CliRunner()
+    res = runner.invoke(app, ["import", str(src), "--model", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t")])
+    assert res.exit_code == 0, res.output
+    assert "1 requests, 5 tokens" in res.output
+    res = runner.invoke(app, ["import", str(src), "--model", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t")])
+    assert res.exit_code == 2 and "already holds a trace" in res.output and "Traceback" not in res.output
+    res = runner.invoke(app, ["import", str(src), "--model", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t"),
+                              "--overwrite"])
+    assert res.exit_code == 0

@@ -1,0 +1,290 @@
+"""Import routing recorded by other tools into trace format v1.
+
+Source formats:
+
+``sglang``
+    JSONL of SGLang ``/generate`` responses from a server started with
+    ``--enable-return-routed-experts`` and requests sent with ``"return_routed_experts": true``.
+    Each line is one response object (or a JSON list of them, as a batched ``/generate`` returns).
+    ``meta_info.routed_experts`` is base64 of little-endian int32, flattened
+    ``[rows, num_layers, top_k]`` covering positions ``[routed_experts_start_len, seqlen - 1)``
+    (``seqlen`` = ``prompt_tokens + completion_tokens``; the last generated token is never
+    forwarded); ``num_layers`` is all decoder layers (dense ones hold zeros) or only the MoE ones.
+    Optional top-level ``request_id`` (int) and ``dataset`` keys, added by the user, are kept;
+    otherwise the request id is the response's order in the input and the dataset is ``--dataset``
+    or the file stem.
+
+``tokens``
+    JSONL of per-token, per-layer records ``{"request", "layer", "position", "stage", "experts"}``:
+    ``request`` an int or string id, ``layer`` the model layer index (one of the model's MoE
+    layers), ``position`` 0-based in prompt + output, ``stage`` ``prefill`` or ``decode``,
+    ``experts`` the top-k expert ids (``-1`` allowed); optional ``dataset``. Missing
+    (position, layer) pairs become ``-1``.
+
+Shape legend: R requests, T tokens, L MoE layers, K top-k, X = L*K.
+
+Out of scope: collecting (``collect``, ``vllm_backend``), SGLang's other recorders (the
+``per_token`` expert-distribution dumps carry physical ids and no request ids).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import numpy as np
+
+from moetrace.errors import ModelError, TraceFormatError
+from moetrace.tracer.schema import NO_EXPERT, ModelInfo
+from moetrace.tracer.store import OnExisting, TraceWriter, WriterStats
+from moetrace.tracer.vllm_backend import routed_experts_to_rows
+
+SourceFormat = Literal["auto", "sglang", "tokens"]
+
+
+def decode_sglang_routed_experts(payload: str, *, num_rows: int, top_k: int) -> np.ndarray:
+    """SGLang's base64 int32 payload as ``[num_rows, A, top_k]`` int32 (A = layers it recorded)."""
+    try:
+        flat = np.frombuffer(base64.b64decode(payload, validate=True), dtype="<i4")
+    except (ValueError, TypeError) as exc:
+        raise TraceFormatError(f"routed_experts is not base64 ({exc})") from exc
+    if num_rows == 0:
+        return flat.reshape(0, 0, top_k)
+    if flat.size % (num_rows * top_k):
+        raise TraceFormatError(
+            f"routed_experts holds {flat.size} ids, not a multiple of {num_rows} rows x top_k {top_k}"
+        )
+    return flat.reshape(num_rows, -1, top_k)
+
+
+def sglang_response_rows(resp: dict[str, Any], *, info: ModelInfo) -> tuple[int, int, np.ndarray]:
+    """``(prompt_tokens, output_tokens, experts_TX)`` of one SGLang ``/generate`` response."""
+    meta = resp.get("meta_info")
+    if not isinstance(meta, dict):
+        raise TraceFormatError("no meta_info object (is this a /generate response?)")
+    payload = meta.get("routed_experts")
+    if payload is None:
+        raise TraceFormatError(
+            "meta_info has no routed_experts: start SGLang with --enable-return-routed-experts and send "
+            '"return_routed_experts": true with each request'
+        )
+    P, O = int(meta["prompt_tokens"]), int(meta["completion_tokens"])
+    start = int(meta.get("routed_experts_start_len", 0) or 0)
+    T = P + O
+    if not 0 <= start <= T - 1:
+        raise TraceFormatError(f"routed_experts_start_len {start} outside 0..{T - 1}")
+    arr = decode_sglang_routed_experts(payload, num_rows=T - 1 - start, top_k=info.top_k)
+    if start:  # positions before the start were not returned: nothing recorded
+        A = arr.shape[1] if arr.size else info.num_hidden_layers
+        arr = np.concatenate([np.full((start, A, info.top_k), NO_EXPERT, dtype=np.int32), arr.reshape(-1, A, info.top_k)])
+    try:
+        rows = routed_experts_to_rows(arr, moe_layers=info.moe_layers, num_hidden_layers=info.num_hidden_layers,
+                                      num_experts=info.num_experts, prompt_tokens=P, output_tokens=O)
+    except ValueError as exc:
+        raise TraceFormatError(str(exc)) from exc
+    return P, O, rows
+
+
+def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceFormatError(f"{path}:{n}: not valid JSON ({exc})") from exc
+
+
+def detect_format(path: Path) -> Literal["sglang", "tokens"]:
+    """The source format of a JSONL file, from its first record."""
+    for n, obj in _iter_json_lines(path):
+        first = obj[0] if isinstance(obj, list) and obj else obj
+        if isinstance(first, dict) and "meta_info" in first:
+            return "sglang"
+        if isinstance(first, dict) and {"request", "layer", "position", "experts"} <= set(first):
+            return "tokens"
+        keys = sorted(first) if isinstance(first, dict) else type(first).__name__
+        raise TraceFormatError(
+            f"{path}:{n}: neither an SGLang /generate response (meta_info) nor a per-token record "
+            f"(request, layer, position, stage, experts); found {keys}. Pass --format to say which."
+        )
+    raise TraceFormatError(f"{path}: empty file")
+
+
+def model_info_for_import(model: str) -> ModelInfo:
+    """A preset name, or an HF ``config.json`` (or a directory holding one): layers, experts, top-k."""
+    from moetrace.tracer.presets import is_preset, model_info_for, model_info_from_hf_config
+
+    if is_preset(model):
+        return model_info_for(model)
+    p = Path(model)
+    cfg_path = p / "config.json" if p.is_dir() else p
+    if not cfg_path.is_file():
+        raise ModelError(f"--model {model!r} is neither a preset (see `moetrace models`) nor an HF config.json")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{cfg_path}: not valid JSON ({exc})") from exc
+    return model_info_from_hf_config(cfg, name=str(model), source=str(p))
+
+
+def import_trace(
+    path: str | os.PathLike,
+    *,
+    out: str | os.PathLike,
+    model: ModelInfo,
+    source_format: SourceFormat = "auto",
+    dataset: str | None = None,
+    on_existing: OnExisting = "refuse",
+) -> WriterStats:
+    """Convert one input file into the trace directory ``out``; returns what was written."""
+    src = Path(path)
+    if not src.is_file():
+        raise TraceFormatError(f"{src}: no such file")
+    fmt = detect_format(src) if source_format == "auto" else source_format
+    label = dataset or src.stem
+    backend = {"name": "import", "source_format": fmt, "source_file": str(src)}
+    collection = {"datasets": [label] if dataset else [], "imported_from": src.name}
+    with TraceWriter(out, model=model, backend=backend, collection=collection, on_existing=on_existing) as writer:
+        if fmt == "sglang":
+            datasets = _import_sglang(src, writer=writer, info=model, label=label)
+        else:
+            datasets = _import_tokens(src, writer=writer, info=model, label=label)
+        writer.update_manifest(collection={**collection, "datasets": sorted(datasets)})
+    return writer.stats()
+
+
+def _import_sglang(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str) -> set[str]:
+    seen: set[str] = set()
+    index = 0
+    batch: list[tuple[int, str, int, int, np.ndarray]] = []
+
+    def flush() -> None:
+        if not batch:
+            return
+        writer.add_requests(
+            request_id_R=np.array([b[0] for b in batch], dtype=np.int64),
+            dataset_R=[b[1] for b in batch],
+            prompt_tokens_R=np.array([b[2] for b in batch], dtype=np.int32),
+            output_tokens_R=np.array([b[3] for b in batch], dtype=np.int32),
+            experts_TX=np.concatenate([b[4] for b in batch]),
+        )
+        batch.clear()
+
+    for n, obj in _iter_json_lines(src):
+        for resp in obj if isinstance(obj, list) else [obj]:
+            if not isinstance(resp, dict):
+                raise TraceFormatError(f"{src}:{n}: expected a response object, got {type(resp).__name__}")
+            try:
+                P, O, rows = sglang_response_rows(resp, info=info)
+            except (TraceFormatError, KeyError) as exc:
+                raise TraceFormatError(f"{src}:{n}: {exc}") from exc
+            rid = int(resp["request_id"]) if "request_id" in resp else index
+            ds = str(resp.get("dataset", label))
+            seen.add(ds)
+            batch.append((rid, ds, P, O, rows))
+            index += 1
+            if len(batch) >= 512:
+                flush()
+    flush()
+    return seen
+
+
+def tokens_to_requests(
+    request_N: np.ndarray,
+    layer_N: np.ndarray,
+    position_N: np.ndarray,
+    is_decode_N: np.ndarray,
+    experts_NK: np.ndarray,
+    *,
+    info: ModelInfo,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-(token, layer) records → ``(request_id_R, prompt_tokens_R, output_tokens_R, experts_TX)``.
+
+    ``request_N`` int64 ids, ``layer_N`` model layer indices, ``position_N`` 0-based,
+    ``is_decode_N`` bool, ``experts_NK`` int. Requests come out in ascending id order; a request
+    has positions ``0..max`` (pairs with no record are ``-1``) and its prefill positions must be
+    exactly ``0..P-1``. Raises ``TraceFormatError`` naming the first offending request.
+    """
+    L, K = info.num_moe_layers, info.top_k
+    if experts_NK.ndim != 2 or experts_NK.shape[1] != K:
+        raise TraceFormatError(f"every record needs {K} experts (top_k of {info.name}); got shape {experts_NK.shape}")
+    ordinal = np.full(info.num_hidden_layers, -1, dtype=np.int64)
+    ordinal[list(info.moe_layers)] = np.arange(L)
+    bad_layer = (layer_N < 0) | (layer_N >= info.num_hidden_layers)
+    bad_layer[~bad_layer] = ordinal[layer_N[~bad_layer]] < 0
+    if bad_layer.any():
+        raise TraceFormatError(
+            f"layer {int(layer_N[bad_layer][0])} is not a MoE layer of {info.name} (MoE layers: "
+            f"{info.moe_layers[0]}..{info.moe_layers[-1]}, {L} of them); `layer` is the model layer index"
+        )
+    if (position_N < 0).any():
+        raise TraceFormatError("negative position")
+    if ((experts_NK < NO_EXPERT) | (experts_NK >= info.num_experts)).any():
+        raise TraceFormatError(f"expert ids outside 0..{info.num_experts - 1} (or -1)")
+    rids, inv = np.unique(request_N, return_inverse=True)
+    R = len(rids)
+    T_R = np.zeros(R, dtype=np.int64)
+    np.maximum.at(T_R, inv, position_N + 1)
+    P_R = np.full(R, np.iinfo(np.int64).max, dtype=np.int64)  # first decode position
+    np.minimum.at(P_R, inv[is_decode_N], position_N[is_decode_N])
+    P_R = np.minimum(P_R, T_R)
+    last_prefill = np.full(R, -1, dtype=np.int64)
+    np.maximum.at(last_prefill, inv[~is_decode_N], position_N[~is_decode_N])
+    wrong = last_prefill >= P_R
+    if wrong.any():
+        raise TraceFormatError(f"request {rids[wrong][0]}: a prefill position comes after a decode position")
+    if (P_R < 1).any():
+        raise TraceFormatError(f"request {rids[P_R < 1][0]}: no prefill position 0 (every request needs a prompt)")
+    starts = np.zeros(R, dtype=np.int64)
+    np.cumsum(T_R[:-1], out=starts[1:])
+    experts_TLK = np.full((int(T_R.sum()), L, K), NO_EXPERT, dtype=np.int16)
+    row = starts[inv] + position_N
+    col = ordinal[layer_N]
+    flat = row * L + col
+    if len(np.unique(flat)) != len(flat):
+        raise TraceFormatError("a (request, position, layer) appears twice")
+    experts_TLK[row, col] = experts_NK
+    return rids.astype(np.int64), P_R.astype(np.int32), (T_R - P_R).astype(np.int32), experts_TLK.reshape(-1, L * K)
+
+
+def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str) -> set[str]:
+    import polars as pl
+
+    try:
+        df = pl.read_ndjson(src, infer_schema_length=None)
+    except Exception as exc:  # polars raises its own error classes on malformed JSON
+        raise TraceFormatError(f"{src}: cannot be read as JSON lines ({exc})") from exc
+    missing = [c for c in ("request", "layer", "position", "stage", "experts") if c not in df.columns]
+    if missing:
+        raise TraceFormatError(f"{src}: records lack {missing}; each needs request, layer, position, stage, experts")
+    stages = set(df["stage"].unique().to_list())
+    if not stages <= {"prefill", "decode"}:
+        raise TraceFormatError(f"{src}: stage must be 'prefill' or 'decode', found {sorted(map(str, stages))}")
+    req = df["request"]
+    if req.dtype.is_integer():
+        request_N = req.cast(pl.Int64).to_numpy()
+    else:  # string ids: numbered in order of first appearance
+        codes = {r: i for i, r in enumerate(dict.fromkeys(req.cast(pl.String).to_list()))}
+        request_N = np.array([codes[r] for r in req.cast(pl.String).to_list()], dtype=np.int64)
+    lens = df["experts"].list.len().to_numpy()
+    if (lens != info.top_k).any():
+        raise TraceFormatError(f"{src}: a record has {int(lens[lens != info.top_k][0])} experts; {info.name} has top_k {info.top_k}")
+    experts_NK = np.asarray(df["experts"].list.explode().cast(pl.Int64).to_numpy()).reshape(-1, info.top_k)
+    rid_R, P_R, O_R, experts_TX = tokens_to_requests(
+        request_N, df["layer"].cast(pl.Int64).to_numpy(), df["position"].cast(pl.Int64).to_numpy(),
+        (df["stage"] == "decode").to_numpy(), experts_NK, info=info,
+    )
+    if "dataset" in df.columns:
+        first = (pl.DataFrame({"r": request_N, "d": df["dataset"].cast(pl.String)})
+                 .group_by("r", maintain_order=True).first())
+        by_id = dict(zip(first["r"].to_list(), first["d"].to_list()))
+        ds_R = [by_id[int(r)] or label for r in rid_R]
+    else:
+        ds_R = [label] * len(rid_R)
+    writer.add_requests(request_id_R=rid_R, dataset_R=ds_R, prompt_tokens_R=P_R, output_tokens_R=O_R,
+                        experts_TX=experts_TX)
+    return set(ds_R)
