@@ -407,7 +407,7 @@ def collect_with_vllm(
     if writer.with_weights:
         raise ConfigError(
             "vLLM's routed-experts capture returns expert ids only, no routing weights; drop "
-            "--record-weights, or use --backend hf"
+            "--weights, or use --backend hf"
         )
     source, info = resolve_model(model)
     if tuple(writer.model.moe_layers) != info.moe_layers or writer.model.top_k != info.top_k:
