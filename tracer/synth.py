@@ -1,0 +1,666 @@
+"""Synthetic traces with planted, known structure (``moetrace synth``).
+
+The generative model, per MoE layer ``l`` (all randomness derived from one seed):
+
+1. *Planted profiles.* For each stage-role ``s`` (0: prefill, 1: decode-specific), every layer draws
+   Zipf score vectors ``z = -log(rank)`` over a random permutation of the experts: one shared by all
+   datasets, one per domain, one per dataset. A dataset's log-profile is
+   ``skew_DL * (w_shared*z_shared + w_domain*z_domain + w_dataset*z_dataset)`` (weights sum to 1, so a
+   single component gives weights exactly proportional to ``rank**-skew``). ``prefill_DLE`` is its
+   softmax. The decode profile is ``pd_mix * prefill + (1 - pd_mix) * decode_specific``.
+2. *Per request.* Each request draws ``F`` favourite experts per layer (uniformly, without replacement).
+3. *Per token and layer.* A candidate expert is drawn from the mixture
+   ``a * follow + (1-a) * ((1-v) * profile[dataset, stage, l] + v * uniform(favourites[request, l]))``
+   where ``follow`` picks one of the token's experts at layer ``l-1`` uniformly and maps it through the
+   planted ``affinity_map`` (a fixed permutation per layer pair), ``a = layer_affinity`` (0 at the first
+   MoE layer) and ``v = request_spread``. The top-k set is sampled *without replacement* by sequential
+   rejection: candidates are drawn i.i.d. from that mixture and the first ``K`` distinct ones are kept,
+   in draw order. This is exactly the Plackett-Luce law that Gumbel-top-k on the log-mixture samples,
+   at ``O(K)`` draws instead of ``O(E)``; rows that stay short after a few rounds finish with an exact
+   Gumbel-top-k over the dense mixture with the chosen experts removed.
+4. *Lengths.* Prompt and output lengths are log-normal per dataset, clipped. The final generated token
+   of a request carries ``-1`` ids, like a collected trace (it is never forwarded through the model).
+
+Requests are assigned to datasets round robin (``request_id % D``), generated in chunks of
+``chunk_requests`` ids; chunk ``c`` uses ``SeedSequence(seed, spawn_key=(1, c))`` and the planted truth
+``SeedSequence(seed, spawn_key=(0,))``, so the output is byte-identical whatever the number of worker
+processes. Chunks are written in request-id order through :class:`~moetrace.tracer.store.TraceWriter`.
+
+Shape legend: R requests, T tokens, L MoE layers, K top-k, E experts, D datasets, F favourite experts
+per request and layer, M candidate draws per (token, layer), N alias tables (= D*2*L), X = L*K.
+
+Out of scope: group-limited routing (DeepSeek-V3's ``n_group``/``topk_group`` constraint is not
+imposed), routing weights, token text; measuring the statistics (``synth_stats``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from importlib import resources
+from multiprocessing import get_all_start_methods, get_context
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal, Mapping, NamedTuple
+
+import numpy as np
+
+from moetrace.errors import ConfigError, OutputExistsError
+from moetrace.tracer.schema import NO_EXPERT, ModelInfo
+
+TRUTH_FILE = "truth.npz"
+PAPER_DATASETS = ("gsm8k", "math", "mbpp", "humaneval", "lmsys-chat", "xsum", "tldr")
+#: dataset -> domain; datasets of one domain share the domain component of their profiles
+DEFAULT_DOMAINS = {
+    "gsm8k": "math",
+    "math": "math",
+    "mbpp": "code",
+    "humaneval": "code",
+    "lmsys-chat": "chat",
+    "xsum": "summarization",
+    "tldr": "summarization",
+}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_M32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+
+
+# ====================================================================== configuration
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthDist:
+    """Log-normal token-length distribution of one dataset (medians in tokens)."""
+
+    prompt_median: float  # median prompt length, tokens
+    prompt_sigma: float  # standard deviation of log(prompt length)
+    output_median: float  # median generated tokens
+    output_sigma: float  # standard deviation of log(output length)
+    max_prompt: int = 8192  # prompts are clipped to 1..max_prompt
+    max_output: int = 4096  # outputs are clipped to 2..max_output (the last one carries -1 ids)
+
+
+#: rough shapes of the paper's datasets (prompt of the raw record plus a chat template; outputs of an
+#: instruction-tuned model at temperature 0); not measured, override per dataset with ``lengths``
+DEFAULT_LENGTHS: dict[str, LengthDist] = {
+    "gsm8k": LengthDist(prompt_median=110, prompt_sigma=0.3, output_median=220, output_sigma=0.4),
+    "math": LengthDist(prompt_median=90, prompt_sigma=0.5, output_median=450, output_sigma=0.6),
+    "mbpp": LengthDist(prompt_median=90, prompt_sigma=0.3, output_median=180, output_sigma=0.5),
+    "humaneval": LengthDist(prompt_median=160, prompt_sigma=0.4, output_median=200, output_sigma=0.5),
+    "lmsys-chat": LengthDist(prompt_median=60, prompt_sigma=1.1, output_median=260, output_sigma=0.8),
+    "xsum": LengthDist(prompt_median=520, prompt_sigma=0.5, output_median=45, output_sigma=0.3),
+    "tldr": LengthDist(prompt_median=330, prompt_sigma=0.4, output_median=50, output_sigma=0.4),
+}
+#: used for dataset names not in DEFAULT_LENGTHS
+GENERIC_LENGTH = LengthDist(prompt_median=200, prompt_sigma=0.6, output_median=200, output_sigma=0.6)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SynthKnobs:
+    """The generative model's knobs (see the module docstring for how each enters)."""
+
+    zipf_exponent: float = 1.0  # skew of a planted profile: weight of the rank-r expert ∝ r**-skew (0 = uniform)
+    dataset_skew: Mapping[str, float] = field(default_factory=dict)  # per-dataset multiplier of zipf_exponent (absent: 1)
+    layer_skew_spread: float = 0.25  # sd of the log-normal per (dataset, layer) multiplier of the skew
+    shared_weight: float = 0.3  # share of the log-profile common to all datasets (de facto shared hot experts)
+    domain_weight: float = 0.4  # share common to the datasets of one domain (the rest is per dataset)
+    domains: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_DOMAINS))  # dataset -> domain (absent: own)
+    request_spread: float = 0.2  # share of a request's draws from its own favourite experts (0: tight clusters)
+    num_request_experts: int = 0  # favourite experts per request and layer (0: 2 * top_k)
+    pd_mix: float = 0.6  # decode profile = pd_mix * prefill profile + (1 - pd_mix) * decode-specific profile
+    layer_affinity: float = 0.3  # share of draws at layer l+1 that follow the planted map from the layer-l experts
+    lengths: Mapping[str, LengthDist] = field(default_factory=dict)  # per-dataset overrides of DEFAULT_LENGTHS
+
+    def __post_init__(self) -> None:
+        for name in ("request_spread", "pd_mix", "layer_affinity", "shared_weight", "domain_weight"):
+            v = getattr(self, name)
+            if not (0.0 <= v <= 1.0):
+                raise ConfigError(f"knob `{name}` = {v} must be in [0, 1]")
+        if self.shared_weight + self.domain_weight > 1.0 + 1e-9:
+            raise ConfigError(
+                f"knobs `shared_weight` + `domain_weight` = {self.shared_weight + self.domain_weight} must be <= 1 "
+                "(the remainder is the per-dataset share)"
+            )
+        if self.zipf_exponent < 0 or self.layer_skew_spread < 0:
+            raise ConfigError("knobs `zipf_exponent` and `layer_skew_spread` must be >= 0")
+        if any(v < 0 for v in self.dataset_skew.values()):
+            raise ConfigError(f"knob `dataset_skew` multipliers must be >= 0, got {dict(self.dataset_skew)}")
+        if self.num_request_experts < 0:
+            raise ConfigError("knob `num_request_experts` must be >= 0 (0 means 2 * top_k)")
+        lengths = {k: v if isinstance(v, LengthDist) else _length_from(k, v) for k, v in self.lengths.items()}
+        object.__setattr__(self, "lengths", lengths)
+        object.__setattr__(self, "dataset_skew", {k: float(v) for k, v in self.dataset_skew.items()})
+        object.__setattr__(self, "domains", dict(self.domains))
+
+    def length_of(self, dataset: str) -> LengthDist:
+        return self.lengths.get(dataset) or DEFAULT_LENGTHS.get(dataset) or GENERIC_LENGTH
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, base: "SynthKnobs | None" = None) -> "SynthKnobs":
+        """Knobs from a JSON-like dict; keys absent from ``d`` keep ``base``'s values (default knobs if None)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown synth knob(s) {unknown}; knobs are: {sorted(names)}")
+        merged = {**(base or cls()).to_dict(), **dict(d)}
+        try:
+            return cls(**merged)
+        except TypeError as exc:
+            raise ConfigError(f"bad synth knobs: {exc}") from exc
+
+
+def _length_from(dataset: str, v: Any) -> LengthDist:
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"knob `lengths.{dataset}` must be an object with prompt_median, prompt_sigma, ...")
+    try:
+        return LengthDist(**v)
+    except TypeError as exc:
+        raise ConfigError(f"knob `lengths.{dataset}`: {exc}") from exc
+
+
+@dataclass(frozen=True, kw_only=True)
+class SynthPlan:
+    """What to generate: everything that, with the model, determines the trace byte for byte."""
+
+    datasets: tuple[str, ...]  # dataset names, requests assigned round robin (request_id % D)
+    num_requests: int  # requests to generate (ids 0..num_requests-1)
+    seed: int  # root seed of every random draw
+    knobs: SynthKnobs  # the generative model's parameters
+    calibration: str | None = None  # name of the calibration preset the knobs started from (provenance)
+    num_chunk_requests: int = 64  # requests per generation chunk (part of the seed derivation)
+
+    def __post_init__(self) -> None:
+        if not self.datasets:
+            raise ConfigError("synth needs at least one dataset name (e.g. --datasets gsm8k,math)")
+        bad = [d for d in self.datasets if not _NAME_RE.match(d)]
+        if bad:
+            raise ConfigError(f"dataset names may use letters, digits, '_', '.', '-'; got {bad}")
+        if len(set(self.datasets)) != len(self.datasets):
+            raise ConfigError(f"dataset names repeat: {list(self.datasets)}")
+        if self.num_requests < 1:
+            raise ConfigError(f"--requests must be >= 1, got {self.num_requests}")
+        if self.num_chunk_requests < 1:
+            raise ConfigError("num_chunk_requests must be >= 1")
+        if self.seed < 0:
+            raise ConfigError(f"--seed must be >= 0, got {self.seed}")
+        object.__setattr__(self, "datasets", tuple(self.datasets))
+
+    def collection(self, model: ModelInfo) -> dict[str, Any]:
+        """The manifest ``collection`` section: every generator parameter (the planted truth's recipe)."""
+        k = self.knobs
+        return {
+            "generator": "moetrace.synth",
+            "datasets": list(self.datasets),
+            "num_requests": self.num_requests,
+            "seed": self.seed,
+            "calibration": self.calibration,
+            "num_chunk_requests": self.num_chunk_requests,
+            "dataset_assignment": "round_robin",
+            "num_request_experts": _num_fav(k, model),
+            "knobs": k.to_dict(),
+            "lengths": {d: dataclasses.asdict(k.length_of(d)) for d in self.datasets},
+            "domains": {d: k.domains.get(d, d) for d in self.datasets},
+            "truth": TRUTH_FILE,
+        }
+
+
+def _num_fav(knobs: SynthKnobs, model: ModelInfo) -> int:
+    F = knobs.num_request_experts or 2 * model.top_k
+    return min(max(F, model.top_k), model.num_experts)
+
+
+# ====================================================================== calibration presets
+
+
+def list_calibrations() -> list[str]:
+    d = resources.files("moetrace.data").joinpath("synth")
+    return sorted(f.name[:-5] for f in d.iterdir() if f.name.endswith(".json"))
+
+
+def default_calibration(model_name: str) -> str:
+    """The calibration preset for a model preset name (``-tiny`` shares its base model's), else ``generic``."""
+    base = model_name[:-5] if model_name.endswith("-tiny") else model_name
+    return base if base in list_calibrations() else "generic"
+
+
+def load_calibration(name: str) -> SynthKnobs:
+    """Knobs of the calibration preset ``data/synth/<name>.json``."""
+    names = list_calibrations()
+    if name not in names:
+        raise ConfigError(f"unknown synth calibration {name!r}; presets: {', '.join(names)}")
+    d = json.loads(resources.files("moetrace.data").joinpath("synth", f"{name}.json").read_text())
+    return SynthKnobs.from_dict(d["knobs"])
+
+
+# ====================================================================== the planted truth
+
+
+class PlantedTruth(NamedTuple):
+    """The planted structure (``truth.npz`` in the trace directory).
+
+    prefill_DLE, decode_DLE: float64 per-expert routing probability of a draw from the dataset
+    profile (rows sum to 1); decode_specific_DLE: the stage-specific part of decode_DLE; skew_DL:
+    the Zipf exponent of each (dataset, layer); affinity_map_LE: int16, expert at layer l+1 that an
+    expert e at layer l leads to (row L-1 unused).
+    """
+
+    prefill_DLE: np.ndarray
+    decode_DLE: np.ndarray
+    decode_specific_DLE: np.ndarray
+    skew_DL: np.ndarray
+    affinity_map_LE: np.ndarray
+
+
+def plant_truth(model: ModelInfo, plan: SynthPlan) -> PlantedTruth:
+    """Draw the planted profiles and affinity maps from ``SeedSequence(seed, spawn_key=(0,))``."""
+    k = plan.knobs
+    D, L, E = len(plan.datasets), model.num_moe_layers, model.num_experts
+    rng = np.random.default_rng(np.random.SeedSequence(plan.seed, spawn_key=(0,)))
+    zipf_E = -np.log(np.arange(1, E + 1, dtype=np.float64))
+
+    def scores(n: int) -> np.ndarray:  # [n, L, E] Zipf scores over independent random permutations
+        return zipf_E[rng.permuted(np.broadcast_to(np.arange(E), (n * L, E)), axis=1)].reshape(n, L, E)
+
+    domains = [k.domains.get(d, d) for d in plan.datasets]
+    dom_names = sorted(set(domains))
+    dom_idx = np.array([dom_names.index(x) for x in domains])
+    w_sh, w_dom = k.shared_weight, k.domain_weight
+    w_ds = 1.0 - w_sh - w_dom
+    mult_D = np.array([k.dataset_skew.get(d, 1.0) for d in plan.datasets])
+    skew_DL = k.zipf_exponent * mult_D[:, None] * np.exp(k.layer_skew_spread * rng.standard_normal((D, L)))
+    profiles = []
+    for _stage in range(2):  # 0: prefill, 1: decode-specific (independent draws)
+        logit_DLE = w_sh * scores(1) + w_dom * scores(len(dom_names))[dom_idx] + w_ds * scores(D)
+        logit_DLE = skew_DL[:, :, None] * logit_DLE
+        logit_DLE -= logit_DLE.max(axis=2, keepdims=True)
+        p = np.exp(logit_DLE)
+        profiles.append(p / p.sum(axis=2, keepdims=True))
+    prefill_DLE, specific_DLE = profiles
+    decode_DLE = k.pd_mix * prefill_DLE + (1.0 - k.pd_mix) * specific_DLE
+    affinity_map_LE = rng.permuted(np.broadcast_to(np.arange(E), (L, E)), axis=1).astype(np.int16)
+    return PlantedTruth(prefill_DLE, decode_DLE, specific_DLE, skew_DL, affinity_map_LE)
+
+
+def save_truth(path: str | os.PathLike, truth: PlantedTruth, datasets: tuple[str, ...]) -> None:
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp.npz")
+    np.savez_compressed(tmp, datasets=np.array(datasets), **truth._asdict())
+    os.replace(tmp, path)
+
+
+def load_truth(trace_dir: str | os.PathLike) -> tuple[PlantedTruth, tuple[str, ...]]:
+    """The planted truth of a synthetic trace and its dataset order."""
+    with np.load(Path(trace_dir) / TRUTH_FILE) as z:
+        return PlantedTruth(*(z[f] for f in PlantedTruth._fields)), tuple(str(x) for x in z["datasets"])
+
+
+def alias_tables(p_NE: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Walker alias tables of N distributions over E outcomes, built for all N at once.
+
+    Returns ``threshold_NE`` uint32 (keep column c when 32 uniform random bits are below it; a column
+    that is never replaced holds 2**32-1) and ``alias_NE`` int16 (the outcome taken otherwise). Pairs
+    the smallest open column with the largest (Robin Hood), E-1 steps vectorized over N.
+    """
+    N, E = p_NE.shape
+    scaled = p_NE / p_NE.sum(axis=1, keepdims=True) * E
+    thr = np.ones((N, E))
+    alias = np.tile(np.arange(E, dtype=np.int16), (N, 1))
+    open_ = np.ones((N, E), dtype=bool)
+    rows = np.arange(N)
+    for _ in range(E - 1):
+        small = np.where(open_, scaled, np.inf).argmin(axis=1)
+        large = np.where(open_, scaled, -np.inf)
+        large[rows, small] = -np.inf
+        large = large.argmax(axis=1)
+        s_val = scaled[rows, small]
+        thr[rows, small] = np.minimum(s_val, 1.0)
+        alias[rows, small] = np.where(s_val < 1.0, large, small).astype(np.int16)
+        scaled[rows, large] -= np.maximum(1.0 - s_val, 0.0)
+        open_[rows, small] = False
+    threshold = np.minimum(np.floor(thr * 2.0**32), 2.0**32 - 1).astype(np.uint32)
+    return threshold, alias
+
+
+# ====================================================================== generation of one chunk
+
+
+class Chunk(NamedTuple):
+    """One generated chunk: R requests and their T tokens (``experts_TX`` int16 ``[T, L*K]``)."""
+
+    request_id_R: np.ndarray
+    dataset_R: np.ndarray  # int index into plan.datasets
+    prompt_tokens_R: np.ndarray
+    output_tokens_R: np.ndarray
+    experts_TX: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Sampler:
+    """Everything a worker needs (picklable; built once per run)."""
+
+    model: ModelInfo
+    plan: SynthPlan
+    p_NE: np.ndarray  # float64 profiles, N = (dataset*2 + stage)*L + layer (for the exact finish)
+    threshold_NE: np.ndarray  # uint32 alias thresholds, flat
+    pick_NE2: np.ndarray  # int16 flat pairs (column, alias) of each alias-table entry
+    affinity_map_LE: np.ndarray  # int16
+
+
+def _make_sampler(model: ModelInfo, plan: SynthPlan, truth: PlantedTruth) -> _Sampler:
+    E = model.num_experts
+    p_NE = np.stack([truth.prefill_DLE, truth.decode_DLE], axis=1).reshape(-1, E)
+    thr, alias = alias_tables(p_NE)
+    pick = np.stack([np.broadcast_to(np.arange(E, dtype=np.int16), alias.shape), alias], axis=2)
+    return _Sampler(model, plan, p_NE, thr.reshape(-1), pick.reshape(-1).copy(), truth.affinity_map_LE)
+
+
+def _chunk_ids(plan: SynthPlan, c: int) -> np.ndarray:
+    lo = c * plan.num_chunk_requests
+    return np.arange(lo, min(lo + plan.num_chunk_requests, plan.num_requests), dtype=np.int64)
+
+
+def _lengths(rng: np.random.Generator, plan: SynthPlan, dataset_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    R = dataset_R.shape[0]
+    prompt = np.empty(R, np.int32)
+    output = np.empty(R, np.int32)
+    z_R2 = rng.standard_normal((R, 2))
+    for d, name in enumerate(plan.datasets):
+        sel = dataset_R == d
+        ld = plan.knobs.length_of(name)
+        prompt[sel] = np.clip(np.rint(ld.prompt_median * np.exp(ld.prompt_sigma * z_R2[sel, 0])), 1, ld.max_prompt)
+        output[sel] = np.clip(np.rint(ld.output_median * np.exp(ld.output_sigma * z_R2[sel, 1])), 2, ld.max_output)
+    return prompt, output
+
+
+def generate_chunk(s: _Sampler, c: int) -> Chunk:
+    """Generate chunk ``c`` (request ids ``c*num_chunk_requests ...``); a pure function of (sampler, c)."""
+    model, plan, k = s.model, s.plan, s.plan.knobs
+    L, K, E = model.num_moe_layers, model.top_k, model.num_experts
+    F = _num_fav(k, model)
+    rng = np.random.default_rng(np.random.SeedSequence(plan.seed, spawn_key=(1, c)))
+    rid_R = _chunk_ids(plan, c)
+    R = rid_R.shape[0]
+    ds_R = (rid_R % len(plan.datasets)).astype(np.int64)
+    prompt_R, output_R = _lengths(rng, plan, ds_R)
+    len_R = prompt_R.astype(np.int64) + output_R
+    T = int(len_R.sum())
+    starts_R = np.concatenate([[0], np.cumsum(len_R)[:-1]])
+    req_T = np.repeat(np.arange(R), len_R)
+    decode_T = (np.arange(T) - np.repeat(starts_R, len_R)) >= np.repeat(prompt_R, len_R)
+    tab_T = ((ds_R[req_T] * 2 + decode_T) * L) * E  # + l*E: offset of the token's alias table at layer l
+    fav_RLF = np.argpartition(rng.random((R, L, E), dtype=np.float32), F - 1, axis=2)[:, :, :F].astype(np.int16)
+    fav_T = req_T * (L * F)  # + l*F: offset of the token's favourites at layer l
+    experts_LKT = np.empty((L, K, T), np.int16)
+    for l in range(L):
+        a = k.layer_affinity if l > 0 else 0.0
+        fv = (1.0 - a) * k.request_spread
+        mix = _Mix(
+            tab_T=tab_T + l * E,
+            fav_T=fav_T + l * F,
+            fav=fav_RLF.reshape(-1),
+            F=F,
+            follow_KT=s.affinity_map_LE[l - 1][experts_LKT[l - 1]] if l > 0 else None,
+            cut_aff=np.uint32(min(round(a * 2**32), 2**32 - 1)),
+            cut_fav=np.uint32(min(round((a + fv) * 2**32), 2**32 - 1)),
+            w=(a, fv, 1.0 - a - fv),
+        )
+        _sample_topk(rng, s, mix, experts_LKT[l], K=K, E=E)
+    experts_TLK = np.ascontiguousarray(experts_LKT.transpose(2, 0, 1))
+    experts_TLK[starts_R + len_R - 1] = NO_EXPERT  # final generated token: never forwarded through the model
+    return Chunk(rid_R, ds_R, prompt_R, output_R, experts_TLK.reshape(T, L * K))
+
+
+@dataclass
+class _Mix:
+    """The per-token candidate mixture at one layer."""
+
+    tab_T: np.ndarray  # alias-table offset per token
+    fav_T: np.ndarray  # favourites offset per token
+    fav: np.ndarray  # flat favourites [R*L*F]
+    F: int
+    follow_KT: np.ndarray | None  # [K, T] int16: the planted followers of the token's layer l-1 experts
+    cut_aff: np.uint32  # selector below -> follow
+    cut_fav: np.uint32  # selector below (and >= cut_aff) -> favourite
+    w: tuple[float, float, float]  # (follow, favourite, profile) weights
+
+
+def _draw(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | None, M: int, E: int, K: int) -> np.ndarray:
+    """``[M, n]`` int16 i.i.d. candidates from each row's mixture (rows: token indices, None = all).
+
+    32 random bits pick the component, 32 others the outcome inside it: the alias column (top bits)
+    and its keep/alias test (the remaining bits), or a favourite/followed slot (top 16 bits, exact
+    when F and K divide 2**16).
+    """
+    tab = mix.tab_T if rows is None else mix.tab_T[rows]
+    n = tab.shape[0]
+    u = rng.bit_generator.random_raw(M * n).view(np.uint32)
+    sel, h = u[: M * n].reshape(M, n), u[M * n :].reshape(M, n)
+    b = E.bit_length() - 1
+    if E == 1 << b:
+        col = h >> np.uint32(32 - b) if b else np.zeros_like(h)
+        frac = h << np.uint32(b)
+    else:
+        prod = h.astype(np.uint64) * np.uint64(E)
+        col = (prod >> _S32).astype(np.uint32)
+        frac = (prod & _M32).astype(np.uint32)
+    idx = tab + col
+    flag = frac >= s.threshold_NE[idx]
+    idx <<= 1
+    idx += flag
+    out = s.pick_NE2[idx]
+    if mix.w[1] > 0 or mix.w[0] > 0:
+        h16 = h >> np.uint32(16)
+    if mix.w[1] > 0:
+        fi = (h16 * np.uint32(mix.F)) >> np.uint32(16)
+        fi = (mix.fav_T if rows is None else mix.fav_T[rows]) + fi
+        np.copyto(out, mix.fav[fi], where=sel < mix.cut_fav)
+    if mix.w[0] > 0:
+        follow = mix.follow_KT if rows is None else mix.follow_KT[:, rows]
+        slot = (h16 * np.uint32(K)) >> np.uint32(16)
+        fi = slot.astype(np.intp) * n + np.arange(n)
+        np.copyto(out, follow.reshape(-1)[fi], where=sel < mix.cut_aff)
+    return out
+
+
+def _accept(ch_KN: np.ndarray, nn_N: np.ndarray, cand_MN: np.ndarray, K: int) -> None:
+    """Append each row's candidates, in order, that are not yet chosen, until the row holds K."""
+    for c in cand_MN:
+        new = nn_N < K
+        for slot in range(K):
+            new &= ch_KN[slot] != c
+        for slot in range(K):
+            np.copyto(ch_KN[slot], c, where=new & (nn_N == slot))
+        nn_N += new
+
+
+def _sample_topk(rng: np.random.Generator, s: _Sampler, mix: _Mix, ch: np.ndarray, *, K: int, E: int) -> None:
+    """Fill ``ch`` ``[K, T]`` int16 with K distinct experts per token, sampled without replacement."""
+    T = ch.shape[1]
+    ch.fill(-1)
+    nn = np.ones(T, np.int8)
+    cand = _draw(rng, s, mix, None, K + 2 if K > 1 else 1, E, K)
+    ch[0] = cand[0]
+    _accept(ch, nn, cand[1:], K)
+    rows = np.flatnonzero(nn < K)
+    for _round in range(3):
+        if rows.size == 0:
+            return
+        sub_ch, sub_nn = ch[:, rows], nn[rows]
+        _accept(sub_ch, sub_nn, _draw(rng, s, mix, rows, 2 * K, E, K), K)
+        ch[:, rows], nn[rows] = sub_ch, sub_nn
+        rows = rows[sub_nn < K]
+    if rows.size:
+        _finish_exact(rng, s, mix, rows, ch, nn, K, E)
+
+
+def _finish_exact(rng, s: _Sampler, mix: _Mix, rows, ch, nn, K: int, E: int) -> None:
+    """Complete the remaining slots of ``rows`` by Gumbel-top-k over the dense mixture minus chosen experts."""
+    n = rows.size
+    w_aff, w_fav, w_tab = mix.w
+    q = w_tab * s.p_NE.reshape(-1)[mix.tab_T[rows][:, None] + np.arange(E)]
+    ar = np.arange(n)
+    if w_fav > 0:
+        fav = mix.fav[mix.fav_T[rows][:, None] + np.arange(mix.F)]
+        np.add.at(q, (np.repeat(ar, mix.F), fav.reshape(-1)), w_fav / mix.F)
+    if w_aff > 0:
+        fol = mix.follow_KT[:, rows].T
+        np.add.at(q, (np.repeat(ar, K), fol.reshape(-1)), w_aff / K)
+    sub = ch[:, rows]
+    for slot in range(K):
+        have = sub[slot] >= 0
+        q[ar[have], sub[slot][have]] = 0.0
+    with np.errstate(divide="ignore"):
+        key = np.log(q) - np.log(-np.log(rng.random((n, E))))
+    order = np.argsort(-key, axis=1, kind="stable")
+    sub_nn = nn[rows].astype(np.int64)
+    for j in range(K):
+        need = sub_nn < K
+        if not need.any():
+            break
+        sub[sub_nn[need], ar[need]] = order[need, j]
+        sub_nn += need
+    ch[:, rows] = sub
+    nn[rows] = sub_nn
+
+
+# ====================================================================== streaming the whole trace
+
+
+@dataclass(frozen=True)
+class SynthSummary:
+    """What a run wrote."""
+
+    path: Path
+    num_requests: int
+    num_tokens: int
+    num_ids: int  # expert ids written (tokens * L * K, including -1 rows)
+    seconds: float
+    bytes_on_disk: int
+    calibration: str | None
+    resumed_requests: int  # requests already committed before this run (resume)
+
+
+_WORKER: _Sampler | None = None
+
+
+def _init_worker(sampler: _Sampler) -> None:
+    global _WORKER
+    _WORKER = sampler
+
+
+def _worker_chunk(c: int) -> Chunk:
+    assert _WORKER is not None
+    return generate_chunk(_WORKER, c)
+
+
+def iter_chunks(sampler: _Sampler, chunks: list[int], *, workers: int) -> Iterator[Chunk]:
+    """Generated chunks in the order of ``chunks``; ``workers`` > 1 uses a process pool, 2*workers in flight."""
+    if workers <= 1:
+        for c in chunks:
+            yield generate_chunk(sampler, c)
+        return
+    # fork where the platform has it: workers only run numpy on the sampler they inherit, and it
+    # needs no `if __name__ == "__main__"` guard in user scripts; spawn elsewhere
+    method = "fork" if "fork" in get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(workers, mp_context=get_context(method), initializer=_init_worker, initargs=(sampler,)) as ex:
+        pending: list[Future] = []
+        it = iter(chunks)
+        for c in it:
+            pending.append(ex.submit(_worker_chunk, c))
+            if len(pending) >= 2 * workers:
+                break
+        while pending:
+            done = pending.pop(0).result()
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append(ex.submit(_worker_chunk, nxt))
+            yield done
+
+
+def synthesize(
+    out: str | os.PathLike,
+    *,
+    model: ModelInfo,
+    plan: SynthPlan,
+    workers: int = 1,
+    on_existing: Literal["refuse", "resume", "overwrite"] = "refuse",
+    progress: Callable[[int, int], None] | None = None,
+) -> SynthSummary:
+    """Generate the trace of ``plan`` for ``model`` into the directory ``out`` (streaming, bounded memory).
+
+    ``progress(requests_done, tokens_done)`` is called after each written chunk. ``workers``
+    processes generate chunks; the main process writes them in request-id order. The manifest's
+    ``collection`` holds every parameter, ``truth.npz`` the planted profiles and affinity maps.
+    """
+    import time
+
+    from moetrace.tracer.store import TraceWriter, read_manifest
+
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    t0 = time.perf_counter()
+    collection = plan.collection(model)
+    if on_existing == "resume" and (Path(out) / "manifest.json").exists():
+        old = read_manifest(out).get("collection", {})
+        if old != json.loads(json.dumps(collection)):
+            diff = sorted(key for key in set(old) | set(collection) if old.get(key) != json.loads(json.dumps(collection)).get(key))
+            raise OutputExistsError(
+                f"{out} was generated with different settings ({', '.join(diff)}); resume with the same ones, or --overwrite"
+            )
+    truth = plant_truth(model, plan)
+    sampler = _make_sampler(model, plan, truth)
+    X = model.ids_per_token
+    with TraceWriter(
+        out,
+        model=model,
+        backend={"name": "synthetic", "generator": "moetrace.synth", "version": 1, "numpy": np.__version__},
+        collection=collection,
+        on_existing=on_existing,
+        part_prefix="synth",
+        row_group_tokens=max(4096, (32 << 20) // (2 * X)),  # ~32 MiB of ids per row group
+        part_tokens=max(65536, (512 << 20) // (2 * X)),  # ~512 MiB of raw ids per part
+    ) as w:
+        save_truth(Path(out) / TRUTH_FILE, truth, plan.datasets)
+        done = w.completed_request_ids
+        n_chunks = -(-plan.num_requests // plan.num_chunk_requests)
+        todo = [c for c in range(n_chunks) if not all(int(r) in done for r in _chunk_ids(plan, c))]
+        resumed = len(done)
+        if len(todo) < n_chunks and any(int(r) in done for c in todo for r in _chunk_ids(plan, c)):
+            raise OutputExistsError(f"{out}: committed requests do not align with generation chunks; use --overwrite")
+        names = np.array(plan.datasets, dtype=object)
+        n_req, n_tok = resumed, 0
+        for ch in iter_chunks(sampler, todo, workers=workers):
+            w.add_requests(
+                request_id_R=ch.request_id_R,
+                dataset_R=names[ch.dataset_R].tolist(),
+                prompt_tokens_R=ch.prompt_tokens_R,
+                output_tokens_R=ch.output_tokens_R,
+                experts_TX=ch.experts_TX,
+            )
+            n_req += ch.request_id_R.shape[0]
+            n_tok += ch.experts_TX.shape[0]
+            if progress is not None:
+                progress(n_req, n_tok)
+        stats = w.close()
+    return SynthSummary(
+        path=Path(out),
+        num_requests=stats.num_requests,
+        num_tokens=stats.num_tokens,
+        num_ids=n_tok * X,
+        seconds=time.perf_counter() - t0,
+        bytes_on_disk=stats.bytes_on_disk,
+        calibration=plan.calibration,
+        resumed_requests=resumed,
+    )
+
+
+def generate_in_memory(model: ModelInfo, plan: SynthPlan, *, workers: int = 1) -> Iterator[Chunk]:
+    """The chunks :func:`synthesize` would write, without writing (for calibration and tests)."""
+    sampler = _make_sampler(model, plan, plant_truth(model, plan))
+    n_chunks = -(-plan.num_requests // plan.num_chunk_requests)
+    yield from iter_chunks(sampler, list(range(n_chunks)), workers=workers)

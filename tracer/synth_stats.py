@@ -1,0 +1,173 @@
+"""The statistics the synth knobs move, measured from routing (for calibration, tests and docs).
+
+Definitions (SPEC §3; the analysis stage uses the same):
+- expert load of e in a scope = tokens routed to e / (T*K/E), where T*K counts the recorded ids of
+  the scope (ids == -1 are ignored);
+- imbalance factor (IF) of a layer in a scope = max over experts of the expert load;
+- prefill↔decode correlation of a layer = Pearson correlation over experts between the per-expert
+  count vectors of prefill and of decode, pooled over all tokens of one dataset; the headline number
+  is its mean over layers and datasets;
+- next-layer predictability of a layer pair (l, l+1) = the fraction of (token, expert e at l) whose
+  most frequent layer-(l+1) companion of e (estimated on the same tokens) is among the token's
+  layer-(l+1) experts;
+- cluster separation of request vectors = between-dataset scatter / within-dataset scatter of
+  L2-normalized per-request count vectors (a Fisher ratio: higher = more separable).
+
+Shape legend: T tokens, R requests, L MoE layers, K top-k, E experts, D datasets, S stages (0 prefill,
+1 decode).
+
+Out of scope: plots, per-batch IF distributions, embeddings and classifiers (``moetrace.analysis``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import numpy as np
+
+from moetrace.tracer.synth import Chunk
+
+
+def _bincount_DSLE(ds_T: np.ndarray, decode_T: np.ndarray, ids_TLK: np.ndarray, D: int, E: int) -> np.ndarray:
+    T, L, K = ids_TLK.shape
+    valid = ids_TLK >= 0
+    key = ((ds_T.astype(np.int64) * 2 + decode_T)[:, None, None] * L + np.arange(L)[None, :, None]) * E + ids_TLK
+    return np.bincount(key[valid], minlength=D * 2 * L * E).reshape(D, 2, L, E)
+
+
+def counts_from_chunks(chunks: Iterable[Chunk], *, num_datasets: int, L: int, K: int, E: int) -> np.ndarray:
+    """``counts_DSLE`` int64: routed tokens per (dataset, stage, layer, expert) of generated chunks."""
+    counts = np.zeros((num_datasets, 2, L, E), np.int64)
+    for ch in chunks:
+        len_R = ch.prompt_tokens_R.astype(np.int64) + ch.output_tokens_R
+        starts = np.concatenate([[0], np.cumsum(len_R)[:-1]])
+        T = int(len_R.sum())
+        decode_T = (np.arange(T) - np.repeat(starts, len_R)) >= np.repeat(ch.prompt_tokens_R, len_R)
+        counts += _bincount_DSLE(np.repeat(ch.dataset_R, len_R), decode_T, ch.experts_TX.reshape(T, L, K), num_datasets, E)
+    return counts
+
+
+def counts_from_trace(path: str | os.PathLike) -> tuple[np.ndarray, tuple[str, ...]]:
+    """``(counts_DSLE, datasets)`` of any trace directory (streamed part by part)."""
+    from moetrace.tracer.store import open_trace
+
+    tr = open_trace(path)
+    req = tr.requests().select("request_id", "dataset").collect()
+    datasets = tuple(sorted(set(req["dataset"].to_list())))
+    rid = req["request_id"].to_numpy()
+    order = np.argsort(rid)
+    rid_sorted = rid[order]
+    ds_sorted = np.array([datasets.index(d) for d in req["dataset"].to_list()], np.int64)[order]
+    m = tr.model
+    counts = np.zeros((len(datasets), 2, m.num_moe_layers, m.num_experts), np.int64)
+    for ta in tr.iter_token_arrays():
+        ds_T = ds_sorted[np.searchsorted(rid_sorted, ta.request_id_T)]
+        counts += _bincount_DSLE(ds_T, ta.is_decode_T, ta.topk_ids_TLK, len(datasets), m.num_experts)
+    return counts, datasets
+
+
+def expert_load(counts_xE: np.ndarray) -> np.ndarray:
+    """Expert load ``counts / (T*K/E)`` along the last axis (NaN where a scope has no tokens)."""
+    E = counts_xE.shape[-1]
+    total = counts_xE.sum(axis=-1, keepdims=True).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return counts_xE * E / total
+
+
+def imbalance_factor(counts_xE: np.ndarray) -> np.ndarray:
+    """Max expert load along the last axis."""
+    return expert_load(counts_xE).max(axis=-1)
+
+
+def pearson_last_axis(a_xE: np.ndarray, b_xE: np.ndarray) -> np.ndarray:
+    """Pearson correlation along the last axis (NaN where a vector is constant)."""
+    a = a_xE - a_xE.mean(axis=-1, keepdims=True)
+    b = b_xE - b_xE.mean(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (a * b).sum(-1) / np.sqrt((a * a).sum(-1) * (b * b).sum(-1))
+
+
+def prefill_decode_correlation(counts_DSLE: np.ndarray) -> np.ndarray:
+    """``[D, L]`` Pearson correlation of prefill vs decode per-expert counts, pooled per dataset."""
+    return pearson_last_axis(counts_DSLE[:, 0].astype(np.float64), counts_DSLE[:, 1].astype(np.float64))
+
+
+def dataset_correlation(counts_DSLE: np.ndarray, *, stage: int | None = None) -> np.ndarray:
+    """``[L, D, D]`` Pearson correlation between datasets' per-expert counts (one stage, or both pooled)."""
+    c = (counts_DSLE.sum(axis=1) if stage is None else counts_DSLE[:, stage]).astype(np.float64)  # [D, L, E]
+    c = c.transpose(1, 0, 2)  # [L, D, E]
+    return pearson_last_axis(c[:, :, None, :], c[:, None, :, :])
+
+
+def next_layer_predictability(topk_ids_TLK: np.ndarray, *, E: int) -> np.ndarray:
+    """``[L-1]`` next-layer predictability of each layer pair (tokens with -1 ids are skipped)."""
+    ids = topk_ids_TLK[(topk_ids_TLK >= 0).all(axis=(1, 2))].astype(np.int64)
+    T, L, K = ids.shape
+    out = np.full(L - 1, np.nan)
+    for l in range(L - 1):
+        pair = (ids[:, l, :, None] * E + ids[:, l + 1, None, :]).reshape(-1)
+        cooc_EE = np.bincount(pair, minlength=E * E).reshape(E, E)
+        pred_E = cooc_EE.argmax(axis=1)
+        hit = cooc_EE[np.arange(E), pred_E].sum()
+        out[l] = hit / max(T * K, 1)
+    return out
+
+
+def request_vectors(chunks: Iterable[Chunk], *, L: int, K: int, E: int, stage: int, layers: slice | None = None):
+    """``(vectors_RF, dataset_R)``: per-request per-expert counts of one stage (layers concatenated), L2-normalized."""
+    vecs, labels = [], []
+    sel = np.arange(L)[layers] if layers is not None else np.arange(L)
+    for ch in chunks:
+        len_R = ch.prompt_tokens_R.astype(np.int64) + ch.output_tokens_R
+        starts = np.concatenate([[0], np.cumsum(len_R)[:-1]])
+        T = int(len_R.sum())
+        ids = ch.experts_TX.reshape(T, L, K)[:, sel, :]
+        req_T = np.repeat(np.arange(len_R.size), len_R)
+        decode_T = (np.arange(T) - np.repeat(starts, len_R)) >= np.repeat(ch.prompt_tokens_R, len_R)
+        keep = (decode_T == bool(stage))[:, None, None] & (ids >= 0)
+        key = (req_T[:, None, None] * sel.size + np.arange(sel.size)[None, :, None]) * E + ids
+        v = np.bincount(key[keep], minlength=len_R.size * sel.size * E).reshape(len_R.size, sel.size * E)
+        vecs.append(v)
+        labels.append(ch.dataset_R)
+    v = np.concatenate(vecs).astype(np.float64)
+    v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    return v, np.concatenate(labels)
+
+
+def cluster_separation(vectors_RF: np.ndarray, labels_R: np.ndarray) -> float:
+    """Between-class / within-class scatter of the vectors (Fisher ratio; higher = more separable)."""
+    mu = vectors_RF.mean(axis=0)
+    between = within = 0.0
+    for d in np.unique(labels_R):
+        v = vectors_RF[labels_R == d]
+        c = v.mean(axis=0)
+        between += v.shape[0] * float(((c - mu) ** 2).sum())
+        within += float(((v - c) ** 2).sum())
+    return between / within
+
+
+def summarize_counts(counts_DSLE: np.ndarray, datasets: tuple[str, ...]) -> dict:
+    """Headline figures: mean prefill↔decode correlation, and per dataset IF (both stages pooled) mean and max over layers."""
+    pd = prefill_decode_correlation(counts_DSLE)
+    if_DL = imbalance_factor(counts_DSLE.sum(axis=1))
+    return {
+        "pd_correlation": float(np.nanmean(pd)),
+        "imbalance": {
+            d: {"mean": float(if_DL[i].mean()), "max": float(if_DL[i].max())} for i, d in enumerate(datasets)
+        },
+    }
+
+
+def measure_plan(model, plan, *, workers: int = 1) -> dict:
+    """Generate ``plan`` in memory (nothing written) and return :func:`summarize_counts` of it."""
+    from moetrace.tracer.synth import generate_in_memory
+
+    counts = counts_from_chunks(
+        generate_in_memory(model, plan, workers=workers),
+        num_datasets=len(plan.datasets),
+        L=model.num_moe_layers,
+        K=model.top_k,
+        E=model.num_experts,
+    )
+    return summarize_counts(counts, plan.datasets)
