@@ -34,6 +34,11 @@ def _check(usage_GLE: np.ndarray, num_slots: int, ranks_per_group: int) -> tuple
         raise ConfigError(
             f"{num_slots} slots must be >= {E} experts and divide over {G} groups x {ranks_per_group} GPUs"
         )
+    if num_slots // G > E:
+        raise ConfigError(
+            f"each of the {G} groups would hold {num_slots // G} slots but there are only {E} experts; a second copy "
+            "of an expert on the same node cannot save inter-node traffic, so lower --redundancy"
+        )
     return G, L, E, num_slots // G
 
 
@@ -60,7 +65,7 @@ def two_phase_members(usage_GLE: np.ndarray, *, num_slots: int) -> np.ndarray:
         for g in range(G):
             room = S - int(size[l, g])
             if room:
-                cand = np.argsort(np.where(member[l, g], -np.inf, -u_LGE[l, g]), kind="stable")
+                cand = np.argsort(np.where(member[l, g], np.inf, -u_LGE[l, g]), kind="stable")
                 member[l, g, cand[:room]] = True
     _verify(member, S)
     return member

@@ -1,0 +1,124 @@
+"""Commands over placements: ``place``, ``compare``, ``export``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from moetrace.cli_common import AllowIncomplete, Seed, TraceArg, friendly_errors
+
+ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
+GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (NVLink domain).")]
+Clusters = Annotated[int, typer.Option("--clusters", help="K-means request clusters for data/improved (0: one per node).")]
+Redundancy = Annotated[int, typer.Option("--redundancy", help="Redundant expert slots per layer (E+R must divide over EP ranks).")]
+TestFraction = Annotated[float, typer.Option("--test-fraction", help="Share of requests held out from placement.")]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("place")(place_cmd)
+    app.command("compare")(compare_cmd)
+    app.command("export")(export_cmd)
+
+
+def _cfg(config: str, gpus_per_node: int, **kw):
+    from moetrace.placement.compare import CompareConfig
+    from moetrace.placement.deployment import parse_deployment
+
+    return CompareConfig(deployment=parse_deployment(config, num_gpus_per_node=gpus_per_node), **kw)
+
+
+@friendly_errors
+def place_cmd(
+    trace: TraceArg,
+    *,
+    config: ConfigOpt,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Placement JSON to write.")],
+    strategy: Annotated[
+        Literal["data", "improved", "eplb", "linear", "round_robin", "random"], typer.Option(help="Placement strategy.")
+    ] = "data",
+    gpus_per_node: GpusPerNode = 8,
+    clusters: Clusters = 0,
+    redundancy: Redundancy = 0,
+    test_fraction: TestFraction = 0.2,
+    seed: Seed = 0,
+    allow_incomplete: AllowIncomplete = False,
+) -> None:
+    """Compute an expert placement from a trace's training requests and write moetrace's placement JSON.
+
+    Example: moetrace place traces/dsv3 --config DP8TP8EP64 --strategy data -o placement.json
+    """
+    from moetrace.placement.compare import load_trace_data, make_placement, placement_file
+    from moetrace.placement.exports import save_placement
+
+    cfg = _cfg(config, gpus_per_node, strategies=(strategy,), num_clusters=clusters, num_redundant=redundancy,
+               test_fraction=test_fraction, seed=seed)
+    data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
+    ps = make_placement(data, cfg, strategy)
+    save_placement(placement_file(data, cfg, ps), out)
+    extra = f", router match {ps.router_match_rate:.1%}" if ps.router_match_rate is not None else ""
+    typer.echo(f"{strategy} placement for {cfg.deployment.name}: {ps.placement.phy2log.shape[1]} slots x "
+               f"{ps.placement.phy2log.shape[0]} layers{extra} -> {out}")
+
+
+@friendly_errors
+def compare_cmd(
+    trace: TraceArg,
+    *,
+    config: ConfigOpt,
+    strategies: Annotated[str, typer.Option(help="Comma-separated: linear,round_robin,random,eplb,data,improved.")] = "linear,eplb,data,improved",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Results directory (Parquet + JSON for the dashboards).")] = None,
+    gpus_per_node: GpusPerNode = 8,
+    clusters: Clusters = 0,
+    redundancy: Redundancy = 0,
+    test_fraction: TestFraction = 0.2,
+    batches: Annotated[int, typer.Option(help="Global batches (decode steps) to simulate.")] = 500,
+    batch_requests: Annotated[int, typer.Option(help="Requests per global batch (0: 32 per node).")] = 0,
+    dedup: Annotated[Literal["rank", "expert", "node"], typer.Option(help="A token is sent once per distinct destination GPU (rank), expert or node.")] = "rank",
+    replica_policy: Annotated[Literal["same_node", "even", "metro"], typer.Option(help="Which replica serves a token.")] = "same_node",
+    seed: Seed = 0,
+    allow_incomplete: AllowIncomplete = False,
+) -> None:
+    """Place experts with several strategies on training requests; simulate all-to-all volume on held-out ones.
+
+    Prints inter-node volume normalized to the linear baseline's median (lower is better).
+
+    Example: moetrace compare traces/dsv3 --config DP8TP8EP64 --strategies linear,eplb,data,improved -o results/
+    """
+    from moetrace.cli_common import human_bytes
+    from moetrace.placement.compare import load_trace_data, run_compare, write_results
+
+    cfg = _cfg(config, gpus_per_node, strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+               num_clusters=clusters, num_redundant=redundancy, test_fraction=test_fraction, num_batches=batches,
+               num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, seed=seed)
+    data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
+    result = run_compare(data, cfg)
+    c = result.config
+    typer.echo(f"{c['deployment']} ({c['num_nodes']} nodes), {c['num_train_requests']} train / {c['num_test_requests']} "
+               f"test requests, {c['num_batches']} batches of {c['batch_requests']} requests, dedup={dedup}")
+    typer.echo(f"{'strategy':<12} {'inter-node (norm. median)':>26} {'p10':>6} {'p90':>6} {'inter/batch':>12} {'router':>7}")
+    for r in result.summary_rows():
+        router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
+        typer.echo(f"{r['strategy']:<12} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
+                   f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} {router:>7}")
+    if out is not None:
+        files = write_results(result, out)
+        typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
+
+
+@friendly_errors
+def export_cmd(
+    placement: Annotated[Path, typer.Argument(help="Placement JSON written by `moetrace place`.", show_default=False)],
+    *,
+    fmt: Annotated[Literal["sglang", "trtllm", "vllm"], typer.Option("--format", "-f", help="Target engine.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="File to write.")],
+) -> None:
+    """Convert a placement JSON to a serving engine's format (SGLang, TensorRT-LLM, vLLM proposal).
+
+    Example: moetrace export placement.json --format sglang -o expert_location.json
+    """
+    from moetrace.placement.exports import export_placement, load_placement
+
+    out.write_text(export_placement(load_placement(placement), fmt=fmt))
+    typer.echo(f"wrote {fmt} placement to {out}")

@@ -1,0 +1,359 @@
+"""Orchestration behind ``moetrace place`` and ``moetrace compare``: trace → placements → volume.
+
+Steps: count tokens per (request, stage, layer, expert) with ``analysis.counts``; split requests
+into train and test (seeded, by request); build each strategy's placement from the training
+requests only; route the held-out requests to groups (grouped strategies: cluster predicted from
+prefill; others: uniformly at random); form global batches; simulate the all-to-all volume; normalize
+inter-node volume to the median of the linear baseline (core paper Fig. 9).
+
+A global batch is one decode step: each of the G groups (nodes) takes ``batch_requests / G``
+requests drawn with replacement from the test requests routed to it, each at a uniformly drawn
+decode position (one token per request). Within a node, requests go round robin over its DP
+replicas and then over each replica's TP GPUs (the GPU the token is dispatched from). All strategies
+draw from the same random stream (seed), so baselines share their batches.
+
+Shape legend: R requests, L layers, E experts, K top-k, N tokens, B batches, G groups, F = L*E.
+
+Out of scope: the algorithms themselves (pure functions in the sibling modules); rendering.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from moetrace.errors import ConfigError, TraceFormatError
+from moetrace.placement.baselines import linear, random_placement, round_robin
+from moetrace.placement.data_placement import data_placement
+from moetrace.placement.deployment import Deployment
+from moetrace.placement.eplb import rebalance
+from moetrace.placement.exports import PlacementFile
+from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters, l2_normalize, predict_clusters
+from moetrace.placement.improved import improved_placement
+from moetrace.placement.maps import Placement
+from moetrace.placement.replica_routing import ReplicaPolicy
+from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
+
+__all__ = ["Strategy", "STRATEGIES", "CompareConfig", "TraceData", "load_trace_data", "make_placement", "run_compare", "write_results"]
+
+Strategy = Literal["linear", "round_robin", "random", "eplb", "data", "improved"]
+STRATEGIES: tuple[str, ...] = ("linear", "round_robin", "random", "eplb", "data", "improved")
+GROUPED = ("data", "improved")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareConfig:
+    """What to place and how to evaluate it."""
+
+    deployment: Deployment  # DPaTPbEPcTPd on nodes of g GPUs
+    strategies: tuple[str, ...] = ("linear", "eplb", "data", "improved")  # placements to compare
+    num_clusters: int = 0  # K-means clusters for grouped strategies (0: one per group)
+    num_redundant: int = 0  # redundant slots per layer (P = E + R)
+    test_fraction: float = 0.2  # share of requests held out for evaluation
+    num_batches: int = 500  # global batches simulated
+    num_batch_requests: int = 0  # requests per global batch (0: 32 per group)
+    dedup: DedupUnit = "rank"  # a token is sent once per distinct destination of this unit
+    replica_policy: ReplicaPolicy = "same_node"  # which replica serves a token when there are several
+    bytes_per_value: int = 2  # bytes per hidden value on the wire (bf16 = 2)
+    seed: int = 0  # split, K-means, random placement and batch sampling
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.strategies if s not in STRATEGIES]
+        if bad or not self.strategies:
+            raise ConfigError(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
+        if not (0.0 < self.test_fraction < 1.0):
+            raise ConfigError(f"test fraction must be in (0, 1), got {self.test_fraction}")
+        if self.num_batches < 1 or self.num_batch_requests < 0 or self.num_clusters < 0:
+            raise ConfigError("--batches must be >= 1, --batch-requests and --clusters >= 0")
+
+    @property
+    def batch_requests(self) -> int:
+        return self.num_batch_requests or 32 * self.deployment.num_groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceData:
+    """What placement and evaluation read from a trace."""
+
+    model: Any  # ModelInfo
+    trace_path: str  # where it came from
+    prefill_RLE: np.ndarray  # float32 [R, L, E] prefill token counts
+    decode_RLE: np.ndarray  # float32 [R, L, E] decode token counts
+    is_test_R: np.ndarray  # bool [R] held out from placement
+    test_ids_NLK: np.ndarray  # int16 [N, L, K] decode tokens of test requests with at least one recorded id
+    test_req_N: np.ndarray  # int64 [N] row (0..R-1) of each test token's request
+
+
+def load_trace_data(trace: str | os.PathLike, *, test_fraction: float, seed: int, allow_incomplete: bool = False) -> TraceData:
+    """Count the trace and keep the held-out requests' decode tokens (streamed once more)."""
+    from moetrace.analysis.counts import count_trace
+    from moetrace.tracer.store import open_trace
+
+    tr = open_trace(trace, require_complete=not allow_incomplete)
+    counts = count_trace(tr, allow_incomplete=allow_incomplete)
+    R = counts.num_requests
+    if R < 4:
+        raise TraceFormatError(f"{trace}: {R} requests; placement needs at least 4 (some to train, some to test)")
+    rng = np.random.default_rng(seed)
+    n_test = min(max(1, int(round(R * test_fraction))), R - 1)
+    is_test = np.zeros(R, dtype=bool)
+    is_test[rng.permutation(R)[:n_test]] = True
+    rid = counts.request_id_R
+    ids_parts, req_parts = [], []
+    for ta in tr.iter_token_arrays(batch_tokens=1 << 16):
+        row = np.searchsorted(rid, ta.request_id_T)
+        keep = ta.is_decode_T & is_test[row] & (ta.topk_ids_TLK >= 0).any(axis=(1, 2))
+        ids_parts.append(ta.topk_ids_TLK[keep])
+        req_parts.append(row[keep])
+    L, K = tr.model.num_moe_layers, tr.model.top_k
+    ids = np.concatenate(ids_parts) if ids_parts else np.zeros((0, L, K), np.int16)
+    req = np.concatenate(req_parts) if req_parts else np.zeros(0, np.int64)
+    if len(req) == 0:
+        raise TraceFormatError(f"{trace}: the held-out requests have no decode tokens; the volume model needs decode steps")
+    order = np.argsort(req, kind="stable")
+    return TraceData(
+        model=tr.model, trace_path=str(trace),
+        prefill_RLE=counts.stage("prefill").astype(np.float32), decode_RLE=counts.stage("decode").astype(np.float32),
+        is_test_R=is_test, test_ids_NLK=ids[order], test_req_N=req[order],
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacedStrategy:
+    strategy: str
+    placement: Placement
+    grouping: Grouping | None = None
+    group_of_test_R: np.ndarray | None = None  # int64 [R] group of each request (test rows meaningful)
+    router_match_rate: float | None = None  # share of test requests whose prefill-predicted cluster = decode cluster
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, grouping: Grouping | None = None) -> PlacedStrategy:
+    """The placement of ``strategy`` from the training requests of ``data``."""
+    m, dep = data.model, cfg.deployment
+    L, E = m.num_moe_layers, m.num_experts
+    P = dep.check_slots(num_experts=E, num_redundant=cfg.num_redundant)
+    shape = dict(num_layers=L, num_experts=E, num_slots=P, num_ranks=dep.num_ep)
+    train = ~data.is_test_R
+    if strategy == "linear":
+        return PlacedStrategy(strategy=strategy, placement=linear(**shape))
+    if strategy == "round_robin":
+        return PlacedStrategy(strategy=strategy, placement=round_robin(**shape))
+    if strategy == "random":
+        return PlacedStrategy(strategy=strategy, placement=random_placement(**shape, seed=cfg.seed))
+    if strategy == "eplb":
+        load = data.decode_RLE[train].sum(0)
+        groups = m.n_group or 1
+        return PlacedStrategy(
+            strategy=strategy,
+            placement=rebalance(load, num_replicas=P, num_groups=groups, num_nodes=dep.num_nodes, num_gpus=dep.num_ep),
+            extra={"eplb_num_groups": groups, "eplb_policy": "hierarchical" if groups % dep.num_nodes == 0 else "global"},
+        )
+    if strategy not in GROUPED:
+        raise ConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    G = dep.num_groups
+    if grouping is None:
+        grouping = fit_grouping(
+            data.decode_RLE[train].reshape(train.sum(), -1), data.prefill_RLE[train].reshape(train.sum(), -1),
+            num_clusters=cfg.num_clusters or G, num_groups=G, seed=cfg.seed,
+        )
+    train_group = groups_of_clusters(grouping.labels_R, grouping.cluster_to_groups)
+    usage = np.zeros((G, L, E))
+    np.add.at(usage, train_group, data.decode_RLE[train])
+    placer = data_placement if strategy == "data" else improved_placement
+    placement = placer(usage, num_slots=P, ranks_per_group=dep.ranks_per_node)
+    R = len(data.is_test_R)
+    flat = lambda a: a.reshape(R, -1)  # noqa: E731
+    pred = predict_clusters(flat(data.prefill_RLE), grouping.prefill_centroids_CF)
+    truth = predict_clusters(flat(data.decode_RLE), grouping.decode_centroids_CF)
+    test = data.is_test_R
+    return PlacedStrategy(
+        strategy=strategy, placement=placement, grouping=grouping,
+        group_of_test_R=groups_of_clusters(pred, grouping.cluster_to_groups),
+        router_match_rate=float((pred[test] == truth[test]).mean()),
+    )
+
+
+def _sources(dep: Deployment, per_group: int) -> np.ndarray:
+    """EP rank each micro-batch position of each group dispatches from, int64 [G, per_group]."""
+    rep_node = dep.replica_node_D()
+    out = np.empty((dep.num_groups, per_group), dtype=np.int64)
+    j = np.arange(per_group)
+    for g in range(dep.num_groups):
+        reps = np.flatnonzero(rep_node == g)
+        if len(reps) == 0:
+            raise ConfigError(f"{dep.name}: node {g} hosts no DP replica (TP wider than a node is not modelled)")
+        src = np.stack([dep.replica_source_ranks(int(r)) for r in reps])  # [replicas, tp]
+        out[g] = src[j % len(reps), (j // len(reps)) % dep.num_tp]
+    return out
+
+
+def _batches(data: TraceData, cfg: CompareConfig, group_of_R: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token rows, batch index and source rank of every simulated token (int64 [N] each)."""
+    dep, B, G = cfg.deployment, cfg.num_batches, cfg.deployment.num_groups
+    per_group = max(1, cfg.batch_requests // G)
+    rng = np.random.default_rng([cfg.seed, 7])
+    R = len(data.is_test_R)
+    ntok = np.bincount(data.test_req_N, minlength=R)
+    start = np.zeros(R, dtype=np.int64)
+    np.cumsum(ntok[:-1], out=start[1:])
+    usable = np.flatnonzero(data.is_test_R & (ntok > 0))
+    src_GJ = _sources(dep, per_group)
+    rows, batch, src = [], [], []
+    u_pick = rng.random((B, G, per_group))
+    u_pos = rng.random((B, G, per_group))
+    for g in range(G):
+        pool = usable if group_of_R is None else usable[group_of_R[usable] == g]
+        if len(pool) == 0:
+            raise ConfigError(f"no held-out request is routed to group {g}; use fewer groups/clusters or more requests")
+        req = pool[(u_pick[:, g] * len(pool)).astype(np.int64)]
+        tok = start[req] + (u_pos[:, g] * ntok[req]).astype(np.int64)
+        rows.append(tok.reshape(-1))
+        batch.append(np.repeat(np.arange(B), per_group))
+        src.append(np.broadcast_to(src_GJ[g], (B, per_group)).reshape(-1))
+    return np.concatenate(rows), np.concatenate(batch), np.concatenate(src)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareResult:
+    config: dict[str, Any]
+    metrics: dict[str, dict[str, np.ndarray]]  # strategy -> metric -> [B, L]
+    placed: dict[str, PlacedStrategy]
+    model: Any
+    reference: str  # strategy whose median normalizes inter-node volume
+
+    def inter_BL(self, strategy: str) -> np.ndarray:
+        m = self.metrics[strategy]
+        return m["dispatch_inter_bytes"] + m["combine_inter_bytes"]
+
+    def normalized_B(self, strategy: str) -> np.ndarray:
+        """Per-batch inter-node bytes (all layers) / median of the reference's, float [B]."""
+        ref = np.median(self.inter_BL(self.reference).sum(1))
+        return self.inter_BL(strategy).sum(1) / ref if ref > 0 else np.full(self.inter_BL(strategy).shape[0], np.nan)
+
+    def summary_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for s, m in self.metrics.items():
+            nb = self.normalized_B(s)
+            rows.append({
+                "strategy": s,
+                "inter_node_normalized_median": float(np.median(nb)),
+                "inter_node_normalized_p10": float(np.quantile(nb, 0.1)),
+                "inter_node_normalized_p90": float(np.quantile(nb, 0.9)),
+                "inter_node_bytes_per_batch_median": float(np.median(self.inter_BL(s).sum(1))),
+                "intra_node_bytes_per_batch_median": float(np.median((m["dispatch_intra_bytes"] + m["combine_intra_bytes"]).sum(1))),
+                "max_rank_dispatch_send_bytes_mean": float(m["max_rank_dispatch_send_bytes"].mean()),
+                "tokens_per_rank_max_mean": float(m["tokens_per_rank_max"].mean()),
+                "activated_experts_per_rank_max_mean": float(m["activated_experts_per_rank_max"].mean()),
+                "router_match_rate": self.placed[s].router_match_rate,
+            })
+        return rows
+
+
+def run_compare(data: TraceData, cfg: CompareConfig) -> CompareResult:
+    """Place every strategy on the training requests and simulate them on the held-out ones."""
+    dep, m = cfg.deployment, data.model
+    strategies = list(dict.fromkeys(cfg.strategies))
+    reference = "linear"
+    todo = strategies if reference in strategies else [reference, *strategies]
+    placed: dict[str, PlacedStrategy] = {}
+    grouping = None
+    for s in todo:
+        placed[s] = make_placement(data, cfg, s, grouping=grouping)
+        grouping = placed[s].grouping or grouping  # data and improved share one grouping
+    metrics = {}
+    for s in todo:
+        rows, batch, src = _batches(data, cfg, placed[s].group_of_test_R)
+        metrics[s] = simulate_volume(
+            data.test_ids_NLK[rows], placement=placed[s].placement, batch_N=batch, src_rank_N=src,
+            num_batches=cfg.num_batches, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node,
+            bytes_per_token=m.hidden_size * cfg.bytes_per_value, dedup=cfg.dedup, policy=cfg.replica_policy,
+        )
+    conf = {k: v for k, v in asdict(cfg).items() if k != "deployment"}
+    conf.update(deployment=dep.name, gpus_per_node=dep.num_gpus_per_node, batch_requests=cfg.batch_requests,
+                num_ep=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node,
+                strategies=strategies, trace=data.trace_path,
+                num_train_requests=int((~data.is_test_R).sum()), num_test_requests=int(data.is_test_R.sum()))
+    return CompareResult(config=conf, metrics=metrics, placed=placed, model=m, reference=reference)
+
+
+def placement_file(data: TraceData, cfg: CompareConfig, ps: PlacedStrategy) -> PlacementFile:
+    dep = cfg.deployment
+    grouping = None
+    if ps.grouping is not None:
+        g = ps.grouping
+        grouping = {
+            "num_clusters": g.num_clusters, "num_groups": g.num_groups,
+            "cluster_to_groups": g.cluster_to_groups,
+            "normalization": "l2 over the concatenated [moe_layers x experts] token-count vector",
+            "features": "tokens per (moe layer, expert), layer-major",
+            "decode_centroids": np.round(g.decode_centroids_CF, 6).tolist(),
+            "prefill_centroids": np.round(g.prefill_centroids_CF, 6).tolist(),
+            "router": "cosine-nearest prefill centroid",
+            "router_match_rate": ps.router_match_rate,
+        }
+    return PlacementFile(
+        model=data.model.to_dict(),
+        deployment={"config": dep.name, "gpus_per_node": dep.num_gpus_per_node, "num_ep": dep.num_ep,
+                    "num_nodes": dep.num_nodes, "ranks_per_node": dep.ranks_per_node},
+        strategy=ps.strategy, placement=ps.placement, grouping=grouping,
+        source={"trace": data.trace_path, "seed": cfg.seed, "test_fraction": cfg.test_fraction,
+                "num_train_requests": int((~data.is_test_R).sum()), **ps.extra},
+    )
+
+
+def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
+    """Write the files the dashboards read (documented in docs/placement.md)."""
+    import polars as pl
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_layers = np.asarray(result.model.moe_layers)
+    frames, batch_frames, place_frames = [], [], []
+    for s, m in result.metrics.items():
+        B, L = m[METRICS[0]].shape
+        ref_l = np.median(result.inter_BL(result.reference), axis=0)
+        inter = result.inter_BL(s)
+        cols = {"strategy": [s] * (B * L), "batch": np.repeat(np.arange(B), L), "layer": np.tile(np.arange(L), B),
+                "model_layer": np.tile(model_layers, B)}
+        cols.update({k: v.reshape(-1) for k, v in m.items()})
+        cols["inter_node_normalized"] = (inter / np.where(ref_l > 0, ref_l, np.nan)).reshape(-1)
+        frames.append(pl.DataFrame(cols))
+        sum_l = lambda k: m[k].sum(1)  # noqa: E731
+        batch_frames.append(pl.DataFrame({
+            "strategy": [s] * B, "batch": np.arange(B),
+            "dispatch_intra_bytes": sum_l("dispatch_intra_bytes"), "dispatch_inter_bytes": sum_l("dispatch_inter_bytes"),
+            "combine_intra_bytes": sum_l("combine_intra_bytes"), "combine_inter_bytes": sum_l("combine_inter_bytes"),
+            "inter_node_normalized": result.normalized_B(s),
+        }))
+        place_frames.append((s, result.placed[s].placement.phy2log))
+    num_ep = int(result.config["num_ep"])
+    pl.concat(frames).write_parquet(out / "layers.parquet")
+    pl.concat(batch_frames).write_parquet(out / "batches.parquet")
+    pl.DataFrame(result.summary_rows()).write_parquet(out / "summary.parquet")
+    rows = []
+    for s, ph in place_frames:
+        Lp, P = ph.shape
+        ep = num_ep
+        rows.append(pl.DataFrame({
+            "strategy": [s] * (Lp * P), "layer": np.repeat(np.arange(Lp), P), "model_layer": np.repeat(model_layers, P),
+            "slot": np.tile(np.arange(P), Lp), "gpu": np.tile(np.arange(P) // (P // ep), Lp),
+            "node": np.tile((np.arange(P) // (P // ep)) // int(result.config["ranks_per_node"]), Lp),
+            "expert": ph.reshape(-1),
+        }))
+    pl.concat(rows).write_parquet(out / "placements.parquet")
+    meta = dict(result.config)
+    meta["reference"] = result.reference
+    meta["model"] = result.model.to_dict()
+    meta["grouping"] = {
+        s: {"num_clusters": p.grouping.num_clusters, "cluster_to_groups": p.grouping.cluster_to_groups,
+            "router_match_rate": p.router_match_rate}
+        for s, p in result.placed.items() if p.grouping is not None
+    }
+    (out / "compare.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return [out / n for n in ("layers.parquet", "batches.parquet", "summary.parquet", "placements.parquet", "compare.json")]

@@ -1,0 +1,145 @@
+"""Placement files: moetrace's own versioned JSON (validated on load) and engine exports (SPEC §7).
+
+``moetrace.placement`` v1 JSON: model facts, deployment, strategy, ``phy2log`` [L, P],
+``log2phy`` [L, E, M], ``logcnt`` [L, E] over the MoE layers, and (for grouped strategies) the
+grouping a serving router needs: cluster centroids in decode and prefill space, the cluster→group
+map and the normalization. Engine exports (see docs/exports.md for the source each was checked
+against): SGLang ``--init-expert-location`` JSON, TensorRT-LLM MoE load-balancer YAML, and the
+per-layer physical→logical list proposed for vLLM.
+
+Shape legend: L MoE layers, H all decoder layers, E logical experts, P physical slots, M max replicas,
+C clusters, F features (L*E).
+
+Out of scope: computing placements; talking to a running engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from moetrace.errors import ConfigError, TraceFormatError
+from moetrace.placement.maps import Placement, placement_from_phy2log, placement_problems
+
+__all__ = ["PlacementFile", "save_placement", "load_placement", "export_placement", "ExportFormat"]
+
+FORMAT = "moetrace.placement"
+VERSION = 1
+ExportFormat = Literal["sglang", "trtllm", "vllm"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementFile:
+    """Everything in a placement JSON."""
+
+    model: dict[str, Any]  # ModelInfo.to_dict() of the traced model
+    deployment: dict[str, Any]  # {"config": "DP8TP8EP64", "gpus_per_node": 8, "num_ep": 64, "num_nodes": 8}
+    strategy: str  # linear, round_robin, random, eplb, data, improved
+    placement: Placement  # over the MoE layers, in model.moe_layers order
+    grouping: dict[str, Any] | None = None  # clusters, centroids, cluster_to_groups, normalization
+    source: dict[str, Any] | None = None  # trace path, train requests, seed (provenance)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.placement.phy2log.shape[1])
+
+
+def save_placement(pf: PlacementFile, path: str | os.PathLike) -> None:
+    p = pf.placement
+    obj = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": pf.model,
+        "deployment": pf.deployment,
+        "strategy": pf.strategy,
+        "num_slots": pf.num_slots,
+        "num_redundant": pf.num_slots - int(pf.model["num_experts"]),
+        "moe_layers": list(pf.model["moe_layers"]),
+        "phy2log": p.phy2log.tolist(),
+        "log2phy": p.log2phy.tolist(),
+        "logcnt": p.logcnt.tolist(),
+        "grouping": pf.grouping,
+        "source": pf.source,
+    }
+    Path(path).write_text(json.dumps(obj) + "\n")
+
+
+def load_placement(path: str | os.PathLike) -> PlacementFile:
+    """Read and validate a placement JSON; every problem raises ``TraceFormatError`` naming it."""
+    where = str(path)
+    try:
+        d = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise TraceFormatError(f"{where}: no such placement file (write one with `moetrace place`)") from None
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{where}: not valid JSON ({exc})") from exc
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise TraceFormatError(f"{where}: not a moetrace placement file (`format` should be {FORMAT!r})")
+    if d.get("version") != VERSION:
+        raise TraceFormatError(f"{where}: placement version {d.get('version')!r} is not supported (this moetrace reads {VERSION})")
+    for key in ("model", "deployment", "strategy", "phy2log", "logcnt", "log2phy"):
+        if key not in d:
+            raise TraceFormatError(f"{where}: missing key `{key}`")
+    model = d["model"]
+    for key in ("num_experts", "moe_layers", "num_hidden_layers"):
+        if key not in model:
+            raise TraceFormatError(f"{where}: `model` lacks `{key}`")
+    E, L = int(model["num_experts"]), len(model["moe_layers"])
+    try:
+        phy2log = np.asarray(d["phy2log"], dtype=np.int64)
+        logcnt = np.asarray(d["logcnt"], dtype=np.int64)
+        log2phy = np.asarray(d["log2phy"], dtype=np.int64)
+    except (ValueError, TypeError) as exc:
+        raise TraceFormatError(f"{where}: phy2log/logcnt/log2phy must be rectangular integer arrays ({exc})") from exc
+    if phy2log.ndim != 2 or phy2log.shape[0] != L:
+        raise TraceFormatError(f"{where}: phy2log has shape {phy2log.shape}, expected ({L} MoE layers, slots)")
+    num_ep = int(d["deployment"].get("num_ep", 1))
+    problems = placement_problems(Placement(phy2log, log2phy, logcnt), num_experts=E, num_ranks=num_ep)
+    if problems:
+        raise TraceFormatError(f"{where}: invalid placement: " + "; ".join(problems))
+    g = d.get("grouping")
+    if g is not None:
+        C = len(g.get("cluster_to_groups", []))
+        for key in ("decode_centroids", "prefill_centroids"):
+            arr = np.asarray(g.get(key, []), dtype=np.float64)
+            if arr.shape != (C, L * E):
+                raise TraceFormatError(f"{where}: grouping `{key}` has shape {arr.shape}, expected ({C}, {L * E})")
+    return PlacementFile(
+        model=model, deployment=d["deployment"], strategy=str(d["strategy"]),
+        placement=Placement(phy2log, log2phy, logcnt), grouping=g, source=d.get("source"),
+    )
+
+
+def _full_layer_map(pf: PlacementFile) -> np.ndarray:
+    """phy2log over all H decoder layers; dense layers get the trivial map (slot p -> p mod E)."""
+    H, E = int(pf.model["num_hidden_layers"]), int(pf.model["num_experts"])
+    P = pf.num_slots
+    full = np.broadcast_to(np.arange(P) % E, (H, P)).copy()
+    full[np.asarray(pf.model["moe_layers"])] = pf.placement.phy2log
+    return full
+
+
+def export_placement(pf: PlacementFile, *, fmt: ExportFormat) -> str:
+    """The text of an engine's placement file for ``pf``."""
+    layers = [int(x) for x in pf.model["moe_layers"]]
+    if fmt == "sglang":
+        # init_by_mapping(**data) accepts exactly this key; rows = num_hidden_layers
+        return json.dumps({"physical_to_logical_map": _full_layer_map(pf).tolist()}) + "\n"
+    if fmt == "trtllm":
+        import yaml
+
+        assignments = {layer: [int(x) for x in row] for layer, row in zip(layers, pf.placement.phy2log)}
+        body = {"num_slots": pf.num_slots, "initial_global_assignments": assignments, "layer_updates_per_iter": 0}
+        return yaml.safe_dump(body, default_flow_style=None, sort_keys=False, width=1 << 20)
+    if fmt == "vllm":
+        return json.dumps({"physical_to_logical_map": pf.placement.phy2log.tolist(), "moe_layers": layers}) + "\n"
+    raise ConfigError(f"unknown export format {fmt!r}; use sglang, trtllm or vllm")
+
+
+def placement_file_from_phy2log(phy2log_LP: np.ndarray, **kw: Any) -> PlacementFile:
+    return PlacementFile(placement=placement_from_phy2log(phy2log_LP, num_experts=int(kw["model"]["num_experts"])), **kw)
