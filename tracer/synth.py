@@ -64,8 +64,6 @@ DEFAULT_DOMAINS = {
     "tldr": "summarization",
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_M32 = np.uint64(0xFFFFFFFF)
-_S32 = np.uint64(32)
 
 
 # ====================================================================== configuration
@@ -300,33 +298,48 @@ def load_truth(trace_dir: str | os.PathLike) -> tuple[PlantedTruth, tuple[str, .
 
 
 def alias_tables(p_NE: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Walker alias tables of N distributions over E outcomes, built for all N at once.
+    """Walker alias tables (Vose's construction) of N distributions over E outcomes.
 
-    Returns ``threshold_NE`` uint32 (keep column c when 32 uniform random bits are below it; a column
-    that is never replaced holds 2**32-1) and ``alias_NE`` int16 (the outcome taken otherwise). Pairs
-    the smallest open column with the largest (Robin Hood), E-1 steps vectorized over N.
+    Returns ``threshold_NE`` float64 in [0, 1] (keep column c when a uniform draw is below it) and
+    ``alias_NE`` int16 (the outcome taken otherwise; a column with threshold 1 is its own alias).
+    Drawing a column uniformly and applying the test samples ``p`` exactly.
     """
     N, E = p_NE.shape
-    scaled = p_NE / p_NE.sum(axis=1, keepdims=True) * E
-    thr = np.ones((N, E))
-    alias = np.tile(np.arange(E, dtype=np.int16), (N, 1))
-    open_ = np.ones((N, E), dtype=bool)
-    rows = np.arange(N)
-    for _ in range(E - 1):
-        small = np.where(open_, scaled, np.inf).argmin(axis=1)
-        large = np.where(open_, scaled, -np.inf)
-        large[rows, small] = -np.inf
-        large = large.argmax(axis=1)
-        s_val = scaled[rows, small]
-        thr[rows, small] = np.minimum(s_val, 1.0)
-        alias[rows, small] = np.where(s_val < 1.0, large, small).astype(np.int16)
-        scaled[rows, large] -= np.maximum(1.0 - s_val, 0.0)
-        open_[rows, small] = False
-    threshold = np.minimum(np.floor(thr * 2.0**32), 2.0**32 - 1).astype(np.uint32)
-    return threshold, alias
+    scaled_NE = p_NE / p_NE.sum(axis=1, keepdims=True) * E
+    thr_NE = np.ones((N, E))
+    alias_NE = np.tile(np.arange(E, dtype=np.int16), (N, 1))
+    for n in range(N):
+        sc = scaled_NE[n].tolist()
+        thr, alias = thr_NE[n], alias_NE[n]
+        small = [e for e in range(E) if sc[e] < 1.0]
+        large = [e for e in range(E) if sc[e] >= 1.0]
+        while small and large:
+            s_, l_ = small.pop(), large[-1]
+            thr[s_] = sc[s_]
+            alias[s_] = l_
+            sc[l_] -= 1.0 - sc[s_]
+            if sc[l_] < 1.0:
+                small.append(large.pop())
+        # leftovers are 1 up to rounding: keep them (threshold 1, own alias)
+    return thr_NE, alias_NE
 
 
-# ====================================================================== generation of one chunk
+def _packed_alias(p_NE: np.ndarray) -> tuple[np.ndarray, int]:
+    """Alias tables packed one uint32 per column: threshold in the top 32-b bits, alias in the low b bits.
+
+    E is padded to 2**b columns of probability 0, so a column is the top b bits of a 32-bit draw and
+    the threshold test uses the other 32-b bits (exact up to 2**-(32-b) per column).
+    """
+    N, E = p_NE.shape
+    b = max(1, (E - 1).bit_length())
+    if b > 15:
+        raise ConfigError(f"synth supports up to 32768 experts, got {E}")
+    padded = np.zeros((N, 1 << b))
+    padded[:, :E] = p_NE
+    thr, alias = alias_tables(padded)
+    q = np.minimum(np.floor(thr * 2.0 ** (32 - b)), 2.0 ** (32 - b) - 1).astype(np.uint32)
+    q[thr >= 1.0] = np.uint32(2 ** (32 - b) - 1)  # alias is itself: the test outcome does not matter
+    return ((q << np.uint32(b)) | alias.astype(np.uint32)).reshape(-1), b
 
 
 class Chunk(NamedTuple):
@@ -346,17 +359,15 @@ class _Sampler:
     model: ModelInfo
     plan: SynthPlan
     p_NE: np.ndarray  # float64 profiles, N = (dataset*2 + stage)*L + layer (for the exact finish)
-    threshold_NE: np.ndarray  # uint32 alias thresholds, flat
-    pick_NE2: np.ndarray  # int16 flat pairs (column, alias) of each alias-table entry
+    packed_NB: np.ndarray  # uint32 packed alias tables, flat, B = 2**bits columns per table
+    bits: int  # log2 of the padded column count
     affinity_map_LE: np.ndarray  # int16
 
 
 def _make_sampler(model: ModelInfo, plan: SynthPlan, truth: PlantedTruth) -> _Sampler:
-    E = model.num_experts
-    p_NE = np.stack([truth.prefill_DLE, truth.decode_DLE], axis=1).reshape(-1, E)
-    thr, alias = alias_tables(p_NE)
-    pick = np.stack([np.broadcast_to(np.arange(E, dtype=np.int16), alias.shape), alias], axis=2)
-    return _Sampler(model, plan, p_NE, thr.reshape(-1), pick.reshape(-1).copy(), truth.affinity_map_LE)
+    p_NE = np.stack([truth.prefill_DLE, truth.decode_DLE], axis=1).reshape(-1, model.num_experts)
+    packed, bits = _packed_alias(p_NE)
+    return _Sampler(model, plan, p_NE, packed, bits, truth.affinity_map_LE)
 
 
 def _chunk_ids(plan: SynthPlan, c: int) -> np.ndarray:
@@ -382,7 +393,7 @@ def generate_chunk(s: _Sampler, c: int) -> Chunk:
     model, plan, k = s.model, s.plan, s.plan.knobs
     L, K, E = model.num_moe_layers, model.top_k, model.num_experts
     F = _num_fav(k, model)
-    rng = np.random.default_rng(np.random.SeedSequence(plan.seed, spawn_key=(1, c)))
+    rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence(plan.seed, spawn_key=(1, c))))
     rid_R = _chunk_ids(plan, c)
     R = rid_R.shape[0]
     ds_R = (rid_R % len(plan.datasets)).astype(np.int64)
@@ -392,7 +403,8 @@ def generate_chunk(s: _Sampler, c: int) -> Chunk:
     starts_R = np.concatenate([[0], np.cumsum(len_R)[:-1]])
     req_T = np.repeat(np.arange(R), len_R)
     decode_T = (np.arange(T) - np.repeat(starts_R, len_R)) >= np.repeat(prompt_R, len_R)
-    tab_T = ((ds_R[req_T] * 2 + decode_T) * L) * E  # + l*E: offset of the token's alias table at layer l
+    B = 1 << s.bits
+    tab_T = ((ds_R[req_T] * 2 + decode_T) * L) * B  # + l*B: offset of the token's alias table at layer l
     fav_RLF = np.argpartition(rng.random((R, L, E), dtype=np.float32), F - 1, axis=2)[:, :, :F].astype(np.int16)
     fav_T = req_T * (L * F)  # + l*F: offset of the token's favourites at layer l
     experts_LKT = np.empty((L, K, T), np.int16)
@@ -400,13 +412,13 @@ def generate_chunk(s: _Sampler, c: int) -> Chunk:
         a = k.layer_affinity if l > 0 else 0.0
         fv = (1.0 - a) * k.request_spread
         mix = _Mix(
-            tab_T=tab_T + l * E,
+            tab_T=tab_T + l * B,
             fav_T=fav_T + l * F,
             fav=fav_RLF.reshape(-1),
             F=F,
             follow_KT=s.affinity_map_LE[l - 1][experts_LKT[l - 1]] if l > 0 else None,
-            cut_aff=np.uint32(min(round(a * 2**32), 2**32 - 1)),
-            cut_fav=np.uint32(min(round((a + fv) * 2**32), 2**32 - 1)),
+            cut_aff=np.uint16(min(round(a * 2**16), 2**16 - 1)) if a < 1 else np.uint32(2**16),
+            cut_fav=np.uint16(min(round((a + fv) * 2**16), 2**16 - 1)) if a + fv < 1 else np.uint32(2**16),
             w=(a, fv, 1.0 - a - fv),
         )
         _sample_topk(rng, s, mix, experts_LKT[l], K=K, E=E)
@@ -424,37 +436,33 @@ class _Mix:
     fav: np.ndarray  # flat favourites [R*L*F]
     F: int
     follow_KT: np.ndarray | None  # [K, T] int16: the planted followers of the token's layer l-1 experts
-    cut_aff: np.uint32  # selector below -> follow
-    cut_fav: np.uint32  # selector below (and >= cut_aff) -> favourite
+    cut_aff: np.integer  # 16-bit selector below -> follow
+    cut_fav: np.integer  # 16-bit selector below (and >= cut_aff) -> favourite
     w: tuple[float, float, float]  # (follow, favourite, profile) weights
 
 
-def _draw(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | None, M: int, E: int, K: int) -> np.ndarray:
+def _draw(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | None, M: int, K: int) -> np.ndarray:
     """``[M, n]`` int16 i.i.d. candidates from each row's mixture (rows: token indices, None = all).
 
-    32 random bits pick the component, 32 others the outcome inside it: the alias column (top bits)
-    and its keep/alias test (the remaining bits), or a favourite/followed slot (top 16 bits, exact
-    when F and K divide 2**16).
+    Per candidate, 32 random bits ``h`` pick the outcome inside a component: the alias column (top
+    ``bits``) and its keep/alias test (the other bits), or a favourite/followed slot (top 16 bits,
+    exact when F and K divide 2**16); 16 more bits pick the component (weights in steps of 2**-16).
     """
     tab = mix.tab_T if rows is None else mix.tab_T[rows]
     n = tab.shape[0]
-    u = rng.bit_generator.random_raw(M * n).view(np.uint32)
-    sel, h = u[: M * n].reshape(M, n), u[M * n :].reshape(M, n)
-    b = E.bit_length() - 1
-    if E == 1 << b:
-        col = h >> np.uint32(32 - b) if b else np.zeros_like(h)
-        frac = h << np.uint32(b)
-    else:
-        prod = h.astype(np.uint64) * np.uint64(E)
-        col = (prod >> _S32).astype(np.uint32)
-        frac = (prod & _M32).astype(np.uint32)
-    idx = tab + col
-    flag = frac >= s.threshold_NE[idx]
-    idx <<= 1
-    idx += flag
-    out = s.pick_NE2[idx]
-    if mix.w[1] > 0 or mix.w[0] > 0:
-        h16 = h >> np.uint32(16)
+    mixed = mix.w[0] > 0 or mix.w[1] > 0
+    size = M * n + (M * n + 1) // 2 if mixed else M * n
+    u = rng.bit_generator.random_raw((size + 1) // 2).view(np.uint32)
+    h = u[: M * n].reshape(M, n)
+    b = s.bits
+    col = h >> np.uint32(32 - b)
+    entry = s.packed_NB[tab + col]
+    keep = (h & np.uint32((1 << (32 - b)) - 1)) < (entry >> np.uint32(b))
+    out = np.where(keep, col, entry & np.uint32((1 << b) - 1)).astype(np.int16)
+    if not mixed:
+        return out
+    sel = u[M * n :].view(np.uint16)[: M * n].reshape(M, n)
+    h16 = h >> np.uint32(16)
     if mix.w[1] > 0:
         fi = (h16 * np.uint32(mix.F)) >> np.uint32(16)
         fi = (mix.fav_T if rows is None else mix.fav_T[rows]) + fi
@@ -467,15 +475,20 @@ def _draw(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | N
     return out
 
 
-def _accept(ch_KN: np.ndarray, nn_N: np.ndarray, cand_MN: np.ndarray, K: int) -> None:
-    """Append each row's candidates, in order, that are not yet chosen, until the row holds K."""
+def _accept(ch_KN: np.ndarray, nn_N: np.ndarray, cand_MN: np.ndarray, K: int, *, filled: int) -> None:
+    """Append each row's candidates, in order, that are not yet chosen, until the row holds K.
+
+    ``filled``: an upper bound of ``nn_N`` on entry (slots at or above it are known to be empty).
+    """
     for c in cand_MN:
         new = nn_N < K
-        for slot in range(K):
+        upto = min(filled, K)
+        for slot in range(upto):
             new &= ch_KN[slot] != c
-        for slot in range(K):
+        for slot in range(min(upto + 1, K)):
             np.copyto(ch_KN[slot], c, where=new & (nn_N == slot))
         nn_N += new
+        filled += 1
 
 
 def _sample_topk(rng: np.random.Generator, s: _Sampler, mix: _Mix, ch: np.ndarray, *, K: int, E: int) -> None:
@@ -483,15 +496,15 @@ def _sample_topk(rng: np.random.Generator, s: _Sampler, mix: _Mix, ch: np.ndarra
     T = ch.shape[1]
     ch.fill(-1)
     nn = np.ones(T, np.int8)
-    cand = _draw(rng, s, mix, None, K + 2 if K > 1 else 1, E, K)
+    cand = _draw(rng, s, mix, None, K + 2 if K > 1 else 1, K)
     ch[0] = cand[0]
-    _accept(ch, nn, cand[1:], K)
+    _accept(ch, nn, cand[1:], K, filled=1)
     rows = np.flatnonzero(nn < K)
     for _round in range(3):
         if rows.size == 0:
             return
         sub_ch, sub_nn = ch[:, rows], nn[rows]
-        _accept(sub_ch, sub_nn, _draw(rng, s, mix, rows, 2 * K, E, K), K)
+        _accept(sub_ch, sub_nn, _draw(rng, s, mix, rows, 2 * K, K), K, filled=K)
         ch[:, rows], nn[rows] = sub_ch, sub_nn
         rows = rows[sub_nn < K]
     if rows.size:
@@ -502,7 +515,7 @@ def _finish_exact(rng, s: _Sampler, mix: _Mix, rows, ch, nn, K: int, E: int) -> 
     """Complete the remaining slots of ``rows`` by Gumbel-top-k over the dense mixture minus chosen experts."""
     n = rows.size
     w_aff, w_fav, w_tab = mix.w
-    q = w_tab * s.p_NE.reshape(-1)[mix.tab_T[rows][:, None] + np.arange(E)]
+    q = w_tab * s.p_NE[mix.tab_T[rows] >> s.bits]
     ar = np.arange(n)
     if w_fav > 0:
         fav = mix.fav[mix.fav_T[rows][:, None] + np.arange(mix.F)]
@@ -542,7 +555,6 @@ class SynthSummary:
     seconds: float
     bytes_on_disk: int
     calibration: str | None
-    resumed_requests: int  # requests already committed before this run (resume)
 
 
 _WORKER: _Sampler | None = None
@@ -588,10 +600,13 @@ def synthesize(
     model: ModelInfo,
     plan: SynthPlan,
     workers: int = 1,
-    on_existing: Literal["refuse", "resume", "overwrite"] = "refuse",
+    on_existing: Literal["refuse", "overwrite"] = "refuse",
     progress: Callable[[int, int], None] | None = None,
 ) -> SynthSummary:
     """Generate the trace of ``plan`` for ``model`` into the directory ``out`` (streaming, bounded memory).
+
+    There is no resume: a run is deterministic, so an interrupted one is simply run again with
+    ``on_existing="overwrite"``.
 
     ``progress(requests_done, tokens_done)`` is called after each written chunk. ``workers``
     processes generate chunks; the main process writes them in request-id order. The manifest's
@@ -599,19 +614,14 @@ def synthesize(
     """
     import time
 
-    from moetrace.tracer.store import TraceWriter, read_manifest
+    from moetrace.tracer.store import TraceWriter
 
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
+    if on_existing == "refuse" and (Path(out) / "manifest.json").exists():
+        raise OutputExistsError(f"{out} already holds a trace; pass --overwrite to replace it, or choose another -o")
     t0 = time.perf_counter()
     collection = plan.collection(model)
-    if on_existing == "resume" and (Path(out) / "manifest.json").exists():
-        old = read_manifest(out).get("collection", {})
-        if old != json.loads(json.dumps(collection)):
-            diff = sorted(key for key in set(old) | set(collection) if old.get(key) != json.loads(json.dumps(collection)).get(key))
-            raise OutputExistsError(
-                f"{out} was generated with different settings ({', '.join(diff)}); resume with the same ones, or --overwrite"
-            )
     truth = plant_truth(model, plan)
     sampler = _make_sampler(model, plan, truth)
     X = model.ids_per_token
@@ -626,15 +636,10 @@ def synthesize(
         part_tokens=max(65536, (512 << 20) // (2 * X)),  # ~512 MiB of raw ids per part
     ) as w:
         save_truth(Path(out) / TRUTH_FILE, truth, plan.datasets)
-        done = w.completed_request_ids
-        n_chunks = -(-plan.num_requests // plan.num_chunk_requests)
-        todo = [c for c in range(n_chunks) if not all(int(r) in done for r in _chunk_ids(plan, c))]
-        resumed = len(done)
-        if len(todo) < n_chunks and any(int(r) in done for c in todo for r in _chunk_ids(plan, c)):
-            raise OutputExistsError(f"{out}: committed requests do not align with generation chunks; use --overwrite")
         names = np.array(plan.datasets, dtype=object)
-        n_req, n_tok = resumed, 0
-        for ch in iter_chunks(sampler, todo, workers=workers):
+        n_req, n_tok = 0, 0
+        n_chunks = -(-plan.num_requests // plan.num_chunk_requests)
+        for ch in iter_chunks(sampler, list(range(n_chunks)), workers=workers):
             w.add_requests(
                 request_id_R=ch.request_id_R,
                 dataset_R=names[ch.dataset_R].tolist(),
@@ -655,7 +660,6 @@ def synthesize(
         seconds=time.perf_counter() - t0,
         bytes_on_disk=stats.bytes_on_disk,
         calibration=plan.calibration,
-        resumed_requests=resumed,
     )
 
 
