@@ -1,0 +1,327 @@
+"""moetrace synth: exact top-k sampling, each knob moving its statistic, determinism, valid output."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from moetrace.cli import app
+from moetrace.errors import ConfigError
+from moetrace.tracer.presets import model_info_for
+from moetrace.tracer.schema import ModelInfo
+from moetrace.tracer.store import open_trace
+from moetrace.tracer.synth import (
+    PAPER_DATASETS,
+    SynthKnobs,
+    SynthPlan,
+    _make_sampler,
+    alias_tables,
+    generate_chunk,
+    generate_in_memory,
+    load_calibration,
+    load_truth,
+    plant_truth,
+    synthesize,
+)
+from moetrace.tracer.synth_stats import (
+    cluster_separation,
+    counts_from_chunks,
+    counts_from_trace,
+    dataset_correlation,
+    imbalance_factor,
+    next_layer_predictability,
+    prefill_decode_correlation,
+    request_vectors,
+)
+from moetrace.tracer.validate import find_problems
+
+
+def small_model(*, L: int = 4, E: int = 32, K: int = 4) -> ModelInfo:
+    return ModelInfo(
+        name="test-moe",
+        source="test",
+        architecture="TestMoE",
+        num_hidden_layers=L,
+        moe_layers=tuple(range(L)),
+        num_experts=E,
+        top_k=K,
+        num_shared_experts=0,
+        hidden_size=64,
+    )
+
+
+#: short requests so a few hundred give enough tokens quickly
+SHORT = {
+    d: {"prompt_median": 40, "prompt_sigma": 0.2, "output_median": 40, "output_sigma": 0.2} for d in PAPER_DATASETS
+}
+
+
+def plan_for(num_requests: int = 280, seed: int = 0, **knobs) -> SynthPlan:
+    return SynthPlan(
+        datasets=PAPER_DATASETS,
+        num_requests=num_requests,
+        seed=seed,
+        knobs=SynthKnobs.from_dict({"lengths": SHORT, **knobs}),
+    )
+
+
+def chunks_of(model: ModelInfo, plan: SynthPlan) -> list:
+    return list(generate_in_memory(model, plan))
+
+
+def counts(model: ModelInfo, plan: SynthPlan) -> np.ndarray:
+    return counts_from_chunks(
+        chunks_of(model, plan), num_datasets=len(plan.datasets), L=model.num_moe_layers, K=model.top_k, E=model.num_experts
+    )
+
+
+# ---------------------------------------------------------------- exact sampling without replacement
+
+
+def plackett_luce_inclusion(p: np.ndarray, K: int) -> np.ndarray:
+    """P(expert e among the K chosen) under sequential sampling without replacement, by enumeration."""
+    incl = np.zeros(p.size)
+    for seq in itertools.permutations(range(p.size), K):
+        prob, left = 1.0, 1.0
+        for e in seq:
+            prob *= p[e] / left
+            left -= p[e]
+        incl[list(seq)] += prob
+    return incl
+
+
+@pytest.mark.parametrize(("E", "K", "zipf"), [(6, 3, 1.0), (8, 6, 5.0)])
+def test_topk_matches_plackett_luce(E, K, zipf):
+    # (8, 6, zipf 5) leaves little mass for the last slots: most rows go through the exact finish
+    model = small_model(L=1, E=E, K=K)
+    plan = SynthPlan(
+        datasets=("a",),
+        num_requests=64,
+        seed=1,
+        knobs=SynthKnobs(
+            zipf_exponent=zipf,
+            layer_skew_spread=0.0,
+            request_spread=0.0,
+            layer_affinity=0.0,
+            lengths={"a": {"prompt_median": 1200, "prompt_sigma": 0.0, "output_median": 2, "output_sigma": 0.0}},
+        ),
+    )
+    truth = plant_truth(model, plan)
+    ch = generate_chunk(_make_sampler(model, plan, truth), 0)
+    prefill = ch.experts_TX[np.concatenate([np.arange(s, s + 1200) for s in range(0, ch.experts_TX.shape[0], 1202)])]
+    assert all(len(set(row)) == K for row in prefill[:2000].tolist())
+    freq = np.bincount(prefill.reshape(-1), minlength=E) / prefill.shape[0]
+    expected = plackett_luce_inclusion(truth.prefill_DLE[0, 0], K)
+    n = prefill.shape[0]
+    assert np.all(np.abs(freq - expected) < 5 * np.sqrt(expected * (1 - expected) / n) + 1e-3)
+
+
+def test_alias_tables_reproduce_distribution():
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.full(40, 0.3), size=5)
+    p[0, :10] = 0.0
+    p[0] /= p[0].sum()
+    thr, alias = alias_tables(p)
+    back = thr.copy()
+    for n in range(p.shape[0]):
+        np.add.at(back[n], alias[n].astype(int), 1.0 - thr[n])
+    np.testing.assert_allclose(back / p.shape[1], p, atol=1e-12)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    E=st.sampled_from([3, 8, 20, 64]),
+    K=st.integers(1, 4),
+    zipf=st.floats(0.0, 3.0),
+    spread=st.floats(0.0, 1.0),
+    affinity=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31),
+)
+def test_every_row_has_k_distinct_valid_experts(E, K, zipf, spread, affinity, seed):
+    K = min(K, E)
+    model = small_model(L=3, E=E, K=K)
+    plan = SynthPlan(
+        datasets=("gsm8k", "xsum"),
+        num_requests=6,
+        seed=seed,
+        num_chunk_requests=4,
+        knobs=SynthKnobs(zipf_exponent=zipf, request_spread=spread, layer_affinity=affinity, lengths=SHORT),
+    )
+    for ch in generate_in_memory(model, plan):
+        ids = ch.experts_TX.reshape(-1, 3, K)
+        ends = np.cumsum(ch.prompt_tokens_R.astype(np.int64) + ch.output_tokens_R) - 1
+        assert (ids[ends] == -1).all()  # the final generated token is never forwarded
+        rest = np.delete(ids, ends, axis=0)
+        assert rest.min() >= 0 and rest.max() < E
+        s = np.sort(rest, axis=2)
+        assert (np.diff(s, axis=2) > 0).all()  # K distinct per (token, layer)
+
+
+# ---------------------------------------------------------------- each knob moves its statistic
+
+
+def test_skew_raises_imbalance_factor():
+    m = small_model()
+    low = imbalance_factor(counts(m, plan_for(zipf_exponent=0.4)).sum(axis=1)).mean()
+    high = imbalance_factor(counts(m, plan_for(zipf_exponent=1.6)).sum(axis=1)).mean()
+    assert low < 1.6 < high, (low, high)
+
+
+def test_dataset_skew_multiplier_is_per_dataset():
+    m = small_model()
+    c = counts(m, plan_for(zipf_exponent=0.8, dataset_skew={"gsm8k": 2.5, "lmsys-chat": 0.3}))
+    if_D = imbalance_factor(c.sum(axis=1)).mean(axis=1)
+    d = {name: if_D[i] for i, name in enumerate(PAPER_DATASETS)}
+    assert d["gsm8k"] > d["math"] > d["lmsys-chat"]
+
+
+@pytest.mark.parametrize(("pd_mix", "lo", "hi"), [(0.0, -0.25, 0.25), (1.0, 0.95, 1.0)])
+def test_pd_mix_sets_prefill_decode_correlation(pd_mix, lo, hi):
+    m = small_model()
+    r = np.nanmean(prefill_decode_correlation(counts(m, plan_for(pd_mix=pd_mix))))
+    assert lo < r <= hi, r
+
+
+def test_pd_mix_is_monotone():
+    m = small_model()
+    rs = [np.nanmean(prefill_decode_correlation(counts(m, plan_for(pd_mix=x)))) for x in (0.2, 0.5, 0.8)]
+    assert rs[0] < rs[1] < rs[2], rs
+
+
+def test_layer_affinity_raises_next_layer_predictability():
+    m = small_model(L=4, E=32, K=2)
+
+    def predictability(a: float) -> float:
+        ids = np.concatenate([c.experts_TX for c in chunks_of(m, plan_for(layer_affinity=a))]).reshape(-1, 4, 2)
+        return float(next_layer_predictability(ids, E=32).mean())
+
+    p0, p5, p9 = predictability(0.0), predictability(0.5), predictability(0.9)
+    assert p0 < p5 < p9, (p0, p5, p9)
+    assert p9 > 0.8
+
+
+def test_request_spread_makes_clusters_less_separable():
+    m = small_model()
+
+    def separation(v: float) -> float:
+        vec, lab = request_vectors(chunks_of(m, plan_for(request_spread=v)), L=4, K=4, E=32, stage=1)
+        return cluster_separation(vec, lab)
+
+    tight, loose = separation(0.05), separation(0.8)
+    assert tight > 2 * loose, (tight, loose)
+
+
+def test_domains_share_experts():
+    m = small_model()
+    corr = np.nanmean(dataset_correlation(counts(m, plan_for(domain_weight=0.6, shared_weight=0.0))), axis=0)
+    i = {d: n for n, d in enumerate(PAPER_DATASETS)}
+    assert corr[i["gsm8k"], i["math"]] > 0.3 + corr[i["gsm8k"], i["mbpp"]]
+    assert corr[i["mbpp"], i["humaneval"]] > 0.3 + corr[i["mbpp"], i["xsum"]]
+    assert corr[i["xsum"], i["tldr"]] > 0.3 + corr[i["xsum"], i["lmsys-chat"]]
+    # experts shared by every dataset raise cross-domain correlation
+    shared = np.nanmean(dataset_correlation(counts(m, plan_for(domain_weight=0.2, shared_weight=0.7))), axis=0)
+    assert shared[i["gsm8k"], i["mbpp"]] > corr[i["gsm8k"], i["mbpp"]] + 0.3
+
+
+def test_lengths_follow_their_dataset():
+    m = small_model(L=1, E=8, K=2)
+    plan = SynthPlan(datasets=("xsum", "math"), num_requests=400, seed=0, knobs=SynthKnobs())
+    ch = chunks_of(m, plan)
+    ds = np.concatenate([c.dataset_R for c in ch])
+    prompt = np.concatenate([c.prompt_tokens_R for c in ch])
+    output = np.concatenate([c.output_tokens_R for c in ch])
+    assert np.median(prompt[ds == 0]) == pytest.approx(520, rel=0.15)
+    assert np.median(output[ds == 1]) == pytest.approx(450, rel=0.2)
+    assert prompt.min() >= 1 and output.min() >= 2
+
+
+# ---------------------------------------------------------------- the written trace
+
+
+def test_trace_is_valid_deterministic_across_workers_and_carries_its_truth(tmp_path):
+    model = model_info_for("deepseek-v3-tiny")
+    plan = SynthPlan(
+        datasets=("gsm8k", "mbpp", "xsum"),
+        num_requests=40,
+        seed=7,
+        num_chunk_requests=8,
+        knobs=SynthKnobs.from_dict({"lengths": SHORT}, base=load_calibration("deepseek-v3")),
+        calibration="deepseek-v3",
+    )
+    s1 = synthesize(tmp_path / "w1", model=model, plan=plan, workers=1)
+    s2 = synthesize(tmp_path / "w2", model=model, plan=plan, workers=2)
+    assert find_problems(tmp_path / "w1") == [] and find_problems(tmp_path / "w2") == []
+    assert s1.num_requests == 40 and s1.num_tokens == s2.num_tokens
+    for sub in ("routing", "requests"):
+        f1, f2 = sorted((tmp_path / "w1" / sub).glob("*.parquet")), sorted((tmp_path / "w2" / sub).glob("*.parquet"))
+        assert [f.name for f in f1] == [f.name for f in f2]
+        for a, b in zip(f1, f2):
+            assert pq.read_table(a).equals(pq.read_table(b))
+            assert a.read_bytes() == b.read_bytes()
+
+    tr = open_trace(tmp_path / "w1")
+    assert tr.manifest["backend"]["name"] == "synthetic"
+    coll = tr.manifest["collection"]
+    assert coll["seed"] == 7 and coll["datasets"] == ["gsm8k", "mbpp", "xsum"] and coll["calibration"] == "deepseek-v3"
+    assert SynthKnobs.from_dict(coll["knobs"]) == plan.knobs  # the planted recipe round-trips
+    truth, ds = load_truth(tmp_path / "w1")
+    assert ds == plan.datasets
+    np.testing.assert_array_equal(truth.decode_DLE, plant_truth(model, plan).decode_DLE)
+    # the trace's counts agree with the in-memory generator
+    c_trace, names = counts_from_trace(tmp_path / "w1")
+    c_mem = counts_from_chunks(generate_in_memory(model, plan), num_datasets=3, L=58, K=8, E=256)
+    np.testing.assert_array_equal(c_trace, c_mem[[plan.datasets.index(n) for n in names]])
+
+
+def test_different_seeds_differ_same_seed_repeats():
+    m = small_model()
+    a = np.concatenate([c.experts_TX for c in chunks_of(m, plan_for(num_requests=20, seed=1))])
+    b = np.concatenate([c.experts_TX for c in chunks_of(m, plan_for(num_requests=20, seed=1))])
+    c = np.concatenate([c.experts_TX for c in chunks_of(m, plan_for(num_requests=20, seed=2))])
+    assert np.array_equal(a, b)
+    assert a.shape != c.shape or not np.array_equal(a, c)
+
+
+# ---------------------------------------------------------------- configuration errors and the CLI
+
+
+def test_bad_knobs_are_named():
+    with pytest.raises(ConfigError, match="pd_mx"):
+        SynthKnobs.from_dict({"pd_mx": 0.3})
+    with pytest.raises(ConfigError, match="pd_mix"):
+        SynthKnobs(pd_mix=1.5)
+    with pytest.raises(ConfigError, match="shared_weight"):
+        SynthKnobs(shared_weight=0.7, domain_weight=0.6)
+    with pytest.raises(ConfigError, match="repeat"):
+        SynthPlan(datasets=("a", "a"), num_requests=1, seed=0, knobs=SynthKnobs())
+
+
+def test_cli_synth_writes_a_valid_trace_and_reports_errors(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "t"
+    args = ["synth", "-o", str(out), "--model", "mixtral-8x7b-tiny", "-n", "30", "--seed", "3", "--workers", "1"]
+    r = runner.invoke(app, [*args, "--datasets", "gsm8k,mydata", "--knobs", '{"pd_mix": 0.9}'])
+    assert r.exit_code == 0, r.output
+    assert "30 requests" in r.output and "calibration generic" in r.output
+    assert find_problems(out) == []
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["collection"]["knobs"]["pd_mix"] == 0.9 and man["collection"]["domains"]["mydata"] == "mydata"
+
+    r = runner.invoke(app, args)  # exists, no --overwrite
+    assert r.exit_code == 2 and "--overwrite" in r.output
+    r = runner.invoke(app, [*args, "--overwrite", "--knobs", '{"pd_mx": 1}'])
+    assert r.exit_code == 2 and "unknown synth knob" in r.output
+    r = runner.invoke(app, [*args, "--overwrite", "--calibration", "nope"])
+    assert r.exit_code == 2 and "unknown synth calibration" in r.output
+    knob_file = tmp_path / "k.json"
+    knob_file.write_text(json.dumps({"zipf_exponent": 1.3}))
+    r = runner.invoke(app, [*args, "--overwrite", "--knobs", str(knob_file)])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "manifest.json").read_text())["collection"]["knobs"]["zipf_exponent"] == 1.3
