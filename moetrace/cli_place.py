@@ -102,6 +102,11 @@ def compare_cmd(
         router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
         typer.echo(f"{r['strategy']:<12} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
                    f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} {router:>7}")
+    for r in result.summary_rows():
+        if r["groups_without_routed_requests"]:
+            typer.secho(f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
+                        "to them; their micro-batches drew from all test requests (more requests or fewer clusters avoid this)",
+                        fg=typer.colors.YELLOW, err=True)
     if out is not None:
         files = write_results(result, out)
         typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")

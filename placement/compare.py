@@ -193,8 +193,11 @@ def _sources(dep: Deployment, per_group: int) -> np.ndarray:
     return out
 
 
-def _batches(data: TraceData, cfg: CompareConfig, group_of_R: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token rows, batch index and source rank of every simulated token (int64 [N] each)."""
+def _batches(
+    data: TraceData, cfg: CompareConfig, group_of_R: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """Token rows, batch index and source rank of every simulated token (int64 [N] each), and the
+    groups no held-out request was routed to (their micro-batches draw from all test requests)."""
     dep, B, G = cfg.deployment, cfg.num_batches, cfg.deployment.num_groups
     per_group = max(1, cfg.batch_requests // G)
     rng = np.random.default_rng([cfg.seed, 7])
@@ -204,19 +207,20 @@ def _batches(data: TraceData, cfg: CompareConfig, group_of_R: np.ndarray | None)
     np.cumsum(ntok[:-1], out=start[1:])
     usable = np.flatnonzero(data.is_test_R & (ntok > 0))
     src_GJ = _sources(dep, per_group)
-    rows, batch, src = [], [], []
+    rows, batch, src, empty = [], [], [], []
     u_pick = rng.random((B, G, per_group))
     u_pos = rng.random((B, G, per_group))
     for g in range(G):
         pool = usable if group_of_R is None else usable[group_of_R[usable] == g]
         if len(pool) == 0:
-            raise ConfigError(f"no held-out request is routed to group {g}; use fewer groups/clusters or more requests")
+            empty.append(g)
+            pool = usable
         req = pool[(u_pick[:, g] * len(pool)).astype(np.int64)]
         tok = start[req] + (u_pos[:, g] * ntok[req]).astype(np.int64)
         rows.append(tok.reshape(-1))
         batch.append(np.repeat(np.arange(B), per_group))
         src.append(np.broadcast_to(src_GJ[g], (B, per_group)).reshape(-1))
-    return np.concatenate(rows), np.concatenate(batch), np.concatenate(src)
+    return np.concatenate(rows), np.concatenate(batch), np.concatenate(src), empty
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,6 +255,7 @@ class CompareResult:
                 "tokens_per_rank_max_mean": float(m["tokens_per_rank_max"].mean()),
                 "activated_experts_per_rank_max_mean": float(m["activated_experts_per_rank_max"].mean()),
                 "router_match_rate": self.placed[s].router_match_rate,
+                "groups_without_routed_requests": len(self.placed[s].extra.get("groups_without_routed_requests", [])),
             })
         return rows
 
@@ -268,7 +273,8 @@ def run_compare(data: TraceData, cfg: CompareConfig) -> CompareResult:
         grouping = placed[s].grouping or grouping  # data and improved share one grouping
     metrics = {}
     for s in todo:
-        rows, batch, src = _batches(data, cfg, placed[s].group_of_test_R)
+        rows, batch, src, empty = _batches(data, cfg, placed[s].group_of_test_R)
+        placed[s].extra["groups_without_routed_requests"] = empty
         metrics[s] = simulate_volume(
             data.test_ids_NLK[rows], placement=placed[s].placement, batch_N=batch, src_rank_N=src,
             num_batches=cfg.num_batches, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node,
@@ -352,7 +358,8 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
     meta["model"] = result.model.to_dict()
     meta["grouping"] = {
         s: {"num_clusters": p.grouping.num_clusters, "cluster_to_groups": p.grouping.cluster_to_groups,
-            "router_match_rate": p.router_match_rate}
+            "router_match_rate": p.router_match_rate,
+            "groups_without_routed_requests": p.extra.get("groups_without_routed_requests", [])}
         for s, p in result.placed.items() if p.grouping is not None
     }
     (out / "compare.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
