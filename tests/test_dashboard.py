@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
 from typer.testing import CliRunner
 
+from browser.checks import check_all
 from browser.figjson import figures_from_html
-from browser.fixtures import make_trace
+from browser.fixtures import make_trace, produced
 from moetrace.cli import app
 from moetrace.dashboards.inputs import detect
 from moetrace.dashboards.report import DashboardConfig, write_dashboard
@@ -94,3 +97,70 @@ def test_cli_writes_and_reports_size(trace, tmp_path):
     res = CliRunner().invoke(app, ["dashboard", str(trace), "-o", str(out)])
     assert res.exit_code == 0, res.output
     assert out.exists() and f"wrote {out}" in res.output and "MiB" in res.output
+
+
+# ---------------------------------------------------------------- with the real producers' results
+@pytest.fixture(scope="module")
+def prod():
+    p = produced()
+    if p.missing:
+        pytest.skip("producers not available: " + "; ".join(p.missing))
+    return p
+
+
+def test_html_figures_equal_result_files(prod, tmp_path):
+    rep = write_dashboard([prod.trace, prod.analysis, prod.compare], out=tmp_path / "r.html")
+    figs = figures_from_html(rep.path.read_text())
+    checked = check_all({k: v["data"] for k, v in figs.items()}, prod)
+    assert len(checked) >= 15
+    for key in checked:  # each figure names the file it was drawn from, and the trace
+        assert Path(figs[key]["source"]).is_file(), key
+        assert "trace trace" in figs[key]["layout"]["title"]["text"], key
+    assert rep.sections == ("overview", "imbalance", "correlation", "clusters", "classifiers", "placement")
+    assert any("all-to-all measurements" in o for o in rep.omitted)
+
+
+def test_results_alone_find_their_trace(prod, tmp_path):
+    rep = write_dashboard([prod.compare], out=tmp_path / "r.html")
+    assert rep.sections == ("overview", "placement")  # overview from the trace compare.json names
+    assert any("no `moetrace analyze` results" in o for o in rep.omitted)
+
+
+def test_absent_results_are_omitted_not_errors(prod, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(prod.analysis, partial)
+    for name in ("embedding.parquet", "classify_accuracy.parquet", "classify_confusion.parquet", "expert_load.parquet"):
+        (partial / name).unlink()
+    rep = write_dashboard([partial], out=tmp_path / "r.html")
+    assert "clusters" not in rep.sections and "classifiers" not in rep.sections
+    assert "imbalance" in rep.sections and "correlation" in rep.sections
+    assert any(o.startswith("clusters: no embedding.parquet") for o in rep.omitted)
+    figs = figures_from_html(rep.path.read_text())
+    assert "imbalance-expert-load" not in figs and "imbalance-if-prefill" in figs
+    assert "expert_load.parquet absent" in rep.path.read_text()
+
+
+def test_two_results_of_one_kind_get_their_own_sections(prod, tmp_path):
+    other = tmp_path / "again"
+    shutil.copytree(prod.analysis, other)
+    rep = write_dashboard([prod.analysis, other], out=tmp_path / "r.html")
+    assert "a0-imbalance" in rep.sections and "a1-imbalance" in rep.sections
+    assert rep.sections.count("overview") == 1  # both name the same trace
+
+
+def test_scatter_cap_is_applied_and_shown(prod, tmp_path):
+    rep = write_dashboard([prod.analysis], out=tmp_path / "r.html", config=DashboardConfig(max_points=25, seed=1))
+    figs = figures_from_html(rep.path.read_text())
+    fig = figs["clusters-tsne-prefill"]
+    total = pl.read_parquet(prod.analysis / "embedding.parquet").filter(
+        (pl.col("method") == "tsne") & (pl.col("stage") == "prefill")
+    ).height
+    assert sum(len(t["x"]) for t in fig["data"]) == 25 < total
+    notes = [a["text"] for a in fig["layout"].get("annotations", [])]
+    assert any(f"25 of {total}" in n for n in notes)
+
+
+def test_compare_json_is_recognised(prod):
+    assert detect(prod.compare).kind == "placement"
+    assert detect(prod.analysis).kind == "analysis"
+    assert detect(prod.trace).kind == "trace"

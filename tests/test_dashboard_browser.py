@@ -12,7 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from browser.fixtures import make_trace
+from browser.checks import check_all
+from browser.fixtures import produced
 from browser.harness import chromium_path
 from moetrace.dashboards.report import write_dashboard
 
@@ -34,48 +35,65 @@ def _need_browser() -> None:
         pytest.skip(msg)
 
 
+SECTIONS = ("overview", "imbalance", "correlation", "clusters", "classifiers", "placement")
+
+
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    """One report over every kind of input we can produce, loaded once in Chromium."""
+    """One report over a trace and the real ``analyze`` and ``compare`` results on it, loaded once."""
     _need_browser()
     pytest.importorskip("plotly")
     from browser.harness import load_report
 
+    p = produced()
     d = tmp_path_factory.mktemp("dash-browser")
-    trace = make_trace(d / "trace")
-    rep = write_dashboard([trace], out=d / "report.html")
+    inputs = [x for x in (p.trace, p.analysis, p.compare) if x is not None]
+    rep = write_dashboard(inputs, out=d / "report.html")
     page = load_report(rep.path, screenshot=d / "report.png")
-    return rep, page
+    return rep, page, p
 
 
 def test_loads_offline_without_errors(loaded):
-    rep, page = loaded
+    rep, page, _ = loaded
     assert page.console_errors == []
     assert page.requests == []  # nothing but the file itself
     assert page.rendered == str(rep.num_figures)
 
 
 def test_every_section_and_figure_renders(loaded):
-    rep, page = loaded
-    assert page.sections == list(rep.sections)
+    rep, page, p = loaded
+    assert not p.missing, p.missing  # every producer ran: every section must be there
+    assert tuple(page.sections) == rep.sections == SECTIONS
     assert page.nav == [f"#{s}" for s in rep.sections]
     assert len(page.figures) == rep.num_figures
     for f in page.figures:
         assert f["plotted"], f["key"]
         assert f["num_svg"] >= 1 and f["num_drawn"] >= 1, f["key"]
         assert f["title"], f["key"]
+        if f["key"].startswith("clusters-"):
+            assert f["num_canvas"] >= 1, f"{f['key']}: WebGL scatter drew no canvas"
 
 
 def test_screenshot_png(loaded):
-    _, page = loaded
+    _, page, _ = loaded
     data = page.screenshot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_drawn_data_equals_result_files(loaded):
+    """What Chromium holds in every figure equals the analyze/compare files it claims to show."""
+    _, page, p = loaded
+    figs = {f["key"]: f["data"] for f in page.figures}
+    checked = check_all(figs, p)
+    drawn = {f["key"] for f in page.figures}
+    # every figure except the per-layer normalized line (same file and code path as the share) is checked
+    assert drawn - set(checked) <= {"overview-lengths", "correlation-recall", "placement-layers-normalized"}
 
 
 def test_drawn_overview_data_equals_requests(loaded):
     from moetrace.tracer.store import open_trace
 
-    rep, page = loaded
+    _, page, _ = loaded
     (fig,) = [f for f in page.figures if f["key"] == "overview-lengths"]
     trace = open_trace(fig["source"].rsplit("/requests", 1)[0])
     req = trace.requests().collect().sort("request_id")

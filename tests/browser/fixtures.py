@@ -6,6 +6,11 @@ dataset correlations and classifiers have a known answer), written with the real
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,15 +22,16 @@ from moetrace.tracer.store import TraceWriter
 def make_trace(
     path: Path,
     *,
-    model: str = "mixtral-8x7b-tiny",
+    model: str | None = None,
     datasets: tuple[str, ...] = ("code", "math"),
     num_requests: int = 48,
     seed: int = 0,
     preference: float = 0.85,
 ) -> Path:
     """A complete trace: request r belongs to ``datasets[r % D]``; with probability ``preference``
-    a token picks its experts from its dataset's block ``[d*E/D, (d+1)*E/D)``, else uniformly."""
-    m = model_info_for(model)
+    a token picks its experts from its dataset's block ``[d*E/D, (d+1)*E/D)``, else uniformly.
+    ``model``: a preset name, default :func:`small_model`."""
+    m = small_model() if model is None else model_info_for(model)
     E, K, L = m.num_experts, m.top_k, m.num_moe_layers
     D = len(datasets)
     rng = np.random.default_rng(seed)
@@ -57,3 +63,68 @@ def make_trace(
             experts_TX=ids.reshape(T, L * K),
         )
     return path
+
+
+def small_model(*, num_layers: int = 4, num_experts: int = 8, top_k: int = 2):
+    """A 4-layer, 8-expert, top-2 model: big enough for every figure, small enough for fast tests."""
+    from moetrace.tracer.schema import ModelInfo
+
+    return ModelInfo(
+        name="dash-tiny",
+        source="tests",
+        architecture="DashTiny",
+        num_hidden_layers=num_layers + 1,
+        moe_layers=tuple(range(1, num_layers + 1)),  # layer 0 dense: model indices differ from MoE ordinals
+        num_experts=num_experts,
+        top_k=top_k,
+        num_shared_experts=0,
+        hidden_size=64,
+    )
+
+
+@dataclass(frozen=True)
+class Produced:
+    """A trace and the real results of ``analyze`` and ``compare`` on it."""
+
+    trace: Path
+    analysis: Path | None  # None when moetrace.analysis is not available
+    compare: Path | None  # None when moetrace.placement.compare is not available
+    missing: tuple[str, ...]  # why a producer was not run
+
+
+@functools.cache
+def produced() -> Produced:
+    """Run the real producers once per test process (UMAP's JIT alone takes ~15 s) and share the outputs.
+
+    The trace: 60 requests of 3 datasets on :func:`small_model`. Analysis: every default analysis
+    with 8-request batches. Compare: DP4TP1EP4 on 2-GPU nodes (2 nodes), 30 global batches.
+    """
+    root = Path(tempfile.mkdtemp(prefix="moetrace-dash-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    trace = make_trace(root / "trace", datasets=("chat", "code", "math"), num_requests=60)
+    missing = []
+    analysis = compare = None
+    try:
+        from moetrace.analysis.run import AnalyzeConfig, analyze
+    except ImportError as exc:
+        missing.append(f"moetrace.analysis.run: {exc}")
+    else:
+        analysis = root / "analysis"
+        analyze(trace, analysis, config=AnalyzeConfig(batch_size=8, num_batches=20))
+    try:
+        import moetrace.placement.compare  # noqa: F401
+    except ImportError as exc:
+        missing.append(f"moetrace.placement.compare: {exc}")
+    else:
+        from typer.testing import CliRunner
+
+        from moetrace.cli import app
+
+        compare = root / "compare"
+        res = CliRunner().invoke(
+            app,
+            ["compare", str(trace), "--config", "DP4TP1EP4", "--gpus-per-node", "2", "--batches", "30", "-o", str(compare)],
+        )
+        if res.exit_code != 0:
+            raise RuntimeError(f"moetrace compare failed: {res.output}")
+    return Produced(trace=trace, analysis=analysis, compare=compare, missing=tuple(missing))

@@ -19,6 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+try:
+    from browser.figjson import decode
+except ImportError:  # run as a script: tests/browser is the script's own directory
+    from figjson import decode
+
 LAUNCH_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -29,7 +34,8 @@ LAUNCH_ARGS = [
     "--disable-sync",
 ]
 
-# every figure div, with the data plotly holds for it (typed arrays turned into plain lists)
+# every figure div, with the traces plotly holds for it (``div.data``: every trace, shown or hidden by a
+# slider; typed arrays become lists, base64 typed-array specs are decoded in Python by ``figjson.decode``)
 _READ_FIGURES_JS = """
 () => {
   const plain = (k, v) => (ArrayBuffer.isView(v) ? Array.from(v) : v);
@@ -43,9 +49,7 @@ _READ_FIGURES_JS = """
     title: div.layout && div.layout.title ? div.layout.title.text : null,
     annotations: div.layout && div.layout.annotations ? div.layout.annotations.map(a => a.text) : [],
     sliders: div.layout && div.layout.sliders ? div.layout.sliders.map(s => s.steps.map(st => st.label)) : [],
-    data: JSON.parse(JSON.stringify(div._fullData ? div._fullData.map(t => ({
-        type: t.type, name: t.name, x: t.x, y: t.y, z: t.z, text: t.text, customdata: t.customdata,
-        visible: t.visible, mode: t.mode, orientation: t.orientation})) : [], plain)),
+    data: JSON.parse(JSON.stringify(div.data || [], plain)),
   }));
 }
 """
@@ -67,7 +71,7 @@ class PageLoad:
     rendered: str | None  # body data-rendered: number of figures drawn, or "error"
     console_errors: list[str]  # console.error messages and uncaught exceptions
     requests: list[str]  # URLs requested other than the report itself
-    figures: list[dict[str, Any]]  # per figure div: key, source, plotted, num_svg, num_canvas, data, ...
+    figures: list[dict[str, Any]]  # per figure div: key, source, plotted, num_svg, num_canvas, data (decoded), ...
     nav: list[str]  # nav link targets
     sections: list[str]  # section ids
     screenshot: Path | None  # full-page PNG, when asked for
@@ -102,6 +106,8 @@ def load_report(
             page.wait_for_function("() => document.body.dataset.rendered !== undefined", timeout=timeout_s * 1000)
             rendered = page.evaluate("() => document.body.dataset.rendered")
             figures = page.evaluate(_READ_FIGURES_JS)
+            for f in figures:
+                f["data"] = [decode(t) for t in f["data"]]
             nav = page.evaluate("() => Array.from(document.querySelectorAll('nav a')).map(a => a.getAttribute('href'))")
             sections = page.evaluate("() => Array.from(document.querySelectorAll('section')).map(s => s.id)")
             shot = None
