@@ -148,13 +148,14 @@ def cluster_separation(vectors_RF: np.ndarray, labels_R: np.ndarray) -> float:
 
 
 def summarize_counts(counts_DSLE: np.ndarray, datasets: tuple[str, ...]) -> dict:
-    """Headline figures: mean prefill↔decode correlation, and per dataset IF (both stages pooled) mean and max over layers."""
+    """Headline figures: the mean prefill↔decode correlation (over layers and datasets), and per
+    dataset the IF of each (stage, layer) scope: its mean and its max over stages and layers."""
     pd = prefill_decode_correlation(counts_DSLE)
-    if_DL = imbalance_factor(counts_DSLE.sum(axis=1))
+    if_DSL = imbalance_factor(counts_DSLE)
     return {
         "pd_correlation": float(np.nanmean(pd)),
         "imbalance": {
-            d: {"mean": float(if_DL[i].mean()), "max": float(if_DL[i].max())} for i, d in enumerate(datasets)
+            d: {"mean": float(np.nanmean(if_DSL[i])), "max": float(np.nanmax(if_DSL[i]))} for i, d in enumerate(datasets)
         },
     }
 
