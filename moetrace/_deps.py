@@ -15,6 +15,7 @@ _EXTRA = {
     "datasets": "datasets",
     "ray": "ray",
     "sklearn": "analysis",
+    "scipy": "analysis",
     "umap": "analysis",
     "numba": "analysis",
     "plotly": "viz",
