@@ -325,3 +325,33 @@ def test_cli_synth_writes_a_valid_trace_and_reports_errors(tmp_path):
     r = runner.invoke(app, [*args, "--overwrite", "--knobs", str(knob_file)])
     assert r.exit_code == 0, r.output
     assert json.loads((out / "manifest.json").read_text())["collection"]["knobs"]["zipf_exponent"] == 1.3
+
+
+# ---------------------------------------------------------------- calibration presets
+
+
+@pytest.mark.parametrize(("model_name", "target"), [("deepseek-v3", 0.55), ("qwen3-235b-a22b", 0.68), ("llama4-maverick", 0.82)])
+def test_calibration_reproduces_published_prefill_decode_correlation(model_name, target):
+    import dataclasses
+
+    full = model_info_for(model_name)
+    # the correlation is a mean over layers: 6 layers of the same width estimate it at a fraction of the cost
+    model = dataclasses.replace(full, moe_layers=full.moe_layers[:6])
+    plan = SynthPlan(datasets=PAPER_DATASETS, num_requests=210, seed=0, knobs=load_calibration(model_name))
+    r = np.nanmean(prefill_decode_correlation(counts(model, plan)))
+    assert abs(r - target) < 0.07, r
+
+
+def test_maverick_calibration_is_gsm8k_heavy_and_qwen3_stays_flat():
+    mav = model_info_for("llama4-maverick")
+    c = counts(mav, SynthPlan(datasets=PAPER_DATASETS, num_requests=350, seed=0, knobs=load_calibration("llama4-maverick")))
+    if_DSL = imbalance_factor(c)
+    i = {d: n for n, d in enumerate(PAPER_DATASETS)}
+    assert if_DSL[i["gsm8k"]].mean() > 3 * if_DSL[i["lmsys-chat"]].mean()
+    assert if_DSL[i["gsm8k"]].max() > 50
+    import dataclasses
+
+    qwen = model_info_for("qwen3-235b-a22b")
+    qwen = dataclasses.replace(qwen, moe_layers=qwen.moe_layers[:8])
+    c = counts(qwen, SynthPlan(datasets=PAPER_DATASETS, num_requests=210, seed=0, knobs=load_calibration("qwen3-235b-a22b")))
+    assert np.median(imbalance_factor(c)) < 4 and imbalance_factor(c).max() < 10
