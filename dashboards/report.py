@@ -11,7 +11,7 @@ dashboard only reads their files), serving the page.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -81,14 +81,14 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
         for n, r in enumerate(analyses):
             sec, notes = build(r, f"a{n}-" if len(analyses) > 1 else "")
             if sec is not None:
-                sections.append(sec)
+                sections.append(replace(sec, title=f"{sec.title}: {r.trace_label}") if len(analyses) > 1 else sec)
             omitted.extend(notes)
     if not analyses:
         omitted.append("load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs")
     for n, r in enumerate(placements):
         sec, notes = placement_section(r, key_prefix=f"p{n}-" if len(placements) > 1 else "")
         if sec is not None:
-            sections.append(sec)
+            sections.append(replace(sec, title=f"{sec.title}: {r.trace_label}") if len(placements) > 1 else sec)
         omitted.extend(notes)
     if not placements:
         omitted.append("placement: no `moetrace compare` results among the inputs")

@@ -59,6 +59,12 @@ class Results:
         return str(m.get("name", "unknown model")) if isinstance(m, dict) else str(m)
 
     @property
+    def trace_label(self) -> str:
+        """Short name for section titles when several results are shown: ``<trace dir> / <results dir>``."""
+        tp = self.trace_path
+        return f"{tp.name if tp else '?'} / {self.path.name}"
+
+    @property
     def label(self) -> str:
         """``trace <name> (<model>), results <dir>``: the provenance line of every figure."""
         tp = self.trace_path
