@@ -134,7 +134,11 @@ def analyze(
     if "embedding" in config.only:
         say("embedding: t-SNE / UMAP of normalized per-request vectors")
         t0 = time.perf_counter()
-        summary["embedding"] = _run_embedding(counts, config, write)
+        from moetrace._deps import require
+
+        # one BLAS thread for PCA/K-means/silhouette (see classify.py: spinning threads on a busy box)
+        with require("threadpoolctl", purpose="embeddings").threadpool_limits(limits=1, user_api="blas"):
+            summary["embedding"] = _run_embedding(counts, config, write)
         timings["embedding"] = time.perf_counter() - t0
 
     if "affinity" in config.only:
