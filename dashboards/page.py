@@ -69,7 +69,7 @@ nav { position:sticky; top:0; z-index:10; background:#fff; border-bottom:1px sol
 nav a { color:var(--accent); text-decoration:none; }
 nav a:hover { text-decoration:underline; }
 main { padding: 8px 28px 40px 28px; max-width: 1400px; }
-section { background:#fff; border:1px solid var(--rule); border-radius:6px; margin:20px 0; padding:8px 20px 16px 20px; }
+section { scroll-margin-top: 44px; background:#fff; border:1px solid var(--rule); border-radius:6px; margin:20px 0; padding:8px 20px 16px 20px; }
 section h2 { font-size:19px; margin:10px 0 4px 0; }
 p.intro { color:var(--muted); margin:4px 0 10px 0; max-width: 70em; }
 .figure { margin: 14px 0 6px 0; min-height: 120px; }
