@@ -12,6 +12,7 @@ from moetrace.cli_common import ModelOpt, OutDir, Seed, friendly_errors, human_b
 
 def register(app: typer.Typer) -> None:
     app.command("collect")(collect_cmd)
+    app.command("merge-shards")(merge_shards_cmd)
 
 
 @friendly_errors
@@ -54,6 +55,16 @@ def collect_cmd(
     max_model_len: Annotated[Optional[int], typer.Option(help="vLLM: maximum sequence length.")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM: fraction of GPU memory to use.")] = 0.9,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: disable CUDA graphs.")] = False,
+    shard: Annotated[
+        Optional[str],
+        typer.Option(help="Collect only shard S of N ('S/N', e.g. 3/8) into OUT next to the other shards; "
+                     "then run `moetrace merge-shards OUT`."),
+    ] = None,
+    ray_shards: Annotated[
+        Optional[int],
+        typer.Option(help="Split the run into N shards, one engine each, placed by Ray across the cluster, "
+                     "then merge (OUT must be on a file system every node mounts)."),
+    ] = None,
 ) -> None:
     """Collect a trace: the experts every token of every request is routed to, as Parquet.
 
@@ -90,10 +101,23 @@ def collect_cmd(
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
         )
     on_existing: Literal["refuse", "resume", "overwrite"] = "resume" if resume else "overwrite" if overwrite else "refuse"
-    result = _run_with_progress(config, out=out, backend=backend, on_existing=on_existing, engine=engine)
+    if ray_shards is not None:
+        from moetrace.tracer.sharding import collect_sharded_with_ray
+
+        if shard is not None:
+            raise typer.BadParameter("--shard and --ray-shards exclude each other")
+        m = collect_sharded_with_ray(config, out=out, num_shards=ray_shards, backend="hf" if backend == "hf" else "vllm",
+                                     engine=engine, on_existing="overwrite" if overwrite else "resume")
+        typer.secho(f"collected {out}: {m['totals']['num_requests']} requests, {m['totals']['num_tokens']} tokens "
+                    f"in {ray_shards} shards", fg=typer.colors.GREEN)
+        return
+    result = _run_with_progress(config, out=out, backend=backend, on_existing=on_existing, engine=engine,
+                                shard=_parse_shard(shard))
     s = result.stats
     rate = result.num_new_tokens / result.seconds if result.seconds > 0 else 0.0
     typer.secho(f"collected {out}", fg=typer.colors.GREEN)
+    if shard is not None:
+        typer.echo(f"  shard {shard}: when every shard is done, run: moetrace merge-shards {out}")
     typer.echo(
         f"  backend {result.backend}, model {model}\n"
         f"  {result.num_new_requests} new requests, {result.num_new_tokens} tokens in {result.seconds:.1f}s "
@@ -103,13 +127,44 @@ def collect_cmd(
     )
 
 
+@friendly_errors
+def merge_shards_cmd(
+    trace: Annotated[Path, typer.Argument(help="Trace directory the shards were collected into.")],
+    allow_incomplete: Annotated[
+        bool, typer.Option("--allow-incomplete", help="Write an incomplete manifest while shards are still running.")
+    ] = False,
+) -> None:
+    """Check the shard manifests of a sharded collection agree, and write the trace's manifest.
+
+    Example: moetrace merge-shards /shared/traces/dsv3
+    """
+    from moetrace.tracer.sharding import merge_shards
+
+    m = merge_shards(trace, allow_incomplete=allow_incomplete)
+    state = "complete" if m["complete"] else "INCOMPLETE"
+    typer.secho(f"{trace}: {len(m['shards'])} shards merged ({state}): {m['totals']['num_requests']} requests, "
+                f"{m['totals']['num_tokens']} tokens", fg=typer.colors.GREEN if m["complete"] else typer.colors.YELLOW)
+
+
+def _parse_shard(shard: str | None) -> tuple[int, int] | None:
+    if shard is None:
+        return None
+    try:
+        s, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise typer.BadParameter(f"--shard must look like S/N (e.g. 3/8), got {shard!r}") from None
+    if not 0 <= s < n:
+        raise typer.BadParameter(f"--shard {shard}: S must be in 0..N-1")
+    return s, n
+
+
 def _engine_config(**kw):
     from moetrace.tracer.vllm_backend import VllmEngineConfig
 
     return VllmEngineConfig(**kw)
 
 
-def _run_with_progress(config, *, out, backend, on_existing, engine):
+def _run_with_progress(config, *, out, backend, on_existing, engine, shard):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from moetrace.tracer.collect import collect
@@ -136,7 +191,7 @@ def _run_with_progress(config, *, out, backend, on_existing, engine):
         progress.update(task, advance=requests, rate=f"{tokens['n'] / elapsed:,.0f} tok/s")
 
     try:
-        return collect(config, out=out, backend=backend, on_existing=on_existing, engine=engine,
+        return collect(config, out=out, backend=backend, on_existing=on_existing, engine=engine, shard=shard,
                        on_start=on_start, on_progress=on_progress)
     finally:
         progress.stop()

@@ -136,3 +136,23 @@ def test_vllm_backend_fails_early_without_writing(tmp_path):
     res = runner.invoke(app, ["collect", "--model", "deepseek-v3", "--backend", "vllm", "--dataset", "chat", "-o", str(tmp_path / "v")])
     assert res.exit_code == 2 and "moetrace[vllm]" in res.output
     assert not (tmp_path / "v").exists()
+
+
+def test_sharded_collection_from_the_cli(tmp_path):
+    """Two shards into one directory, then merge-shards: same rows as one unsharded run."""
+    out, ref = tmp_path / "sharded", tmp_path / "ref"
+    args = [*FAST, "--dataset", "math-word,chat", "--num-requests", "6", "--max-new-tokens", "3"]
+    for s in ("0/2", "1/2"):
+        res = runner.invoke(app, ["collect", *args, "--shard", s, "-o", str(out)])
+        assert res.exit_code == 0, res.output
+        assert "merge-shards" in res.output
+    assert not (out / "manifest.json").exists()
+    res = runner.invoke(app, ["merge-shards", str(out)])
+    assert res.exit_code == 0 and "2 shards merged (complete)" in res.output, res.output
+    assert find_problems(out) == []
+    assert runner.invoke(app, ["collect", *args, "-o", str(ref)]).exit_code == 0
+    rid, pos, ids = _rows(out)
+    rid0, pos0, ids0 = _rows(ref)
+    assert np.array_equal(rid, rid0) and np.array_equal(pos, pos0)
+    assert np.array_equal(np.sort(ids, -1), np.sort(ids0, -1))
+    assert runner.invoke(app, ["collect", *args, "--shard", "2/2", "-o", str(out)]).exit_code != 0

@@ -78,10 +78,15 @@ def collect(
     backend: Backend = "auto",
     on_existing: OnExisting = "refuse",
     engine: Any = None,
+    shard: tuple[int, int] | None = None,
     on_start: Callable[[int, int], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> CollectResult:
     """Collect a trace into ``out``.
+
+    ``shard=(s, n)`` collects only shard ``s`` of ``n`` of the run's prompts (request ids
+    ``s, s+n, ...``) into ``shardSSS-*`` parts with its own ``manifests/shard-SSS.json``; see
+    ``moetrace.tracer.sharding`` for running the shards and merging them.
 
     ``on_start(num_pending, num_total)`` is called once the prompts are known,
     ``on_progress(requests, tokens)`` after every committed batch. ``engine`` is the vLLM engine
@@ -99,6 +104,15 @@ def collect(
     )
     if not prompts:
         raise ModelError("no prompts to collect: check --dataset, --per-dataset and --num-requests")
+    collection = config.manifest_section()
+    writer_kw: dict[str, Any] = {}
+    if shard is not None:
+        from moetrace.tracer import sharding
+
+        s, n = shard
+        collection.update(shard=s, num_shards=n, num_requests_in_run=len(prompts))
+        prompts = sharding.shard_prompts(prompts, shard=s, num_shards=n)
+        writer_kw = {"part_prefix": sharding.shard_prefix(s), "manifest_name": sharding.shard_manifest_name(s)}
     t0 = time.perf_counter()
     if chosen == "hf":
         from moetrace.tracer import hf
@@ -119,10 +133,11 @@ def collect(
         out,
         model=info,
         backend=backend_section,
-        collection=config.manifest_section(),
+        collection=collection,
         on_existing=on_existing,
         with_weights=config.record_weights,
         with_text=config.store_text,
+        **writer_kw,
     ) as writer:
         before_req, before_tok = writer.num_requests_written, writer.num_tokens_written
         pending = sum(p.request_id not in writer.completed_request_ids for p in prompts)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.tracer.schema import check_manifest_header
-from moetrace.tracer.store import MANIFEST, REQUESTS_DIR, OnExisting, TraceWriter, WriterStats, write_json_atomic
+from moetrace.tracer.store import MANIFEST, REQUESTS_DIR, OnExisting, WriterStats, write_json_atomic
 
 MANIFESTS_DIR = "manifests"
 _SHARD_MANIFEST_RE = re.compile(r"^shard-(\d{3,})\.json$")
@@ -67,48 +67,11 @@ def collect_shard(
     Writes only ``shard<SSS>-*`` parts and ``manifests/shard-SSS.json``. ``on_existing="resume"``
     continues this shard. Call :func:`merge_shards` once every shard is done.
     """
-    from moetrace.tracer.datasets import load_prompts
+    from moetrace.tracer.collect import collect
 
-    prompts = load_prompts(list(config.datasets), per_dataset=config.per_dataset, num_requests=config.num_requests,
-                           seed=config.seed, prompt_field=config.prompt_field)
-    mine = shard_prompts(prompts, shard=shard, num_shards=num_shards)
-    collection = {**config.manifest_section(), "shard": shard, "num_shards": num_shards,
-                  "num_requests_in_run": len(prompts)}
-    if backend == "vllm":
-        from moetrace.tracer import vllm_backend
-
-        info = vllm_backend.model_info_for_vllm(config.model)
-        backend_section: dict[str, Any] = {"name": "vllm"}
-    else:
-        from moetrace.tracer import hf
-
-        model, tokenizer, info = hf.load_model(config.model, seed=config.seed, device=config.device, dtype=config.dtype)
-        backend_section = {**hf.backend_versions(), "device": config.device}
-    with TraceWriter(out, model=info, backend=backend_section, collection=collection, on_existing=on_existing,
-                     with_weights=config.record_weights, with_text=config.store_text,
-                     part_prefix=shard_prefix(shard), manifest_name=shard_manifest_name(shard)) as writer:
-        if backend == "vllm":
-            vllm_backend.collect_with_vllm(
-                mine, writer=writer, model=config.model,
-                engine=engine if engine is not None else vllm_backend.VllmEngineConfig(),
-                max_new_tokens=config.max_new_tokens, seed=config.seed, temperature=config.temperature,
-                chat_template=config.chat_template, on_progress=on_progress,
-            )
-        else:
-            hf.collect_with_hf(
-                mine, writer=writer, model=model, tokenizer=tokenizer, info=info,
-                max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
-                temperature=config.temperature, seed=config.seed, chat_template=config.chat_template,
-                store_text=config.store_text, record_weights=config.record_weights, on_progress=on_progress,
-            )
-    return _shard_stats(Path(out), shard)
-
-
-def _shard_stats(path: Path, shard: int) -> WriterStats:
-    m = json.loads((path / shard_manifest_name(shard)).read_text())
-    t = m.get("totals", {})
-    parts = list((path / REQUESTS_DIR).glob(f"{shard_prefix(shard)}-*.parquet"))
-    return WriterStats(int(t.get("num_requests", 0)), int(t.get("num_tokens", 0)), len(parts), 0)
+    result = collect(config, out=out, backend=backend, engine=engine, on_existing=on_existing,
+                     shard=(shard, num_shards), on_progress=on_progress)
+    return result.stats
 
 
 def read_shard_manifests(path: str | os.PathLike) -> dict[int, dict[str, Any]]:
