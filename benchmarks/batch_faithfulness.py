@@ -6,7 +6,7 @@ For each model: collect the same prompts at batch size B and at batch size 1 (gr
 padding changes the shapes of the matrix products. The core paper logged at batch size 1 for
 exactness; this measures what batching costs.
 
-    python benchmarks/batch_faithfulness.py [--prompts 16] [--batch 8] [--new 16]
+    python benchmarks/batch_faithfulness.py [--prompts 16] [--batch 8] [--new 16] [--models a-tiny,b-tiny]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=160)
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated -tiny presets")
     args = ap.parse_args()
     torch.set_num_threads(2)
     tok = tiny_tokenizer()
@@ -36,7 +37,7 @@ def main() -> None:
     ids = [render_prompt_ids(p, tok, chat_template=False)[: args.max_prompt] for p in prompts]
     print(f"{args.prompts} bundled prompts (<= {args.max_prompt} tokens), {args.new} greedy new tokens, batch {args.batch} vs 1")
     print(f"{'model':<22} {'rows':>7} {'row diffs':>9} {'token diffs':>11} {'(token,layer)':>13} {'near-ties':>9}")
-    for name in MODELS:
+    for name in args.models.split(","):
         model, info = build_tiny_model(name, seed=0)
         batched = []
         for s in range(0, len(ids), args.batch):
@@ -52,7 +53,7 @@ def main() -> None:
             ss = np.sort(s.experts_TX[:n].reshape(n, info.num_moe_layers, info.top_k), -1)
             ties += int((bb != ss).any(-1).sum())
             pairs += n * info.num_moe_layers
-        print(f"{name:<22} {rows:>7} {row_diff:>9} {tok_diff:>11} {pairs:>13} {ties:>9}")
+        print(f"{name:<22} {rows:>7} {row_diff:>9} {tok_diff:>11} {pairs:>13} {ties:>9}", flush=True)
 
 
 if __name__ == "__main__":
