@@ -9,6 +9,7 @@ machine). In the same run, two references on one core (CPU time): generation alo
 the same sampler, and a naive Gumbel-top-k over all E experts per (token, layer) on one profile.
 
     .venv/bin/python benchmarks/bench_synth.py --requests 1000,4000 --workers 2
+    .venv/bin/python benchmarks/bench_synth.py --calibration   # the calibration table of docs/synth.md
 """
 
 from __future__ import annotations
@@ -78,13 +79,30 @@ def _references(seconds: float = 4.0) -> dict:
             "speedup_vs_naive": round(ours / naive, 1)}
 
 
+def _calibration_rows() -> None:
+    """The calibration figures of docs/synth.md: each preset measured in memory, seeds 0 and 1."""
+    from moetrace.tracer.presets import model_info_for
+    from moetrace.tracer.synth import PAPER_DATASETS, SynthPlan, load_calibration
+    from moetrace.tracer.synth_stats import measure_plan
+
+    for model, n in (("llama4-maverick", 2100), ("deepseek-v3", 1400), ("qwen3-235b-a22b", 700)):
+        for seed in (0, 1):
+            plan = SynthPlan(datasets=PAPER_DATASETS, num_requests=n, seed=seed, knobs=load_calibration(model))
+            r = measure_plan(model_info_for(model), plan, workers=2)
+            print(json.dumps({"model": model, "requests": n, "seed": seed, **r}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", default="1000,4000", help="comma-separated request counts (one subprocess each)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--calibration", action="store_true", help="print the calibration figures of docs/synth.md instead")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.calibration:
+        _calibration_rows()
+        return
     if args.one is not None:
         print(json.dumps(_one(args.one, args.workers, args.out)))
         return
