@@ -253,7 +253,14 @@ def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
 
 
 def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
-    from moetrace.analysis.embedding import cluster_scores, project, request_features, silhouette_2d, stratified_subsample
+    from moetrace.analysis.embedding import (
+        cluster_scores,
+        project,
+        reduce_pca,
+        request_features,
+        silhouette_2d,
+        stratified_subsample,
+    )
 
     layer_pos = None if config.embedding_layer is None else counts.layers.index(config.embedding_layer)
     layer_name = -1 if layer_pos is None else config.embedding_layer
@@ -264,7 +271,7 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
         pick = has[stratified_subsample(counts.dataset_R[has], max_requests=config.embedding_max_requests, seed=config.seed)]
         if pick.size < 5:
             continue
-        x, lab = feats[pick], counts.dataset_R[pick]
+        x, lab = reduce_pca(feats[pick], num_components=50, seed=config.seed), counts.dataset_R[pick]
         cs = cluster_scores(x, lab, seed=config.seed)
         row: dict[str, Any] = {
             "stage": stage,
