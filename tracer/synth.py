@@ -632,7 +632,7 @@ def synthesize(
         collection=collection,
         on_existing=on_existing,
         part_prefix="synth",
-        row_group_tokens=max(4096, (32 << 20) // (2 * X)),  # ~32 MiB of ids per row group
+        row_group_tokens=max(4096, (16 << 20) // (2 * X)),  # ~16 MiB of ids per row group (bounds writer memory)
         part_tokens=max(65536, (512 << 20) // (2 * X)),  # ~512 MiB of raw ids per part
     ) as w:
         save_truth(Path(out) / TRUTH_FILE, truth, plan.datasets)
