@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=160)
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated -tiny presets")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     tok = tiny_tokenizer()
     prompts = load_prompts(["bundled"], num_requests=args.prompts, seed=0)
     ids = [render_prompt_ids(p, tok, chat_template=False)[: args.max_prompt] for p in prompts]

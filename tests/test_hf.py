@@ -37,6 +37,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def models():
+    torch.set_num_threads(1)  # as `collect` does for -tiny models on a CPU
     cache = {}
 
     def get(name):

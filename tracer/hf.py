@@ -110,12 +110,16 @@ def load_model(
     """Return ``(model, tokenizer, model_info)`` for a ``-tiny`` preset, a preset, a path or a hub id.
 
     A full-size model is refused on a CPU with a message that names the ``-tiny`` preset.
+    A ``-tiny`` model on a CPU runs torch with one intra-op thread: its matrices are too small to
+    gain from more, and OpenMP workers spinning on a busy machine made generation 20-30x slower.
     """
     torch = require("torch", purpose="the HF transformers backend")
     transformers = require("transformers", purpose="the HF transformers backend")
     from moetrace.tracer.presets import TINY_SUFFIX, get_preset, is_preset, model_info_from_hf_config
 
     if is_preset(name) and name.endswith(TINY_SUFFIX):
+        if str(device).startswith("cpu"):
+            torch.set_num_threads(1)
         model, info = build_tiny_model(name, seed=seed, device=device, dtype="float32" if dtype == "auto" else dtype)
         return model, tiny_tokenizer(), info
     if is_preset(name):
