@@ -115,12 +115,13 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/moetrace-bench"))
     ap.add_argument("--repeat", type=int, default=3, help="best of N for count_trace")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--trace", type=Path, default=None, help="use this existing trace instead of generating one")
     args = ap.parse_args()
 
     from moetrace.analysis.counts import count_trace
     from moetrace.tracer.store import open_trace
 
-    path = args.workdir / f"counts-{args.model}-{args.requests}"
+    path = args.trace or args.workdir / f"counts-{args.model}-{args.requests}"
     if not (path / "manifest.json").exists():
         t0 = time.perf_counter()
         make_trace(path, num_requests=args.requests, model=args.model)
@@ -131,7 +132,7 @@ def main() -> None:
     T = sum(pq.read_metadata(f).num_rows for f in trace.routing_files())
     ids = T * trace.model.ids_per_token
     size = sum(f.stat().st_size for f in trace.routing_files())
-    print(f"trace: {args.requests} requests, {T:,} tokens, {ids:,} ids, routing {size / 2**20:.0f} MiB on disk")
+    print(f"trace: {len(trace.part_names())} parts, {T:,} tokens, {ids:,} ids, routing {size / 2**20:.0f} MiB on disk")
 
     count_trace(trace, layers=[0])  # compile the kernel (cached by numba afterwards)
     best = math.inf
