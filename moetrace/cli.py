@@ -51,13 +51,7 @@ def _root(
 
 
 for _name in _COMMAND_MODULES:
-    try:
-        _mod = importlib.import_module(_name)
-    except ModuleNotFoundError as _exc:
-        if _exc.name != _name:  # a real import error inside the module must surface
-            raise
-        continue  # this command module is not part of this build yet
-    _mod.register(app)
+    importlib.import_module(_name).register(app)
 
 
 def main() -> None:

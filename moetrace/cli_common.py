@@ -54,6 +54,9 @@ def friendly_errors(fn: F) -> F:
         except MoetraceError as exc:
             err(str(exc))
             raise typer.Exit(2) from None
+        except OSError as exc:  # a path that cannot be read or written: say which, no traceback
+            err(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
+            raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err("interrupted; committed work is kept (re-run with --resume where the command has it)")
             raise typer.Exit(130) from None

@@ -125,5 +125,7 @@ def export_cmd(
     """
     from moetrace.placement.exports import export_placement, load_placement
 
-    out.write_text(export_placement(load_placement(placement), fmt=fmt))
+    text = export_placement(load_placement(placement), fmt=fmt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
     typer.echo(f"wrote {fmt} placement to {out}")

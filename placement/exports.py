@@ -66,6 +66,7 @@ def save_placement(pf: PlacementFile, path: str | os.PathLike) -> None:
         "grouping": pf.grouping,
         "source": pf.source,
     }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(obj) + "\n")
 
 
