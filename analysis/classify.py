@@ -63,7 +63,7 @@ def balanced_split(label_R: np.ndarray, *, seed: int, test_fraction: float = 0.2
     n_test = int(round(n * test_fraction))
     if n_test < 1 or n - n_test < 1:
         raise ConfigError(
-            f"dataset {labels[sizes.argmin()]!r} has only {sizes.min()} requests: too few for a {1 - test_fraction:.0%}:"
+            f"dataset {str(labels[sizes.argmin()])!r} has only {sizes.min()} requests: too few for a {1 - test_fraction:.0%}:"
             f"{test_fraction:.0%} split; collect more requests of it"
         )
     train, test = [], []

@@ -232,6 +232,9 @@ def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
 
     if len(counts.datasets()) < 2:
         return {"skipped": f"needs at least 2 datasets, the trace has {counts.datasets()}"}
+    smallest = min(int((counts.dataset_R == d).sum()) for d in counts.datasets())
+    if round(smallest * 0.2) < 1:  # the 80:20 split needs one test request per dataset
+        return {"skipped": f"the smallest dataset has {smallest} requests; an 80:20 split needs at least 3 each"}
     res = classify_layers(
         counts.stage("prefill"),
         counts.dataset_R,
