@@ -160,3 +160,13 @@ def test_finished_requests_stop_being_recorded(models, tok):
     assert r0.output_tokens == first + 1
     assert r0.experts_TX.shape[0] == len(prompts[0]) + r0.output_tokens
     assert np.array_equal(r0.experts_TX, single.experts_TX)
+
+
+def test_routing_weights_are_recorded_with_the_ids(models, tok):
+    """DeepSeek-V3 renormalizes its top-8 weights and scales them by routed_scaling_factor (2.5)."""
+    model, info = models("deepseek-v3-tiny")
+    (r,) = generate_batch(model, tok, [tok.encode(TEXTS[1])], info=info, max_new_tokens=4, record_weights=True)
+    w = r.weights_TX.reshape(-1, info.num_moe_layers, info.top_k)
+    assert w.shape[0] == r.experts_TX.shape[0]
+    assert np.allclose(w[:-1].sum(-1), 2.5, atol=1e-4)
+    assert (w[-1] == 0).all()  # the last generated token has no routing

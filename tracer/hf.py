@@ -244,10 +244,6 @@ class RoutingRecorder:
             h.remove()
         self._handles.clear()
 
-    def clear(self) -> None:
-        for lst in (*self.ids, *self.weights):
-            lst.clear()
-
     @property
     def num_forwards(self) -> int:
         return len(self.ids[0]) if self.ids else 0
@@ -319,43 +315,45 @@ def generate_batch(
     eos = model.generation_config.eos_token_id
     eos_set = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
 
-    L, K = info.num_moe_layers, info.top_k
-    # stack per layer: prefill [B, S, K] and decode [B, n-1, K]
-    pre_LBSK = torch.stack([rec.ids[l][0].reshape(B, S, K) for l in range(L)]).to("cpu", torch.int16).numpy()
-    if n_forwards > 1:
-        dec_LBJK = torch.stack(
-            [torch.stack([x.reshape(B, K) for x in rec.ids[l][1:]], dim=1) for l in range(L)]
-        ).to("cpu", torch.int16).numpy()
-    if record_weights:
-        wpre = torch.stack([rec.weights[l][0].reshape(B, S, K) for l in range(L)]).cpu().numpy()
-        if n_forwards > 1:
-            wdec = torch.stack(
-                [torch.stack([x.reshape(B, K) for x in rec.weights[l][1:]], dim=1) for l in range(L)]
-            ).cpu().numpy()
-
+    ids = _per_request_rows(rec.ids, B=B, S=S, K=info.top_k, dtype=torch.int16)
+    weights = _per_request_rows(rec.weights, B=B, S=S, K=info.top_k, dtype=torch.float32) if record_weights else None
     out = []
     for b in range(B):
         toks = new[b].tolist()
-        O = len(toks)
-        for j, t in enumerate(toks):
-            if t in eos_set:
-                O = j + 1
-                break
+        O = next((j + 1 for j, t in enumerate(toks) if t in eos_set), len(toks))
         P = lens[b]
-        T = P + O
-        ex = np.full((T, L, K), NO_EXPERT, dtype=np.int16)
-        ex[:P] = pre_LBSK[:, b, S - P :, :].transpose(1, 0, 2)
-        if O > 1:  # generated token j (j < O-1) was fed at forward j+1
-            ex[P : P + O - 1] = dec_LBJK[:, b, : O - 1, :].transpose(1, 0, 2)
-        w = None
-        if record_weights:
-            w = np.zeros((T, L, K), dtype=np.float32)
-            w[:P] = wpre[:, b, S - P :, :].transpose(1, 0, 2)
-            if O > 1:
-                w[P : P + O - 1] = wdec[:, b, : O - 1, :].transpose(1, 0, 2)
-            w = w.reshape(T, L * K)
-        out.append(GeneratedRequest(P, O, ex.reshape(T, L * K), w, toks[:O]))
+        ex = ids(b, prompt_len=P, num_out=O, fill=NO_EXPERT)
+        w = weights(b, prompt_len=P, num_out=O, fill=0.0) if weights is not None else None
+        out.append(GeneratedRequest(P, O, ex, w, toks[:O]))
     return out
+
+
+def _per_request_rows(per_layer: list[list[Any]], *, B: int, S: int, K: int, dtype) -> Callable[..., np.ndarray]:
+    """Stack the recorded forwards once and return ``rows(b, prompt_len, num_out, fill) -> [T, L*K]``.
+
+    ``per_layer[l][0]`` is the prefill ``[B*S, K]`` (left-padded), ``per_layer[l][j]`` for j >= 1 the
+    decode step that fed generated token j-1 ``[B, K]``. Request b's prompt is the last
+    ``prompt_len`` columns of the prefill; its generated token j < num_out-1 is row j of the decode
+    stack; its last generated token, never fed, gets ``fill``.
+    """
+    torch = require("torch", purpose="the HF transformers backend")
+    L = len(per_layer)
+    pre_LBSK = torch.stack([x[0].reshape(B, S, K) for x in per_layer]).to("cpu", dtype).numpy()
+    dec_LBJK = (
+        torch.stack([torch.stack([y.reshape(B, K) for y in x[1:]], dim=1) for x in per_layer]).to("cpu", dtype).numpy()
+        if len(per_layer[0]) > 1
+        else None
+    )
+
+    def rows(b: int, *, prompt_len: int, num_out: int, fill: float) -> np.ndarray:
+        P, O = prompt_len, num_out
+        out_TLK = np.full((P + O, L, K), fill, dtype=pre_LBSK.dtype)
+        out_TLK[:P] = pre_LBSK[:, b, S - P :, :].transpose(1, 0, 2)
+        if O > 1:
+            out_TLK[P : P + O - 1] = dec_LBJK[:, b, : O - 1, :].transpose(1, 0, 2)
+        return out_TLK.reshape(P + O, L * K)
+
+    return rows
 
 
 def collect_with_hf(
