@@ -24,54 +24,111 @@ from moetrace.placement.maps import Placement, placement_from_phy2log
 __all__ = ["rebalance", "balanced_packing", "replicate_experts"]
 
 
+def _take_rows(a_XN: np.ndarray, idx_XM: np.ndarray) -> np.ndarray:
+    """``np.take_along_axis(a_XN, idx_XM, axis=1)`` as one flat gather (about 2x faster)."""
+    X, N = a_XN.shape
+    return np.ascontiguousarray(a_XN).reshape(-1)[idx_XM + (np.arange(X, dtype=np.int64) * N)[:, None]]
+
+
+def _put_rows(out_XN: np.ndarray, idx_XM: np.ndarray, values_XM: np.ndarray) -> None:
+    """``np.put_along_axis(out_XN, idx_XM, values_XM, axis=1)`` as one flat scatter (out contiguous)."""
+    X, N = out_XN.shape
+    out_XN.reshape(-1)[idx_XM + (np.arange(X, dtype=np.int64) * N)[:, None]] = values_XM
+
+
+def _argsort_desc(weight_Xn: np.ndarray) -> np.ndarray:
+    """``np.argsort(-weight_Xn, axis=1, kind="stable")``: heaviest first, lower index first on ties.
+
+    float32 (what EPLB uses) sorts unique int64 keys (descending-order bits, then the index), ~4x
+    faster than numpy's stable float sort; other dtypes use that sort.
+    """
+    X, n = weight_Xn.shape
+    if weight_Xn.dtype != np.float32 or n >= 2**31:
+        return np.argsort(-weight_Xn, axis=1, kind="stable")
+    bits = (weight_Xn + np.float32(0)).view(np.int32).astype(np.int64)  # + 0 folds -0.0 into +0.0
+    desc = 0x7FFFFFFF - (bits ^ ((bits >> 31) & 0x7FFFFFFF))  # in [0, 2**32), ascending as w descends
+    return np.sort((desc << 32) | np.arange(n, dtype=np.int64), axis=1) & 0xFFFFFFFF
+
+
 def balanced_packing(weight_Xn: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
     """Pack n weighted items into ``num_packs`` packs of exactly n/m items each, balancing weight.
 
-    Items are taken heaviest first and each goes to the lightest pack that still has room (first
-    such pack on ties). Returns ``pack_index_Xn`` and ``rank_in_pack_Xn`` (int64 [X, n]).
+    Items are taken heaviest first (lower index first on equal weight) and each goes to the
+    lightest pack that still has room (first such pack on ties); pack weights accumulate in the
+    weights' dtype (no NaN). Returns ``pack_index_Xn`` and ``rank_in_pack_Xn`` (int64 [X, n]). The
+    greedy is sequential over the n items and vectorized over the X rows; each step touches one
+    pack per row, and a full pack's key becomes +inf instead of masking every step.
     """
     X, n = weight_Xn.shape
     per_pack = n // num_packs
     if per_pack == 1:
         return np.broadcast_to(np.arange(n), (X, n)).copy(), np.zeros((X, n), dtype=np.int64)
-    order_Xn = np.argsort(-weight_Xn, axis=1, kind="stable")
-    pack_w = np.zeros((X, num_packs), dtype=weight_Xn.dtype)
-    pack_n = np.zeros((X, num_packs), dtype=np.int64)
+    order_Xn = _argsort_desc(weight_Xn)
+    w_nX = np.ascontiguousarray(_take_rows(weight_Xn, order_Xn).T)  # j-th heaviest per row
+    # key_Xm: weight of each pack, +inf once it is full (so argmin never picks it again)
+    key_Xm = np.zeros((X, num_packs), dtype=weight_Xn.dtype)
+    key_flat = key_Xm.reshape(-1)
+    cnt_flat = np.zeros(X * num_packs, dtype=np.int64)
+    full_after = np.zeros(per_pack + 1, dtype=weight_Xn.dtype)  # added to a pack's key after its c-th item
+    full_after[per_pack] = np.inf
+    row_off = np.arange(X, dtype=np.int64) * num_packs
+    pack_nX = np.empty((n, X), dtype=np.int64)
+    rank_nX = np.zeros((n, X), dtype=np.int64)
+    start = 0
+    if num_packs <= n and (w_nX[:num_packs] > 0).all():
+        # the m heaviest items, all positive, land in packs 0..m-1 in turn (each later pack is empty)
+        pack_nX[:num_packs] = np.arange(num_packs)[:, None]
+        key_Xm[:] = w_nX[:num_packs].T
+        cnt_flat[:] = 1
+        start = num_packs
+    for j in range(start, n):
+        pack = key_Xm.argmin(axis=1)
+        pack_nX[j] = pack
+        flat = pack + row_off
+        cnt = cnt_flat[flat]
+        rank_nX[j] = cnt
+        cnt += 1
+        cnt_flat[flat] = cnt
+        key_flat[flat] = (key_flat[flat] + w_nX[j]) + full_after[cnt]
     pack_index = np.empty((X, n), dtype=np.int64)
     rank_in_pack = np.empty((X, n), dtype=np.int64)
-    rows = np.arange(X)
-    for j in range(n):
-        item = order_Xn[:, j]
-        pack = np.argmin(np.where(pack_n < per_pack, pack_w, np.float32(np.inf)), axis=1)
-        pack_index[rows, item] = pack
-        rank_in_pack[rows, item] = pack_n[rows, pack]
-        pack_w[rows, pack] += weight_Xn[rows, item]
-        pack_n[rows, pack] += 1
+    _put_rows(pack_index, order_Xn, np.ascontiguousarray(pack_nX.T))
+    _put_rows(rank_in_pack, order_Xn, np.ascontiguousarray(rank_nX.T))
     return pack_index, rank_in_pack
 
 
 def replicate_experts(weight_XE: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Add ``num_phy - E`` replicas, each to the expert with the largest load per replica.
 
-    Returns ``phy2log_XP`` (expert of each replica), ``rank_XP`` (replica index of that expert) and
-    ``logcnt_XE`` (replicas per expert), all int64.
+    The first expert wins ties. Returns ``phy2log_XP`` (expert of each replica), ``rank_XP``
+    (replica index of that expert) and ``logcnt_XE`` (replicas per expert), all int64. Each step
+    recomputes load per replica only for the expert that just gained one (same values as
+    recomputing ``weight / logcnt`` in full).
     """
     X, E = weight_XE.shape
     phy2log = np.broadcast_to(np.arange(num_phy, dtype=np.int64), (X, num_phy)).copy()
     rank = np.zeros((X, num_phy), dtype=np.int64)
     logcnt = np.ones((X, E), dtype=np.int64)
-    rows = np.arange(X)
+    cnt_flat = logcnt.reshape(-1)
+    w_flat = np.ascontiguousarray(weight_XE).reshape(-1)
+    per_replica = weight_XE / logcnt.astype(weight_XE.dtype)  # [X, E] load per replica
+    per_replica_flat = per_replica.reshape(-1)
+    row_off = np.arange(X, dtype=np.int64) * E
     for i in range(E, num_phy):
-        best = np.argmax(weight_XE / logcnt.astype(weight_XE.dtype), axis=1)
+        best = per_replica.argmax(axis=1)
         phy2log[:, i] = best
-        rank[:, i] = logcnt[rows, best]
-        logcnt[rows, best] += 1
+        flat = best + row_off
+        cnt = cnt_flat[flat]
+        rank[:, i] = cnt
+        cnt += 1
+        cnt_flat[flat] = cnt
+        per_replica_flat[flat] = w_flat[flat] / cnt.astype(weight_XE.dtype)
     return phy2log, rank, logcnt
 
 
 def _inverse(perm_XN: np.ndarray) -> np.ndarray:
-    inv = np.empty_like(perm_XN)
-    np.put_along_axis(inv, perm_XN, np.broadcast_to(np.arange(perm_XN.shape[1]), perm_XN.shape), axis=1)
+    inv = np.empty(perm_XN.shape, dtype=perm_XN.dtype)
+    _put_rows(inv, perm_XN, np.broadcast_to(np.arange(perm_XN.shape[1]), perm_XN.shape))
     return inv
 
 
@@ -90,19 +147,19 @@ def _hierarchical(
     mlog2log = _inverse(log2mlog)
 
     # Step 2: replicate experts within each node
-    tokens_per_mlog = np.take_along_axis(weight_LE, mlog2log, axis=1).reshape(L * num_nodes, E // num_nodes)
+    tokens_per_mlog = _take_rows(weight_LE, mlog2log).reshape(L * num_nodes, E // num_nodes)
     phy2mlog, phyrank, mlogcnt = replicate_experts(tokens_per_mlog, num_phy // num_nodes)
 
     # Step 3: pack replicas onto the GPUs of each node
-    tokens_per_phy = np.take_along_axis(tokens_per_mlog / mlogcnt.astype(np.float32), phy2mlog, axis=1)
+    tokens_per_phy = _take_rows(tokens_per_mlog / mlogcnt.astype(np.float32), phy2mlog)
     pack, rank_in_pack = balanced_packing(tokens_per_phy, num_gpus // num_nodes)
     pphy2phy = _inverse(pack * phy_per_gpu + rank_in_pack)
 
-    pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1)
+    pphy2mlog = _take_rows(phy2mlog, pphy2phy)
     pphy2mlog = (pphy2mlog.reshape(L, num_nodes, -1) + np.arange(0, E, E // num_nodes)[None, :, None]).reshape(L, -1)
-    pphy2log = np.take_along_axis(mlog2log, pphy2mlog, axis=1)
-    pphyrank = np.take_along_axis(phyrank, pphy2phy, axis=1).reshape(L, -1)
-    logcnt = np.take_along_axis(mlogcnt.reshape(L, -1), log2mlog, axis=1)
+    pphy2log = _take_rows(mlog2log, pphy2mlog)
+    pphyrank = _take_rows(phyrank, pphy2phy).reshape(L, -1)
+    logcnt = _take_rows(mlogcnt.reshape(L, -1), log2mlog)
     return pphy2log, pphyrank, logcnt
 
 
@@ -118,6 +175,8 @@ def rebalance(load_LE: np.ndarray, *, num_replicas: int, num_groups: int, num_no
     if load.ndim != 2:
         raise ConfigError(f"load must be [layers, experts], got shape {load.shape}")
     L, E = load.shape
+    if not np.isfinite(load).all():
+        raise ConfigError("load has NaN or infinite entries: pass finite token counts per (layer, expert)")
     if num_replicas < E or num_replicas % num_gpus:
         raise ConfigError(f"num_replicas={num_replicas} must be >= {E} experts and a multiple of num_gpus={num_gpus}")
     if num_gpus % num_nodes:
@@ -132,7 +191,7 @@ def rebalance(load_LE: np.ndarray, *, num_replicas: int, num_groups: int, num_no
         phy2log, phyrank, logcnt = _hierarchical(load, num_replicas, 1, 1, num_gpus)
     M = int(logcnt.max())
     log2phy = np.full((L, E * M), -1, dtype=np.int64)
-    np.put_along_axis(log2phy, phy2log * M + phyrank, np.broadcast_to(np.arange(num_replicas), (L, num_replicas)), axis=1)
+    _put_rows(log2phy, phy2log * M + phyrank, np.broadcast_to(np.arange(num_replicas), (L, num_replicas)))
     return Placement(phy2log, log2phy.reshape(L, E, M), logcnt)
 
 
