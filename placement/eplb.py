@@ -69,8 +69,8 @@ def balanced_packing(weight_Xn: np.ndarray, num_packs: int) -> tuple[np.ndarray,
     key_Xm = np.zeros((X, num_packs), dtype=weight_Xn.dtype)
     key_flat = key_Xm.reshape(-1)
     cnt_flat = np.zeros(X * num_packs, dtype=np.int64)
-    full_after = np.zeros(per_pack + 1, dtype=weight_Xn.dtype)  # added to a pack's key after its c-th item
-    full_after[per_pack] = np.inf
+    full_on = np.zeros(per_pack, dtype=weight_Xn.dtype)  # added to a pack's key when it gets item c + 1
+    full_on[per_pack - 1] = np.inf
     row_off = np.arange(X, dtype=np.int64) * num_packs
     pack_nX = np.empty((n, X), dtype=np.int64)
     rank_nX = np.zeros((n, X), dtype=np.int64)
@@ -87,9 +87,8 @@ def balanced_packing(weight_Xn: np.ndarray, num_packs: int) -> tuple[np.ndarray,
         flat = pack + row_off
         cnt = cnt_flat[flat]
         rank_nX[j] = cnt
-        cnt += 1
-        cnt_flat[flat] = cnt
-        key_flat[flat] = (key_flat[flat] + w_nX[j]) + full_after[cnt]
+        cnt_flat[flat] = cnt + 1
+        key_flat[flat] = (key_flat[flat] + w_nX[j]) + full_on[cnt]
     pack_index = np.empty((X, n), dtype=np.int64)
     rank_in_pack = np.empty((X, n), dtype=np.int64)
     _put_rows(pack_index, order_Xn, np.ascontiguousarray(pack_nX.T))
