@@ -139,7 +139,6 @@ def collect(
         with_text=config.store_text,
         **writer_kw,
     ) as writer:
-        before_req, before_tok = writer.num_requests_written, writer.num_tokens_written
         pending = sum(p.request_id not in writer.completed_request_ids for p in prompts)
         if on_start is not None:
             on_start(pending, len(prompts))
@@ -171,7 +170,6 @@ def collect(
                 chat_template=config.chat_template,
                 on_progress=on_progress,
             )
-        new_req = writer.num_requests_written - before_req
-        new_tok = writer.num_tokens_written - before_tok
-    stats = writer.stats()
-    return CollectResult(Path(out), chosen, stats, new_req, new_tok, time.perf_counter() - t0)
+    # the writer counts what this run added; stats() also covers what a resumed run had before
+    return CollectResult(Path(out), chosen, writer.stats(), writer.num_requests_written, writer.num_tokens_written,
+                         time.perf_counter() - t0)
