@@ -86,32 +86,50 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
     for key in ("model", "deployment", "strategy", "phy2log", "logcnt", "log2phy"):
         if key not in d:
             raise TraceFormatError(f"{where}: missing key `{key}`")
-    model = d["model"]
+    model, deployment, g = d["model"], d["deployment"], d.get("grouping")
+    for key, value in (("model", model), ("deployment", deployment), ("grouping", g)):
+        if not isinstance(value, dict) and not (key == "grouping" and value is None):
+            raise TraceFormatError(f"{where}: `{key}` must be a JSON object; re-create the file with `moetrace place`")
     for key in ("num_experts", "moe_layers", "num_hidden_layers"):
         if key not in model:
             raise TraceFormatError(f"{where}: `model` lacks `{key}`")
-    E, L = int(model["num_experts"]), len(model["moe_layers"])
-    try:
-        phy2log = np.asarray(d["phy2log"], dtype=np.int64)
-        logcnt = np.asarray(d["logcnt"], dtype=np.int64)
-        log2phy = np.asarray(d["log2phy"], dtype=np.int64)
-    except (ValueError, TypeError) as exc:
-        raise TraceFormatError(f"{where}: phy2log/logcnt/log2phy must be rectangular integer arrays ({exc})") from exc
+    E, H, num_ep = model["num_experts"], model["num_hidden_layers"], deployment.get("num_ep", 1)
+    layers = model["moe_layers"]
+    if not all(isinstance(x, int) and x >= 1 for x in (E, H, num_ep)):
+        raise TraceFormatError(f"{where}: model `num_experts`, `num_hidden_layers` and deployment `num_ep` must be "
+                               f"positive integers, got {E!r}, {H!r}, {num_ep!r}")
+    if not isinstance(layers, list) or not all(isinstance(x, int) and 0 <= x < H for x in layers) or layers != sorted(set(layers)):
+        raise TraceFormatError(f"{where}: model `moe_layers` must be ascending distinct layer indices in 0..{H - 1}")
+    L = len(layers)
+    arrays = {}
+    for key in ("phy2log", "logcnt", "log2phy"):
+        try:
+            arrays[key] = np.asarray(d[key])
+        except (ValueError, TypeError) as exc:
+            raise TraceFormatError(f"{where}: `{key}` must be a rectangular integer array ({exc})") from None
+        if arrays[key].size and arrays[key].dtype.kind not in "iu":
+            raise TraceFormatError(f"{where}: `{key}` must be a rectangular array of 64-bit integers, got {arrays[key].dtype} values")
+        arrays[key] = arrays[key].astype(np.int64)
+    phy2log, logcnt, log2phy = arrays["phy2log"], arrays["logcnt"], arrays["log2phy"]
     if phy2log.ndim != 2 or phy2log.shape[0] != L:
         raise TraceFormatError(f"{where}: phy2log has shape {phy2log.shape}, expected ({L} MoE layers, slots)")
-    num_ep = int(d["deployment"].get("num_ep", 1))
     problems = placement_problems(Placement(phy2log, log2phy, logcnt), num_experts=E, num_ranks=num_ep)
     if problems:
         raise TraceFormatError(f"{where}: invalid placement: " + "; ".join(problems))
-    g = d.get("grouping")
     if g is not None:
-        C = len(g.get("cluster_to_groups", []))
+        c2g = g.get("cluster_to_groups", [])
+        if not isinstance(c2g, list):
+            raise TraceFormatError(f"{where}: grouping `cluster_to_groups` must be a list of group lists")
+        C = len(c2g)
         for key in ("decode_centroids", "prefill_centroids"):
-            arr = np.asarray(g.get(key, []), dtype=np.float64)
+            try:
+                arr = np.asarray(g.get(key, []), dtype=np.float64)
+            except (ValueError, TypeError) as exc:
+                raise TraceFormatError(f"{where}: grouping `{key}` must be a rectangular array of numbers ({exc})") from None
             if arr.shape != (C, L * E):
                 raise TraceFormatError(f"{where}: grouping `{key}` has shape {arr.shape}, expected ({C}, {L * E})")
     return PlacementFile(
-        model=model, deployment=d["deployment"], strategy=str(d["strategy"]),
+        model=model, deployment=deployment, strategy=str(d["strategy"]),
         placement=Placement(phy2log, log2phy, logcnt), grouping=g, source=d.get("source"),
     )
 

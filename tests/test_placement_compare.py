@@ -135,3 +135,30 @@ def test_bad_inputs_give_clean_errors(planted, tmp_path):
         load_placement(bad)
     r = runner.invoke(app, ["export", str(bad), "--format", "sglang", "-o", str(tmp_path / "o.json")])
     assert r.exit_code == 2 and "invalid placement" in r.output
+
+
+@pytest.mark.parametrize(
+    "corrupt, fragment",
+    [
+        (lambda d: d.__setitem__("deployment", []), "`deployment` must be a JSON object"),
+        (lambda d: d["deployment"].__setitem__("num_ep", 0), "must be positive integers"),
+        (lambda d: d["model"].__setitem__("num_experts", "16"), "must be positive integers"),
+        (lambda d: d["model"].__setitem__("moe_layers", [1, 7]), "ascending distinct layer indices in 0..2"),
+        (lambda d: d.__setitem__("phy2log", [[0.5] * 8] * 2), "`phy2log` must be a rectangular array of 64-bit integers"),
+        (lambda d: d["phy2log"][0].__setitem__(0, 10**30), "`phy2log` must be a rectangular array"),
+        (lambda d: d.__setitem__("grouping", [1]), "`grouping` must be a JSON object"),
+        (lambda d: d["grouping"].__setitem__("decode_centroids", [[1.0, 2.0], [3.0]]), "rectangular array of numbers"),
+    ],
+)
+def test_corrupted_placement_files_raise_format_errors(planted, tmp_path, corrupt, fragment):
+    """Regression: wrong types in a placement JSON crashed load_placement (TypeError, ZeroDivisionError, ...)
+    or were silently truncated (float slot ids) instead of a clean TraceFormatError."""
+    good = tmp_path / "good.json"
+    r = CliRunner().invoke(app, ["place", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4", "-o", str(good)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(good.read_text())
+    corrupt(d)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(d))
+    with pytest.raises(TraceFormatError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
+        load_placement(bad)
