@@ -129,3 +129,38 @@ def test_bad_shapes_are_refused(tmp_path):
             w.add_request(request_id=0, dataset="d", prompt_tokens=2, experts_TX=np.zeros((3, 4, 2)))
         with pytest.raises(ValueError, match="prompt_tokens >= 1"):
             w.add_request(request_id=0, dataset="d", prompt_tokens=0, experts_TX=np.zeros((3, 3, 2)))
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [(None, "no `model` section"), ("deepseek-v3", "must be an object"), ({"top_k": "8"}, "lacks"), ("wrong-type", "wrong type")],
+)
+def test_bad_manifest_model_is_a_format_error(small_trace, model, match):
+    m = json.loads((small_trace / "manifest.json").read_text())
+    if model is None:
+        del m["model"]
+    elif model == "wrong-type":
+        m["model"]["top_k"] = "2"
+    else:
+        m["model"] = model
+    (small_trace / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(TraceFormatError, match=match):
+        open_trace(small_trace)
+    assert find_problems(small_trace)  # validate names the problem too, without raising
+
+
+def test_a_file_is_not_a_trace(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(TraceFormatError, match="is a file"):
+        open_trace(tmp_path / "f")
+
+
+def test_damaged_parts_are_format_errors(small_trace):
+    t = open_trace(small_trace)
+    part = t.routing_files()[0]
+    part.write_bytes(part.read_bytes()[:100])  # truncated by something outside moetrace
+    with pytest.raises(TraceFormatError, match="cannot read this routing part"):
+        t.token_arrays()
+    part.unlink()
+    with pytest.raises(TraceFormatError, match="without their routing file"):
+        open_trace(small_trace)

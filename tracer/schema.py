@@ -80,11 +80,18 @@ class ModelInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelInfo":
+        if d is None:
+            raise TraceFormatError("manifest has no `model` section (name, moe_layers, num_experts, top_k, ...)")
+        if not isinstance(d, dict):
+            raise TraceFormatError(f"manifest `model` must be an object with the model's fields, got {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         missing = [n for n in names if n not in d and n not in ("n_group", "topk_group")]
         if missing:
             raise TraceFormatError(f"manifest `model` lacks {sorted(missing)}")
-        return cls(**{k: d[k] for k in names if k in d})
+        try:
+            return cls(**{k: d[k] for k in names if k in d})
+        except (TypeError, ValueError) as exc:  # e.g. "top_k": "8", "moe_layers": 3
+            raise TraceFormatError(f"manifest `model` has a field of the wrong type ({exc})") from exc
 
 
 def routing_schema(ids_per_token: int, *, with_weights: bool) -> pa.Schema:

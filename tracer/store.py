@@ -60,6 +60,8 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """Read ``manifest.json`` of the trace directory ``path``."""
     mpath = Path(path) / MANIFEST
+    if Path(path).is_file():
+        raise TraceFormatError(f"{path} is a file; a trace is a directory (manifest.json, requests/, routing/)")
     if not Path(path).is_dir():
         raise TraceFormatError(f"{path}: no such trace directory")
     if not mpath.exists():
@@ -496,7 +498,7 @@ class Trace:
     def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
         self.path = path
         self.manifest = manifest
-        self.model = ModelInfo.from_dict(manifest["model"])
+        self.model = ModelInfo.from_dict(manifest.get("model"))
 
     def __repr__(self) -> str:
         return f"Trace({str(self.path)!r}, model={self.model.name!r}, complete={self.manifest.get('complete')})"
@@ -538,9 +540,15 @@ class Trace:
         """Stream routing rows as numpy arrays, part by part, row group by row group (bounded memory)."""
         L, K = self.model.num_moe_layers, self.model.top_k
         for f in self.routing_files():
-            pf = pq.ParquetFile(f)
-            for rb in pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "stage", "experts"]):
-                yield _batch_to_arrays(rb, L, K)
+            try:
+                pf = pq.ParquetFile(f)
+                batches = pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "stage", "experts"])
+                for rb in batches:
+                    yield _batch_to_arrays(rb, L, K)
+            except (pa.ArrowException, OSError, KeyError) as exc:
+                raise TraceFormatError(
+                    f"{f}: cannot read this routing part ({exc}); run `moetrace validate {self.path}` for details"
+                ) from exc
 
     def token_arrays(self) -> TokenArrays:
         """All routing rows as numpy arrays ``[T, L, K]`` (loads the whole trace into memory)."""
@@ -586,5 +594,12 @@ def open_trace(path: str | os.PathLike, *, require_complete: bool = True) -> Tra
             f"{p}: the trace is incomplete (manifest `complete: false`): its collection was interrupted or is "
             "still running. Resume it by re-running the same command with --resume, or pass "
             "--allow-incomplete to read the committed part."
+        )
+    missing = [f"{ROUTING_DIR}/{f.name}" for f in sorted((p / REQUESTS_DIR).glob("*.parquet"))
+               if not (p / ROUTING_DIR / f.name).is_file()]
+    if missing:
+        raise TraceFormatError(
+            f"{p}: committed part(s) without their routing file: {missing[:3]}; the trace is damaged "
+            f"(run `moetrace validate {p}`)"
         )
     return Trace(p, manifest)

@@ -18,19 +18,26 @@ def trace_summary(path: str | os.PathLike, *, allow_incomplete: bool = False) ->
     """Model, backend, per-dataset request and token counts, and size on disk, as text."""
     from moetrace.cli_common import human_bytes
 
+    from moetrace.errors import TraceFormatError
+
     t = open_trace(path, require_complete=not allow_incomplete)
     m = t.model
-    per = (
-        t.requests()
-        .group_by("dataset")
-        .agg(
-            pl.len().alias("requests"),
-            pl.col("prompt_tokens").sum().alias("prefill_tokens"),
-            pl.col("output_tokens").sum().alias("decode_tokens"),
+    try:
+        per = (
+            t.requests()
+            .group_by("dataset")
+            .agg(
+                pl.len().alias("requests"),
+                pl.col("prompt_tokens").sum().alias("prefill_tokens"),
+                pl.col("output_tokens").sum().alias("decode_tokens"),
+            )
+            .sort("dataset")
+            .collect()
         )
-        .sort("dataset")
-        .collect()
-    )
+    except (pl.exceptions.PolarsError, OSError) as exc:
+        raise TraceFormatError(
+            f"{t.path}: cannot read the requests parts ({str(exc).splitlines()[0]}); run `moetrace validate {t.path}`"
+        ) from exc
     lines = [
         f"trace      {t.path}  ({'complete' if t.complete else 'INCOMPLETE'})",
         f"model      {m.name}  [{m.architecture}]  source {m.source}",
