@@ -56,7 +56,7 @@ def detect(path: str | Path) -> Input:
     p = Path(path)
     if not p.is_dir():
         raise TraceFormatError(
-            f"{p}: no such directory. Pass trace directories and the output directories of "
+            f"{p}: {'not a directory' if p.exists() else 'no such directory'}. Pass trace directories and the output directories of "
             "`moetrace analyze` / `moetrace compare`."
         )
     seen: list[str] = []
@@ -65,7 +65,9 @@ def detect(path: str | Path) -> Input:
         if not f.exists():
             continue
         manifest = _read_json(f)
-        seen.append(f"{name} (format {manifest.get('format')!r})" if manifest else f"{name} (unreadable)")
+        note = f"{name} (format {manifest.get('format')!r})" if manifest else f"{name} (unreadable)"
+        if note not in seen:
+            seen.append(note)
         if manifest is None:
             continue
         if (fmt is not None and manifest.get("format") == fmt) or (fmt is None and all(k in manifest for k in keys)):

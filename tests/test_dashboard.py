@@ -35,6 +35,10 @@ def test_detect_names_what_it_expected(tmp_path):
         detect(tmp_path)
     with pytest.raises(TraceFormatError, match="no such directory"):
         detect(tmp_path / "missing")
+    with pytest.raises(TraceFormatError, match=r"found manifest.json \(format 'something.else'\)\)"):  # listed once
+        detect(tmp_path)
+    with pytest.raises(TraceFormatError, match="manifest.json: not a directory"):  # a file, not a missing path
+        detect(tmp_path / "manifest.json")
 
 
 def test_report_is_one_offline_file(trace, tmp_path):
