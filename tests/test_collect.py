@@ -156,3 +156,12 @@ def test_sharded_collection_from_the_cli(tmp_path):
     assert np.array_equal(rid, rid0) and np.array_equal(pos, pos0)
     assert np.array_equal(np.sort(ids, -1), np.sort(ids0, -1))
     assert runner.invoke(app, ["collect", *args, "--shard", "2/2", "-o", str(out)]).exit_code != 0
+
+
+@pytest.mark.parametrize("flag, value", [("--max-new-tokens", "0"), ("--batch-size", "0"), ("--temperature", "-1")])
+def test_bad_generation_settings_fail_before_anything_is_written(tmp_path, flag, value):
+    out = tmp_path / "t"
+    res = runner.invoke(app, ["collect", "--model", "olmoe-1b-7b-tiny", "--dataset", "chat", "--num-requests", "1",
+                              flag, value, "-o", str(out)])
+    assert res.exit_code == 2 and flag in res.output, res.output
+    assert not out.exists()

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from moetrace.errors import ModelError
+from moetrace.errors import ConfigError, ModelError
 from moetrace.tracer.store import OnExisting, TraceWriter, WriterStats
 
 Backend = Literal["auto", "hf", "vllm"]
@@ -41,6 +41,13 @@ class CollectConfig:
     record_weights: bool = False  # also store routing weights
     device: str = "cpu"  # torch device of the HF backend
     dtype: str = "auto"  # torch dtype of the HF backend (tiny models run in float32)
+
+    def __post_init__(self) -> None:  # checked before anything is loaded or written
+        for name in ("max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not self.temperature >= 0:
+            raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
 
     def manifest_section(self) -> dict[str, Any]:
         d = asdict(self)
