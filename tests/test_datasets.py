@@ -184,6 +184,9 @@ def test_generic_file_errors_name_the_problem(tmp_path):
         load_prompts([f"gsm8k={bad_copy}"])
     with pytest.raises(DatasetError, match="no such file"):
         load_prompts([str(tmp_path / "missing.jsonl")])
+    (tmp_path / "zero.jsonl").write_text("\n")
+    with pytest.raises(DatasetError, match=r"zero.jsonl: no records \(the file is empty\)"):
+        load_prompts([str(tmp_path / "zero.jsonl")])
 
 
 def test_unknown_name_lists_valid_names():

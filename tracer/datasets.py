@@ -284,6 +284,8 @@ def resolve_source(source: str, *, prompt_field: str | None) -> tuple[str, list[
     if path.suffix.lower() not in LOCAL_SUFFIXES:
         raise DatasetError(f"{path}: a local dataset must be a {'/'.join(LOCAL_SUFFIXES)} file")
     rows, columns = read_rows(path)
+    if not rows:
+        raise DatasetError(f"{path}: no records (the file is empty); give a file with one prompt per record")
     if name is not None and prompt_field is None:
         spec = HUB[name]
         if spec.field not in columns:
@@ -335,7 +337,7 @@ def load_prompts(
         raise DatasetError("give either per_dataset (--per-dataset) or num_requests (--num-requests), not both")
     for arg, v in (("per_dataset", per_dataset), ("num_requests", num_requests)):
         if v is not None and v < 1:
-            raise DatasetError(f"{arg} must be at least 1, got {v}")
+            raise DatasetError(f"{arg} (--{arg.replace('_', '-')}) must be at least 1, got {v}")
     names = _expand(sources)
     if not names:
         raise DatasetError(f"no dataset given; valid names are {_valid_names()}, or a local file")
