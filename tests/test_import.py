@@ -183,3 +183,31 @@ def test_cli_import_and_clean_errors(tmp_path):
     res = runner.invoke(app, ["import", str(src), "--model", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t"),
                               "--overwrite"])
     assert res.exit_code == 0
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"layer": "x"}, "`layer` must be an integer"),
+    ({"position": 0.5}, "`position` must be an integer"),  # was silently truncated to 0
+    ({"experts": None}, "`experts` must be a list of integers"),
+    ({"experts": [None, *range(1, 8)]}, "lists hold nulls"),
+    ({"position": 3_000_000_000}, "does not fit"),
+])
+def test_tokens_wrong_field_types_are_clean_errors_and_leave_nothing(tmp_path, change, match):
+    rec = {"request": 1, "layer": 0, "position": 0, "stage": "prefill", "experts": list(range(8)), **change}
+    src = tmp_path / "x.jsonl"
+    src.write_text(json.dumps(rec) + "\n")
+    with pytest.raises(TraceFormatError, match=match):
+        import_trace(src, out=tmp_path / "t", model=OLMOE)
+    assert not (tmp_path / "t").exists()  # a corrected re-run is not blocked by a partial trace
+
+
+def test_sglang_bad_or_duplicate_request_ids_are_clean_errors(tmp_path):
+    resp = sglang_response(3, 2, planted(4, OLMOE, 0), OLMOE, request_id=7)
+    src = tmp_path / "r.jsonl"
+    src.write_text(json.dumps(resp) + "\n" + json.dumps(resp) + "\n")
+    with pytest.raises(TraceFormatError, match="r.jsonl:2: request_id 7 appears twice"):
+        import_trace(src, out=tmp_path / "t", model=OLMOE)
+    src.write_text(json.dumps({**resp, "request_id": "abc"}) + "\n")
+    with pytest.raises(TraceFormatError, match="r.jsonl:1"):
+        import_trace(src, out=tmp_path / "t", model=OLMOE)
+    assert not (tmp_path / "t").exists()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
@@ -148,17 +149,24 @@ def import_trace(
     label = dataset or src.stem
     backend = {"name": "import", "source_format": fmt, "source_file": str(src)}
     collection = {"datasets": [label] if dataset else [], "imported_from": src.name}
-    with TraceWriter(out, model=model, backend=backend, collection=collection, on_existing=on_existing) as writer:
-        if fmt == "sglang":
-            datasets = _import_sglang(src, writer=writer, info=model, label=label)
-        else:
-            datasets = _import_tokens(src, writer=writer, info=model, label=label)
-        writer.update_manifest(collection={**collection, "datasets": sorted(datasets)})
+    created = not Path(out).exists()
+    try:
+        with TraceWriter(out, model=model, backend=backend, collection=collection, on_existing=on_existing) as writer:
+            if fmt == "sglang":
+                datasets = _import_sglang(src, writer=writer, info=model, label=label)
+            else:
+                datasets = _import_tokens(src, writer=writer, info=model, label=label)
+            writer.update_manifest(collection={**collection, "datasets": sorted(datasets)})
+    except TraceFormatError:
+        if created:  # bad input: leave no partial trace behind that would block a corrected re-run
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     return writer.stats()
 
 
 def _import_sglang(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str) -> set[str]:
     seen: set[str] = set()
+    ids: set[int] = set()
     index = 0
     batch: list[tuple[int, str, int, int, np.ndarray]] = []
 
@@ -180,9 +188,12 @@ def _import_sglang(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
                 raise TraceFormatError(f"{src}:{n}: expected a response object, got {type(resp).__name__}")
             try:
                 P, O, rows = sglang_response_rows(resp, info=info)
-            except (TraceFormatError, KeyError) as exc:
+                rid = int(resp["request_id"]) if "request_id" in resp else index
+            except (TraceFormatError, KeyError, TypeError, ValueError) as exc:
                 raise TraceFormatError(f"{src}:{n}: {exc}") from exc
-            rid = int(resp["request_id"]) if "request_id" in resp else index
+            if rid in ids:
+                raise TraceFormatError(f"{src}:{n}: request_id {rid} appears twice; request ids must be unique")
+            ids.add(rid)
             ds = str(resp.get("dataset", label))
             seen.add(ds)
             batch.append((rid, ds, P, O, rows))
@@ -222,7 +233,9 @@ def tokens_to_requests(
             f"{info.moe_layers[0]}..{info.moe_layers[-1]}, {L} of them); `layer` is the model layer index"
         )
     if (position_N < 0).any():
-        raise TraceFormatError("negative position")
+        raise TraceFormatError(f"negative position {int(position_N.min())}; positions are 0-based")
+    if (position_N >= np.iinfo(np.int32).max).any():
+        raise TraceFormatError(f"position {int(position_N.max())} does not fit the trace's int32 positions")
     if ((experts_NK < NO_EXPERT) | (experts_NK >= info.num_experts)).any():
         raise TraceFormatError(f"expert ids outside 0..{info.num_experts - 1} (or -1)")
     rids, inv = np.unique(request_N, return_inverse=True)
@@ -241,7 +254,13 @@ def tokens_to_requests(
         raise TraceFormatError(f"request {rids[P_R < 1][0]}: no prefill position 0 (every request needs a prompt)")
     starts = np.zeros(R, dtype=np.int64)
     np.cumsum(T_R[:-1], out=starts[1:])
-    experts_TLK = np.full((int(T_R.sum()), L, K), NO_EXPERT, dtype=np.int16)
+    try:
+        experts_TLK = np.full((int(T_R.sum()), L, K), NO_EXPERT, dtype=np.int16)
+    except MemoryError:
+        raise TraceFormatError(
+            f"positions up to {int(position_N.max())} need {int(T_R.sum())} rows of {L}x{K} ids: more than fits "
+            "in memory (are the positions 0-based token indices?)"
+        ) from None
     row = starts[inv] + position_N
     col = ordinal[layer_N]
     flat = row * L + col
@@ -261,6 +280,21 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
     missing = [c for c in ("request", "layer", "position", "stage", "experts") if c not in df.columns]
     if missing:
         raise TraceFormatError(f"{src}: records lack {missing}; each needs request, layer, position, stage, experts")
+    kinds = {
+        "request": ("an integer or a string", df["request"].dtype.is_integer() or df["request"].dtype == pl.String),
+        "layer": ("an integer", df["layer"].dtype.is_integer()),
+        "position": ("an integer", df["position"].dtype.is_integer()),
+        "experts": ("a list of integers",
+                    isinstance(df["experts"].dtype, pl.List) and df["experts"].dtype.inner.is_integer()),
+    }
+    for col, (kind, ok) in kinds.items():
+        if not ok:
+            raise TraceFormatError(f"{src}: `{col}` must be {kind} in every record; read as {df[col].dtype}")
+    for col in ("request", "layer", "position", "stage", "experts"):
+        if df[col].null_count():
+            raise TraceFormatError(f"{src}: {df[col].null_count()} record(s) have no `{col}` (null)")
+    if df["experts"].list.explode().null_count():
+        raise TraceFormatError(f"{src}: `experts` lists hold nulls; use -1 where no expert was recorded")
     stages = set(df["stage"].unique().to_list())
     if not stages <= {"prefill", "decode"}:
         raise TraceFormatError(f"{src}: stage must be 'prefill' or 'decode', found {sorted(map(str, stages))}")
@@ -274,10 +308,13 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
     if (lens != info.top_k).any():
         raise TraceFormatError(f"{src}: a record has {int(lens[lens != info.top_k][0])} experts; {info.name} has top_k {info.top_k}")
     experts_NK = np.asarray(df["experts"].list.explode().cast(pl.Int64).to_numpy()).reshape(-1, info.top_k)
-    rid_R, P_R, O_R, experts_TX = tokens_to_requests(
-        request_N, df["layer"].cast(pl.Int64).to_numpy(), df["position"].cast(pl.Int64).to_numpy(),
-        (df["stage"] == "decode").to_numpy(), experts_NK, info=info,
-    )
+    try:
+        rid_R, P_R, O_R, experts_TX = tokens_to_requests(
+            request_N, df["layer"].cast(pl.Int64).to_numpy(), df["position"].cast(pl.Int64).to_numpy(),
+            (df["stage"] == "decode").to_numpy(), experts_NK, info=info,
+        )
+    except TraceFormatError as exc:
+        raise TraceFormatError(f"{src}: {exc}") from exc
     if "dataset" in df.columns:
         first = (pl.DataFrame({"r": request_N, "d": df["dataset"].cast(pl.String)})
                  .group_by("r", maintain_order=True).first())
