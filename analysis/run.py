@@ -231,10 +231,10 @@ def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     from moetrace.analysis.classify import classify_layers, classify_tables
 
     if len(counts.datasets()) < 2:
-        return {"skipped": f"needs at least 2 datasets, the trace has {counts.datasets()}"}
+        return {"skipped": f"needs at least 2 datasets, the trace has {counts.datasets()}; trace requests of a second dataset"}
     smallest = min(int((counts.dataset_R == d).sum()) for d in counts.datasets())
     if round(smallest * 0.2) < 1:  # the 80:20 split needs one test request per dataset
-        return {"skipped": f"the smallest dataset has {smallest} requests; an 80:20 split needs at least 3 each"}
+        return {"skipped": f"the smallest dataset has {smallest} requests; an 80:20 split needs at least 3 each; trace more requests of it"}
     res = classify_layers(
         counts.stage("prefill"),
         counts.dataset_R,
@@ -388,4 +388,4 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def _f(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.3f}"
+    return "n/a" if v is None or np.isnan(v) else f"{v:.3f}"

@@ -125,3 +125,12 @@ def test_analyze_a_trace_from_the_tiny_model_collector(tmp_path):
     assert imb.filter((pl.col("dataset") == "all") & (pl.col("stage") == "decode"))["tokens"].unique().to_list() == [60]
     acc = pl.read_parquet(out / "classify_accuracy.parquet")
     assert acc.height == 16 and (acc["chance"] == 0.5).all()
+
+
+def test_summary_prints_undefined_scores_as_na():
+    """Regression: a one-dataset trace printed `silhouette nan`; an undefined score reads n/a."""
+    from moetrace.analysis.run import format_summary
+
+    text = format_summary({"embedding": {"prefill": {"silhouette": float("nan"), "adjusted_rand": 0.25}},
+                           "classify": {"skipped": "needs at least 2 datasets"}})
+    assert "silhouette n/a, K-means ARI 0.250" in text and "nan" not in text
