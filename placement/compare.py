@@ -65,7 +65,8 @@ class CompareConfig:
     def __post_init__(self) -> None:
         bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad or not self.strategies:
-            raise ConfigError(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
+            what = f"unknown strategies {bad}" if bad else "no strategy given"
+            raise ConfigError(f"{what}; choose from {', '.join(STRATEGIES)}")
         if not (0.0 < self.test_fraction < 1.0):
             raise ConfigError(f"test fraction must be in (0, 1), got {self.test_fraction}")
         if self.num_batches < 1 or self.num_batch_requests < 0 or self.num_clusters < 0:

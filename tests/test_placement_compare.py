@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from moetrace.cli import app
-from moetrace.errors import TraceFormatError
+from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.exports import export_placement, load_placement
@@ -162,3 +162,11 @@ def test_corrupted_placement_files_raise_format_errors(planted, tmp_path, corrup
     bad.write_text(json.dumps(d))
     with pytest.raises(TraceFormatError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
         load_placement(bad)
+
+
+def test_strategy_list_errors_name_the_problem():
+    """Regression: `--strategies ,` said `unknown strategies []`; an empty list now says none was given."""
+    with pytest.raises(ConfigError, match="no strategy given; choose from linear"):
+        CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), strategies=())
+    with pytest.raises(ConfigError, match=r"unknown strategies \['foo'\]"):
+        CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), strategies=("linear", "foo"))
