@@ -147,6 +147,8 @@ def test_deployment_parses_and_derives_topology():
         ("DP8TP8EP32", "must cover the same GPUs"),
         ("DP3TP4EP12", "do not fill whole nodes"),
         ("DP4TP4EP4TP4", "must sit on one node"),
+        ("DP0TP8EP0", "DP must be >= 1, got 0"),  # named in the notation, not by the dataclass field
+        ("DP8TP8EP64TP0", "the TP after EP must be >= 1"),
     ],
 )
 def test_deployment_rejects_inconsistent_configs(spec, fragment):
