@@ -164,3 +164,17 @@ def test_damaged_parts_are_format_errors(small_trace):
     part.unlink()
     with pytest.raises(TraceFormatError, match="without their routing file"):
         open_trace(small_trace)
+
+
+def test_resume_refuses_a_different_prompt_selection(tmp_path):
+    # request ids index the interleaved sample: another --per-dataset (or --num-requests, --prompt-field)
+    # maps the same id to another prompt, so resuming would skip some prompts and repeat others
+    coll = {"datasets": ["a", "b"], "per_dataset": 3, "seed": 0}
+    write_small_trace(tmp_path / "t", num_requests=2)
+    m = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    m["collection"] = coll
+    (tmp_path / "t" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(OutputExistsError, match="per_dataset=3"):
+        TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "hf"}, collection={**coll, "per_dataset": 5},
+                    on_existing="resume")
+    TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "hf"}, collection=coll, on_existing="resume").close()

@@ -237,7 +237,11 @@ class TraceWriter:
                     f"{self.path} was written with {key}={old_w[key]}, this run has {key}={mine}; "
                     "use the same options to resume, or --overwrite"
                 )
-        for key in ("datasets", "seed", "max_new_tokens", "sampling"):
+        # everything that decides which prompt a request id is (or how it is rendered and sampled):
+        # resuming with another value would skip or repeat requests under the wrong ids
+        keys = ("datasets", "per_dataset", "num_requests", "prompt_field", "chat_template", "seed", "max_new_tokens",
+                "sampling", "num_shards")
+        for key in keys:
             if key in manifest.get("collection", {}) and key in collection and manifest["collection"][key] != collection[key]:
                 raise OutputExistsError(
                     f"{self.path} was collected with {key}={manifest['collection'][key]!r}, this run asks for "
