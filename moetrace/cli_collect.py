@@ -181,9 +181,12 @@ def _run_with_progress(config, *, out, backend, on_existing, engine, shard):
     )
     task = progress.add_task("collect", total=None, rate="")
 
+    started = []
+
     def on_start(pending: int, total: int) -> None:  # shown once the model and prompts are loaded
         progress.update(task, total=total, completed=total - pending)
         progress.start()
+        started.append(True)
 
     def on_progress(requests: int, toks: int) -> None:
         tokens["n"] += toks
@@ -194,4 +197,5 @@ def _run_with_progress(config, *, out, backend, on_existing, engine, shard):
         return collect(config, out=out, backend=backend, on_existing=on_existing, engine=engine, shard=shard,
                        on_start=on_start, on_progress=on_progress)
     finally:
-        progress.stop()
+        if started:
+            progress.stop()
