@@ -174,9 +174,12 @@ def read_requests(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     files = trace.requests_files()
     if not files:
         raise TraceFormatError(f"{trace.path}: the trace holds no committed requests")
-    table = pa.concat_tables(
-        [pq.read_table(f, columns=["request_id", "dataset", "prompt_tokens", "output_tokens"]) for f in files]
-    )
+    try:
+        table = pa.concat_tables(
+            [pq.read_table(f, columns=["request_id", "dataset", "prompt_tokens", "output_tokens"]) for f in files]
+        )
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceFormatError(f"{trace.path}: a requests part cannot be read ({exc}); run `moetrace validate`") from exc
     rid = table.column("request_id").to_numpy()
     order = np.argsort(rid, kind="stable")
     rid = rid[order]
@@ -195,10 +198,20 @@ def _counts_dtype(max_count: int) -> np.dtype:
     return np.dtype(np.uint64)
 
 
+def _num_rows(f: Path, trace: Trace) -> int:
+    try:
+        return pq.read_metadata(f).num_rows
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceFormatError(f"{f}: cannot be read ({exc}); run `moetrace validate {trace.path}`") from exc
+
+
 def _iter_batches(trace: Trace, batch_tokens: int) -> Iterator[pa.RecordBatch]:
     for f in trace.routing_files():
-        pf = pq.ParquetFile(f, memory_map=True)
-        yield from pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "experts"], use_threads=True)
+        try:
+            pf = pq.ParquetFile(f, memory_map=True)
+            yield from pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "experts"], use_threads=True)
+        except (pa.ArrowException, OSError) as exc:
+            raise TraceFormatError(f"{f}: cannot be read ({exc}); run `moetrace validate {trace.path}`") from exc
 
 
 def _ids_view(rb: pa.RecordBatch, X: int) -> np.ndarray:
@@ -267,7 +280,7 @@ def count_trace(
     stage_of = np.array([stages.index(s) if s in stages else -1 for s in STAGES], dtype=np.int8)
     layers_arr = np.asarray(layer_sel, dtype=np.int64)
 
-    total = sum(pq.read_metadata(f).num_rows for f in trace.routing_files())
+    total = sum(_num_rows(f, trace) for f in trace.routing_files())
     done = 0
     for rb in _iter_batches(trace, batch_tokens):
         rid_T = rb.column("request_id").to_numpy()

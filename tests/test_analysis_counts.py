@@ -131,3 +131,16 @@ def test_id_out_of_range_is_an_error():
     counts = np.zeros((1, 1, 1, 4), np.uint8)
     with pytest.raises(TraceFormatError, match="num_experts=4"):
         count_arrays(counts, row_T=np.zeros(1), stage_T=np.zeros(1), ids_TX=np.array([[5]]), layers_L=np.array([0]), top_k=1)
+
+
+def test_corrupt_part_is_a_clean_error(tmp_path):
+    """A truncated routing part gives a TraceFormatError naming the file, not a pyarrow traceback."""
+    from moetrace.analysis.counts import count_trace
+    from moetrace.errors import TraceFormatError
+    from tests.conftest import write_small_trace
+
+    path = write_small_trace(tmp_path / "t")
+    part = sorted((path / "routing").glob("*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:200])
+    with pytest.raises(TraceFormatError, match="validate"):
+        count_trace(path)
