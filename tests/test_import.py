@@ -180,6 +180,7 @@ def test_cli_import_and_clean_errors(tmp_path):
     assert "1 requests, 5 tokens" in res.output
     res = runner.invoke(app, ["import", str(src), "--model", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t")])
     assert res.exit_code == 2 and "already holds a trace" in res.output and "Traceback" not in res.output
+    assert "--resume" not in res.output and "--overwrite" in res.output  # import has no resume
     res = runner.invoke(app, ["import", str(src), "--model", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t"),
                               "--overwrite"])
     assert res.exit_code == 0

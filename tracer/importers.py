@@ -38,9 +38,9 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 
-from moetrace.errors import ModelError, TraceFormatError
+from moetrace.errors import ModelError, OutputExistsError, TraceFormatError
 from moetrace.tracer.schema import NO_EXPERT, ModelInfo
-from moetrace.tracer.store import OnExisting, TraceWriter, WriterStats
+from moetrace.tracer.store import MANIFEST, OnExisting, TraceWriter, WriterStats
 from moetrace.tracer.vllm_backend import routed_experts_to_rows
 
 SourceFormat = Literal["auto", "sglang", "tokens"]
@@ -150,6 +150,8 @@ def import_trace(
     backend = {"name": "import", "source_format": fmt, "source_file": str(src)}
     collection = {"datasets": [label] if dataset else [], "imported_from": src.name}
     created = not Path(out).exists()
+    if on_existing == "refuse" and (Path(out) / MANIFEST).exists():
+        raise OutputExistsError(f"{out} already holds a trace; choose another -o, or --overwrite to replace it")
     try:
         with TraceWriter(out, model=model, backend=backend, collection=collection, on_existing=on_existing) as writer:
             if fmt == "sglang":
