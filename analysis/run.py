@@ -113,39 +113,21 @@ def analyze(
         summary["counts_rows"] = n
         timings["counts_table"] = time.perf_counter() - t0
 
-    if "imbalance" in config.only:
-        say("imbalance: expert load and imbalance factor")
-        t0 = time.perf_counter()
-        summary["imbalance"] = _run_imbalance(counts, config, write)
-        timings["imbalance"] = time.perf_counter() - t0
-
-    if "correlation" in config.only:
-        say("correlation: datasets, prefill↔decode (pooled, per request), recall@k")
-        t0 = time.perf_counter()
-        summary["correlation"] = _run_correlation(counts, config, write)
-        timings["correlation"] = time.perf_counter() - t0
-
-    if "classify" in config.only:
-        say("classify: per-layer logistic regression from prefill counts to dataset")
-        t0 = time.perf_counter()
-        summary["classify"] = _run_classify(counts, config, write)
-        timings["classify"] = time.perf_counter() - t0
-
-    if "embedding" in config.only:
-        say("embedding: t-SNE / UMAP of normalized per-request vectors")
-        t0 = time.perf_counter()
-        from moetrace._deps import require
-
-        # one BLAS thread for PCA/K-means/silhouette (see classify.py: spinning threads on a busy box)
-        with require("threadpoolctl", purpose="embeddings").threadpool_limits(limits=1, user_api="blas"):
-            summary["embedding"] = _run_embedding(counts, config, write)
-        timings["embedding"] = time.perf_counter() - t0
-
-    if "affinity" in config.only:
-        say("affinity: cross-layer affinity and co-activation on a token sample")
-        t0 = time.perf_counter()
-        summary["affinity"] = _run_affinity(trace, config, write)
-        timings["affinity"] = time.perf_counter() - t0
+    steps = (  # (analysis, what it does, step) in the order they run
+        ("imbalance", "expert load and imbalance factor", lambda: _run_imbalance(counts, config, write)),
+        ("correlation", "datasets, prefill↔decode (pooled, per request), recall@k",
+         lambda: _run_correlation(counts, config, write)),
+        ("classify", "per-layer logistic regression from prefill counts to dataset",
+         lambda: _run_classify(counts, config, write)),
+        ("embedding", "t-SNE / UMAP of normalized per-request vectors", lambda: _run_embedding_one_blas(counts, config, write)),
+        ("affinity", "cross-layer affinity and co-activation on a token sample", lambda: _run_affinity(trace, config, write)),
+    )
+    for name, what, step in steps:
+        if name in config.only:
+            say(f"{name}: {what}")
+            t0 = time.perf_counter()
+            summary[name] = step()
+            timings[name] = time.perf_counter() - t0
 
     summary["seconds"] = round(time.perf_counter() - t_start, 3)
     write_json_atomic(out / "summary.json", _jsonable(summary))
@@ -253,6 +235,14 @@ def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
         "num_train": res.num_train,
         "num_test": res.num_test,
     }
+
+
+def _run_embedding_one_blas(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
+    """Embeddings with one BLAS thread for PCA/K-means/silhouette (spinning threads on a busy box, see classify)."""
+    from moetrace._deps import require
+
+    with require("threadpoolctl", purpose="embeddings").threadpool_limits(limits=1, user_api="blas"):
+        return _run_embedding(counts, config, write)
 
 
 def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
