@@ -28,10 +28,6 @@ def trace_label(trace: Trace) -> str:
     return f"trace {trace.path.name} ({trace.model.name})"
 
 
-def _dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def _flat(d: Any, prefix: str = "") -> list[tuple[str, str]]:
     """Nested manifest dicts as (dotted key, compact value) rows."""
     rows: list[tuple[str, str]] = []
@@ -47,7 +43,7 @@ def _flat(d: Any, prefix: str = "") -> list[tuple[str, str]]:
 
 def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
     """The overview of one trace: model and provenance tables, per-dataset counts, length figures."""
-    from moetrace.cli_common import human_bytes
+    from moetrace.sizes import dir_bytes, human_bytes
 
     go = plotly_go()
     m = trace.model
@@ -79,7 +75,7 @@ def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
         ("directory", str(trace.path)),
         ("complete", trace.complete),
         ("parts", len(trace.part_names())),
-        ("size on disk", human_bytes(_dir_bytes(trace.path))),
+        ("size on disk", human_bytes(dir_bytes(trace.path))),
         ("requests", req.height),
         ("tokens (prefill + decode)", int(req["prompt_tokens"].sum() or 0) + int(req["output_tokens"].sum() or 0)),
         ("moetrace version", trace.manifest.get("moetrace_version", "unknown")),

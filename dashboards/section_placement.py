@@ -158,7 +158,7 @@ def placement_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
 
 
 def _kib(v: float | None) -> str:
-    from moetrace.cli_common import human_bytes
+    from moetrace.sizes import human_bytes
 
     return "-" if v is None else human_bytes(float(v))
 

@@ -14,6 +14,7 @@ from typing import Annotated, Callable, TypeVar
 import typer
 
 from moetrace.errors import MoetraceError, TraceValidationError
+from moetrace.sizes import human_bytes  # noqa: F401  (re-exported for the command modules)
 
 F = TypeVar("F", bound=Callable)
 
@@ -63,13 +64,6 @@ def friendly_errors(fn: F) -> F:
 
     return wrapper  # type: ignore[return-value]
 
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def stderr_is_tty() -> bool:

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import polars as pl
 
+from moetrace.sizes import dir_bytes, human_bytes
 from moetrace.tracer.store import open_trace
-
-
-def dir_bytes(path: str | os.PathLike) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def trace_summary(path: str | os.PathLike, *, allow_incomplete: bool = False) -> str:
     """Model, backend, per-dataset request and token counts, and size on disk, as text."""
-    from moetrace.cli_common import human_bytes
-
     from moetrace.errors import TraceFormatError
 
     t = open_trace(path, require_complete=not allow_incomplete)
