@@ -12,7 +12,6 @@ Out of scope: routing statistics (those come from ``moetrace analyze`` results).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
