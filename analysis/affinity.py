@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from moetrace._deps import require
 from moetrace.analysis.counts import _ids_view, _iter_batches
-from moetrace.tracer.store import Trace, open_trace
+from moetrace.tracer.trace.reader import Trace, open_trace
 
 _KERNELS: dict[str, Callable] = {}
 

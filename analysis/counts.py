@@ -40,8 +40,8 @@ import pyarrow.parquet as pq
 
 from moetrace._deps import require
 from moetrace.errors import ConfigError, TraceFormatError
-from moetrace.tracer.schema import STAGE_DECODE, STAGE_PREFILL
-from moetrace.tracer.store import Trace, open_trace
+from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL
+from moetrace.tracer.trace.reader import Trace, open_trace
 
 STAGES = (STAGE_PREFILL, STAGE_DECODE)
 Stage = Literal["prefill", "decode"]
@@ -235,7 +235,7 @@ def count_trace(
     Parameters
     ----------
     trace
-        An opened :class:`~moetrace.tracer.store.Trace` or a trace directory.
+        An opened :class:`~moetrace.tracer.trace.writer.Trace` or a trace directory.
     stages
         Stages to count, in the order of axis S (``("prefill", "decode")`` by default; pass
         ``["decode"]`` to halve the memory).

@@ -21,7 +21,8 @@ import numpy as np
 import polars as pl
 
 from moetrace.errors import ConfigError, OutputExistsError
-from moetrace.tracer.store import open_trace, write_json_atomic
+from moetrace.atomic import write_json_atomic
+from moetrace.tracer.trace.reader import open_trace
 
 Analysis = Literal["imbalance", "correlation", "embedding", "classify", "affinity", "counts"]
 #: what runs when nothing is chosen (``counts``, the tidy table, is opt-in: it can be large)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from moetrace.tracer.datasets import load_prompts, render_prompt_ids
-from moetrace.tracer.hf import build_tiny_model, generate_batch, tiny_tokenizer
+from moetrace.tracer.backends.hf import build_tiny_model, generate_batch, tiny_tokenizer
 
 MODELS = ["deepseek-v3-tiny", "qwen3-30b-a3b-tiny", "mixtral-8x7b-tiny", "olmoe-1b-7b-tiny",
           "llama4-maverick-tiny", "gpt-oss-120b-tiny"]

@@ -36,7 +36,7 @@ def make_trace(
     layer, decode mixed 60:40 with a stage-specific profile). Top-k sets are an expert drawn from
     the popularity plus k-1 experts at a fixed stride (distinct by construction)."""
     from moetrace.tracer.presets import model_info_for
-    from moetrace.tracer.store import TraceWriter
+    from moetrace.tracer.trace.writer import TraceWriter
 
     info = model_info_for(model)
     L, K, E = info.num_moe_layers, info.top_k, info.num_experts
@@ -91,7 +91,7 @@ def polars_baseline(trace_path: Path):
     """The straightforward way: explode the expert lists and group_by."""
     import polars as pl
 
-    from moetrace.tracer.store import open_trace
+    from moetrace.tracer.trace.reader import open_trace
 
     t = open_trace(trace_path)
     X, K = t.model.ids_per_token, t.model.top_k
@@ -119,7 +119,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from moetrace.analysis.counts import count_trace
-    from moetrace.tracer.store import open_trace
+    from moetrace.tracer.trace.reader import open_trace
 
     path = args.trace or args.workdir / f"counts-{args.model}-{args.requests}"
     if not (path / "manifest.json").exists():

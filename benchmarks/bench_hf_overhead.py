@@ -15,7 +15,7 @@ import time
 import torch
 
 from moetrace.tracer.datasets import load_prompts, render_prompt_ids
-from moetrace.tracer.hf import build_tiny_model, generate_batch, tiny_tokenizer
+from moetrace.tracer.backends.hf import build_tiny_model, generate_batch, tiny_tokenizer
 
 
 def main() -> None:

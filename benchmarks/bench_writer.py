@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace.tracer.presets import model_info_for
-from moetrace.tracer.store import TraceWriter
+from moetrace.tracer.trace.writer import TraceWriter
 
 
 def _writer_run(root: Path, model, experts_TX, P, O, **kw) -> float:

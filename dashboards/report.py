@@ -48,7 +48,7 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
     from moetrace.dashboards.section_imbalance import imbalance_section
     from moetrace.dashboards.section_overview import overview_section
     from moetrace.dashboards.section_placement import placement_section
-    from moetrace.tracer.store import open_trace
+    from moetrace.tracer.trace.reader import open_trace
 
     traces = [i for i in inputs if i.kind == "trace"]
     analyses = [Results.from_input(i) for i in inputs if i.kind == "analysis"]

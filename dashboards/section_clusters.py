@@ -32,7 +32,7 @@ METHOD_NAMES = {"tsne": "t-SNE", "umap": "UMAP"}
 
 def _requests_of_trace(res: Results) -> pl.DataFrame | None:
     from moetrace.errors import TraceFormatError
-    from moetrace.tracer.store import open_trace
+    from moetrace.tracer.trace.reader import open_trace
 
     tp = res.trace_path
     if tp is None or not tp.is_dir():

@@ -19,7 +19,7 @@ import polars as pl
 
 from moetrace.dashboards.page import Figure, Section, Table
 from moetrace.dashboards.theme import category_colours, finish, plotly_go
-from moetrace.tracer.store import Trace
+from moetrace.tracer.trace.reader import Trace
 
 
 def trace_label(trace: Trace) -> str:

@@ -93,7 +93,7 @@ class TraceData:
 def load_trace_data(trace: str | os.PathLike, *, test_fraction: float, seed: int, allow_incomplete: bool = False) -> TraceData:
     """Count the trace and keep the held-out requests' decode tokens (streamed once more)."""
     from moetrace.analysis.counts import count_trace
-    from moetrace.tracer.store import open_trace
+    from moetrace.tracer.trace.reader import open_trace
 
     tr = open_trace(trace, require_complete=not allow_incomplete)
     counts = count_trace(tr, allow_incomplete=allow_incomplete)

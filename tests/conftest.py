@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moetrace.tracer.schema import ModelInfo
-from moetrace.tracer.store import TraceWriter
+from moetrace.tracer.trace.schema import ModelInfo
+from moetrace.tracer.trace.writer import TraceWriter
 
 SMALL = ModelInfo(
     name="small",

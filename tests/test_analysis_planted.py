@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrace.tracer.schema import ModelInfo
-from moetrace.tracer.store import TraceWriter, open_trace
-from moetrace.tracer.validate import find_problems
+from moetrace.tracer.trace.schema import ModelInfo
+from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.writer import TraceWriter
+from moetrace.tracer.trace.validate import find_problems
 
 
 def tiny_model(*, num_layers: int = 2, num_experts: int = 8, top_k: int = 2) -> ModelInfo:

@@ -18,8 +18,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from moetrace.cli import app  # noqa: E402
-from moetrace.tracer.store import open_trace  # noqa: E402
-from moetrace.tracer.validate import find_problems  # noqa: E402
+from moetrace.tracer.trace.reader import open_trace  # noqa: E402
+from moetrace.tracer.trace.validate import find_problems  # noqa: E402
 
 runner = CliRunner()
 FAST = ["--model", "olmoe-1b-7b-tiny", "--max-new-tokens", "6"]
@@ -103,7 +103,7 @@ def test_sigkill_then_resume_loses_nothing_and_duplicates_nothing(tmp_path):
 
 def test_collect_from_a_local_checkpoint_directory(tmp_path):
     """`--model PATH` loads config, weights and tokenizer through transformers' real loaders."""
-    from moetrace.tracer.hf import build_tiny_model, tiny_tokenizer
+    from moetrace.tracer.backends.hf import build_tiny_model, tiny_tokenizer
 
     model, _ = build_tiny_model("mixtral-8x7b-tiny", seed=3)
     ckpt = tmp_path / "ckpt"

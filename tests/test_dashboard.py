@@ -19,7 +19,7 @@ from moetrace.dashboards.inputs import detect
 from moetrace.dashboards.report import DashboardConfig, write_dashboard
 from moetrace.dashboards.theme import downsample, layer_slider
 from moetrace.errors import ConfigError, TraceFormatError
-from moetrace.tracer.store import open_trace
+from moetrace.tracer.trace.reader import open_trace
 
 pytest.importorskip("plotly")
 

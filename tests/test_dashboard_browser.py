@@ -91,7 +91,7 @@ def test_drawn_data_equals_result_files(loaded):
 
 
 def test_drawn_overview_data_equals_requests(loaded):
-    from moetrace.tracer.store import open_trace
+    from moetrace.tracer.trace.reader import open_trace
 
     _, page, _ = loaded
     (fig,) = [f for f in page.figures if f["key"] == "overview-lengths"]

@@ -232,7 +232,7 @@ def test_hub_path_goes_through_datasets_with_the_right_id_config_split(tmp_path,
 @pytest.fixture(scope="module")
 def tiny_tok():
     pytest.importorskip("transformers")
-    from moetrace.tracer.hf import tiny_tokenizer
+    from moetrace.tracer.backends.hf import tiny_tokenizer
 
     return tiny_tokenizer()
 

@@ -12,7 +12,7 @@ pytest.importorskip("sklearn")
 pytest.importorskip("plotly")
 
 from moetrace.cli import app  # noqa: E402
-from moetrace.tracer.validate import find_problems  # noqa: E402
+from moetrace.tracer.trace.validate import find_problems  # noqa: E402
 
 
 def test_demo_runs_the_whole_pipeline(tmp_path):

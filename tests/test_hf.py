@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from moetrace.tracer.hf import RoutingRecorder, _iter_routers, build_tiny_model, generate_batch, tiny_tokenizer  # noqa: E402
+from moetrace.tracer.backends.hf import RoutingRecorder, _iter_routers, build_tiny_model, generate_batch, tiny_tokenizer  # noqa: E402
 
 ARCHS = [
     "deepseek-v3-tiny",

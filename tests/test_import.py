@@ -13,8 +13,8 @@ from moetrace.cli import app
 from moetrace.errors import ModelError, TraceFormatError
 from moetrace.tracer.importers import import_trace, model_info_for_import, sglang_response_rows
 from moetrace.tracer.presets import model_info_for
-from moetrace.tracer.store import open_trace
-from moetrace.tracer.validate import find_problems
+from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.validate import find_problems
 
 MAV = model_info_for("llama4-maverick-tiny")  # 48 layers, MoE every 2nd (1, 3, ..., 47), 128 experts, top-1
 OLMOE = model_info_for("olmoe-1b-7b-tiny")  # 16 layers all MoE, 64 experts, top-8

@@ -14,8 +14,8 @@ from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.exports import export_placement, load_placement
-from moetrace.tracer.schema import ModelInfo
-from moetrace.tracer.store import TraceWriter
+from moetrace.tracer.trace.schema import ModelInfo
+from moetrace.tracer.trace.writer import TraceWriter
 
 pytest.importorskip("sklearn")
 pytest.importorskip("scipy")

@@ -25,7 +25,7 @@ def test_every_spec_preset_exists():
 @pytest.mark.parametrize("name", sorted(PUBLISHED_B))
 def test_full_config_has_the_published_size_and_topology(name):
     transformers = pytest.importorskip("transformers")
-    from moetrace.tracer.hf import count_parameters
+    from moetrace.tracer.backends.hf import count_parameters
 
     p, _ = get_preset(name)
     cfg = transformers.AutoConfig.for_model(p.model_type, **p.hf_config_dict(tiny=False))

@@ -9,9 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from moetrace.errors import OutputExistsError, TraceFormatError
-from moetrace.tracer.schema import ModelInfo, requests_schema, routing_schema
-from moetrace.tracer.store import TraceWriter, open_trace
-from moetrace.tracer.validate import find_problems
+from moetrace.tracer.trace.schema import ModelInfo, requests_schema, routing_schema
+from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.writer import TraceWriter
+from moetrace.tracer.trace.validate import find_problems
 from tests.conftest import SMALL, write_small_trace
 
 

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from moetrace.cli import app
 from moetrace.errors import ConfigError
 from moetrace.tracer.presets import model_info_for
-from moetrace.tracer.schema import ModelInfo
-from moetrace.tracer.store import open_trace
+from moetrace.tracer.trace.schema import ModelInfo
+from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.synth import (
     PAPER_DATASETS,
     SynthKnobs,
@@ -40,7 +40,7 @@ from moetrace.tracer.synth_stats import (
     prefill_decode_correlation,
     request_vectors,
 )
-from moetrace.tracer.validate import find_problems
+from moetrace.tracer.trace.validate import find_problems
 
 
 def small_model(*, L: int = 4, E: int = 32, K: int = 4) -> ModelInfo:

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
 from moetrace.cli import app
-from moetrace.tracer.validate import find_problems
+from moetrace.tracer.trace.validate import find_problems
 from tests.conftest import SMALL
 
 runner = CliRunner()

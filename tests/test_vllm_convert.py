@@ -16,9 +16,11 @@ import pytest
 
 from moetrace.errors import ConfigError, MissingDependencyError, ModelError
 from moetrace.tracer.presets import model_info_for
-from moetrace.tracer.store import TraceWriter, open_trace
-from moetrace.tracer.validate import find_problems
-from moetrace.tracer import vllm_backend as V
+from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.writer import TraceWriter
+from moetrace.tracer.trace.validate import find_problems
+from moetrace.tracer.backends import vllm as V
+from moetrace.tracer.backends import vllm_convert as VC
 
 DSV3 = model_info_for("deepseek-v3-tiny")  # 61 layers, MoE 3..60, 256 experts, top-8
 
@@ -51,7 +53,7 @@ def fake_output(rid: int, prompt: int, output: int, *, routed=None, prompt_route
 
 
 def convert(arr, prompt, output, info=DSV3):
-    return V.routed_experts_to_rows(arr, moe_layers=info.moe_layers, num_hidden_layers=info.num_hidden_layers,
+    return VC.routed_experts_to_rows(arr, moe_layers=info.moe_layers, num_hidden_layers=info.num_hidden_layers,
                                     num_experts=info.num_experts, prompt_tokens=prompt, output_tokens=output)
 
 
@@ -85,7 +87,7 @@ def test_v021_split_layout_with_prefix_cache_sentinel():
     full = vllm_full_layout(truth, dtype=np.int16)
     full[:4] = -1  # prefix-cache hits: nothing recorded for the first 4 prompt tokens
     out = fake_output(0, prompt, output, prompt_routed=full[:prompt], routed=full[prompt:])
-    arr = V.request_routed_experts(out)
+    arr = VC.request_routed_experts(out)
     rows = convert(arr, prompt, output)
     assert (rows[:4] == -1).all() and (rows[-1] == -1).all()
     np.testing.assert_array_equal(rows[4:-1].reshape(-1, 58, 8), truth[4:])
@@ -94,7 +96,7 @@ def test_v021_split_layout_with_prefix_cache_sentinel():
 def test_single_generated_token_has_only_prompt_rows():
     truth = planted(5)
     out = fake_output(0, 5, 1, routed=vllm_full_layout(truth))
-    c = V.convert_output(out, info=DSV3)
+    c = VC.convert_output(out, info=DSV3)
     assert (c.prompt_tokens, c.output_tokens) == (5, 1)
     np.testing.assert_array_equal(c.experts_TX[:5].reshape(5, 58, 8), truth)
     assert (c.experts_TX[5] == -1).all()

@@ -30,7 +30,7 @@ def tiny_moe_dir(tmp_path_factory):
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from moetrace.tracer.hf import tiny_tokenizer
+    from moetrace.tracer.backends.hf import tiny_tokenizer
 
     d = tmp_path_factory.mktemp("tiny-qwen3-moe")
     cfg = {
@@ -48,9 +48,9 @@ def tiny_moe_dir(tmp_path_factory):
 
 def test_vllm_engine_collects_a_valid_resumable_trace(tiny_moe_dir, tmp_path):
     from moetrace.tracer.collect import CollectConfig, collect
-    from moetrace.tracer.store import open_trace
-    from moetrace.tracer.validate import find_problems
-    from moetrace.tracer.vllm_backend import VllmEngineConfig
+    from moetrace.tracer.trace.reader import open_trace
+    from moetrace.tracer.trace.validate import find_problems
+    from moetrace.tracer.backends.vllm import VllmEngineConfig
 
     engine = VllmEngineConfig(load_format="dummy", enforce_eager=True, gpu_memory_utilization=0.3,
                               max_model_len=1024, commit_every=4)

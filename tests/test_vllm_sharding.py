@@ -10,22 +10,23 @@ import pytest
 
 from moetrace.errors import TraceFormatError
 from moetrace.tracer import sharding as S
-from moetrace.tracer.collect import CollectConfig
+from moetrace.tracer.trace import merge as M
+from moetrace.tracer.collect import CollectConfig, shard_prompts
 from moetrace.tracer.datasets import load_prompts
-from moetrace.tracer.store import open_trace
-from moetrace.tracer.validate import find_problems
+from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.validate import find_problems
 
 CONFIG = CollectConfig(model="olmoe-1b-7b-tiny", datasets=("bundled",), per_dataset=2, max_new_tokens=3, batch_size=4)
 
 
 def test_shards_partition_the_run_and_mix_datasets():
     prompts = load_prompts(["bundled"], per_dataset=3)
-    shards = [S.shard_prompts(prompts, shard=s, num_shards=4) for s in range(4)]
+    shards = [shard_prompts(prompts, shard=s, num_shards=4) for s in range(4)]
     ids = sorted(p.request_id for sh in shards for p in sh)
     assert ids == list(range(len(prompts)))
     assert len({p.dataset for p in shards[0]}) >= 3  # interleaved ids: each shard gets several datasets
     with pytest.raises(Exception, match="outside 0..3"):
-        S.shard_prompts(prompts, shard=4, num_shards=4)
+        shard_prompts(prompts, shard=4, num_shards=4)
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +40,10 @@ def sharded_trace(tmp_path_factory):
 
 def test_merge_refuses_a_missing_shard_then_merges_all(sharded_trace):
     with pytest.raises(TraceFormatError, match=r"shards \[1\] of 3 have no manifest"):
-        S.merge_shards(sharded_trace)
+        M.merge_shards(sharded_trace)
     stats = S.collect_shard(CONFIG, out=sharded_trace, shard=1, num_shards=3, backend="hf")
     assert stats.num_requests == 3  # ids 1, 4, 7 of 10
-    manifest = S.merge_shards(sharded_trace)
+    manifest = M.merge_shards(sharded_trace)
     assert manifest["complete"] is True and manifest["totals"]["num_requests"] == 10
     assert [s["shard"] for s in manifest["shards"]] == [0, 1, 2]
     assert "shard" not in manifest["collection"] and manifest["collection"]["num_shards"] == 3
@@ -70,21 +71,21 @@ def _shard_manifest(i: int, n: int, **over):
 
 def test_merge_manifests_checks_agreement():
     good = {i: _shard_manifest(i, 2) for i in range(2)}
-    merged = S.merge_manifests(good)
+    merged = M.merge_manifests(good)
     assert merged["totals"] == {"num_requests": 10, "num_tokens": 101} and merged["complete"]
     bad = copy.deepcopy(good)
     bad[1]["model"]["moe_layers"] = [0]
     bad[1]["collection"]["seed"] = 7
     with pytest.raises(TraceFormatError) as exc:
-        S.merge_manifests(bad)
+        M.merge_manifests(bad)
     assert "shard 1: model differs" in str(exc.value) and "shard 1: collection differs" in str(exc.value)
     unfinished = copy.deepcopy(good)
     unfinished[0]["complete"] = False
     with pytest.raises(TraceFormatError, match=r"shards \[0\] are not complete"):
-        S.merge_manifests(unfinished)
-    assert S.merge_manifests(unfinished, allow_incomplete=True)["complete"] is False
+        M.merge_manifests(unfinished)
+    assert M.merge_manifests(unfinished, allow_incomplete=True)["complete"] is False
     with pytest.raises(TraceFormatError, match="no shard manifests"):
-        S.merge_manifests({})
+        M.merge_manifests({})
 
 
 def test_clashing_request_ids_are_refused(tmp_path):
@@ -98,7 +99,7 @@ def test_clashing_request_ids_are_refused(tmp_path):
         pq.write_table(pa.table({"request_id": pa.array([3, 4 + i], pa.int64())}),
                        tmp_path / "requests" / f"shard00{i}-000000.parquet")
     with pytest.raises(TraceFormatError, match="written by two shards .e.g. 3 by shards 0 and 1"):
-        S.merge_shards(tmp_path)
+        M.merge_shards(tmp_path)
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ Picks the backend (HF transformers on CPU/GPU, vLLM on GPUs), loads the prompts 
 (request ids are stable across re-runs, so a resumed run skips exactly the committed requests),
 opens the one ``TraceWriter`` and finalizes the manifest.
 
-Out of scope: how a backend records routing (``hf``, ``vllm_backend``), prompt sources
+Out of scope: how a backend records routing (``backends.hf``, ``backends.vllm``), prompt sources
 (``datasets``), sharding over several engines (``sharding``).
 """
 
@@ -15,10 +15,11 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from moetrace.errors import ConfigError, ModelError
-from moetrace.tracer.store import OnExisting, TraceWriter, WriterStats
+from moetrace.tracer.trace.layout import shard_manifest_name, shard_prefix
+from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 
 Backend = Literal["auto", "hf", "vllm"]
 
@@ -66,6 +67,13 @@ class CollectResult:
     seconds: float
 
 
+def shard_prompts(prompts: Sequence[Any], *, shard: int, num_shards: int) -> list[Any]:
+    """The prompts of shard ``shard`` of ``num_shards``: every ``num_shards``-th, starting at ``shard``."""
+    if not 0 <= shard < num_shards:
+        raise ConfigError(f"shard {shard} is outside 0..{num_shards - 1}")
+    return list(prompts[shard::num_shards])
+
+
 def resolve_backend(backend: Backend, *, device: str) -> Literal["hf", "vllm"]:
     """``auto`` picks vLLM when it is importable and CUDA is present, else HF transformers."""
     if backend != "auto":
@@ -97,7 +105,7 @@ def collect(
 
     ``on_start(num_pending, num_total)`` is called once the prompts are known,
     ``on_progress(requests, tokens)`` after every committed batch. ``engine`` is the vLLM engine
-    configuration (``moetrace.tracer.vllm_backend.VllmEngineConfig``) for the vLLM backend.
+    configuration (``moetrace.tracer.backends.vllm.VllmEngineConfig``) for the vLLM backend.
     """
     from moetrace.tracer.datasets import load_prompts
 
@@ -114,21 +122,19 @@ def collect(
     collection = config.manifest_section()
     writer_kw: dict[str, Any] = {}
     if shard is not None:
-        from moetrace.tracer import sharding
-
         s, n = shard
         collection.update(shard=s, num_shards=n, num_requests_in_run=len(prompts))
-        prompts = sharding.shard_prompts(prompts, shard=s, num_shards=n)
-        writer_kw = {"part_prefix": sharding.shard_prefix(s), "manifest_name": sharding.shard_manifest_name(s)}
+        prompts = shard_prompts(prompts, shard=s, num_shards=n)
+        writer_kw = {"part_prefix": shard_prefix(s), "manifest_name": shard_manifest_name(s)}
     t0 = time.perf_counter()
     if chosen == "hf":
-        from moetrace.tracer import hf
+        from moetrace.tracer.backends import hf
 
         model, tokenizer, info = hf.load_model(config.model, seed=config.seed, device=config.device, dtype=config.dtype)
         backend_section = hf.backend_versions()
         backend_section["device"] = config.device
     else:
-        from moetrace.tracer import vllm_backend
+        from moetrace.tracer.backends import vllm as vllm_backend
 
         if engine is None:
             engine = vllm_backend.VllmEngineConfig()

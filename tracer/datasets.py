@@ -21,7 +21,7 @@ round robin (one prompt of each in turn), and request ids are 0..N-1 in that ord
 requests of a run, or of a partial run, cover every dataset.
 
 Out of scope: tokenizing for a particular backend beyond :func:`render_prompt_ids`, running the
-model (``hf``, ``vllm_backend``), writing traces (``store``).
+model (``backends``), writing traces (``trace.writer``).
 """
 
 from __future__ import annotations

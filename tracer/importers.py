@@ -23,7 +23,7 @@ Source formats:
 
 Shape legend: R requests, T tokens, L MoE layers, K top-k, X = L*K.
 
-Out of scope: collecting (``collect``, ``vllm_backend``), SGLang's other recorders (the
+Out of scope: collecting (``collect``, ``backends``), SGLang's other recorders (the
 ``per_token`` expert-distribution dumps carry physical ids and no request ids).
 """
 
@@ -39,9 +39,10 @@ from typing import Any, Iterator, Literal
 import numpy as np
 
 from moetrace.errors import ModelError, OutputExistsError, TraceFormatError
-from moetrace.tracer.schema import NO_EXPERT, ModelInfo
-from moetrace.tracer.store import MANIFEST, OnExisting, TraceWriter, WriterStats
-from moetrace.tracer.vllm_backend import routed_experts_to_rows
+from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
+from moetrace.tracer.trace.layout import MANIFEST
+from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
+from moetrace.tracer.backends.vllm_convert import routed_experts_to_rows
 
 SourceFormat = Literal["auto", "sglang", "tokens"]
 

@@ -17,7 +17,7 @@ from importlib import resources
 from typing import Any
 
 from moetrace.errors import ModelError
-from moetrace.tracer.schema import ModelInfo
+from moetrace.tracer.trace.schema import ModelInfo
 
 TINY_SUFFIX = "-tiny"
 #: tokenizer bundled for the tiny models (byte-level, see ``data/tokenizer``)

@@ -24,7 +24,7 @@ The generative model, per MoE layer ``l`` (all randomness derived from one seed)
 Requests are assigned to datasets round robin (``request_id % D``), generated in chunks of
 ``chunk_requests`` ids; chunk ``c`` uses ``SeedSequence(seed, spawn_key=(1, c))`` and the planted truth
 ``SeedSequence(seed, spawn_key=(0,))``, so the output is byte-identical whatever the number of worker
-processes. Chunks are written in request-id order through :class:`~moetrace.tracer.store.TraceWriter`.
+processes. Chunks are written in request-id order through :class:`~moetrace.tracer.trace.writer.TraceWriter`.
 
 Shape legend: R requests, T tokens, L MoE layers, K top-k, E experts, D datasets, F favourite experts
 per request and layer, M candidate draws per (token, layer), N alias tables (= D*2*L), X = L*K.
@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, NamedTuple
 import numpy as np
 
 from moetrace.errors import ConfigError, OutputExistsError
-from moetrace.tracer.schema import NO_EXPERT, ModelInfo
+from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
 TRUTH_FILE = "truth.npz"
 PAPER_DATASETS = ("gsm8k", "math", "mbpp", "humaneval", "lmsys-chat", "xsum", "tldr")
@@ -614,7 +614,7 @@ def synthesize(
     """
     import time
 
-    from moetrace.tracer.store import TraceWriter
+    from moetrace.tracer.trace.writer import TraceWriter
 
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")

@@ -50,7 +50,7 @@ def counts_from_chunks(chunks: Iterable[Chunk], *, num_datasets: int, L: int, K:
 
 def counts_from_trace(path: str | os.PathLike) -> tuple[np.ndarray, tuple[str, ...]]:
     """``(counts_DSLE, datasets)`` of any trace directory (streamed part by part)."""
-    from moetrace.tracer.store import open_trace
+    from moetrace.tracer.trace.reader import open_trace
 
     tr = open_trace(path)
     req = tr.requests().select("request_id", "dataset").collect()

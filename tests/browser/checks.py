@@ -101,7 +101,7 @@ def check_correlation(figs: dict[str, list[dict]], an: Path) -> list[str]:
 
 
 def check_clusters(figs: dict[str, list[dict]], an: Path, trace: Path) -> list[str]:
-    from moetrace.tracer.store import open_trace
+    from moetrace.tracer.trace.reader import open_trace
 
     emb = pl.read_parquet(an / "embedding.parquet")
     req = open_trace(trace).requests().collect()

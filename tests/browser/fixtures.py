@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from moetrace.tracer.presets import model_info_for
-from moetrace.tracer.store import TraceWriter
+from moetrace.tracer.trace.writer import TraceWriter
 
 
 def make_trace(
@@ -67,7 +67,7 @@ def make_trace(
 
 def small_model(*, num_layers: int = 4, num_experts: int = 8, top_k: int = 2):
     """A 4-layer, 8-expert, top-2 model: big enough for every figure, small enough for fast tests."""
-    from moetrace.tracer.schema import ModelInfo
+    from moetrace.tracer.trace.schema import ModelInfo
 
     return ModelInfo(
         name="dash-tiny",

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli_common import AllowIncomplete, OutDir, Seed, TraceArg, friendly_errors
+from moetrace.cli.common import AllowIncomplete, OutDir, Seed, TraceArg, friendly_errors
 
 
 def register(app: typer.Typer) -> None:

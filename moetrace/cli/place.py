@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli_common import AllowIncomplete, Seed, TraceArg, friendly_errors
+from moetrace.cli.common import AllowIncomplete, Seed, TraceArg, friendly_errors
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
 GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (NVLink domain).")]
@@ -86,7 +86,7 @@ def compare_cmd(
 
     Example: moetrace compare traces/dsv3 --config DP8TP8EP64 --strategies linear,eplb,data,improved -o results/
     """
-    from moetrace.cli_common import human_bytes
+    from moetrace.cli.common import human_bytes
     from moetrace.placement.compare import load_trace_data, run_compare, write_results
 
     cfg = _cfg(config, gpus_per_node, strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),

@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from moetrace.cli_common import ModelOpt, OutDir, Seed, friendly_errors, human_bytes
+from moetrace.cli.common import ModelOpt, OutDir, Seed, friendly_errors, human_bytes
 
 
 def register(app: typer.Typer) -> None:
@@ -138,7 +138,7 @@ def merge_shards_cmd(
 
     Example: moetrace merge-shards /shared/traces/dsv3
     """
-    from moetrace.tracer.sharding import merge_shards
+    from moetrace.tracer.trace.merge import merge_shards
 
     m = merge_shards(trace, allow_incomplete=allow_incomplete)
     state = "complete" if m["complete"] else "INCOMPLETE"
@@ -159,7 +159,7 @@ def _parse_shard(shard: str | None) -> tuple[int, int] | None:
 
 
 def _engine_config(**kw):
-    from moetrace.tracer.vllm_backend import VllmEngineConfig
+    from moetrace.tracer.backends.vllm import VllmEngineConfig
 
     return VllmEngineConfig(**kw)
 

@@ -7,7 +7,7 @@ import os
 import polars as pl
 
 from moetrace.sizes import dir_bytes, human_bytes
-from moetrace.tracer.store import open_trace
+from moetrace.tracer.trace.reader import open_trace
 
 
 def trace_summary(path: str | os.PathLike, *, allow_incomplete: bool = False) -> str:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli_common import TraceArg, friendly_errors
+from moetrace.cli.common import TraceArg, friendly_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -21,7 +21,7 @@ def validate_cmd(trace: TraceArg) -> None:
 
     Example: moetrace validate traces/dsv3-gsm8k
     """
-    from moetrace.tracer.validate import validate
+    from moetrace.tracer.trace.validate import validate
 
     validate(trace)
     typer.secho(f"{trace}: valid moetrace trace (format v1)", fg=typer.colors.GREEN)
@@ -36,7 +36,7 @@ def info_cmd(
 
     Example: moetrace info traces/dsv3-gsm8k
     """
-    from moetrace.tracer.summary import trace_summary
+    from moetrace.tracer.trace.summary import trace_summary
 
     typer.echo(trace_summary(trace, allow_incomplete=allow_incomplete))
 

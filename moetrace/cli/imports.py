@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli_common import OutDir, friendly_errors, human_bytes
+from moetrace.cli.common import OutDir, friendly_errors, human_bytes
 
 
 def register(app: typer.Typer) -> None:

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from moetrace.errors import TraceFormatError, TraceValidationError
-from moetrace.tracer.schema import (
+from moetrace.tracer.trace.schema import (
     NO_EXPERT,
     REQUIRED_REQUESTS,
     REQUIRED_ROUTING,
@@ -33,7 +33,7 @@ from moetrace.tracer.schema import (
     ModelInfo,
     check_manifest_header,
 )
-from moetrace.tracer.store import MANIFEST, REQUESTS_DIR, ROUTING_DIR, read_manifest
+from moetrace.tracer.trace.layout import MANIFEST, REQUESTS_DIR, ROUTING_DIR, read_manifest
 
 MAX_REPORTED = 200
 

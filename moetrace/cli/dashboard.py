@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli_common import Seed, friendly_errors, human_bytes
+from moetrace.cli.common import Seed, friendly_errors, human_bytes
 
 
 def register(app: typer.Typer) -> None:

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli_common import OutDir, Seed, err, friendly_errors
+from moetrace.cli.common import OutDir, Seed, err, friendly_errors
 
 SYNTH_DATASETS = "gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr"
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli_common import ModelOpt, OutDir, Seed, friendly_errors, human_bytes, stderr_is_tty
+from moetrace.cli.common import ModelOpt, OutDir, Seed, friendly_errors, human_bytes, stderr_is_tty
 from moetrace.errors import ConfigError
 
 

@@ -18,7 +18,7 @@ Shape legend: B batch, S padded sequence length, N = B*S router rows, T tokens o
 L MoE layers, K top-k, X = L*K.
 
 Out of scope: prompt loading (``datasets``), the run loop, resume and progress (``collect``),
-vLLM (``vllm_backend``).
+vLLM (``vllm``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 
 from moetrace._deps import require
 from moetrace.errors import ModelError
-from moetrace.tracer.schema import NO_EXPERT, ModelInfo
+from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

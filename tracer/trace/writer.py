@@ -1,4 +1,4 @@
-"""The trace store: one writer used by every backend, and the reader.
+"""The trace writer: the one crash-safe writer every producer (HF, vLLM, synth, import) uses.
 
 Crash safety. Rows are buffered and flushed as Parquet row groups into an open *part*, written under
 a temporary name (``.<name>.parquet.tmp``). ``commit()`` closes the part: the routing file is renamed
@@ -8,10 +8,10 @@ the two renames) is an orphan and is removed on resume. Readers only ever look a
 ``manifest.json`` is written (atomically) with ``complete: false`` at start and finalized by
 ``close()``.
 
-Shape legend: T tokens, R requests, L MoE layers, K top-k, X = L*K.
+Shape legend (docs/architecture.md): T tokens, R requests, L MoE layers, K top-k, X = L*K.
 
-Out of scope: what the rows mean (``schema``), checking a trace (``validate``), collecting them
-(``hf``, ``vllm``, ``synth``, ``importers``).
+Out of scope: what the rows mean (``schema``), file names (``layout``), reading (``reader``), checking
+(``validate``), producing the rows (``moetrace.tracer.backends``, ``synth``, ``importers``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, NamedTuple, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from moetrace.atomic import write_json_atomic
 from moetrace.errors import OutputExistsError, TraceFormatError
-from moetrace.tracer.schema import (
+from moetrace.tracer.trace.layout import MANIFEST, PART_RE, REQUESTS_DIR, ROUTING_DIR, part_name
+from moetrace.tracer.trace.schema import (
     STAGE_DECODE,
     STAGE_PREFILL,
     ModelInfo,
@@ -38,41 +40,7 @@ from moetrace.tracer.schema import (
     routing_schema,
 )
 
-MANIFEST = "manifest.json"
-ROUTING_DIR = "routing"
-REQUESTS_DIR = "requests"
-_PART_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+)-(?P<seq>\d{6})\.parquet$")
-
 OnExisting = Literal["refuse", "resume", "overwrite"]
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename (never half-written)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """Read ``manifest.json`` of the trace directory ``path``."""
-    mpath = Path(path) / MANIFEST
-    if Path(path).is_file():
-        raise TraceFormatError(f"{path} is a file; a trace is a directory (manifest.json, requests/, routing/)")
-    if not Path(path).is_dir():
-        raise TraceFormatError(f"{path}: no such trace directory")
-    if not mpath.exists():
-        raise TraceFormatError(f"{path}: no {MANIFEST}; not a moetrace trace directory")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{mpath}: not valid JSON ({exc})") from exc
-    if not isinstance(manifest, dict):
-        raise TraceFormatError(f"{mpath}: expected a JSON object")
-    return manifest
 
 
 @dataclass(frozen=True)
@@ -257,7 +225,7 @@ class TraceWriter:
                 f.unlink()
         committed = {f.name for f in (self.path / REQUESTS_DIR).glob("*.parquet")}
         for f in (self.path / ROUTING_DIR).glob("*.parquet"):
-            if f.name not in committed and _PART_RE.match(f.name) and _PART_RE.match(f.name)["prefix"] == self.part_prefix:
+            if f.name not in committed and PART_RE.match(f.name) and PART_RE.match(f.name)["prefix"] == self.part_prefix:
                 f.unlink()
 
     def _load_committed(self) -> None:
@@ -273,7 +241,7 @@ class TraceWriter:
             int(m["seq"])
             for sub in (ROUTING_DIR, REQUESTS_DIR)
             for f in (self.path / sub).glob("*.parquet")
-            if (m := _PART_RE.match(f.name)) and m["prefix"] == self.part_prefix
+            if (m := PART_RE.match(f.name)) and m["prefix"] == self.part_prefix
         ]
         return max(seqs) + 1 if seqs else 0
 
@@ -403,7 +371,7 @@ class TraceWriter:
             self.commit()
 
     def _open_part(self) -> None:
-        self._part_name = f"{self.part_prefix}-{self._next_seq:06d}.parquet"
+        self._part_name = part_name(self.part_prefix, self._next_seq)
         self._next_seq += 1
         tmp = self.path / ROUTING_DIR / f".{self._part_name}.tmp"
         self._pq = pq.ParquetWriter(
@@ -479,131 +447,3 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# ====================================================================== reading
-
-
-class TokenArrays(NamedTuple):
-    """Routing rows as numpy arrays (the fast path).
-
-    request_id_T int64, position_T int32, is_decode_T bool, topk_ids_TLK int16 (-1: not recorded).
-    """
-
-    request_id_T: np.ndarray
-    position_T: np.ndarray
-    is_decode_T: np.ndarray
-    topk_ids_TLK: np.ndarray
-
-
-class Trace:
-    """A trace directory opened for reading. Use :func:`open_trace`."""
-
-    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
-        self.path = path
-        self.manifest = manifest
-        self.model = ModelInfo.from_dict(manifest.get("model"))
-
-    def __repr__(self) -> str:
-        return f"Trace({str(self.path)!r}, model={self.model.name!r}, complete={self.manifest.get('complete')})"
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.manifest.get("complete"))
-
-    def part_names(self) -> list[str]:
-        """Committed parts (a requests file exists), in name order."""
-        return sorted(f.name for f in (self.path / REQUESTS_DIR).glob("*.parquet"))
-
-    def routing_files(self) -> list[Path]:
-        return [self.path / ROUTING_DIR / n for n in self.part_names()]
-
-    def requests_files(self) -> list[Path]:
-        return [self.path / REQUESTS_DIR / n for n in self.part_names()]
-
-    def requests(self) -> "pl.LazyFrame":  # noqa: F821
-        """One row per request: ``request_id, dataset, prompt_tokens, output_tokens`` (+ extras)."""
-        import polars as pl
-
-        files = self.requests_files()
-        if not files:
-            return pl.LazyFrame(schema=pl.Schema(pl.from_arrow(requests_schema(with_text=False).empty_table()).schema))
-        return pl.scan_parquet(files)
-
-    def routing(self) -> "pl.LazyFrame":  # noqa: F821
-        """One row per token: ``request_id, position, stage, experts`` (``Array[i16, L*K]``)."""
-        import polars as pl
-
-        files = self.routing_files()
-        if not files:
-            empty = routing_schema(self.model.ids_per_token, with_weights=False).empty_table()
-            return pl.from_arrow(empty).lazy()
-        return pl.scan_parquet(files)
-
-    def iter_token_arrays(self, *, batch_tokens: int = 1 << 20) -> Iterator[TokenArrays]:
-        """Stream routing rows as numpy arrays, part by part, row group by row group (bounded memory)."""
-        L, K = self.model.num_moe_layers, self.model.top_k
-        for f in self.routing_files():
-            try:
-                pf = pq.ParquetFile(f)
-                batches = pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "stage", "experts"])
-                for rb in batches:
-                    yield _batch_to_arrays(rb, L, K)
-            except (pa.ArrowException, OSError, KeyError) as exc:
-                raise TraceFormatError(
-                    f"{f}: cannot read this routing part ({exc}); run `moetrace validate {self.path}` for details"
-                ) from exc
-
-    def token_arrays(self) -> TokenArrays:
-        """All routing rows as numpy arrays ``[T, L, K]`` (loads the whole trace into memory)."""
-        parts = list(self.iter_token_arrays())
-        if not parts:
-            L, K = self.model.num_moe_layers, self.model.top_k
-            return TokenArrays(
-                np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, bool), np.zeros((0, L, K), np.int16)
-            )
-        return TokenArrays(*(np.concatenate(cols) for cols in zip(*parts)))
-
-
-def _batch_to_arrays(rb: pa.RecordBatch, L: int, K: int) -> TokenArrays:
-    experts = rb.column("experts")
-    flat = experts.values.to_numpy(zero_copy_only=False)
-    if experts.offset:
-        flat = flat[experts.offset * L * K :]
-    stage = rb.column("stage")
-    if pa.types.is_dictionary(stage.type):
-        stage = stage.cast(pa.string())
-    import pyarrow.compute as pc
-
-    is_decode = pc.equal(stage, STAGE_DECODE).to_numpy(zero_copy_only=False)
-    return TokenArrays(
-        rb.column("request_id").to_numpy(),
-        rb.column("position").to_numpy(),
-        is_decode,
-        flat[: rb.num_rows * L * K].reshape(rb.num_rows, L, K),
-    )
-
-
-def open_trace(path: str | os.PathLike, *, require_complete: bool = True) -> Trace:
-    """Open the trace directory ``path`` for reading.
-
-    Raises ``TraceFormatError`` if it is not a format-v1 trace, or (with ``require_complete``) if its
-    collection has not finished; ``moetrace collect --resume`` completes it.
-    """
-    p = Path(path)
-    manifest = read_manifest(p)
-    check_manifest_header(manifest, where=str(p / MANIFEST))
-    if require_complete and not manifest.get("complete"):
-        raise TraceFormatError(
-            f"{p}: the trace is incomplete (manifest `complete: false`): its collection was interrupted or is "
-            "still running. Resume it by re-running the same command with --resume, or pass "
-            "--allow-incomplete to read the committed part."
-        )
-    missing = [f"{ROUTING_DIR}/{f.name}" for f in sorted((p / REQUESTS_DIR).glob("*.parquet"))
-               if not (p / ROUTING_DIR / f.name).is_file()]
-    if missing:
-        raise TraceFormatError(
-            f"{p}: committed part(s) without their routing file: {missing[:3]}; the trace is damaged "
-            f"(run `moetrace validate {p}`)"
-        )
-    return Trace(p, manifest)

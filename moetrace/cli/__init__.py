@@ -1,6 +1,6 @@
 """The ``moetrace`` command line: a thin typer layer over the library.
 
-Commands live in ``cli_*.py`` modules, each with ``register(app)``. Importing this module imports
+Commands live in the modules of this package (one per command family), each with ``register(app)``. Importing this module imports
 no heavy dependency, so ``moetrace --help`` works on a bare install.
 """
 
@@ -26,14 +26,14 @@ app = typer.Typer(
 )
 
 _COMMAND_MODULES = (
-    "moetrace.cli_collect",
-    "moetrace.cli_trace",
-    "moetrace.cli_synth",
-    "moetrace.cli_import",
-    "moetrace.cli_analyze",
-    "moetrace.cli_place",
-    "moetrace.cli_dashboard",
-    "moetrace.cli_demo",
+    "moetrace.cli.collect",
+    "moetrace.cli.trace",
+    "moetrace.cli.synth",
+    "moetrace.cli.imports",
+    "moetrace.cli.analyze",
+    "moetrace.cli.place",
+    "moetrace.cli.dashboard",
+    "moetrace.cli.demo",
 )
 
 

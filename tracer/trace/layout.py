@@ -1,0 +1,65 @@
+"""Where the parts of a trace directory live (trace format v1), and reading its manifest.
+
+A trace directory::
+
+    manifest.json                 the manifest (SPEC §2); ``complete: true`` once finished
+    requests/<prefix>-NNNNNN.parquet   one row per request of a committed part
+    routing/<prefix>-NNNNNN.parquet    one row per token of the same part
+    manifests/shard-SSS.json      only in sharded collections: one manifest per shard
+
+A part is committed when its requests file exists under its final name; temporary files start with
+a dot and end in ``.tmp``. These names are owned here; writer, reader, validator and merge use them.
+
+Out of scope: the columns (``schema``), writing (``writer``), reading rows (``reader``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from moetrace.errors import TraceFormatError
+
+MANIFEST = "manifest.json"
+ROUTING_DIR = "routing"
+REQUESTS_DIR = "requests"
+MANIFESTS_DIR = "manifests"
+#: a committed part's file name: ``<prefix>-<6-digit sequence>.parquet``
+PART_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+)-(?P<seq>\d{6})\.parquet$")
+SHARD_MANIFEST_RE = re.compile(r"^shard-(\d{3,})\.json$")
+
+
+def part_name(prefix: str, seq: int) -> str:
+    """File name of part ``seq`` of writer ``prefix`` (same name under ``routing/`` and ``requests/``)."""
+    return f"{prefix}-{seq:06d}.parquet"
+
+
+def shard_prefix(shard: int) -> str:
+    """Part-file prefix of shard ``shard`` (``shard003``)."""
+    return f"shard{shard:03d}"
+
+
+def shard_manifest_name(shard: int) -> str:
+    """Manifest path of shard ``shard`` inside the trace directory (``manifests/shard-003.json``)."""
+    return f"{MANIFESTS_DIR}/shard-{shard:03d}.json"
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """Read ``manifest.json`` of the trace directory ``path``."""
+    mpath = Path(path) / MANIFEST
+    if Path(path).is_file():
+        raise TraceFormatError(f"{path} is a file; a trace is a directory (manifest.json, requests/, routing/)")
+    if not Path(path).is_dir():
+        raise TraceFormatError(f"{path}: no such trace directory")
+    if not mpath.exists():
+        raise TraceFormatError(f"{path}: no {MANIFEST}; not a moetrace trace directory")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{mpath}: not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise TraceFormatError(f"{mpath}: expected a JSON object")
+    return manifest
