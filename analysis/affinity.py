@@ -44,10 +44,10 @@ def _kernel() -> Callable:
     numba = require("numba", purpose="the token-level pair-count kernel of `moetrace analyze`")
 
     @numba.njit(parallel=True, cache=True, nogil=True)
-    def pair_kernel(ids_TX, keep_T, top_k, cross_LEE, co_LEE, single_LE, tokens_L, num_chunks):
-        # ids_TX int16 [T, L*K]; keep_T bool [T]; cross_LEE int64 [L-1, E, E]; co_LEE int64 [L, E, E];
+    def pair_kernel(topk_ids_TX, keep_T, top_k, cross_LEE, co_LEE, single_LE, tokens_L, num_chunks):
+        # topk_ids_TX int16 [T, L*K]; keep_T bool [T]; cross_LEE int64 [L-1, E, E]; co_LEE int64 [L, E, E];
         # single_LE int64 [L, E]; tokens_L int64 [L]. Each thread owns a contiguous chunk of layers.
-        T = ids_TX.shape[0]
+        T = topk_ids_TX.shape[0]
         L = co_LEE.shape[0]
         E = co_LEE.shape[1]
         for c in numba.prange(num_chunks):
@@ -60,19 +60,19 @@ def _kernel() -> Callable:
                     base = l * top_k
                     routed = False
                     for i in range(top_k):
-                        a = ids_TX[t, base + i]
+                        a = topk_ids_TX[t, base + i]
                         if a < 0 or a >= E:
                             continue
                         routed = True
                         single_LE[l, a] += 1
                         for j in range(i + 1, top_k):
-                            b = ids_TX[t, base + j]
+                            b = topk_ids_TX[t, base + j]
                             if b >= 0 and b < E and b != a:
                                 co_LEE[l, a, b] += 1
                                 co_LEE[l, b, a] += 1
                         if l + 1 < L:
                             for j in range(top_k):
-                                b = ids_TX[t, base + top_k + j]
+                                b = topk_ids_TX[t, base + top_k + j]
                                 if b >= 0 and b < E:
                                     cross_LEE[l, a, b] += 1
                     if routed:
@@ -95,19 +95,19 @@ class PairCounts:
     model_layers: tuple[int, ...]  # model layer index of each MoE layer
 
 
-def pair_counts_arrays(ids_TLK: np.ndarray, *, num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The pure array form: (cross_LEE, co_LEE, single_LE, tokens_L) of every token of ``ids_TLK`` (int16 ``[T, L, K]``)."""
-    T, L, K = ids_TLK.shape
+def pair_counts_arrays(topk_ids_TLK: np.ndarray, *, num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The pure array form: (cross_LEE, co_LEE, single_LE, tokens_L) of every token of ``topk_ids_TLK`` (int16 ``[T, L, K]``)."""
+    T, L, K = topk_ids_TLK.shape
     E = int(num_experts)
     out = (np.zeros((max(L - 1, 0), E, E), np.int64), np.zeros((L, E, E), np.int64), np.zeros((L, E), np.int64), np.zeros(L, np.int64))
-    _run(np.ascontiguousarray(ids_TLK.reshape(T, L * K), dtype=np.int16), np.ones(T, bool), K, *out)
+    _run(np.ascontiguousarray(topk_ids_TLK.reshape(T, L * K), dtype=np.int16), np.ones(T, bool), K, *out)
     return out
 
 
-def _run(ids_TX, keep_T, K, cross, co, single, tokens) -> None:
+def _run(topk_ids_TX, keep_T, K, cross, co, single, tokens) -> None:
     numba = require("numba", purpose="the token-level pair-count kernel")
     L = co.shape[0]
-    _kernel()(ids_TX, keep_T, K, cross, co, single, tokens, max(1, min(L, numba.get_num_threads())))
+    _kernel()(topk_ids_TX, keep_T, K, cross, co, single, tokens, max(1, min(L, numba.get_num_threads())))
 
 
 def pair_counts(

@@ -94,13 +94,13 @@ def _kernel() -> Callable:
     numba = require("numba", purpose="the fast expert-count kernel of `moetrace analyze`")
 
     @numba.njit(parallel=True, cache=True, nogil=True)
-    def count_kernel(counts_RSLE, row_T, stage_T, ids_TX, layers_L, top_k, num_chunks):
+    def count_kernel(counts_RSLE, row_T, stage_T, topk_ids_TX, layers_L, top_k, num_chunks):
         # counts_RSLE: unsigned [R, S, L_sel, E]; row_T: int64 row of each token (-1: skip token);
-        # stage_T: int8 index into axis S (-1: stage not selected); ids_TX: int16 [T, L_all*K];
+        # stage_T: int8 index into axis S (-1: stage not selected); topk_ids_TX: int16 [T, L_all*K];
         # layers_L: int64 MoE-layer ordinal of each selected layer. Each thread owns a contiguous
         # chunk of the selected layers (no two threads write one cell) and streams the tokens in
         # order, reading its part of each row. Returns the number of bad ids (>= E) and overflows.
-        T = ids_TX.shape[0]
+        T = topk_ids_TX.shape[0]
         E = counts_RSLE.shape[3]
         n_sel = layers_L.shape[0]
         bad_C = np.zeros(num_chunks, dtype=np.int64)
@@ -116,7 +116,7 @@ def _kernel() -> Callable:
                 for j in range(lo, hi):
                     base = layers_L[j] * top_k
                     for k in range(top_k):
-                        e = ids_TX[t, base + k]
+                        e = topk_ids_TX[t, base + k]
                         if e >= 0:
                             if e < E:
                                 counts_RSLE[r, s, j, e] += 1
@@ -136,14 +136,14 @@ def count_arrays(
     *,
     row_T: np.ndarray,
     stage_T: np.ndarray,
-    ids_TX: np.ndarray,
+    topk_ids_TX: np.ndarray,
     layers_L: np.ndarray,
     top_k: int,
 ) -> None:
     """Add one batch of tokens to ``counts_RSLE`` in place (the pure array form of the aggregation).
 
     counts_RSLE: uint8/16/32 ``[R, S, L_sel, E]``; row_T: int64 ``[T]`` row of each token in R (-1
-    skips the token); stage_T: int8 ``[T]`` index into axis S (-1 skips); ids_TX: int16 ``[T, L*K]``
+    skips the token); stage_T: int8 ``[T]`` index into axis S (-1 skips); topk_ids_TX: int16 ``[T, L*K]``
     row-major ``[layer][slot]`` (-1 ids skipped); layers_L: int64 ``[L_sel]`` MoE-layer ordinals to
     count, in the order of axis L. Raises ``TraceFormatError`` on an id >= E or a count overflow
     (an expert repeated within one token's top-k).
@@ -152,7 +152,7 @@ def count_arrays(
         counts_RSLE,
         np.ascontiguousarray(row_T, dtype=np.int64),
         np.ascontiguousarray(stage_T, dtype=np.int8),
-        np.ascontiguousarray(ids_TX, dtype=np.int16),
+        np.ascontiguousarray(topk_ids_TX, dtype=np.int16),
         np.ascontiguousarray(layers_L, dtype=np.int64),
         int(top_k),
         max(1, min(len(layers_L), _num_threads())),
@@ -297,7 +297,7 @@ def count_trace(
             counts,
             row_T=row_T,
             stage_T=stage_of[is_decode_T.view(np.int8)],
-            ids_TX=_ids_view(rb, L * K),
+            topk_ids_TX=_ids_view(rb, L * K),
             layers_L=layers_arr,
             top_k=K,
         )

@@ -75,14 +75,14 @@ def make_trace(
                         continue
                     for l in range(L):
                         first_TL[m, l] = np.searchsorted(cdf_DSLE[d, s, l], u_TL[m, l])
-            ids_TLK = (np.minimum(first_TL, E - 1)[:, :, None] + offs_K) % E
-            ids_TLK[np.cumsum(lens) - 1] = -1  # the final generated token is never routed
+            topk_ids_TLK = (np.minimum(first_TL, E - 1)[:, :, None] + offs_K) % E
+            topk_ids_TLK[np.cumsum(lens) - 1] = -1  # the final generated token is never routed
             w.add_requests(
                 request_id_R=np.arange(lo, lo + R, dtype=np.int64),
                 dataset_R=[datasets[i] for i in d_R],
                 prompt_tokens_R=ptok,
                 output_tokens_R=otok,
-                experts_TX=ids_TLK.reshape(T, L * K).astype(np.int16),
+                topk_ids_TX=topk_ids_TLK.reshape(T, L * K).astype(np.int16),
             )
     return path
 

@@ -62,7 +62,7 @@ def _references(seconds: float = 4.0) -> dict:
     sampler = _make_sampler(model, plan, truth)
     t0, ids, c = time.process_time(), 0, 0
     while time.process_time() - t0 < seconds:
-        ids += generate_chunk(sampler, c).experts_TX.size
+        ids += generate_chunk(sampler, c).topk_ids_TX.size
         c += 1
     ours = ids / (time.process_time() - t0)
 

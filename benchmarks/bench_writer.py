@@ -23,7 +23,7 @@ from moetrace.tracer.presets import model_info_for
 from moetrace.tracer.trace.writer import TraceWriter
 
 
-def _writer_run(root: Path, model, experts_TX, P, O, **kw) -> float:
+def _writer_run(root: Path, model, topk_ids_TX, P, O, **kw) -> float:
     out = root / "w"
     shutil.rmtree(out, ignore_errors=True)
     R = len(P)
@@ -35,7 +35,7 @@ def _writer_run(root: Path, model, experts_TX, P, O, **kw) -> float:
             e = min(s + step, R)
             w.add_requests(
                 request_id_R=np.arange(s, e), dataset_R=["gsm8k"] * (e - s), prompt_tokens_R=P[s:e],
-                output_tokens_R=O[s:e], experts_TX=experts_TX[offsets[s]:offsets[e]],
+                output_tokens_R=O[s:e], topk_ids_TX=topk_ids_TX[offsets[s]:offsets[e]],
             )
     return time.perf_counter() - t0
 
@@ -55,21 +55,21 @@ def main() -> None:
     experts = np.empty((T, model.num_moe_layers, model.top_k), np.int16)
     for l in range(model.num_moe_layers):
         experts[:, l, :] = rng.choice(model.num_experts, size=(T, model.top_k), p=pop[l])
-    experts_TX = experts.reshape(T, -1)
+    topk_ids_TX = experts.reshape(T, -1)
     root = Path(tempfile.mkdtemp(prefix="bench_writer_"))
     res: dict[str, list[float]] = {"moetrace (dict+lz4, default)": [], "moetrace (dict, no compression)": [], "pyarrow ceiling (plain, bare column)": []}
-    flat = pa.FixedSizeListArray.from_arrays(pa.array(experts_TX.reshape(-1)), experts_TX.shape[1])
+    flat = pa.FixedSizeListArray.from_arrays(pa.array(topk_ids_TX.reshape(-1)), topk_ids_TX.shape[1])
     for _ in range(args.reps):
-        res["moetrace (dict+lz4, default)"].append(_writer_run(root, model, experts_TX, P, O))
-        res["moetrace (dict, no compression)"].append(_writer_run(root, model, experts_TX, P, O, compression="none"))
+        res["moetrace (dict+lz4, default)"].append(_writer_run(root, model, topk_ids_TX, P, O))
+        res["moetrace (dict, no compression)"].append(_writer_run(root, model, topk_ids_TX, P, O, compression="none"))
         t0 = time.perf_counter()
         pq.write_table(pa.table({"experts": flat}), root / "bare.parquet", compression=None, use_dictionary=False, write_statistics=False)
         res["pyarrow ceiling (plain, bare column)"].append(time.perf_counter() - t0)
     size = sum(f.stat().st_size for f in (root / "w").rglob("*.parquet"))
-    print(f"{T:,} tokens x {experts_TX.shape[1]} ids (DeepSeek-V3 shape), best of {args.reps}")
+    print(f"{T:,} tokens x {topk_ids_TX.shape[1]} ids (DeepSeek-V3 shape), best of {args.reps}")
     for name, times in res.items():
         best = min(times)
-        print(f"  {name:<40} {T / best / 1e6:6.3f} M tokens/s   {T * experts_TX.shape[1] / best / 1e6:7.1f} M ids/s")
+        print(f"  {name:<40} {T / best / 1e6:6.3f} M tokens/s   {T * topk_ids_TX.shape[1] / best / 1e6:7.1f} M ids/s")
     print(f"  bytes per token on disk (no-compression run): {size / T:.0f}")
     shutil.rmtree(root)
 

@@ -86,7 +86,7 @@ class TraceData:
     prefill_RLE: np.ndarray  # float32 [R, L, E] prefill token counts
     decode_RLE: np.ndarray  # float32 [R, L, E] decode token counts
     is_test_R: np.ndarray  # bool [R] held out from placement
-    test_ids_NLK: np.ndarray  # int16 [N, L, K] decode tokens of test requests with at least one recorded id
+    test_topk_ids_TLK: np.ndarray  # int16 [N, L, K] decode tokens of test requests with at least one recorded id
     test_req_N: np.ndarray  # int64 [N] row (0..R-1) of each test token's request
 
 
@@ -120,7 +120,7 @@ def load_trace_data(trace: str | os.PathLike, *, test_fraction: float, seed: int
     return TraceData(
         model=tr.model, trace_path=str(trace),
         prefill_RLE=counts.stage("prefill").astype(np.float32), decode_RLE=counts.stage("decode").astype(np.float32),
-        is_test_R=is_test, test_ids_NLK=ids[order], test_req_N=req[order],
+        is_test_R=is_test, test_topk_ids_TLK=ids[order], test_req_N=req[order],
     )
 
 
@@ -277,7 +277,7 @@ def run_compare(data: TraceData, cfg: CompareConfig) -> CompareResult:
         rows, batch, src, empty = _batches(data, cfg, placed[s].group_of_test_R)
         placed[s].extra["groups_without_routed_requests"] = empty
         metrics[s] = simulate_volume(
-            data.test_ids_NLK[rows], placement=placed[s].placement, batch_N=batch, src_rank_N=src,
+            data.test_topk_ids_TLK[rows], placement=placed[s].placement, batch_N=batch, src_rank_N=src,
             num_batches=cfg.num_batches, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node,
             bytes_per_token=m.hidden_size * cfg.bytes_per_value, dedup=cfg.dedup, policy=cfg.replica_policy,
         )

@@ -48,7 +48,7 @@ METRICS = (
 
 
 def simulate_volume(
-    topk_ids_NLK: np.ndarray,
+    topk_ids_TLK: np.ndarray,
     *,
     placement: Placement,
     batch_N: np.ndarray,
@@ -62,10 +62,10 @@ def simulate_volume(
 ) -> dict[str, np.ndarray]:
     """Traffic of every (batch, layer); each metric float64 [B, L] (bytes, tokens or experts).
 
-    ``topk_ids_NLK``: int [N, L, K] logical expert ids (-1 ignored); ``batch_N``: batch of each token
+    ``topk_ids_TLK``: int [N, L, K] logical expert ids (-1 ignored); ``batch_N``: batch of each token
     (0..B-1); ``src_rank_N``: GPU (EP rank) the token leaves from.
     """
-    ids = np.asarray(topk_ids_NLK)
+    ids = np.asarray(topk_ids_TLK)
     N, L, K = ids.shape
     B, R = num_batches, num_ranks
     P = placement.phy2log.shape[1]

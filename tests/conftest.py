@@ -31,7 +31,7 @@ def write_small_trace(path, *, num_requests: int = 6, seed: int = 0, model: Mode
                 [np.stack([rng.choice(model.num_experts, model.top_k, replace=False) for _ in range(model.num_moe_layers)]) for _ in range(P + O)]
             )
             ex[-1] = -1
-            w.add_request(request_id=r, dataset=["a", "b"][r % 2], prompt_tokens=P, experts_TX=ex)
+            w.add_request(request_id=r, dataset=["a", "b"][r % 2], prompt_tokens=P, topk_ids_TX=ex)
     return path
 
 

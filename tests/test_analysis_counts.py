@@ -13,12 +13,12 @@ from moetrace.errors import ConfigError, TraceFormatError
 from test_analysis_planted import stage_mask, tiny_model, write_trace
 
 
-def reference_counts(rows_T, dec_T, ids_TLK, R, E):
+def reference_counts(rows_T, dec_T, topk_ids_TLK, R, E):
     """Obvious numpy: one np.add.at per (token, layer, slot) id, -1 skipped."""
-    T, L, K = ids_TLK.shape
+    T, L, K = topk_ids_TLK.shape
     out = np.zeros((R, 2, L, E), np.int64)
-    t, l, k = np.nonzero(ids_TLK >= 0)
-    np.add.at(out, (rows_T[t], dec_T[t].astype(int), l, ids_TLK[t, l, k]), 1)
+    t, l, k = np.nonzero(topk_ids_TLK >= 0)
+    np.add.at(out, (rows_T[t], dec_T[t].astype(int), l, topk_ids_TLK[t, l, k]), 1)
     return out
 
 
@@ -36,7 +36,7 @@ def random_trace(tmp_path, *, R=13, L=3, E=7, K=2, seed=0, holes=0.1):
         dataset_R=[f"d{i % 3}" for i in range(R)],
         prompt_tokens_R=ptok,
         output_tokens_R=otok,
-        ids_TLK=ids,
+        topk_ids_TLK=ids,
         request_id_R=rids,
     )
     order = np.argsort(rids)
@@ -75,7 +75,7 @@ def test_dtype_grows_with_request_length(tmp_path):
     ids = np.zeros((T, 1, 1), np.int16)  # every token on expert 0: count = stage length
     path = write_trace(
         tmp_path / "t", model=tiny_model(num_layers=1, num_experts=2, top_k=1), dataset_R=["a"],
-        prompt_tokens_R=np.array([T - 1]), output_tokens_R=np.array([1]), ids_TLK=ids,
+        prompt_tokens_R=np.array([T - 1]), output_tokens_R=np.array([1]), topk_ids_TLK=ids,
     )
     res = count_trace(path)
     assert res.counts_RSLE.dtype == np.uint16
@@ -87,7 +87,7 @@ def test_repeated_id_within_a_token_is_reported(tmp_path):
     ids = np.zeros((256, 1, 2), np.int16)  # 255 prefill tokens -> uint8; 2 per token -> 510 wraps
     path = write_trace(
         tmp_path / "t", model=tiny_model(num_layers=1, num_experts=2, top_k=2), dataset_R=["a"],
-        prompt_tokens_R=np.array([255]), output_tokens_R=np.array([1]), ids_TLK=ids,
+        prompt_tokens_R=np.array([255]), output_tokens_R=np.array([1]), topk_ids_TLK=ids,
     )
     with pytest.raises(TraceFormatError, match="moetrace validate"):
         count_trace(path)
@@ -123,14 +123,14 @@ def test_count_arrays_equals_reference(T, L, K, R, seed):
     rows = rng.integers(0, R, size=T)
     dec = rng.random(T) < 0.5
     counts = np.zeros((R, 2, L, E), np.uint16)
-    count_arrays(counts, row_T=rows, stage_T=dec.astype(np.int8), ids_TX=ids.reshape(T, L * K), layers_L=np.arange(L), top_k=K)
+    count_arrays(counts, row_T=rows, stage_T=dec.astype(np.int8), topk_ids_TX=ids.reshape(T, L * K), layers_L=np.arange(L), top_k=K)
     np.testing.assert_array_equal(counts, reference_counts(rows, dec, ids, R, E))
 
 
 def test_id_out_of_range_is_an_error():
     counts = np.zeros((1, 1, 1, 4), np.uint8)
     with pytest.raises(TraceFormatError, match="num_experts=4"):
-        count_arrays(counts, row_T=np.zeros(1), stage_T=np.zeros(1), ids_TX=np.array([[5]]), layers_L=np.array([0]), top_k=1)
+        count_arrays(counts, row_T=np.zeros(1), stage_T=np.zeros(1), topk_ids_TX=np.array([[5]]), layers_L=np.array([0]), top_k=1)
 
 
 def test_corrupt_part_is_a_clean_error(tmp_path):

@@ -35,7 +35,7 @@ def skew_counts(tmp_path_factory):
     ids[pos == P + O - 1] = -1
     path = write_trace(
         tmp_path_factory.mktemp("skew") / "t", model=tiny_model(num_layers=2, num_experts=E, top_k=1),
-        dataset_R=["a"] * 10 + ["b"] * 10, prompt_tokens_R=np.full(R, P), output_tokens_R=np.full(R, O), ids_TLK=ids,
+        dataset_R=["a"] * 10 + ["b"] * 10, prompt_tokens_R=np.full(R, P), output_tokens_R=np.full(R, O), topk_ids_TLK=ids,
     )
     return count_trace(path)
 
@@ -126,7 +126,7 @@ def test_recall_at_k_exact_on_planted_hot_sets(tmp_path):
         req_T = np.repeat(np.arange(R), P + O)
         ids = np.where(is_dec[:, None] & (not keep), dec[req_T], hot[req_T])[:, None, :].astype(np.int16)
         path = write_trace(tmp_path / f"r{keep}", model=tiny_model(num_layers=1, num_experts=E, top_k=K),
-                           dataset_R=["x"] * R, prompt_tokens_R=np.full(R, P), output_tokens_R=np.full(R, O), ids_TLK=ids)
+                           dataset_R=["x"] * R, prompt_tokens_R=np.full(R, P), output_tokens_R=np.full(R, O), topk_ids_TLK=ids)
         rec = prefill_decode_recall(count_trace(path)).filter(pl.col("dataset") == "all")
         assert rec["recall"].item() == pytest.approx(expected)
         assert rec["num_requests"].item() == R
@@ -194,7 +194,7 @@ def _affinity_trace(path, p, *, seed=0, E=8, T=6000):
     R = T // 20
     return write_trace(path, model=tiny_model(num_layers=2, num_experts=E, top_k=1), dataset_R=["x"] * R,
                        prompt_tokens_R=np.full(R, 10), output_tokens_R=np.full(R, 10),
-                       ids_TLK=np.stack([a, b], axis=1)[:, :, None].astype(np.int16))
+                       topk_ids_TLK=np.stack([a, b], axis=1)[:, :, None].astype(np.int16))
 
 
 def test_cross_layer_affinity_tracks_its_knob(tmp_path):
@@ -225,7 +225,7 @@ def test_coactivation_finds_the_planted_pair(tmp_path):
     ids[glued] = [2, 5]  # experts 2 and 5 fire together far more often than chance
     R = T // 20
     path = write_trace(tmp_path / "c", model=tiny_model(num_layers=1, num_experts=E, top_k=2), dataset_R=["x"] * R,
-                       prompt_tokens_R=np.full(R, 10), output_tokens_R=np.full(R, 10), ids_TLK=ids[:, None, :].astype(np.int16))
+                       prompt_tokens_R=np.full(R, 10), output_tokens_R=np.full(R, 10), topk_ids_TLK=ids[:, None, :].astype(np.int16))
     pc = pair_counts(path)
     lift = coactivation_lift_LEE(pc)[0]
     assert np.nanargmax(lift) in (2 * E + 5, 5 * E + 2)

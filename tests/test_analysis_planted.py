@@ -36,7 +36,7 @@ def write_trace(
     dataset_R: list[str],
     prompt_tokens_R: np.ndarray,
     output_tokens_R: np.ndarray,
-    ids_TLK: np.ndarray,
+    topk_ids_TLK: np.ndarray,
     collection: dict | None = None,
     request_id_R: np.ndarray | None = None,
 ) -> Path:
@@ -50,7 +50,7 @@ def write_trace(
             dataset_R=dataset_R,
             prompt_tokens_R=np.asarray(prompt_tokens_R, np.int32),
             output_tokens_R=np.asarray(output_tokens_R, np.int32),
-            experts_TX=ids_TLK.reshape(ids_TLK.shape[0], -1),
+            topk_ids_TX=topk_ids_TLK.reshape(topk_ids_TLK.shape[0], -1),
         )
     return path
 
@@ -102,7 +102,7 @@ def profile_trace(
         dataset_R=[f"ds{d}" for d in d_R],
         prompt_tokens_R=ptok,
         output_tokens_R=otok,
-        ids_TLK=ids,
+        topk_ids_TLK=ids,
     )
 
 

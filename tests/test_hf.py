@@ -133,11 +133,11 @@ def test_batched_equals_batch_size_one(name, models, tok):
         assert (b.prompt_tokens, b.output_tokens) == (single.prompt_tokens, single.output_tokens) == (len(p), 10)
         assert b.output_ids == single.output_ids
         K = info.top_k
-        bs = np.sort(b.experts_TX.reshape(-1, info.num_moe_layers, K), -1)
-        ss = np.sort(single.experts_TX.reshape(-1, info.num_moe_layers, K), -1)
+        bs = np.sort(b.topk_ids_TX.reshape(-1, info.num_moe_layers, K), -1)
+        ss = np.sort(single.topk_ids_TX.reshape(-1, info.num_moe_layers, K), -1)
         near_ties += int((bs != ss).any(-1).sum())
-        assert (b.experts_TX[-1] == -1).all() and (b.experts_TX[:-1] >= 0).all()
-    total = sum(b.experts_TX.shape[0] for b in batched) * info.num_moe_layers
+        assert (b.topk_ids_TX[-1] == -1).all() and (b.topk_ids_TX[:-1] >= 0).all()
+    total = sum(b.topk_ids_TX.shape[0] for b in batched) * info.num_moe_layers
     print(f"{name}: {near_ties} of {total} (token, layer) routings differ between batch 5 and batch 1")
     assert near_ties <= 0.01 * total
 
@@ -158,15 +158,15 @@ def test_finished_requests_stop_being_recorded(models, tok):
     r0 = res[0]
     first = r0.output_ids.index(stop_tok)
     assert r0.output_tokens == first + 1
-    assert r0.experts_TX.shape[0] == len(prompts[0]) + r0.output_tokens
-    assert np.array_equal(r0.experts_TX, single.experts_TX)
+    assert r0.topk_ids_TX.shape[0] == len(prompts[0]) + r0.output_tokens
+    assert np.array_equal(r0.topk_ids_TX, single.topk_ids_TX)
 
 
 def test_routing_weights_are_recorded_with_the_ids(models, tok):
     """DeepSeek-V3 renormalizes its top-8 weights and scales them by routed_scaling_factor (2.5)."""
     model, info = models("deepseek-v3-tiny")
     (r,) = generate_batch(model, tok, [tok.encode(TEXTS[1])], info=info, max_new_tokens=4, record_weights=True)
-    w = r.weights_TX.reshape(-1, info.num_moe_layers, info.top_k)
-    assert w.shape[0] == r.experts_TX.shape[0]
+    w = r.topk_weights_TX.reshape(-1, info.num_moe_layers, info.top_k)
+    assert w.shape[0] == r.topk_ids_TX.shape[0]
     assert np.allclose(w[:-1].sum(-1), 2.5, atol=1e-4)
     assert (w[-1] == 0).all()  # the last generated token has no routing

@@ -41,7 +41,7 @@ def _planted_trace(path, *, structured: bool, num_requests: int = 80, seed: int 
         otok.append(o)
     with TraceWriter(path, model=MODEL, backend={"name": "synthetic"}, collection={"planted": "parity domains"}) as w:
         w.add_requests(request_id_R=np.arange(num_requests), dataset_R=[f"d{r % 2}" for r in range(num_requests)],
-                       prompt_tokens_R=np.array(ptok), output_tokens_R=np.array(otok), experts_TX=np.concatenate(rows))
+                       prompt_tokens_R=np.array(ptok), output_tokens_R=np.array(otok), topk_ids_TX=np.concatenate(rows))
     return path
 
 

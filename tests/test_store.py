@@ -22,7 +22,7 @@ def test_roundtrip_rows_and_arrays(tmp_path):
     with TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={}) as w:
         for r, (P, O) in enumerate([(3, 2), (1, 0), (5, 4)]):
             ex = rng.integers(-1, SMALL.num_experts, (P + O, SMALL.num_moe_layers, SMALL.top_k))
-            w.add_request(request_id=10 + r, dataset="d", prompt_tokens=P, experts_TX=ex)
+            w.add_request(request_id=10 + r, dataset="d", prompt_tokens=P, topk_ids_TX=ex)
             want[10 + r] = (P, O, ex)
     t = open_trace(tmp_path / "t")
     arr = t.token_arrays()
@@ -50,7 +50,7 @@ def test_files_carry_the_explicit_schema(small_trace):
 
 def test_manifest_is_incomplete_until_close(tmp_path):
     w = TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={})
-    w.add_request(request_id=0, dataset="d", prompt_tokens=2, experts_TX=np.zeros((3, 3, 2)))
+    w.add_request(request_id=0, dataset="d", prompt_tokens=2, topk_ids_TX=np.zeros((3, 3, 2)))
     w.commit()
     m = json.loads((tmp_path / "t" / "manifest.json").read_text())
     assert m["complete"] is False and m["format"] == "moetrace.trace" and m["version"] == 1
@@ -64,7 +64,7 @@ def test_manifest_is_incomplete_until_close(tmp_path):
 def test_uncommitted_rows_are_invisible_and_row_groups_flush(tmp_path):
     w = TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={}, row_group_tokens=4)
     for r in range(5):
-        w.add_request(request_id=r, dataset="d", prompt_tokens=3, experts_TX=np.zeros((5, 3, 2)))
+        w.add_request(request_id=r, dataset="d", prompt_tokens=3, topk_ids_TX=np.zeros((5, 3, 2)))
     # row groups were flushed into the temporary part, readers see nothing yet
     tmp = list((tmp_path / "t" / "routing").glob(".*.tmp"))
     assert len(tmp) == 1 and tmp[0].stat().st_size > 0
@@ -84,17 +84,17 @@ def test_refuses_existing_and_resumes_same_model(tmp_path):
     with TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={"seed": 0}, on_existing="resume") as w:
         assert w.completed_request_ids == {0, 1, 2}
         with pytest.raises(ValueError, match="already written"):
-            w.add_request(request_id=1, dataset="d", prompt_tokens=1, experts_TX=np.zeros((1, 3, 2)))
-        w.add_request(request_id=3, dataset="d", prompt_tokens=1, experts_TX=np.zeros((1, 3, 2)))
+            w.add_request(request_id=1, dataset="d", prompt_tokens=1, topk_ids_TX=np.zeros((1, 3, 2)))
+        w.add_request(request_id=3, dataset="d", prompt_tokens=1, topk_ids_TX=np.zeros((1, 3, 2)))
     assert find_problems(tmp_path / "t") == []
     assert open_trace(tmp_path / "t").requests().collect().height == 4
 
 
 def test_resume_removes_orphans_and_temporaries(tmp_path):
     w = TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={})
-    w.add_request(request_id=0, dataset="d", prompt_tokens=2, experts_TX=np.zeros((3, 3, 2)))
+    w.add_request(request_id=0, dataset="d", prompt_tokens=2, topk_ids_TX=np.zeros((3, 3, 2)))
     w.commit()
-    w.add_request(request_id=1, dataset="d", prompt_tokens=2, experts_TX=np.zeros((3, 3, 2)))
+    w.add_request(request_id=1, dataset="d", prompt_tokens=2, topk_ids_TX=np.zeros((3, 3, 2)))
     w.commit()
     # simulate a kill between the two renames of part 1, and one in the middle of part 2
     (tmp_path / "t" / "requests" / "part-000001.parquet").unlink()
@@ -102,7 +102,7 @@ def test_resume_removes_orphans_and_temporaries(tmp_path):
     assert any("uncommitted part" in p for p in find_problems(tmp_path / "t"))
     with TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={}, on_existing="resume") as w2:
         assert w2.completed_request_ids == {0}
-        w2.add_request(request_id=1, dataset="d", prompt_tokens=2, experts_TX=np.ones((3, 3, 2)))
+        w2.add_request(request_id=1, dataset="d", prompt_tokens=2, topk_ids_TX=np.ones((3, 3, 2)))
     assert find_problems(tmp_path / "t") == []
     arr = open_trace(tmp_path / "t").token_arrays()
     assert sorted(arr.request_id_T.tolist()) == [0, 0, 0, 1, 1, 1]
@@ -116,8 +116,8 @@ def test_overwrite_replaces(tmp_path):
 
 def test_weights_and_text_columns(tmp_path):
     with TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "hf"}, collection={}, with_weights=True, with_text=True) as w:
-        w.add_request(request_id=0, dataset="d", prompt_tokens=1, experts_TX=np.zeros((2, 3, 2)),
-                      weights_TX=np.full((2, 6), 0.5), prompt_text="hi", output_text="there")
+        w.add_request(request_id=0, dataset="d", prompt_tokens=1, topk_ids_TX=np.zeros((2, 3, 2)),
+                      topk_weights_TX=np.full((2, 6), 0.5), prompt_text="hi", output_text="there")
     t = open_trace(tmp_path / "t")
     assert t.requests().collect()["prompt_text"].to_list() == ["hi"]
     assert t.routing().collect()["weights"].to_list()[0] == [0.5] * 6
@@ -127,9 +127,9 @@ def test_weights_and_text_columns(tmp_path):
 def test_bad_shapes_are_refused(tmp_path):
     with TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={}) as w:
         with pytest.raises(ValueError, match="expected"):
-            w.add_request(request_id=0, dataset="d", prompt_tokens=2, experts_TX=np.zeros((3, 4, 2)))
+            w.add_request(request_id=0, dataset="d", prompt_tokens=2, topk_ids_TX=np.zeros((3, 4, 2)))
         with pytest.raises(ValueError, match="prompt_tokens >= 1"):
-            w.add_request(request_id=0, dataset="d", prompt_tokens=0, experts_TX=np.zeros((3, 3, 2)))
+            w.add_request(request_id=0, dataset="d", prompt_tokens=0, topk_ids_TX=np.zeros((3, 3, 2)))
 
 
 @pytest.mark.parametrize(

@@ -115,7 +115,7 @@ def test_topk_matches_plackett_luce(E, K, zipf):
     )
     truth = plant_truth(model, plan)
     ch = generate_chunk(_make_sampler(model, plan, truth), 0)
-    prefill = ch.experts_TX[np.concatenate([np.arange(s, s + 1200) for s in range(0, ch.experts_TX.shape[0], 1202)])]
+    prefill = ch.topk_ids_TX[np.concatenate([np.arange(s, s + 1200) for s in range(0, ch.topk_ids_TX.shape[0], 1202)])]
     assert all(len(set(row)) == K for row in prefill[:2000].tolist())
     freq = np.bincount(prefill.reshape(-1), minlength=E) / prefill.shape[0]
     expected = plackett_luce_inclusion(truth.prefill_DLE[0, 0], K)
@@ -155,7 +155,7 @@ def test_every_row_has_k_distinct_valid_experts(E, K, zipf, spread, affinity, se
         knobs=SynthKnobs(zipf_exponent=zipf, request_spread=spread, layer_affinity=affinity, lengths=SHORT),
     )
     for ch in generate_in_memory(model, plan):
-        ids = ch.experts_TX.reshape(-1, 3, K)
+        ids = ch.topk_ids_TX.reshape(-1, 3, K)
         ends = np.cumsum(ch.prompt_tokens_R.astype(np.int64) + ch.output_tokens_R) - 1
         assert (ids[ends] == -1).all()  # the final generated token is never forwarded
         rest = np.delete(ids, ends, axis=0)
@@ -199,7 +199,7 @@ def test_layer_affinity_raises_next_layer_predictability():
     m = small_model(L=4, E=32, K=2)
 
     def predictability(a: float) -> float:
-        ids = np.concatenate([c.experts_TX for c in chunks_of(m, plan_for(layer_affinity=a))]).reshape(-1, 4, 2)
+        ids = np.concatenate([c.topk_ids_TX for c in chunks_of(m, plan_for(layer_affinity=a))]).reshape(-1, 4, 2)
         return float(next_layer_predictability(ids, E=32).mean())
 
     p0, p5, p9 = predictability(0.0), predictability(0.5), predictability(0.9)
@@ -282,9 +282,9 @@ def test_trace_is_valid_deterministic_across_workers_and_carries_its_truth(tmp_p
 
 def test_different_seeds_differ_same_seed_repeats():
     m = small_model()
-    a = np.concatenate([c.experts_TX for c in chunks_of(m, plan_for(num_requests=20, seed=1))])
-    b = np.concatenate([c.experts_TX for c in chunks_of(m, plan_for(num_requests=20, seed=1))])
-    c = np.concatenate([c.experts_TX for c in chunks_of(m, plan_for(num_requests=20, seed=2))])
+    a = np.concatenate([c.topk_ids_TX for c in chunks_of(m, plan_for(num_requests=20, seed=1))])
+    b = np.concatenate([c.topk_ids_TX for c in chunks_of(m, plan_for(num_requests=20, seed=1))])
+    c = np.concatenate([c.topk_ids_TX for c in chunks_of(m, plan_for(num_requests=20, seed=2))])
     assert np.array_equal(a, b)
     assert a.shape != c.shape or not np.array_equal(a, c)
 

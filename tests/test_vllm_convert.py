@@ -98,8 +98,8 @@ def test_single_generated_token_has_only_prompt_rows():
     out = fake_output(0, 5, 1, routed=vllm_full_layout(truth))
     c = VC.convert_output(out, info=DSV3)
     assert (c.prompt_tokens, c.output_tokens) == (5, 1)
-    np.testing.assert_array_equal(c.experts_TX[:5].reshape(5, 58, 8), truth)
-    assert (c.experts_TX[5] == -1).all()
+    np.testing.assert_array_equal(c.topk_ids_TX[:5].reshape(5, 58, 8), truth)
+    assert (c.topk_ids_TX[5] == -1).all()
 
 
 @pytest.mark.parametrize(

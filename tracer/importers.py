@@ -63,7 +63,7 @@ def decode_sglang_routed_experts(payload: str, *, num_rows: int, top_k: int) -> 
 
 
 def sglang_response_rows(resp: dict[str, Any], *, info: ModelInfo) -> tuple[int, int, np.ndarray]:
-    """``(prompt_tokens, output_tokens, experts_TX)`` of one SGLang ``/generate`` response."""
+    """``(prompt_tokens, output_tokens, topk_ids_TX)`` of one SGLang ``/generate`` response."""
     meta = resp.get("meta_info")
     if not isinstance(meta, dict):
         raise TraceFormatError("no meta_info object (is this a /generate response?)")
@@ -181,7 +181,7 @@ def _import_sglang(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
             dataset_R=[b[1] for b in batch],
             prompt_tokens_R=np.array([b[2] for b in batch], dtype=np.int32),
             output_tokens_R=np.array([b[3] for b in batch], dtype=np.int32),
-            experts_TX=np.concatenate([b[4] for b in batch]),
+            topk_ids_TX=np.concatenate([b[4] for b in batch]),
         )
         batch.clear()
 
@@ -212,20 +212,20 @@ def tokens_to_requests(
     layer_N: np.ndarray,
     position_N: np.ndarray,
     is_decode_N: np.ndarray,
-    experts_NK: np.ndarray,
+    topk_ids_NK: np.ndarray,
     *,
     info: ModelInfo,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per-(token, layer) records → ``(request_id_R, prompt_tokens_R, output_tokens_R, experts_TX)``.
+    """Per-(token, layer) records → ``(request_id_R, prompt_tokens_R, output_tokens_R, topk_ids_TX)``.
 
     ``request_N`` int64 ids, ``layer_N`` model layer indices, ``position_N`` 0-based,
-    ``is_decode_N`` bool, ``experts_NK`` int. Requests come out in ascending id order; a request
+    ``is_decode_N`` bool, ``topk_ids_NK`` int. Requests come out in ascending id order; a request
     has positions ``0..max`` (pairs with no record are ``-1``) and its prefill positions must be
     exactly ``0..P-1``. Raises ``TraceFormatError`` naming the first offending request.
     """
     L, K = info.num_moe_layers, info.top_k
-    if experts_NK.ndim != 2 or experts_NK.shape[1] != K:
-        raise TraceFormatError(f"every record needs {K} experts (top_k of {info.name}); got shape {experts_NK.shape}")
+    if topk_ids_NK.ndim != 2 or topk_ids_NK.shape[1] != K:
+        raise TraceFormatError(f"every record needs {K} experts (top_k of {info.name}); got shape {topk_ids_NK.shape}")
     ordinal = np.full(info.num_hidden_layers, -1, dtype=np.int64)
     ordinal[list(info.moe_layers)] = np.arange(L)
     bad_layer = (layer_N < 0) | (layer_N >= info.num_hidden_layers)
@@ -239,7 +239,7 @@ def tokens_to_requests(
         raise TraceFormatError(f"negative position {int(position_N.min())}; positions are 0-based")
     if (position_N >= np.iinfo(np.int32).max).any():
         raise TraceFormatError(f"position {int(position_N.max())} does not fit the trace's int32 positions")
-    if ((experts_NK < NO_EXPERT) | (experts_NK >= info.num_experts)).any():
+    if ((topk_ids_NK < NO_EXPERT) | (topk_ids_NK >= info.num_experts)).any():
         raise TraceFormatError(f"expert ids outside 0..{info.num_experts - 1} (or -1)")
     rids, inv = np.unique(request_N, return_inverse=True)
     R = len(rids)
@@ -258,7 +258,7 @@ def tokens_to_requests(
     starts = np.zeros(R, dtype=np.int64)
     np.cumsum(T_R[:-1], out=starts[1:])
     try:
-        experts_TLK = np.full((int(T_R.sum()), L, K), NO_EXPERT, dtype=np.int16)
+        topk_ids_TLK = np.full((int(T_R.sum()), L, K), NO_EXPERT, dtype=np.int16)
     except MemoryError:
         raise TraceFormatError(
             f"positions up to {int(position_N.max())} need {int(T_R.sum())} rows of {L}x{K} ids: more than fits "
@@ -269,8 +269,8 @@ def tokens_to_requests(
     flat = row * L + col
     if len(np.unique(flat)) != len(flat):
         raise TraceFormatError("a (request, position, layer) appears twice")
-    experts_TLK[row, col] = experts_NK
-    return rids.astype(np.int64), P_R.astype(np.int32), (T_R - P_R).astype(np.int32), experts_TLK.reshape(-1, L * K)
+    topk_ids_TLK[row, col] = topk_ids_NK
+    return rids.astype(np.int64), P_R.astype(np.int32), (T_R - P_R).astype(np.int32), topk_ids_TLK.reshape(-1, L * K)
 
 
 def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str) -> set[str]:
@@ -310,11 +310,11 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
     lens = df["experts"].list.len().to_numpy()
     if (lens != info.top_k).any():
         raise TraceFormatError(f"{src}: a record has {int(lens[lens != info.top_k][0])} experts; {info.name} has top_k {info.top_k}")
-    experts_NK = np.asarray(df["experts"].list.explode().cast(pl.Int64).to_numpy()).reshape(-1, info.top_k)
+    topk_ids_NK = np.asarray(df["experts"].list.explode().cast(pl.Int64).to_numpy()).reshape(-1, info.top_k)
     try:
-        rid_R, P_R, O_R, experts_TX = tokens_to_requests(
+        rid_R, P_R, O_R, topk_ids_TX = tokens_to_requests(
             request_N, df["layer"].cast(pl.Int64).to_numpy(), df["position"].cast(pl.Int64).to_numpy(),
-            (df["stage"] == "decode").to_numpy(), experts_NK, info=info,
+            (df["stage"] == "decode").to_numpy(), topk_ids_NK, info=info,
         )
     except TraceFormatError as exc:
         raise TraceFormatError(f"{src}: {exc}") from exc
@@ -326,5 +326,5 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
     else:
         ds_R = [label] * len(rid_R)
     writer.add_requests(request_id_R=rid_R, dataset_R=ds_R, prompt_tokens_R=P_R, output_tokens_R=O_R,
-                        experts_TX=experts_TX)
+                        topk_ids_TX=topk_ids_TX)
     return set(ds_R)

@@ -343,13 +343,13 @@ def _packed_alias(p_NE: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 class Chunk(NamedTuple):
-    """One generated chunk: R requests and their T tokens (``experts_TX`` int16 ``[T, L*K]``)."""
+    """One generated chunk: R requests and their T tokens (``topk_ids_TX`` int16 ``[T, L*K]``)."""
 
     request_id_R: np.ndarray
     dataset_R: np.ndarray  # int index into plan.datasets
     prompt_tokens_R: np.ndarray
     output_tokens_R: np.ndarray
-    experts_TX: np.ndarray
+    topk_ids_TX: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -407,7 +407,7 @@ def generate_chunk(s: _Sampler, c: int) -> Chunk:
     tab_T = ((ds_R[req_T] * 2 + decode_T) * L) * B  # + l*B: offset of the token's alias table at layer l
     fav_RLF = np.argpartition(rng.random((R, L, E), dtype=np.float32), F - 1, axis=2)[:, :, :F].astype(np.int16)
     fav_T = req_T * (L * F)  # + l*F: offset of the token's favourites at layer l
-    experts_LKT = np.empty((L, K, T), np.int16)
+    topk_ids_LKT = np.empty((L, K, T), np.int16)
     for l in range(L):
         a = k.layer_affinity if l > 0 else 0.0
         fv = (1.0 - a) * k.request_spread
@@ -416,15 +416,15 @@ def generate_chunk(s: _Sampler, c: int) -> Chunk:
             fav_T=fav_T + l * F,
             fav=fav_RLF.reshape(-1),
             F=F,
-            follow_KT=s.affinity_map_LE[l - 1][experts_LKT[l - 1]] if l > 0 else None,
+            follow_KT=s.affinity_map_LE[l - 1][topk_ids_LKT[l - 1]] if l > 0 else None,
             cut_aff=np.uint16(min(round(a * 2**16), 2**16 - 1)) if a < 1 else np.uint32(2**16),
             cut_fav=np.uint16(min(round((a + fv) * 2**16), 2**16 - 1)) if a + fv < 1 else np.uint32(2**16),
             w=(a, fv, 1.0 - a - fv),
         )
-        _sample_topk(rng, s, mix, experts_LKT[l], K=K, E=E)
-    experts_TLK = np.ascontiguousarray(experts_LKT.transpose(2, 0, 1))
-    experts_TLK[starts_R + len_R - 1] = NO_EXPERT  # final generated token: never forwarded through the model
-    return Chunk(rid_R, ds_R, prompt_R, output_R, experts_TLK.reshape(T, L * K))
+        _sample_topk(rng, s, mix, topk_ids_LKT[l], K=K, E=E)
+    topk_ids_TLK = np.ascontiguousarray(topk_ids_LKT.transpose(2, 0, 1))
+    topk_ids_TLK[starts_R + len_R - 1] = NO_EXPERT  # final generated token: never forwarded through the model
+    return Chunk(rid_R, ds_R, prompt_R, output_R, topk_ids_TLK.reshape(T, L * K))
 
 
 @dataclass
@@ -645,10 +645,10 @@ def synthesize(
                 dataset_R=names[ch.dataset_R].tolist(),
                 prompt_tokens_R=ch.prompt_tokens_R,
                 output_tokens_R=ch.output_tokens_R,
-                experts_TX=ch.experts_TX,
+                topk_ids_TX=ch.topk_ids_TX,
             )
             n_req += ch.request_id_R.shape[0]
-            n_tok += ch.experts_TX.shape[0]
+            n_tok += ch.topk_ids_TX.shape[0]
             if progress is not None:
                 progress(n_req, n_tok)
         stats = w.close()

@@ -29,10 +29,10 @@ import numpy as np
 from moetrace.tracer.synth import Chunk
 
 
-def _bincount_DSLE(ds_T: np.ndarray, decode_T: np.ndarray, ids_TLK: np.ndarray, D: int, E: int) -> np.ndarray:
-    T, L, K = ids_TLK.shape
-    valid = ids_TLK >= 0
-    key = ((ds_T.astype(np.int64) * 2 + decode_T)[:, None, None] * L + np.arange(L)[None, :, None]) * E + ids_TLK
+def _bincount_DSLE(ds_T: np.ndarray, decode_T: np.ndarray, topk_ids_TLK: np.ndarray, D: int, E: int) -> np.ndarray:
+    T, L, K = topk_ids_TLK.shape
+    valid = topk_ids_TLK >= 0
+    key = ((ds_T.astype(np.int64) * 2 + decode_T)[:, None, None] * L + np.arange(L)[None, :, None]) * E + topk_ids_TLK
     return np.bincount(key[valid], minlength=D * 2 * L * E).reshape(D, 2, L, E)
 
 
@@ -44,7 +44,7 @@ def counts_from_chunks(chunks: Iterable[Chunk], *, num_datasets: int, L: int, K:
         starts = np.concatenate([[0], np.cumsum(len_R)[:-1]])
         T = int(len_R.sum())
         decode_T = (np.arange(T) - np.repeat(starts, len_R)) >= np.repeat(ch.prompt_tokens_R, len_R)
-        counts += _bincount_DSLE(np.repeat(ch.dataset_R, len_R), decode_T, ch.experts_TX.reshape(T, L, K), num_datasets, E)
+        counts += _bincount_DSLE(np.repeat(ch.dataset_R, len_R), decode_T, ch.topk_ids_TX.reshape(T, L, K), num_datasets, E)
     return counts
 
 
@@ -122,7 +122,7 @@ def request_vectors(chunks: Iterable[Chunk], *, L: int, K: int, E: int, stage: i
         len_R = ch.prompt_tokens_R.astype(np.int64) + ch.output_tokens_R
         starts = np.concatenate([[0], np.cumsum(len_R)[:-1]])
         T = int(len_R.sum())
-        ids = ch.experts_TX.reshape(T, L, K)[:, sel, :]
+        ids = ch.topk_ids_TX.reshape(T, L, K)[:, sel, :]
         req_T = np.repeat(np.arange(len_R.size), len_R)
         decode_T = (np.arange(T) - np.repeat(starts, len_R)) >= np.repeat(ch.prompt_tokens_R, len_R)
         keep = (decode_T == bool(stage))[:, None, None] & (ids >= 0)

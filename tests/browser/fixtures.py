@@ -60,7 +60,7 @@ def make_trace(
             dataset_R=[datasets[r % D] for r in range(R)],
             prompt_tokens_R=prompt,
             output_tokens_R=output,
-            experts_TX=ids.reshape(T, L * K),
+            topk_ids_TX=ids.reshape(T, L * K),
         )
     return path
 

@@ -256,8 +256,8 @@ class GeneratedRequest:
 
     prompt_tokens: int
     output_tokens: int
-    experts_TX: np.ndarray  # int16 [T, L*K], -1 where nothing was recorded
-    weights_TX: np.ndarray | None  # float32 [T, L*K] or None
+    topk_ids_TX: np.ndarray  # int16 [T, L*K], -1 where nothing was recorded
+    topk_weights_TX: np.ndarray | None  # float32 [T, L*K] or None
     output_ids: list[int]
 
 
@@ -400,8 +400,8 @@ def collect_with_hf(
                 request_id=p.request_id,
                 dataset=p.dataset,
                 prompt_tokens=r.prompt_tokens,
-                experts_TX=r.experts_TX,
-                weights_TX=r.weights_TX,
+                topk_ids_TX=r.topk_ids_TX,
+                topk_weights_TX=r.topk_weights_TX,
                 prompt_text=p.text if store_text else None,
                 output_text=tokenizer.decode(r.output_ids, skip_special_tokens=True) if store_text else None,
             )

@@ -204,14 +204,14 @@ class _Sink:
                 done.append(out)
         if not done:
             return
-        self.num_missing_rows += sum(int((c.experts_TX[: -1] == NO_EXPERT).all(axis=1).sum()) for c in done)
+        self.num_missing_rows += sum(int((c.topk_ids_TX[: -1] == NO_EXPERT).all(axis=1).sum()) for c in done)
         with_text = self.writer.with_text
         self.writer.add_requests(
             request_id_R=np.array([c.request_id for c in done], dtype=np.int64),
             dataset_R=[self.datasets[c.request_id] for c in done],
             prompt_tokens_R=np.array([c.prompt_tokens for c in done], dtype=np.int32),
             output_tokens_R=np.array([c.output_tokens for c in done], dtype=np.int32),
-            experts_TX=np.concatenate([c.experts_TX for c in done]),
+            topk_ids_TX=np.concatenate([c.topk_ids_TX for c in done]),
             prompt_text_R=[self.prompt_texts[c.request_id] for c in done] if with_text else None,
             output_text_R=[c.output_text for c in done] if with_text else None,
         )

@@ -42,7 +42,7 @@ def routed_experts_to_rows(
     prompt_tokens: int,
     output_tokens: int,
 ) -> np.ndarray:
-    """Trace rows ``experts_TX`` (int16 ``[T, L*K]``) of one request from vLLM's routed experts.
+    """Trace rows ``topk_ids_TX`` (int16 ``[T, L*K]``) of one request from vLLM's routed experts.
 
     ``routed_NAK``: vLLM's array for the whole sequence (prompt rows then generated rows), any
     integer dtype, ``N`` = T-1 (the last generated token is never forwarded) or T (its row is
@@ -102,7 +102,7 @@ class ConvertedRequest:
     request_id: int
     prompt_tokens: int
     output_tokens: int
-    experts_TX: np.ndarray
+    topk_ids_TX: np.ndarray
     output_text: str | None
 
 

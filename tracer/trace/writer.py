@@ -261,25 +261,25 @@ class TraceWriter:
         request_id: int,
         dataset: str,
         prompt_tokens: int,
-        experts_TX: np.ndarray,
-        weights_TX: np.ndarray | None = None,
+        topk_ids_TX: np.ndarray,
+        topk_weights_TX: np.ndarray | None = None,
         prompt_text: str | None = None,
         output_text: str | None = None,
     ) -> None:
         """Add one whole request.
 
-        ``experts_TX``: int16-castable ``[T, L*K]`` (or ``[T, L, K]``), T = prompt + output tokens,
+        ``topk_ids_TX``: int16-castable ``[T, L*K]`` (or ``[T, L, K]``), T = prompt + output tokens,
         rows in position order; ``-1`` where nothing was recorded. ``output_tokens`` = T - prompt_tokens.
         """
-        experts = np.asarray(experts_TX)
+        experts = np.asarray(topk_ids_TX)
         T = experts.shape[0]
         self.add_requests(
             request_id_R=np.array([request_id], dtype=np.int64),
             dataset_R=[dataset],
             prompt_tokens_R=np.array([prompt_tokens], dtype=np.int32),
             output_tokens_R=np.array([T - prompt_tokens], dtype=np.int32),
-            experts_TX=experts,
-            weights_TX=weights_TX,
+            topk_ids_TX=experts,
+            topk_weights_TX=topk_weights_TX,
             prompt_text_R=None if prompt_text is None and output_text is None else [prompt_text],
             output_text_R=None if prompt_text is None and output_text is None else [output_text],
         )
@@ -291,14 +291,14 @@ class TraceWriter:
         dataset_R: Sequence[str] | pa.Array,
         prompt_tokens_R: np.ndarray,
         output_tokens_R: np.ndarray,
-        experts_TX: np.ndarray,
-        weights_TX: np.ndarray | None = None,
+        topk_ids_TX: np.ndarray,
+        topk_weights_TX: np.ndarray | None = None,
         prompt_text_R: Sequence[str | None] | None = None,
         output_text_R: Sequence[str | None] | None = None,
     ) -> None:
         """Add R whole requests at once (the fast path for synthetic and imported traces).
 
-        ``experts_TX`` holds the tokens of all R requests back to back, each request's prompt
+        ``topk_ids_TX`` holds the tokens of all R requests back to back, each request's prompt
         positions then its generated positions; ``sum(prompt_tokens_R + output_tokens_R) == T``.
         """
         if self._closed:
@@ -314,11 +314,11 @@ class TraceWriter:
             raise ValueError("every request needs prompt_tokens >= 1 and output_tokens >= 0")
         lengths = ptok.astype(np.int64) + otok
         T = int(lengths.sum())
-        experts = np.asarray(experts_TX)
+        experts = np.asarray(topk_ids_TX)
         if experts.ndim == 3:
             experts = experts.reshape(experts.shape[0], -1)
         if experts.shape != (T, X):
-            raise ValueError(f"experts_TX has shape {experts.shape}, expected ({T}, {X}) = (tokens, moe_layers*top_k)")
+            raise ValueError(f"topk_ids_TX has shape {experts.shape}, expected ({T}, {X}) = (tokens, moe_layers*top_k)")
         experts = np.ascontiguousarray(experts, dtype=np.int16)
         dup = [int(r) for r in rid if int(r) in self.completed_request_ids or int(r) in self._seen_in_run]
         if dup or len(np.unique(rid)) != R:
@@ -341,9 +341,9 @@ class TraceWriter:
             pa.FixedSizeListArray.from_arrays(pa.array(experts.reshape(-1), type=pa.int16()), X),
         ]
         if self.with_weights:
-            if weights_TX is None:
-                raise ValueError("this writer has with_weights=True; pass weights_TX")
-            w = np.ascontiguousarray(np.asarray(weights_TX, dtype=np.float32).reshape(T, X))
+            if topk_weights_TX is None:
+                raise ValueError("this writer has with_weights=True; pass topk_weights_TX")
+            w = np.ascontiguousarray(np.asarray(topk_weights_TX, dtype=np.float32).reshape(T, X))
             cols.append(pa.FixedSizeListArray.from_arrays(pa.array(w.reshape(-1), type=pa.float32()), X))
         batch = pa.RecordBatch.from_arrays(cols, schema=self.routing_schema)
 
