@@ -6,10 +6,11 @@ A trace is a directory::
     requests/<part>.parquet  one row per request
     routing/<part>.parquet   one row per token (prompt tokens, then generated tokens)
 
-Shape legend used across ``moetrace.tracer``:
-    T tokens, R requests, L MoE layers (``model.moe_layers``), K top-k, X = L*K flattened ids.
+Shape legend (docs/architecture.md): T tokens, R requests, L MoE layers (``model.moe_layers``),
+K top-k, X = L*K flattened ids of one token.
 
-Out of scope here: reading and writing files (``store``), checking a trace (``validate``).
+Out of scope here: file names (``layout``), writing and reading files (``writer``, ``reader``),
+checking a trace (``validate``).
 """
 
 from __future__ import annotations
