@@ -28,6 +28,14 @@ class OutputExistsError(MoetraceError):
     "The output directory holds something incompatible with what would be written."
 
 
+class TraceBusyError(OutputExistsError):
+    "Another process is writing the same trace directory (it holds the writer lock)."
+
+
+class WriteError(MoetraceError, OSError):
+    "Writing an output failed (disk full, I/O error); the message names the cause and what was kept."
+
+
 class ModelError(MoetraceError):
     "A model preset, path or configuration cannot be used as asked."
 

@@ -99,6 +99,7 @@ def test_resume_removes_orphans_and_temporaries(tmp_path):
     # simulate a kill between the two renames of part 1, and one in the middle of part 2
     (tmp_path / "t" / "requests" / "part-000001.parquet").unlink()
     (tmp_path / "t" / "routing" / ".part-000002.parquet.tmp").write_bytes(b"PAR1 half")
+    w._lock.release()  # what the kernel does when the killed writer's process dies
     assert any("uncommitted part" in p for p in find_problems(tmp_path / "t"))
     with TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={}, on_existing="resume") as w2:
         assert w2.completed_request_ids == {0}
@@ -134,7 +135,7 @@ def test_bad_shapes_are_refused(tmp_path):
 
 @pytest.mark.parametrize(
     "model, match",
-    [(None, "no `model` section"), ("deepseek-v3", "must be an object"), ({"top_k": "8"}, "lacks"), ("wrong-type", "wrong type")],
+    [(None, "no `model` section"), ("deepseek-v3", "must be an object"), ({"top_k": "8"}, "lacks"), ("wrong-type", "`top_k` must be a whole number")],
 )
 def test_bad_manifest_model_is_a_format_error(small_trace, model, match):
     m = json.loads((small_trace / "manifest.json").read_text())

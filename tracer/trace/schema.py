@@ -29,6 +29,15 @@ VERSION = 1
 STAGE_PREFILL = "prefill"
 STAGE_DECODE = "decode"
 
+#: the largest count (layers, experts, hidden size, ...) a manifest may state: bounds what a file can ask for
+_MAX_COUNT = 1 << 20
+
+
+def _is_int(v: Any) -> bool:
+    """A JSON whole number (``8``; not ``8.0``, ``"8"`` or ``true``)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 #: expert id written where nothing was recorded for a token (prefix-cache hit, final token)
 NO_EXPERT = -1
 
@@ -50,6 +59,27 @@ class ModelInfo:
     topk_group: int | None = None  # groups a token may use (DeepSeek-V3: 4)
 
     def __post_init__(self) -> None:
+        for name in ("name", "source", "architecture"):
+            if not isinstance(getattr(self, name), str):
+                raise TraceFormatError(f"model `{name}` must be a string, got {getattr(self, name)!r}")
+        for name, low in (("num_hidden_layers", 1), ("num_experts", 1), ("top_k", 1), ("num_shared_experts", 0),
+                          ("hidden_size", 1), ("n_group", 1), ("topk_group", 1)):
+            v = getattr(self, name)
+            if v is None and name in ("n_group", "topk_group"):
+                continue
+            if not _is_int(v) or v < low or v > _MAX_COUNT:
+                raise TraceFormatError(
+                    f"model {self.name!r}: `{name}` must be a whole number in {low}..{_MAX_COUNT:,}, got {v!r}"
+                )
+        if not isinstance(self.moe_layers, (list, tuple)) or not all(_is_int(x) for x in self.moe_layers):
+            raise TraceFormatError(f"model {self.name!r}: `moe_layers` must be a list of layer indices, got {self.moe_layers!r}")
+        if (self.n_group is None) != (self.topk_group is None):
+            raise TraceFormatError(f"model {self.name!r}: `n_group` and `topk_group` go together (both or neither)")
+        if self.n_group is not None and (self.num_experts % self.n_group or self.topk_group > self.n_group):
+            raise TraceFormatError(
+                f"model {self.name!r}: n_group={self.n_group} must divide num_experts={self.num_experts} and "
+                f"topk_group={self.topk_group} must be <= n_group"
+            )
         layers = list(self.moe_layers)
         if not layers:
             raise TraceFormatError(f"model {self.name!r}: moe_layers is empty; a trace needs at least one MoE layer")
@@ -162,3 +192,13 @@ def check_manifest_header(manifest: dict[str, Any], *, where: str) -> None:
         raise TraceFormatError(
             f"{where}: trace format version {manifest.get('version')!r} is not supported (this moetrace reads {VERSION})"
         )
+    if not isinstance(manifest.get("complete"), bool):
+        raise TraceFormatError(f"{where}: `complete` must be true or false, got {manifest.get('complete')!r}")
+    totals = manifest.get("totals")
+    if totals is not None and (
+        not isinstance(totals, dict) or any(not _is_int(v) or v < 0 for k, v in totals.items() if k in ("num_requests", "num_tokens"))
+    ):
+        raise TraceFormatError(f"{where}: `totals` must hold whole, non-negative num_requests and num_tokens, got {totals!r}")
+    for key in ("backend", "collection", "writer"):
+        if key in manifest and not isinstance(manifest[key], dict):
+            raise TraceFormatError(f"{where}: `{key}` must be an object, got {type(manifest[key]).__name__}")

@@ -48,7 +48,7 @@ def find_problems(path: str | os.PathLike) -> list[str]:
         model = ModelInfo.from_dict(manifest.get("model") or {})
     except (TraceFormatError, TypeError, ValueError) as exc:
         return [str(exc)]
-    if manifest.get("complete") is not True:
+    if not manifest["complete"]:  # a boolean: check_manifest_header made sure
         problems.append(f"{MANIFEST}: `complete` is {manifest.get('complete')!r}: the collection did not finish (resume it)")
     for key in ("backend", "collection"):
         if not isinstance(manifest.get(key), dict):
@@ -73,6 +73,8 @@ def find_problems(path: str | os.PathLike) -> list[str]:
         problems.append(f"{ROUTING_DIR}/{n}: no matching {REQUESTS_DIR}/{n} (uncommitted part)")
     for n in sorted(qnames - rnames):
         problems.append(f"{REQUESTS_DIR}/{n}: no matching {ROUTING_DIR}/{n} (its routing rows are missing)")
+    if manifest["complete"] and not qnames:
+        problems.append(f"{MANIFEST}: says `complete: true` but the trace holds no committed parts (no requests/*.parquet)")
 
     X = model.ids_per_token
     E = model.num_experts
@@ -87,10 +89,13 @@ def find_problems(path: str | os.PathLike) -> list[str]:
             for col in ("prompt_text", "output_text"):
                 if col in t.column_names and t.column(col).null_count < t.num_rows:
                     problems.append(f"{REQUESTS_DIR}/{n}: holds `{col}` but the manifest does not record that text was opted in")
-        if not bad:
+        nulls = [c for c in REQUIRED_REQUESTS if not bad and t.column(c).null_count]
+        for c in nulls:
+            problems.append(f"{REQUESTS_DIR}/{n}: `{c}` is null in {t.column(c).null_count} row(s)")
+        if not bad and not nulls:
             req_tables.append(t.select(list(REQUIRED_REQUESTS)))
     if req_tables:
-        req = pa.concat_tables(req_tables)
+        req = pa.concat_tables(req_tables, promote_options="permissive")  # nullable or not: same values
         rid = req.column("request_id").to_numpy()
         uniq, counts = np.unique(rid, return_counts=True)
         for r in uniq[counts > 1][:20]:
@@ -131,8 +136,15 @@ def find_problems(path: str | os.PathLike) -> list[str]:
                 problems.append(f"{where}: optional column `weights` has type {wt}, expected fixed_size_list<float32>[{X}]")
         if bad:
             continue
-        if t.column("experts").null_count:
-            problems.append(f"{where}: `experts` has {t.column('experts').null_count} null rows")
+        for c in ("request_id", "position", "stage", "experts"):
+            if t.column(c).null_count:
+                problems.append(f"{where}: `{c}` is null in {t.column(c).null_count} row(s)")
+                bad = True
+        if pc.list_flatten(t.column("experts")).null_count:
+            problems.append(f"{where}: `experts` lists hold {pc.list_flatten(t.column('experts')).null_count} null ids")
+            bad = True
+        if bad:
+            continue
         ids = pc.list_flatten(t.column("experts")).to_numpy()
         out = (ids != NO_EXPERT) & ((ids < 0) | (ids >= E))
         if out.any():

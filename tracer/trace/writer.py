@@ -16,19 +16,22 @@ Out of scope: what the rows mean (``schema``), file names (``layout``), reading 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace.atomic import write_json_atomic
-from moetrace.errors import OutputExistsError, TraceFormatError
+from moetrace.errors import OutputExistsError, TraceFormatError, WriteError
+from moetrace.tracer.trace.lock import lock_trace
 from moetrace.tracer.trace.layout import MANIFEST, PART_RE, REQUESTS_DIR, ROUTING_DIR, part_name
 from moetrace.tracer.trace.schema import (
     STAGE_DECODE,
@@ -118,11 +121,19 @@ class TraceWriter:
         self.routing_schema = routing_schema(model.ids_per_token, with_weights=with_weights)
         self.requests_schema = requests_schema(with_text=with_text)
         self._closed = False
+        self._failed: BaseException | None = None  # the error that stopped this writer, if one did
 
         self.completed_request_ids: set[int] = set()
         self._prior_tokens = 0
         self._prior_parts = 0
-        self._prepare_directory(on_existing, backend=backend, collection=collection)
+        # one writer per trace (shards: one per shard), taken before anything on disk is touched
+        shard_lock = None if manifest_name == MANIFEST else str(Path(manifest_name).with_name(f".{Path(manifest_name).stem}.lock"))
+        self._lock = lock_trace(self.path, shard_lock=shard_lock)
+        try:
+            self._prepare_directory(on_existing, backend=backend, collection=collection)
+        except BaseException:
+            self._lock.release()
+            raise
         self._next_seq = self._first_free_seq()
 
         # the open part
@@ -385,25 +396,29 @@ class TraceWriter:
     def _flush_row_group(self) -> None:
         if not self._buf:
             return
-        if self._pq is None:
-            self._open_part()
-        table = pa.Table.from_batches(self._buf, schema=self.routing_schema)
-        self._pq.write_table(table, row_group_size=max(table.num_rows, 1))
+        with self._on_write_error():
+            if self._pq is None:
+                self._open_part()
+            table = pa.Table.from_batches(self._buf, schema=self.routing_schema)
+            self._pq.write_table(table, row_group_size=max(table.num_rows, 1))
         self._buf = []
         self._buf_tokens = 0
 
     def commit(self) -> None:
         """Close the open part: everything added so far becomes durable and visible to readers."""
+        if self._failed is not None:
+            raise RuntimeError("this TraceWriter failed to write a part and cannot go on; resume the trace instead")
         if not self._req_rows:
             return
         self._flush_row_group()
         assert self._pq is not None and self._part_name is not None
-        self._pq.close()
         rdir, qdir = self.path / ROUTING_DIR, self.path / REQUESTS_DIR
-        _fsync_file(rdir / f".{self._part_name}.tmp")
         req_tmp = qdir / f".{self._part_name}.tmp"
-        pq.write_table(pa.Table.from_pylist(self._req_rows, schema=self.requests_schema), req_tmp, compression="zstd")
-        _fsync_file(req_tmp)
+        with self._on_write_error():
+            self._pq.close()
+            _fsync_file(rdir / f".{self._part_name}.tmp")
+            pq.write_table(pa.Table.from_pylist(self._req_rows, schema=self.requests_schema), req_tmp, compression="zstd")
+            _fsync_file(req_tmp)
         os.replace(rdir / f".{self._part_name}.tmp", rdir / self._part_name)  # routing first
         os.replace(req_tmp, qdir / self._part_name)  # then requests: the commit point
         self.completed_request_ids.update(r["request_id"] for r in self._req_rows)
@@ -412,18 +427,43 @@ class TraceWriter:
         self._part_tokens = 0
         self._req_rows = []
 
+    @contextlib.contextmanager
+    def _on_write_error(self) -> Iterator[None]:
+        """A failed write (disk full, I/O error) drops the open part, whose requests were never committed,
+        and becomes one clean error naming the cause; the committed parts stay and the trace stays resumable."""
+        try:
+            yield
+        except (OSError, pa.ArrowException) as exc:
+            self._failed = exc
+            name = self._part_name
+            if self._pq is not None:
+                with contextlib.suppress(OSError, pa.ArrowException):  # the part is being discarded anyway
+                    self._pq.close()
+            for sub in (ROUTING_DIR, REQUESTS_DIR):
+                if name is not None:
+                    (self.path / sub / f".{name}.tmp").unlink(missing_ok=True)
+            self._pq, self._part_name, self._buf, self._req_rows = None, None, [], []
+            raise WriteError(_describe_write_error(exc, self.path)) from exc
+
     def close(self, *, complete: bool = True, extra_manifest: dict[str, Any] | None = None) -> WriterStats:
         """Commit what is buffered and finalize the manifest (``complete`` as given)."""
         if self._closed:
             return self.stats()
-        self.commit()
-        self._closed = True
-        stats = self.stats()
-        self._manifest["complete"] = bool(complete)
-        self._manifest["totals"] = {"num_requests": stats.num_requests, "num_tokens": stats.num_tokens}
-        if extra_manifest:
-            self._manifest.update(extra_manifest)
-        write_json_atomic(self._manifest_path, self._manifest)
+        if self._failed is not None:  # nothing more can be written; the manifest on disk says incomplete
+            self._closed = True
+            self._lock.release()
+            return self.stats()
+        try:
+            self.commit()
+            self._closed = True
+            stats = self.stats()
+            self._manifest["complete"] = bool(complete)
+            self._manifest["totals"] = {"num_requests": stats.num_requests, "num_tokens": stats.num_tokens}
+            if extra_manifest:
+                self._manifest.update(extra_manifest)
+            write_json_atomic(self._manifest_path, self._manifest)
+        finally:
+            self._lock.release()  # also when the last commit failed (disk full): the trace stays resumable
         return stats
 
     def update_manifest(self, **sections: Any) -> None:
@@ -439,6 +479,18 @@ class TraceWriter:
             num_parts=len(list((self.path / REQUESTS_DIR).glob(own))),
             bytes_on_disk=sum(f.stat().st_size for f in files),
         )
+
+
+def _describe_write_error(exc: BaseException, path: Path) -> str:
+    code = getattr(exc, "errno", None)
+    if code == errno.ENOSPC or "No space left on device" in str(exc):
+        cause = "no space left on device"
+    elif code == errno.EDQUOT:
+        cause = "disk quota exceeded"
+    else:
+        cause = str(exc).splitlines()[0]
+    return (f"cannot write the trace {path}: {cause}. The requests committed so far are kept; free space, then run "
+            "the same command again (with --resume where the command has it)")
 
 
 def _fsync_file(path: Path) -> None:

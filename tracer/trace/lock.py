@@ -1,0 +1,116 @@
+"""One writer per trace: an OS file lock held for the writer's whole life, released by the OS on a crash.
+
+A trace directory has a lock file ``.writer.lock``. A whole-trace writer (``collect``, ``import``,
+``synth``; resume or overwrite) holds it exclusively. The shards of a sharded collection share the
+directory by design: each holds ``.writer.lock`` *shared* (so no whole-trace writer can start, and
+in particular no ``--overwrite`` can delete their parts) plus its own ``manifests/.shard-SSS.lock``
+exclusively (so one shard never runs twice). A writer that cannot get its locks is refused at once
+with the holder's pid, host, command and start time, which the holder writes into the lock file.
+
+The locks are ``flock(2)`` locks: the kernel drops them when the holding process dies, even by
+``kill -9``, so a crashed writer never blocks its own ``--resume``. They hold on local file systems
+and on NFSv4 (where Linux maps them to byte-range locks).
+
+Out of scope: what the writer writes (``writer``), readers (a reader never takes a lock: it reads
+committed parts only, see ``writer``'s crash-safety notes).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import IO, Literal
+
+from moetrace.errors import TraceBusyError
+
+TRACE_LOCK = ".writer.lock"
+
+Mode = Literal["exclusive", "shared"]
+
+
+def _holder_info() -> dict[str, object]:
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "command": " ".join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]])[:300],
+        "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _describe_holder(path: Path) -> str:
+    try:
+        h = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        h = {}
+    if not isinstance(h, dict) or "pid" not in h:
+        return "another process"
+    return f"pid {h.get('pid')} on {h.get('host')} ({h.get('command')!s}, started {h.get('started')})"
+
+
+class WriterLock:
+    """The locks one trace writer holds; :meth:`release` (or process exit) gives them back."""
+
+    def __init__(self) -> None:
+        self._files: list[tuple[IO[str], Mode]] = []
+
+    def _take(self, path: Path, mode: Mode, *, busy: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f.fileno(), (fcntl.LOCK_EX if mode == "exclusive" else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            raise TraceBusyError(busy) from None
+        except OSError as exc:  # a file system without locks: say so rather than write unprotected
+            f.close()
+            raise TraceBusyError(
+                f"{path.parent}: cannot lock {path.name} ({exc.strerror}); this file system does not support "
+                "file locks, so moetrace cannot guarantee a single writer. Write the trace to a local disk."
+            ) from None
+        f.truncate(0)  # whatever a crashed holder left there is stale now
+        if mode == "exclusive":  # the holder names itself for whoever is refused
+            f.write(json.dumps(_holder_info()))
+            f.flush()
+        self._files.append((f, mode))
+
+    def release(self) -> None:
+        for f, mode in reversed(self._files):
+            if mode == "exclusive":
+                f.truncate(0)  # a released lock names no holder
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            f.close()
+        self._files = []
+
+
+def lock_trace(path: str | os.PathLike, *, shard_lock: str | None = None) -> WriterLock:
+    """Take the writer locks of trace directory ``path`` (created if missing).
+
+    ``shard_lock=None``: the whole trace, exclusively. ``shard_lock="manifests/.shard-003.lock"``: the
+    trace shared with the other shards, and that shard's lock exclusively. Raises
+    :class:`~moetrace.errors.TraceBusyError` naming the holder when another writer has them.
+    """
+    p = Path(path)
+    lock = WriterLock()
+    trace_lock = p / TRACE_LOCK
+    if shard_lock is None:
+        busy = (f"{p} is being written by {_describe_holder(trace_lock)}; wait for it to finish or stop it "
+                "(a stopped run is continued with --resume), or choose another -o")
+        if not _describe_holder(trace_lock).startswith("pid"):
+            busy = (f"{p} is being written by running shards of a sharded collection (manifests/.shard-*.lock); "
+                    "wait for them to finish, then `moetrace merge-shards`")
+        lock._take(trace_lock, "exclusive", busy=busy)
+        return lock
+    lock._take(trace_lock, "shared", busy=f"{p} is being written by {_describe_holder(trace_lock)} as a whole "
+               "trace; a shard cannot join it. Wait for it to finish, or collect the shards into another -o")
+    shard = p / shard_lock
+    try:
+        lock._take(shard, "exclusive", busy=f"{p}: this shard is already being collected by {_describe_holder(shard)}")
+    except TraceBusyError:
+        lock.release()
+        raise
+    return lock
