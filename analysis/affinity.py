@@ -16,7 +16,8 @@ Definitions, per MoE layer l (pairs counted over all top-k × top-k combinations
   lift = C_l[a, b] / (n_a n_b / T_l), with n_a tokens routed to a and T_l routed tokens at l (1 =
   as often as independent choices would pair them).
 
-Shape legend: T tokens, L layers, K top-k, E experts, X = L*K.
+Shape legend (docs/architecture.md): T tokens, L MoE layers, K top-k slots per token, E logical experts per layer,
+X = L*K flat ids of one token.
 
 Out of scope: per-request statistics (``counts``, ``correlation``).
 """
@@ -29,10 +30,8 @@ from typing import Callable
 
 import numpy as np
 import polars as pl
-import pyarrow.parquet as pq
 
 from moetrace._deps import require
-from moetrace.analysis.counts import _ids_view, _iter_batches
 from moetrace.tracer.trace.reader import Trace, open_trace
 
 _KERNELS: dict[str, Callable] = {}
@@ -123,7 +122,7 @@ def pair_counts(
         trace = open_trace(trace, require_complete=not allow_incomplete)
     m = trace.model
     L, K, E = m.num_moe_layers, m.top_k, m.num_experts
-    total = sum(pq.read_metadata(f).num_rows for f in trace.routing_files())
+    total = trace.num_tokens()
     p = 1.0 if total <= max_tokens else max_tokens / total
     rng = np.random.default_rng(seed)
     cross = np.zeros((max(L - 1, 0), E, E), np.int64)
@@ -131,10 +130,11 @@ def pair_counts(
     single = np.zeros((L, E), np.int64)
     tokens = np.zeros(L, np.int64)
     kept = 0
-    for rb in _iter_batches(trace, batch_tokens):
-        keep = np.ones(rb.num_rows, bool) if p >= 1 else rng.random(rb.num_rows) < p
+    for ta in trace.iter_token_arrays(batch_tokens=batch_tokens):  # checked against the manifest, row by row
+        T = ta.row_T.shape[0]
+        keep = np.ones(T, bool) if p >= 1 else rng.random(T) < p
         kept += int(keep.sum())
-        _run(_ids_view(rb, L * K), keep, K, cross, co, single, tokens)
+        _run(ta.topk_ids_TLK.reshape(T, L * K), keep, K, cross, co, single, tokens)
     return PairCounts(
         cross_LEE=cross, co_LEE=co, single_LE=single, tokens_L=tokens, num_sampled=kept, num_tokens=total,
         model_layers=tuple(m.moe_layers),

@@ -14,7 +14,7 @@ its dataset. Protocol:
    training labels and scores on the true test labels (it must land near chance; if it does not,
    the split leaks); confusion matrices (rows true, columns predicted, test counts) per layer.
 
-Shape legend: R requests, L layers, E experts, D datasets.
+Shape legend (docs/architecture.md): R requests, L MoE layers, E logical experts per layer, D datasets.
 
 Out of scope: predicting a cluster for routing at serving time (``placement``).
 """

@@ -17,7 +17,8 @@ a scope without tokens, and NaNs are left out of every mean):
   |hot|. Baseline: predict the k experts with the most prefill tokens over the whole trace
   (popularity) instead. Requests without decode tokens at the layer are left out.
 
-Shape legend: R requests, S stages, L layers, E experts, D datasets.
+Shape legend (docs/architecture.md): R requests, S stages (prefill, decode), L MoE layers, E logical experts per layer,
+D datasets, N rows of anything else (the generic helpers' rows: datasets, or requests × layers).
 
 Out of scope: the counting itself (``counts``), token-level statistics (``affinity``).
 """

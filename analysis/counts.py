@@ -11,9 +11,9 @@ request's ``prompt_tokens`` are prefill (s = 0), the rest decode (s = 1), which 
 ``stage`` column of a valid trace (SPEC §2), so the string column is never read. Ids == -1
 (nothing recorded: the final generated token, prefix-cache hits) are skipped.
 
-Shape legend:
-    T tokens, R requests, S stages (0 prefill, 1 decode), L MoE layers, K top-k, E experts,
-    X = L*K ids per token (row-major [layer][slot]).
+Shape legend (docs/architecture.md): T tokens, R requests, S stages (0 prefill, 1 decode), L MoE layers, K top-k slots
+per token, E logical experts per layer, X = L*K flat ids of one token (row-major [layer][slot]),
+D datasets, N rows of anything else (the kernel's layer chunks).
 
 Counts dtype: the smallest unsigned integer that holds the largest per-request stage length among
 the selected stages (uint8 up to 255 tokens, uint16 up to 65535, else uint32). A valid router picks
@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from moetrace._deps import require
 from moetrace.errors import ConfigError, TraceFormatError
+from moetrace.results import ANALYSIS, COUNTS, table_metadata
 from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL
 from moetrace.tracer.trace.reader import Trace, open_trace
 
@@ -103,7 +104,7 @@ def _kernel() -> Callable:
         T = topk_ids_TX.shape[0]
         E = counts_RSLE.shape[3]
         n_sel = layers_L.shape[0]
-        bad_C = np.zeros(num_chunks, dtype=np.int64)
+        bad_N = np.zeros(num_chunks, dtype=np.int64)
         for c in numba.prange(num_chunks):
             lo = c * n_sel // num_chunks
             hi = (c + 1) * n_sel // num_chunks
@@ -124,8 +125,8 @@ def _kernel() -> Callable:
                                     bad += 1
                             else:
                                 bad += 1
-            bad_C[c] = bad
-        return bad_C.sum()
+            bad_N[c] = bad
+        return bad_N.sum()
 
     _KERNELS["count"] = count_kernel
     return count_kernel
@@ -170,25 +171,9 @@ def _num_threads() -> int:
 
 # ---------------------------------------------------------------------------------- streaming
 def read_requests(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The requests table as arrays sorted by request id: ``request_id_R, dataset_R, prompt_tokens_R, output_tokens_R``."""
-    files = trace.requests_files()
-    if not files:
-        raise TraceFormatError(f"{trace.path}: the trace holds no committed requests")
-    try:
-        table = pa.concat_tables(
-            [pq.read_table(f, columns=["request_id", "dataset", "prompt_tokens", "output_tokens"]) for f in files]
-        )
-    except (pa.ArrowException, OSError) as exc:
-        raise TraceFormatError(f"{trace.path}: a requests part cannot be read ({exc}); run `moetrace validate`") from exc
-    rid = table.column("request_id").to_numpy()
-    order = np.argsort(rid, kind="stable")
-    rid = rid[order]
-    if rid.size > 1 and np.any(rid[1:] == rid[:-1]):
-        raise TraceFormatError(f"{trace.path}: duplicate request ids in requests/*.parquet; run `moetrace validate`")
-    dataset = np.asarray(table.column("dataset").to_pylist(), dtype=str)[order]
-    ptok = table.column("prompt_tokens").to_numpy().astype(np.int32)[order]
-    otok = table.column("output_tokens").to_numpy().astype(np.int32)[order]
-    return rid, dataset, ptok, otok
+    """The requests table as arrays sorted by request id: ``request_id_R, dataset_R, prompt_tokens_R, output_tokens_R``
+    (checked by the trace reader: :attr:`~moetrace.tracer.trace.reader.Trace.request_arrays`)."""
+    return tuple(trace.request_arrays)  # type: ignore[return-value]
 
 
 def _counts_dtype(max_count: int) -> np.dtype:
@@ -196,29 +181,6 @@ def _counts_dtype(max_count: int) -> np.dtype:
         if max_count <= np.iinfo(dt).max:
             return np.dtype(dt)
     return np.dtype(np.uint64)
-
-
-def _num_rows(f: Path, trace: Trace) -> int:
-    try:
-        return pq.read_metadata(f).num_rows
-    except (pa.ArrowException, OSError) as exc:
-        raise TraceFormatError(f"{f}: cannot be read ({exc}); run `moetrace validate {trace.path}`") from exc
-
-
-def _iter_batches(trace: Trace, batch_tokens: int) -> Iterator[pa.RecordBatch]:
-    for f in trace.routing_files():
-        try:
-            pf = pq.ParquetFile(f, memory_map=True)
-            yield from pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "experts"], use_threads=True)
-        except (pa.ArrowException, OSError) as exc:
-            raise TraceFormatError(f"{f}: cannot be read ({exc}); run `moetrace validate {trace.path}`") from exc
-
-
-def _ids_view(rb: pa.RecordBatch, X: int) -> np.ndarray:
-    col = rb.column("experts")
-    flat = col.values.to_numpy(zero_copy_only=False)
-    start = col.offset * X
-    return flat[start : start + rb.num_rows * X].reshape(rb.num_rows, X)
 
 
 def count_trace(
@@ -280,28 +242,19 @@ def count_trace(
     stage_of = np.array([stages.index(s) if s in stages else -1 for s in STAGES], dtype=np.int8)
     layers_arr = np.asarray(layer_sel, dtype=np.int64)
 
-    total = sum(_num_rows(f, trace) for f in trace.routing_files())
+    total = trace.num_tokens()
     done = 0
-    for rb in _iter_batches(trace, batch_tokens):
-        rid_T = rb.column("request_id").to_numpy()
-        row_T = np.searchsorted(rid_R, rid_T)
-        row_T[row_T >= R] = 0
-        missing = rid_R[row_T] != rid_T if R else np.ones(rid_T.shape, bool)
-        if missing.any():
-            raise TraceFormatError(
-                f"{trace.path}: routing rows of request ids {np.unique(rid_T[missing])[:5].tolist()} have no row in "
-                "requests/*.parquet; run `moetrace validate`"
-            )
-        is_decode_T = rb.column("position").to_numpy() >= ptok_R[row_T]
+    for ta in trace.iter_token_arrays(batch_tokens=batch_tokens):  # checked against the manifest, row by row
+        T = ta.row_T.shape[0]
         count_arrays(
             counts,
-            row_T=row_T,
-            stage_T=stage_of[is_decode_T.view(np.int8)],
-            topk_ids_TX=_ids_view(rb, L * K),
+            row_T=ta.row_T,
+            stage_T=stage_of[ta.is_decode_T.view(np.int8)],
+            topk_ids_TX=ta.topk_ids_TLK.reshape(T, L * K),
             layers_L=layers_arr,
             top_k=K,
         )
-        done += rb.num_rows
+        done += T
         if progress is not None:
             progress(done, total)
 
@@ -347,7 +300,8 @@ def write_counts_table(counts: RequestCounts, path: str | os.PathLike, *, chunk_
     model_layer = np.asarray(counts.model_layers, dtype=np.int16)
     layer = np.asarray(counts.layers, dtype=np.int16)
     n = 0
-    with pq.ParquetWriter(tmp, COUNTS_TABLE_SCHEMA, compression="zstd") as w:
+    schema = COUNTS_TABLE_SCHEMA.with_metadata(table_metadata(ANALYSIS, COUNTS))  # its format and version
+    with pq.ParquetWriter(tmp, schema, compression="zstd") as w:
         for lo in range(0, counts.num_requests, chunk_requests):
             block = counts.counts_RSLE[lo : lo + chunk_requests]
             r, s, l, e = np.nonzero(block)
@@ -363,7 +317,7 @@ def write_counts_table(counts: RequestCounts, path: str | os.PathLike, *, chunk_
                 pa.array(e.astype(np.int16)),
                 pa.array(block[r - lo, s, l, e].astype(np.int32)),
             ]
-            w.write_batch(pa.RecordBatch.from_arrays(cols, schema=COUNTS_TABLE_SCHEMA))
+            w.write_batch(pa.RecordBatch.from_arrays(cols, schema=schema))
             n += r.size
     os.replace(tmp, path)
     return n

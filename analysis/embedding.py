@@ -16,7 +16,8 @@ monotone function of cosine distance, or on their PCA projection; -1..1, higher 
 separate) and the adjusted Rand index between the labels and K-means clusters with C = number of
 datasets (0 = chance, 1 = identical). Silhouette of each 2-D embedding is reported too.
 
-Shape legend: R requests, L layers, E experts, F features, N embedded requests.
+Shape legend (docs/architecture.md): R requests, L MoE layers, E logical experts per layer, F features (L*E, or E for one
+layer), N rows of anything else (here the embedded requests subsample), C clusters (K-means).
 
 Out of scope: choosing clusters for placement (``placement``), drawing (``dashboards``).
 """
@@ -60,7 +61,7 @@ def stratified_subsample(label_R: np.ndarray, *, max_requests: int, seed: int) -
 
 
 def reduce_pca(features_NF: np.ndarray, *, num_components: int = 50, seed: int = 0) -> np.ndarray:
-    """The first ``num_components`` principal components (float32 ``[N, min(C, N, F)]``); as is if F is already small."""
+    """The first ``num_components`` principal components (float32 ``[N, min(num_components, N, F)]``); as is if F is already small."""
     N, F = features_NF.shape
     if F <= num_components:
         return features_NF

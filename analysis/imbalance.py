@@ -7,8 +7,8 @@ Definitions, for one layer in a scope (a dataset × stage, or a batch of request
     IF      = max_e load_e                                              (1 = perfectly balanced)
 A scope with no routed token has load and IF NaN.
 
-Shape legend: R requests, S stages, L layers, E experts, D datasets, B requests per batch,
-N batches.
+Shape legend (docs/architecture.md): R requests, S stages (prefill, decode), L MoE layers, E logical experts per layer,
+D datasets, B batches.
 
 Out of scope: counting (``counts``), placing experts to fix the imbalance (``placement``).
 """
@@ -99,7 +99,7 @@ def expert_load_table(counts: RequestCounts) -> pl.DataFrame:
 def batch_imbalance(
     counts_RSLE: np.ndarray, *, batch_size: int, seed: int, num_batches: int | None = None
 ) -> np.ndarray:
-    """IF of random serving-sized batches: float64 ``[N, S, L]``.
+    """IF of random serving-sized batches: float64 ``[B, S, L]``.
 
     The requests are shuffled (``seed``) and cut into consecutive batches of ``batch_size``
     requests (the remainder, under one batch, is dropped; at most ``num_batches`` batches); each
@@ -129,9 +129,9 @@ def batch_imbalance_table(counts: RequestCounts, *, batch_size: int, seed: int, 
         if idx.size < batch_size:
             continue
         sub = counts.counts_RSLE if idx.size == counts.num_requests else counts.counts_RSLE[idx]
-        if_NSL = batch_imbalance(sub, batch_size=batch_size, seed=seed, num_batches=num_batches)
-        N, S, L = if_NSL.shape
-        b, s, l = (a.ravel() for a in np.meshgrid(np.arange(N), np.arange(S), np.arange(L), indexing="ij"))
+        if_BSL = batch_imbalance(sub, batch_size=batch_size, seed=seed, num_batches=num_batches)
+        B, S, L = if_BSL.shape
+        b, s, l = (a.ravel() for a in np.meshgrid(np.arange(B), np.arange(S), np.arange(L), indexing="ij"))
         frames.append(
             pl.DataFrame(
                 {
@@ -140,7 +140,7 @@ def batch_imbalance_table(counts: RequestCounts, *, batch_size: int, seed: int, 
                     "stage": pl.Series(list(counts.stages)).gather(s),
                     "layer": np.asarray(counts.layers)[l],
                     "model_layer": np.asarray(counts.model_layers)[l],
-                    "imbalance_factor": if_NSL.ravel(),
+                    "imbalance_factor": if_BSL.ravel(),
                 }
             )
         )

@@ -1,10 +1,13 @@
 """``analyze()``: count once, run the chosen analyses, write every result into a results directory.
 
-Each result is a Parquet table (or JSON) named in ``docs/analysis.md``; ``manifest.json`` records
-what was computed, from which trace (path and the trace manifest's model/backend/collection),
-when, with which moetrace version and parameters; ``summary.json`` holds the headline numbers.
+Each result is a Parquet table (or JSON) named in ``docs/analysis.md``; the names, the format
+name and the version come from ``moetrace.results`` (``ANALYSIS``), and every file carries them
+(JSON keys, Parquet schema metadata). ``manifest.json`` records what was computed, from which trace
+(path and the trace manifest's model/backend/collection), when, with which moetrace version and
+parameters; ``summary.json`` holds the headline numbers.
 
-Out of scope: the algorithms themselves (one module each), drawing (``dashboards``).
+Out of scope: the algorithms themselves (one module each), drawing (``dashboards``), the result
+format's names (``moetrace.results``).
 """
 
 from __future__ import annotations
@@ -20,16 +23,14 @@ from typing import Any, Callable, Literal
 import numpy as np
 import polars as pl
 
+from moetrace import results as rf
 from moetrace.errors import ConfigError, OutputExistsError
-from moetrace.atomic import write_json_atomic
 from moetrace.tracer.trace.reader import open_trace
 
 Analysis = Literal["imbalance", "correlation", "embedding", "classify", "affinity", "counts"]
 #: what runs when nothing is chosen (``counts``, the tidy table, is opt-in: it can be large)
 DEFAULT_ANALYSES: tuple[str, ...] = ("imbalance", "correlation", "embedding", "classify", "affinity")
 ANALYSES: tuple[str, ...] = (*DEFAULT_ANALYSES, "counts")
-RESULTS_MANIFEST = "manifest.json"
-RESULTS_FORMAT = "moetrace.analysis"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +81,7 @@ def analyze(
     say = log or (lambda _msg: None)
     trace = open_trace(trace_path, require_complete=not config.allow_incomplete)
     out = Path(out)
-    if (out / RESULTS_MANIFEST).exists() and not overwrite:
+    if (out / rf.ANALYSIS_MANIFEST).exists() and not overwrite:
         raise OutputExistsError(f"{out} already holds analysis results; choose another -o or pass --overwrite")
     out.mkdir(parents=True, exist_ok=True)
     if config.embedding_layer is not None and config.layers is not None and config.embedding_layer not in config.layers:
@@ -92,9 +93,7 @@ def analyze(
     timings: dict[str, float] = {}
 
     def write(name: str, df: pl.DataFrame, what: str) -> None:
-        tmp = out / f".{name}.tmp"
-        df.write_parquet(tmp, compression="zstd")
-        os.replace(tmp, out / name)
+        rf.write_result_table(out, rf.ANALYSIS, name, df)
         files[name] = what
 
     needs_counts = [a for a in config.only if a != "affinity"]
@@ -109,8 +108,8 @@ def analyze(
 
     if "counts" in config.only:
         t0 = time.perf_counter()
-        n = write_counts_table(counts, out / "counts.parquet")
-        files["counts.parquet"] = "tidy non-zero token counts per request, stage, layer, expert"
+        n = write_counts_table(counts, out / rf.COUNTS)
+        files[rf.COUNTS] = "tidy non-zero token counts per request, stage, layer, expert"
         summary["counts_rows"] = n
         timings["counts_table"] = time.perf_counter() - t0
 
@@ -131,11 +130,9 @@ def analyze(
             timings[name] = time.perf_counter() - t0
 
     summary["seconds"] = round(time.perf_counter() - t_start, 3)
-    write_json_atomic(out / "summary.json", _jsonable(summary))
-    files["summary.json"] = "headline numbers"
+    rf.write_result_json(out, rf.ANALYSIS, rf.ANALYSIS_SUMMARY, _jsonable(summary))
+    files[rf.ANALYSIS_SUMMARY] = "headline numbers"
     manifest = {
-        "format": RESULTS_FORMAT,
-        "version": 1,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "moetrace_version": __version__,
         "trace": {
@@ -150,7 +147,7 @@ def analyze(
         "files": files,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }
-    write_json_atomic(out / RESULTS_MANIFEST, manifest)
+    rf.write_result_json(out, rf.ANALYSIS, rf.ANALYSIS_MANIFEST, manifest)
     return summary
 
 
@@ -159,8 +156,8 @@ def _run_imbalance(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     from moetrace.analysis.imbalance import batch_imbalance_table, expert_load_table, imbalance_table
 
     imb = imbalance_table(counts)
-    write("imbalance.parquet", imb, "imbalance factor per dataset, stage, layer")
-    write("expert_load.parquet", expert_load_table(counts), "expert load per dataset, stage, layer, expert")
+    write(rf.IMBALANCE, imb, "imbalance factor per dataset, stage, layer")
+    write(rf.EXPERT_LOAD, expert_load_table(counts), "expert load per dataset, stage, layer, expert")
     out: dict[str, Any] = {
         "mean_if": _nested(imb.group_by("dataset", "stage").agg(pl.col("imbalance_factor").mean()), "imbalance_factor")
     }
@@ -168,7 +165,7 @@ def _run_imbalance(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     if batch_size != config.batch_size:
         out["batch_size_note"] = f"batch size lowered to the {counts.num_requests} requests of the trace"
     bt = batch_imbalance_table(counts, batch_size=batch_size, seed=config.seed, num_batches=config.num_batches)
-    write("batch_imbalance.parquet", bt, f"imbalance factor of random batches of {batch_size} requests")
+    write(rf.BATCH_IMBALANCE, bt, f"imbalance factor of random batches of {batch_size} requests")
     out["batch_size"] = batch_size
     out["batch_if"] = _nested(
         bt.filter(pl.col("dataset") == "all").group_by("dataset", "stage").agg(pl.col("imbalance_factor").median().alias("median")),
@@ -186,17 +183,17 @@ def _run_correlation(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     )
 
     per_layer, mean = dataset_correlation(counts)
-    write("dataset_correlation.parquet", per_layer, "dataset × dataset Pearson r per stage and layer")
-    write("dataset_correlation_mean.parquet", mean, "dataset × dataset Pearson r per stage, mean over layers")
+    write(rf.DATASET_CORRELATION, per_layer, "dataset × dataset Pearson r per stage and layer")
+    write(rf.DATASET_CORRELATION_MEAN, mean, "dataset × dataset Pearson r per stage, mean over layers")
     out: dict[str, Any] = {}
     if "prefill" in counts.stages and "decode" in counts.stages:
         pooled = prefill_decode_pooled(counts)
-        write("prefill_decode_pooled.parquet", pooled, "pooled prefill↔decode r per dataset and layer")
+        write(rf.PREFILL_DECODE_POOLED, pooled, "pooled prefill↔decode r per dataset and layer")
         pr_layers, pr_req = prefill_decode_per_request(counts)
-        write("prefill_decode_per_request_layers.parquet", pr_layers, "per-request prefill↔decode r, mean per layer")
-        write("prefill_decode_per_request.parquet", pr_req, "per-request prefill↔decode r, mean over layers")
+        write(rf.PREFILL_DECODE_PER_REQUEST_LAYERS, pr_layers, "per-request prefill↔decode r, mean per layer")
+        write(rf.PREFILL_DECODE_PER_REQUEST, pr_req, "per-request prefill↔decode r, mean over layers")
         rec = prefill_decode_recall(counts, k=config.recall_k)
-        write("prefill_decode_recall.parquet", rec, "recall@k of decode hot experts from prefill counts")
+        write(rf.PREFILL_DECODE_RECALL, rec, "recall@k of decode hot experts from prefill counts")
         ds = pooled.filter(pl.col("dataset") != "all")
         out["prefill_decode_pooled"] = _mean(ds["pearson"])
         out["prefill_decode_pooled_by_dataset"] = {
@@ -226,8 +223,8 @@ def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
         max_requests_per_dataset=config.classify_max_requests_per_dataset,
     )
     acc, conf = classify_tables(res, model_layers=counts.model_layers)
-    write("classify_accuracy.parquet", acc, "test accuracy per layer, shuffled-label control, chance")
-    write("classify_confusion.parquet", conf, "confusion matrix per layer (test split)")
+    write(rf.CLASSIFY_ACCURACY, acc, "test accuracy per layer, shuffled-label control, chance")
+    write(rf.CLASSIFY_CONFUSION, conf, "confusion matrix per layer (test split)")
     return {
         "mean_accuracy": res.mean_accuracy,
         "best_layer_accuracy": float(res.accuracy_L.max()),
@@ -293,9 +290,9 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
             )
         scores.append(row)
     if frames:
-        write("embedding.parquet", pl.concat(frames), "2-D request embeddings (t-SNE/UMAP) per stage")
+        write(rf.EMBEDDING, pl.concat(frames), "2-D request embeddings (t-SNE/UMAP) per stage")
     if scores:
-        write("embedding_scores.parquet", pl.DataFrame(scores), "cluster quality vs dataset labels per stage")
+        write(rf.EMBEDDING_SCORES, pl.DataFrame(scores), "cluster quality vs dataset labels per stage")
     return {r["stage"]: {k: v for k, v in r.items() if k != "stage"} for r in scores}
 
 
@@ -304,8 +301,8 @@ def _run_affinity(trace, config: AnalyzeConfig, write) -> dict[str, Any]:
 
     pc = pair_counts(trace, max_tokens=config.affinity_max_tokens, seed=config.seed, allow_incomplete=config.allow_incomplete)
     aff = affinity_table(pc)
-    write("affinity.parquet", aff, "cross-layer affinity per consecutive MoE-layer pair")
-    write("coactivation.parquet", coactivation_table(pc), "expert pairs co-activated within a token, per layer, with lift")
+    write(rf.AFFINITY, aff, "cross-layer affinity per consecutive MoE-layer pair")
+    write(rf.COACTIVATION, coactivation_table(pc), "expert pairs co-activated within a token, per layer, with lift")
     return {
         "sampled_tokens": pc.num_sampled,
         "uncertainty_coefficient": _mean(aff["uncertainty_coefficient"]),

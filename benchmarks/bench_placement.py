@@ -14,8 +14,9 @@ import argparse
 import time
 from pathlib import Path
 
-from moetrace.placement.compare import STRATEGIES, CompareConfig, load_trace_data, run_compare
+from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
 from moetrace.placement.deployment import parse_deployment
+from moetrace.placement.strategies import STRATEGY_NAMES
 
 
 def main() -> None:
@@ -32,14 +33,14 @@ def main() -> None:
         synthesize(args.trace, model=model_info_for("deepseek-v3"), workers=2, plan=SynthPlan(
             datasets=ds, num_requests=args.requests, seed=1, knobs=load_calibration(default_calibration("deepseek-v3")),
             calibration="deepseek-v3"))
-    cfg = CompareConfig(deployment=parse_deployment("DP8TP8EP64"), strategies=STRATEGIES, num_batches=args.batches)
+    cfg = CompareConfig(deployment=parse_deployment("DP8TP8EP64"), strategies=STRATEGY_NAMES, num_batches=args.batches)
     t0 = time.perf_counter()
     data = load_trace_data(args.trace, test_fraction=cfg.test_fraction, seed=cfg.seed)
     t1 = time.perf_counter()
     res = run_compare(data, cfg)
     t2 = time.perf_counter()
     print(f"trace {args.trace}: {len(data.is_test_R)} requests, {data.test_topk_ids_TLK.shape[0]} held-out decode tokens")
-    print(f"load + count: {t1 - t0:.1f} s; place {len(STRATEGIES)} strategies + simulate {args.batches} batches x "
+    print(f"load + count: {t1 - t0:.1f} s; place {len(STRATEGY_NAMES)} strategies + simulate {args.batches} batches x "
           f"{cfg.batch_requests} requests x {data.model.num_moe_layers} layers: {t2 - t1:.1f} s")
     for r in res.summary_rows():
         print(f"  {r['strategy']:<12} inter-node normalized median {r['inter_node_normalized_median']:.3f}")

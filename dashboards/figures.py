@@ -3,8 +3,8 @@
 Each builder takes arrays with shape suffixes and the labels to print, and returns a
 ``go.Figure`` already finished with the report's look (``theme.finish``). None reads files.
 
-Shape legend: L layers, Y rows of a heatmap, X columns, N points, C categories, B values of a
-distribution.
+Shape legend (docs/architecture.md): L MoE layers, Y rows of a heatmap, Z columns of a heatmap, N rows of anything else
+(points of a scatter, values of a distribution).
 
 Out of scope: reading results (``section_*``), the page (``page``).
 """
@@ -33,7 +33,7 @@ def _colorbar(title: str) -> dict[str, Any]:
 
 
 def heatmap(
-    z_YX: np.ndarray,
+    z_YZ: np.ndarray,
     *,
     x: Sequence[Any],
     y: Sequence[Any],
@@ -51,9 +51,9 @@ def heatmap(
     show_values: bool = False,
     height: int = 460,
 ) -> Any:
-    """One heatmap ``z_YX`` (rows ``y``, columns ``x``); ``value_title`` names the quantity and unit."""
+    """One heatmap ``z_YZ`` (rows Y labelled ``y``, columns Z labelled ``x``); ``value_title`` names the quantity and unit."""
     go = plotly_go()
-    z = np.asarray(z_YX, dtype=np.float64)
+    z = np.asarray(z_YZ, dtype=np.float64)
     trace = go.Heatmap(
         z=z,
         x=[str(v) for v in x],
@@ -76,7 +76,7 @@ def heatmap(
 
 
 def heatmaps_by_layer(
-    z_LYX: np.ndarray,
+    z_LYZ: np.ndarray,
     *,
     layer_labels: Sequence[Any],
     x: Sequence[Any],
@@ -97,7 +97,7 @@ def heatmaps_by_layer(
 ) -> Any:
     """One heatmap per layer behind a layer slider; the colour range is shared by all layers."""
     go = plotly_go()
-    z = np.asarray(z_LYX, dtype=np.float64)
+    z = np.asarray(z_LYZ, dtype=np.float64)
     finite = z[np.isfinite(z)]
     lo = zmin if zmin is not None else (float(finite.min()) if finite.size else 0.0)
     hi = zmax if zmax is not None else (float(finite.max()) if finite.size else 1.0)
@@ -184,12 +184,12 @@ def distributions(
     colours: dict[str, str] | None = None,
     height: int = 420,
 ) -> Any:
-    """A box (or violin) per category of the values ``values[name]`` [B]."""
+    """A box (or violin) per category of the values ``values[name]`` [N]."""
     go = plotly_go()
     colours = colours or category_colours(list(values))
     fig = go.Figure()
-    for name, v_B in values.items():
-        v = np.asarray(v_B, dtype=np.float64)
+    for name, v_N in values.items():
+        v = np.asarray(v_N, dtype=np.float64)
         common = dict(
             y=v,
             name=str(name),
@@ -236,7 +236,8 @@ def scatter_by_category(
     cat_N = np.asarray(category_N).astype(str)
     idx, note = downsample(x_N.shape[0], cap=max_points, seed=seed)
     names = list(hover_N)
-    custom_NH = np.stack([np.asarray(hover_N[n])[idx] for n in names], axis=1) if names else None
+    # [N, len(names)]: one column per hover field (``customdata``)
+    custom_N_ = np.stack([np.asarray(hover_N[n])[idx] for n in names], axis=1) if names else None
     hover = "<br>".join(f"{n} %{{customdata[{j}]}}" for j, n in enumerate(names))
     colours = category_colours(cat_N.tolist())
     fig = go.Figure()
@@ -250,7 +251,7 @@ def scatter_by_category(
                 mode="markers",
                 name=name,
                 marker={"color": colours[name], "size": 6, "opacity": 0.8},
-                customdata=custom_NH[sel] if custom_NH is not None else None,
+                customdata=custom_N_[sel] if custom_N_ is not None else None,
                 hovertemplate=f"<b>{name}</b><br>{hover}<extra></extra>",
             )
         )

@@ -1,16 +1,20 @@
-"""Recognise what each dashboard input directory is, by its manifest file.
+"""Recognise what each dashboard input directory is, by the ``format`` of its manifest only.
 
 A directory is one of:
 
 - a **trace** (``manifest.json`` with ``format: "moetrace.trace"``, SPEC §2);
-- an **analysis** result (written by ``moetrace analyze``);
-- a **placement** result (written by ``moetrace compare``: ``compare.json`` beside ``layers.parquet``,
-  ``batches.parquet``, ``summary.parquet``, ``placements.parquet``).
+- an **analysis** result (``manifest.json`` with ``format: "moetrace.analysis"``, written by
+  ``moetrace analyze``);
+- a **placement** result (``compare.json`` with ``format: "moetrace.compare"``, written by
+  ``moetrace compare``).
 
+Result manifests are read and checked by ``moetrace.results.read_result_manifest`` (format name and
+version; a ``compare.json`` without a format was written by an older moetrace and says so).
 Anything else is an error that names the directory and what was expected, so a typo in a path
 never yields a silently empty report.
 
-Out of scope: reading the results themselves (``section_*``).
+Out of scope: reading the results themselves (``section_*``); the file names and formats
+(``moetrace.results``, ``moetrace.tracer.trace``).
 """
 
 from __future__ import annotations
@@ -21,17 +25,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from moetrace.errors import TraceFormatError
+from moetrace.results import ANALYSIS, COMPARE, KINDS, read_result_manifest
+from moetrace.tracer.trace.layout import MANIFEST as TRACE_MANIFEST
+from moetrace.tracer.trace.schema import FORMAT as TRACE_FORMAT
 
 InputKind = Literal["trace", "analysis", "placement"]
 
-#: (manifest file name, value of its ``format`` key, kind, keys it must have); the first match wins.
-#: ``compare.json`` carries no ``format`` key (as of this writing), so it is known by its keys.
-MANIFESTS: tuple[tuple[str, str | None, InputKind, tuple[str, ...]], ...] = (
-    ("manifest.json", "moetrace.trace", "trace", ()),
-    ("manifest.json", "moetrace.analysis", "analysis", ()),
-    ("compare.json", "moetrace.compare", "placement", ()),
-    ("compare.json", None, "placement", ("strategies", "reference", "num_ep")),
-)
+#: result kind (moetrace.results) -> the input kind the dashboard draws it as
+DRAWN: dict[str, InputKind] = {ANALYSIS.name: "analysis", COMPARE.name: "placement"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,37 +45,44 @@ class Input:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when it is unreadable or not an object."""
     try:
         obj = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return obj if isinstance(obj, dict) else None
 
 
 def detect(path: str | Path) -> Input:
-    """Classify ``path`` by the manifest it holds; raise ``TraceFormatError`` if it is none of them."""
+    """Classify ``path`` by its manifest's ``format``; raise ``TraceFormatError`` if it is none of them."""
     p = Path(path)
     if not p.is_dir():
         raise TraceFormatError(
             f"{p}: {'not a directory' if p.exists() else 'no such directory'}. Pass trace directories and the output directories of "
             "`moetrace analyze` / `moetrace compare`."
         )
+    names = list(dict.fromkeys([TRACE_MANIFEST, *(k.manifest for k in KINDS if k.manifest is not None)]))
+    result_formats = {k.format for k in KINDS}
     seen: list[str] = []
-    for name, fmt, kind, keys in MANIFESTS:
+    for name in names:
         f = p / name
-        if not f.exists():
+        if not f.is_file():
             continue
-        manifest = _read_json(f)
-        note = f"{name} (format {manifest.get('format')!r})" if manifest else f"{name} (unreadable)"
-        if note not in seen:
-            seen.append(note)
-        if manifest is None:
-            continue
-        if (fmt is not None and manifest.get("format") == fmt) or (fmt is None and all(k in manifest for k in keys)):
-            return Input(kind=kind, path=p, manifest=manifest)
-    expected = ", ".join(sorted({f"{n} with format {f!r}" for n, f, _, _ in MANIFESTS if f}))
+        obj = _read_json(f)
+        fmt = None if obj is None else obj.get("format")
+        if obj is not None and fmt == TRACE_FORMAT:
+            return Input(kind="trace", path=p, manifest=obj)
+        if obj is not None and (fmt in result_formats or fmt is None):
+            kind, manifest = read_result_manifest(f)  # raises: older moetrace (no format), unsupported version
+            if kind.name in DRAWN:
+                return Input(kind=DRAWN[kind.name], path=p, manifest=manifest)
+        seen.append(f"{name} (format {fmt!r})" if obj is not None else f"{name} (unreadable)")
+    expected = ", ".join(
+        [f"{TRACE_MANIFEST} with format {TRACE_FORMAT!r}"]
+        + [f"{k.manifest} with format {k.format!r}" for k in KINDS if k.name in DRAWN]
+    )
     found = f"; found {', '.join(seen)}" if seen else ""
     raise TraceFormatError(
-        f"{p}: not a trace, analysis or placement result directory (expected {expected}, or a compare.json{found}). "
+        f"{p}: not a trace, analysis or placement result directory (expected {expected}{found}). "
         "Pass the directory given to -o of `moetrace analyze` or `moetrace compare`, or a trace directory."
     )

@@ -1,10 +1,12 @@
 """Read access to a results directory for the sections: its tables, its trace, its label.
 
-A results directory is what ``moetrace analyze`` or ``moetrace compare`` wrote: a ``manifest.json``
-naming the trace it was computed from and a set of Parquet/JSON files. A section asks for a file by
-name and gets ``None`` when it is absent (that section is then left out, with a note).
+A results directory is what ``moetrace analyze`` or ``moetrace compare`` wrote: a manifest
+(``manifest.json`` or ``compare.json``) naming the trace it was computed from and a set of
+Parquet/JSON files. A section asks for a file by its name in ``moetrace.results`` and gets ``None``
+when it is absent (that section is then left out, with a note).
 
-Out of scope: recognising directories (``inputs``), drawing (``section_*``).
+Out of scope: recognising directories (``inputs``), drawing (``section_*``), the file names and
+formats (``moetrace.results``).
 """
 
 from __future__ import annotations
@@ -84,8 +86,8 @@ def datasets_all_last(values: list[str]) -> list[str]:
     return named + (["all"] if "all" in values else [])
 
 
-def pivot_LX(df: pl.DataFrame, *, x: str, x_order: list[Any], value: str, layers_L: np.ndarray) -> np.ndarray:
-    """``value`` as a dense ``[L, X]`` float array (NaN where a cell is absent)."""
+def pivot_LZ(df: pl.DataFrame, *, x: str, x_order: list[Any], value: str, layers_L: np.ndarray) -> np.ndarray:
+    """``value`` as a dense ``[L, Z]`` float array, Z the columns ``x_order`` (NaN where a cell is absent)."""
     xi = {v: i for i, v in enumerate(x_order)}
     li = {int(v): i for i, v in enumerate(layers_L)}
     out = np.full((len(layers_L), len(x_order)), np.nan)

@@ -12,7 +12,7 @@ Classifiers: accuracy by layer with the chance level and the shuffled-label cont
 (``classify_accuracy.parquet``), and the confusion matrix per layer behind a slider
 (``classify_confusion.parquet``: layer, model_layer, true_dataset, predicted_dataset, count).
 
-Shape legend: N requests in a scatter, L layers, D datasets.
+Shape legend (docs/architecture.md): N rows of anything else (points of a scatter, one per embedded request), L MoE layers.
 
 Out of scope: computing any of it (``moetrace.analysis.embedding`` / ``classify``).
 """

@@ -12,7 +12,7 @@ Figures (files and columns as written by ``moetrace.analysis.run``):
 - Recall@k of a request's decode hot experts from its prefill counts, by layer, against the
   popularity baseline (``prefill_decode_recall.parquet``, dataset ``all``).
 
-Shape legend: L layers, D datasets.
+Shape legend (docs/architecture.md): L MoE layers.
 
 Out of scope: computing any of it (``moetrace.analysis.correlation``).
 """

@@ -11,7 +11,7 @@ Figures (files and columns as written by ``moetrace.analysis.run``):
   Boxes are drawn from exact statistics of every batch (quartiles by linear interpolation,
   whiskers from min to max, the mean dashed), so no batch is dropped and the page stays small.
 
-Shape legend: L layers, D datasets (+ ``all``), E experts, S stages, B batches.
+Shape legend (docs/architecture.md): L MoE layers, D datasets (+ ``all``), E logical experts per layer.
 
 Out of scope: computing any of it (``moetrace.analysis.imbalance``).
 """
@@ -23,7 +23,7 @@ import polars as pl
 
 from moetrace.dashboards.figures import heatmap
 from moetrace.dashboards.page import Figure, Section
-from moetrace.dashboards.results import Results, box_stats, datasets_all_last, layer_order, pivot_LX
+from moetrace.dashboards.results import Results, box_stats, datasets_all_last, layer_order, pivot_LZ
 from moetrace.dashboards.theme import (
     OKABE_ITO,
     REFERENCE_LINE,
@@ -49,7 +49,7 @@ def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
         ds = datasets_all_last(imb["dataset"].unique().to_list())
         for stage in _stages(imb):
             sub = imb.filter(pl.col("stage") == stage)
-            z_LD = pivot_LX(sub, x="dataset", x_order=ds, value="imbalance_factor", layers_L=layers_L)
+            z_LD = pivot_LZ(sub, x="dataset", x_order=ds, value="imbalance_factor", layers_L=layers_L)
             fig = heatmap(
                 z_LD,
                 x=ds,
@@ -118,7 +118,7 @@ def _expert_load_figure(load: pl.DataFrame, res: Results, *, key: str) -> Figure
     fig = go.Figure()
     for i, (d, s) in enumerate(scopes):
         sub = load.filter((pl.col("dataset") == d) & (pl.col("stage") == s))
-        z_LE = pivot_LX(sub, x="expert", x_order=experts.tolist(), value="load", layers_L=layers_L)
+        z_LE = pivot_LZ(sub, x="expert", x_order=experts.tolist(), value="load", layers_L=layers_L)
         fig.add_trace(
             go.Heatmap(
                 z=z_LE.astype(np.float32),

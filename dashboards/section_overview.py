@@ -4,7 +4,7 @@ Read from a trace directory: ``manifest.json`` (model, backend, collection) and 
 Token counts are the requests table's ``prompt_tokens`` (prefill) and ``output_tokens`` (decode)
 sums, i.e. positions of the trace, including positions whose routing was not recorded (``-1``).
 
-Shape legend: R requests.
+Shape legend (docs/architecture.md): none; no shape-suffixed names here.
 
 Out of scope: routing statistics (those come from ``moetrace analyze`` results).
 """

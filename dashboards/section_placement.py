@@ -19,7 +19,8 @@ Measured all-to-all (replayed through real collectives) against these prediction
 results directory holds measurements; no moetrace command writes them yet, so it is listed as left
 out.
 
-Shape legend: S strategies, B global batches, L layers, P physical slots, N GPUs (EP ranks).
+Shape legend (docs/architecture.md): V strategies, B global batches, L MoE layers, P physical
+slots, W GPUs (EP ranks).
 
 Out of scope: placing or simulating (``moetrace.placement``).
 """
@@ -41,15 +42,11 @@ from moetrace.dashboards.theme import (
     height_for_rows,
     plotly_go,
 )
+from moetrace.placement.strategies import STRATEGIES
+from moetrace.results import COMPARE_BATCHES, COMPARE_LAYERS, COMPARE_PLACEMENTS, COMPARE_SUMMARY
 
-STRATEGY_NAMES = {
-    "linear": "linear (vLLM default)",
-    "round_robin": "round robin",
-    "random": "random",
-    "eplb": "EPLB",
-    "data": "data-based (core paper)",
-    "improved": "improved",
-}
+#: strategy -> its label in figures, in registry order (which also fixes each strategy's colour)
+STRATEGY_NAMES = {s.name: s.label for s in STRATEGIES}
 
 
 def strategy_colours(strategies: list[str]) -> dict[str, str]:
@@ -81,7 +78,7 @@ def placement_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
         f"{m.get('num_redundant', 0)} redundant slot(s) per layer."
     )
 
-    summary = res.table("summary.parquet")
+    summary = res.table(COMPARE_SUMMARY)
     if summary is not None:
         strategies = _strategies(res, summary)
         by = {r["strategy"]: r for r in summary.iter_rows(named=True)}
@@ -123,19 +120,19 @@ def placement_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
             )
         )
 
-    batches = res.table("batches.parquet")
+    batches = res.table(COMPARE_BATCHES)
     if batches is not None:
         figures.append(_fig9(batches, res, ref=ref, key=f"{kp}-normalized"))
     else:
         notes.append("batches.parquet absent: no normalized-volume figure")
 
-    layers = res.table("layers.parquet")
+    layers = res.table(COMPARE_LAYERS)
     if layers is not None:
         figures.extend(_per_layer(layers, res, ref=ref, key=f"{kp}-layers"))
     else:
         notes.append("layers.parquet absent: no per-layer figures")
 
-    places = res.table("placements.parquet")
+    places = res.table(COMPARE_PLACEMENTS)
     if places is not None:
         figures.append(_placement_map(places, res, key=f"{kp}-map"))
     else:
@@ -195,7 +192,7 @@ def _fig9(batches: pl.DataFrame, res: Results, *, ref: str, key: str) -> Figure:
     return Figure(
         key=key,
         figure=fig,
-        source=res.source("batches.parquet"),
+        source=res.source(COMPARE_BATCHES),
         caption="One value per simulated global batch (a decode step of every node's micro-batch): inter-node bytes of "
         f"dispatch and combine summed over MoE layers, divided by the median of {STRATEGY_NAMES.get(ref, ref)}. Box = "
         "quartiles, whiskers = 1.5 IQR, dashed = mean. Evaluated on held-out requests.",
@@ -251,14 +248,14 @@ def _per_layer(layers: pl.DataFrame, res: Results, *, ref: str, key: str) -> lis
         Figure(
             key=f"{key}-share",
             figure=f1,
-            source=res.source("layers.parquet"),
+            source=res.source(COMPARE_LAYERS),
             caption="Per layer: Σ over batches of inter-node bytes / Σ of all bytes (intra- and inter-node, dispatch and "
             "combine). Tokens whose experts sit on their own node cost no inter-node traffic.",
         ),
         Figure(
             key=f"{key}-normalized",
             figure=f2,
-            source=res.source("layers.parquet"),
+            source=res.source(COMPARE_LAYERS),
             caption=f"Per layer: median over batches of the layer's inter-node bytes divided by the median of "
             f"{STRATEGY_NAMES.get(ref, ref)} at that layer.",
         ),
@@ -320,7 +317,7 @@ def _placement_map(places: pl.DataFrame, res: Results, *, key: str) -> Figure:
     return Figure(
         key=key,
         figure=fig,
-        source=res.source("placements.parquet"),
+        source=res.source(COMPARE_PLACEMENTS),
         caption="Each cell is one physical expert slot; its colour is the logical expert it holds (hover for the id, GPU "
         "and node). A linear placement reads as a smooth gradient; a data-based one gathers each node's experts.",
     )

@@ -5,7 +5,7 @@ scales agree. Colour choices survive the common forms of colour blindness: Okabe
 categories (datasets, strategies), viridis/cividis for magnitudes, ColorBrewer RdBu (a diverging
 scale safe for red-green deficiency) centred on 0 for correlations.
 
-Shape legend: N points of a scatter, L layers.
+Shape legend (docs/architecture.md): none; no shape-suffixed names here.
 
 Out of scope: what a figure shows (the ``section_*`` modules), the page around it (``page``).
 """

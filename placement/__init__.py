@@ -1,5 +1,6 @@
 """``moetrace.placement``: deployments, request grouping, expert placers (pure functions of
-arrays), the all-to-all volume model, and exports for serving engines.
+arrays) and their registry (``strategies``), the all-to-all volume model, the printed reports,
+and exports for serving engines.
 
 Out of scope: reading raw traces beyond what ``moetrace.analysis.counts`` gives; drawing.
 """

@@ -12,38 +12,36 @@ decode position (one token per request). Within a node, requests go round robin 
 replicas and then over each replica's TP GPUs (the GPU the token is dispatched from). All strategies
 draw from the same random stream (seed), so baselines share their batches.
 
-Shape legend: R requests, L layers, E experts, K top-k, N tokens, B batches, G groups, F = L*E.
+The strategies come from the registry (``strategies.STRATEGIES``); the result files' names, format
+and version from ``moetrace.results`` (``COMPARE``).
 
-Out of scope: the algorithms themselves (pure functions in the sibling modules); rendering.
+Shape legend (docs/architecture.md): R requests, L MoE layers, E logical experts, K top-k
+slots, T tokens, B batches, G node groups, P physical slots.
+
+Out of scope: the algorithms themselves (pure functions in the sibling modules); the printed table
+(``report``); rendering.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from moetrace import results as rf
 from moetrace.errors import ConfigError, TraceFormatError
-from moetrace.placement.baselines import linear, random_placement, round_robin
-from moetrace.placement.data_placement import data_placement
 from moetrace.placement.deployment import Deployment
-from moetrace.placement.eplb import rebalance
 from moetrace.placement.exports import PlacementFile
-from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters, l2_normalize, predict_clusters
-from moetrace.placement.improved import improved_placement
+from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters, predict_clusters
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
+from moetrace.placement.strategies import PlacementInputs, check_strategies, get_strategy
 
-__all__ = ["Strategy", "STRATEGIES", "CompareConfig", "TraceData", "load_trace_data", "make_placement", "run_compare", "write_results"]
-
-Strategy = Literal["linear", "round_robin", "random", "eplb", "data", "improved"]
-STRATEGIES: tuple[str, ...] = ("linear", "round_robin", "random", "eplb", "data", "improved")
-GROUPED = ("data", "improved")
+__all__ = ["CompareConfig", "TraceData", "load_trace_data", "make_placement", "run_compare", "write_results"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,10 +61,7 @@ class CompareConfig:
     seed: int = 0  # split, K-means, random placement and batch sampling
 
     def __post_init__(self) -> None:
-        bad = [s for s in self.strategies if s not in STRATEGIES]
-        if bad or not self.strategies:
-            what = f"unknown strategies {bad}" if bad else "no strategy given"
-            raise ConfigError(f"{what}; choose from {', '.join(STRATEGIES)}")
+        check_strategies(self.strategies)
         if not (0.0 < self.test_fraction < 1.0):
             raise ConfigError(f"test fraction must be in (0, 1), got {self.test_fraction}")
         if self.num_batches < 1 or self.num_batch_requests < 0 or self.num_clusters < 0:
@@ -86,8 +81,8 @@ class TraceData:
     prefill_RLE: np.ndarray  # float32 [R, L, E] prefill token counts
     decode_RLE: np.ndarray  # float32 [R, L, E] decode token counts
     is_test_R: np.ndarray  # bool [R] held out from placement
-    test_topk_ids_TLK: np.ndarray  # int16 [N, L, K] decode tokens of test requests with at least one recorded id
-    test_req_N: np.ndarray  # int64 [N] row (0..R-1) of each test token's request
+    test_topk_ids_TLK: np.ndarray  # int16 [T, L, K] decode tokens of test requests with at least one recorded id
+    test_req_T: np.ndarray  # int64 [T] row (0..R-1) of each test token's request
 
 
 def load_trace_data(trace: str | os.PathLike, *, test_fraction: float, seed: int, allow_incomplete: bool = False) -> TraceData:
@@ -120,73 +115,68 @@ def load_trace_data(trace: str | os.PathLike, *, test_fraction: float, seed: int
     return TraceData(
         model=tr.model, trace_path=str(trace),
         prefill_RLE=counts.stage("prefill").astype(np.float32), decode_RLE=counts.stage("decode").astype(np.float32),
-        is_test_R=is_test, test_topk_ids_TLK=ids[order], test_req_N=req[order],
+        is_test_R=is_test, test_topk_ids_TLK=ids[order], test_req_T=req[order],
     )
 
 
 @dataclass(frozen=True, kw_only=True)
 class PlacedStrategy:
-    strategy: str
-    placement: Placement
-    grouping: Grouping | None = None
+    """One strategy's placement and, for grouped strategies, its grouping and router."""
+
+    strategy: str  # registry name (strategies.STRATEGIES)
+    placement: Placement  # over the MoE layers
+    grouping: Grouping | None = None  # clusters and their groups (grouped strategies)
     group_of_test_R: np.ndarray | None = None  # int64 [R] group of each request (test rows meaningful)
     router_match_rate: float | None = None  # share of test requests whose prefill-predicted cluster = decode cluster
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # provenance (eplb policy, groups without routed requests)
 
 
 def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, grouping: Grouping | None = None) -> PlacedStrategy:
-    """The placement of ``strategy`` from the training requests of ``data``."""
+    """The placement of ``strategy`` from the training requests of ``data`` (built through the registry).
+
+    Grouped strategies cluster the training requests first (or reuse ``grouping``), sum their decode
+    tokens per group into ``usage_GLE`` and route the held-out requests by their prefill vectors.
+    """
+    spec = get_strategy(strategy)
     m, dep = data.model, cfg.deployment
-    L, E = m.num_moe_layers, m.num_experts
-    P = dep.check_slots(num_experts=E, num_redundant=cfg.num_redundant)
-    shape = dict(num_layers=L, num_experts=E, num_slots=P, num_ranks=dep.num_ep)
+    L, E, G = m.num_moe_layers, m.num_experts, dep.num_groups
+    P = dep.check_slots(num_experts=E, num_redundant=cfg.num_redundant)  # before clustering: fail fast
     train = ~data.is_test_R
-    if strategy == "linear":
-        return PlacedStrategy(strategy=strategy, placement=linear(**shape))
-    if strategy == "round_robin":
-        return PlacedStrategy(strategy=strategy, placement=round_robin(**shape))
-    if strategy == "random":
-        return PlacedStrategy(strategy=strategy, placement=random_placement(**shape, seed=cfg.seed))
-    if strategy == "eplb":
-        load = data.decode_RLE[train].sum(0)
-        groups = m.n_group or 1
-        return PlacedStrategy(
-            strategy=strategy,
-            placement=rebalance(load, num_replicas=P, num_groups=groups, num_nodes=dep.num_nodes, num_gpus=dep.num_ep),
-            extra={"eplb_num_groups": groups, "eplb_policy": "hierarchical" if groups % dep.num_nodes == 0 else "global"},
-        )
-    if strategy not in GROUPED:
-        raise ConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-    G = dep.num_groups
-    if grouping is None:
-        grouping = fit_grouping(
-            data.decode_RLE[train].reshape(train.sum(), -1), data.prefill_RLE[train].reshape(train.sum(), -1),
-            num_clusters=cfg.num_clusters or G, num_groups=G, seed=cfg.seed,
-        )
-    train_group = groups_of_clusters(grouping.labels_R, grouping.cluster_to_groups)
-    usage = np.zeros((G, L, E))
-    np.add.at(usage, train_group, data.decode_RLE[train])
-    placer = data_placement if strategy == "data" else improved_placement
-    placement = placer(usage, num_slots=P, ranks_per_group=dep.ranks_per_node)
+    usage_GLE = None
+    if spec.grouped:
+        if grouping is None:
+            grouping = fit_grouping(
+                data.decode_RLE[train].reshape(train.sum(), -1), data.prefill_RLE[train].reshape(train.sum(), -1),
+                num_clusters=cfg.num_clusters or G, num_groups=G, seed=cfg.seed,
+            )
+        usage_GLE = np.zeros((G, L, E))
+        np.add.at(usage_GLE, groups_of_clusters(grouping.labels_R, grouping.cluster_to_groups), data.decode_RLE[train])
+    inputs = PlacementInputs(
+        num_layers=L, num_experts=E, num_slots=P,
+        num_ranks=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node, router_groups=m.n_group or 1,
+        seed=cfg.seed, load_LE=data.decode_RLE[train].sum(0), usage_GLE=usage_GLE,
+    )
+    placement, extra = spec.build(inputs)
+    if not spec.grouped:
+        return PlacedStrategy(strategy=strategy, placement=placement, extra=extra)
     R = len(data.is_test_R)
-    flat = lambda a: a.reshape(R, -1)  # noqa: E731
-    pred = predict_clusters(flat(data.prefill_RLE), grouping.prefill_centroids_CF)
-    truth = predict_clusters(flat(data.decode_RLE), grouping.decode_centroids_CF)
+    pred_R = predict_clusters(data.prefill_RLE.reshape(R, -1), grouping.prefill_centroids_CF)
+    truth_R = predict_clusters(data.decode_RLE.reshape(R, -1), grouping.decode_centroids_CF)
     test = data.is_test_R
     return PlacedStrategy(
-        strategy=strategy, placement=placement, grouping=grouping,
-        group_of_test_R=groups_of_clusters(pred, grouping.cluster_to_groups),
-        router_match_rate=float((pred[test] == truth[test]).mean()),
+        strategy=strategy, placement=placement, grouping=grouping, extra=extra,
+        group_of_test_R=groups_of_clusters(pred_R, grouping.cluster_to_groups),
+        router_match_rate=float((pred_R[test] == truth_R[test]).mean()),
     )
 
 
 def _sources(dep: Deployment, per_group: int) -> np.ndarray:
-    """EP rank each micro-batch position of each group dispatches from, int64 [G, per_group]."""
-    rep_node = dep.replica_node_D()
+    """EP rank each request position of each group's micro-batch dispatches from, int64 [G, per_group]."""
+    rep_node_A = dep.replica_node_A()
     out = np.empty((dep.num_groups, per_group), dtype=np.int64)
     j = np.arange(per_group)
     for g in range(dep.num_groups):
-        reps = np.flatnonzero(rep_node == g)
+        reps = np.flatnonzero(rep_node_A == g)
         if len(reps) == 0:
             raise ConfigError(f"{dep.name}: node {g} hosts no DP replica (TP wider than a node is not modelled)")
         src = np.stack([dep.replica_source_ranks(int(r)) for r in reps])  # [replicas, tp]
@@ -197,17 +187,17 @@ def _sources(dep: Deployment, per_group: int) -> np.ndarray:
 def _batches(
     data: TraceData, cfg: CompareConfig, group_of_R: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
-    """Token rows, batch index and source rank of every simulated token (int64 [N] each), and the
+    """Token rows, batch index and source rank of every simulated token (int64 [T] each), and the
     groups no held-out request was routed to (their micro-batches draw from all test requests)."""
     dep, B, G = cfg.deployment, cfg.num_batches, cfg.deployment.num_groups
     per_group = max(1, cfg.batch_requests // G)
     rng = np.random.default_rng([cfg.seed, 7])
     R = len(data.is_test_R)
-    ntok = np.bincount(data.test_req_N, minlength=R)
-    start = np.zeros(R, dtype=np.int64)
-    np.cumsum(ntok[:-1], out=start[1:])
-    usable = np.flatnonzero(data.is_test_R & (ntok > 0))
-    src_GJ = _sources(dep, per_group)
+    ntok_R = np.bincount(data.test_req_T, minlength=R)
+    start_R = np.zeros(R, dtype=np.int64)
+    np.cumsum(ntok_R[:-1], out=start_R[1:])
+    usable = np.flatnonzero(data.is_test_R & (ntok_R > 0))
+    src_GR = _sources(dep, per_group)
     rows, batch, src, empty = [], [], [], []
     u_pick = rng.random((B, G, per_group))
     u_pos = rng.random((B, G, per_group))
@@ -217,19 +207,21 @@ def _batches(
             empty.append(g)
             pool = usable
         req = pool[(u_pick[:, g] * len(pool)).astype(np.int64)]
-        tok = start[req] + (u_pos[:, g] * ntok[req]).astype(np.int64)
+        tok = start_R[req] + (u_pos[:, g] * ntok_R[req]).astype(np.int64)
         rows.append(tok.reshape(-1))
         batch.append(np.repeat(np.arange(B), per_group))
-        src.append(np.broadcast_to(src_GJ[g], (B, per_group)).reshape(-1))
+        src.append(np.broadcast_to(src_GR[g], (B, per_group)).reshape(-1))
     return np.concatenate(rows), np.concatenate(batch), np.concatenate(src), empty
 
 
 @dataclass(frozen=True, kw_only=True)
 class CompareResult:
-    config: dict[str, Any]
-    metrics: dict[str, dict[str, np.ndarray]]  # strategy -> metric -> [B, L]
-    placed: dict[str, PlacedStrategy]
-    model: Any
+    """What ``run_compare`` found: per strategy its placement and simulated traffic."""
+
+    config: dict[str, Any]  # the run's configuration, as written to compare.json
+    metrics: dict[str, dict[str, np.ndarray]]  # strategy -> metric -> float64 [B, L]
+    placed: dict[str, PlacedStrategy]  # strategy -> its placement
+    model: Any  # ModelInfo of the traced model
     reference: str  # strategy whose median normalizes inter-node volume
 
     def inter_BL(self, strategy: str) -> np.ndarray:
@@ -277,7 +269,7 @@ def run_compare(data: TraceData, cfg: CompareConfig) -> CompareResult:
         rows, batch, src, empty = _batches(data, cfg, placed[s].group_of_test_R)
         placed[s].extra["groups_without_routed_requests"] = empty
         metrics[s] = simulate_volume(
-            data.test_topk_ids_TLK[rows], placement=placed[s].placement, batch_N=batch, src_rank_N=src,
+            data.test_topk_ids_TLK[rows], placement=placed[s].placement, batch_T=batch, src_rank_T=src,
             num_batches=cfg.num_batches, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node,
             bytes_per_token=m.hidden_size * cfg.bytes_per_value, dedup=cfg.dedup, policy=cfg.replica_policy,
         )
@@ -315,7 +307,8 @@ def placement_file(data: TraceData, cfg: CompareConfig, ps: PlacedStrategy) -> P
 
 
 def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
-    """Write the files the dashboards read (documented in docs/placement.md)."""
+    """Write the files the dashboards read (documented in docs/placement.md; names, format and
+    version from ``moetrace.results.COMPARE``); returns their paths, ``compare.json`` last."""
     import polars as pl
 
     out = Path(out)
@@ -324,12 +317,12 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
     frames, batch_frames, place_frames = [], [], []
     for s, m in result.metrics.items():
         B, L = m[METRICS[0]].shape
-        ref_l = np.median(result.inter_BL(result.reference), axis=0)
-        inter = result.inter_BL(s)
+        ref_L = np.median(result.inter_BL(result.reference), axis=0)
+        inter_BL = result.inter_BL(s)
         cols = {"strategy": [s] * (B * L), "batch": np.repeat(np.arange(B), L), "layer": np.tile(np.arange(L), B),
                 "model_layer": np.tile(model_layers, B)}
         cols.update({k: v.reshape(-1) for k, v in m.items()})
-        cols["inter_node_normalized"] = (inter / np.where(ref_l > 0, ref_l, np.nan)).reshape(-1)
+        cols["inter_node_normalized"] = (inter_BL / np.where(ref_L > 0, ref_L, np.nan)).reshape(-1)
         frames.append(pl.DataFrame(cols))
         sum_l = lambda k: m[k].sum(1)  # noqa: E731
         batch_frames.append(pl.DataFrame({
@@ -339,21 +332,16 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
             "inter_node_normalized": result.normalized_B(s),
         }))
         place_frames.append((s, result.placed[s].placement.phy2log))
-    num_ep = int(result.config["num_ep"])
-    pl.concat(frames).write_parquet(out / "layers.parquet")
-    pl.concat(batch_frames).write_parquet(out / "batches.parquet")
-    pl.DataFrame(result.summary_rows()).write_parquet(out / "summary.parquet")
+    num_ep, ranks_per_node = int(result.config["num_ep"]), int(result.config["ranks_per_node"])
     rows = []
-    for s, ph in place_frames:
-        Lp, P = ph.shape
-        ep = num_ep
+    for s, phy2log_LP in place_frames:
+        Lp, P = phy2log_LP.shape
+        gpu_P = np.arange(P) // (P // num_ep)
         rows.append(pl.DataFrame({
             "strategy": [s] * (Lp * P), "layer": np.repeat(np.arange(Lp), P), "model_layer": np.repeat(model_layers, P),
-            "slot": np.tile(np.arange(P), Lp), "gpu": np.tile(np.arange(P) // (P // ep), Lp),
-            "node": np.tile((np.arange(P) // (P // ep)) // int(result.config["ranks_per_node"]), Lp),
-            "expert": ph.reshape(-1),
+            "slot": np.tile(np.arange(P), Lp), "gpu": np.tile(gpu_P, Lp), "node": np.tile(gpu_P // ranks_per_node, Lp),
+            "expert": phy2log_LP.reshape(-1),
         }))
-    pl.concat(rows).write_parquet(out / "placements.parquet")
     meta = dict(result.config)
     meta["reference"] = result.reference
     meta["model"] = result.model.to_dict()
@@ -363,5 +351,10 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
             "groups_without_routed_requests": p.extra.get("groups_without_routed_requests", [])}
         for s, p in result.placed.items() if p.grouping is not None
     }
-    (out / "compare.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    return [out / n for n in ("layers.parquet", "batches.parquet", "summary.parquet", "placements.parquet", "compare.json")]
+    return [
+        rf.write_result_table(out, rf.COMPARE, rf.COMPARE_LAYERS, pl.concat(frames)),
+        rf.write_result_table(out, rf.COMPARE, rf.COMPARE_BATCHES, pl.concat(batch_frames)),
+        rf.write_result_table(out, rf.COMPARE, rf.COMPARE_SUMMARY, pl.DataFrame(result.summary_rows())),
+        rf.write_result_table(out, rf.COMPARE, rf.COMPARE_PLACEMENTS, pl.concat(rows)),
+        rf.write_result_json(out, rf.COMPARE, rf.COMPARE_MANIFEST, meta),  # last: it names a complete directory
+    ]

@@ -1,16 +1,17 @@
 """The core paper's data-based expert placement (§4.2): two phases per layer, then verification.
 
-Each of the G expert groups (one per node) holds exactly S = P/G slots. Group usage
+Each of the G expert groups (one per node) holds exactly J = P/G slots. Group usage
 ``usage_GLE[g, l, e]`` = decode tokens of the training requests assigned to group g that layer l
 routed to expert e. Phase 1 places every expert once: all (group, expert) pairs are visited by
 descending usage and an unplaced expert goes to the group if it holds fewer than ceil(E/G) unique
 experts (the max-unique bound; the min follows because every expert must land somewhere). Phase 2
 fills each group's remaining slots with the experts it uses most that it lacks (redundant
 replicas). Sizes are exact by construction; coverage and sizes are then verified. Inside a node the
-S experts are spread over its GPUs by balanced packing on their expected token load (EPLB's
+J experts are spread over its GPUs by balanced packing on their expected token load (EPLB's
 ``balanced_packing``), so memory (slots) is equal per GPU and token load is balanced.
 
-Shape legend: G groups (nodes), L layers, E logical experts, P physical slots, S slots per group.
+Shape legend (docs/architecture.md): G node groups (= nodes), L MoE layers, E logical experts,
+P physical slots, J slots of one node group (P / G).
 
 Out of scope: clustering requests into groups (``grouping``), the improved placer (``improved``).
 """
@@ -43,8 +44,8 @@ def _check(usage_GLE: np.ndarray, num_slots: int, ranks_per_group: int) -> tuple
 
 
 def two_phase_members(usage_GLE: np.ndarray, *, num_slots: int) -> np.ndarray:
-    """Phases 1 and 2: membership ``member_LGE`` (bool [L, G, E]), exactly S experts per group."""
-    G, L, E, S = _check(usage_GLE, num_slots, 1)
+    """Phases 1 and 2: membership ``member_LGE`` (bool [L, G, E]), exactly J experts per group."""
+    G, L, E, J = _check(usage_GLE, num_slots, 1)
     u_LGE = np.transpose(np.asarray(usage_GLE, dtype=np.float64), (1, 0, 2))
     max_unique = -(-E // G)
     # Phase 1: visit (group, expert) pairs by descending usage (ties: lower group, then expert)
@@ -63,18 +64,18 @@ def two_phase_members(usage_GLE: np.ndarray, *, num_slots: int) -> np.ndarray:
     # Phase 2: most-used missing experts fill the remaining slots (redundant replicas)
     for l in range(L):
         for g in range(G):
-            room = S - int(size[l, g])
+            room = J - int(size[l, g])
             if room:
                 cand = np.argsort(np.where(member[l, g], np.inf, -u_LGE[l, g]), kind="stable")
                 member[l, g, cand[:room]] = True
-    _verify(member, S)
+    _verify(member, J)
     return member
 
 
-def _verify(member_LGE: np.ndarray, S: int) -> None:
+def _verify(member_LGE: np.ndarray, J: int) -> None:
     sizes = member_LGE.sum(-1)
-    if not (sizes == S).all():
-        raise AssertionError(f"group sizes {np.unique(sizes)} differ from S={S}")
+    if not (sizes == J).all():
+        raise AssertionError(f"group sizes {np.unique(sizes)} differ from J={J}")
     if not member_LGE.any(1).all():
         raise AssertionError("an expert has no group")
 
@@ -91,25 +92,25 @@ def expected_slot_load(member_LGE: np.ndarray, usage_GLE: np.ndarray) -> np.ndar
 
 
 def spread_in_nodes(member_LGE: np.ndarray, load_LGE: np.ndarray, *, ranks_per_group: int) -> np.ndarray:
-    """Order each group's S experts over its GPUs by balanced packing of their load: phy2log [L, P]."""
+    """Order each group's J experts over its GPUs by balanced packing of their load: phy2log [L, P]."""
     L, G, E = member_LGE.shape
-    S = int(member_LGE[0, 0].sum())
-    per_rank = S // ranks_per_group
-    experts = np.argsort(~member_LGE, axis=2, kind="stable")[:, :, :S]  # [L, G, S] members, ascending id
-    w = np.take_along_axis(load_LGE, experts, axis=2).reshape(L * G, S)
+    J = int(member_LGE[0, 0].sum())
+    per_rank = J // ranks_per_group
+    experts = np.argsort(~member_LGE, axis=2, kind="stable")[:, :, :J]  # [L, G, J] members, ascending id
+    w = np.take_along_axis(load_LGE, experts, axis=2).reshape(L * G, J)
     pack, rank_in_pack = balanced_packing(w.astype(np.float32), ranks_per_group)
     pos = pack * per_rank + rank_in_pack
-    out = np.empty((L * G, S), dtype=np.int64)
-    np.put_along_axis(out, pos, experts.reshape(L * G, S), axis=1)
-    return out.reshape(L, G * S)
+    out = np.empty((L * G, J), dtype=np.int64)
+    np.put_along_axis(out, pos, experts.reshape(L * G, J), axis=1)
+    return out.reshape(L, G * J)
 
 
 def data_placement(usage_GLE: np.ndarray, *, num_slots: int, ranks_per_group: int) -> Placement:
-    """The two-phase data-based placement; group g owns slots [g*S, (g+1)*S) (node g's GPUs).
+    """The two-phase data-based placement; group g owns slots [g*J, (g+1)*J) (node g's GPUs).
 
     ``usage_GLE``: float [G, L, E] decode tokens per group, layer and expert (training requests).
     """
-    G, L, E, S = _check(np.asarray(usage_GLE), num_slots, ranks_per_group)
+    G, L, E, J = _check(np.asarray(usage_GLE), num_slots, ranks_per_group)
     member = two_phase_members(usage_GLE, num_slots=num_slots)
     phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
     return placement_from_phy2log(phy2log, num_experts=E)

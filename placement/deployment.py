@@ -6,7 +6,8 @@ GPUs are numbered replica-major: DP replica ``i`` uses GPUs ``i*b .. i*b+b-1``; 
 GPUs ``r*d .. r*d+d-1``; GPU ``u`` sits on node ``u // gpus_per_node``. Each node is one *expert
 group* (the core paper's evaluation: a request lives on one node).
 
-Shape legend: N EP ranks, D DP replicas, G groups (= nodes), E experts, P physical slots.
+Shape legend (docs/architecture.md): W EP ranks, A DP replicas, G node groups (= nodes),
+E logical experts, P physical slots.
 
 Out of scope: which expert goes where (the placers), the traffic model (``simulate``).
 """
@@ -88,12 +89,12 @@ class Deployment:
     def ranks_per_node(self) -> int:
         return self.num_ep // self.num_nodes
 
-    def rank_node_N(self) -> np.ndarray:
-        """Node of each EP rank, int64 [N]."""
+    def rank_node_W(self) -> np.ndarray:
+        """Node of each EP rank, int64 [W]."""
         return np.arange(self.num_ep, dtype=np.int64) // self.ranks_per_node
 
-    def replica_node_D(self) -> np.ndarray:
-        """Node of each DP replica's first GPU, int64 [D]."""
+    def replica_node_A(self) -> np.ndarray:
+        """Node of each DP replica's first GPU, int64 [A]."""
         return (np.arange(self.num_dp, dtype=np.int64) * self.num_tp) // self.num_gpus_per_node
 
     def replica_source_ranks(self, replica: int) -> np.ndarray:

@@ -7,8 +7,9 @@ hierarchical policy runs when expert groups divide evenly over nodes; otherwise 
 (the same routine with one group and one node). Loops run over items and replicas only, never
 over layers.
 
-Shape legend: L layers, E logical experts, P physical slots (replicas), M max replicas per expert,
-X rows of a batched sub-problem, n items, m packs.
+Shape legend (docs/architecture.md): L MoE layers, E logical experts, P physical slots
+(replicas), M max replicas per expert, N rows of a batched sub-problem; inside one sub-problem
+n items and m packs (lower case: local to this module), ``_`` any number of columns.
 
 Out of scope: predicting load (pass a measured or averaged ``load_LE``), routing tokens among
 replicas (``replica_routing``), migration cost.
@@ -24,95 +25,95 @@ from moetrace.placement.maps import Placement, placement_from_phy2log
 __all__ = ["rebalance", "balanced_packing", "replicate_experts"]
 
 
-def _take_rows(a_XN: np.ndarray, idx_XM: np.ndarray) -> np.ndarray:
-    """``np.take_along_axis(a_XN, idx_XM, axis=1)`` as one flat gather (about 2x faster)."""
-    X, N = a_XN.shape
-    return np.ascontiguousarray(a_XN).reshape(-1)[idx_XM + (np.arange(X, dtype=np.int64) * N)[:, None]]
+def _take_rows(a_N_: np.ndarray, idx_N_: np.ndarray) -> np.ndarray:
+    """``np.take_along_axis(a_N_, idx_N_, axis=1)`` as one flat gather (about 2x faster)."""
+    N, cols = a_N_.shape
+    return np.ascontiguousarray(a_N_).reshape(-1)[idx_N_ + (np.arange(N, dtype=np.int64) * cols)[:, None]]
 
 
-def _put_rows(out_XN: np.ndarray, idx_XM: np.ndarray, values_XM: np.ndarray) -> None:
-    """``np.put_along_axis(out_XN, idx_XM, values_XM, axis=1)`` as one flat scatter (out contiguous)."""
-    X, N = out_XN.shape
-    out_XN.reshape(-1)[idx_XM + (np.arange(X, dtype=np.int64) * N)[:, None]] = values_XM
+def _put_rows(out_N_: np.ndarray, idx_N_: np.ndarray, values_N_: np.ndarray) -> None:
+    """``np.put_along_axis(out_N_, idx_N_, values_N_, axis=1)`` as one flat scatter (out contiguous)."""
+    N, cols = out_N_.shape
+    out_N_.reshape(-1)[idx_N_ + (np.arange(N, dtype=np.int64) * cols)[:, None]] = values_N_
 
 
-def _argsort_desc(weight_Xn: np.ndarray) -> np.ndarray:
-    """``np.argsort(-weight_Xn, axis=1, kind="stable")``: heaviest first, lower index first on ties.
+def _argsort_desc(weight_Nn: np.ndarray) -> np.ndarray:
+    """``np.argsort(-weight_Nn, axis=1, kind="stable")``: heaviest first, lower index first on ties.
 
     float32 (what EPLB uses) sorts unique int64 keys (descending-order bits, then the index), ~4x
     faster than numpy's stable float sort; other dtypes use that sort.
     """
-    X, n = weight_Xn.shape
-    if weight_Xn.dtype != np.float32 or n >= 2**31:
-        return np.argsort(-weight_Xn, axis=1, kind="stable")
-    bits = (weight_Xn + np.float32(0)).view(np.int32).astype(np.int64)  # + 0 folds -0.0 into +0.0
+    n = weight_Nn.shape[1]
+    if weight_Nn.dtype != np.float32 or n >= 2**31:
+        return np.argsort(-weight_Nn, axis=1, kind="stable")
+    bits = (weight_Nn + np.float32(0)).view(np.int32).astype(np.int64)  # + 0 folds -0.0 into +0.0
     desc = 0x7FFFFFFF - (bits ^ ((bits >> 31) & 0x7FFFFFFF))  # in [0, 2**32), ascending as w descends
     return np.sort((desc << 32) | np.arange(n, dtype=np.int64), axis=1) & 0xFFFFFFFF
 
 
-def balanced_packing(weight_Xn: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+def balanced_packing(weight_Nn: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
     """Pack n weighted items into ``num_packs`` packs of exactly n/m items each, balancing weight.
 
     Items are taken heaviest first (lower index first on equal weight) and each goes to the
     lightest pack that still has room (first such pack on ties); pack weights accumulate in the
-    weights' dtype (no NaN). Returns ``pack_index_Xn`` and ``rank_in_pack_Xn`` (int64 [X, n]). The
-    greedy is sequential over the n items and vectorized over the X rows; each step touches one
+    weights' dtype (no NaN). Returns ``pack_index_Nn`` and ``rank_in_pack_Nn`` (int64 [N, n]). The
+    greedy is sequential over the n items and vectorized over the N rows; each step touches one
     pack per row, and a full pack's key becomes +inf instead of masking every step.
     """
-    X, n = weight_Xn.shape
+    N, n = weight_Nn.shape
     per_pack = n // num_packs
     if per_pack == 1:
-        return np.broadcast_to(np.arange(n), (X, n)).copy(), np.zeros((X, n), dtype=np.int64)
-    order_Xn = _argsort_desc(weight_Xn)
-    w_nX = np.ascontiguousarray(_take_rows(weight_Xn, order_Xn).T)  # j-th heaviest per row
-    # key_Xm: weight of each pack, +inf once it is full (so argmin never picks it again)
-    key_Xm = np.zeros((X, num_packs), dtype=weight_Xn.dtype)
-    key_flat = key_Xm.reshape(-1)
-    cnt_flat = np.zeros(X * num_packs, dtype=np.int64)
-    full_on = np.zeros(per_pack, dtype=weight_Xn.dtype)  # added to a pack's key when it gets item c + 1
+        return np.broadcast_to(np.arange(n), (N, n)).copy(), np.zeros((N, n), dtype=np.int64)
+    order_Nn = _argsort_desc(weight_Nn)
+    w_nN = np.ascontiguousarray(_take_rows(weight_Nn, order_Nn).T)  # j-th heaviest per row
+    # key_Nm: weight of each pack, +inf once it is full (so argmin never picks it again)
+    key_Nm = np.zeros((N, num_packs), dtype=weight_Nn.dtype)
+    key_flat = key_Nm.reshape(-1)
+    cnt_flat = np.zeros(N * num_packs, dtype=np.int64)
+    full_on = np.zeros(per_pack, dtype=weight_Nn.dtype)  # added to a pack's key when it gets item c + 1
     full_on[per_pack - 1] = np.inf
-    row_off = np.arange(X, dtype=np.int64) * num_packs
-    pack_nX = np.empty((n, X), dtype=np.int64)
-    rank_nX = np.zeros((n, X), dtype=np.int64)
+    row_off = np.arange(N, dtype=np.int64) * num_packs
+    pack_nN = np.empty((n, N), dtype=np.int64)
+    rank_nN = np.zeros((n, N), dtype=np.int64)
     start = 0
-    if num_packs <= n and (w_nX[:num_packs] > 0).all():
+    if num_packs <= n and (w_nN[:num_packs] > 0).all():
         # the m heaviest items, all positive, land in packs 0..m-1 in turn (each later pack is empty)
-        pack_nX[:num_packs] = np.arange(num_packs)[:, None]
-        key_Xm[:] = w_nX[:num_packs].T
+        pack_nN[:num_packs] = np.arange(num_packs)[:, None]
+        key_Nm[:] = w_nN[:num_packs].T
         cnt_flat[:] = 1
         start = num_packs
     for j in range(start, n):
-        pack = key_Xm.argmin(axis=1)
-        pack_nX[j] = pack
+        pack = key_Nm.argmin(axis=1)
+        pack_nN[j] = pack
         flat = pack + row_off
         cnt = cnt_flat[flat]
-        rank_nX[j] = cnt
+        rank_nN[j] = cnt
         cnt_flat[flat] = cnt + 1
-        key_flat[flat] = (key_flat[flat] + w_nX[j]) + full_on[cnt]
-    pack_index = np.empty((X, n), dtype=np.int64)
-    rank_in_pack = np.empty((X, n), dtype=np.int64)
-    _put_rows(pack_index, order_Xn, np.ascontiguousarray(pack_nX.T))
-    _put_rows(rank_in_pack, order_Xn, np.ascontiguousarray(rank_nX.T))
+        key_flat[flat] = (key_flat[flat] + w_nN[j]) + full_on[cnt]
+    pack_index = np.empty((N, n), dtype=np.int64)
+    rank_in_pack = np.empty((N, n), dtype=np.int64)
+    _put_rows(pack_index, order_Nn, np.ascontiguousarray(pack_nN.T))
+    _put_rows(rank_in_pack, order_Nn, np.ascontiguousarray(rank_nN.T))
     return pack_index, rank_in_pack
 
 
-def replicate_experts(weight_XE: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def replicate_experts(weight_NE: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Add ``num_phy - E`` replicas, each to the expert with the largest load per replica.
 
-    The first expert wins ties. Returns ``phy2log_XP`` (expert of each replica), ``rank_XP``
-    (replica index of that expert) and ``logcnt_XE`` (replicas per expert), all int64. Each step
+    The first expert wins ties. Returns ``phy2log_NP`` (expert of each replica), ``rank_NP``
+    (replica index of that expert) and ``logcnt_NE`` (replicas per expert), all int64. Each step
     recomputes load per replica only for the expert that just gained one (same values as
     recomputing ``weight / logcnt`` in full).
     """
-    X, E = weight_XE.shape
-    phy2log = np.broadcast_to(np.arange(num_phy, dtype=np.int64), (X, num_phy)).copy()
-    rank = np.zeros((X, num_phy), dtype=np.int64)
-    logcnt = np.ones((X, E), dtype=np.int64)
+    N, E = weight_NE.shape
+    phy2log = np.broadcast_to(np.arange(num_phy, dtype=np.int64), (N, num_phy)).copy()
+    rank = np.zeros((N, num_phy), dtype=np.int64)
+    logcnt = np.ones((N, E), dtype=np.int64)
     cnt_flat = logcnt.reshape(-1)
-    w_flat = np.ascontiguousarray(weight_XE).reshape(-1)
-    per_replica = weight_XE / logcnt.astype(weight_XE.dtype)  # [X, E] load per replica
+    w_flat = np.ascontiguousarray(weight_NE).reshape(-1)
+    per_replica = weight_NE / logcnt.astype(weight_NE.dtype)  # [N, E] load per replica
     per_replica_flat = per_replica.reshape(-1)
-    row_off = np.arange(X, dtype=np.int64) * E
+    row_off = np.arange(N, dtype=np.int64) * E
     for i in range(E, num_phy):
         best = per_replica.argmax(axis=1)
         phy2log[:, i] = best
@@ -121,13 +122,13 @@ def replicate_experts(weight_XE: np.ndarray, num_phy: int) -> tuple[np.ndarray, 
         rank[:, i] = cnt
         cnt += 1
         cnt_flat[flat] = cnt
-        per_replica_flat[flat] = w_flat[flat] / cnt.astype(weight_XE.dtype)
+        per_replica_flat[flat] = w_flat[flat] / cnt.astype(weight_NE.dtype)
     return phy2log, rank, logcnt
 
 
-def _inverse(perm_XN: np.ndarray) -> np.ndarray:
-    inv = np.empty(perm_XN.shape, dtype=perm_XN.dtype)
-    _put_rows(inv, perm_XN, np.broadcast_to(np.arange(perm_XN.shape[1]), perm_XN.shape))
+def _inverse(perm_N_: np.ndarray) -> np.ndarray:
+    inv = np.empty(perm_N_.shape, dtype=perm_N_.dtype)
+    _put_rows(inv, perm_N_, np.broadcast_to(np.arange(perm_N_.shape[1]), perm_N_.shape))
     return inv
 
 

@@ -7,8 +7,8 @@ map and the normalization. Engine exports (see docs/exports.md for the source ea
 against): SGLang ``--init-expert-location`` JSON, TensorRT-LLM MoE load-balancer YAML, and the
 per-layer physical→logical list proposed for vLLM.
 
-Shape legend: L MoE layers, H all decoder layers, E logical experts, P physical slots, M max replicas,
-C clusters, F features (L*E).
+Shape legend (docs/architecture.md): L MoE layers, H all decoder layers, E logical experts,
+P physical slots, M max replicas, C clusters, F features (L*E).
 
 Out of scope: computing placements; talking to a running engine.
 """
@@ -25,11 +25,12 @@ import numpy as np
 
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.placement.maps import Placement, placement_from_phy2log, placement_problems
+from moetrace.results import PLACEMENT, check_result_json, json_header
 
 __all__ = ["PlacementFile", "save_placement", "load_placement", "export_placement", "ExportFormat"]
 
-FORMAT = "moetrace.placement"
-VERSION = 1
+FORMAT = PLACEMENT.format  # the placement JSON's "format" (moetrace.results owns it)
+VERSION = PLACEMENT.version  # the version this moetrace writes and reads
 ExportFormat = Literal["sglang", "trtllm", "vllm"]
 
 
@@ -39,7 +40,7 @@ class PlacementFile:
 
     model: dict[str, Any]  # ModelInfo.to_dict() of the traced model
     deployment: dict[str, Any]  # {"config": "DP8TP8EP64", "gpus_per_node": 8, "num_ep": 64, "num_nodes": 8}
-    strategy: str  # linear, round_robin, random, eplb, data, improved
+    strategy: str  # a name from placement.strategies.STRATEGIES
     placement: Placement  # over the MoE layers, in model.moe_layers order
     grouping: dict[str, Any] | None = None  # clusters, centroids, cluster_to_groups, normalization
     source: dict[str, Any] | None = None  # trace path, train requests, seed (provenance)
@@ -52,8 +53,7 @@ class PlacementFile:
 def save_placement(pf: PlacementFile, path: str | os.PathLike) -> None:
     p = pf.placement
     obj = {
-        "format": FORMAT,
-        "version": VERSION,
+        **json_header(PLACEMENT),
         "model": pf.model,
         "deployment": pf.deployment,
         "strategy": pf.strategy,
@@ -79,10 +79,7 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
         raise TraceFormatError(f"{where}: no such placement file (write one with `moetrace place`)") from None
     except json.JSONDecodeError as exc:
         raise TraceFormatError(f"{where}: not valid JSON ({exc})") from exc
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise TraceFormatError(f"{where}: not a moetrace placement file (`format` should be {FORMAT!r})")
-    if d.get("version") != VERSION:
-        raise TraceFormatError(f"{where}: placement version {d.get('version')!r} is not supported (this moetrace reads {VERSION})")
+    check_result_json(where, d, PLACEMENT)
     for key in ("model", "deployment", "strategy", "phy2log", "logcnt", "log2phy"):
         if key not in d:
             raise TraceFormatError(f"{where}: missing key `{key}`")

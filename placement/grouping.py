@@ -8,7 +8,7 @@ into G meta-clusters. At serving time only the prompt has been seen, so the rout
 cluster from the request's prefill vector: nearest prefill centroid (cosine), where the prefill
 centroid of a cluster is the mean normalized prefill vector of its training requests.
 
-Shape legend: R requests, F features (L*E), C clusters, G groups.
+Shape legend (docs/architecture.md): R requests, F features (L*E), C clusters, G node groups.
 
 Out of scope: which expert goes to which group (``data_placement``, ``improved``).
 """

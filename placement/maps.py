@@ -3,8 +3,8 @@
 A placement of one model puts P physical slots per MoE layer over the EP ranks; each slot holds one
 logical expert (a *replica* of it). Physical slot ``p`` lives on EP rank ``p // (P / num_ranks)``.
 
-Shape legend: L MoE layers, E logical experts, P physical slots (E + redundant), M max replicas of
-one expert, N EP ranks (GPUs).
+Shape legend (docs/architecture.md): L MoE layers, E logical experts, P physical slots
+(E + redundant), M max replicas of one expert, W EP ranks (GPUs).
 
 Out of scope: choosing the placement (``eplb``, ``baselines``, ``data_placement``, ``improved``),
 which replica a token uses (``replica_routing``), files (``exports``).

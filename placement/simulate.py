@@ -1,6 +1,6 @@
 """All-to-all volume model of expert-parallel decode (SPEC §6), vectorized over tokens.
 
-A global batch is one decode step of B held-out requests: each contributes one token, dispatched
+A global batch is one decode step of held-out requests: each contributes one token, dispatched
 at every MoE layer from its source GPU to the GPUs holding its k experts (replica chosen by a
 ``replica_routing`` policy) and combined back. One copy of ``bytes_per_token`` (hidden_size × dtype
 bytes) is sent per distinct destination under the dedup unit:
@@ -14,7 +14,8 @@ Per (batch, layer) the model reports: intra/inter-node bytes for dispatch and co
 per-GPU send of each, distinct tokens received per GPU (max, mean) and activated experts (slots
 with at least one token) per GPU (max, mean).
 
-Shape legend: N tokens, L layers, K top-k, B batches, R EP ranks (GPUs), P physical slots.
+Shape legend (docs/architecture.md): T tokens, L MoE layers, K top-k slots, B batches, W EP ranks
+(GPUs), P physical slots.
 
 Out of scope: choosing placements or batches (``compare``), timing of the collectives.
 """
@@ -51,8 +52,8 @@ def simulate_volume(
     topk_ids_TLK: np.ndarray,
     *,
     placement: Placement,
-    batch_N: np.ndarray,
-    src_rank_N: np.ndarray,
+    batch_T: np.ndarray,
+    src_rank_T: np.ndarray,
     num_batches: int,
     num_ranks: int,
     ranks_per_node: int,
@@ -62,34 +63,34 @@ def simulate_volume(
 ) -> dict[str, np.ndarray]:
     """Traffic of every (batch, layer); each metric float64 [B, L] (bytes, tokens or experts).
 
-    ``topk_ids_TLK``: int [N, L, K] logical expert ids (-1 ignored); ``batch_N``: batch of each token
-    (0..B-1); ``src_rank_N``: GPU (EP rank) the token leaves from.
+    ``topk_ids_TLK``: int [T, L, K] logical expert ids (-1 ignored); ``batch_T``: batch of each token
+    (0..B-1); ``src_rank_T``: GPU (EP rank) the token leaves from.
     """
     ids = np.asarray(topk_ids_TLK)
-    N, L, K = ids.shape
-    B, R = num_batches, num_ranks
+    T, L, K = ids.shape
+    B, W = num_batches, num_ranks
     P = placement.phy2log.shape[1]
-    per_rank = P // R
-    batch = np.asarray(batch_N, dtype=np.int64)
-    src_rank = np.asarray(src_rank_N, dtype=np.int64)
-    src_node = src_rank // ranks_per_node
+    per_rank = P // W
+    batch_T = np.asarray(batch_T, dtype=np.int64)
+    src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
+    src_node_T = src_rank_T // ranks_per_node
     out = {m: np.zeros((B, L)) for m in METRICS}
     sentinel = np.int64(1 << 40)
     for l in range(L):
         slot = choose_slots(
             ids[:, l, :], phy2log_P=placement.phy2log[l], log2phy_EM=placement.log2phy[l], logcnt_E=placement.logcnt[l],
-            src_node_N=src_node, batch_N=batch, num_batches=B, num_ranks=R, ranks_per_node=ranks_per_node, policy=policy,
+            src_node_T=src_node_T, batch_T=batch_T, num_batches=B, num_ranks=W, ranks_per_node=ranks_per_node, policy=policy,
         )
         valid = slot >= 0
         rank = np.where(valid, slot // per_rank, 0)
         node = rank // ranks_per_node
-        local_node = node == src_node[:, None]
+        local_node = node == src_node_T[:, None]
         if dedup == "rank":
             key = rank
         elif dedup == "expert":
             key = slot
         elif dedup == "node":
-            key = np.where(local_node, rank, R + node)
+            key = np.where(local_node, rank, W + node)
         else:
             raise ValueError(f"unknown dedup unit {dedup!r}")
         key = np.where(valid, key, sentinel)
@@ -99,29 +100,29 @@ def simulate_volume(
         snode = np.take_along_axis(node, order, axis=1)
         first = np.ones_like(skey, dtype=bool)
         first[:, 1:] = skey[:, 1:] != skey[:, :-1]
-        copy = first & (skey != sentinel) & (srank != src_rank[:, None])
-        inter = copy & (snode != src_node[:, None])
+        copy = first & (skey != sentinel) & (srank != src_rank_T[:, None])
+        inter = copy & (snode != src_node_T[:, None])
         intra = copy & ~inter
-        n_intra = np.bincount(batch, weights=intra.sum(1), minlength=B)
-        n_inter = np.bincount(batch, weights=inter.sum(1), minlength=B)
+        n_intra = np.bincount(batch_T, weights=intra.sum(1), minlength=B)
+        n_inter = np.bincount(batch_T, weights=inter.sum(1), minlength=B)
         out["dispatch_intra_bytes"][:, l] = n_intra * bytes_per_token
         out["dispatch_inter_bytes"][:, l] = n_inter * bytes_per_token
         out["combine_intra_bytes"][:, l] = n_intra * bytes_per_token
         out["combine_inter_bytes"][:, l] = n_inter * bytes_per_token
-        send = np.bincount(batch * R + src_rank, weights=copy.sum(1), minlength=B * R).reshape(B, R)
+        send = np.bincount(batch_T * W + src_rank_T, weights=copy.sum(1), minlength=B * W).reshape(B, W)
         out["max_rank_dispatch_send_bytes"][:, l] = send.max(1) * bytes_per_token
-        bK = np.broadcast_to(batch[:, None], copy.shape)
-        back = np.bincount((bK * R + srank)[copy], minlength=B * R).reshape(B, R)
+        bK = np.broadcast_to(batch_T[:, None], copy.shape)
+        back = np.bincount((bK * W + srank)[copy], minlength=B * W).reshape(B, W)
         out["max_rank_combine_send_bytes"][:, l] = back.max(1) * bytes_per_token
         # distinct tokens per GPU (rank dedup, whatever the unit) and activated slots per GPU
         rkey = np.sort(np.where(valid, rank, sentinel), axis=1)
         rfirst = np.ones_like(rkey, dtype=bool)
         rfirst[:, 1:] = rkey[:, 1:] != rkey[:, :-1]
         rfirst &= rkey != sentinel
-        tok = np.bincount((bK * R + rkey)[rfirst], minlength=B * R).reshape(B, R)
+        tok = np.bincount((bK * W + rkey)[rfirst], minlength=B * W).reshape(B, W)
         out["tokens_per_rank_max"][:, l] = tok.max(1)
         out["tokens_per_rank_mean"][:, l] = tok.mean(1)
-        act = np.bincount((bK * P + slot)[valid], minlength=B * P).reshape(B, R, per_rank) > 0
+        act = np.bincount((bK * P + slot)[valid], minlength=B * P).reshape(B, W, per_rank) > 0
         nact = act.sum(2)
         out["activated_experts_per_rank_max"][:, l] = nact.max(1)
         out["activated_experts_per_rank_mean"][:, l] = nact.mean(1)

@@ -134,7 +134,7 @@ def test_log2phy_lists_replicas_in_slot_order():
 def test_deployment_parses_and_derives_topology():
     d = parse_deployment("DP8TP8EP64")
     assert (d.num_gpus, d.num_nodes, d.ranks_per_node) == (64, 8, 8)
-    assert d.rank_node_N().tolist()[:9] == [0] * 8 + [1]
+    assert d.rank_node_W().tolist()[:9] == [0] * 8 + [1]
     d2 = parse_deployment("dp8tp8ep32tp2")
     assert (d2.num_ep, d2.num_ep_tp, d2.ranks_per_node) == (32, 2, 4)
     assert d.check_slots(num_experts=256, num_redundant=64) == 320
@@ -189,13 +189,13 @@ def test_same_node_prefers_local_replica_and_metro_concentrates():
     # 2 nodes x 1 GPU, 4 slots: expert 0 on both nodes
     p = placement_from_phy2log(np.array([[0, 1, 0, 2]]), num_experts=3)
     ids = np.array([[0], [0], [0], [0]])
-    kw = dict(phy2log_P=p.phy2log[0], log2phy_EM=p.log2phy[0], logcnt_E=p.logcnt[0], batch_N=np.zeros(4, int),
+    kw = dict(phy2log_P=p.phy2log[0], log2phy_EM=p.log2phy[0], logcnt_E=p.logcnt[0], batch_T=np.zeros(4, int),
               num_batches=1, num_ranks=2, ranks_per_node=1)
-    same = choose_slots(ids, src_node_N=np.array([0, 1, 1, 0]), policy="same_node", **kw)
+    same = choose_slots(ids, src_node_T=np.array([0, 1, 1, 0]), policy="same_node", **kw)
     assert same[:, 0].tolist() == [0, 2, 2, 0]
-    even = choose_slots(ids, src_node_N=np.zeros(4, int), policy="even", **kw)
+    even = choose_slots(ids, src_node_T=np.zeros(4, int), policy="even", **kw)
     assert even[:, 0].tolist() == [0, 2, 0, 2]
-    metro = choose_slots(ids, src_node_N=np.zeros(4, int), policy="metro", **kw)
+    metro = choose_slots(ids, src_node_T=np.zeros(4, int), policy="metro", **kw)
     assert len(set(metro[:, 0].tolist())) == 1  # all tokens of one expert to one replica
 
 
@@ -203,7 +203,7 @@ def test_simulator_counts_by_hand():
     # 2 nodes x 2 GPUs, one expert per GPU; token from GPU 0 to experts {0 (self), 1 (intra), 2, 3 (inter)}
     p = placement_from_phy2log(np.array([[0, 1, 2, 3]]), num_experts=4)
     ids = np.array([[[0, 1, 2, 3]], [[2, 3, -1, -1]]])
-    kw = dict(placement=p, batch_N=np.array([0, 1]), src_rank_N=np.array([0, 0]), num_batches=2, num_ranks=4,
+    kw = dict(placement=p, batch_T=np.array([0, 1]), src_rank_T=np.array([0, 0]), num_batches=2, num_ranks=4,
               ranks_per_node=2, bytes_per_token=10)
     m = simulate_volume(ids, dedup="rank", **kw)
     assert m["dispatch_intra_bytes"][:, 0].tolist() == [10, 0]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,8 @@ from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.exports import export_placement, load_placement
+from moetrace.placement.report import compare_notes, format_compare_summary
+from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.writer import TraceWriter
 
@@ -170,3 +174,52 @@ def test_strategy_list_errors_name_the_problem():
         CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), strategies=())
     with pytest.raises(ConfigError, match=r"unknown strategies \['foo'\]"):
         CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), strategies=("linear", "foo"))
+
+
+def _docs_strategy_rows() -> dict[str, tuple[str, str]]:
+    """strategy -> (grouped, description) columns of the table under "## Strategies" in docs/placement.md."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "placement.md").read_text()
+    section = text.split("## Strategies", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
+    return {cells[0].strip("| `"): (cells[1].strip(), cells[2].rstrip(" |")) for cells in rows}
+
+
+def test_every_registered_strategy_is_in_the_docs_table_and_the_cli_help():
+    """The registry is the one list: docs/placement.md's table and both commands' help follow it."""
+    docs = _docs_strategy_rows()
+    assert list(docs) == list(STRATEGY_NAMES), "docs/placement.md's strategies table differs from placement/strategies.py"
+    for s in STRATEGIES:
+        assert docs[s.name] == ("yes" if s.grouped else "no", s.description), s.name
+    for cmd in ("place", "compare"):
+        r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
+        assert r.exit_code == 0, r.output
+        for name in STRATEGY_NAMES:
+            assert re.search(rf"(?<![a-z_]){name}(?![a-z_])", r.output), f"`moetrace {cmd} --help` does not list {name}"
+
+
+def test_cli_rejects_unknown_strategies_cleanly(planted, tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(app, ["place", str(planted), "--config", "DP2TP4EP8", "--strategy", "best", "-o", str(tmp_path / "x.json")])
+    assert r.exit_code == 2 and "best" in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["compare", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4", "--strategies", "linear,best"])
+    assert r.exit_code == 2 and "unknown strategies ['best']; choose from " + ", ".join(STRATEGY_NAMES) in r.output
+
+
+def test_compare_prints_the_library_summary(planted):
+    """compare_cmd echoes placement.report's text: header, one aligned row per strategy."""
+    r = CliRunner().invoke(app, ["compare", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4",
+                                 "--strategies", "linear,data", "--batches", "10", "--batch-requests", "8"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0].startswith("DP2TP4EP8 (2 nodes), 64 train / 16 test requests, 10 batches of 8 requests, dedup=rank")
+    assert lines[1].split() == ["strategy", "inter-node", "(norm.", "median)", "p10", "p90", "inter/batch", "router"]
+    assert lines[2].split()[:2] == ["linear", "1.000"] and lines[2].split()[-1] == "-"
+    assert lines[3].split()[0] == "data" and lines[3].split()[-1] == "100%"
+    data = load_trace_data(planted, test_fraction=0.2, seed=0)
+    res = run_compare(data, CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), num_batches=10,
+                                          num_batch_requests=8, strategies=("linear", "data")))
+    assert format_compare_summary(res).splitlines() == lines[:4]
+    assert compare_notes(res) == []
+    res.placed["data"].extra["groups_without_routed_requests"] = [1]
+    assert compare_notes(res) == ["note: data: 1 group(s) had no held-out request routed to them; their micro-batches drew "
+                                  "from all test requests (more requests or fewer clusters avoid this)"]

@@ -14,38 +14,38 @@ from moetrace.placement import eplb
 
 
 # ---------------------------------------------------------------- straightforward references
-def packing_reference(weight_Xn: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+def packing_reference(weight_Nn: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
     """Heaviest item first (stable), into the lightest pack with room (first on ties), row by row.
 
     One item per pack: item i goes to pack i, as in DeepSeek's code.
     """
-    X, n = weight_Xn.shape
+    N, n = weight_Nn.shape
     per_pack = n // num_packs
     if per_pack == 1:
-        return np.broadcast_to(np.arange(n), (X, n)).copy(), np.zeros((X, n), dtype=np.int64)
-    pack_index = np.empty((X, n), dtype=np.int64)
-    rank_in_pack = np.empty((X, n), dtype=np.int64)
-    for x in range(X):
-        pack_w = np.zeros(num_packs, dtype=weight_Xn.dtype)
+        return np.broadcast_to(np.arange(n), (N, n)).copy(), np.zeros((N, n), dtype=np.int64)
+    pack_index = np.empty((N, n), dtype=np.int64)
+    rank_in_pack = np.empty((N, n), dtype=np.int64)
+    for row in range(N):
+        pack_w = np.zeros(num_packs, dtype=weight_Nn.dtype)
         pack_n = [0] * num_packs
-        for item in np.argsort(-weight_Xn[x], kind="stable"):
+        for item in np.argsort(-weight_Nn[row], kind="stable"):
             pack = min((p for p in range(num_packs) if pack_n[p] < per_pack), key=lambda p: pack_w[p])
-            pack_index[x, item] = pack
-            rank_in_pack[x, item] = pack_n[pack]
-            pack_w[pack] += weight_Xn[x, item]
+            pack_index[row, item] = pack
+            rank_in_pack[row, item] = pack_n[pack]
+            pack_w[pack] += weight_Nn[row, item]
             pack_n[pack] += 1
     return pack_index, rank_in_pack
 
 
-def replicate_reference(weight_XE: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def replicate_reference(weight_NE: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """num_phy - E passes of argmax(weight / logcnt) over all experts (first expert on ties)."""
-    X, E = weight_XE.shape
-    phy2log = np.broadcast_to(np.arange(num_phy, dtype=np.int64), (X, num_phy)).copy()
-    rank = np.zeros((X, num_phy), dtype=np.int64)
-    logcnt = np.ones((X, E), dtype=np.int64)
-    rows = np.arange(X)
+    N, E = weight_NE.shape
+    phy2log = np.broadcast_to(np.arange(num_phy, dtype=np.int64), (N, num_phy)).copy()
+    rank = np.zeros((N, num_phy), dtype=np.int64)
+    logcnt = np.ones((N, E), dtype=np.int64)
+    rows = np.arange(N)
     for i in range(E, num_phy):
-        best = np.argmax(weight_XE / logcnt.astype(weight_XE.dtype), axis=1)
+        best = np.argmax(weight_NE / logcnt.astype(weight_NE.dtype), axis=1)
         phy2log[:, i] = best
         rank[:, i] = logcnt[rows, best]
         logcnt[rows, best] += 1
@@ -69,14 +69,14 @@ def _weights(draw, shape: tuple[int, int]) -> np.ndarray:
 
 @st.composite
 def replication_cases(draw):
-    X, E = draw(st.integers(1, 5)), draw(st.integers(1, 24))
-    return _weights(draw, (X, E)), E + draw(st.integers(0, 3 * E + 2))
+    N, E = draw(st.integers(1, 5)), draw(st.integers(1, 24))
+    return _weights(draw, (N, E)), E + draw(st.integers(0, 3 * E + 2))
 
 
 @st.composite
 def packing_cases(draw):
-    X, packs, per_pack = draw(st.integers(1, 5)), draw(st.integers(1, 8)), draw(st.integers(1, 6))
-    return _weights(draw, (X, packs * per_pack)), packs
+    N, packs, per_pack = draw(st.integers(1, 5)), draw(st.integers(1, 8)), draw(st.integers(1, 6))
+    return _weights(draw, (N, packs * per_pack)), packs
 
 
 @settings(max_examples=150, deadline=None)

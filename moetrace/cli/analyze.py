@@ -50,6 +50,7 @@ def analyze_cmd(
     Example: moetrace analyze traces/dsv3 -o results/dsv3 --only imbalance,correlation --batch-size 128
     """
     from moetrace.analysis.run import DEFAULT_ANALYSES, AnalyzeConfig, analyze, format_summary
+    from moetrace.results import ANALYSIS_MANIFEST
 
     config = AnalyzeConfig(
         only=tuple(x.strip() for x in only.split(",") if x.strip()) if only else DEFAULT_ANALYSES,
@@ -69,4 +70,4 @@ def analyze_cmd(
 
     summary = analyze(trace, out, config=config, overwrite=overwrite, log=lambda m: typer.echo(m, err=True), progress=progress)
     typer.echo(format_summary(summary))
-    typer.echo(f"\nresults in {out} ({summary['seconds']:.1f} s); files are listed in {out}/manifest.json")
+    typer.echo(f"\nresults in {out} ({summary['seconds']:.1f} s); files are listed in {out / ANALYSIS_MANIFEST}")

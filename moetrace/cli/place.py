@@ -1,4 +1,8 @@
-"""Commands over placements: ``place``, ``compare``, ``export``."""
+"""Commands over placements: ``place``, ``compare``, ``export``.
+
+The strategy choices and their help come from the registry ``moetrace.placement.strategies``; the
+printed text from ``moetrace.placement.report``.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,17 @@ from typing import Annotated, Literal
 import typer
 
 from moetrace.cli.common import AllowIncomplete, Seed, TraceArg, friendly_errors
+from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
 GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (NVLink domain).")]
 Clusters = Annotated[int, typer.Option("--clusters", help="K-means request clusters for data/improved (0: one per node).")]
 Redundancy = Annotated[int, typer.Option("--redundancy", help="Redundant expert slots per layer (E+R must divide over EP ranks).")]
 TestFraction = Annotated[float, typer.Option("--test-fraction", help="Share of requests held out from placement.")]
+_GROUPED = ", ".join(s.name for s in STRATEGIES if s.grouped)
+StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  # the registry's names, built at run time
+StrategyOpt = Annotated[StrategyName, typer.Option(help=f"Placement strategy ({_GROUPED} cluster requests first; see docs/placement.md).")]
+StrategiesOpt = Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(STRATEGY_NAMES)}.")]
 
 
 def register(app: typer.Typer) -> None:
@@ -35,9 +44,7 @@ def place_cmd(
     *,
     config: ConfigOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Placement JSON to write.")],
-    strategy: Annotated[
-        Literal["data", "improved", "eplb", "linear", "round_robin", "random"], typer.Option(help="Placement strategy.")
-    ] = "data",
+    strategy: StrategyOpt = "data",
     gpus_per_node: GpusPerNode = 8,
     clusters: Clusters = 0,
     redundancy: Redundancy = 0,
@@ -51,15 +58,14 @@ def place_cmd(
     """
     from moetrace.placement.compare import load_trace_data, make_placement, placement_file
     from moetrace.placement.exports import save_placement
+    from moetrace.placement.report import format_placement_summary
 
     cfg = _cfg(config, gpus_per_node, strategies=(strategy,), num_clusters=clusters, num_redundant=redundancy,
                test_fraction=test_fraction, seed=seed)
     data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
     ps = make_placement(data, cfg, strategy)
     save_placement(placement_file(data, cfg, ps), out)
-    extra = f", router match {ps.router_match_rate:.1%}" if ps.router_match_rate is not None else ""
-    typer.echo(f"{strategy} placement for {cfg.deployment.name}: {ps.placement.phy2log.shape[1]} slots x "
-               f"{ps.placement.phy2log.shape[0]} layers{extra} -> {out}")
+    typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)} -> {out}")
 
 
 @friendly_errors
@@ -67,7 +73,7 @@ def compare_cmd(
     trace: TraceArg,
     *,
     config: ConfigOpt,
-    strategies: Annotated[str, typer.Option(help="Comma-separated: linear,round_robin,random,eplb,data,improved.")] = "linear,eplb,data,improved",
+    strategies: StrategiesOpt = "linear,eplb,data,improved",
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Results directory (Parquet + JSON for the dashboards).")] = None,
     gpus_per_node: GpusPerNode = 8,
     clusters: Clusters = 0,
@@ -86,27 +92,17 @@ def compare_cmd(
 
     Example: moetrace compare traces/dsv3 --config DP8TP8EP64 --strategies linear,eplb,data,improved -o results/
     """
-    from moetrace.cli.common import human_bytes
     from moetrace.placement.compare import load_trace_data, run_compare, write_results
+    from moetrace.placement.report import compare_notes, format_compare_summary
 
     cfg = _cfg(config, gpus_per_node, strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                num_clusters=clusters, num_redundant=redundancy, test_fraction=test_fraction, num_batches=batches,
                num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, seed=seed)
     data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
     result = run_compare(data, cfg)
-    c = result.config
-    typer.echo(f"{c['deployment']} ({c['num_nodes']} nodes), {c['num_train_requests']} train / {c['num_test_requests']} "
-               f"test requests, {c['num_batches']} batches of {c['batch_requests']} requests, dedup={dedup}")
-    typer.echo(f"{'strategy':<12} {'inter-node (norm. median)':>26} {'p10':>6} {'p90':>6} {'inter/batch':>12} {'router':>7}")
-    for r in result.summary_rows():
-        router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
-        typer.echo(f"{r['strategy']:<12} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
-                   f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} {router:>7}")
-    for r in result.summary_rows():
-        if r["groups_without_routed_requests"]:
-            typer.secho(f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
-                        "to them; their micro-batches drew from all test requests (more requests or fewer clusters avoid this)",
-                        fg=typer.colors.YELLOW, err=True)
+    typer.echo(format_compare_summary(result))
+    for note in compare_notes(result):
+        typer.secho(note, fg=typer.colors.YELLOW, err=True)
     if out is not None:
         files = write_results(result, out)
         typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")

@@ -109,6 +109,10 @@ class Trace:
             return pl.from_arrow(empty).lazy()
         return pl.scan_parquet(files)
 
+    def num_tokens(self) -> int:
+        """Routing rows in the committed parts (from the Parquet footers; nothing is decoded)."""
+        return sum(_num_rows(f, self.path) for f in self.routing_files())
+
     @cached_property
     def request_arrays(self) -> RequestArrays:
         """The requests table as arrays sorted by request id, checked (see the module docstring)."""
@@ -140,7 +144,7 @@ class Trace:
         if bad.any():
             raise TraceFormatError(f"{self.path}: requests {rid[bad][:_SHOWN].tolist()} have prompt_tokens < 1, "
                                    f"output_tokens < 0 or lengths beyond int32; run `moetrace validate {self.path}`")
-        rows = sum(_num_rows(f, self.path) for f in self.routing_files())
+        rows = self.num_tokens()
         claimed = int(ptok.astype(np.int64).sum() + otok.astype(np.int64).sum())
         if claimed > rows:  # checked before one byte per claimed token is allocated
             raise TraceFormatError(

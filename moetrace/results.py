@@ -1,0 +1,202 @@
+"""Result files: the one owner of their names, format names and versions.
+
+Three kinds of result, one entry each in ``KINDS``:
+
+- ``analysis``: the directory ``moetrace analyze -o`` writes (docs/analysis.md);
+- ``compare``: the directory ``moetrace compare -o`` writes (docs/placement.md);
+- ``placement``: the JSON file ``moetrace place -o`` writes (docs/placement.md).
+
+Every result file says what it is. A JSON file carries top-level ``"format"`` and ``"version"``
+keys; a Parquet table carries them as Arrow schema metadata (``b"moetrace.format"``,
+``b"moetrace.version"``). A kind's *manifest* (``manifest.json``, ``compare.json``, the placement
+file itself) carries the kind's format name (``"moetrace.compare"``); every other file the kind's
+format name dotted with the file's stem (``"moetrace.compare.layers"`` for ``layers.parquet``).
+Readers dispatch on that format, never on which keys a file happens to hold.
+
+Adding a kind is one ``ResultKind`` entry (plus the names of its files) in ``KINDS``; write its
+files with ``write_result_table`` / ``write_result_json`` and read its manifest with
+``read_result_manifest``.
+
+Out of scope: what the files hold (columns, keys: their writers and docs); the trace format
+(``moetrace.tracer.trace``). A core module: imports no stage; pyarrow is imported when a table is
+written or read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moetrace.atomic import write_json_atomic
+from moetrace.errors import TraceFormatError
+
+__all__ = [
+    "ResultKind", "KINDS", "ANALYSIS", "COMPARE", "PLACEMENT",
+    "file_format", "json_header", "table_metadata", "write_result_table", "write_result_json",
+    "check_result_json", "read_result_manifest", "read_table_format", "kind_of_format",
+]
+
+#: Arrow schema metadata keys of a result table
+FORMAT_KEY = b"moetrace.format"
+VERSION_KEY = b"moetrace.version"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResultKind:
+    """One kind of result: what writes it, its format name, version and file names."""
+
+    name: str  # short name: "analysis", "compare", "placement"
+    format: str  # the manifest's "format" value; other files: f"{format}.{stem}"
+    version: int  # the version this moetrace writes and reads
+    command: str  # the command that writes it, for messages ("moetrace compare")
+    manifest: str | None  # the JSON file of a results directory that names the kind; None: the result is one JSON file
+    files: tuple[str, ...] = ()  # every other file a results directory of this kind may hold
+
+
+# ---- analysis: `moetrace analyze -o DIR` (docs/analysis.md, "Output files") ---------------------
+ANALYSIS_MANIFEST = "manifest.json"
+ANALYSIS_SUMMARY = "summary.json"
+IMBALANCE = "imbalance.parquet"
+EXPERT_LOAD = "expert_load.parquet"
+BATCH_IMBALANCE = "batch_imbalance.parquet"
+DATASET_CORRELATION = "dataset_correlation.parquet"
+DATASET_CORRELATION_MEAN = "dataset_correlation_mean.parquet"
+PREFILL_DECODE_POOLED = "prefill_decode_pooled.parquet"
+PREFILL_DECODE_PER_REQUEST_LAYERS = "prefill_decode_per_request_layers.parquet"
+PREFILL_DECODE_PER_REQUEST = "prefill_decode_per_request.parquet"
+PREFILL_DECODE_RECALL = "prefill_decode_recall.parquet"
+CLASSIFY_ACCURACY = "classify_accuracy.parquet"
+CLASSIFY_CONFUSION = "classify_confusion.parquet"
+EMBEDDING = "embedding.parquet"
+EMBEDDING_SCORES = "embedding_scores.parquet"
+AFFINITY = "affinity.parquet"
+COACTIVATION = "coactivation.parquet"
+COUNTS = "counts.parquet"
+
+# ---- compare: `moetrace compare -o DIR` (docs/placement.md, "compare -o RESULTS files") ---------
+COMPARE_MANIFEST = "compare.json"
+COMPARE_LAYERS = "layers.parquet"
+COMPARE_BATCHES = "batches.parquet"
+COMPARE_SUMMARY = "summary.parquet"
+COMPARE_PLACEMENTS = "placements.parquet"
+
+ANALYSIS = ResultKind(
+    name="analysis", format="moetrace.analysis", version=1, command="moetrace analyze", manifest=ANALYSIS_MANIFEST,
+    files=(ANALYSIS_SUMMARY, IMBALANCE, EXPERT_LOAD, BATCH_IMBALANCE, DATASET_CORRELATION, DATASET_CORRELATION_MEAN,
+           PREFILL_DECODE_POOLED, PREFILL_DECODE_PER_REQUEST_LAYERS, PREFILL_DECODE_PER_REQUEST, PREFILL_DECODE_RECALL,
+           CLASSIFY_ACCURACY, CLASSIFY_CONFUSION, EMBEDDING, EMBEDDING_SCORES, AFFINITY, COACTIVATION, COUNTS),
+)
+COMPARE = ResultKind(
+    name="compare", format="moetrace.compare", version=1, command="moetrace compare", manifest=COMPARE_MANIFEST,
+    files=(COMPARE_LAYERS, COMPARE_BATCHES, COMPARE_SUMMARY, COMPARE_PLACEMENTS),
+)
+PLACEMENT = ResultKind(name="placement", format="moetrace.placement", version=1, command="moetrace place", manifest=None)
+
+#: every result kind; a new kind is one more entry
+KINDS: tuple[ResultKind, ...] = (ANALYSIS, COMPARE, PLACEMENT)
+
+
+def kind_of_format(fmt: object) -> ResultKind | None:
+    """The kind whose manifest has format ``fmt``, or None when no kind has it."""
+    return next((k for k in KINDS if k.format == fmt), None)
+
+
+def file_format(kind: ResultKind, name: str) -> str:
+    """Format name of file ``name`` of ``kind``: the kind's own for its manifest, else ``<format>.<stem>``.
+
+    Raises ``ValueError`` for a name the kind does not list (a writer bug: register it in ``KINDS``).
+    """
+    if name == kind.manifest:
+        return kind.format
+    if name not in kind.files:
+        raise ValueError(f"{name!r} is not a file of {kind.format} results; list it in moetrace/results.py")
+    return f"{kind.format}.{name.split('.', 1)[0]}"
+
+
+def json_header(kind: ResultKind, name: str | None = None) -> dict[str, Any]:
+    """``{"format": ..., "version": ...}``, the first keys of the JSON file ``name`` of ``kind``
+    (``None``: the kind's manifest, or the whole result of a one-file kind)."""
+    return {"format": kind.format if name is None else file_format(kind, name), "version": kind.version}
+
+
+def table_metadata(kind: ResultKind, name: str) -> dict[bytes, bytes]:
+    """Arrow schema metadata of the Parquet table ``name`` of ``kind``."""
+    return {FORMAT_KEY: file_format(kind, name).encode(), VERSION_KEY: str(kind.version).encode()}
+
+
+def write_result_table(directory: str | os.PathLike, kind: ResultKind, name: str, table: Any, *,
+                       compression: str = "zstd") -> Path:
+    """Write ``table`` (a ``pyarrow.Table``, or anything with ``to_arrow()`` such as a polars
+    DataFrame) as ``directory/name`` with its format and version in the schema metadata; through a
+    temporary name and a rename, so a reader never sees half of it. Returns the path."""
+    import pyarrow.parquet as pq
+
+    t = table.to_arrow() if hasattr(table, "to_arrow") else table
+    t = t.replace_schema_metadata({**(t.schema.metadata or {}), **table_metadata(kind, name)})
+    path = Path(directory) / name
+    tmp = path.with_name(f".{name}.tmp")
+    pq.write_table(t, tmp, compression=compression)
+    os.replace(tmp, path)
+    return path
+
+
+def write_result_json(directory: str | os.PathLike, kind: ResultKind, name: str, obj: dict[str, Any]) -> Path:
+    """Write ``obj`` as ``directory/name`` behind its ``format`` and ``version`` keys (atomically)."""
+    path = Path(directory) / name
+    write_json_atomic(path, {**json_header(kind, name), **obj})
+    return path
+
+
+def check_result_json(path: str | os.PathLike, obj: object, kind: ResultKind | None = None) -> ResultKind:
+    """The kind of the result JSON ``obj`` read from ``path``; raises ``TraceFormatError`` (one line)
+    when it has no or an unknown ``format``, another kind's format than ``kind``, or a version this
+    moetrace does not read."""
+    where = str(path)
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"{where}: not a JSON object, so not a moetrace result")
+    fmt = obj.get("format")
+    if fmt is None:
+        writers = [k.command for k in KINDS if k is kind or (kind is None and k.manifest == Path(path).name)]
+        redo = f"; re-run `{'` / `'.join(writers)}`" if writers else ""
+        raise TraceFormatError(f"{where} has no `format` key: it was written by an older moetrace (or is not a moetrace result){redo}")
+    found = kind_of_format(fmt)
+    if found is None or (kind is not None and found is not kind):
+        expected = repr(kind.format) if kind is not None else " or ".join(repr(k.format) for k in KINDS)
+        raise TraceFormatError(f"{where}: format {fmt!r} is not a moetrace result this reader takes (expected {expected})")
+    if obj.get("version") != found.version:
+        raise TraceFormatError(f"{where}: {found.format} version {obj.get('version')!r} is not supported (this moetrace "
+                               f"reads version {found.version}); re-run `{found.command}`")
+    return found
+
+
+def read_result_manifest(path: str | os.PathLike) -> tuple[ResultKind, dict[str, Any]]:
+    """``(kind, manifest)`` of a results directory (its ``manifest.json`` or ``compare.json``) or of
+    a one-file result (a placement JSON); raises ``TraceFormatError`` naming the problem."""
+    p = Path(path)
+    if p.is_dir():
+        names = list(dict.fromkeys(k.manifest for k in KINDS if k.manifest is not None))
+        f = next((p / n for n in names if (p / n).is_file()), None)
+        if f is None:
+            raise TraceFormatError(f"{p}: holds no {' or '.join(names)}, so it is no moetrace results directory")
+    elif p.is_file():
+        f = p
+    else:
+        raise TraceFormatError(f"{p}: no such file or directory")
+    try:
+        obj = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceFormatError(f"{f}: unreadable as JSON ({exc})") from None
+    return check_result_json(f, obj), obj
+
+
+def read_table_format(path: str | os.PathLike) -> tuple[str, int]:
+    """``(format, version)`` from a result table's schema metadata; ``TraceFormatError`` without them."""
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(path).metadata or {}
+    if FORMAT_KEY not in meta or VERSION_KEY not in meta:
+        raise TraceFormatError(f"{path}: no moetrace format in the table's schema metadata (written by an older moetrace?)")
+    return meta[FORMAT_KEY].decode(), int(meta[VERSION_KEY])

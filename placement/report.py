@@ -1,0 +1,48 @@
+"""The text ``moetrace place`` and ``moetrace compare`` print, as plain strings.
+
+``format_compare_summary``: a header line (deployment, train/test split, batches, dedup unit) and
+one aligned row per strategy (normalized inter-node median, p10, p90, inter-node bytes per batch,
+router match rate). ``compare_notes``: one line per strategy whose micro-batches had to draw from
+all test requests because no held-out request was routed to some of its groups.
+``format_placement_summary``: the one line ``place`` prints.
+
+Out of scope: computing anything (``compare``); colours and streams (the CLI decides where notes go).
+"""
+
+from __future__ import annotations
+
+from moetrace.placement.compare import CompareResult, PlacedStrategy
+from moetrace.sizes import human_bytes
+
+__all__ = ["format_compare_summary", "compare_notes", "format_placement_summary"]
+
+
+def format_compare_summary(result: CompareResult) -> str:
+    """Header line, column titles and one row per strategy (lower normalized volume is better)."""
+    c = result.config
+    lines = [
+        f"{c['deployment']} ({c['num_nodes']} nodes), {c['num_train_requests']} train / {c['num_test_requests']} "
+        f"test requests, {c['num_batches']} batches of {c['batch_requests']} requests, dedup={c['dedup']}",
+        f"{'strategy':<12} {'inter-node (norm. median)':>26} {'p10':>6} {'p90':>6} {'inter/batch':>12} {'router':>7}",
+    ]
+    for r in result.summary_rows():
+        router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
+        lines.append(f"{r['strategy']:<12} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
+                     f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} {router:>7}")
+    return "\n".join(lines)
+
+
+def compare_notes(result: CompareResult) -> list[str]:
+    """``note: ...`` lines about groups that no held-out request was routed to (empty when none)."""
+    return [
+        f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
+        "to them; their micro-batches drew from all test requests (more requests or fewer clusters avoid this)"
+        for r in result.summary_rows() if r["groups_without_routed_requests"]
+    ]
+
+
+def format_placement_summary(ps: PlacedStrategy, *, deployment: str) -> str:
+    """``<strategy> placement for <deployment>: <P> slots x <L> layers[, router match <rate>]``."""
+    L, P = ps.placement.phy2log.shape
+    router = f", router match {ps.router_match_rate:.1%}" if ps.router_match_rate is not None else ""
+    return f"{ps.strategy} placement for {deployment}: {P} slots x {L} layers{router}"

@@ -1,0 +1,142 @@
+"""The one registry of placement strategies: name, label, one-line description, grouped or not, builder.
+
+``moetrace place --strategy``, ``moetrace compare --strategies``, ``CompareConfig`` validation,
+``make_placement`` and the dashboards' strategy labels all read ``STRATEGIES``; docs/placement.md
+has the same table (a test keeps it in step). Adding a strategy: write the placer as a pure function of arrays in its own module, then add
+one ``Strategy`` row here with a small builder from ``PlacementInputs``.
+
+A *grouped* strategy needs request clustering: the training requests are clustered into one group
+per node, and its placer sees per-group usage ``usage_GLE``; at serving time a router sends each
+request to a group (``grouping``).
+
+Shape legend (legend: docs/architecture.md): G node groups, L MoE layers, E logical experts,
+P physical slots, W EP ranks.
+
+Out of scope: the placement algorithms (``baselines``, ``eplb``, ``data_placement``, ``improved``;
+a builder only adapts arguments); clustering and routing requests (``grouping``, ``compare``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from moetrace.errors import ConfigError
+
+if TYPE_CHECKING:  # the placers (and numpy) load when a strategy is built, so `moetrace --help` stays light
+    import numpy as np
+
+    from moetrace.placement.maps import Placement
+
+__all__ = ["PlacementInputs", "Strategy", "STRATEGIES", "STRATEGY_NAMES", "get_strategy", "check_strategies"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementInputs:
+    """Everything a strategy may use; the arrays come from the training requests only."""
+
+    num_layers: int  # L MoE layers
+    num_experts: int  # E logical experts per layer
+    num_slots: int  # P physical slots per layer (E + redundant)
+    num_ranks: int  # W EP ranks (GPUs)
+    num_nodes: int  # G nodes (= node groups)
+    ranks_per_node: int  # W / G
+    router_groups: int  # expert groups of the model's group-limited router (DeepSeek-V3: 8), 1 when it has none
+    seed: int  # seeds the random placement
+    load_LE: np.ndarray  # float32 [L, E] decode tokens per (layer, expert)
+    usage_GLE: np.ndarray | None = None  # float64 [G, L, E] decode tokens per group; grouped strategies only
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """The keyword arguments of the data-free placers."""
+        return dict(num_layers=self.num_layers, num_experts=self.num_experts, num_slots=self.num_slots,
+                    num_ranks=self.num_ranks)
+
+
+#: a builder returns the placement and what to record about how it was built (placement file ``source``)
+Builder = Callable[["PlacementInputs"], "tuple[Placement, dict[str, Any]]"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One placement strategy (a row of ``STRATEGIES``, fields in column order)."""
+
+    name: str  # what --strategy / --strategies and the result files call it
+    label: str  # short name for figures and tables (dashboards)
+    grouped: bool  # needs request clustering (one group per node, a prefill router at serving time)
+    build: Builder  # the placement from PlacementInputs
+    description: str  # one line, the same in docs/placement.md's table
+
+
+def _linear(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.baselines import linear
+
+    return linear(**x.shape), {}
+
+
+def _round_robin(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.baselines import round_robin
+
+    return round_robin(**x.shape), {}
+
+
+def _random(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.baselines import random_placement
+
+    return random_placement(**x.shape, seed=x.seed), {}
+
+
+def _eplb(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.eplb import rebalance
+
+    placement = rebalance(x.load_LE, num_replicas=x.num_slots, num_groups=x.router_groups, num_nodes=x.num_nodes,
+                          num_gpus=x.num_ranks)
+    policy = "hierarchical" if x.router_groups % x.num_nodes == 0 else "global"
+    return placement, {"eplb_num_groups": x.router_groups, "eplb_policy": policy}
+
+
+def _usage_GLE(x: PlacementInputs) -> np.ndarray:
+    if x.usage_GLE is None:
+        raise ConfigError("a grouped strategy needs per-group usage (usage_GLE) from clustered training requests")
+    return x.usage_GLE
+
+
+def _data(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.data_placement import data_placement
+
+    return data_placement(_usage_GLE(x), num_slots=x.num_slots, ranks_per_group=x.ranks_per_node), {}
+
+
+def _improved(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.improved import improved_placement
+
+    return improved_placement(_usage_GLE(x), num_slots=x.num_slots, ranks_per_group=x.ranks_per_node), {}
+
+
+#: the registry, in the order the CLI and docs list it
+STRATEGIES: tuple[Strategy, ...] = (
+    #        name           label                      grouped build         description
+    Strategy("linear",      "linear (vLLM default)",   False, _linear,      "vLLM default: slot p holds expert p mod E"),
+    Strategy("round_robin", "round robin",             False, _round_robin, "vLLM round robin: expert e on GPU e mod W"),
+    Strategy("random",      "random",                  False, _random,      "every expert once plus random replicas, shuffled per layer (seeded)"),
+    Strategy("eplb",        "EPLB",                    False, _eplb,        "DeepSeek EPLB on the training requests' decode load"),
+    Strategy("data",        "data-based (core paper)", True,  _data,        "core paper §4.2: each group's most-used experts on its node (greedy)"),
+    Strategy("improved",    "improved",                True,  _improved,    "ours: the data placer's objective solved exactly (an integral LP)"),
+)
+STRATEGY_NAMES: tuple[str, ...] = tuple(s.name for s in STRATEGIES)
+
+
+def get_strategy(name: str) -> Strategy:
+    """The registry row of ``name``; ``ConfigError`` naming the choices when there is none."""
+    for s in STRATEGIES:
+        if s.name == name:
+            return s
+    raise ConfigError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGY_NAMES)}")
+
+
+def check_strategies(names: tuple[str, ...]) -> None:
+    """``ConfigError`` unless ``names`` is a non-empty list of registered strategies."""
+    bad = [s for s in names if s not in STRATEGY_NAMES]
+    if bad or not names:
+        what = f"unknown strategies {bad}" if bad else "no strategy given"
+        raise ConfigError(f"{what}; choose from {', '.join(STRATEGY_NAMES)}")

@@ -1,0 +1,154 @@
+"""Result files are typed and versioned (moetrace/results.py): every file `analyze`, `compare` and
+`place` write carries its format name and version, and the dashboard dispatches on that format."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from moetrace import results as rf
+from moetrace.cli import app
+from moetrace.dashboards.inputs import detect
+from moetrace.errors import TraceFormatError
+from test_placement_compare import _planted_trace
+
+pytest.importorskip("sklearn")
+pytest.importorskip("scipy")
+
+runner = CliRunner()
+DEPLOY = ["--config", "DP2TP4EP8", "--gpus-per-node", "4"]
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    return _planted_trace(tmp_path_factory.mktemp("results") / "trace", structured=True)
+
+
+@pytest.fixture(scope="module")
+def analysis_dir(trace, tmp_path_factory):
+    out = tmp_path_factory.mktemp("results") / "analysis"
+    r = runner.invoke(app, ["analyze", str(trace), "-o", str(out), "--batch-size", "8", "--embedding-max-requests", "40"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def compare_dir(trace, tmp_path_factory):
+    out = tmp_path_factory.mktemp("results") / "compare"
+    r = runner.invoke(app, ["compare", str(trace), *DEPLOY, "--strategies", "linear,eplb,data", "--batches", "10",
+                            "--batch-requests", "8", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def _assert_every_file_is_stamped(directory, kind: rf.ResultKind, *, skip: frozenset[str] = frozenset()) -> set[str]:
+    """Every file in ``directory`` is a file of ``kind`` carrying the format and version of results.py."""
+    names = {p.name for p in directory.iterdir()}
+    assert not any(n.startswith(".") for n in names), f"temporary files left behind: {names}"
+    assert names <= {kind.manifest, *kind.files}, f"files results.py does not list: {names - {kind.manifest, *kind.files}}"
+    for name in sorted(names - skip):
+        path = directory / name
+        if name.endswith(".json"):
+            obj = json.loads(path.read_text())
+            got = (obj.get("format"), obj.get("version"))
+            assert list(obj)[:2] == ["format", "version"], name
+        else:
+            got = rf.read_table_format(path)
+            assert pq.read_schema(path).metadata[b"moetrace.version"] == str(kind.version).encode()
+        assert got == (rf.file_format(kind, name), kind.version), name
+    return names
+
+
+def test_analyze_writes_every_file_with_format_and_version(analysis_dir):
+    names = _assert_every_file_is_stamped(analysis_dir, rf.ANALYSIS)
+    assert {"manifest.json", "summary.json", "imbalance.parquet", "embedding.parquet", "classify_accuracy.parquet",
+            "affinity.parquet", "coactivation.parquet"} <= names
+    assert json.loads((analysis_dir / "summary.json").read_text())["format"] == "moetrace.analysis.summary"
+    assert rf.read_table_format(analysis_dir / "imbalance.parquet") == ("moetrace.analysis.imbalance", 1)
+    man = json.loads((analysis_dir / "manifest.json").read_text())
+    assert (man["format"], man["version"]) == ("moetrace.analysis", 1)
+    assert set(man["files"]) == names - {"manifest.json"}
+
+
+def test_counts_table_carries_format_and_version(trace, tmp_path):
+    r = runner.invoke(app, ["analyze", str(trace), "-o", str(tmp_path), "--only", "counts"])
+    assert r.exit_code == 0, r.output
+    assert rf.read_table_format(tmp_path / "counts.parquet") == ("moetrace.analysis.counts", 1)
+
+
+def test_compare_writes_every_file_with_format_and_version(compare_dir):
+    names = _assert_every_file_is_stamped(compare_dir, rf.COMPARE)
+    assert names == {rf.COMPARE_MANIFEST, *rf.COMPARE.files}
+    assert rf.read_table_format(compare_dir / "layers.parquet") == ("moetrace.compare.layers", 1)
+    kind, manifest = rf.read_result_manifest(compare_dir)
+    assert kind is rf.COMPARE and manifest["strategies"] == ["linear", "eplb", "data"]
+
+
+def test_place_writes_a_versioned_placement_file(trace, tmp_path):
+    out = tmp_path / "p.json"
+    r = runner.invoke(app, ["place", str(trace), *DEPLOY, "--strategy", "improved", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("improved placement for DP2TP4EP8: 16 slots x 2 layers, router match ")
+    obj = json.loads(out.read_text())
+    assert (obj["format"], obj["version"]) == (rf.PLACEMENT.format, rf.PLACEMENT.version) == ("moetrace.placement", 1)
+    kind, _ = rf.read_result_manifest(out)
+    assert kind is rf.PLACEMENT
+
+
+def test_dashboard_detection_dispatches_on_format(analysis_dir, compare_dir, tmp_path):
+    assert detect(analysis_dir).kind == "analysis"
+    assert detect(compare_dir).kind == "placement"
+    # keys alone do not make a compare result: the same manifest under another format is refused
+    d = tmp_path / "renamed"
+    d.mkdir()
+    obj = json.loads((compare_dir / "compare.json").read_text())
+    (d / "compare.json").write_text(json.dumps({**obj, "format": "moetrace.something"}))
+    with pytest.raises(TraceFormatError, match=r"not a trace, analysis or placement result directory.*moetrace.something"):
+        detect(d)
+    # an analysis manifest is recognised by its format even if it lacks the usual keys
+    a = tmp_path / "bare-analysis"
+    a.mkdir()
+    (a / "manifest.json").write_text(json.dumps({"format": "moetrace.analysis", "version": 1}))
+    assert detect(a).kind == "analysis"
+
+
+def test_old_compare_json_without_format_gets_one_clean_line(compare_dir, tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    obj = json.loads((compare_dir / "compare.json").read_text())
+    del obj["format"], obj["version"]
+    (old / "compare.json").write_text(json.dumps(obj))
+    with pytest.raises(TraceFormatError) as exc:
+        detect(old)
+    msg = str(exc.value)
+    assert "\n" not in msg and "older moetrace" in msg and "re-run `moetrace compare`" in msg
+    r = runner.invoke(app, ["dashboard", str(old), "-o", str(tmp_path / "r.html")])
+    assert r.exit_code == 2 and "older moetrace" in r.output and "Traceback" not in r.output
+
+
+def test_unsupported_versions_are_refused(compare_dir, tmp_path):
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    obj = json.loads((compare_dir / "compare.json").read_text())
+    (newer / "compare.json").write_text(json.dumps({**obj, "version": 99}))
+    with pytest.raises(TraceFormatError, match=r"moetrace.compare version 99 is not supported .*re-run `moetrace compare`"):
+        detect(newer)
+    with pytest.raises(TraceFormatError, match="no such file or directory"):
+        rf.read_result_manifest(tmp_path / "missing")
+    with pytest.raises(TraceFormatError, match="holds no manifest.json or compare.json"):
+        rf.read_result_manifest(tmp_path)
+
+
+def test_every_kind_is_one_consistent_entry():
+    assert [k.name for k in rf.KINDS] == ["analysis", "compare", "placement"]
+    assert len({k.format for k in rf.KINDS}) == len(rf.KINDS)
+    for k in rf.KINDS:
+        assert rf.kind_of_format(k.format) is k
+        assert len(set(k.files)) == len(k.files) and k.manifest not in k.files
+        for name in k.files:
+            assert rf.file_format(k, name).startswith(k.format + ".")
+    with pytest.raises(ValueError, match="list it in moetrace/results.py"):
+        rf.file_format(rf.COMPARE, "unknown.parquet")
