@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 
 from moetrace import results as rf
-from moetrace.errors import ConfigError, OutputExistsError
+from moetrace.errors import ConfigError
 from moetrace.tracer.trace.reader import open_trace
 
 Analysis = Literal["imbalance", "correlation", "embedding", "classify", "affinity", "counts"]
@@ -81,8 +81,7 @@ def analyze(
     say = log or (lambda _msg: None)
     trace = open_trace(trace_path, require_complete=not config.allow_incomplete)
     out = Path(out)
-    if (out / rf.ANALYSIS_MANIFEST).exists() and not overwrite:
-        raise OutputExistsError(f"{out} already holds analysis results; choose another -o or pass --overwrite")
+    rf.check_output(out, rf.ANALYSIS, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
     if config.embedding_layer is not None and config.layers is not None and config.embedding_layer not in config.layers:
         raise ConfigError(f"embedding layer {config.embedding_layer} is not among the analysed layers {list(config.layers)}")

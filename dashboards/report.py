@@ -67,6 +67,8 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
     omitted: list[str] = []
     for n, t in enumerate(traces):
         trace = open_trace(t.path, require_complete=False)
+        if trace.part_names():
+            trace.request_arrays  # checks the requests table and every routing part's footer, like analyze does
         sections.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))
     if not traces:
         omitted.append("overview: no trace directory among the inputs (and the results name none that exists)")

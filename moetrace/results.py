@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from moetrace.atomic import write_json_atomic
-from moetrace.errors import TraceFormatError
+from moetrace.errors import OutputExistsError, TraceFormatError
 
 __all__ = [
     "ResultKind", "KINDS", "ANALYSIS", "COMPARE", "PLACEMENT",
-    "file_format", "json_header", "table_metadata", "write_result_table", "write_result_json",
+    "file_format", "json_header", "check_output", "table_metadata", "write_result_table", "write_result_json",
     "check_result_json", "read_result_manifest", "read_table_format", "kind_of_format",
 ]
 
@@ -148,6 +148,25 @@ def write_result_json(directory: str | os.PathLike, kind: ResultKind, name: str,
     path = Path(directory) / name
     write_json_atomic(path, {**json_header(kind, name), **obj})
     return path
+
+
+def check_output(path: str | os.PathLike, kind: ResultKind, *, overwrite: bool) -> None:
+    """Refuse, before any work, to replace results of ``kind`` at ``path`` unless ``overwrite``.
+
+    ``path`` is the results directory of a directory kind (results exist when any of its files
+    does) or the file of a one-file kind. Raises ``OutputExistsError`` naming the fix.
+    """
+    p = Path(path)
+    if kind.manifest is None:
+        exists = p.exists()
+        if p.is_dir():
+            raise OutputExistsError(f"{p} is a directory; -o of `{kind.command}` names the JSON file to write")
+    else:
+        if p.exists() and not p.is_dir():
+            raise OutputExistsError(f"{p} is a file; -o of `{kind.command}` names a results directory")
+        exists = any((p / n).exists() for n in (kind.manifest, *kind.files))
+    if exists and not overwrite:
+        raise OutputExistsError(f"{p} already holds {kind.name} results; choose another -o, or pass --overwrite to replace them")
 
 
 def check_result_json(path: str | os.PathLike, obj: object, kind: ResultKind | None = None) -> ResultKind:

@@ -44,6 +44,10 @@ from moetrace.placement.strategies import PlacementInputs, check_strategies, get
 __all__ = ["CompareConfig", "TraceData", "load_trace_data", "make_placement", "run_compare", "write_results"]
 
 
+#: the most tokens one comparison simulates (batches x requests per batch), so a typo cannot ask for terabytes
+MAX_SIMULATED_TOKENS = 20_000_000
+
+
 @dataclass(frozen=True, kw_only=True)
 class CompareConfig:
     """What to place and how to evaluate it."""
@@ -64,6 +68,12 @@ class CompareConfig:
         check_strategies(self.strategies)
         if not (0.0 < self.test_fraction < 1.0):
             raise ConfigError(f"test fraction must be in (0, 1), got {self.test_fraction}")
+        simulated = self.num_batches * self.batch_requests
+        if simulated > MAX_SIMULATED_TOKENS:  # bounded work: checked before anything is allocated
+            raise ConfigError(
+                f"--batches {self.num_batches} x {self.batch_requests} requests per batch = {simulated:,} simulated tokens; "
+                f"at most {MAX_SIMULATED_TOKENS:,} per run (about 100 bytes of memory each): lower --batches or --batch-requests"
+            )
         if self.num_batches < 1 or self.num_batch_requests < 0 or self.num_clusters < 0:
             raise ConfigError("--batches must be >= 1, --batch-requests and --clusters >= 0")
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from moetrace.atomic import write_json_atomic
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.placement.maps import Placement, placement_from_phy2log, placement_problems
 from moetrace.results import PLACEMENT, check_result_json, json_header
@@ -51,6 +52,8 @@ class PlacementFile:
 
 
 def save_placement(pf: PlacementFile, path: str | os.PathLike) -> None:
+    """Write ``pf`` as moetrace's placement JSON (atomically; callers check ``overwrite`` first with
+    ``moetrace.results.check_output``)."""
     p = pf.placement
     obj = {
         **json_header(PLACEMENT),
@@ -67,7 +70,7 @@ def save_placement(pf: PlacementFile, path: str | os.PathLike) -> None:
         "source": pf.source,
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj) + "\n")
+    write_json_atomic(Path(path), obj, indent=None)  # never half-written; compact: phy2log has L x P ids
 
 
 def load_placement(path: str | os.PathLike) -> PlacementFile:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli.common import AllowIncomplete, OutDir, Seed, TraceArg, friendly_errors
+from moetrace.cli.common import AllowIncomplete, OutDir, Overwrite, Seed, TraceArg, friendly_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -40,7 +40,7 @@ def analyze_cmd(
         str | None, typer.Option(help="Comma-separated MoE-layer ordinals (0-based positions in moe_layers). Default: all.")
     ] = None,
     embedding_max_requests: Annotated[int, typer.Option(help="Subsample cap for t-SNE/UMAP (stratified by dataset).")] = 4000,
-    overwrite: Annotated[bool, typer.Option(help="Replace results already in the output directory.")] = False,
+    overwrite: Overwrite = False,
     allow_incomplete: AllowIncomplete = False,
 ) -> None:
     """Characterize a trace: imbalance, correlations, embeddings, classifiers, cross-layer affinity.

@@ -30,6 +30,7 @@ ModelOpt = Annotated[
         help="Model preset (see `moetrace models`), a local checkpoint directory, or a hub id.",
     ),
 ]
+Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace what is already at -o (refused otherwise).")]
 AllowIncomplete = Annotated[
     bool, typer.Option("--allow-incomplete", help="Read a trace whose collection has not finished (committed parts only).")
 ]

@@ -37,10 +37,13 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
         ["validate", str(syn)],
         ["analyze", str(syn), "-o", str(syn_an), "--seed", str(seed), "--overwrite"],
         ["compare", str(syn), "--config", "DP8TP8EP64", "--strategies", "linear,round_robin,eplb,data,improved",
-         "--seed", str(seed), "-o", str(cmp_)],
-        ["place", str(syn), "--config", "DP8TP8EP64", "--strategy", "improved", "--seed", str(seed), "-o", str(placement)],
-        ["export", str(placement), "--format", "sglang", "-o", str(out / "placement" / "sglang-init-expert-location.json")],
-        ["export", str(placement), "--format", "trtllm", "-o", str(out / "placement" / "trtllm-moe-load-balancer.yaml")],
+         "--seed", str(seed), "-o", str(cmp_), "--overwrite"],
+        ["place", str(syn), "--config", "DP8TP8EP64", "--strategy", "improved", "--seed", str(seed), "-o", str(placement),
+         "--overwrite"],
+        ["export", str(placement), "--format", "sglang", "-o", str(out / "placement" / "sglang-init-expert-location.json"),
+         "--overwrite"],
+        ["export", str(placement), "--format", "trtllm", "-o", str(out / "placement" / "trtllm-moe-load-balancer.yaml"),
+         "--overwrite"],
         ["dashboard", str(tiny), str(tiny_an), str(syn), str(syn_an), str(cmp_), "-o", str(out / "report.html")],
     ]
 

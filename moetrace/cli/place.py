@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import AllowIncomplete, Seed, TraceArg, friendly_errors
+from moetrace.cli.common import AllowIncomplete, Overwrite, Seed, TraceArg, friendly_errors
 from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
@@ -51,6 +51,7 @@ def place_cmd(
     test_fraction: TestFraction = 0.2,
     seed: Seed = 0,
     allow_incomplete: AllowIncomplete = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Compute an expert placement from a trace's training requests and write moetrace's placement JSON.
 
@@ -59,7 +60,9 @@ def place_cmd(
     from moetrace.placement.compare import load_trace_data, make_placement, placement_file
     from moetrace.placement.exports import save_placement
     from moetrace.placement.report import format_placement_summary
+    from moetrace.results import PLACEMENT, check_output
 
+    check_output(out, PLACEMENT, overwrite=overwrite)  # before minutes of work
     cfg = _cfg(config, gpus_per_node, strategies=(strategy,), num_clusters=clusters, num_redundant=redundancy,
                test_fraction=test_fraction, seed=seed)
     data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
@@ -85,6 +88,7 @@ def compare_cmd(
     replica_policy: Annotated[Literal["same_node", "even", "metro"], typer.Option(help="Which replica serves a token.")] = "same_node",
     seed: Seed = 0,
     allow_incomplete: AllowIncomplete = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Place experts with several strategies on training requests; simulate all-to-all volume on held-out ones.
 
@@ -94,7 +98,10 @@ def compare_cmd(
     """
     from moetrace.placement.compare import load_trace_data, run_compare, write_results
     from moetrace.placement.report import compare_notes, format_compare_summary
+    from moetrace.results import COMPARE, check_output
 
+    if out is not None:
+        check_output(out, COMPARE, overwrite=overwrite)  # before minutes of work
     cfg = _cfg(config, gpus_per_node, strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                num_clusters=clusters, num_redundant=redundancy, test_fraction=test_fraction, num_batches=batches,
                num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, seed=seed)
@@ -114,14 +121,19 @@ def export_cmd(
     *,
     fmt: Annotated[Literal["sglang", "trtllm", "vllm"], typer.Option("--format", "-f", help="Target engine.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="File to write.")],
+    overwrite: Overwrite = False,
 ) -> None:
     """Convert a placement JSON to a serving engine's format (SGLang, TensorRT-LLM, vLLM proposal).
 
     Example: moetrace export placement.json --format sglang -o expert_location.json
     """
+    from moetrace.atomic import write_text_atomic
+    from moetrace.errors import OutputExistsError
     from moetrace.placement.exports import export_placement, load_placement
 
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"{out} already exists; choose another -o, or pass --overwrite to replace it")
     text = export_placement(load_placement(placement), fmt=fmt)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    write_text_atomic(out, text)
     typer.echo(f"wrote {fmt} placement to {out}")

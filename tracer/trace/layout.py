@@ -57,9 +57,11 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not mpath.exists():
         raise TraceFormatError(f"{path}: no {MANIFEST}; not a moetrace trace directory")
     try:
-        manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{mpath}: not valid JSON ({exc})") from exc
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{mpath}: not UTF-8 text ({exc.reason} at byte {exc.start}); not a moetrace manifest") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise TraceFormatError(f"{mpath}: not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(manifest, dict):
         raise TraceFormatError(f"{mpath}: expected a JSON object")
     return manifest
