@@ -6,6 +6,7 @@ few lines over one library call.
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
 from pathlib import Path
@@ -57,7 +58,7 @@ def friendly_errors(fn: F) -> F:
             err(str(exc))
             raise typer.Exit(2) from None
         except OSError as exc:  # a path that cannot be read or written: say which, no traceback
-            err(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
+            err(_describe_os_error(exc))
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err("interrupted; committed work is kept (re-run with --resume where the command has it)")
@@ -65,6 +66,14 @@ def friendly_errors(fn: F) -> F:
 
     return wrapper  # type: ignore[return-value]
 
+
+
+def _describe_os_error(exc: OSError) -> str:
+    cause = (exc.strerror or str(exc)).rstrip(".")
+    where = f": {exc.filename}" if exc.filename else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{cause.lower()}{where}; free space, then run the command again (with --resume where it has one)"
+    return f"{cause}{where}"
 
 
 def stderr_is_tty() -> bool:
