@@ -30,17 +30,17 @@ def main() -> None:
     tok = tiny_tokenizer()
     prompts = load_prompts(["math-word"], num_requests=args.batch, seed=0)
     ids = [render_prompt_ids(p, tok, chat_template=False)[:64] for p in prompts]
-    S = max(map(len, ids))
-    inp = torch.full((len(ids), S), tok.pad_token_id)
-    att = torch.zeros_like(inp)
-    for b, p in enumerate(ids):
-        inp[b, S - len(p):] = torch.tensor(p)
-        att[b, S - len(p):] = 1
+    T = max(map(len, ids))  # padded positions (shape letters: docs/architecture.md)
+    inp_RT = torch.full((len(ids), T), tok.pad_token_id)
+    att_RT = torch.zeros_like(inp_RT)
+    for r, p in enumerate(ids):
+        inp_RT[r, T - len(p):] = torch.tensor(p)
+        att_RT[r, T - len(p):] = 1
     tokens = sum(map(len, ids)) + args.new * len(ids)
 
     def plain():
         with torch.inference_mode():
-            model.generate(input_ids=inp, attention_mask=att, max_new_tokens=args.new, min_new_tokens=args.new,
+            model.generate(input_ids=inp_RT, attention_mask=att_RT, max_new_tokens=args.new, min_new_tokens=args.new,
                            do_sample=False, pad_token_id=tok.pad_token_id)
 
     def traced():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 
 import numpy as np
@@ -11,8 +12,8 @@ from typer.testing import CliRunner
 
 from moetrace.cli import app
 from moetrace.errors import ModelError, TraceFormatError
-from moetrace.tracer.importers import import_trace, model_info_for_import, sglang_response_rows
-from moetrace.tracer.presets import model_info_for
+from moetrace.tracer.importers import import_trace, sglang_response_rows
+from moetrace.tracer.presets import model_info_for, resolve
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.validate import find_problems
 
@@ -164,10 +165,14 @@ def test_model_from_hf_config_file(tmp_path):
            "first_k_dense_replace": 2, "moe_layer_freq": 1, "n_routed_experts": 32, "num_experts_per_tok": 4,
            "n_shared_experts": 1, "hidden_size": 256, "n_group": 4, "topk_group": 2}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    info = model_info_for_import(str(tmp_path))
+    info = resolve(str(tmp_path)).model_info()
     assert info.moe_layers == (2, 3, 4, 5) and info.num_experts == 32 and info.n_group == 4
+    cfg_file = str(tmp_path / "config.json")
+    assert resolve(cfg_file).model_info() == dataclasses.replace(info, name=cfg_file, source=cfg_file)
     with pytest.raises(ModelError, match="neither a preset"):
-        model_info_for_import(str(tmp_path / "nothing"))
+        resolve(str(tmp_path / "nothing")).model_info()
+    with pytest.raises(ModelError, match="hub id and its config is not downloaded"):
+        resolve("deepseek-ai/DeepSeek-V3-Base").model_info()
 
 
 def test_cli_import_and_clean_errors(tmp_path):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from moetrace.errors import ConfigError, MissingDependencyError, ModelError
-from moetrace.tracer.presets import model_info_for
+from moetrace.tracer.presets import model_info_for, resolve
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.writer import TraceWriter
 from moetrace.tracer.trace.validate import find_problems
@@ -203,24 +203,24 @@ def test_split_evenly():
 
 
 def test_model_resolution(tmp_path):
-    source, info = V.resolve_model("deepseek-v3")
+    source, info = V.model_for_vllm(resolve("deepseek-v3"))
     assert source == "deepseek-ai/DeepSeek-V3" and info.moe_layers[0] == 3 and len(info.moe_layers) == 58
     with pytest.raises(ModelError, match="--backend hf"):
-        V.model_info_for_vllm("deepseek-v3-tiny")
+        V.model_for_vllm(resolve("deepseek-v3-tiny"))
     pytest.importorskip("transformers")
     cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4,
            "hidden_size": 64, "num_experts": 16, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
            "mlp_only_layers": [0], "intermediate_size": 64, "moe_intermediate_size": 32,
            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    info = V.model_info_for_vllm(str(tmp_path))
-    assert info.moe_layers == (1, 2, 3) and info.num_experts == 16 and info.top_k == 4
+    source, info = V.model_for_vllm(resolve(str(tmp_path)))
+    assert source == str(tmp_path) and info.moe_layers == (1, 2, 3) and info.num_experts == 16 and info.top_k == 4
     dense = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
              "intermediate_size": 64, "vocab_size": 384}
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "config.json").write_text(json.dumps(dense))
     with pytest.raises(ModelError, match="not a Mixture-of-Experts"):
-        V.model_info_for_vllm(str(tmp_path / "d"))
+        V.model_for_vllm(resolve(str(tmp_path / "d")))
 
 
 def test_missing_vllm_fails_early_with_install_hint():

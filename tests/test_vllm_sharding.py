@@ -8,15 +8,36 @@ import json
 
 import pytest
 
-from moetrace.errors import TraceFormatError
+from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.tracer import sharding as S
 from moetrace.tracer.trace import merge as M
-from moetrace.tracer.collect import CollectConfig, shard_prompts
+from moetrace.tracer.collect import CollectConfig, choose_backend, collect, parse_shard, shard_prompts
 from moetrace.tracer.datasets import load_prompts
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.validate import find_problems
 
 CONFIG = CollectConfig(model="olmoe-1b-7b-tiny", datasets=("bundled",), per_dataset=2, max_new_tokens=3, batch_size=4)
+
+
+def test_parse_shard():
+    assert parse_shard("3/8") == (3, 8)
+    for bad, match in [("3", "S/N"), ("a/b", "S/N"), ("8/8", "0..N-1"), ("-1/4", "0..N-1")]:
+        with pytest.raises(ConfigError, match=match):
+            parse_shard(bad)
+
+
+def test_the_backend_is_chosen_once_with_auto_rules():
+    assert choose_backend("hf", device="cuda") == "hf" and choose_backend("vllm", device="cpu") == "vllm"
+    assert choose_backend("auto", device="cpu") == "hf"  # a CPU run never starts vLLM
+    assert choose_backend("auto", device="cpu", on_ray=True) == "vllm"  # shards run on the cluster's GPU nodes
+    with pytest.raises(ConfigError, match="auto, hf or vllm"):
+        choose_backend("sglang", device="cpu")
+
+
+def test_shard_and_ray_shards_exclude_each_other(tmp_path):
+    with pytest.raises(ConfigError, match="exclude each other"):
+        S.run_collection(CONFIG, out=tmp_path / "t", shard=(0, 2), ray_shards=2)
+    assert not (tmp_path / "t").exists()
 
 
 def test_shards_partition_the_run_and_mix_datasets():
@@ -34,15 +55,16 @@ def sharded_trace(tmp_path_factory):
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("sharded") / "trace"
     for s in (0, 2):  # shard 1 later: the merge must notice it missing
-        S.collect_shard(CONFIG, out=out, shard=s, num_shards=3, backend="hf")
+        collect(CONFIG, out=out, backend="hf", shard=(s, 3))
     return out
 
 
 def test_merge_refuses_a_missing_shard_then_merges_all(sharded_trace):
     with pytest.raises(TraceFormatError, match=r"shards \[1\] of 3 have no manifest"):
         M.merge_shards(sharded_trace)
-    stats = S.collect_shard(CONFIG, out=sharded_trace, shard=1, num_shards=3, backend="hf")
-    assert stats.num_requests == 3  # ids 1, 4, 7 of 10
+    result = collect(CONFIG, out=sharded_trace, backend="hf", shard=(1, 3))
+    assert result.stats.num_requests == 3  # ids 1, 4, 7 of 10
+    assert "shard 1/3: when every shard is done, run: moetrace merge-shards" in result.summary_lines()[1]
     manifest = M.merge_shards(sharded_trace)
     assert manifest["complete"] is True and manifest["totals"]["num_requests"] == 10
     assert [s["shard"] for s in manifest["shards"]] == [0, 1, 2]
@@ -54,8 +76,8 @@ def test_merge_refuses_a_missing_shard_then_merges_all(sharded_trace):
     assert tr.routing().collect().height == manifest["totals"]["num_tokens"]
     # resuming a finished shard runs nothing and leaves the other shards' files alone
     before = sorted(p.name for p in (sharded_trace / "routing").iterdir())
-    again = S.collect_shard(CONFIG, out=sharded_trace, shard=1, num_shards=3, backend="hf", on_existing="resume")
-    assert again.num_requests == 3
+    again = collect(CONFIG, out=sharded_trace, backend="hf", shard=(1, 3), on_existing="resume")
+    assert again.stats.num_requests == 3 and again.num_new_requests == 0
     assert sorted(p.name for p in (sharded_trace / "routing").iterdir()) == before
 
 
@@ -111,9 +133,10 @@ def test_ray_runs_the_shards_as_tasks(tmp_path):
 
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        manifest = S.collect_sharded_with_ray(CONFIG, out=tmp_path / "t", num_shards=2, backend="hf",
-                                              num_gpus_per_shard=0, ray_address=None)
+        result = S.collect_sharded_with_ray(CONFIG, out=tmp_path / "t", num_shards=2, backend="hf",
+                                            num_gpus_per_shard=0, ray_address=None)
     finally:
         ray.shutdown()
-    assert manifest["complete"] and manifest["totals"]["num_requests"] == 10
+    assert result.num_merged_shards == 2 and result.stats.num_requests == 10
+    assert open_trace(tmp_path / "t").manifest["complete"]
     assert find_problems(tmp_path / "t") == []

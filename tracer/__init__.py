@@ -5,8 +5,9 @@
 - ``moetrace.tracer.backends``: the engines that record routing (HF transformers, vLLM) and the
   pure conversion of vLLM's routed-experts arrays.
 - producers around them: ``collect`` (prompts → backend → writer), ``sharding`` (several engines,
-  one trace), ``datasets`` (prompt sources), ``presets`` (model names), ``importers`` (SGLang and
-  JSONL), ``synth`` and ``synth_stats`` (synthetic traces with planted structure).
+  one trace; the entry point ``run_collection``), ``datasets`` (prompt sources), ``presets`` (what
+  a model name means: ``resolve``), ``importers`` (SGLang and JSONL), ``synth`` and ``synth_stats``
+  (synthetic traces with planted structure).
 
 Out of scope: what the routing means (``moetrace.analysis``).
 """

@@ -1,11 +1,15 @@
 """``collect``: prompts → model → trace directory, resumable.
 
-Picks the backend (HF transformers on CPU/GPU, vLLM on GPUs), loads the prompts deterministically
-(request ids are stable across re-runs, so a resumed run skips exactly the committed requests),
-opens the one ``TraceWriter`` and finalizes the manifest.
+Chooses the backend (:func:`choose_backend`, HF transformers on CPU/GPU or vLLM on GPUs: the one
+place it is decided), loads the prompts deterministically (request ids are stable across re-runs, so
+a resumed run skips exactly the committed requests), opens the one ``TraceWriter``, finalizes the
+manifest and says what was done (:meth:`CollectResult.summary_lines`). ``moetrace collect`` calls
+``sharding.run_collection``, which picks the backend once and runs :func:`collect` here or its
+shards on Ray.
 
-Out of scope: how a backend records routing (``backends.hf``, ``backends.vllm``), prompt sources
-(``datasets``), sharding over several engines (``sharding``).
+Out of scope: what a model name means (``presets.resolve``), how a backend records routing
+(``backends.hf``, ``backends.vllm``), prompt sources (``datasets``), running several shards and
+merging them (``sharding``), progress bars and printing (``moetrace.cli``).
 """
 
 from __future__ import annotations
@@ -15,13 +19,24 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from moetrace.errors import ConfigError, ModelError
+from moetrace.sizes import human_bytes
 from moetrace.tracer.trace.layout import shard_manifest_name, shard_prefix
 from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 
+if TYPE_CHECKING:  # pragma: no cover
+    from moetrace.tracer.backends.vllm import VllmEngineConfig
+
+#: what the user asks for (``--backend``)
 Backend = Literal["auto", "hf", "vllm"]
+#: what runs, once :func:`choose_backend` has decided
+BackendName = Literal["hf", "vllm"]
+#: ``on_start(num_pending, num_total)``: requests still to run, and in this run (or shard)
+OnStart = Callable[[int, int], None]
+#: ``on_progress(requests, tokens)``: what this run has committed so far (cumulative)
+OnProgress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,14 +72,53 @@ class CollectConfig:
         return d
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CollectResult:
-    path: Path
-    backend: str
-    stats: WriterStats
-    num_new_requests: int
-    num_new_tokens: int
-    seconds: float
+    """What one collection did: a whole run, one shard of it, or all shards on Ray (merged)."""
+
+    path: Path  # the trace directory
+    model: str  # the model name as given
+    backend: BackendName  # the backend that ran
+    stats: WriterStats  # what the trace holds now, earlier (resumed) runs included; one shard's files only for a shard
+    num_new_requests: int  # requests this run added
+    num_new_tokens: int  # tokens this run added
+    seconds: float  # wall time from loading the model to the last commit, s
+    shard: tuple[int, int] | None = None  # (s, n): only shard s of n was collected; merge-shards once all are done
+    num_merged_shards: int = 0  # shards run on Ray and merged into manifest.json (0: no Ray run)
+
+    def summary_lines(self) -> list[str]:
+        """What ``moetrace collect`` prints: the run, what the trace holds, what to run next (plain text)."""
+        s, out = self.stats, self.path
+        rate = self.num_new_tokens / self.seconds if self.seconds > 0 else 0.0
+        head = f"collected {out}" + (f" in {self.num_merged_shards} shards (merged)" if self.num_merged_shards else "")
+        lines = [head]
+        if self.shard is not None:
+            lines.append(f"  shard {self.shard[0]}/{self.shard[1]}: when every shard is done, run: "
+                         f"moetrace merge-shards {out}")
+        holds = "this shard" if self.shard is not None else "trace"
+        lines += [
+            f"  backend {self.backend}, model {self.model}",
+            f"  {self.num_new_requests} new requests, {self.num_new_tokens} tokens in {self.seconds:.1f}s "
+            f"({rate:,.0f} tokens/s)",
+            f"  {holds}: {s.num_requests} requests, {s.num_tokens} tokens, {s.num_parts} parts, "
+            f"{human_bytes(s.bytes_on_disk)}",
+            f"  next: moetrace validate {out}   |   moetrace analyze {out} -o {Path(str(out) + '-analysis')}",
+        ]
+        return lines
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"S/N"`` (e.g. ``"3/8"``, the ``--shard`` option) → ``(3, 8)``: shard S of N, ``0 <= S < N``.
+
+    Raises ``ConfigError`` for anything else.
+    """
+    try:
+        s, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ConfigError(f"--shard must look like S/N (e.g. 3/8), got {text!r}") from None
+    if not 0 <= s < n:
+        raise ConfigError(f"--shard {text}: S must be in 0..N-1")
+    return s, n
 
 
 def shard_prompts(prompts: Sequence[Any], *, shard: int, num_shards: int) -> list[Any]:
@@ -74,10 +128,19 @@ def shard_prompts(prompts: Sequence[Any], *, shard: int, num_shards: int) -> lis
     return list(prompts[shard::num_shards])
 
 
-def resolve_backend(backend: Backend, *, device: str) -> Literal["hf", "vllm"]:
-    """``auto`` picks vLLM when it is importable and CUDA is present, else HF transformers."""
+def choose_backend(backend: Backend, *, device: str, on_ray: bool = False) -> BackendName:
+    """The backend a run uses; decided once per run (``sharding.run_collection`` calls it).
+
+    ``hf`` and ``vllm`` are taken as asked. ``auto`` picks vLLM when it is importable, ``device`` is
+    not ``cpu`` and CUDA is present here, else HF transformers. For shards placed by Ray
+    (``on_ray``) ``auto`` picks vLLM: they run on the cluster's GPU nodes, not on the node that decides.
+    """
+    if backend not in ("auto", "hf", "vllm"):
+        raise ConfigError(f"--backend must be auto, hf or vllm, not {backend!r}")
     if backend != "auto":
         return backend
+    if on_ray:
+        return "vllm"
     if importlib.util.find_spec("vllm") is not None and device != "cpu":
         import torch
 
@@ -90,26 +153,31 @@ def collect(
     config: CollectConfig,
     *,
     out: str | os.PathLike,
-    backend: Backend = "auto",
+    backend: BackendName,
+    engine: VllmEngineConfig | None = None,
     on_existing: OnExisting = "refuse",
-    engine: Any = None,
     shard: tuple[int, int] | None = None,
-    on_start: Callable[[int, int], None] | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
+    on_start: OnStart | None = None,
+    on_progress: OnProgress | None = None,
 ) -> CollectResult:
-    """Collect a trace into ``out``.
+    """Collect a trace into ``out`` with ``backend`` (``hf`` or ``vllm``, see :func:`choose_backend`).
 
     ``shard=(s, n)`` collects only shard ``s`` of ``n`` of the run's prompts (request ids
     ``s, s+n, ...``) into ``shardSSS-*`` parts with its own ``manifests/shard-SSS.json``; see
     ``moetrace.tracer.sharding`` for running the shards and merging them.
 
-    ``on_start(num_pending, num_total)`` is called once the prompts are known,
-    ``on_progress(requests, tokens)`` after every committed batch. ``engine`` is the vLLM engine
-    configuration (``moetrace.tracer.backends.vllm.VllmEngineConfig``) for the vLLM backend.
+    ``on_start(num_pending, num_total)`` is called once the model and prompts are loaded,
+    ``on_progress(requests, tokens)`` after every commit with what this run has written so far.
+    ``engine`` is the vLLM engine configuration (default ``VllmEngineConfig()``), unused by ``hf``.
+    Everything that can be refused (settings, model, vLLM and GPUs) is checked before anything is
+    written.
     """
     from moetrace.tracer.datasets import load_prompts
+    from moetrace.tracer.presets import resolve
 
-    chosen = resolve_backend(backend, device=config.device)
+    if backend not in ("hf", "vllm"):
+        raise ConfigError(f"collect() runs 'hf' or 'vllm' (choose_backend decides 'auto'), not {backend!r}")
+    resolved = resolve(config.model)  # an unknown name fails before any prompt is loaded
     prompts = load_prompts(
         list(config.datasets),
         per_dataset=config.per_dataset,
@@ -127,19 +195,18 @@ def collect(
         prompts = shard_prompts(prompts, shard=s, num_shards=n)
         writer_kw = {"part_prefix": shard_prefix(s), "manifest_name": shard_manifest_name(s)}
     t0 = time.perf_counter()
-    if chosen == "hf":
+    if backend == "hf":
         from moetrace.tracer.backends import hf
 
-        model, tokenizer, info = hf.load_model(config.model, seed=config.seed, device=config.device, dtype=config.dtype)
+        model, tokenizer, info = hf.load_model(resolved, seed=config.seed, device=config.device, dtype=config.dtype)
         backend_section = hf.backend_versions()
         backend_section["device"] = config.device
     else:
         from moetrace.tracer.backends import vllm as vllm_backend
 
-        if engine is None:
-            engine = vllm_backend.VllmEngineConfig()
-        version = vllm_backend.check_environment(engine)  # fail before anything is written
-        info = vllm_backend.model_info_for_vllm(config.model)
+        engine = engine if engine is not None else vllm_backend.VllmEngineConfig()
+        version = vllm_backend.check_environment(engine, record_weights=config.record_weights)
+        source, info = vllm_backend.model_for_vllm(resolved)
         backend_section = {"name": "vllm", "vllm": version}
 
     with TraceWriter(
@@ -155,7 +222,7 @@ def collect(
         pending = sum(p.request_id not in writer.completed_request_ids for p in prompts)
         if on_start is not None:
             on_start(pending, len(prompts))
-        if chosen == "hf":
+        if backend == "hf":
             hf.collect_with_hf(
                 prompts,
                 writer=writer,
@@ -175,7 +242,7 @@ def collect(
             vllm_backend.collect_with_vllm(
                 prompts,
                 writer=writer,
-                model=config.model,
+                source=source,
                 engine=engine,
                 max_new_tokens=config.max_new_tokens,
                 seed=config.seed,
@@ -184,5 +251,6 @@ def collect(
                 on_progress=on_progress,
             )
     # the writer counts what this run added; stats() also covers what a resumed run had before
-    return CollectResult(Path(out), chosen, writer.stats(), writer.num_requests_written, writer.num_tokens_written,
-                         time.perf_counter() - t0)
+    return CollectResult(path=Path(out), model=config.model, backend=backend, stats=writer.stats(),
+                         num_new_requests=writer.num_requests_written, num_new_tokens=writer.num_tokens_written,
+                         seconds=time.perf_counter() - t0, shard=shard)

@@ -21,10 +21,12 @@ Source formats:
     ``experts`` the top-k expert ids (``-1`` allowed); optional ``dataset``. Missing
     (position, layer) pairs become ``-1``.
 
-Shape legend: R requests, T tokens, L MoE layers, K top-k, X = L*K.
+Shape legend: R requests, T tokens, L MoE layers, H all decoder layers, K top-k, X = L*K, N records
+of the ``tokens`` format (one per token and layer) (legend: docs/architecture.md).
 
-Out of scope: collecting (``collect``, ``backends``), SGLang's other recorders (the
-``per_token`` expert-distribution dumps carry physical ids and no request ids).
+Out of scope: what a ``--model`` name means (``presets.resolve``; the caller passes the
+``ModelInfo``), collecting (``collect``, ``backends``), SGLang's other recorders (the ``per_token``
+expert-distribution dumps carry physical ids and no request ids).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 
-from moetrace.errors import ModelError, OutputExistsError, TraceFormatError
+from moetrace.errors import OutputExistsError, TraceFormatError
 from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 from moetrace.tracer.trace.layout import MANIFEST
 from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
@@ -48,7 +50,8 @@ SourceFormat = Literal["auto", "sglang", "tokens"]
 
 
 def decode_sglang_routed_experts(payload: str, *, num_rows: int, top_k: int) -> np.ndarray:
-    """SGLang's base64 int32 payload as ``[num_rows, A, top_k]`` int32 (A = layers it recorded)."""
+    """SGLang's base64 int32 payload as ``[num_rows, H, top_k]`` int32 (H = the layers it recorded: all,
+    or only the MoE layers)."""
     try:
         flat = np.frombuffer(base64.b64decode(payload, validate=True), dtype="<i4")
     except (ValueError, TypeError) as exc:
@@ -80,8 +83,8 @@ def sglang_response_rows(resp: dict[str, Any], *, info: ModelInfo) -> tuple[int,
         raise TraceFormatError(f"routed_experts_start_len {start} outside 0..{T - 1}")
     arr = decode_sglang_routed_experts(payload, num_rows=T - 1 - start, top_k=info.top_k)
     if start:  # positions before the start were not returned: nothing recorded
-        A = arr.shape[1] if arr.size else info.num_hidden_layers
-        arr = np.concatenate([np.full((start, A, info.top_k), NO_EXPERT, dtype=np.int32), arr.reshape(-1, A, info.top_k)])
+        H = arr.shape[1] if arr.size else info.num_hidden_layers
+        arr = np.concatenate([np.full((start, H, info.top_k), NO_EXPERT, dtype=np.int32), arr.reshape(-1, H, info.top_k)])
     try:
         rows = routed_experts_to_rows(arr, moe_layers=info.moe_layers, num_hidden_layers=info.num_hidden_layers,
                                       num_experts=info.num_experts, prompt_tokens=P, output_tokens=O)
@@ -114,23 +117,6 @@ def detect_format(path: Path) -> Literal["sglang", "tokens"]:
             f"(request, layer, position, stage, experts); found {keys}. Pass --format to say which."
         )
     raise TraceFormatError(f"{path}: empty file")
-
-
-def model_info_for_import(model: str) -> ModelInfo:
-    """A preset name, or an HF ``config.json`` (or a directory holding one): layers, experts, top-k."""
-    from moetrace.tracer.presets import is_preset, model_info_for, model_info_from_hf_config
-
-    if is_preset(model):
-        return model_info_for(model)
-    p = Path(model)
-    cfg_path = p / "config.json" if p.is_dir() else p
-    if not cfg_path.is_file():
-        raise ModelError(f"--model {model!r} is neither a preset (see `moetrace models`) nor an HF config.json")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{cfg_path}: not valid JSON ({exc})") from exc
-    return model_info_from_hf_config(cfg, name=str(model), source=str(p))
 
 
 def import_trace(
@@ -226,10 +212,10 @@ def tokens_to_requests(
     L, K = info.num_moe_layers, info.top_k
     if topk_ids_NK.ndim != 2 or topk_ids_NK.shape[1] != K:
         raise TraceFormatError(f"every record needs {K} experts (top_k of {info.name}); got shape {topk_ids_NK.shape}")
-    ordinal = np.full(info.num_hidden_layers, -1, dtype=np.int64)
-    ordinal[list(info.moe_layers)] = np.arange(L)
+    ordinal_H = np.full(info.num_hidden_layers, -1, dtype=np.int64)
+    ordinal_H[list(info.moe_layers)] = np.arange(L)
     bad_layer = (layer_N < 0) | (layer_N >= info.num_hidden_layers)
-    bad_layer[~bad_layer] = ordinal[layer_N[~bad_layer]] < 0
+    bad_layer[~bad_layer] = ordinal_H[layer_N[~bad_layer]] < 0
     if bad_layer.any():
         raise TraceFormatError(
             f"layer {int(layer_N[bad_layer][0])} is not a MoE layer of {info.name} (MoE layers: "
@@ -243,34 +229,34 @@ def tokens_to_requests(
         raise TraceFormatError(f"expert ids outside 0..{info.num_experts - 1} (or -1)")
     rids, inv = np.unique(request_N, return_inverse=True)
     R = len(rids)
-    T_R = np.zeros(R, dtype=np.int64)
-    np.maximum.at(T_R, inv, position_N + 1)
-    P_R = np.full(R, np.iinfo(np.int64).max, dtype=np.int64)  # first decode position
-    np.minimum.at(P_R, inv[is_decode_N], position_N[is_decode_N])
-    P_R = np.minimum(P_R, T_R)
+    len_R = np.zeros(R, dtype=np.int64)
+    np.maximum.at(len_R, inv, position_N + 1)
+    prompt_R = np.full(R, np.iinfo(np.int64).max, dtype=np.int64)  # first decode position
+    np.minimum.at(prompt_R, inv[is_decode_N], position_N[is_decode_N])
+    prompt_R = np.minimum(prompt_R, len_R)
     last_prefill = np.full(R, -1, dtype=np.int64)
     np.maximum.at(last_prefill, inv[~is_decode_N], position_N[~is_decode_N])
-    wrong = last_prefill >= P_R
+    wrong = last_prefill >= prompt_R
     if wrong.any():
         raise TraceFormatError(f"request {rids[wrong][0]}: a prefill position comes after a decode position")
-    if (P_R < 1).any():
-        raise TraceFormatError(f"request {rids[P_R < 1][0]}: no prefill position 0 (every request needs a prompt)")
+    if (prompt_R < 1).any():
+        raise TraceFormatError(f"request {rids[prompt_R < 1][0]}: no prefill position 0 (every request needs a prompt)")
     starts = np.zeros(R, dtype=np.int64)
-    np.cumsum(T_R[:-1], out=starts[1:])
+    np.cumsum(len_R[:-1], out=starts[1:])
     try:
-        topk_ids_TLK = np.full((int(T_R.sum()), L, K), NO_EXPERT, dtype=np.int16)
+        topk_ids_TLK = np.full((int(len_R.sum()), L, K), NO_EXPERT, dtype=np.int16)
     except MemoryError:
         raise TraceFormatError(
-            f"positions up to {int(position_N.max())} need {int(T_R.sum())} rows of {L}x{K} ids: more than fits "
+            f"positions up to {int(position_N.max())} need {int(len_R.sum())} rows of {L}x{K} ids: more than fits "
             "in memory (are the positions 0-based token indices?)"
         ) from None
     row = starts[inv] + position_N
-    col = ordinal[layer_N]
+    col = ordinal_H[layer_N]
     flat = row * L + col
     if len(np.unique(flat)) != len(flat):
         raise TraceFormatError("a (request, position, layer) appears twice")
     topk_ids_TLK[row, col] = topk_ids_NK
-    return rids.astype(np.int64), P_R.astype(np.int32), (T_R - P_R).astype(np.int32), topk_ids_TLK.reshape(-1, L * K)
+    return rids.astype(np.int64), prompt_R.astype(np.int32), (len_R - prompt_R).astype(np.int32), topk_ids_TLK.reshape(-1, L * K)
 
 
 def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str) -> set[str]:
@@ -312,7 +298,7 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
         raise TraceFormatError(f"{src}: a record has {int(lens[lens != info.top_k][0])} experts; {info.name} has top_k {info.top_k}")
     topk_ids_NK = np.asarray(df["experts"].list.explode().cast(pl.Int64).to_numpy()).reshape(-1, info.top_k)
     try:
-        rid_R, P_R, O_R, topk_ids_TX = tokens_to_requests(
+        rid_R, prompt_R, output_R, topk_ids_TX = tokens_to_requests(
             request_N, df["layer"].cast(pl.Int64).to_numpy(), df["position"].cast(pl.Int64).to_numpy(),
             (df["stage"] == "decode").to_numpy(), topk_ids_NK, info=info,
         )
@@ -325,6 +311,6 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
         ds_R = [by_id[int(r)] or label for r in rid_R]
     else:
         ds_R = [label] * len(rid_R)
-    writer.add_requests(request_id_R=rid_R, dataset_R=ds_R, prompt_tokens_R=P_R, output_tokens_R=O_R,
+    writer.add_requests(request_id_R=rid_R, dataset_R=ds_R, prompt_tokens_R=prompt_R, output_tokens_R=output_R,
                         topk_ids_TX=topk_ids_TX)
     return set(ds_R)

@@ -1,27 +1,41 @@
-"""Model presets (``data/models/*.json``) and the routing topology of HF configs.
+"""Model names: what a ``--model`` name means (:func:`resolve`), the presets, the routing topology of HF configs.
 
-A preset names a real model (hub id, architecture, MoE facts from its config). ``<preset>-tiny`` is
-the same architecture class and routing topology (layers, MoE-layer pattern, experts, top-k,
-groups) with small hidden sizes, built from the bundled config with seeded random weights: it runs
-on a CPU with nothing downloaded.
+A name is one of (decided once, by :func:`resolve`, for the HF and vLLM backends, ``import`` and
+``synth``):
 
-Out of scope: building the model itself (``hf``), engine flags (``vllm``).
+- a *preset* (``data/models/*.json``): a real model (hub id, architecture, MoE facts from its config);
+- a *tiny preset* ``<preset>-tiny``: the same architecture class and routing topology (layers,
+  MoE-layer pattern, experts, top-k, groups) with small hidden sizes, built from the bundled config
+  with seeded random weights: it runs on a CPU with nothing downloaded;
+- a *local* checkpoint directory holding a ``config.json`` (or the path of a config file itself);
+- a *hub* id ``org/name``.
+
+Out of scope: building or loading the model (``backends.hf``), engine flags and checks
+(``backends.vllm``), what a backend refuses (a ``-tiny`` preset on vLLM, a full-size model on a CPU).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
+from moetrace._deps import require
 from moetrace.errors import ModelError
 from moetrace.tracer.trace.schema import ModelInfo
 
 TINY_SUFFIX = "-tiny"
-#: tokenizer bundled for the tiny models (byte-level, see ``data/tokenizer``)
+#: the tiny models' byte-level tokenizer (``backends.hf.tiny_tokenizer``): 256 bytes, then pad, bos, eos
 TINY_VOCAB_SIZE = 384
+TINY_PAD_ID, TINY_BOS_ID, TINY_EOS_ID = 256, 257, 258
+#: a hub id: ``org/name`` (one slash; a bare name is no hub id here)
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+ModelKind = Literal["preset", "tiny-preset", "local", "hub"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,12 +74,12 @@ class Preset:
         )
 
     def hf_config_dict(self, *, tiny: bool) -> dict[str, Any]:
-        """Keyword arguments for the HF config class of this architecture."""
+        """Keyword arguments for the HF config class of this architecture (tiny: with the tiny tokenizer's ids)."""
         d = {**self.config, "num_hidden_layers": self.num_hidden_layers, "hidden_size": self.hidden_size}
         if tiny:
             d.update(self.tiny)
-            d["vocab_size"] = TINY_VOCAB_SIZE
-            d["max_position_embeddings"] = 4096
+            d.update(vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=4096, pad_token_id=TINY_PAD_ID,
+                     bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID, tie_word_embeddings=False)
         return d
 
 
@@ -86,26 +100,110 @@ def list_presets() -> list[Preset]:
     return list(_load_all().values())
 
 
-def is_preset(name: str) -> bool:
-    base = name[: -len(TINY_SUFFIX)] if name.endswith(TINY_SUFFIX) else name
-    return base in _load_all()
+def _preset_names() -> str:
+    return ", ".join(p for n in _load_all() for p in (n, n + TINY_SUFFIX))
 
 
-def get_preset(name: str) -> tuple[Preset, bool]:
-    """Return ``(preset, tiny)`` for ``deepseek-v3`` or ``deepseek-v3-tiny``."""
+@dataclass(frozen=True, kw_only=True)
+class ResolvedModel:
+    """What one model name means (see :func:`resolve`)."""
+
+    name: str  # the name as given; becomes ModelInfo.name
+    kind: ModelKind  # preset | tiny-preset (built in memory) | local (checkpoint dir or config file) | hub (org/name)
+    preset: Preset | None  # the preset of a "preset" or "tiny-preset" name, else None
+    source: str  # what an engine loads: the preset's hub id, the local path or the hub id as given;
+    #              "moetrace:<preset>-tiny" for a tiny preset (nothing to load); becomes ModelInfo.source
+    config_path: Path | None  # the config.json of a "local" name, else None
+
+    def model_info(self, *, hf_config: Any = None) -> ModelInfo:
+        """The routing topology (layers, MoE layers, experts, top-k, groups) of the model.
+
+        Presets: the bundled facts (``hf_config`` is not needed). Local and hub names: from
+        ``hf_config`` when the caller loaded it (:meth:`hf_config`: transformers fills the
+        architecture's defaults), else, for a local name, from its ``config.json`` read as JSON.
+        A hub name without ``hf_config`` raises ``ModelError`` (its config is not downloaded here).
+        """
+        if self.preset is not None:
+            return self.preset.model_info(tiny=self.kind == "tiny-preset")
+        if hf_config is None:
+            hf_config = self._config_json()
+        return model_info_from_hf_config(hf_config, name=self.name, source=self.source)
+
+    def hf_config(self) -> Any:
+        """The transformers config object of the model (needs ``transformers``).
+
+        Presets (tiny ones with the tiny tokenizer's ids): built from the bundled config, nothing
+        downloaded. Local and hub names: ``AutoConfig.from_pretrained(source)`` (a hub id downloads its
+        ``config.json``). Raises ``ModelError`` with one line when the config cannot be read.
+        """
+        transformers = require("transformers", purpose="reading the model's HF config")
+        if self.preset is not None:
+            return transformers.AutoConfig.for_model(
+                self.preset.model_type, **self.preset.hf_config_dict(tiny=self.kind == "tiny-preset")
+            )
+        try:
+            return transformers.AutoConfig.from_pretrained(self.source)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelError(
+                f"cannot read the config of {self.source!r} ({first}). Pass a local checkpoint directory, a reachable "
+                "hub id, or a preset (see `moetrace models`)."
+            ) from exc
+
+    def _config_json(self) -> dict[str, Any]:
+        if self.config_path is None:
+            raise ModelError(
+                f"{self.name!r} is a hub id and its config is not downloaded here: pass a preset (see `moetrace "
+                "models`) or a local checkpoint directory / config.json"
+            )
+        try:
+            cfg = json.loads(self.config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelError(f"{self.config_path}: not valid JSON ({exc})") from exc
+        except UnicodeDecodeError as exc:
+            raise ModelError(f"{self.config_path}: not a JSON text file ({exc})") from exc
+        if not isinstance(cfg, dict):
+            raise ModelError(f"{self.config_path}: not an HF config (a JSON object)")
+        return cfg
+
+
+def resolve(name: str) -> ResolvedModel:
+    """What the model name ``name`` means; reads nothing but the file system, downloads nothing.
+
+    In this order: a preset (``deepseek-v3``), a tiny preset (``deepseek-v3-tiny``), an existing
+    local path (a checkpoint directory holding ``config.json``, or a config file), a hub id
+    (``org/name``). Anything else, including an unknown ``...-tiny`` name, a missing local path and
+    a directory without ``config.json``, raises ``ModelError`` (one line).
+    """
+    presets = _load_all()
     tiny = name.endswith(TINY_SUFFIX)
     base = name[: -len(TINY_SUFFIX)] if tiny else name
-    presets = _load_all()
-    if base not in presets:
-        names = ", ".join(p for n in presets for p in (n, n + TINY_SUFFIX))
-        raise ModelError(f"unknown model preset {name!r}; presets: {names}")
-    return presets[base], tiny
+    if base in presets:
+        p = presets[base]
+        if tiny:
+            return ResolvedModel(name=name, kind="tiny-preset", preset=p, source=f"moetrace:{name}", config_path=None)
+        return ResolvedModel(name=name, kind="preset", preset=p, source=p.hub_id, config_path=None)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{name}: a directory without config.json; a local checkpoint directory holds the "
+                             "model's config.json")
+        return ResolvedModel(name=name, kind="local", preset=None, source=name, config_path=path / "config.json")
+    if path.is_file():
+        return ResolvedModel(name=name, kind="local", preset=None, source=name, config_path=path)
+    if tiny:
+        raise ModelError(f"unknown model preset {name!r}; presets: {_preset_names()}")
+    if _HUB_ID_RE.match(name):
+        return ResolvedModel(name=name, kind="hub", preset=None, source=name, config_path=None)
+    raise ModelError(
+        f"model {name!r} is neither a preset, nor an existing checkpoint directory or config.json, nor a hub id "
+        f"(org/name); presets: {_preset_names()}"
+    )
 
 
 def model_info_for(name: str) -> ModelInfo:
-    """ModelInfo of a preset name (``deepseek-v3`` or ``deepseek-v3-tiny``)."""
-    preset, tiny = get_preset(name)
-    return preset.model_info(tiny=tiny)
+    """ModelInfo of a preset, tiny preset or local config, without loading anything (``resolve(name).model_info()``)."""
+    return resolve(name).model_info()
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:
@@ -127,6 +225,9 @@ def moe_topology_from_hf_config(cfg: Any) -> dict[str, Any]:
     text = _get(cfg, "text_config")
     if text is not None:  # multimodal wrappers (Llama-4) keep the LM in text_config
         cfg = text
+    missing = [f for f in ("num_hidden_layers", "hidden_size") if _get(cfg, f) is None]
+    if missing:
+        raise ModelError(f"the model config has no {' or '.join(missing)}: not an HF transformers model config")
     L = int(_get(cfg, "num_hidden_layers"))
     E = _get(cfg, "n_routed_experts", "num_local_experts", "num_experts")
     K = _get(cfg, "num_experts_per_tok", "moe_topk", "top_k")

@@ -10,71 +10,120 @@ trace's ``manifest.json``; the trace is complete when every shard is.
 Across nodes the shards run as Ray tasks (:func:`collect_sharded_with_ray`; Ray is what vLLM itself
 uses for multi-node), each reserving its engine's GPUs; the trace directory must be on a file
 system every node mounts. One node needs no Ray: run the shards one after another, or one per DP
-group, with :func:`collect_shard`.
+group, with ``collect.collect(config, shard=(s, n), ...)`` (``moetrace collect --shard S/N``).
 
-Out of scope: what one engine does (``backends.vllm``, ``backends.hf``), prompt loading (``datasets``).
+The entry point of ``moetrace collect`` lives here, on top of both: :func:`run_collection` picks
+the backend once (``collect.choose_backend``) and runs the whole collection, one shard of it, or
+every shard on Ray.
+
+Out of scope: what one engine does (``backends.vllm``, ``backends.hf``), prompt loading
+(``datasets``), opening the trace and summarizing a run (``collect``), progress bars (``moetrace.cli``).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
-from typing import Any, Callable, Literal
 
-from moetrace.tracer.collect import collect
+from moetrace.errors import ConfigError
+from moetrace.tracer.backends.vllm import VllmEngineConfig
+from moetrace.tracer.collect import (
+    Backend,
+    BackendName,
+    CollectConfig,
+    CollectResult,
+    OnProgress,
+    OnStart,
+    choose_backend,
+    collect,
+)
 from moetrace.tracer.trace.merge import merge_shards
 from moetrace.tracer.trace.writer import OnExisting, WriterStats
 
 
-def collect_shard(
-    config: Any,
+def run_collection(
+    config: CollectConfig,
     *,
     out: str | os.PathLike,
-    shard: int,
-    num_shards: int,
-    backend: Literal["hf", "vllm"],
-    engine: Any = None,
+    backend: Backend = "auto",
+    engine: VllmEngineConfig | None = None,
     on_existing: OnExisting = "refuse",
-    on_progress: Callable[[int, int], None] | None = None,
-) -> WriterStats:
-    """Collect shard ``shard`` of ``num_shards`` of ``config`` (a ``collect.CollectConfig``) into ``out``.
+    shard: tuple[int, int] | None = None,
+    ray_shards: int | None = None,
+    on_start: OnStart | None = None,
+    on_progress: OnProgress | None = None,
+) -> CollectResult:
+    """Collect ``config`` into ``out``: the whole run here, shard ``shard=(s, n)`` of it here, or
+    ``ray_shards`` shards as Ray tasks merged into one trace. The backend is chosen once, here.
 
-    Writes only ``shard<SSS>-*`` parts and ``manifests/shard-SSS.json``. ``on_existing="resume"``
-    continues this shard. Call :func:`merge_shards` once every shard is done.
+    ``engine`` holds the vLLM engine settings (default ``VllmEngineConfig()``; unused by ``hf``).
+    ``on_start`` and ``on_progress`` report a run or shard collected here (see ``collect.collect``);
+    Ray shards report nothing until they are merged. With ``ray_shards``, ``on_existing="refuse"``
+    acts as ``"resume"``: Ray may retry a shard task, and re-running the same command continues every
+    unfinished shard (``"overwrite"`` starts over).
     """
-    result = collect(config, out=out, backend=backend, engine=engine, on_existing=on_existing,
-                     shard=(shard, num_shards), on_progress=on_progress)
-    return result.stats
+    if shard is not None and ray_shards is not None:
+        raise ConfigError("--shard and --ray-shards exclude each other")
+    chosen = choose_backend(backend, device=config.device, on_ray=ray_shards is not None)
+    if ray_shards is not None:
+        return collect_sharded_with_ray(config, out=out, num_shards=ray_shards, backend=chosen, engine=engine,
+                                        on_existing="overwrite" if on_existing == "overwrite" else "resume")
+    return collect(config, out=out, backend=chosen, engine=engine, on_existing=on_existing, shard=shard,
+                   on_start=on_start, on_progress=on_progress)
 
 
 def collect_sharded_with_ray(
-    config: Any,
+    config: CollectConfig,
     *,
     out: str | os.PathLike,
     num_shards: int,
-    backend: Literal["hf", "vllm"] = "vllm",
-    engine: Any = None,
+    backend: BackendName = "vllm",
+    engine: VllmEngineConfig | None = None,
     num_gpus_per_shard: float | None = None,
     ray_address: str | None = "auto",
     on_existing: OnExisting = "resume",
-) -> dict[str, Any]:
+) -> CollectResult:
     """Run every shard as a Ray task (one engine each, ``num_gpus_per_shard`` GPUs reserved), then
     merge. ``out`` must be a path every Ray node can write (shared file system). Re-running resumes
-    each unfinished shard. Returns the merged manifest."""
+    each unfinished shard. Returns the shards' results added up (``num_merged_shards`` = ``num_shards``).
+
+    ``num_gpus_per_shard`` defaults to the engine's ``tp*dp`` for vLLM, and for HF to 1 on a GPU
+    device (``config.device`` not ``cpu``), else 0.
+    """
     from moetrace._deps import require
 
+    if num_shards < 1:
+        raise ConfigError(f"--ray-shards must be at least 1, got {num_shards}")
     ray = require("ray", purpose="sharded collection over several nodes")
+    engine = engine if engine is not None else VllmEngineConfig()
     if num_gpus_per_shard is None:
-        num_gpus_per_shard = float(engine.num_gpus) if engine is not None else 0.0
+        gpu_device = 1.0 if config.device != "cpu" else 0.0
+        num_gpus_per_shard = float(engine.num_gpus) if backend == "vllm" else gpu_device
     if not ray.is_initialized():
         ray.init(address=ray_address)
     out_abs = str(Path(out).resolve())
 
     @ray.remote(num_gpus=num_gpus_per_shard)
-    def run_shard(shard: int) -> int:
-        stats = collect_shard(config, out=out_abs, shard=shard, num_shards=num_shards, backend=backend,
-                              engine=engine, on_existing=on_existing)
-        return stats.num_requests
+    def run_shard(shard: int) -> CollectResult:
+        return collect(config, out=out_abs, backend=backend, engine=engine, on_existing=on_existing,
+                       shard=(shard, num_shards))
 
-    ray.get([run_shard.remote(s) for s in range(num_shards)])
-    return merge_shards(out_abs)
+    t0 = time.perf_counter()
+    results: list[CollectResult] = ray.get([run_shard.remote(s) for s in range(num_shards)])
+    merge_shards(out_abs)
+    return CollectResult(
+        path=Path(out),
+        model=config.model,
+        backend=backend,
+        stats=WriterStats(
+            num_requests=sum(r.stats.num_requests for r in results),
+            num_tokens=sum(r.stats.num_tokens for r in results),
+            num_parts=sum(r.stats.num_parts for r in results),
+            bytes_on_disk=sum(r.stats.bytes_on_disk for r in results),
+        ),
+        num_new_requests=sum(r.num_new_requests for r in results),
+        num_new_tokens=sum(r.num_new_tokens for r in results),
+        seconds=time.perf_counter() - t0,
+        num_merged_shards=num_shards,
+    )

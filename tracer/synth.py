@@ -8,7 +8,8 @@ The generative model, per MoE layer ``l`` (all randomness derived from one seed)
    ``skew_DL * (w_shared*z_shared + w_domain*z_domain + w_dataset*z_dataset)`` (weights sum to 1, so a
    single component gives weights exactly proportional to ``rank**-skew``). ``prefill_DLE`` is its
    softmax. The decode profile is ``pd_mix * prefill + (1 - pd_mix) * decode_specific``.
-2. *Per request.* Each request draws ``F`` favourite experts per layer (uniformly, without replacement).
+2. *Per request.* Each request draws ``num_request_experts`` favourite experts per layer (uniformly,
+   without replacement).
 3. *Per token and layer.* A candidate expert is drawn from the mixture
    ``a * follow + (1-a) * ((1-v) * profile[dataset, stage, l] + v * uniform(favourites[request, l]))``
    where ``follow`` picks one of the token's experts at layer ``l-1`` uniformly and maps it through the
@@ -26,8 +27,8 @@ Requests are assigned to datasets round robin (``request_id % D``), generated in
 ``SeedSequence(seed, spawn_key=(0,))``, so the output is byte-identical whatever the number of worker
 processes. Chunks are written in request-id order through :class:`~moetrace.tracer.trace.writer.TraceWriter`.
 
-Shape legend: R requests, T tokens, L MoE layers, K top-k, E experts, D datasets, F favourite experts
-per request and layer, M candidate draws per (token, layer), N alias tables (= D*2*L), X = L*K.
+Shape legend: R requests, T tokens, L MoE layers, K top-k, E experts, D datasets, S stages (prefill,
+decode), N alias tables (= D*S*L), X = L*K (legend: docs/architecture.md).
 
 Out of scope: group-limited routing (DeepSeek-V3's ``n_group``/``topk_group`` constraint is not
 imposed), routing weights, token text; measuring the statistics (``synth_stats``).
@@ -209,8 +210,8 @@ class SynthPlan:
 
 
 def _num_fav(knobs: SynthKnobs, model: ModelInfo) -> int:
-    F = knobs.num_request_experts or 2 * model.top_k
-    return min(max(F, model.top_k), model.num_experts)
+    n = knobs.num_request_experts or 2 * model.top_k
+    return min(max(n, model.top_k), model.num_experts)
 
 
 # ====================================================================== calibration presets
@@ -359,7 +360,7 @@ class _Sampler:
     model: ModelInfo
     plan: SynthPlan
     p_NE: np.ndarray  # float64 profiles, N = (dataset*2 + stage)*L + layer (for the exact finish)
-    packed_NB: np.ndarray  # uint32 packed alias tables, flat, B = 2**bits columns per table
+    packed: np.ndarray  # uint32 packed alias tables, flat: column c of table n at n * 2**bits + c
     bits: int  # log2 of the padded column count
     affinity_map_LE: np.ndarray  # int16
 
@@ -392,7 +393,7 @@ def generate_chunk(s: _Sampler, c: int) -> Chunk:
     """Generate chunk ``c`` (request ids ``c*num_chunk_requests ...``); a pure function of (sampler, c)."""
     model, plan, k = s.model, s.plan, s.plan.knobs
     L, K, E = model.num_moe_layers, model.top_k, model.num_experts
-    F = _num_fav(k, model)
+    num_fav = _num_fav(k, model)
     rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence(plan.seed, spawn_key=(1, c))))
     rid_R = _chunk_ids(plan, c)
     R = rid_R.shape[0]
@@ -403,19 +404,21 @@ def generate_chunk(s: _Sampler, c: int) -> Chunk:
     starts_R = np.concatenate([[0], np.cumsum(len_R)[:-1]])
     req_T = np.repeat(np.arange(R), len_R)
     decode_T = (np.arange(T) - np.repeat(starts_R, len_R)) >= np.repeat(prompt_R, len_R)
-    B = 1 << s.bits
-    tab_T = ((ds_R[req_T] * 2 + decode_T) * L) * B  # + l*B: offset of the token's alias table at layer l
-    fav_RLF = np.argpartition(rng.random((R, L, E), dtype=np.float32), F - 1, axis=2)[:, :, :F].astype(np.int16)
-    fav_T = req_T * (L * F)  # + l*F: offset of the token's favourites at layer l
+    cols = 1 << s.bits  # columns of one alias table
+    tab_T = ((ds_R[req_T] * 2 + decode_T) * L) * cols  # + l*cols: offset of the token's alias table at layer l
+    # each request's favourite experts per layer: int16 [R, L, num_fav], flattened
+    favs = np.argpartition(rng.random((R, L, E), dtype=np.float32), num_fav - 1, axis=2)[:, :, :num_fav]
+    favs = favs.astype(np.int16).reshape(-1)
+    fav_T = req_T * (L * num_fav)  # + l*num_fav: offset of the token's favourites at layer l
     topk_ids_LKT = np.empty((L, K, T), np.int16)
     for l in range(L):
         a = k.layer_affinity if l > 0 else 0.0
         fv = (1.0 - a) * k.request_spread
         mix = _Mix(
-            tab_T=tab_T + l * B,
-            fav_T=fav_T + l * F,
-            fav=fav_RLF.reshape(-1),
-            F=F,
+            tab_T=tab_T + l * cols,
+            fav_T=fav_T + l * num_fav,
+            fav=favs,
+            num_fav=num_fav,
             follow_KT=s.affinity_map_LE[l - 1][topk_ids_LKT[l - 1]] if l > 0 else None,
             cut_aff=np.uint16(min(round(a * 2**16), 2**16 - 1)) if a < 1 else np.uint32(2**16),
             cut_fav=np.uint16(min(round((a + fv) * 2**16), 2**16 - 1)) if a + fv < 1 else np.uint32(2**16),
@@ -433,38 +436,40 @@ class _Mix:
 
     tab_T: np.ndarray  # alias-table offset per token
     fav_T: np.ndarray  # favourites offset per token
-    fav: np.ndarray  # flat favourites [R*L*F]
-    F: int
+    fav: np.ndarray  # int16 favourite experts, flat [R*L*num_fav]
+    num_fav: int  # favourite experts per (request, layer)
     follow_KT: np.ndarray | None  # [K, T] int16: the planted followers of the token's layer l-1 experts
     cut_aff: np.integer  # 16-bit selector below -> follow
     cut_fav: np.integer  # 16-bit selector below (and >= cut_aff) -> favourite
     w: tuple[float, float, float]  # (follow, favourite, profile) weights
 
 
-def _draw(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | None, M: int, K: int) -> np.ndarray:
-    """``[M, n]`` int16 i.i.d. candidates from each row's mixture (rows: token indices, None = all).
+def _draw(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | None, num_draws: int,
+          K: int) -> np.ndarray:
+    """``[num_draws, n]`` int16 i.i.d. candidates from each token's mixture (rows: the n token indices, None = all).
 
     Per candidate, 32 random bits ``h`` pick the outcome inside a component: the alias column (top
     ``bits``) and its keep/alias test (the other bits), or a favourite/followed slot (top 16 bits,
-    exact when F and K divide 2**16); 16 more bits pick the component (weights in steps of 2**-16).
+    exact when num_fav and K divide 2**16); 16 more bits pick the component (weights in steps of 2**-16).
     """
     tab = mix.tab_T if rows is None else mix.tab_T[rows]
     n = tab.shape[0]
     mixed = mix.w[0] > 0 or mix.w[1] > 0
-    size = M * n + (M * n + 1) // 2 if mixed else M * n
+    m = num_draws * n
+    size = m + (m + 1) // 2 if mixed else m
     u = rng.bit_generator.random_raw((size + 1) // 2).view(np.uint32)
-    h = u[: M * n].reshape(M, n)
+    h = u[:m].reshape(num_draws, n)
     b = s.bits
     col = h >> np.uint32(32 - b)
-    entry = s.packed_NB[tab + col]
+    entry = s.packed[tab + col]
     keep = (h & np.uint32((1 << (32 - b)) - 1)) < (entry >> np.uint32(b))
     out = np.where(keep, col, entry & np.uint32((1 << b) - 1)).astype(np.int16)
     if not mixed:
         return out
-    sel = u[M * n :].view(np.uint16)[: M * n].reshape(M, n)
+    sel = u[m:].view(np.uint16)[:m].reshape(num_draws, n)
     h16 = h >> np.uint32(16)
     if mix.w[1] > 0:
-        fi = (h16 * np.uint32(mix.F)) >> np.uint32(16)
+        fi = (h16 * np.uint32(mix.num_fav)) >> np.uint32(16)
         fi = (mix.fav_T if rows is None else mix.fav_T[rows]) + fi
         np.copyto(out, mix.fav[fi], where=sel < mix.cut_fav)
     if mix.w[0] > 0:
@@ -475,19 +480,20 @@ def _draw(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | N
     return out
 
 
-def _accept(ch_KN: np.ndarray, nn_N: np.ndarray, cand_MN: np.ndarray, K: int, *, filled: int) -> None:
-    """Append each row's candidates, in order, that are not yet chosen, until the row holds K.
+def _accept(ch_KT: np.ndarray, nn_T: np.ndarray, candidates: np.ndarray, K: int, *, filled: int) -> None:
+    """Append each token's candidates (``[draws, T]``), in order, that are not yet chosen, until it holds K.
 
-    ``filled``: an upper bound of ``nn_N`` on entry (slots at or above it are known to be empty).
+    ``ch_KT`` the chosen experts (-1 = empty slot), ``nn_T`` how many each token holds; ``filled``:
+    an upper bound of ``nn_T`` on entry (slots at or above it are known to be empty).
     """
-    for c in cand_MN:
-        new = nn_N < K
+    for c in candidates:
+        new = nn_T < K
         upto = min(filled, K)
         for slot in range(upto):
-            new &= ch_KN[slot] != c
+            new &= ch_KT[slot] != c
         for slot in range(min(upto + 1, K)):
-            np.copyto(ch_KN[slot], c, where=new & (nn_N == slot))
-        nn_N += new
+            np.copyto(ch_KT[slot], c, where=new & (nn_T == slot))
+        nn_T += new
         filled += 1
 
 
@@ -518,8 +524,8 @@ def _finish_exact(rng, s: _Sampler, mix: _Mix, rows, ch, nn, K: int, E: int) -> 
     q = w_tab * s.p_NE[mix.tab_T[rows] >> s.bits]
     ar = np.arange(n)
     if w_fav > 0:
-        fav = mix.fav[mix.fav_T[rows][:, None] + np.arange(mix.F)]
-        np.add.at(q, (np.repeat(ar, mix.F), fav.reshape(-1)), w_fav / mix.F)
+        fav = mix.fav[mix.fav_T[rows][:, None] + np.arange(mix.num_fav)]
+        np.add.at(q, (np.repeat(ar, mix.num_fav), fav.reshape(-1)), w_fav / mix.num_fav)
     if w_aff > 0:
         fol = mix.follow_KT[:, rows].T
         np.add.at(q, (np.repeat(ar, K), fol.reshape(-1)), w_aff / K)

@@ -14,7 +14,8 @@ Definitions (SPEC §3; the analysis stage uses the same):
   L2-normalized per-request count vectors (a Fisher ratio: higher = more separable).
 
 Shape legend: T tokens, R requests, L MoE layers, K top-k, E experts, D datasets, S stages (0 prefill,
-1 decode).
+1 decode), F features (a request's per-expert counts of its layers, concatenated) (legend:
+docs/architecture.md).
 
 Out of scope: plots, per-batch IF distributions, embeddings and classifiers (``moetrace.analysis``).
 """

@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from moetrace.cli.common import ModelOpt, OutDir, Seed, friendly_errors, human_bytes
+from moetrace.cli.common import ModelOpt, OutDir, Overwrite, Seed, friendly_errors, request_progress
 
 
 def register(app: typer.Typer) -> None:
@@ -38,10 +38,12 @@ def collect_cmd(
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy.")] = 0.0,
     device: Annotated[str, typer.Option(help="Torch device for the HF backend (cpu, cuda, cuda:1, ...).")] = "cpu",
     backend: Annotated[
-        str, typer.Option(help="auto (vLLM when importable and CUDA is present, else hf), hf or vllm.")
+        Literal["auto", "hf", "vllm"],
+        typer.Option(help="auto (vLLM when importable, --device is not cpu and CUDA is present, else hf; "
+                     "vLLM for --ray-shards), hf or vllm."),
     ] = "auto",
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted collection in OUT.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a trace already in OUT.")] = False,
+    overwrite: Overwrite = False,
     store_text: Annotated[
         bool, typer.Option("--store-text", help="Keep prompt and output text in the trace (off: no text is stored).")
     ] = False,
@@ -70,18 +72,17 @@ def collect_cmd(
 
     Example: moetrace collect --model deepseek-v3-tiny --dataset bundled --per-dataset 8 -o traces/tiny
 
-    On GPU nodes with vLLM: moetrace collect --model deepseek-v3 --dataset gsm8k --tp 8 --ep 8 -o traces/dsv3
+    On GPU nodes with vLLM: moetrace collect --backend vllm --model deepseek-v3 --dataset gsm8k --tp 8 --ep 8 -o traces/dsv3
     """
-    from moetrace.tracer.collect import CollectConfig, collect
+    from moetrace.tracer.backends.vllm import VllmEngineConfig
+    from moetrace.tracer.collect import CollectConfig, parse_shard
+    from moetrace.tracer.sharding import run_collection
 
     if resume and overwrite:
         raise typer.BadParameter("--resume and --overwrite exclude each other")
-    if backend not in ("auto", "hf", "vllm"):
-        raise typer.BadParameter(f"--backend must be auto, hf or vllm, not {backend!r}")
-    datasets = tuple(s.strip() for item in dataset for s in item.split(",") if s.strip())
     config = CollectConfig(
         model=model,
-        datasets=datasets,
+        datasets=tuple(s.strip() for item in dataset for s in item.split(",") if s.strip()),
         per_dataset=per_dataset,
         num_requests=num_requests,
         prompt_field=prompt_field,
@@ -94,37 +95,18 @@ def collect_cmd(
         record_weights=record_weights,
         device=device,
     )
-    engine = None
-    if backend == "vllm" or (backend == "auto" and device != "cpu"):
-        engine = _engine_config(
-            tp=tp, ep=ep, dp=dp, max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+    engine = VllmEngineConfig(tp=tp, ep=ep, dp=dp, max_model_len=max_model_len,
+                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+    with request_progress("collect") as bar:
+        result = run_collection(
+            config, out=out, backend=backend, engine=engine,
+            on_existing="resume" if resume else "overwrite" if overwrite else "refuse",
+            shard=None if shard is None else parse_shard(shard), ray_shards=ray_shards,
+            on_start=bar.start, on_progress=bar.update,
         )
-    on_existing: Literal["refuse", "resume", "overwrite"] = "resume" if resume else "overwrite" if overwrite else "refuse"
-    if ray_shards is not None:
-        from moetrace.tracer.sharding import collect_sharded_with_ray
-
-        if shard is not None:
-            raise typer.BadParameter("--shard and --ray-shards exclude each other")
-        m = collect_sharded_with_ray(config, out=out, num_shards=ray_shards, backend="hf" if backend == "hf" else "vllm",
-                                     engine=engine, on_existing="overwrite" if overwrite else "resume")
-        typer.secho(f"collected {out}: {m['totals']['num_requests']} requests, {m['totals']['num_tokens']} tokens "
-                    f"in {ray_shards} shards", fg=typer.colors.GREEN)
-        return
-    result = _run_with_progress(config, out=out, backend=backend, on_existing=on_existing, engine=engine,
-                                shard=_parse_shard(shard))
-    s = result.stats
-    rate = result.num_new_tokens / result.seconds if result.seconds > 0 else 0.0
-    typer.secho(f"collected {out}", fg=typer.colors.GREEN)
-    if shard is not None:
-        typer.echo(f"  shard {shard}: when every shard is done, run: moetrace merge-shards {out}")
-    typer.echo(
-        f"  backend {result.backend}, model {model}\n"
-        f"  {result.num_new_requests} new requests, {result.num_new_tokens} tokens in {result.seconds:.1f}s "
-        f"({rate:,.0f} tokens/s)\n"
-        f"  trace: {s.num_requests} requests, {s.num_tokens} tokens, {s.num_parts} parts, {human_bytes(s.bytes_on_disk)}\n"
-        f"  next: moetrace validate {out}   |   moetrace analyze {out} -o {Path(str(out) + '-analysis')}"
-    )
+    head, *rest = result.summary_lines()
+    typer.secho(head, fg=typer.colors.GREEN)
+    typer.echo("\n".join(rest))
 
 
 @friendly_errors
@@ -144,58 +126,3 @@ def merge_shards_cmd(
     state = "complete" if m["complete"] else "INCOMPLETE"
     typer.secho(f"{trace}: {len(m['shards'])} shards merged ({state}): {m['totals']['num_requests']} requests, "
                 f"{m['totals']['num_tokens']} tokens", fg=typer.colors.GREEN if m["complete"] else typer.colors.YELLOW)
-
-
-def _parse_shard(shard: str | None) -> tuple[int, int] | None:
-    if shard is None:
-        return None
-    try:
-        s, n = (int(x) for x in shard.split("/"))
-    except ValueError:
-        raise typer.BadParameter(f"--shard must look like S/N (e.g. 3/8), got {shard!r}") from None
-    if not 0 <= s < n:
-        raise typer.BadParameter(f"--shard {shard}: S must be in 0..N-1")
-    return s, n
-
-
-def _engine_config(**kw):
-    from moetrace.tracer.backends.vllm import VllmEngineConfig
-
-    return VllmEngineConfig(**kw)
-
-
-def _run_with_progress(config, *, out, backend, on_existing, engine, shard):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from moetrace.tracer.collect import collect
-
-    tokens = {"n": 0}
-    progress = Progress(
-        TextColumn("[bold]collect"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("requests"),
-        TextColumn("{task.fields[rate]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    task = progress.add_task("collect", total=None, rate="")
-
-    started = []
-
-    def on_start(pending: int, total: int) -> None:  # shown once the model and prompts are loaded
-        progress.update(task, total=total, completed=total - pending)
-        progress.start()
-        started.append(True)
-
-    def on_progress(requests: int, toks: int) -> None:
-        tokens["n"] += toks
-        elapsed = progress.tasks[task].elapsed or 1e-9
-        progress.update(task, advance=requests, rate=f"{tokens['n'] / elapsed:,.0f} tok/s")
-
-    try:
-        return collect(config, out=out, backend=backend, on_existing=on_existing, engine=engine, shard=shard,
-                       on_start=on_start, on_progress=on_progress)
-    finally:
-        if started:
-            progress.stop()

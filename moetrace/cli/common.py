@@ -1,4 +1,4 @@
-"""Pieces shared by every CLI command: options defined once, and clean domain errors.
+"""Pieces shared by every CLI command: options defined once, clean domain errors, the one progress bar.
 
 Each command module registers its commands on the root app with ``register(app)``; a command is a
 few lines over one library call.
@@ -6,11 +6,12 @@ few lines over one library call.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import sys
 from pathlib import Path
-from typing import Annotated, Callable, TypeVar
+from typing import Annotated, Callable, Iterator, TypeVar
 
 import typer
 
@@ -78,3 +79,55 @@ def _describe_os_error(exc: OSError) -> str:
 
 def stderr_is_tty() -> bool:
     return sys.stderr.isatty()
+
+
+class RequestProgress:
+    """The one progress bar of the CLI: requests done of a total, tokens/s, time left (rich, on stderr).
+
+    Draws nothing when stderr is not a terminal. Pass :meth:`start` and :meth:`update` to the library
+    as its ``on_start``/``on_progress`` callbacks; use it through :func:`request_progress`.
+    """
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._bar = None  # rich Progress, once started on a terminal
+        self._task = None
+        self._done_before = 0  # requests already done when the run started (resume)
+
+    def start(self, pending: int, total: int) -> None:
+        """The work is known: ``total`` requests, ``pending`` of them still to run."""
+        if not stderr_is_tty():
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        self._done_before = total - pending
+        self._bar = Progress(
+            TextColumn(f"[bold]{self._label}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+            console=Console(stderr=True), transient=True,
+        )
+        self._task = self._bar.add_task(self._label, total=total, completed=self._done_before, rate="")
+        self._bar.start()
+
+    def update(self, requests: int, tokens: int) -> None:
+        """What this run has done so far (cumulative requests and tokens)."""
+        if self._bar is None:
+            return
+        elapsed = self._bar.tasks[self._task].elapsed or 1e-9
+        self._bar.update(self._task, completed=self._done_before + requests, rate=f"{tokens / elapsed:,.0f} tok/s")
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+@contextlib.contextmanager
+def request_progress(label: str) -> Iterator[RequestProgress]:
+    """A :class:`RequestProgress` that is stopped (and cleared) however the block is left."""
+    bar = RequestProgress(label)
+    try:
+        yield bar
+    finally:
+        bar.stop()

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import OutDir, friendly_errors, human_bytes
+from moetrace.cli.common import OutDir, Overwrite, friendly_errors, human_bytes
 
 
 def register(app: typer.Typer) -> None:
@@ -28,15 +28,16 @@ def import_cmd(
         "{request, layer, position, stage, experts} records; auto: decide from the first record.")] = "auto",
     dataset: Annotated[str | None, typer.Option(help="Dataset label of requests that carry none "
                                                 "(default: the file name).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a trace already at --out.")] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Convert routing recorded by another tool into a trace (format v1) that every analysis reads.
 
     Example: moetrace import sglang-responses.jsonl --model deepseek-v3 -o traces/dsv3-sglang
     """
-    from moetrace.tracer.importers import import_trace, model_info_for_import
+    from moetrace.tracer.importers import import_trace
+    from moetrace.tracer.presets import resolve
 
-    stats = import_trace(source, out=out, model=model_info_for_import(model), source_format=source_format,
+    stats = import_trace(source, out=out, model=resolve(model).model_info(), source_format=source_format,
                          dataset=dataset, on_existing="overwrite" if overwrite else "refuse")
     typer.echo(f"{out}: {stats.num_requests} requests, {stats.num_tokens} tokens, "
                f"{human_bytes(stats.bytes_on_disk)} on disk")

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli.common import ModelOpt, OutDir, Seed, friendly_errors, human_bytes, stderr_is_tty
+from moetrace.cli.common import ModelOpt, OutDir, Overwrite, Seed, friendly_errors, human_bytes, request_progress
 from moetrace.errors import ConfigError
 
 
@@ -56,17 +56,17 @@ def synth_cmd(
         str | None,
         typer.Option(help='Knob overrides: a JSON file or inline JSON, e.g. \'{"pd_mix": 0.2, "zipf_exponent": 1.4}\'.'),
     ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a trace already in the output directory.")] = False,
+    overwrite: Overwrite = False,
 ) -> None:
     """Generate a synthetic trace with known, planted structure (skew, domains, request clusters,
     prefill->decode relation, cross-layer affinity), written like a collected one.
 
     Example: moetrace synth --model deepseek-v3 --requests 10000 --seed 0 -o traces/synth-dsv3
     """
-    from moetrace.tracer.presets import model_info_for
-    from moetrace.tracer.synth import SynthKnobs, SynthPlan, default_calibration, load_calibration
+    from moetrace.tracer.presets import resolve
+    from moetrace.tracer.synth import SynthKnobs, SynthPlan, default_calibration, load_calibration, synthesize
 
-    info = model_info_for(model)
+    info = resolve(model).model_info()
     cal = calibration or default_calibration(model)
     plan = SynthPlan(
         datasets=tuple(d.strip() for d in datasets.split(",") if d.strip()),
@@ -75,31 +75,13 @@ def synth_cmd(
         knobs=SynthKnobs.from_dict(_read_knobs(knobs), base=load_calibration(cal)),
         calibration=cal,
     )
-    summary = _run_with_progress(out, info, plan, workers, "overwrite" if overwrite else "refuse")
+    with request_progress("synth") as bar:
+        bar.start(plan.num_requests, plan.num_requests)
+        summary = synthesize(out, model=info, plan=plan, workers=workers,
+                             on_existing="overwrite" if overwrite else "refuse", progress=bar.update)
     typer.echo(
         f"{summary.path}: {summary.num_requests} requests, {summary.num_tokens} tokens, "
         f"{summary.num_ids / 1e6:.1f} M expert ids in {summary.seconds:.1f} s "
         f"({summary.num_ids / max(summary.seconds, 1e-9) / 1e6:.1f} M ids/s), {human_bytes(summary.bytes_on_disk)}; "
         f"model {info.name}, calibration {cal}, seed {seed}. Planted truth: {summary.path / 'truth.npz'}"
     )
-
-
-def _run_with_progress(out, info, plan, workers, on_existing):
-    from moetrace.tracer.synth import synthesize
-
-    if not stderr_is_tty():
-        return synthesize(out, model=info, plan=plan, workers=workers, on_existing=on_existing)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    columns = (TextColumn("synth"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"), TimeRemainingColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("synth", total=plan.num_requests)
-        return synthesize(
-            out,
-            model=info,
-            plan=plan,
-            workers=workers,
-            on_existing=on_existing,
-            progress=lambda n_req, _n_tok: bar.update(task, completed=n_req),
-        )

@@ -14,11 +14,12 @@ prefill (every prompt token), forward j >= 1 feeds generated token j-1. So promp
 no routing: its row holds -1. Padding (left pads, and the pads fed after a request finished while
 others continue) is never recorded.
 
-Shape legend: B batch, S padded sequence length, N = B*S router rows, T tokens of one request,
-L MoE layers, K top-k, X = L*K.
+Shape legend: R requests in the generation batch, T token positions (the padded positions of the
+batch, or the tokens of one request), N router rows of one forward (R*T in the prefill, R per
+decode step), L MoE layers, K top-k, X = L*K (legend: docs/architecture.md).
 
-Out of scope: prompt loading (``datasets``), the run loop, resume and progress (``collect``),
-vLLM (``vllm``).
+Out of scope: what a model name means (``presets.resolve``), prompt loading (``datasets``), the run
+loop, resume and progress (``collect``), vLLM (``vllm``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from moetrace.tracer.presets import ResolvedModel
+
 #: largest model (parameters) `collect` agrees to run on a CPU
 MAX_CPU_PARAMS = 3_000_000_000
 
@@ -47,7 +50,8 @@ _ROUTER_ATTRS = ("gate", "router")
 def tiny_tokenizer():
     """The byte-level tokenizer of the ``-tiny`` models: 256 byte tokens + ``<pad> <bos> <eos>``.
 
-    Built in code (nothing downloaded); ids 0..255 are bytes, 256 pad, 257 bos, 258 eos.
+    Built in code (nothing downloaded); ids 0..255 are bytes, then pad, bos, eos
+    (``presets.TINY_PAD_ID``, ``TINY_BOS_ID``, ``TINY_EOS_ID``: 256, 257, 258).
     """
     tokenizers = require("tokenizers", purpose="the tiny models' tokenizer")
     transformers = require("transformers", purpose="the HF transformers backend")
@@ -70,25 +74,18 @@ def tiny_tokenizer():
 def build_tiny_model(preset_name: str, *, seed: int, device: str = "cpu", dtype: str = "float32"):
     """Build a ``-tiny`` preset: real architecture class, real routing topology, seeded random weights.
 
-    DeepSeek-V3's router bias (``e_score_correction_bias``) is drawn at random too, so that the
-    bias-corrected, group-limited selection differs from a plain top-k of the scores, as in the
-    released model.
+    Returns ``(model, model_info)``. DeepSeek-V3's router bias (``e_score_correction_bias``) is drawn
+    at random too, so that the bias-corrected, group-limited selection differs from a plain top-k of
+    the scores, as in the released model.
     """
+    from moetrace.tracer.presets import TINY_BOS_ID, TINY_EOS_ID, TINY_PAD_ID, resolve
+
+    resolved = resolve(preset_name)
+    if resolved.kind != "tiny-preset":
+        raise ModelError(f"{preset_name!r} is not a -tiny preset (see `moetrace models`)")
     torch = require("torch", purpose="the HF transformers backend")
     transformers = require("transformers", purpose="the HF transformers backend")
-    from moetrace.tracer.presets import get_preset
-
-    preset, tiny = get_preset(preset_name)
-    if not tiny:
-        raise ModelError(f"{preset_name!r} is not a -tiny preset")
-    cfg = transformers.AutoConfig.for_model(
-        preset.model_type,
-        **preset.hf_config_dict(tiny=True),
-        pad_token_id=256,
-        bos_token_id=257,
-        eos_token_id=258,
-        tie_word_embeddings=False,
-    )
+    cfg = resolved.hf_config()
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -98,54 +95,46 @@ def build_tiny_model(preset_name: str, *, seed: int, device: str = "cpu", dtype:
         if bias is not None:
             with torch.no_grad():
                 bias.copy_(0.02 * torch.randn(bias.shape, generator=gen))
-    model.generation_config.pad_token_id = 256
-    model.generation_config.eos_token_id = 258
-    model.generation_config.bos_token_id = 257
-    return model.to(device).eval(), preset.model_info(tiny=True)
+    model.generation_config.pad_token_id = TINY_PAD_ID
+    model.generation_config.eos_token_id = TINY_EOS_ID
+    model.generation_config.bos_token_id = TINY_BOS_ID
+    return model.to(device).eval(), resolved.model_info()
 
 
 def load_model(
-    name: str, *, seed: int, device: str = "cpu", dtype: str = "auto"
+    resolved: ResolvedModel, *, seed: int, device: str = "cpu", dtype: str = "auto"
 ) -> tuple[Any, Any, ModelInfo]:
-    """Return ``(model, tokenizer, model_info)`` for a ``-tiny`` preset, a preset, a path or a hub id.
+    """Return ``(model, tokenizer, model_info)`` for a resolved model name (``presets.resolve``).
 
-    A full-size model is refused on a CPU with a message that names the ``-tiny`` preset.
-    A ``-tiny`` model on a CPU runs torch with one intra-op thread: its matrices are too small to
-    gain from more, and OpenMP workers spinning on a busy machine made generation 20-30x slower.
+    A ``-tiny`` preset is built in memory. A preset, local checkpoint or hub id is loaded with
+    transformers' loaders (a preset from its hub id). A full-size model is refused on a CPU with a
+    message that names the ``-tiny`` preset. A ``-tiny`` model on a CPU runs torch with one
+    intra-op thread: its matrices are too small to gain from more, and OpenMP workers spinning on a
+    busy machine made generation 20-30x slower.
     """
+    from moetrace.tracer.presets import TINY_SUFFIX
+
+    name = resolved.name
     torch = require("torch", purpose="the HF transformers backend")
     transformers = require("transformers", purpose="the HF transformers backend")
-    from moetrace.tracer.presets import TINY_SUFFIX, get_preset, is_preset, model_info_from_hf_config
-
-    if is_preset(name) and name.endswith(TINY_SUFFIX):
-        if str(device).startswith("cpu"):
+    on_cpu = str(device).startswith("cpu")
+    if resolved.kind == "tiny-preset":
+        if on_cpu:
             torch.set_num_threads(1)
         model, info = build_tiny_model(name, seed=seed, device=device, dtype="float32" if dtype == "auto" else dtype)
         return model, tiny_tokenizer(), info
-    if is_preset(name):
-        preset = get_preset(name)[0]
-        source = preset.hub_id
-        cfg = transformers.AutoConfig.for_model(preset.model_type, **preset.hf_config_dict(tiny=False))
-    else:
-        source = name
-        try:
-            cfg = transformers.AutoConfig.from_pretrained(source)
-        except OSError as exc:
-            raise ModelError(
-                f"cannot load the config of {source!r} ({str(exc).splitlines()[0]}). Pass a local checkpoint "
-                "directory, a reachable hub id, or a -tiny preset (see `moetrace models`)."
-            ) from exc
-    info = model_info_from_hf_config(cfg, name=name, source=source)
-    if str(device).startswith("cpu"):
+    cfg = resolved.hf_config()
+    info = resolved.model_info(hf_config=cfg)
+    if on_cpu:
         n = count_parameters(cfg)
         if n > MAX_CPU_PARAMS:
-            tiny = f"{name}{TINY_SUFFIX}" if is_preset(name) else "a -tiny preset (see `moetrace models`)"
+            tiny = f"{name}{TINY_SUFFIX}" if resolved.kind == "preset" else "a -tiny preset (see `moetrace models`)"
             raise ModelError(
                 f"{name} has {n / 1e9:.0f}B parameters: too large to run on a CPU. Use the same routing topology "
                 f"at CPU size with --model {tiny}, or collect on GPUs (--backend vllm, or --device cuda)."
             )
-    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
-    tok = transformers.AutoTokenizer.from_pretrained(source)
+    model = transformers.AutoModelForCausalLM.from_pretrained(resolved.source, dtype=dtype).to(device)
+    tok = transformers.AutoTokenizer.from_pretrained(resolved.source)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -275,22 +264,22 @@ def generate_batch(
     """Generate for a batch of tokenized prompts and return each request's routing rows.
 
     Greedy when ``temperature == 0`` (default); otherwise sampling seeded with ``seed``.
-    Attribution is exact: row ``p`` of request ``b`` is the routing of the forward pass that fed
-    the token at position ``p`` of ``b``.
+    Attribution is exact: row ``p`` of request ``r`` is the routing of the forward pass that fed
+    the token at position ``p`` of ``r``.
     """
     torch = require("torch", purpose="the HF transformers backend")
-    B = len(prompt_ids)
+    R = len(prompt_ids)
     lens = [len(p) for p in prompt_ids]
     if min(lens) < 1:
         raise ValueError("empty prompt")
-    S = max(lens)
+    T = max(lens)  # padded positions of the prefill
     pad = tokenizer.pad_token_id
     device = next(model.parameters()).device
-    input_ids = torch.full((B, S), pad, dtype=torch.long)
-    attn = torch.zeros((B, S), dtype=torch.long)
-    for b, p in enumerate(prompt_ids):  # left padding
-        input_ids[b, S - len(p) :] = torch.tensor(p, dtype=torch.long)
-        attn[b, S - len(p) :] = 1
+    input_ids_RT = torch.full((R, T), pad, dtype=torch.long)
+    attn_RT = torch.zeros((R, T), dtype=torch.long)
+    for r, p in enumerate(prompt_ids):  # left padding
+        input_ids_RT[r, T - len(p) :] = torch.tensor(p, dtype=torch.long)
+        attn_RT[r, T - len(p) :] = 1
     gen_kwargs: dict[str, Any] = dict(
         max_new_tokens=max_new_tokens,
         min_new_tokens=1,
@@ -307,50 +296,50 @@ def generate_batch(
 
     rec = RoutingRecorder(model, info, record_weights=record_weights)
     with rec, torch.inference_mode():
-        seqs = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), **gen_kwargs)
-    new = seqs[:, S:].cpu()
+        seqs = model.generate(input_ids=input_ids_RT.to(device), attention_mask=attn_RT.to(device), **gen_kwargs)
+    new = seqs[:, T:].cpu()
     n_forwards = rec.num_forwards
     if n_forwards != new.shape[1]:
         raise RuntimeError(f"recorded {n_forwards} forward passes for {new.shape[1]} generated tokens")
     eos = model.generation_config.eos_token_id
     eos_set = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
 
-    ids = _per_request_rows(rec.ids, B=B, S=S, K=info.top_k, dtype=torch.int16)
-    weights = _per_request_rows(rec.weights, B=B, S=S, K=info.top_k, dtype=torch.float32) if record_weights else None
+    ids = _per_request_rows(rec.ids, R=R, T=T, K=info.top_k, dtype=torch.int16)
+    weights = _per_request_rows(rec.weights, R=R, T=T, K=info.top_k, dtype=torch.float32) if record_weights else None
     out = []
-    for b in range(B):
-        toks = new[b].tolist()
+    for r in range(R):
+        toks = new[r].tolist()
         O = next((j + 1 for j, t in enumerate(toks) if t in eos_set), len(toks))
-        P = lens[b]
-        ex = ids(b, prompt_len=P, num_out=O, fill=NO_EXPERT)
-        w = weights(b, prompt_len=P, num_out=O, fill=0.0) if weights is not None else None
+        P = lens[r]
+        ex = ids(r, prompt_len=P, num_out=O, fill=NO_EXPERT)
+        w = weights(r, prompt_len=P, num_out=O, fill=0.0) if weights is not None else None
         out.append(GeneratedRequest(P, O, ex, w, toks[:O]))
     return out
 
 
-def _per_request_rows(per_layer: list[list[Any]], *, B: int, S: int, K: int, dtype) -> Callable[..., np.ndarray]:
-    """Stack the recorded forwards once and return ``rows(b, prompt_len, num_out, fill) -> [T, L*K]``.
+def _per_request_rows(per_layer: list[list[Any]], *, R: int, T: int, K: int, dtype) -> Callable[..., np.ndarray]:
+    """Stack the recorded forwards once and return ``rows(r, prompt_len, num_out, fill) -> [P+O, L*K]``.
 
-    ``per_layer[l][0]`` is the prefill ``[B*S, K]`` (left-padded), ``per_layer[l][j]`` for j >= 1 the
-    decode step that fed generated token j-1 ``[B, K]``. Request b's prompt is the last
-    ``prompt_len`` columns of the prefill; its generated token j < num_out-1 is row j of the decode
-    stack; its last generated token, never fed, gets ``fill``.
+    ``per_layer[l][0]`` is the prefill ``[R*T, K]`` (T padded positions, left-padded),
+    ``per_layer[l][j]`` for j >= 1 the decode step that fed generated token j-1 ``[R, K]``. Request
+    r's prompt is the last ``prompt_len`` positions of the prefill; its generated token j <
+    num_out-1 is step j of the decode stack; its last generated token, never fed, gets ``fill``.
     """
     torch = require("torch", purpose="the HF transformers backend")
     L = len(per_layer)
-    pre_LBSK = torch.stack([x[0].reshape(B, S, K) for x in per_layer]).to("cpu", dtype).numpy()
-    dec_LBJK = (
-        torch.stack([torch.stack([y.reshape(B, K) for y in x[1:]], dim=1) for x in per_layer]).to("cpu", dtype).numpy()
+    pre_LRTK = torch.stack([x[0].reshape(R, T, K) for x in per_layer]).to("cpu", dtype).numpy()
+    dec_LRTK = (  # T here: the decode steps
+        torch.stack([torch.stack([y.reshape(R, K) for y in x[1:]], dim=1) for x in per_layer]).to("cpu", dtype).numpy()
         if len(per_layer[0]) > 1
         else None
     )
 
-    def rows(b: int, *, prompt_len: int, num_out: int, fill: float) -> np.ndarray:
+    def rows(r: int, *, prompt_len: int, num_out: int, fill: float) -> np.ndarray:
         P, O = prompt_len, num_out
-        out_TLK = np.full((P + O, L, K), fill, dtype=pre_LBSK.dtype)
-        out_TLK[:P] = pre_LBSK[:, b, S - P :, :].transpose(1, 0, 2)
+        out_TLK = np.full((P + O, L, K), fill, dtype=pre_LRTK.dtype)
+        out_TLK[:P] = pre_LRTK[:, r, T - P :, :].transpose(1, 0, 2)
         if O > 1:
-            out_TLK[P : P + O - 1] = dec_LBJK[:, b, : O - 1, :].transpose(1, 0, 2)
+            out_TLK[P : P + O - 1] = dec_LRTK[:, r, : O - 1, :].transpose(1, 0, 2)
         return out_TLK.reshape(P + O, L * K)
 
     return rows
@@ -375,7 +364,8 @@ def collect_with_hf(
     """Run every prompt not yet in ``writer.completed_request_ids`` and write its rows; commit per batch.
 
     Prompts are sorted by token length so batches pad little; each batch is one commit, so a kill
-    loses at most the batch in flight.
+    loses at most the batch in flight. ``on_progress(requests, tokens)`` gets, after each commit,
+    what this run has written so far (cumulative counts).
     """
     from moetrace.tracer.datasets import render_prompt_ids
 
@@ -394,7 +384,6 @@ def collect_with_hf(
             seed=seed + start,
             record_weights=record_weights,
         )
-        tokens = 0
         for (p, _), r in zip(chunk, results):
             writer.add_request(
                 request_id=p.request_id,
@@ -405,10 +394,9 @@ def collect_with_hf(
                 prompt_text=p.text if store_text else None,
                 output_text=tokenizer.decode(r.output_ids, skip_special_tokens=True) if store_text else None,
             )
-            tokens += r.prompt_tokens + r.output_tokens
         writer.commit()
         if on_progress is not None:
-            on_progress(len(chunk), tokens)
+            on_progress(writer.num_requests_written, writer.num_tokens_written)
 
 
 def backend_versions() -> dict[str, str]:

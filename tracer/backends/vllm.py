@@ -4,8 +4,9 @@ vLLM ≥ 0.14 records, with the engine argument ``enable_return_routed_experts=T
 every MoE router chose for every token, and hands them back with each finished request;
 ``vllm_convert`` turns what comes back (its layout differs by version) into trace rows.
 
-Out of scope: the array conversion (``vllm_convert``), prompt loading (``datasets``), the run loop's CLI and resume bookkeeping
-(``collect``), several engines over several nodes (``sharding``).
+Out of scope: what a model name means (``presets.resolve``), the array conversion (``vllm_convert``),
+prompt loading (``datasets``), choosing the backend and opening the trace (``collect``), several
+engines over several nodes (``sharding``).
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ import queue
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from moetrace.errors import ConfigError, ModelError, MoetraceError
 from moetrace.tracer.backends.vllm_convert import ConvertedRequest, FailedRequest, convert_or_fail
 from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from moetrace.tracer.presets import ResolvedModel
 
 #: first vLLM release with ``enable_return_routed_experts``
 MIN_VLLM = (0, 14)
@@ -85,31 +89,21 @@ class VllmEngineConfig:
 # ---------------------------------------------------------------------------- model and checks
 
 
-def resolve_model(name: str) -> tuple[str, ModelInfo]:
-    """``(what vLLM loads, ModelInfo)`` for a preset name, a local checkpoint or a hub id."""
-    from moetrace.tracer.presets import TINY_SUFFIX, get_preset, is_preset, model_info_from_hf_config
+def model_for_vllm(resolved: ResolvedModel) -> tuple[str, ModelInfo]:
+    """``(what vLLM loads, ModelInfo)`` of a resolved model name (``presets.resolve``).
 
-    if is_preset(name):
-        preset, tiny = get_preset(name)
-        if tiny:
-            raise ModelError(
-                f"{name!r} is built in memory by the HF backend; vLLM needs a checkpoint. "
-                f"Use --backend hf for {name!r}, or {name[: -len(TINY_SUFFIX)]!r} with --backend vllm"
-            )
-        return preset.hub_id, preset.model_info(tiny=False)
-    from moetrace._deps import require
-
-    transformers = require("transformers", purpose="reading the model config for the vLLM backend")
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot read the config of {name!r}: {exc}") from exc
-    return name, model_info_from_hf_config(cfg, name=name, source=name)
-
-
-def model_info_for_vllm(model_name_or_path: str) -> ModelInfo:
-    """ModelInfo of what ``collect --backend vllm --model NAME`` runs (preset → its hub id)."""
-    return resolve_model(model_name_or_path)[1]
+    A preset loads its hub id and takes its bundled topology; a local checkpoint or hub id is passed
+    to vLLM as it is, its topology read from its HF config (transformers, which fills the
+    architecture's defaults; a hub id downloads its ``config.json``). A ``-tiny`` preset is refused:
+    it exists only in memory, in the HF backend.
+    """
+    if resolved.kind == "tiny-preset":
+        raise ModelError(
+            f"{resolved.name!r} is built in memory by the HF backend; vLLM needs a checkpoint. "
+            f"Use --backend hf for {resolved.name!r}, or {resolved.preset.name!r} with --backend vllm"
+        )
+    hf_config = None if resolved.kind == "preset" else resolved.hf_config()
+    return resolved.source, resolved.model_info(hf_config=hf_config)
 
 
 def vllm_version() -> tuple[str, tuple[int, ...]]:
@@ -127,11 +121,17 @@ def vllm_version() -> tuple[str, tuple[int, ...]]:
     return text, tuple(nums)
 
 
-def check_environment(engine: VllmEngineConfig) -> str:
-    """Fail early: vLLM present and new enough to capture, CUDA GPUs present and enough of them.
+def check_environment(engine: VllmEngineConfig, *, record_weights: bool = False) -> str:
+    """Fail early: nothing asked that vLLM cannot record (routing weights), vLLM present and new
+    enough to capture, CUDA GPUs present and enough of them.
 
     Returns the vLLM version string.
     """
+    if record_weights:
+        raise ConfigError(
+            "vLLM's routed-experts capture returns expert ids only, no routing weights; drop "
+            "--weights, or use --backend hf"
+        )
     text, nums = vllm_version()
     if nums[:2] < MIN_VLLM:
         raise ModelError(
@@ -271,7 +271,7 @@ def collect_with_vllm(
     prompts: list[Any],
     *,
     writer: Any,
-    model: str,
+    source: str,
     engine: VllmEngineConfig,
     max_new_tokens: int,
     seed: int,
@@ -281,19 +281,14 @@ def collect_with_vllm(
 ) -> None:
     """Collect ``prompts`` (``PromptRecord``) with vLLM into ``writer`` (a ``TraceWriter``).
 
-    Requests already in ``writer.completed_request_ids`` are skipped (resume). With ``engine.dp``
-    > 1 the prompts are split over ``dp`` engine processes (vLLM's offline data parallelism,
-    experts sharded over all ranks when ``ep`` > 1), which send converted requests back here.
+    ``source`` is what vLLM loads (:func:`model_for_vllm`); the routing topology is the writer's
+    ``model``. Requests already in ``writer.completed_request_ids`` are skipped (resume). With
+    ``engine.dp`` > 1 the prompts are split over ``dp`` engine processes (vLLM's offline data
+    parallelism, experts sharded over all ranks when ``ep`` > 1), which send converted requests back
+    here. ``on_progress(requests, tokens)`` gets, after each commit, what this run has written so far.
     """
-    version = check_environment(engine)
-    if writer.with_weights:
-        raise ConfigError(
-            "vLLM's routed-experts capture returns expert ids only, no routing weights; drop "
-            "--weights, or use --backend hf"
-        )
-    source, info = resolve_model(model)
-    if tuple(writer.model.moe_layers) != info.moe_layers or writer.model.top_k != info.top_k:
-        raise ConfigError(f"the writer's model ({writer.model.name}) does not match {model!r}")
+    version = check_environment(engine, record_weights=writer.with_weights)
+    info = writer.model
     pending = [p for p in prompts if p.request_id not in writer.completed_request_ids]
     import torch
 

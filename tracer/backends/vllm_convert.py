@@ -17,8 +17,9 @@ or a meaningless one. :func:`routed_experts_to_rows` turns any of these layouts 
 MoE layers only, one row per position ``0..prompt+output-1``, ``-1`` where nothing was recorded.
 SGLang's import (``importers``) uses the same conversion.
 
-Shape legend (docs/architecture.md): N rows returned by the engine, A layer axis returned by the
-engine (all layers or MoE layers), T = prompt + output tokens, L MoE layers, K top-k, X = L*K.
+Shape legend: N rows returned by the engine, H the layer axis returned by the engine (all decoder
+layers; in the versions that return only the MoE layers, its size is L), T = prompt + output tokens,
+L MoE layers, K top-k, X = L*K (legend: docs/architecture.md).
 
 Out of scope: running the engine (``vllm``), writing rows (``moetrace.tracer.trace.writer``).
 """
@@ -34,7 +35,7 @@ from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
 
 def routed_experts_to_rows(
-    routed_NAK: np.ndarray,
+    routed_NHK: np.ndarray,
     *,
     moe_layers: Sequence[int],
     num_hidden_layers: int,
@@ -44,24 +45,24 @@ def routed_experts_to_rows(
 ) -> np.ndarray:
     """Trace rows ``topk_ids_TX`` (int16 ``[T, L*K]``) of one request from vLLM's routed experts.
 
-    ``routed_NAK``: vLLM's array for the whole sequence (prompt rows then generated rows), any
+    ``routed_NHK``: vLLM's array for the whole sequence (prompt rows then generated rows), any
     integer dtype, ``N`` = T-1 (the last generated token is never forwarded) or T (its row is
-    then dropped as meaningless), ``A`` = ``num_hidden_layers`` (dense layers are rows of zeros
-    and are dropped) or ``len(moe_layers)``. ``-1`` (vLLM 0.21's prefix-cache sentinel) stays -1;
+    then dropped as meaningless), ``H`` = ``num_hidden_layers`` (dense layers are rows of zeros
+    and are dropped) or ``len(moe_layers)`` (only the MoE layers returned). ``-1`` (vLLM 0.21's prefix-cache sentinel) stays -1;
     the final generated position is always -1. Raises ``ValueError`` on any other shape or on ids
     outside ``0..num_experts-1``.
     """
-    arr = np.asarray(routed_NAK)
+    arr = np.asarray(routed_NHK)
     T = prompt_tokens + output_tokens
     L = len(moe_layers)
     if arr.ndim != 3:
         raise ValueError(f"routed experts must be [tokens, layers, top_k], got shape {arr.shape}")
-    N, A, K = arr.shape
-    if A == num_hidden_layers:
+    N, H, K = arr.shape
+    if H == num_hidden_layers:
         arr = arr[:, list(moe_layers), :]
-    elif A != L:
+    elif H != L:
         raise ValueError(
-            f"routed experts have {A} layers; expected {num_hidden_layers} (all layers) or {L} (MoE layers)"
+            f"routed experts have {H} layers; expected {num_hidden_layers} (all layers) or {L} (MoE layers)"
         )
     if N not in (T - 1, T):
         raise ValueError(f"routed experts cover {N} tokens; a request of {prompt_tokens}+{output_tokens} tokens needs {T - 1}")
