@@ -110,7 +110,13 @@ def data_placement(usage_GLE: np.ndarray, *, num_slots: int, ranks_per_group: in
 
     ``usage_GLE``: float [G, L, E] decode tokens per group, layer and expert (training requests).
     """
+    return place_members(usage_GLE, two_phase_members, num_slots=num_slots, ranks_per_group=ranks_per_group)
+
+
+def place_members(usage_GLE: np.ndarray, members, *, num_slots: int, ranks_per_group: int) -> Placement:
+    """The placement whose group membership is ``members(usage_GLE, num_slots=...)`` (bool [L, G, E]),
+    spread over each group's GPUs by expected load; group g owns slots [g*J, (g+1)*J)."""
     G, L, E, J = _check(np.asarray(usage_GLE), num_slots, ranks_per_group)
-    member = two_phase_members(usage_GLE, num_slots=num_slots)
+    member = members(usage_GLE, num_slots=num_slots)
     phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
     return placement_from_phy2log(phy2log, num_experts=E)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from moetrace._deps import require
-from moetrace.placement.data_placement import _check, _verify, expected_slot_load, spread_in_nodes
-from moetrace.placement.maps import Placement, placement_from_phy2log
+from moetrace.placement.data_placement import _check, _verify, place_members
+from moetrace.placement.maps import Placement
 
 __all__ = ["improved_placement", "optimal_members"]
 
@@ -61,7 +61,4 @@ def improved_placement(usage_GLE: np.ndarray, *, num_slots: int, ranks_per_group
 
     ``usage_GLE``: float [G, L, E] decode tokens per group, layer and expert (training requests).
     """
-    G, L, E, J = _check(np.asarray(usage_GLE), num_slots, ranks_per_group)
-    member = optimal_members(usage_GLE, num_slots=num_slots)
-    phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
-    return placement_from_phy2log(phy2log, num_experts=E)
+    return place_members(usage_GLE, optimal_members, num_slots=num_slots, ranks_per_group=ranks_per_group)
