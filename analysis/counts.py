@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 import numpy as np
@@ -39,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace._deps import require
+from moetrace.atomic import atomic_path
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.results import ANALYSIS, COUNTS, table_metadata
 from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL
@@ -294,14 +294,12 @@ def write_counts_table(counts: RequestCounts, path: str | os.PathLike, *, chunk_
     ``count`` int32 (tokens). Rows ordered by request, stage, layer, expert. Written in request
     chunks (bounded memory), to a temporary name and renamed.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
     stage_names = pa.array(list(counts.stages))
     model_layer = np.asarray(counts.model_layers, dtype=np.int16)
     layer = np.asarray(counts.layers, dtype=np.int16)
     n = 0
     schema = COUNTS_TABLE_SCHEMA.with_metadata(table_metadata(ANALYSIS, COUNTS))  # its format and version
-    with pq.ParquetWriter(tmp, schema, compression="zstd") as w:
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema, compression="zstd") as w:
         for lo in range(0, counts.num_requests, chunk_requests):
             block = counts.counts_RSLE[lo : lo + chunk_requests]
             r, s, l, e = np.nonzero(block)
@@ -319,7 +317,6 @@ def write_counts_table(counts: RequestCounts, path: str | os.PathLike, *, chunk_
             ]
             w.write_batch(pa.RecordBatch.from_arrays(cols, schema=schema))
             n += r.size
-    os.replace(tmp, path)
     return n
 
 

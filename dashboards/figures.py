@@ -16,7 +16,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from moetrace.dashboards.theme import (
-    DIVERGING,
     REFERENCE_LINE,
     SEQUENTIAL,
     category_colours,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import html
-import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 

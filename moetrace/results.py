@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moetrace.atomic import write_json_atomic
+from moetrace.atomic import atomic_path, write_json_atomic
 from moetrace.errors import OutputExistsError, TraceFormatError
 
 __all__ = [
@@ -137,9 +137,8 @@ def write_result_table(directory: str | os.PathLike, kind: ResultKind, name: str
     t = table.to_arrow() if hasattr(table, "to_arrow") else table
     t = t.replace_schema_metadata({**(t.schema.metadata or {}), **table_metadata(kind, name)})
     path = Path(directory) / name
-    tmp = path.with_name(f".{name}.tmp")
-    pq.write_table(t, tmp, compression=compression)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(t, tmp, compression=compression)
     return path
 
 

@@ -76,11 +76,17 @@ def sglang_response_rows(resp: dict[str, Any], *, info: ModelInfo) -> tuple[int,
             "meta_info has no routed_experts: start SGLang with --enable-return-routed-experts and send "
             '"return_routed_experts": true with each request'
         )
-    P, O = int(meta["prompt_tokens"]), int(meta["completion_tokens"])
-    start = int(meta.get("routed_experts_start_len", 0) or 0)
+    P = _whole(meta.get("prompt_tokens"), "meta_info.prompt_tokens", low=1)
+    O = _whole(meta.get("completion_tokens"), "meta_info.completion_tokens")
+    start = _whole(meta.get("routed_experts_start_len") or 0, "meta_info.routed_experts_start_len")
     T = P + O
+    if T * info.ids_per_token * 2 > MAX_REQUEST_BYTES:
+        raise TraceFormatError(f"a request of {P}+{O} tokens would take {T * info.ids_per_token * 2:,} bytes of "
+                               f"routing; more than {MAX_REQUEST_BYTES:,} for one request (check the token counts)")
     if not 0 <= start <= T - 1:
         raise TraceFormatError(f"routed_experts_start_len {start} outside 0..{T - 1}")
+    if not isinstance(payload, str):
+        raise TraceFormatError(f"meta_info.routed_experts must be a base64 string, got {type(payload).__name__}")
     arr = decode_sglang_routed_experts(payload, num_rows=T - 1 - start, top_k=info.top_k)
     if start:  # positions before the start were not returned: nothing recorded
         H = arr.shape[1] if arr.size else info.num_hidden_layers
@@ -93,14 +99,59 @@ def sglang_response_rows(resp: dict[str, Any], *, info: ModelInfo) -> tuple[int,
     return P, O, rows
 
 
+#: the most tokens one imported request may have, and the most bytes its rows may take: a short line
+#: that claims a huge request is refused before anything is allocated
+MAX_REQUEST_TOKENS = 1 << 20
+MAX_REQUEST_BYTES = 1 << 29
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def check_utf8(path: Path) -> None:
+    """Raise ``TraceFormatError`` naming the line unless ``path`` is UTF-8 text (streamed, bounded memory)."""
+    import codecs
+
+    dec = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            try:
+                dec.decode(chunk)
+            except UnicodeDecodeError as exc:
+                at = line + chunk[: exc.start].count(b"\n")
+                raise TraceFormatError(f"{path}:{at}: not UTF-8 text ({exc.reason}); save the file as UTF-8") from None
+            line += chunk.count(b"\n")
+        try:
+            dec.decode(b"", final=True)
+        except UnicodeDecodeError as exc:
+            raise TraceFormatError(f"{path}:{line}: not UTF-8 text ({exc.reason}); save the file as UTF-8") from None
+
+
 def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield n, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TraceFormatError(f"{path}:{n}: not valid JSON ({exc})") from exc
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFormatError(f"{path}:{n}: not UTF-8 text ({exc.reason}); save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line, parse_constant=_reject_constant)
+            except RecursionError:
+                raise TraceFormatError(f"{path}:{n}: JSON nested too deeply to be a record") from None
+            except ValueError as exc:  # json.JSONDecodeError is a ValueError, as is NaN/Infinity
+                raise TraceFormatError(f"{path}:{n}: not valid JSON ({exc})") from None
+            yield n, obj
+
+
+def _whole(value: Any, name: str, *, low: int = 0, high: int = MAX_REQUEST_TOKENS) -> int:
+    """``value`` as an int in ``low..high``: a JSON whole number, not a float, string or boolean."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise TraceFormatError(f"`{name}` must be a whole number in {low}..{high:,}, got {value!r}")
+    return value
 
 
 def detect_format(path: Path) -> Literal["sglang", "tokens"]:
@@ -132,6 +183,7 @@ def import_trace(
     src = Path(path)
     if not src.is_file():
         raise TraceFormatError(f"{src}: no such file")
+    check_utf8(src)
     fmt = detect_format(src) if source_format == "auto" else source_format
     label = dataset or src.stem
     backend = {"name": "import", "source_format": fmt, "source_file": str(src)}
@@ -177,7 +229,7 @@ def _import_sglang(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
                 raise TraceFormatError(f"{src}:{n}: expected a response object, got {type(resp).__name__}")
             try:
                 P, O, rows = sglang_response_rows(resp, info=info)
-                rid = int(resp["request_id"]) if "request_id" in resp else index
+                rid = _whole(resp["request_id"], "request_id", high=2**63 - 1) if "request_id" in resp else index
             except (TraceFormatError, KeyError, TypeError, ValueError) as exc:
                 raise TraceFormatError(f"{src}:{n}: {exc}") from exc
             if rid in ids:
@@ -259,13 +311,23 @@ def tokens_to_requests(
     return rids.astype(np.int64), prompt_R.astype(np.int32), (len_R - prompt_R).astype(np.int32), topk_ids_TLK.reshape(-1, L * K)
 
 
+def _int64(column: Any, name: str, src: Path) -> np.ndarray:
+    """A polars integer column as int64 numpy, or a clean error when a value does not fit 64 bits."""
+    import polars as pl
+
+    try:
+        return column.cast(pl.Int64, strict=True).to_numpy()
+    except pl.exceptions.InvalidOperationError:
+        raise TraceFormatError(f"{src}: `{name}` holds whole numbers beyond 64 bits") from None
+
+
 def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str) -> set[str]:
     import polars as pl
 
     try:
         df = pl.read_ndjson(src, infer_schema_length=None)
-    except Exception as exc:  # polars raises its own error classes on malformed JSON
-        raise TraceFormatError(f"{src}: cannot be read as JSON lines ({exc})") from exc
+    except (pl.exceptions.PolarsError, OSError, ValueError) as exc:  # polars' own errors on malformed JSON
+        raise TraceFormatError(f"{src}: cannot be read as JSON lines ({str(exc).splitlines()[0][:300]})") from None
     missing = [c for c in ("request", "layer", "position", "stage", "experts") if c not in df.columns]
     if missing:
         raise TraceFormatError(f"{src}: records lack {missing}; each needs request, layer, position, stage, experts")
@@ -273,6 +335,7 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
         "request": ("an integer or a string", df["request"].dtype.is_integer() or df["request"].dtype == pl.String),
         "layer": ("an integer", df["layer"].dtype.is_integer()),
         "position": ("an integer", df["position"].dtype.is_integer()),
+        "stage": ("'prefill' or 'decode'", df["stage"].dtype == pl.String),
         "experts": ("a list of integers",
                     isinstance(df["experts"].dtype, pl.List) and df["experts"].dtype.inner.is_integer()),
     }
@@ -289,21 +352,23 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
         raise TraceFormatError(f"{src}: stage must be 'prefill' or 'decode', found {sorted(map(str, stages))}")
     req = df["request"]
     if req.dtype.is_integer():
-        request_N = req.cast(pl.Int64).to_numpy()
+        request_N = _int64(req, "request", src)
     else:  # string ids: numbered in order of first appearance
         codes = {r: i for i, r in enumerate(dict.fromkeys(req.cast(pl.String).to_list()))}
         request_N = np.array([codes[r] for r in req.cast(pl.String).to_list()], dtype=np.int64)
     lens = df["experts"].list.len().to_numpy()
     if (lens != info.top_k).any():
         raise TraceFormatError(f"{src}: a record has {int(lens[lens != info.top_k][0])} experts; {info.name} has top_k {info.top_k}")
-    topk_ids_NK = np.asarray(df["experts"].list.explode().cast(pl.Int64).to_numpy()).reshape(-1, info.top_k)
+    topk_ids_NK = np.asarray(_int64(df["experts"].list.explode(), "experts", src)).reshape(-1, info.top_k)
     try:
         rid_R, prompt_R, output_R, topk_ids_TX = tokens_to_requests(
-            request_N, df["layer"].cast(pl.Int64).to_numpy(), df["position"].cast(pl.Int64).to_numpy(),
+            request_N, _int64(df["layer"], "layer", src), _int64(df["position"], "position", src),
             (df["stage"] == "decode").to_numpy(), topk_ids_NK, info=info,
         )
     except TraceFormatError as exc:
         raise TraceFormatError(f"{src}: {exc}") from exc
+    if "dataset" in df.columns and df["dataset"].dtype not in (pl.String, pl.Null):
+        raise TraceFormatError(f"{src}: `dataset` must be a string label in every record; read as {df['dataset'].dtype}")
     if "dataset" in df.columns:
         first = (pl.DataFrame({"r": request_N, "d": df["dataset"].cast(pl.String)})
                  .group_by("r", maintain_order=True).first())

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Literal, Mapping, NamedTuple
 
 import numpy as np
 
+from moetrace.atomic import atomic_path
 from moetrace.errors import ConfigError, OutputExistsError
 from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
@@ -287,9 +288,8 @@ def plant_truth(model: ModelInfo, plan: SynthPlan) -> PlantedTruth:
 
 
 def save_truth(path: str | os.PathLike, truth: PlantedTruth, datasets: tuple[str, ...]) -> None:
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp.npz")
-    np.savez_compressed(tmp, datasets=np.array(datasets), **truth._asdict())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:  # a file object: savez adds no ".npz" suffix
+        np.savez_compressed(f, datasets=np.array(datasets), **truth._asdict())
 
 
 def load_truth(trace_dir: str | os.PathLike) -> tuple[PlantedTruth, tuple[str, ...]]:

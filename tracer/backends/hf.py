@@ -34,7 +34,6 @@ from moetrace.errors import ModelError
 from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
 
     from moetrace.tracer.presets import ResolvedModel
 
