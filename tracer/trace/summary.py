@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-import polars as pl
+import numpy as np
 
 from moetrace.sizes import dir_bytes, human_bytes
 from moetrace.tracer.trace.reader import open_trace
@@ -12,26 +12,16 @@ from moetrace.tracer.trace.reader import open_trace
 
 def trace_summary(path: str | os.PathLike, *, allow_incomplete: bool = False) -> str:
     """Model, backend, per-dataset request and token counts, and size on disk, as text."""
-    from moetrace.errors import TraceFormatError
-
     t = open_trace(path, require_complete=not allow_incomplete)
     m = t.model
-    try:
-        per = (
-            t.requests()
-            .group_by("dataset")
-            .agg(
-                pl.len().alias("requests"),
-                pl.col("prompt_tokens").sum().alias("prefill_tokens"),
-                pl.col("output_tokens").sum().alias("decode_tokens"),
-            )
-            .sort("dataset")
-            .collect()
-        )
-    except (pl.exceptions.PolarsError, OSError) as exc:
-        raise TraceFormatError(
-            f"{t.path}: cannot read the requests parts ({str(exc).splitlines()[0]}); run `moetrace validate {t.path}`"
-        ) from exc
+    per: list[tuple[str, int, int, int]] = []
+    if t.part_names():
+        req = t.request_arrays  # checked: ids, lengths, nulls, and lengths against the routing rows
+        names, inv = np.unique(req.dataset_R, return_inverse=True)
+        count = np.bincount(inv, minlength=len(names))
+        pre = np.bincount(inv, weights=req.prompt_tokens_R, minlength=len(names)).astype(np.int64)
+        dec = np.bincount(inv, weights=req.output_tokens_R, minlength=len(names)).astype(np.int64)
+        per = [(str(n), int(c), int(p_), int(d)) for n, c, p_, d in zip(names, count, pre, dec)]
     lines = [
         f"trace      {t.path}  ({'complete' if t.complete else 'INCOMPLETE'})",
         f"model      {m.name}  [{m.architecture}]  source {m.source}",
@@ -42,10 +32,9 @@ def trace_summary(path: str | os.PathLike, *, allow_incomplete: bool = False) ->
         "",
         f"{'dataset':<16} {'requests':>9} {'prefill tok':>12} {'decode tok':>11}",
     ]
-    for row in per.iter_rows(named=True):
-        lines.append(f"{row['dataset']:<16} {row['requests']:>9} {row['prefill_tokens']:>12} {row['decode_tokens']:>11}")
-    if per.height:
-        lines.append(
-            f"{'total':<16} {per['requests'].sum():>9} {per['prefill_tokens'].sum():>12} {per['decode_tokens'].sum():>11}"
-        )
+    for name, n, pre_tok, dec_tok in per:
+        lines.append(f"{name:<16} {n:>9} {pre_tok:>12} {dec_tok:>11}")
+    if per:
+        totals = [sum(col) for col in list(zip(*per))[1:]]
+        lines.append(f"{'total':<16} {totals[0]:>9} {totals[1]:>12} {totals[2]:>11}")
     return "\n".join(lines)
