@@ -22,7 +22,12 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from moetrace.dashboards.figures import heatmaps_by_layer, lines_by_layer, scatter_by_category
+import moetrace.results as rf
+from moetrace.dashboards.figures import (
+    heatmaps_by_layer,
+    lines_by_layer,
+    scatter_by_category,
+)
 from moetrace.dashboards.page import Figure, Section
 from moetrace.dashboards.results import Results, datasets_all_last, layer_order
 from moetrace.dashboards.theme import OKABE_ITO, SEQUENTIAL, height_for_rows
@@ -45,11 +50,11 @@ def _requests_of_trace(res: Results) -> pl.DataFrame | None:
 
 
 def clusters_section(res: Results, *, max_points: int, seed: int, key_prefix: str = "") -> tuple[Section | None, list[str]]:
-    emb = res.table("embedding.parquet")
+    emb = res.table(rf.EMBEDDING)
     kp = f"{key_prefix}clusters"
     if emb is None:
         return None, ["clusters: no embedding.parquet in " + str(res.path)]
-    scores = res.table("embedding_scores.parquet")
+    scores = res.table(rf.EMBEDDING_SCORES)
     req = _requests_of_trace(res)
     notes = []
     if req is not None:
@@ -89,7 +94,7 @@ def clusters_section(res: Results, *, max_points: int, seed: int, key_prefix: st
                 Figure(
                     key=f"{kp}-{method}-{stage}",
                     figure=fig,
-                    source=res.source("embedding.parquet"),
+                    source=res.source(rf.EMBEDDING),
                     caption=f"One point per request: its {stage} token counts per expert ({scope}), normalized, projected "
                     f"to 2-D with {METHOD_NAMES[method]} ({sub.height:,} requests). Axes have no unit; only neighbourhoods "
                     "matter.",
@@ -108,11 +113,11 @@ def clusters_section(res: Results, *, max_points: int, seed: int, key_prefix: st
 
 
 def classifiers_section(res: Results, *, key_prefix: str = "") -> tuple[Section | None, list[str]]:
-    acc = res.table("classify_accuracy.parquet")
-    conf = res.table("classify_confusion.parquet")
+    acc = res.table(rf.CLASSIFY_ACCURACY)
+    conf = res.table(rf.CLASSIFY_CONFUSION)
     kp = f"{key_prefix}classifiers"
     if acc is None and conf is None:
-        summary = res.json("summary.json") or {}
+        summary = res.json(rf.ANALYSIS_SUMMARY) or {}
         why = (summary.get("classify") or {}).get("skipped", "no classify_*.parquet")
         return None, [f"classifiers: {why} in {res.path}"]
     figures = []
@@ -134,7 +139,7 @@ def classifiers_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             Figure(
                 key=f"{kp}-accuracy",
                 figure=fig,
-                source=res.source("classify_accuracy.parquet"),
+                source=res.source(rf.CLASSIFY_ACCURACY),
                 caption="Per layer, multinomial logistic regression from a request's raw prefill count vector to its dataset, "
                 "80:20 split with equal representation of datasets. The control trains on shuffled labels; chance = 1/datasets.",
             )
@@ -167,7 +172,7 @@ def classifiers_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             Figure(
                 key=f"{kp}-confusion",
                 figure=fig,
-                source=res.source("classify_confusion.parquet"),
+                source=res.source(rf.CLASSIFY_CONFUSION),
                 caption="Rows: the dataset a test request came from; columns: what the layer's classifier predicted. "
                 "A perfect classifier fills the diagonal.",
             )

@@ -22,10 +22,19 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+import moetrace.results as rf
 from moetrace.dashboards.figures import lines_by_layer
 from moetrace.dashboards.page import Figure, Section
 from moetrace.dashboards.results import Results, datasets_all_last, layer_order
-from moetrace.dashboards.theme import DIVERGING, OKABE_ITO, category_colours, finish, height_for_rows, layer_slider, plotly_go
+from moetrace.dashboards.theme import (
+    DIVERGING,
+    OKABE_ITO,
+    category_colours,
+    finish,
+    height_for_rows,
+    layer_slider,
+    plotly_go,
+)
 
 
 def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section | None, list[str]]:
@@ -33,8 +42,8 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
     notes: list[str] = []
     kp = f"{key_prefix}correlation"
 
-    per_layer = res.table("dataset_correlation.parquet")
-    mean = res.table("dataset_correlation_mean.parquet")
+    per_layer = res.table(rf.DATASET_CORRELATION)
+    mean = res.table(rf.DATASET_CORRELATION_MEAN)
     if per_layer is not None or mean is not None:
         ref = per_layer if per_layer is not None else mean
         for stage in [s for s in ("prefill", "decode") if s in ref["stage"].unique().to_list()]:
@@ -42,14 +51,14 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
     else:
         notes.append("dataset_correlation*.parquet absent: no dataset matrices")
 
-    pooled = res.table("prefill_decode_pooled.parquet")
-    per_req = res.table("prefill_decode_per_request_layers.parquet")
+    pooled = res.table(rf.PREFILL_DECODE_POOLED)
+    per_req = res.table(rf.PREFILL_DECODE_PER_REQUEST_LAYERS)
     if pooled is not None or per_req is not None:
         figures.append(_prefill_decode_figure(pooled, per_req, res, key=f"{kp}-prefill-decode"))
     else:
         notes.append("prefill_decode_*.parquet absent (trace without both stages?): no prefill↔decode figure")
 
-    rec = res.table("prefill_decode_recall.parquet")
+    rec = res.table(rf.PREFILL_DECODE_RECALL)
     if rec is not None:
         allr = rec.filter(pl.col("dataset") == "all").sort("layer")
         k = int(allr["k"][0])
@@ -70,7 +79,7 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             Figure(
                 key=f"{kp}-recall",
                 figure=fig,
-                source=res.source("prefill_decode_recall.parquet"),
+                source=res.source(rf.PREFILL_DECODE_RECALL),
                 caption=f"Per request: the share of its {k} most-used decode experts found among its {k} most-used "
                 "prefill experts, averaged over requests; the baseline guesses the globally most-used experts.",
             )
@@ -144,7 +153,7 @@ def _matrix_figure(per_layer: pl.DataFrame | None, mean: pl.DataFrame | None, re
     return Figure(
         key=key,
         figure=fig,
-        source=res.source("dataset_correlation_mean.parquet" if mean is not None else "dataset_correlation.parquet"),
+        source=res.source(rf.DATASET_CORRELATION_MEAN if mean is not None else rf.DATASET_CORRELATION),
         caption=f"Pearson r between two datasets' per-expert {stage} token-count vectors of a layer. Slider: first "
         "step the mean over layers, then each layer (model index).",
     )
@@ -182,7 +191,7 @@ def _prefill_decode_figure(pooled: pl.DataFrame | None, per_req: pl.DataFrame | 
     return Figure(
         key=key,
         figure=fig,
-        source=res.source("prefill_decode_pooled.parquet" if pooled is not None else "prefill_decode_per_request_layers.parquet"),
+        source=res.source(rf.PREFILL_DECODE_POOLED if pooled is not None else rf.PREFILL_DECODE_PER_REQUEST_LAYERS),
         caption="Pooled: per dataset, Pearson r between the layer's prefill and decode per-expert count vectors ('all' pools "
         "every dataset). Per request: r of each request's own prefill and decode vectors, averaged over requests (dashed).",
     )

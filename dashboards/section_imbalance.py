@@ -21,9 +21,16 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+import moetrace.results as rf
 from moetrace.dashboards.figures import heatmap
 from moetrace.dashboards.page import Figure, Section
-from moetrace.dashboards.results import Results, box_stats, datasets_all_last, layer_order, pivot_LZ
+from moetrace.dashboards.results import (
+    Results,
+    box_stats,
+    datasets_all_last,
+    layer_order,
+    pivot_LZ,
+)
 from moetrace.dashboards.theme import (
     OKABE_ITO,
     REFERENCE_LINE,
@@ -43,7 +50,7 @@ def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
     notes: list[str] = []
     kp = f"{key_prefix}imbalance"
 
-    imb = res.table("imbalance.parquet")
+    imb = res.table(rf.IMBALANCE)
     if imb is not None:
         layers_L, model_L = layer_order(imb)
         ds = datasets_all_last(imb["dataset"].unique().to_list())
@@ -69,7 +76,7 @@ def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
                 Figure(
                     key=f"{kp}-if-{stage}",
                     figure=fig,
-                    source=res.source("imbalance.parquet"),
+                    source=res.source(rf.IMBALANCE),
                     caption=f"IF of a layer = max over experts of (tokens routed to the expert) / (T·k/E), over all "
                     f"{stage} tokens of the dataset; 'all' pools every dataset. The slowest expert bounds the layer.",
                 )
@@ -77,13 +84,13 @@ def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
     else:
         notes.append("imbalance.parquet absent: no IF heatmap")
 
-    load = res.table("expert_load.parquet")
+    load = res.table(rf.EXPERT_LOAD)
     if load is not None:
         figures.append(_expert_load_figure(load, res, key=f"{kp}-expert-load"))
     else:
         notes.append("expert_load.parquet absent: no expert-load heatmap")
 
-    bt = res.table("batch_imbalance.parquet")
+    bt = res.table(rf.BATCH_IMBALANCE)
     if bt is not None:
         figures.append(_batch_figure(bt, res, key=f"{kp}-batches"))
     else:
@@ -91,7 +98,7 @@ def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
 
     if not figures:
         return None, ["load imbalance: no imbalance results in " + str(res.path)]
-    summary = res.json("summary.json") or {}
+    summary = res.json(rf.ANALYSIS_SUMMARY) or {}
     bs = (summary.get("imbalance") or {}).get("batch_size")
     intro = (
         "How unevenly tokens spread over experts, per layer, dataset and stage (SPEC §3). "
@@ -144,7 +151,7 @@ def _expert_load_figure(load: pl.DataFrame, res: Results, *, key: str) -> Figure
     return Figure(
         key=key,
         figure=fig,
-        source=res.source("expert_load.parquet"),
+        source=res.source(rf.EXPERT_LOAD),
         caption="Expert load = tokens routed to the expert / (T·k/E) in the chosen dataset and stage; the colour "
         "range is shared by every choice, so scopes compare directly.",
     )
@@ -194,7 +201,7 @@ def _batch_figure(bt: pl.DataFrame, res: Results, *, key: str) -> Figure:
     return Figure(
         key=key,
         figure=fig,
-        source=res.source("batch_imbalance.parquet"),
+        source=res.source(rf.BATCH_IMBALANCE),
         caption="Each box summarizes the IF of every batch (requests shuffled and cut into batches): box = quartiles, "
         "line = median, dashed = mean, whiskers = min to max. The dotted line is perfect balance.",
     )

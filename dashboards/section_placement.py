@@ -43,7 +43,12 @@ from moetrace.dashboards.theme import (
     plotly_go,
 )
 from moetrace.placement.strategies import STRATEGIES
-from moetrace.results import COMPARE_BATCHES, COMPARE_LAYERS, COMPARE_PLACEMENTS, COMPARE_SUMMARY
+from moetrace.results import (
+    COMPARE_BATCHES,
+    COMPARE_LAYERS,
+    COMPARE_PLACEMENTS,
+    COMPARE_SUMMARY,
+)
 
 #: strategy -> its label in figures, in registry order (which also fixes each strategy's colour)
 STRATEGY_NAMES = {s.name: s.label for s in STRATEGIES}
