@@ -27,57 +27,31 @@ from moetrace.dashboards.theme import (
 )
 
 
+def _reference_lines(fig: Any, reference: dict[str, float] | None) -> None:
+    """A dotted horizontal line, labelled with its value, per named reference level."""
+    for name, value in (reference or {}).items():
+        fig.add_hline(
+            y=value,
+            line={"color": REFERENCE_LINE, "dash": "dot", "width": 1.5},
+            annotation={"text": f"{name} ({value:.3g})", "font": {"size": 11, "color": REFERENCE_LINE}},
+            annotation_position="top left",
+        )
+
+
 def _colorbar(title: str) -> dict[str, Any]:
     return {"title": {"text": title, "side": "right"}, "thickness": 14}
 
 
-def heatmap(
-    z_YZ: np.ndarray,
-    *,
-    x: Sequence[Any],
-    y: Sequence[Any],
-    x_title: str,
-    y_title: str,
-    value_title: str,
-    what: str,
-    source: str,
-    colorscale: str = SEQUENTIAL,
-    zmin: float | None = None,
-    zmax: float | None = None,
-    zmid: float | None = None,
-    reverse: bool = False,
-    value_format: str = ".3f",
-    show_values: bool = False,
-    height: int = 460,
-) -> Any:
-    """One heatmap ``z_YZ`` (rows Y labelled ``y``, columns Z labelled ``x``); ``value_title`` names the quantity and unit."""
-    go = plotly_go()
-    z = np.asarray(z_YZ, dtype=np.float64)
-    trace = go.Heatmap(
-        z=z,
-        x=[str(v) for v in x],
-        y=[str(v) for v in y],
-        colorscale=colorscale,
-        reversescale=reverse,
-        zmin=zmin,
-        zmax=zmax,
-        zmid=zmid,
-        colorbar=_colorbar(value_title),
-        hovertemplate=f"{y_title} %{{y}}<br>{x_title} %{{x}}<br>{value_title} %{{z:{value_format}}}<extra></extra>",
-        texttemplate=f"%{{z:{value_format}}}" if show_values else None,
-    )
-    fig = go.Figure(trace)
-    fig.update_layout(
-        xaxis={"title": {"text": x_title}, "type": "category"},
-        yaxis={"title": {"text": y_title}, "type": "category", "autorange": "reversed"},
-    )
-    return finish(fig, what=what, source=source, height=height)
+def heatmap(z_YZ: np.ndarray, *, height: int = 460, **style: Any) -> Any:
+    """One heatmap ``z_YZ`` (rows Y labelled ``y``, columns Z labelled ``x``); ``style`` takes the
+    keyword arguments of :func:`heatmaps_by_layer` (titles, colours, range, value format)."""
+    return heatmaps_by_layer(np.asarray(z_YZ)[None], layer_labels=None, height=height, **style)
 
 
 def heatmaps_by_layer(
     z_LYZ: np.ndarray,
     *,
-    layer_labels: Sequence[Any],
+    layer_labels: Sequence[Any] | None,
     x: Sequence[Any],
     y: Sequence[Any],
     x_title: str,
@@ -94,7 +68,8 @@ def heatmaps_by_layer(
     show_values: bool = False,
     height: int = 520,
 ) -> Any:
-    """One heatmap per layer behind a layer slider; the colour range is shared by all layers."""
+    """One heatmap per layer behind a layer slider; the colour range is shared by all layers.
+    ``layer_labels=None``: a single heatmap ``z_LYZ[0]``, no slider (what :func:`heatmap` draws)."""
     go = plotly_go()
     z = np.asarray(z_LYZ, dtype=np.float64)
     finite = z[np.isfinite(z)]
@@ -114,14 +89,15 @@ def heatmaps_by_layer(
                 zmid=zmid,
                 colorbar=_colorbar(value_title),
                 visible=i == 0,
-                name=f"layer {layer_labels[i]}",
-                hovertemplate=f"layer {layer_labels[i]}<br>{y_title} %{{y}}<br>{x_title} %{{x}}<br>"
-                f"{value_title} %{{z:{value_format}}}<extra></extra>",
+                name=None if layer_labels is None else f"layer {layer_labels[i]}",
+                hovertemplate=("" if layer_labels is None else f"layer {layer_labels[i]}<br>")
+                + f"{y_title} %{{y}}<br>{x_title} %{{x}}<br>{value_title} %{{z:{value_format}}}<extra></extra>",
                 texttemplate=f"%{{z:{value_format}}}" if show_values else None,
             )
         )
+    if layer_labels is not None:
+        fig.update_layout(sliders=layer_slider(z.shape[0], traces_per_layer=1, layer_labels=[str(v) for v in layer_labels]))
     fig.update_layout(
-        sliders=layer_slider(z.shape[0], traces_per_layer=1, layer_labels=[str(v) for v in layer_labels]),
         xaxis={"title": {"text": x_title}, "type": "category"},
         yaxis={"title": {"text": y_title}, "type": "category", "autorange": "reversed"},
     )
@@ -158,13 +134,7 @@ def lines_by_layer(
                 hovertemplate=f"{name}<br>layer %{{x}}<br>{y_title} %{{y:.3f}}<extra></extra>",
             )
         )
-    for name, value in (reference or {}).items():
-        fig.add_hline(
-            y=value,
-            line={"color": REFERENCE_LINE, "dash": "dot", "width": 1.5},
-            annotation={"text": f"{name} ({value:.3g})", "font": {"size": 11, "color": REFERENCE_LINE}},
-            annotation_position="top left",
-        )
+    _reference_lines(fig, reference)
     fig.update_layout(xaxis={"title": {"text": "layer (model index)"}}, yaxis={"title": {"text": y_title}})
     if y_range is not None:
         fig.update_yaxes(range=list(y_range))
@@ -199,13 +169,7 @@ def distributions(
             fig.add_trace(go.Violin(**common, box_visible=True, meanline_visible=False, points=False))
         else:
             fig.add_trace(go.Box(**common, boxpoints="outliers"))
-    for name, value in (reference or {}).items():
-        fig.add_hline(
-            y=value,
-            line={"color": REFERENCE_LINE, "dash": "dot", "width": 1.5},
-            annotation={"text": f"{name} ({value:.3g})", "font": {"size": 11, "color": REFERENCE_LINE}},
-            annotation_position="top left",
-        )
+    _reference_lines(fig, reference)
     fig.update_layout(
         xaxis={"title": {"text": category_title}}, yaxis={"title": {"text": value_title}}, showlegend=False
     )

@@ -20,6 +20,7 @@ import numpy as np
 import polars as pl
 
 from moetrace.dashboards.inputs import Input
+from moetrace.dashboards.page import Figure
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,10 @@ class Results:
     def source(self, name: str) -> str:
         """How a figure cites the file it was drawn from."""
         return str(self.path / name)
+
+    def figure(self, key: str, figure: Any, *, file: str, caption: str) -> Figure:
+        """A section's figure drawn from this result's file ``file``, cited under it."""
+        return Figure(key=key, figure=figure, source=self.source(file), caption=caption)
 
     @property
     def trace_path(self) -> Path | None:

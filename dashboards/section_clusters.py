@@ -28,7 +28,7 @@ from moetrace.dashboards.figures import (
     lines_by_layer,
     scatter_by_category,
 )
-from moetrace.dashboards.page import Figure, Section
+from moetrace.dashboards.page import Section
 from moetrace.dashboards.results import Results, datasets_all_last, layer_order
 from moetrace.dashboards.theme import OKABE_ITO, SEQUENTIAL, height_for_rows
 
@@ -90,16 +90,12 @@ def clusters_section(res: Results, *, max_points: int, seed: int, key_prefix: st
                 max_points=max_points,
                 seed=seed,
             )
-            figures.append(
-                Figure(
-                    key=f"{kp}-{method}-{stage}",
-                    figure=fig,
-                    source=res.source(rf.EMBEDDING),
-                    caption=f"One point per request: its {stage} token counts per expert ({scope}), normalized, projected "
-                    f"to 2-D with {METHOD_NAMES[method]} ({sub.height:,} requests). Axes have no unit; only neighbourhoods "
-                    "matter.",
-                )
-            )
+            figures.append(res.figure(
+                f"{kp}-{method}-{stage}", fig, file=rf.EMBEDDING,
+                caption=f"One point per request: its {stage} token counts per expert ({scope}), normalized, projected "
+                f"to 2-D with {METHOD_NAMES[method]} ({sub.height:,} requests). Axes have no unit; only neighbourhoods "
+                "matter.",
+            ))
     return (
         Section(
             key=kp,
@@ -135,15 +131,11 @@ def classifiers_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             colours={"test accuracy": OKABE_ITO[4], "shuffled-label control": OKABE_ITO[7]},
             dash={"shuffled-label control": "dash"},
         )
-        figures.append(
-            Figure(
-                key=f"{kp}-accuracy",
-                figure=fig,
-                source=res.source(rf.CLASSIFY_ACCURACY),
-                caption="Per layer, multinomial logistic regression from a request's raw prefill count vector to its dataset, "
-                "80:20 split with equal representation of datasets. The control trains on shuffled labels; chance = 1/datasets.",
-            )
-        )
+        figures.append(res.figure(
+            f"{kp}-accuracy", fig, file=rf.CLASSIFY_ACCURACY,
+            caption="Per layer, multinomial logistic regression from a request's raw prefill count vector to its dataset, "
+            "80:20 split with equal representation of datasets. The control trains on shuffled labels; chance = 1/datasets.",
+        ))
     if conf is not None:
         layers_L, model_L = layer_order(conf)
         names = datasets_all_last(conf["true_dataset"].unique().to_list() + conf["predicted_dataset"].unique().to_list())
@@ -168,15 +160,11 @@ def classifiers_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             show_values=len(names) <= 10,
             height=max(480, height_for_rows(len(names), per_row=40)),
         )
-        figures.append(
-            Figure(
-                key=f"{kp}-confusion",
-                figure=fig,
-                source=res.source(rf.CLASSIFY_CONFUSION),
-                caption="Rows: the dataset a test request came from; columns: what the layer's classifier predicted. "
-                "A perfect classifier fills the diagonal.",
-            )
-        )
+        figures.append(res.figure(
+            f"{kp}-confusion", fig, file=rf.CLASSIFY_CONFUSION,
+            caption="Rows: the dataset a test request came from; columns: what the layer's classifier predicted. "
+            "A perfect classifier fills the diagonal.",
+        ))
     return (
         Section(
             key=kp,

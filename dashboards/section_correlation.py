@@ -75,15 +75,11 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             colours={f"recall@{k} from prefill counts": OKABE_ITO[4], f"popularity baseline (top-{k} overall)": OKABE_ITO[7]},
             dash={f"popularity baseline (top-{k} overall)": "dash"},
         )
-        figures.append(
-            Figure(
-                key=f"{kp}-recall",
-                figure=fig,
-                source=res.source(rf.PREFILL_DECODE_RECALL),
-                caption=f"Per request: the share of its {k} most-used decode experts found among its {k} most-used "
-                "prefill experts, averaged over requests; the baseline guesses the globally most-used experts.",
-            )
-        )
+        figures.append(res.figure(
+            f"{kp}-recall", fig, file=rf.PREFILL_DECODE_RECALL,
+            caption=f"Per request: the share of its {k} most-used decode experts found among its {k} most-used "
+            "prefill experts, averaged over requests; the baseline guesses the globally most-used experts.",
+        ))
 
     if not figures:
         return None, ["correlations: no correlation results in " + str(res.path)]
@@ -150,10 +146,8 @@ def _matrix_figure(per_layer: pl.DataFrame | None, mean: pl.DataFrame | None, re
     )
     finish(fig, what=f"Dataset × dataset correlation of expert usage: {stage}", source=res.label,
            height=max(460, height_for_rows(len(names), per_row=40)))  # fmt: skip
-    return Figure(
-        key=key,
-        figure=fig,
-        source=res.source(rf.DATASET_CORRELATION_MEAN if mean is not None else rf.DATASET_CORRELATION),
+    return res.figure(
+        key, fig, file=rf.DATASET_CORRELATION_MEAN if mean is not None else rf.DATASET_CORRELATION,
         caption=f"Pearson r between two datasets' per-expert {stage} token-count vectors of a layer. Slider: first "
         "step the mean over layers, then each layer (model index).",
     )
@@ -188,10 +182,8 @@ def _prefill_decode_figure(pooled: pl.DataFrame | None, per_req: pl.DataFrame | 
         colours=colours,
         dash=dash,
     )
-    return Figure(
-        key=key,
-        figure=fig,
-        source=res.source(rf.PREFILL_DECODE_POOLED if pooled is not None else rf.PREFILL_DECODE_PER_REQUEST_LAYERS),
+    return res.figure(
+        key, fig, file=rf.PREFILL_DECODE_POOLED if pooled is not None else rf.PREFILL_DECODE_PER_REQUEST_LAYERS,
         caption="Pooled: per dataset, Pearson r between the layer's prefill and decode per-expert count vectors ('all' pools "
         "every dataset). Per request: r of each request's own prefill and decode vectors, averaged over requests (dashed).",
     )

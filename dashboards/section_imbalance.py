@@ -72,15 +72,11 @@ def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
                 show_values=len(model_L) <= 24 and len(ds) <= 10,
                 height=height_for_rows(len(model_L)),
             )
-            figures.append(
-                Figure(
-                    key=f"{kp}-if-{stage}",
-                    figure=fig,
-                    source=res.source(rf.IMBALANCE),
-                    caption=f"IF of a layer = max over experts of (tokens routed to the expert) / (T·k/E), over all "
-                    f"{stage} tokens of the dataset; 'all' pools every dataset. The slowest expert bounds the layer.",
-                )
-            )
+            figures.append(res.figure(
+                f"{kp}-if-{stage}", fig, file=rf.IMBALANCE,
+                caption=f"IF of a layer = max over experts of (tokens routed to the expert) / (T·k/E), over all "
+                f"{stage} tokens of the dataset; 'all' pools every dataset. The slowest expert bounds the layer.",
+            ))
     else:
         notes.append("imbalance.parquet absent: no IF heatmap")
 
@@ -148,10 +144,8 @@ def _expert_load_figure(load: pl.DataFrame, res: Results, *, key: str) -> Figure
     )
     finish(fig, what="Expert load by layer and expert (pick dataset · stage)", source=res.label,
            height=height_for_rows(len(model_L)))  # fmt: skip
-    return Figure(
-        key=key,
-        figure=fig,
-        source=res.source(rf.EXPERT_LOAD),
+    return res.figure(
+        key, fig, file=rf.EXPERT_LOAD,
         caption="Expert load = tokens routed to the expert / (T·k/E) in the chosen dataset and stage; the colour "
         "range is shared by every choice, so scopes compare directly.",
     )
@@ -198,10 +192,8 @@ def _batch_figure(bt: pl.DataFrame, res: Results, *, key: str) -> Figure:
         legend={"title": {"text": "stage"}},
     )
     finish(fig, what="Imbalance factor over random serving-sized batches, per layer", source=res.label, height=460)
-    return Figure(
-        key=key,
-        figure=fig,
-        source=res.source(rf.BATCH_IMBALANCE),
+    return res.figure(
+        key, fig, file=rf.BATCH_IMBALANCE,
         caption="Each box summarizes the IF of every batch (requests shuffled and cut into batches): box = quartiles, "
         "line = median, dashed = mean, whiskers = min to max. The dotted line is perfect balance.",
     )

@@ -194,10 +194,8 @@ def _fig9(batches: pl.DataFrame, res: Results, *, ref: str, key: str) -> Figure:
         yaxis={"title": {"text": "inter-node all-to-all bytes / reference median"}, "rangemode": "tozero"},
     )
     finish(fig, what="Normalized inter-node all-to-all volume per strategy (lower is better)", source=res.label, height=460)
-    return Figure(
-        key=key,
-        figure=fig,
-        source=res.source(COMPARE_BATCHES),
+    return res.figure(
+        key, fig, file=COMPARE_BATCHES,
         caption="One value per simulated global batch (a decode step of every node's micro-batch): inter-node bytes of "
         f"dispatch and combine summed over MoE layers, divided by the median of {STRATEGY_NAMES.get(ref, ref)}. Box = "
         "quartiles, whiskers = 1.5 IQR, dashed = mean. Evaluated on held-out requests.",
@@ -319,10 +317,8 @@ def _placement_map(places: pl.DataFrame, res: Results, *, key: str) -> Figure:
     )
     finish(fig, what="Placement map: the expert in every slot, by layer and GPU (pick a strategy)", source=res.label,
            height=height_for_rows(len(model_L)))  # fmt: skip
-    return Figure(
-        key=key,
-        figure=fig,
-        source=res.source(COMPARE_PLACEMENTS),
+    return res.figure(
+        key, fig, file=COMPARE_PLACEMENTS,
         caption="Each cell is one physical expert slot; its colour is the logical expert it holds (hover for the id, GPU "
         "and node). A linear placement reads as a smooth gradient; a data-based one gathers each node's experts.",
     )
