@@ -7,7 +7,9 @@ A name is one of (decided once, by :func:`resolve`, for the HF and vLLM backends
 - a *tiny preset* ``<preset>-tiny``: the same architecture class and routing topology (layers,
   MoE-layer pattern, experts, top-k, groups) with small hidden sizes, built from the bundled config
   with seeded random weights: it runs on a CPU with nothing downloaded;
-- a *local* checkpoint directory holding a ``config.json`` (or the path of a config file itself);
+- a *local* checkpoint directory holding a ``config.json`` (or the path of a config file itself),
+  such as the ones ``make-checkpoint`` writes from a preset's vLLM-sized tiny config
+  (``tiny_vllm``: real head dims, small widths; no model name of its own);
 - a *hub* id ``org/name``.
 
 Out of scope: building or loading the model (``backends.hf``), engine flags and checks
@@ -36,6 +38,9 @@ TINY_PAD_ID, TINY_BOS_ID, TINY_EOS_ID = 256, 257, 258
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 ModelKind = Literal["preset", "tiny-preset", "local", "hub"]
+#: which engine a tiny config is sized for: "hf" (the ``-tiny`` presets: toy dims, fast on a CPU) or
+#: "vllm" (``make-checkpoint``: real head dims that vLLM's attention kernels accept, small widths)
+TinyEngine = Literal["hf", "vllm"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,9 +61,27 @@ class Preset:
     topk_group: int | None  # groups a token may use
     router: str  # one-line description of the routing function
     config: dict[str, Any]  # HF config fields of the full model
-    tiny: dict[str, Any]  # overrides that make the -tiny variant
+    tiny: dict[str, Any]  # overrides that make the -tiny variant (toy dims, fast on a CPU)
+    tiny_vllm: dict[str, Any] | None  # overrides over `config` that make the vLLM-sized tiny variant
+    #                                   (real head dims, small widths); None: no such variant
 
-    def model_info(self, *, tiny: bool) -> ModelInfo:
+    def tiny_overrides(self, *, engine: TinyEngine = "hf") -> dict[str, Any]:
+        """The HF config fields a tiny variant changes: ``tiny`` (engine "hf") or ``tiny_vllm`` (engine "vllm").
+
+        Both apply over ``config``. The "hf" ones set every dim to a toy size, head dims included;
+        the "vllm" ones change widths and head counts only, so every field they leave out (head
+        dims, MLA ranks, sliding window, routing) keeps the released model's value. Raises
+        ``ModelError`` when the preset has no vLLM-sized variant.
+        """
+        if engine == "hf":
+            return self.tiny
+        if self.tiny_vllm is None:
+            with_vllm = ", ".join(p.name for p in _load_all().values() if p.tiny_vllm is not None)
+            raise ModelError(f"preset {self.name!r} has no vLLM-sized tiny config; presets with one: {with_vllm}")
+        return self.tiny_vllm
+
+    def model_info(self, *, tiny: bool, engine: TinyEngine = "hf") -> ModelInfo:
+        """The routing topology of the full model or of a tiny variant (same topology, its own hidden size)."""
         return ModelInfo(
             name=self.name + (TINY_SUFFIX if tiny else ""),
             source=f"moetrace:{self.name}{TINY_SUFFIX}" if tiny else self.hub_id,
@@ -68,19 +91,30 @@ class Preset:
             num_experts=self.num_experts,
             top_k=self.top_k,
             num_shared_experts=self.num_shared_experts,
-            hidden_size=int(self.tiny["hidden_size"]) if tiny else self.hidden_size,
+            hidden_size=int(self.tiny_overrides(engine=engine)["hidden_size"]) if tiny else self.hidden_size,
             n_group=self.n_group,
             topk_group=self.topk_group,
         )
 
-    def hf_config_dict(self, *, tiny: bool) -> dict[str, Any]:
-        """Keyword arguments for the HF config class of this architecture (tiny: with the tiny tokenizer's ids)."""
+    def hf_config_dict(self, *, tiny: bool, engine: TinyEngine = "hf") -> dict[str, Any]:
+        """Keyword arguments for the HF config class of this architecture, named as in the released config.json.
+
+        ``tiny``: 4096 positions (unless the overrides say otherwise), the overrides of ``engine``
+        (:meth:`tiny_overrides`), the tiny tokenizer's vocabulary and ids, untied embeddings.
+        ``engine`` is ignored for the full model.
+        """
         d = {**self.config, "num_hidden_layers": self.num_hidden_layers, "hidden_size": self.hidden_size}
         if tiny:
-            d.update(self.tiny)
-            d.update(vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=4096, pad_token_id=TINY_PAD_ID,
-                     bos_token_id=TINY_BOS_ID, eos_token_id=TINY_EOS_ID, tie_word_embeddings=False)
+            d["max_position_embeddings"] = 4096
+            d.update(self.tiny_overrides(engine=engine))
+            d.update(vocab_size=TINY_VOCAB_SIZE, pad_token_id=TINY_PAD_ID, bos_token_id=TINY_BOS_ID,
+                     eos_token_id=TINY_EOS_ID, tie_word_embeddings=False)
         return d
+
+    def hf_config(self, *, tiny: bool, engine: TinyEngine = "hf") -> Any:
+        """The transformers config object of :meth:`hf_config_dict` (needs ``transformers``; nothing downloaded)."""
+        transformers = require("transformers", purpose="reading the model's HF config")
+        return transformers.AutoConfig.for_model(self.model_type, **self.hf_config_dict(tiny=tiny, engine=engine))
 
 
 @cache
@@ -92,6 +126,7 @@ def _load_all() -> dict[str, Preset]:
             d["moe_layers"] = tuple(d["moe_layers"])
             d.setdefault("n_group", None)
             d.setdefault("topk_group", None)
+            d.setdefault("tiny_vllm", None)
             out[d["name"]] = Preset(**d)
     return dict(sorted(out.items()))
 
@@ -136,11 +171,9 @@ class ResolvedModel:
         downloaded. Local and hub names: ``AutoConfig.from_pretrained(source)`` (a hub id downloads its
         ``config.json``). Raises ``ModelError`` with one line when the config cannot be read.
         """
-        transformers = require("transformers", purpose="reading the model's HF config")
         if self.preset is not None:
-            return transformers.AutoConfig.for_model(
-                self.preset.model_type, **self.preset.hf_config_dict(tiny=self.kind == "tiny-preset")
-            )
+            return self.preset.hf_config(tiny=self.kind == "tiny-preset")
+        transformers = require("transformers", purpose="reading the model's HF config")
         try:
             return transformers.AutoConfig.from_pretrained(self.source)
         except (OSError, ValueError) as exc:

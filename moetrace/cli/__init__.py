@@ -27,6 +27,7 @@ app = typer.Typer(
 
 _COMMAND_MODULES = (
     "moetrace.cli.collect",
+    "moetrace.cli.checkpoint",
     "moetrace.cli.trace",
     "moetrace.cli.synth",
     "moetrace.cli.imports",

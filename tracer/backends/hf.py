@@ -24,7 +24,10 @@ loop, resume and progress (``collect``), vLLM (``vllm``).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -35,7 +38,7 @@ from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
 if TYPE_CHECKING:  # pragma: no cover
 
-    from moetrace.tracer.presets import ResolvedModel
+    from moetrace.tracer.presets import ResolvedModel, TinyEngine
 
 #: largest model (parameters) `collect` agrees to run on a CPU
 MAX_CPU_PARAMS = 3_000_000_000
@@ -70,12 +73,31 @@ def tiny_tokenizer():
     return fast
 
 
-def build_tiny_model(preset_name: str, *, seed: int, device: str = "cpu", dtype: str = "float32"):
+def save_tiny_tokenizer(directory: str | os.PathLike) -> None:
+    """Save :func:`tiny_tokenizer` to ``directory`` so that transformers 4 and 5 both load it with ``AutoTokenizer``.
+
+    transformers 5 names the class ``TokenizersBackend`` in ``tokenizer_config.json``, which
+    transformers 4 (what vLLM runs on) does not know; the file names ``PreTrainedTokenizerFast``,
+    which both load from ``tokenizer.json``, and left padding.
+    """
+    tiny_tokenizer().save_pretrained(directory)
+    path = Path(directory) / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast", padding_side="left")
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def build_tiny_model(
+    preset_name: str, *, seed: int, device: str = "cpu", dtype: str = "float32", engine: TinyEngine = "hf"
+):
     """Build a ``-tiny`` preset: real architecture class, real routing topology, seeded random weights.
 
-    Returns ``(model, model_info)``. DeepSeek-V3's router bias (``e_score_correction_bias``) is drawn
-    at random too, so that the bias-corrected, group-limited selection differs from a plain top-k of
-    the scores, as in the released model.
+    Returns ``(model, model_info)``. ``engine="hf"``: the ``-tiny`` dims (toy sizes, fast on a CPU).
+    ``engine="vllm"``: the preset's vLLM-sized tiny config (``Preset.tiny_overrides``: real head
+    dims, small widths), what ``make-checkpoint`` saves; ``model_info`` then carries its hidden size.
+    DeepSeek-V3's router bias (``e_score_correction_bias``) is drawn at random too, so that the
+    bias-corrected, group-limited selection differs from a plain top-k of the scores, as in the
+    released model.
     """
     from moetrace.tracer.presets import TINY_BOS_ID, TINY_EOS_ID, TINY_PAD_ID, resolve
 
@@ -84,7 +106,7 @@ def build_tiny_model(preset_name: str, *, seed: int, device: str = "cpu", dtype:
         raise ModelError(f"{preset_name!r} is not a -tiny preset (see `moetrace models`)")
     torch = require("torch", purpose="the HF transformers backend")
     transformers = require("transformers", purpose="the HF transformers backend")
-    cfg = resolved.hf_config()
+    cfg = resolved.preset.hf_config(tiny=True, engine=engine)
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -97,7 +119,7 @@ def build_tiny_model(preset_name: str, *, seed: int, device: str = "cpu", dtype:
     model.generation_config.pad_token_id = TINY_PAD_ID
     model.generation_config.eos_token_id = TINY_EOS_ID
     model.generation_config.bos_token_id = TINY_BOS_ID
-    return model.to(device).eval(), resolved.model_info()
+    return model.to(device).eval(), resolved.preset.model_info(tiny=True, engine=engine)
 
 
 def load_model(
