@@ -54,5 +54,6 @@ def models_cmd() -> None:
             f"{p.name:<18} {f'{p.num_hidden_layers} ({len(p.moe_layers)})':<14} {p.num_experts:>7} {p.top_k:>5} "
             f"{p.num_shared_experts:>6} {p.hidden_size:>6}  {p.hub_id}"
         )
-    typer.echo("\nAppend -tiny (e.g. deepseek-v3-tiny) for the same routing topology with small hidden sizes on a CPU.")
+    typer.echo("\nAppend -tiny (e.g. deepseek-v3-tiny) for the same routing topology with small hidden sizes on a CPU.\n"
+               "For a checkpoint vLLM and HF both run (real head dims, small hidden size): moetrace make-checkpoint PRESET -o DIR")
 
