@@ -4,8 +4,9 @@
 ``log2phy`` [L, E, M], ``logcnt`` [L, E] over the MoE layers, and (for grouped strategies) the
 grouping a serving router needs: cluster centroids in decode and prefill space, the cluster→group
 map and the normalization. Engine exports (see docs/exports.md for the source each was checked
-against): SGLang ``--init-expert-location`` JSON, TensorRT-LLM MoE load-balancer YAML, and the
-per-layer physical→logical list proposed for vLLM.
+against): SGLang ``--init-expert-location`` JSON, TensorRT-LLM MoE load-balancer YAML, and for
+vLLM the bare JSON list of physical→logical rows, one per MoE layer, that its open initial-placement
+proposal reads (no released vLLM reads a placement file; checked through 0.33).
 
 Shape legend (docs/architecture.md): L MoE layers, H all decoder layers, E logical experts,
 P physical slots, M max replicas, C clusters, F features (L*E).
@@ -156,7 +157,9 @@ def export_placement(pf: PlacementFile, *, fmt: ExportFormat) -> str:
         body = {"num_slots": pf.num_slots, "initial_global_assignments": assignments, "layer_updates_per_iter": 0}
         return yaml.safe_dump(body, default_flow_style=None, sort_keys=False, width=1 << 20)
     if fmt == "vllm":
-        return json.dumps({"physical_to_logical_map": pf.placement.phy2log.tolist(), "moe_layers": layers}) + "\n"
+        # vLLM PR #49572 (eplb_config.initial_expert_map_path) reads a bare list: one phy2log row shared
+        # by all MoE layers, or one row per MoE layer in model order; an object would be refused
+        return json.dumps(pf.placement.phy2log.tolist()) + "\n"
     raise ConfigError(f"unknown export format {fmt!r}; use sglang, trtllm or vllm")
 
 

@@ -28,17 +28,22 @@ def planted(n: int, info, seed: int) -> np.ndarray:
 
 
 def sglang_response(prompt: int, output: int, truth_NLK: np.ndarray, info, *, start: int = 0, all_layers=True,
-                    **top):
-    """A /generate response as SGLang returns it: base64 of int32 [rows, layers, top_k], rows
-    covering [start, prompt+output-1); the layer axis over all decoder layers (dense = 0)."""
+                    dtype: str | None = None, **top):
+    """A /generate response as SGLang returns it: base64 of little-endian ids [rows, layers, top_k], rows
+    covering [start, prompt+output-1); the layer axis over all decoder layers (dense = 0). The ids are
+    int32, or with ``dtype`` the compact encoding named in ``meta_info.routed_experts_dtype``
+    (uint8/uint16/int32, SGLang PR #31219)."""
     rows = truth_NLK[start:]
     if all_layers:
         full = np.zeros((len(rows), info.num_hidden_layers, info.top_k), dtype="<i4")
         full[:, list(info.moe_layers)] = rows
         rows = full
+    wire = {None: "<i4", "int32": "<i4", "uint16": "<u2", "uint8": "u1"}[dtype]
     meta = {"id": "a1b2", "prompt_tokens": prompt, "completion_tokens": output, "cached_tokens": 0,
             "finish_reason": {"type": "length", "length": output},
-            "routed_experts": base64.b64encode(np.ascontiguousarray(rows, dtype="<i4").tobytes()).decode()}
+            "routed_experts": base64.b64encode(np.ascontiguousarray(rows, dtype=wire).tobytes()).decode()}
+    if dtype is not None:
+        meta["routed_experts_dtype"] = dtype
     if start:
         meta["routed_experts_start_len"] = start
     return {"text": "...", "output_ids": list(range(output)), "meta_info": meta, **top}
@@ -50,6 +55,45 @@ def test_sglang_response_rows_drop_dense_layers_and_mark_final_token():
     assert (P, O) == (5, 3) and rows.shape == (8, 24)
     np.testing.assert_array_equal(rows[:-1], truth.reshape(7, 24))
     assert (rows[-1] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32", " UINT8 "])
+def test_sglang_routed_experts_dtype_is_honoured(dtype):
+    truth = planted(5 + 3 - 1, MAV, 2)  # Maverick: 128 experts fit uint8
+    resp = sglang_response(5, 3, truth, MAV, dtype=dtype.strip().lower())
+    resp["meta_info"]["routed_experts_dtype"] = dtype  # SGLang strips and lower-cases the name
+    P, O, rows = sglang_response_rows(resp, info=MAV)
+    np.testing.assert_array_equal(rows[:-1], truth.reshape(7, 24))
+    assert (rows[-1] == -1).all()
+
+
+def test_sglang_uint16_with_start_len_and_more_than_256_experts():
+    info = dataclasses.replace(OLMOE, num_experts=300)
+    truth = planted(6 + 2 - 1, info, 5)
+    assert truth.max() >= 256  # needs uint16
+    resp = sglang_response(6, 2, truth, info, start=3, all_layers=False, dtype="uint16")
+    P, O, rows = sglang_response_rows(resp, info=info)
+    assert (rows[:3] == -1).all() and (rows[-1] == -1).all()
+    np.testing.assert_array_equal(rows[3:7], truth[3:].reshape(4, -1))
+
+
+def test_sglang_wrong_dtype_is_a_clean_error(tmp_path):
+    truth = planted(4, MAV, 0)
+    resp = sglang_response(3, 2, truth, MAV, dtype="uint8")
+    as_int32 = dict(resp, meta_info={k: v for k, v in resp["meta_info"].items() if k != "routed_experts_dtype"})
+    with pytest.raises(TraceFormatError, match="12 layers; expected 48"):
+        sglang_response_rows(as_int32, info=MAV)  # a uint8 payload without its key reads as int32 (SGLang's default)
+    as_int32["meta_info"]["routed_experts"] = base64.b64encode(b"\x01\x02\x03").decode()
+    with pytest.raises(TraceFormatError, match="3 bytes, not a whole number of int32 ids"):
+        sglang_response_rows(as_int32, info=MAV)
+    for bad in ("float16", 8, ""):
+        resp["meta_info"]["routed_experts_dtype"] = bad
+        src = tmp_path / "r.jsonl"
+        src.write_text(json.dumps(resp) + "\n")
+        with pytest.raises(TraceFormatError, match=r"r.jsonl:1: meta_info.routed_experts_dtype must be one of int32, "
+                                                   r"uint16, uint8"):
+            import_trace(src, out=tmp_path / "t", model=MAV)
+        assert not (tmp_path / "t").exists()
 
 
 def test_sglang_start_len_leaves_skipped_prefix_unrecorded():

@@ -107,7 +107,11 @@ def test_cli_place_compare_export_roundtrip(planted, tmp_path):
     vout = tmp_path / "v.json"
     r = runner.invoke(app, ["export", str(out), "--format", "vllm", "-o", str(vout)])
     assert r.exit_code == 0, r.output
-    assert json.loads(vout.read_text())["physical_to_logical_map"] == pf.placement.phy2log.tolist()
+    vl = json.loads(vout.read_text())
+    # vLLM's proposed eplb_config.initial_expert_map_path (PR #49572) reads a bare list: one
+    # physical->logical row per MoE layer (or one shared row), never an object
+    assert isinstance(vl, list) and vl == pf.placement.phy2log.tolist()
+    assert len(vl) == L and all(len(row) == E + 8 and set(row) == set(range(E)) for row in vl)
 
     res = tmp_path / "res"
     r = runner.invoke(app, ["compare", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4",

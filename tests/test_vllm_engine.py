@@ -1,6 +1,8 @@
 """The real vLLM engine on a tiny MoE config with dummy weights (needs vLLM ≥ 0.14 and a CUDA GPU).
 
-Result on a GPU is recorded in docs/collecting.md ("Real-engine test").
+Result on a GPU is recorded in docs/collecting.md ("Real-engine test"). The test process itself
+never initialises CUDA (GPUs are counted through NVML), so vLLM's engine processes would start even
+with the ``fork`` method; moetrace still asks for ``spawn`` unless the user chose otherwise.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ pytestmark = pytest.mark.gpu
 def _skip_reason() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed (pip install 'moetrace[vllm]' on a CUDA machine)"
-    import torch
+    from moetrace.tracer.backends.vllm import visible_gpu_count
 
-    if not torch.cuda.is_available():
+    if visible_gpu_count() == 0:  # NVML count: initialises no CUDA in this process (is_available would)
         return "no CUDA GPU: vLLM's engine does not run on a CPU"
     return None
 
@@ -47,6 +49,8 @@ def tiny_moe_dir(tmp_path_factory):
 
 
 def test_vllm_engine_collects_a_valid_resumable_trace(tiny_moe_dir, tmp_path):
+    import torch
+
     from moetrace.tracer.collect import CollectConfig, collect
     from moetrace.tracer.trace.reader import open_trace
     from moetrace.tracer.trace.validate import find_problems
@@ -57,6 +61,7 @@ def test_vllm_engine_collects_a_valid_resumable_trace(tiny_moe_dir, tmp_path):
     config = CollectConfig(model=str(tiny_moe_dir), datasets=("math-word", "code"), per_dataset=6,
                            max_new_tokens=12, device="cuda")
     out = tmp_path / "trace"
+    assert not torch.cuda.is_initialized(), "counting the GPUs must not initialise CUDA in this process"
     result = collect(config, out=out, backend="vllm", engine=engine)
     assert result.backend == "vllm" and result.num_new_requests == 12
     assert find_problems(out) == []
@@ -64,6 +69,8 @@ def test_vllm_engine_collects_a_valid_resumable_trace(tiny_moe_dir, tmp_path):
     tr = open_trace(out)
     assert tr.model.moe_layers == (1, 2, 3)
     assert tr.manifest["backend"]["name"] == "vllm" and tr.manifest["backend"]["vllm_version"]
+    assert tr.manifest["backend"]["capture"]["releases"]  # which capture facts the run used
+    assert tr.manifest["vllm_run"]["num_failed_requests"] == 0
     req = tr.requests().collect()
     ta = tr.token_arrays()
     for rid, p, o in zip(req["request_id"], req["prompt_tokens"], req["output_tokens"]):

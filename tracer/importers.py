@@ -6,10 +6,16 @@ Source formats:
     JSONL of SGLang ``/generate`` responses from a server started with
     ``--enable-return-routed-experts`` and requests sent with ``"return_routed_experts": true``.
     Each line is one response object (or a JSON list of them, as a batched ``/generate`` returns).
-    ``meta_info.routed_experts`` is base64 of little-endian int32, flattened
+    ``meta_info.routed_experts`` is base64 of little-endian ids, flattened
     ``[rows, num_layers, top_k]`` covering positions ``[routed_experts_start_len, seqlen - 1)``
     (``seqlen`` = ``prompt_tokens + completion_tokens``; the last generated token is never
     forwarded); ``num_layers`` is all decoder layers (dense ones hold zeros) or only the MoE ones.
+    The ids are int32 unless ``meta_info.routed_experts_dtype`` names ``int32``, ``uint16`` or
+    ``uint8`` (SGLang's optional compact encoding; released SGLang up to 0.5.23 sends int32 and no
+    such key). Ids are logical experts from SGLang 0.5.16 on; 0.5.7 and 0.5.9 captured after the
+    logical-to-physical remap (0.5.12 on some router paths), so their runs with EPLB, redundant
+    experts or ``--init-expert-location`` returned physical slot ids (docs/collecting.md says how to
+    tell).
     Optional top-level ``request_id`` (int) and ``dataset`` keys, added by the user, are kept;
     otherwise the request id is the response's order in the input and the dataset is ``--dataset``
     or the file stem.
@@ -49,13 +55,37 @@ from moetrace.tracer.backends.vllm_convert import routed_experts_to_rows
 SourceFormat = Literal["auto", "sglang", "tokens"]
 
 
-def decode_sglang_routed_experts(payload: str, *, num_rows: int, top_k: int) -> np.ndarray:
-    """SGLang's base64 int32 payload as ``[num_rows, H, top_k]`` int32 (H = the layers it recorded: all,
-    or only the MoE layers)."""
+#: SGLang's ``meta_info.routed_experts_dtype`` values -> the little-endian dtype of the payload's ids
+SGLANG_ROUTED_EXPERTS_DTYPES = {"int32": np.dtype("<i4"), "uint16": np.dtype("<u2"), "uint8": np.dtype("u1")}
+#: the payload's dtype when a response has no ``routed_experts_dtype`` (every released SGLang)
+SGLANG_DEFAULT_DTYPE = "int32"
+
+
+def sglang_routed_experts_dtype(name: Any) -> np.dtype:
+    """The id dtype named by ``meta_info.routed_experts_dtype`` (None: int32, what SGLang sends
+    without the key). SGLang reads the name case-insensitively with surrounding spaces stripped."""
+    if name is None:
+        return SGLANG_ROUTED_EXPERTS_DTYPES[SGLANG_DEFAULT_DTYPE]
+    if not isinstance(name, str) or name.strip().lower() not in SGLANG_ROUTED_EXPERTS_DTYPES:
+        raise TraceFormatError(
+            f"meta_info.routed_experts_dtype must be one of {', '.join(SGLANG_ROUTED_EXPERTS_DTYPES)}, got {name!r}"
+        )
+    return SGLANG_ROUTED_EXPERTS_DTYPES[name.strip().lower()]
+
+
+def decode_sglang_routed_experts(payload: str, *, num_rows: int, top_k: int,
+                                 dtype_name: str | None = None) -> np.ndarray:
+    """SGLang's base64 payload as ``[num_rows, H, top_k]`` ids (H = the layers it recorded: all, or
+    only the MoE layers), in the dtype ``dtype_name`` names (a ``meta_info.routed_experts_dtype`` value;
+    None: int32)."""
+    ids_dtype = sglang_routed_experts_dtype(dtype_name)
     try:
-        flat = np.frombuffer(base64.b64decode(payload, validate=True), dtype="<i4")
+        raw = base64.b64decode(payload, validate=True)
     except (ValueError, TypeError) as exc:
         raise TraceFormatError(f"routed_experts is not base64 ({exc})") from exc
+    if len(raw) % ids_dtype.itemsize:
+        raise TraceFormatError(f"routed_experts holds {len(raw)} bytes, not a whole number of {ids_dtype.name} ids")
+    flat = np.frombuffer(raw, dtype=ids_dtype)
     if num_rows == 0:
         return flat.reshape(0, 0, top_k)
     if flat.size % (num_rows * top_k):
@@ -87,10 +117,12 @@ def sglang_response_rows(resp: dict[str, Any], *, info: ModelInfo) -> tuple[int,
         raise TraceFormatError(f"routed_experts_start_len {start} outside 0..{T - 1}")
     if not isinstance(payload, str):
         raise TraceFormatError(f"meta_info.routed_experts must be a base64 string, got {type(payload).__name__}")
-    arr = decode_sglang_routed_experts(payload, num_rows=T - 1 - start, top_k=info.top_k)
+    arr = decode_sglang_routed_experts(payload, num_rows=T - 1 - start, top_k=info.top_k,
+                                       dtype_name=meta.get("routed_experts_dtype"))
     if start:  # positions before the start were not returned: nothing recorded
         H = arr.shape[1] if arr.size else info.num_hidden_layers
-        arr = np.concatenate([np.full((start, H, info.top_k), NO_EXPERT, dtype=np.int32), arr.reshape(-1, H, info.top_k)])
+        arr = np.concatenate([np.full((start, H, info.top_k), NO_EXPERT, dtype=np.int32),
+                              arr.reshape(-1, H, info.top_k).astype(np.int32)])
     try:
         rows = routed_experts_to_rows(arr, moe_layers=info.moe_layers, num_hidden_layers=info.num_hidden_layers,
                                       num_experts=info.num_experts, prompt_tokens=P, output_tokens=O)

@@ -2,7 +2,25 @@
 
 vLLM ≥ 0.14 records, with the engine argument ``enable_return_routed_experts=True``, the expert ids
 every MoE router chose for every token, and hands them back with each finished request;
-``vllm_convert`` turns what comes back (its layout differs by version) into trace rows.
+``vllm_convert`` turns what comes back (its layout differs by version) into trace rows. What each
+release range needs and returns is :func:`capture_facts` (read from each release's source; the file
+and tag of every fact are in docs/collecting.md):
+
+- 0.14–0.20: any prefix-caching setting; the V1 model runner (Model Runner V2 does not capture).
+- 0.21: prefix caching is switched off here (positions served from the prefix cache would come
+  back unrecorded); V1 model runner; a preempted request returns no routing (it is not written,
+  and ``--resume`` retries it).
+- 0.22–0.27: any prefix-caching setting (routing is kept per KV slot, so cached positions carry
+  their stored routing); the V1 model runner (vLLM picks it when capture is on and refuses
+  ``VLLM_USE_V2_MODEL_RUNNER=1``).
+- 0.28–0.30: either model runner, any prefix-caching setting.
+- ≥ 0.31 (checked through 0.33): Model Runner V2 and prefix caching are required (vLLM's
+  AuxOutput connector); moetrace passes ``enable_prefix_caching=True``.
+
+The parent process never initialises CUDA (GPUs are counted through NVML with
+``torch.cuda.device_count()``), and vLLM's worker processes are started with ``spawn`` unless the
+user chose otherwise (``VLLM_WORKER_MULTIPROC_METHOD``). Any failure of the engine's start becomes
+one ``ModelError`` line naming its cause (:func:`engine_start_error`).
 
 Out of scope: what a model name means (``presets.resolve``), the array conversion (``vllm_convert``),
 prompt loading (``datasets``), choosing the backend and opening the trace (``collect``), several
@@ -12,25 +30,89 @@ engines over several nodes (``sharding``).
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import os
 import queue
+import re
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from moetrace.errors import ConfigError, ModelError, MoetraceError
-from moetrace.tracer.backends.vllm_convert import ConvertedRequest, FailedRequest, convert_or_fail
+from moetrace.tracer.backends.vllm_convert import ConvertedRequest, FailedRequest, LayerAxis, convert_or_fail
 from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
 if TYPE_CHECKING:  # pragma: no cover
     from moetrace.tracer.presets import ResolvedModel
 
-#: first vLLM release with ``enable_return_routed_experts``
+#: first vLLM release with ``enable_return_routed_experts`` (``ModelConfig`` field and
+#: ``CompletionOutput.routed_experts`` are in 0.14.0's source and in neither of 0.13.0's)
 MIN_VLLM = (0, 14)
+
+#: vLLM's switch between its V1 and V2 model runners (read as an integer, 0 or 1, by vLLM)
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+#: how vLLM starts its engine and worker processes (``fork`` by default in vLLM)
+MULTIPROC_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureFacts:
+    """What one range of vLLM releases needs for, and returns from, the routed-experts capture."""
+
+    releases: str  # the release range these facts hold for, e.g. "0.22-0.27"
+    layer_axis: LayerAxis  # how the returned layer axis is indexed (vllm_convert.routed_experts_to_rows)
+    enable_prefix_caching: bool | None  # what moetrace passes to vllm.LLM (None: vLLM's own default)
+    model_runner_v2: bool | None  # True: capture needs Model Runner V2; False: needs V1; None: either
+
+
+def capture_facts(version: tuple[int, ...]) -> CaptureFacts:
+    """The routed-experts capture facts of vLLM ``version`` (leading numbers, e.g. ``(0, 22, 1)``).
+
+    Raises ``ModelError`` for releases before :data:`MIN_VLLM`. Releases after the newest one read
+    (0.33) are taken to behave like it.
+    """
+    v = tuple(version[:2])
+    if v < MIN_VLLM:
+        raise ModelError(
+            f"vLLM {'.'.join(map(str, version))} cannot return routed experts (needs >= "
+            f"{'.'.join(map(str, MIN_VLLM))}, engine argument enable_return_routed_experts). "
+            "Upgrade: pip install -U 'vllm>=0.14'"
+        )
+    if v <= (0, 20):
+        return CaptureFacts(releases="0.14-0.20", layer_axis="decoder", enable_prefix_caching=None,
+                            model_runner_v2=False)
+    if v == (0, 21):  # cached positions are never written into 0.21's per-request host cache
+        return CaptureFacts(releases="0.21", layer_axis="moe", enable_prefix_caching=False, model_runner_v2=False)
+    if v <= (0, 27):
+        return CaptureFacts(releases="0.22-0.27", layer_axis="decoder", enable_prefix_caching=None,
+                            model_runner_v2=False)
+    if v <= (0, 30):
+        return CaptureFacts(releases="0.28-0.30", layer_axis="decoder", enable_prefix_caching=None,
+                            model_runner_v2=None)
+    return CaptureFacts(releases=">=0.31", layer_axis="decoder", enable_prefix_caching=True, model_runner_v2=True)
+
+
+def capture_env_problem(facts: CaptureFacts, environ: Mapping[str, str]) -> str | None:
+    """Why the environment ``environ`` keeps vLLM (of ``facts``) from capturing, or None.
+
+    Checks ``VLLM_USE_V2_MODEL_RUNNER`` against the model runner the capture needs.
+    """
+    raw = environ.get(V2_RUNNER_ENV)
+    if raw is None or facts.model_runner_v2 is None:
+        return None
+    try:
+        v2 = bool(int(raw))
+    except ValueError:
+        return f"{V2_RUNNER_ENV}={raw!r}: vLLM reads it as 0 or 1"
+    if v2 and facts.model_runner_v2 is False:
+        return (f"vLLM {facts.releases} captures routed experts only with the V1 model runner; unset "
+                f"{V2_RUNNER_ENV} (it is {raw!r})")
+    if not v2 and facts.model_runner_v2 is True:
+        return (f"vLLM {facts.releases} captures routed experts only with Model Runner V2; unset "
+                f"{V2_RUNNER_ENV} (it is {raw!r})")
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +149,9 @@ class VllmEngineConfig:
     def num_gpus(self) -> int:
         return self.tp * self.dp
 
-    def llm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``vllm.LLM`` for one engine rank (routed-experts capture on)."""
+    def llm_kwargs(self, *, capture: CaptureFacts) -> dict[str, Any]:
+        """Keyword arguments of ``vllm.LLM`` for one engine rank (routed-experts capture on), for the
+        vLLM release range of ``capture`` (:func:`capture_facts`)."""
         kw: dict[str, Any] = {
             "tensor_parallel_size": self.tp,
             "enable_expert_parallel": self.ep > 1,
@@ -83,6 +166,8 @@ class VllmEngineConfig:
             kw["max_model_len"] = self.max_model_len
         if self.max_num_seqs is not None:
             kw["max_num_seqs"] = self.max_num_seqs
+        if capture.enable_prefix_caching is not None:
+            kw["enable_prefix_caching"] = capture.enable_prefix_caching
         return kw
 
 
@@ -106,24 +191,40 @@ def model_for_vllm(resolved: ResolvedModel) -> tuple[str, ModelInfo]:
     return resolved.source, resolved.model_info(hf_config=hf_config)
 
 
+def parse_vllm_version(text: str) -> tuple[int, ...]:
+    """The leading release numbers of a vLLM version string (``"0.22.1+cu130"`` -> ``(0, 22, 1)``)."""
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if m is None:
+        raise ModelError(f"cannot read the vLLM version {text!r} (expected e.g. 0.22.1)")
+    return tuple(int(g) for g in m.groups() if g is not None)
+
+
 def vllm_version() -> tuple[str, tuple[int, ...]]:
-    """Installed vLLM version string and its leading numbers; raises if vLLM is missing."""
+    """Installed vLLM version string (the module's ``__version__``) and its leading numbers;
+    raises if vLLM is missing."""
     from moetrace._deps import require
 
-    require("vllm", purpose="the vLLM backend")
-    text = importlib.metadata.version("vllm")
-    nums = []
-    for part in text.split("+")[0].split("."):
-        digits = "".join(c for c in part if c.isdigit())
-        if not digits:
-            break
-        nums.append(int(digits))
-    return text, tuple(nums)
+    vllm = require("vllm", purpose="the vLLM backend")
+    text = getattr(vllm, "__version__", None)
+    if not isinstance(text, str):
+        raise ModelError("the installed `vllm` module has no __version__; reinstall it: pip install -U 'vllm>=0.14'")
+    return text, parse_vllm_version(text)
+
+
+def visible_gpu_count() -> int:
+    """CUDA GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applied), counted without
+    initialising CUDA here: ``torch.cuda.device_count()`` asks NVML, and only where NVML fails does
+    torch fall back to the CUDA runtime (which initialises the driver; harmless with ``spawn``
+    workers). ``torch.cuda.is_available()`` is not used: by default it initialises the driver."""
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 def check_environment(engine: VllmEngineConfig, *, record_weights: bool = False) -> str:
     """Fail early: nothing asked that vLLM cannot record (routing weights), vLLM present and new
-    enough to capture, CUDA GPUs present and enough of them.
+    enough to capture, its model-runner switch compatible with the capture, CUDA GPUs present and
+    enough of them. Initialises no CUDA in this process.
 
     Returns the vLLM version string.
     """
@@ -133,19 +234,40 @@ def check_environment(engine: VllmEngineConfig, *, record_weights: bool = False)
             "--weights, or use --backend hf"
         )
     text, nums = vllm_version()
-    if nums[:2] < MIN_VLLM:
-        raise ModelError(
-            f"vLLM {text} cannot return routed experts (needs >= {'.'.join(map(str, MIN_VLLM))}, "
-            "engine argument enable_return_routed_experts). Upgrade: pip install -U 'vllm>=0.14'"
-        )
-    import torch
-
-    if not torch.cuda.is_available():
+    problem = capture_env_problem(capture_facts(nums), os.environ)
+    if problem is not None:
+        raise ConfigError(problem)
+    have = visible_gpu_count()
+    if have == 0:
         raise ModelError("no CUDA GPU is visible: the vLLM backend needs GPUs. On a CPU use --backend hf.")
-    have = torch.cuda.device_count()
     if engine.num_gpus > have:
         raise ConfigError(f"tp*dp = {engine.num_gpus} GPUs asked, {have} visible (CUDA_VISIBLE_DEVICES)")
     return text
+
+
+#: the start of the message vLLM's front end raises when its engine process died while starting
+ENGINE_CORE_FAILED = "Engine core initialization failed"
+
+
+def engine_start_error(source: str, exc: BaseException) -> str:
+    """One line naming why vLLM could not start an engine for ``source``: the exception's type and
+    message, and for vLLM's generic engine-core failure (whose cause the engine process logged
+    above) or a GPU out-of-memory error, where to look and the usual causes."""
+    msg = " ".join(str(exc).split()) or "(no message)"
+    if len(msg) > 800:
+        msg = msg[:800] + " ..."
+    line = f"vLLM could not start an engine for {source!r}: {type(exc).__name__}: {msg}"
+    if ENGINE_CORE_FAILED in msg:
+        line += (
+            ". The engine process's own error is in the log above. Usual causes: no attention backend "
+            "for the model's head dimensions, not enough GPU memory for the weights and KV cache (raise "
+            "--gpu-memory-utilization, lower --max-model-len, or add GPUs with --tp), --max-model-len above "
+            "what the model or the memory allows"
+        )
+    elif "out of memory" in msg.lower():
+        line += (". Not enough GPU memory: raise --gpu-memory-utilization, lower --max-model-len, or spread "
+                 "the model over more GPUs (--tp)")
+    return line
 
 
 # ---------------------------------------------------------------------------- the run loop
@@ -159,8 +281,9 @@ class _Sink:
     """
 
     def __init__(self, writer: Any, *, info: ModelInfo, datasets: dict[int, str], commit_every: int,
-                 on_progress: Callable[[int, int], None] | None, prompt_texts: dict[int, str] | None) -> None:
-        self.writer, self.info, self.datasets = writer, info, datasets
+                 on_progress: Callable[[int, int], None] | None, prompt_texts: dict[int, str] | None,
+                 layer_axis: LayerAxis = "decoder") -> None:
+        self.writer, self.info, self.datasets, self.layer_axis = writer, info, datasets, layer_axis
         self.commit_every, self.on_progress, self.prompt_texts = commit_every, on_progress, prompt_texts
         self.failed: list[tuple[int, str]] = []
         self.truncated: list[int] = []  # request ids whose prompt was cut to fit max_model_len
@@ -197,7 +320,7 @@ class _Sink:
         done: list[ConvertedRequest] = []
         for out in outputs:
             if not isinstance(out, (ConvertedRequest, FailedRequest)):  # raw vLLM output
-                out = convert_or_fail(out, info=self.info)
+                out = convert_or_fail(out, info=self.info, layer_axis=self.layer_axis)
             if isinstance(out, FailedRequest):  # not written: a resumed run retries it
                 self.failed.append((out.request_id, out.reason))
             else:
@@ -287,7 +410,9 @@ def collect_with_vllm(
     parallelism, experts sharded over all ranks when ``ep`` > 1), which send converted requests back
     here. ``on_progress(requests, tokens)`` gets, after each commit, what this run has written so far.
     """
-    version = check_environment(engine, record_weights=writer.with_weights)
+    check_environment(engine, record_weights=writer.with_weights)
+    version, nums = vllm_version()
+    capture = capture_facts(nums)
     info = writer.model
     pending = [p for p in prompts if p.request_id not in writer.completed_request_ids]
     import torch
@@ -299,6 +424,7 @@ def collect_with_vllm(
             "torch_version": torch.__version__,
             "model_source": source,
             "engine": dataclasses.asdict(engine),
+            "capture": dataclasses.asdict(capture),
             "routed_experts": "vLLM enable_return_routed_experts; final generated position recorded as -1",
         }
     )
@@ -309,14 +435,15 @@ def collect_with_vllm(
         commit_every=engine.commit_every,
         on_progress=on_progress,
         prompt_texts={p.request_id: p.text for p in prompts} if writer.with_text else None,
+        layer_axis=capture.layer_axis,
     )
     try:
         if engine.dp == 1:
-            _run_single(pending, sink=sink, source=source, engine=engine, max_new_tokens=max_new_tokens,
-                        seed=seed, temperature=temperature, chat_template=chat_template,
-                        detokenize=writer.with_text)
+            _run_single(pending, sink=sink, source=source, engine=engine, capture=capture,
+                        max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,
+                        chat_template=chat_template, detokenize=writer.with_text)
         else:
-            _run_data_parallel(pending, sink=sink, source=source, info=info, engine=engine,
+            _run_data_parallel(pending, sink=sink, source=source, info=info, engine=engine, capture=capture,
                                max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,
                                chat_template=chat_template, detokenize=writer.with_text)
     finally:
@@ -357,14 +484,21 @@ def _encode_all(prompts: Sequence[Any], tokenizer: Any, *, chat_template: bool, 
         yield p.request_id, ids
 
 
-def _build_llm(source: str, engine: VllmEngineConfig, *, seed: int) -> Any:
-    """One engine rank: ``tp`` GPUs, expert parallel when ``ep`` > 1 (DP size comes from the env)."""
+def _build_llm(source: str, engine: VllmEngineConfig, *, capture: CaptureFacts, seed: int) -> Any:
+    """One engine rank: ``tp`` GPUs, expert parallel when ``ep`` > 1 (DP size comes from the env).
+
+    vLLM's worker processes are started with ``spawn`` unless the user set
+    ``VLLM_WORKER_MULTIPROC_METHOD``: a forked worker cannot use CUDA once anything in this process
+    initialised it. Any exception from the engine's start is raised as one ``ModelError`` line
+    (:func:`engine_start_error`).
+    """
     import vllm
 
+    os.environ.setdefault(MULTIPROC_ENV, "spawn")
     try:
-        return vllm.LLM(source, seed=seed, **engine.llm_kwargs())
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise ModelError(f"vLLM could not start an engine for {source!r}: {exc}") from exc
+        return vllm.LLM(source, seed=seed, **engine.llm_kwargs(capture=capture))
+    except Exception as exc:  # vLLM fails to start in many ways; each becomes one line naming its cause
+        raise ModelError(engine_start_error(source, exc)) from exc
 
 
 def _max_prompt(llm: Any, max_new_tokens: int) -> int:
@@ -374,13 +508,13 @@ def _max_prompt(llm: Any, max_new_tokens: int) -> int:
     return max_len - max_new_tokens
 
 
-def _run_single(pending: list[Any], *, sink: _Sink, source: str, engine: VllmEngineConfig, max_new_tokens: int,
-                seed: int, temperature: float, chat_template: bool, detokenize: bool) -> None:
+def _run_single(pending: list[Any], *, sink: _Sink, source: str, engine: VllmEngineConfig, capture: CaptureFacts,
+                max_new_tokens: int, seed: int, temperature: float, chat_template: bool, detokenize: bool) -> None:
     import vllm
 
     if not pending:
         return
-    llm = _build_llm(source, engine, seed=seed)
+    llm = _build_llm(source, engine, capture=capture, seed=seed)
     work = _encode_all(pending, llm.get_tokenizer(), chat_template=chat_template,
                        max_prompt=_max_prompt(llm, max_new_tokens), truncated=sink.truncated)
     run_engine_loop(llm, work, vllm=vllm, num_inflight=engine.num_inflight, max_new_tokens=max_new_tokens,
@@ -399,8 +533,8 @@ def split_evenly(items: Sequence[Any], num_parts: int) -> list[list[Any]]:
 
 
 def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[Any], source: str, info: ModelInfo,
-               engine: VllmEngineConfig, max_new_tokens: int, seed: int, temperature: float, chat_template: bool,
-               detokenize: bool, results: Any) -> None:
+               engine: VllmEngineConfig, capture: CaptureFacts, max_new_tokens: int, seed: int, temperature: float,
+               chat_template: bool, detokenize: bool, results: Any) -> None:
     """One DP engine rank (a process): generate its prompts, send converted requests back."""
     os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(dp),
                       VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(master_port))
@@ -409,7 +543,7 @@ def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[Any], source:
 
         from moetrace.tracer.datasets import PromptRecord
 
-        llm = _build_llm(source, engine, seed=seed)
+        llm = _build_llm(source, engine, capture=capture, seed=seed)
         # every rank must run a request, even with an empty shard (vLLM's DP ranks step together)
         todo = prompts or [PromptRecord(request_id=-1, dataset="placeholder", text="placeholder")]
         truncated: list[int] = []
@@ -417,7 +551,8 @@ def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[Any], source:
                            max_prompt=_max_prompt(llm, max_new_tokens), truncated=truncated)
 
         def emit(outputs: list[Any]) -> None:
-            results.put(("rows", rank, [convert_or_fail(o, info=info) for o in outputs if int(o.request_id) >= 0]))
+            results.put(("rows", rank, [convert_or_fail(o, info=info, layer_axis=capture.layer_axis)
+                                        for o in outputs if int(o.request_id) >= 0]))
 
         run_engine_loop(llm, work, vllm=vllm, num_inflight=engine.num_inflight, max_new_tokens=max_new_tokens,
                         temperature=temperature, seed=seed, detokenize=detokenize, emit=emit)
@@ -427,7 +562,7 @@ def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[Any], source:
 
 
 def _run_data_parallel(pending: list[Any], *, sink: _Sink, source: str, info: ModelInfo, engine: VllmEngineConfig,
-                       max_new_tokens: int, seed: int, temperature: float, chat_template: bool,
+                       capture: CaptureFacts, max_new_tokens: int, seed: int, temperature: float, chat_template: bool,
                        detokenize: bool) -> None:
     import multiprocessing as mp
 
@@ -439,7 +574,7 @@ def _run_data_parallel(pending: list[Any], *, sink: _Sink, source: str, info: Mo
     procs = [
         ctx.Process(
             target=_dp_worker,
-            args=(rank, engine.dp, port, shard, source, info, engine, max_new_tokens, seed, temperature,
+            args=(rank, engine.dp, port, shard, source, info, engine, capture, max_new_tokens, seed, temperature,
                   chat_template, detokenize, results),
             name=f"moetrace-vllm-dp{rank}",
         )
