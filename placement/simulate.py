@@ -17,19 +17,20 @@ with at least one token) per GPU (max, mean).
 Shape legend (docs/architecture.md): T tokens, L MoE layers, K top-k slots, B batches, W EP ranks
 (GPUs), P physical slots.
 
-Out of scope: choosing placements or batches (``compare``), timing of the collectives.
+Out of scope: choosing placements or batches (``compare``); per-GPU send matrices and real collectives
+(``a2a``, ``a2a_run``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy, choose_slots
 
-__all__ = ["DedupUnit", "METRICS", "simulate_volume"]
+__all__ = ["DedupUnit", "LayerCopies", "METRICS", "dispatch_copies", "simulate_volume"]
 
 DedupUnit = Literal["rank", "expert", "node"]
 
@@ -46,6 +47,75 @@ METRICS = (
     "activated_experts_per_rank_max",
     "activated_experts_per_rank_mean",
 )
+
+
+_SENTINEL = np.int64(1 << 40)  # sorts after every real dedup key
+
+
+class LayerCopies(NamedTuple):
+    """The dispatch copies of one MoE layer's tokens (every array [T, K]).
+
+    ``copy_TK``, ``dst_rank_TK`` and ``inter_TK`` are in dedup-key order along K (not the routing's
+    slot order); ``slot_TK``, ``valid_TK`` and ``rank_TK`` are in the routing's order.
+    """
+
+    slot_TK: np.ndarray  # int64 physical slot serving each (token, expert); -1 where not recorded
+    valid_TK: np.ndarray  # bool: the id was recorded
+    rank_TK: np.ndarray  # int64 EP rank holding the slot (0 where not valid)
+    copy_TK: np.ndarray  # bool: one copy of the token is sent (first of its dedup key, not to its own GPU)
+    dst_rank_TK: np.ndarray  # int64 destination EP rank of each entry (meaningful where copy_TK)
+    inter_TK: np.ndarray  # bool: a copy whose destination is on another node than the token's source
+
+
+def dispatch_copies(
+    topk_ids_TK: np.ndarray,
+    *,
+    phy2log_P: np.ndarray,
+    log2phy_EM: np.ndarray,
+    logcnt_E: np.ndarray,
+    batch_T: np.ndarray,
+    src_rank_T: np.ndarray,
+    num_batches: int,
+    num_ranks: int,
+    ranks_per_node: int,
+    dedup: DedupUnit = "rank",
+    policy: ReplicaPolicy = "same_node",
+) -> LayerCopies:
+    """Which copies one layer's dispatch sends (the one routing + dedup rule of this module).
+
+    ``topk_ids_TK``: int [T, K] logical ids (-1 ignored); ``batch_T``, ``src_rank_T``: int64 [T];
+    the placement arrays of this layer (``phy2log_P`` [P], ``log2phy_EM`` [E, M], ``logcnt_E`` [E]).
+    """
+    src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
+    src_node_T = src_rank_T // ranks_per_node
+    W = num_ranks
+    per_rank = len(phy2log_P) // W
+    slot = choose_slots(
+        topk_ids_TK, phy2log_P=phy2log_P, log2phy_EM=log2phy_EM, logcnt_E=logcnt_E, src_node_T=src_node_T,
+        batch_T=batch_T, num_batches=num_batches, num_ranks=W, ranks_per_node=ranks_per_node, policy=policy,
+    )
+    valid = slot >= 0
+    rank = np.where(valid, slot // per_rank, 0)
+    node = rank // ranks_per_node
+    local_node = node == src_node_T[:, None]
+    if dedup == "rank":
+        key = rank
+    elif dedup == "expert":
+        key = slot
+    elif dedup == "node":
+        key = np.where(local_node, rank, W + node)
+    else:
+        raise ValueError(f"unknown dedup unit {dedup!r}")
+    key = np.where(valid, key, _SENTINEL)
+    order = np.argsort(key, axis=1, kind="stable")
+    skey = np.take_along_axis(key, order, axis=1)
+    srank = np.take_along_axis(rank, order, axis=1)
+    snode = np.take_along_axis(node, order, axis=1)
+    first = np.ones_like(skey, dtype=bool)
+    first[:, 1:] = skey[:, 1:] != skey[:, :-1]
+    copy = first & (skey != _SENTINEL) & (srank != src_rank_T[:, None])
+    inter = copy & (snode != src_node_T[:, None])
+    return LayerCopies(slot_TK=slot, valid_TK=valid, rank_TK=rank, copy_TK=copy, dst_rank_TK=srank, inter_TK=inter)
 
 
 def simulate_volume(
@@ -73,35 +143,15 @@ def simulate_volume(
     per_rank = P // W
     batch_T = np.asarray(batch_T, dtype=np.int64)
     src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
-    src_node_T = src_rank_T // ranks_per_node
     out = {m: np.zeros((B, L)) for m in METRICS}
-    sentinel = np.int64(1 << 40)
     for l in range(L):
-        slot = choose_slots(
+        c = dispatch_copies(
             ids[:, l, :], phy2log_P=placement.phy2log[l], log2phy_EM=placement.log2phy[l], logcnt_E=placement.logcnt[l],
-            src_node_T=src_node_T, batch_T=batch_T, num_batches=B, num_ranks=W, ranks_per_node=ranks_per_node, policy=policy,
+            batch_T=batch_T, src_rank_T=src_rank_T, num_batches=B, num_ranks=W, ranks_per_node=ranks_per_node,
+            dedup=dedup, policy=policy,
         )
-        valid = slot >= 0
-        rank = np.where(valid, slot // per_rank, 0)
-        node = rank // ranks_per_node
-        local_node = node == src_node_T[:, None]
-        if dedup == "rank":
-            key = rank
-        elif dedup == "expert":
-            key = slot
-        elif dedup == "node":
-            key = np.where(local_node, rank, W + node)
-        else:
-            raise ValueError(f"unknown dedup unit {dedup!r}")
-        key = np.where(valid, key, sentinel)
-        order = np.argsort(key, axis=1, kind="stable")
-        skey = np.take_along_axis(key, order, axis=1)
-        srank = np.take_along_axis(rank, order, axis=1)
-        snode = np.take_along_axis(node, order, axis=1)
-        first = np.ones_like(skey, dtype=bool)
-        first[:, 1:] = skey[:, 1:] != skey[:, :-1]
-        copy = first & (skey != sentinel) & (srank != src_rank_T[:, None])
-        inter = copy & (snode != src_node_T[:, None])
+        slot, valid, rank, copy, srank = c.slot_TK, c.valid_TK, c.rank_TK, c.copy_TK, c.dst_rank_TK
+        inter = c.inter_TK
         intra = copy & ~inter
         n_intra = np.bincount(batch_T, weights=intra.sum(1), minlength=B)
         n_inter = np.bincount(batch_T, weights=inter.sum(1), minlength=B)
@@ -115,10 +165,10 @@ def simulate_volume(
         back = np.bincount((bK * W + srank)[copy], minlength=B * W).reshape(B, W)
         out["max_rank_combine_send_bytes"][:, l] = back.max(1) * bytes_per_token
         # distinct tokens per GPU (rank dedup, whatever the unit) and activated slots per GPU
-        rkey = np.sort(np.where(valid, rank, sentinel), axis=1)
+        rkey = np.sort(np.where(valid, rank, _SENTINEL), axis=1)
         rfirst = np.ones_like(rkey, dtype=bool)
         rfirst[:, 1:] = rkey[:, 1:] != rkey[:, :-1]
-        rfirst &= rkey != sentinel
+        rfirst &= rkey != _SENTINEL
         tok = np.bincount((bK * W + rkey)[rfirst], minlength=B * W).reshape(B, W)
         out["tokens_per_rank_max"][:, l] = tok.max(1)
         out["tokens_per_rank_mean"][:, l] = tok.mean(1)

@@ -570,3 +570,4 @@ def test_engine_start_failure_from_the_cli_is_one_clean_line(fake_vllm_env, tmp_
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output and "Engine core initialization failed" in res.output
     assert "no attention backend for the model's head dimensions" in res.output
+    assert not (tmp_path / "t").exists(), "a run that never started left a trace that would need --overwrite"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 from moetrace.errors import ConfigError, ModelError
 from moetrace.sizes import human_bytes
-from moetrace.tracer.trace.layout import shard_manifest_name, shard_prefix
+from moetrace.tracer.trace.layout import REQUESTS_DIR, shard_manifest_name, shard_prefix
 from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -128,6 +129,11 @@ def shard_prompts(prompts: Sequence[Any], *, shard: int, num_shards: int) -> lis
     return list(prompts[shard::num_shards])
 
 
+def writer_committed_nothing(out: str | os.PathLike) -> bool:
+    """True when the trace directory ``out`` holds no committed part (nothing a user would lose)."""
+    return not any((Path(out) / REQUESTS_DIR).glob("*.parquet"))
+
+
 def choose_backend(backend: Backend, *, device: str, on_ray: bool = False) -> BackendName:
     """The backend a run uses; decided once per run (``sharding.run_collection`` calls it).
 
@@ -142,9 +148,9 @@ def choose_backend(backend: Backend, *, device: str, on_ray: bool = False) -> Ba
     if on_ray:
         return "vllm"
     if importlib.util.find_spec("vllm") is not None and device != "cpu":
-        import torch
+        from moetrace.tracer.backends.vllm import visible_gpu_count
 
-        if torch.cuda.is_available():
+        if visible_gpu_count() > 0:  # counted without initialising CUDA before vLLM forks its workers
             return "vllm"
     return "hf"
 
@@ -209,47 +215,55 @@ def collect(
         source, info = vllm_backend.model_for_vllm(resolved)
         backend_section = {"name": "vllm", "vllm": version}
 
-    with TraceWriter(
-        out,
-        model=info,
-        backend=backend_section,
-        collection=collection,
-        on_existing=on_existing,
-        with_weights=config.record_weights,
-        with_text=config.store_text,
-        **writer_kw,
-    ) as writer:
-        pending = sum(p.request_id not in writer.completed_request_ids for p in prompts)
-        if on_start is not None:
-            on_start(pending, len(prompts))
-        if backend == "hf":
-            hf.collect_with_hf(
-                prompts,
-                writer=writer,
-                model=model,
-                tokenizer=tokenizer,
-                info=info,
-                max_new_tokens=config.max_new_tokens,
-                batch_size=config.batch_size,
-                temperature=config.temperature,
-                seed=config.seed,
-                chat_template=config.chat_template,
-                store_text=config.store_text,
-                record_weights=config.record_weights,
-                on_progress=on_progress,
-            )
-        else:
-            vllm_backend.collect_with_vllm(
-                prompts,
-                writer=writer,
-                source=source,
-                engine=engine,
-                max_new_tokens=config.max_new_tokens,
-                seed=config.seed,
-                temperature=config.temperature,
-                chat_template=config.chat_template,
-                on_progress=on_progress,
-            )
+    fresh = shard is None and not Path(out).exists()
+    try:
+        with TraceWriter(
+            out,
+            model=info,
+            backend=backend_section,
+            collection=collection,
+            on_existing=on_existing,
+            with_weights=config.record_weights,
+            with_text=config.store_text,
+            **writer_kw,
+        ) as writer:
+            pending = sum(p.request_id not in writer.completed_request_ids for p in prompts)
+            if on_start is not None:
+                on_start(pending, len(prompts))
+            if backend == "hf":
+                hf.collect_with_hf(
+                    prompts,
+                    writer=writer,
+                    model=model,
+                    tokenizer=tokenizer,
+                    info=info,
+                    max_new_tokens=config.max_new_tokens,
+                    batch_size=config.batch_size,
+                    temperature=config.temperature,
+                    seed=config.seed,
+                    chat_template=config.chat_template,
+                    store_text=config.store_text,
+                    record_weights=config.record_weights,
+                    on_progress=on_progress,
+                )
+            else:
+                vllm_backend.collect_with_vllm(
+                    prompts,
+                    writer=writer,
+                    source=source,
+                    engine=engine,
+                    max_new_tokens=config.max_new_tokens,
+                    seed=config.seed,
+                    temperature=config.temperature,
+                    chat_template=config.chat_template,
+                    on_progress=on_progress,
+                )
+    except BaseException:
+        # a run that created the directory and committed nothing (the engine did not start, the
+        # model did not load, Ctrl-C at once) leaves nothing behind that would need --overwrite
+        if fresh and writer_committed_nothing(out):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     # the writer counts what this run added; stats() also covers what a resumed run had before
     return CollectResult(path=Path(out), model=config.model, backend=backend, stats=writer.stats(),
                          num_new_requests=writer.num_requests_written, num_new_tokens=writer.num_tokens_written,
