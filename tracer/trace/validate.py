@@ -36,6 +36,8 @@ from moetrace.tracer.trace.schema import (
 from moetrace.tracer.trace.layout import MANIFEST, REQUESTS_DIR, ROUTING_DIR, read_manifest
 
 MAX_REPORTED = 200
+#: routing rows read at a time (bounds memory: ~ BATCH_ROWS * (L*K*2 + 16) bytes)
+BATCH_ROWS = 65536
 
 
 def find_problems(path: str | os.PathLike) -> list[str]:
@@ -111,99 +113,136 @@ def find_problems(path: str | os.PathLike) -> list[str]:
     else:
         rid_sorted = p_sorted = len_sorted = np.zeros(0, np.int64)
 
-    # ---- routing, part by part
-    seen_rows = np.zeros(len(rid_sorted), dtype=np.int64)
-    keys: list[np.ndarray] = []
+    # ---- routing, part by part and batch by batch (memory: one batch plus one byte per token)
+    len_sorted = len_sorted.astype(np.int64)
+    start_R = np.zeros(len(len_sorted), dtype=np.int64)
+    np.cumsum(len_sorted[:-1], out=start_R[1:])
+    claimed = int(len_sorted.sum())
+    rows_on_disk = 0
+    for n in sorted(rnames):
+        try:
+            rows_on_disk += pq.read_metadata(rdir / n).num_rows
+        except (pa.ArrowException, OSError):
+            pass  # reported below, when the part is read
+    seen_T: np.ndarray | None = None
+    if claimed > 2 * rows_on_disk + (1 << 24):  # far more than exist: no bitmap of that size
+        problems.append(f"requests: prompt_tokens + output_tokens add up to {claimed:,} tokens but the routing parts "
+                        f"hold {rows_on_disk:,} rows")
+    else:  # one byte per token the requests table says exists: bounded by the rows on disk
+        seen_T = np.zeros(claimed, dtype=np.uint8)
+    num_dup = 0
+    dup_examples: list[tuple[int, int]] = []
     for n in sorted(rnames):
         where = f"{ROUTING_DIR}/{n}"
-        t = _read(rdir / n, problems, where)
-        if t is None:
+        try:
+            pf = pq.ParquetFile(rdir / n)
+            schema = pf.schema_arrow
+        except (pa.ArrowException, OSError) as exc:
+            problems.append(f"{where}: not readable as Parquet (truncated or corrupt?): {exc}")
             continue
-        bad = _check_columns(t.schema, REQUIRED_ROUTING, where, problems)
-        ftype = t.schema.field("experts").type if "experts" in t.column_names else None
-        if ftype is None:
-            problems.append(f"{where}: missing column `experts`")
-            bad = True
-        elif not (pa.types.is_fixed_size_list(ftype) and ftype.value_type == pa.int16() and ftype.list_size == X):
-            problems.append(
-                f"{where}: column `experts` has type {ftype}, expected fixed_size_list<int16>[{X}] "
-                f"({model.num_moe_layers} MoE layers x top-{model.top_k})"
-            )
-            bad = True
-        if "weights" in t.column_names:
-            wt = t.schema.field("weights").type
-            if not (pa.types.is_fixed_size_list(wt) and wt.value_type == pa.float32() and wt.list_size == X):
-                problems.append(f"{where}: optional column `weights` has type {wt}, expected fixed_size_list<float32>[{X}]")
-        if bad:
+        if not _routing_schema_ok(schema, where, problems, X=X, model=model):
             continue
-        for c in ("request_id", "position", "stage", "experts"):
-            if t.column(c).null_count:
-                problems.append(f"{where}: `{c}` is null in {t.column(c).null_count} row(s)")
-                bad = True
-        if pc.list_flatten(t.column("experts")).null_count:
-            problems.append(f"{where}: `experts` lists hold {pc.list_flatten(t.column('experts')).null_count} null ids")
-            bad = True
-        if bad:
-            continue
-        ids = pc.list_flatten(t.column("experts")).to_numpy()
-        out = (ids != NO_EXPERT) & ((ids < 0) | (ids >= E))
-        if out.any():
-            vals = np.unique(ids[out])[:10]
-            problems.append(
-                f"{where}: {int(out.sum())} expert ids out of range (0 <= id < {E}, or -1), e.g. {vals.tolist()}"
-            )
-        rid = t.column("request_id").to_numpy()
-        pos = t.column("position").to_numpy().astype(np.int64)
-        stage = t.column("stage")
-        if pa.types.is_dictionary(stage.type):
-            stage = stage.cast(pa.string())
-        is_pre = pc.equal(stage, STAGE_PREFILL).to_numpy(zero_copy_only=False)
-        is_dec = pc.equal(stage, STAGE_DECODE).to_numpy(zero_copy_only=False)
-        if (~(is_pre | is_dec)).any():
-            vals = pc.unique(pc.filter(stage, pa.array(~(is_pre | is_dec)))).to_pylist()[:5]
-            problems.append(f"{where}: `stage` values {vals} (allowed: prefill, decode)")
-        keys.append((rid.astype(np.int64) << 32) | pos)
-        # consistency with the requests table
-        idx = np.searchsorted(rid_sorted, rid)
-        idx_c = np.minimum(idx, max(len(rid_sorted) - 1, 0))
-        known = (idx < len(rid_sorted)) & (rid_sorted[idx_c] == rid) if len(rid_sorted) else np.zeros(len(rid), bool)
-        if (~known).any():
-            problems.append(f"{where}: {int((~known).sum())} rows of request ids missing from the requests table, e.g. {np.unique(rid[~known])[:5].tolist()}")
-        k = idx_c[known]
-        posk = pos[known]
-        if ((posk < 0) | (posk >= len_sorted[k])).any():
-            bad_r = np.unique(rid[known][(posk < 0) | (posk >= len_sorted[k])])[:5]
-            problems.append(f"{where}: positions outside 0..prompt_tokens+output_tokens-1 for requests {bad_r.tolist()}")
-        want_dec = posk >= p_sorted[k]
-        wrong = want_dec != is_dec[known]
-        if wrong.any():
-            bad_r = np.unique(rid[known][wrong])[:5]
-            problems.append(
-                f"{where}: {int(wrong.sum())} rows whose stage disagrees with prompt_tokens (prefill iff position < "
-                f"prompt_tokens), requests {bad_r.tolist()}"
-            )
-        np.add.at(seen_rows, k, 1)
+        try:
+            for rb in pf.iter_batches(batch_size=BATCH_ROWS, columns=["request_id", "position", "stage", "experts"]):
+                num_dup += _check_routing_batch(
+                    rb, where, problems, E=E, rid_sorted=rid_sorted, p_sorted=p_sorted, len_sorted=len_sorted,
+                    start_R=start_R, seen_T=seen_T, dup_examples=dup_examples,
+                )
+        except (pa.ArrowException, OSError) as exc:
+            problems.append(f"{where}: not readable as Parquet (truncated or corrupt?): {exc}")
         if len(problems) > MAX_REPORTED:
             break
 
-    if keys:
-        allk = np.concatenate(keys)
-        allk.sort()
-        dup = allk[1:][allk[1:] == allk[:-1]]
-        if len(dup):
-            ex = [(int(d >> 32), int(d & 0xFFFFFFFF)) for d in np.unique(dup)[:5]]
-            problems.append(f"routing: {len(dup)} duplicate (request_id, position) rows, e.g. {ex}")
-    short = np.flatnonzero(seen_rows != len_sorted)
-    if len(short) and not any("duplicate" in pr for pr in problems):
-        ex = [(int(rid_sorted[i]), int(seen_rows[i]), int(len_sorted[i])) for i in short[:5]]
-        problems.append(
-            f"routing: {len(short)} requests whose row count differs from prompt_tokens+output_tokens "
-            f"(request, rows, expected): {ex}"
-        )
+    if num_dup:
+        problems.append(f"routing: {num_dup} duplicate (request_id, position) rows, e.g. {dup_examples[:5]}")
+    if seen_T is not None and len(len_sorted):
+        seen_rows = np.add.reduceat(seen_T, start_R).astype(np.int64) if claimed else np.zeros(len(len_sorted), np.int64)
+        seen_rows[len_sorted == 0] = 0
+        short = np.flatnonzero(seen_rows != len_sorted)
+        if len(short) and not num_dup:
+            ex = [(int(rid_sorted[i]), int(seen_rows[i]), int(len_sorted[i])) for i in short[:5]]
+            problems.append(
+                f"routing: {len(short)} requests whose row count differs from prompt_tokens+output_tokens "
+                f"(request, rows, expected): {ex}"
+            )
     totals = manifest.get("totals")
     if isinstance(totals, dict) and req_tables and totals.get("num_requests") not in (None, len(rid_sorted)):
         problems.append(f"{MANIFEST}: totals.num_requests={totals['num_requests']} but the requests table has {len(rid_sorted)}")
     return problems
+
+
+def _routing_schema_ok(schema: pa.Schema, where: str, problems: list[str], *, X: int, model: ModelInfo) -> bool:
+    bad = _check_columns(schema, REQUIRED_ROUTING, where, problems)
+    ftype = schema.field("experts").type if "experts" in schema.names else None
+    if ftype is None:
+        problems.append(f"{where}: missing column `experts`")
+        bad = True
+    elif not (pa.types.is_fixed_size_list(ftype) and ftype.value_type == pa.int16() and ftype.list_size == X):
+        problems.append(
+            f"{where}: column `experts` has type {ftype}, expected fixed_size_list<int16>[{X}] "
+            f"({model.num_moe_layers} MoE layers x top-{model.top_k})"
+        )
+        bad = True
+    if "weights" in schema.names:
+        wt = schema.field("weights").type
+        if not (pa.types.is_fixed_size_list(wt) and wt.value_type == pa.float32() and wt.list_size == X):
+            problems.append(f"{where}: optional column `weights` has type {wt}, expected fixed_size_list<float32>[{X}]")
+    return not bad
+
+
+def _check_routing_batch(rb: pa.RecordBatch, where: str, problems: list[str], *, E: int, rid_sorted: np.ndarray,
+                         p_sorted: np.ndarray, len_sorted: np.ndarray, start_R: np.ndarray,
+                         seen_T: np.ndarray | None, dup_examples: list[tuple[int, int]]) -> int:
+    """Check one batch of routing rows against the requests table; returns its duplicate rows."""
+    for c in ("request_id", "position", "stage", "experts"):
+        if rb.column(c).null_count:
+            problems.append(f"{where}: `{c}` is null in {rb.column(c).null_count} row(s)")
+            return 0
+    ids = rb.column("experts").flatten()
+    if ids.null_count:
+        problems.append(f"{where}: `experts` lists hold {ids.null_count} null ids")
+        return 0
+    ids = ids.to_numpy(zero_copy_only=False)
+    out = (ids != NO_EXPERT) & ((ids < 0) | (ids >= E))
+    if out.any():
+        problems.append(f"{where}: {int(out.sum())} expert ids out of range (0 <= id < {E}, or -1), e.g. {np.unique(ids[out])[:10].tolist()}")
+    rid = rb.column("request_id").to_numpy()
+    pos = rb.column("position").to_numpy().astype(np.int64)
+    stage = rb.column("stage")
+    if pa.types.is_dictionary(stage.type):
+        stage = stage.cast(pa.string())
+    is_pre = pc.equal(stage, STAGE_PREFILL).to_numpy(zero_copy_only=False)
+    is_dec = pc.equal(stage, STAGE_DECODE).to_numpy(zero_copy_only=False)
+    if (~(is_pre | is_dec)).any():
+        vals = pc.unique(pc.filter(stage, pa.array(~(is_pre | is_dec)))).to_pylist()[:5]
+        problems.append(f"{where}: `stage` values {vals} (allowed: prefill, decode)")
+    idx = np.searchsorted(rid_sorted, rid)
+    idx_c = np.minimum(idx, max(len(rid_sorted) - 1, 0))
+    known = (idx < len(rid_sorted)) & (rid_sorted[idx_c] == rid) if len(rid_sorted) else np.zeros(len(rid), bool)
+    if (~known).any():
+        problems.append(f"{where}: {int((~known).sum())} rows of request ids missing from the requests table, e.g. {np.unique(rid[~known])[:5].tolist()}")
+    k, posk = idx_c[known], pos[known]
+    inside = (posk >= 0) & (posk < len_sorted[k])
+    if not inside.all():
+        bad_r = np.unique(rid[known][~inside])[:5]
+        problems.append(f"{where}: positions outside 0..prompt_tokens+output_tokens-1 for requests {bad_r.tolist()}")
+    wrong = (posk >= p_sorted[k]) != is_dec[known]
+    if wrong.any():
+        bad_r = np.unique(rid[known][wrong])[:5]
+        problems.append(
+            f"{where}: {int(wrong.sum())} rows whose stage disagrees with prompt_tokens (prefill iff position < "
+            f"prompt_tokens), requests {bad_r.tolist()}"
+        )
+    if seen_T is None:
+        return 0
+    token = start_R[k[inside]] + posk[inside]
+    srt = np.sort(token)
+    twice = np.concatenate([srt[1:][srt[1:] == srt[:-1]], token[seen_T[token] > 0]])
+    for t in np.unique(twice)[: 5 - len(dup_examples)] if len(dup_examples) < 5 else []:
+        r = int(np.searchsorted(start_R, t, side="right") - 1)
+        dup_examples.append((int(rid_sorted[r]), int(t - start_R[r])))
+    seen_T[token] = 1
+    return int(len(twice))
 
 
 def validate(path: str | os.PathLike) -> None:
