@@ -1,10 +1,11 @@
 """Result files: the one owner of their names, format names and versions.
 
-Three kinds of result, one entry each in ``KINDS``:
+Four kinds of result, one entry each in ``KINDS``:
 
 - ``analysis``: the directory ``moetrace analyze -o`` writes (docs/analysis.md);
 - ``compare``: the directory ``moetrace compare -o`` writes (docs/placement.md);
-- ``placement``: the JSON file ``moetrace place -o`` writes (docs/placement.md).
+- ``placement``: the JSON file ``moetrace place -o`` writes (docs/placement.md);
+- ``a2a``: the directory ``moetrace a2a -o`` writes (docs/a2a.md).
 
 Every result file says what it is. A JSON file carries top-level ``"format"`` and ``"version"``
 keys; a Parquet table carries them as Arrow schema metadata (``b"moetrace.format"``,
@@ -34,7 +35,7 @@ from moetrace.atomic import atomic_path, write_json_atomic
 from moetrace.errors import OutputExistsError, TraceFormatError
 
 __all__ = [
-    "ResultKind", "KINDS", "ANALYSIS", "COMPARE", "PLACEMENT",
+    "ResultKind", "KINDS", "ANALYSIS", "COMPARE", "PLACEMENT", "A2A",
     "file_format", "json_header", "check_output", "table_metadata", "write_result_table", "write_result_json",
     "check_result_json", "read_result_manifest", "read_table_format", "kind_of_format",
 ]
@@ -83,6 +84,10 @@ COMPARE_BATCHES = "batches.parquet"
 COMPARE_SUMMARY = "summary.parquet"
 COMPARE_PLACEMENTS = "placements.parquet"
 
+# ---- a2a: `moetrace a2a -o DIR` (docs/a2a.md, "Output files") ----------------------------------
+A2A_MANIFEST = "a2a.json"
+A2A_COLLECTIVES = "collectives.parquet"
+
 ANALYSIS = ResultKind(
     name="analysis", format="moetrace.analysis", version=1, command="moetrace analyze", manifest=ANALYSIS_MANIFEST,
     files=(ANALYSIS_SUMMARY, IMBALANCE, EXPERT_LOAD, BATCH_IMBALANCE, DATASET_CORRELATION, DATASET_CORRELATION_MEAN,
@@ -95,8 +100,12 @@ COMPARE = ResultKind(
 )
 PLACEMENT = ResultKind(name="placement", format="moetrace.placement", version=1, command="moetrace place", manifest=None)
 
+A2A = ResultKind(
+    name="a2a", format="moetrace.a2a", version=1, command="moetrace a2a", manifest=A2A_MANIFEST, files=(A2A_COLLECTIVES,),
+)
+
 #: every result kind; a new kind is one more entry
-KINDS: tuple[ResultKind, ...] = (ANALYSIS, COMPARE, PLACEMENT)
+KINDS: tuple[ResultKind, ...] = (ANALYSIS, COMPARE, PLACEMENT, A2A)
 
 
 def kind_of_format(fmt: object) -> ResultKind | None:

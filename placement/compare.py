@@ -88,8 +88,8 @@ class TraceData:
 
     model: Any  # ModelInfo
     trace_path: str  # where it came from
-    prefill_RLE: np.ndarray  # float32 [R, L, E] prefill token counts
-    decode_RLE: np.ndarray  # float32 [R, L, E] decode token counts
+    prefill_RLE: np.ndarray  # [R, L, E] prefill token counts, unsigned (count_trace's smallest safe dtype)
+    decode_RLE: np.ndarray  # [R, L, E] decode token counts, same dtype
     is_test_R: np.ndarray  # bool [R] held out from placement
     test_topk_ids_TLK: np.ndarray  # int16 [T, L, K] decode tokens of test requests with at least one recorded id
     test_req_T: np.ndarray  # int64 [T] row (0..R-1) of each test token's request
@@ -124,7 +124,7 @@ def load_trace_data(trace: str | os.PathLike, *, test_fraction: float, seed: int
     order = np.argsort(req, kind="stable")
     return TraceData(
         model=tr.model, trace_path=str(trace),
-        prefill_RLE=counts.stage("prefill").astype(np.float32), decode_RLE=counts.stage("decode").astype(np.float32),
+        prefill_RLE=counts.stage("prefill"), decode_RLE=counts.stage("decode"),  # views of one counts array
         is_test_R=is_test, test_topk_ids_TLK=ids[order], test_req_T=req[order],
     )
 
@@ -151,20 +151,20 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     m, dep = data.model, cfg.deployment
     L, E, G = m.num_moe_layers, m.num_experts, dep.num_groups
     P = dep.check_slots(num_experts=E, num_redundant=cfg.num_redundant)  # before clustering: fail fast
-    train = ~data.is_test_R
+    train_R = np.flatnonzero(~data.is_test_R)
+    R = len(data.is_test_R)
     usage_GLE = None
     if spec.grouped:
         if grouping is None:
             grouping = fit_grouping(
-                data.decode_RLE[train].reshape(train.sum(), -1), data.prefill_RLE[train].reshape(train.sum(), -1),
+                data.decode_RLE.reshape(R, -1), data.prefill_RLE.reshape(R, -1), rows=train_R,
                 num_clusters=cfg.num_clusters or G, num_groups=G, seed=cfg.seed,
             )
-        usage_GLE = np.zeros((G, L, E))
-        np.add.at(usage_GLE, groups_of_clusters(grouping.labels_R, grouping.cluster_to_groups), data.decode_RLE[train])
+        usage_GLE = _sum_rows(data.decode_RLE, train_R, groups_of_clusters(grouping.labels_R, grouping.cluster_to_groups), G)
     inputs = PlacementInputs(
         num_layers=L, num_experts=E, num_slots=P,
         num_ranks=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node, router_groups=m.n_group or 1,
-        seed=cfg.seed, load_LE=data.decode_RLE[train].sum(0), usage_GLE=usage_GLE,
+        seed=cfg.seed, load_LE=_sum_rows(data.decode_RLE, train_R, np.zeros(len(train_R), np.int64), 1)[0], usage_GLE=usage_GLE,
     )
     placement, extra = spec.build(inputs)
     if not spec.grouped:
@@ -178,6 +178,15 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
         group_of_test_R=groups_of_clusters(pred_R, grouping.cluster_to_groups),
         router_match_rate=float((pred_R[test] == truth_R[test]).mean()),
     )
+
+
+def _sum_rows(x_RLE: np.ndarray, rows: np.ndarray, group_N: np.ndarray, num_groups: int) -> np.ndarray:
+    """``out[g] = sum of x_RLE[rows[i]] over i with group_N[i] == g``, float64 [num_groups, L, E], a
+    chunk of rows at a time (no copy of the selected rows)."""
+    out = np.zeros((num_groups, *x_RLE.shape[1:]))
+    for lo in range(0, len(rows), 1024):
+        np.add.at(out, group_N[lo : lo + 1024], x_RLE[rows[lo : lo + 1024]])
+    return out
 
 
 def _sources(dep: Deployment, per_group: int) -> np.ndarray:

@@ -23,14 +23,14 @@ Out of scope: choosing placements or batches (``compare``); per-GPU send matrice
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Iterator, Literal, NamedTuple
 
 import numpy as np
 
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy, choose_slots
 
-__all__ = ["DedupUnit", "LayerCopies", "METRICS", "dispatch_copies", "simulate_volume"]
+__all__ = ["DedupUnit", "LayerCopies", "METRICS", "layer_copies", "simulate_volume"]
 
 DedupUnit = Literal["rank", "expert", "node"]
 
@@ -67,7 +67,18 @@ class LayerCopies(NamedTuple):
     inter_TK: np.ndarray  # bool: a copy whose destination is on another node than the token's source
 
 
-def dispatch_copies(
+def layer_copies(topk_ids_TLK: np.ndarray, **routing: Any) -> Iterator[LayerCopies]:
+    """The dispatch copies of every MoE layer in turn: the routing of ``simulate_volume``, shared with
+    ``a2a.send_matrices``. ``topk_ids_TLK``: int [T, L, K]; ``routing``: the keyword arguments of
+    ``simulate_volume`` but ``bytes_per_token`` (placement, batch_T, src_rank_T, num_batches,
+    num_ranks, ranks_per_node, dedup, policy)."""
+    ids = np.asarray(topk_ids_TLK)
+    pl = routing.pop("placement")
+    for l in range(ids.shape[1]):
+        yield _dispatch_copies(ids[:, l, :], phy2log_P=pl.phy2log[l], log2phy_EM=pl.log2phy[l], logcnt_E=pl.logcnt[l], **routing)
+
+
+def _dispatch_copies(
     topk_ids_TK: np.ndarray,
     *,
     phy2log_P: np.ndarray,
@@ -144,12 +155,9 @@ def simulate_volume(
     batch_T = np.asarray(batch_T, dtype=np.int64)
     src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
     out = {m: np.zeros((B, L)) for m in METRICS}
-    for l in range(L):
-        c = dispatch_copies(
-            ids[:, l, :], phy2log_P=placement.phy2log[l], log2phy_EM=placement.log2phy[l], logcnt_E=placement.logcnt[l],
-            batch_T=batch_T, src_rank_T=src_rank_T, num_batches=B, num_ranks=W, ranks_per_node=ranks_per_node,
-            dedup=dedup, policy=policy,
-        )
+    copies = layer_copies(ids, placement=placement, batch_T=batch_T, src_rank_T=src_rank_T, num_batches=B, num_ranks=W,
+                          ranks_per_node=ranks_per_node, dedup=dedup, policy=policy)
+    for l, c in enumerate(copies):
         slot, valid, rank, copy, srank = c.slot_TK, c.valid_TK, c.rank_TK, c.copy_TK, c.dst_rank_TK
         inter = c.inter_TK
         intra = copy & ~inter

@@ -33,6 +33,7 @@ _COMMAND_MODULES = (
     "moetrace.cli.imports",
     "moetrace.cli.analyze",
     "moetrace.cli.place",
+    "moetrace.cli.a2a",
     "moetrace.cli.dashboard",
     "moetrace.cli.demo",
 )

@@ -19,6 +19,9 @@ GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node
 Clusters = Annotated[int, typer.Option("--clusters", help="K-means request clusters for data/improved (0: one per node).")]
 Redundancy = Annotated[int, typer.Option("--redundancy", help="Redundant expert slots per layer (E+R must divide over EP ranks).")]
 TestFraction = Annotated[float, typer.Option("--test-fraction", help="Share of requests held out from placement.")]
+BatchRequests = Annotated[int, typer.Option(help="Requests per global batch (0: 32 per node).")]
+DedupOpt = Annotated[Literal["rank", "expert", "node"], typer.Option(help="A token is sent once per distinct destination GPU (rank), expert or node.")]
+ReplicaPolicyOpt = Annotated[Literal["same_node", "even", "metro"], typer.Option(help="Which replica serves a token.")]
 _GROUPED = ", ".join(s.name for s in STRATEGIES if s.grouped)
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  # the registry's names, built at run time
 StrategyOpt = Annotated[StrategyName, typer.Option(help=f"Placement strategy ({_GROUPED} cluster requests first; see docs/placement.md).")]
@@ -83,9 +86,9 @@ def compare_cmd(
     redundancy: Redundancy = 0,
     test_fraction: TestFraction = 0.2,
     batches: Annotated[int, typer.Option(help="Global batches (decode steps) to simulate.")] = 500,
-    batch_requests: Annotated[int, typer.Option(help="Requests per global batch (0: 32 per node).")] = 0,
-    dedup: Annotated[Literal["rank", "expert", "node"], typer.Option(help="A token is sent once per distinct destination GPU (rank), expert or node.")] = "rank",
-    replica_policy: Annotated[Literal["same_node", "even", "metro"], typer.Option(help="Which replica serves a token.")] = "same_node",
+    batch_requests: BatchRequests = 0,
+    dedup: DedupOpt = "rank",
+    replica_policy: ReplicaPolicyOpt = "same_node",
     seed: Seed = 0,
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,

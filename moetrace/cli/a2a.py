@@ -1,0 +1,89 @@
+"""``moetrace a2a``: replay placements through real all-to-all collectives (``placement.a2a_run``).
+
+Out of scope: the replay itself and its result files (``moetrace.placement.a2a_run``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import typer
+
+from moetrace.cli.common import AllowIncomplete, Overwrite, Seed, TraceArg, friendly_errors
+from moetrace.cli.place import (
+    BatchRequests,
+    Clusters,
+    ConfigOpt,
+    DedupOpt,
+    GpusPerNode,
+    Redundancy,
+    ReplicaPolicyOpt,
+    TestFraction,
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("a2a")(a2a_cmd)
+
+
+@friendly_errors
+def a2a_cmd(
+    trace: TraceArg,
+    *,
+    config: ConfigOpt,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Results directory (a2a.json, collectives.parquet).")],
+    placement: Annotated[Optional[list[Path]], typer.Option("--placement", help="Placement JSON (repeat for several); instead of --strategies.")] = None,
+    strategies: Annotated[str, typer.Option(help="Comma-separated strategies to place from the trace (when no --placement).")] = "linear,eplb,data",
+    gpus_per_node: GpusPerNode = 8,
+    batches: Annotated[int, typer.Option(help="Global batches (decode steps) to replay.")] = 8,
+    batch_requests: BatchRequests = 0,
+    hidden_size: Annotated[int, typer.Option(help="Values per token row (0: the model's hidden size).")] = 0,
+    dtype: Annotated[Literal["bfloat16", "float16", "float32"], typer.Option(help="Dtype of the token rows on the wire.")] = "bfloat16",
+    backend: Annotated[Literal["gloo", "nccl", "auto"], typer.Option(help="gloo (CPU), nccl (one GPU per rank) or auto.")] = "auto",
+    torchrun: Annotated[bool, typer.Option("--torchrun", help="This process is one rank of a torchrun job (RANK/WORLD_SIZE set).")] = False,
+    clusters: Clusters = 0,
+    redundancy: Redundancy = 0,
+    test_fraction: TestFraction = 0.2,
+    dedup: DedupOpt = "rank",
+    replica_policy: ReplicaPolicyOpt = "same_node",
+    seed: Seed = 0,
+    allow_incomplete: AllowIncomplete = False,
+    overwrite: Overwrite = False,
+) -> None:
+    """Send the traced tokens' all-to-all through real torch.distributed collectives; compare bytes with the simulator.
+
+    Example: moetrace a2a traces/dsv3 --config DP2TP2EP4 --gpus-per-node 2 --strategies linear,eplb,data -o a2a-out
+    (8 GPUs: torchrun --nproc-per-node 8 -m moetrace a2a ... --torchrun)
+    """
+    from moetrace.placement import a2a_run as ar
+    from moetrace.placement.compare import CompareConfig, load_trace_data
+    from moetrace.placement.deployment import parse_deployment
+    from moetrace.placement.exports import load_placement
+    from moetrace.results import A2A, check_output
+
+    lead = not torchrun or os.environ.get("RANK", "0") == "0"
+    if lead:
+        check_output(out, A2A, overwrite=overwrite)  # before any work
+    names = tuple(s.strip() for s in strategies.split(",") if s.strip())
+    cfg = CompareConfig(deployment=parse_deployment(config, num_gpus_per_node=gpus_per_node), strategies=names,
+                        num_clusters=clusters, num_redundant=redundancy, test_fraction=test_fraction, num_batches=batches,
+                        num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, seed=seed)
+    resolved = ar.choose_backend(backend, world_size=cfg.deployment.num_ep, torchrun=torchrun)
+    data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
+    placed = None
+    if placement:
+        placed = {}
+        for f in placement:
+            ps = ar.placed_from_file(data, cfg, load_placement(f), where=str(f))
+            placed[ps.strategy if ps.strategy not in placed else f"{ps.strategy}:{f.stem}"] = ps
+    plan = ar.build_plan(data, cfg=cfg, placed=placed, hidden_size=hidden_size, dtype=dtype, backend=resolved)
+    records = ar.run_a2a(plan, torchrun=torchrun)
+    if records is None:  # a torchrun rank other than 0: rank 0 reports
+        return
+    files = ar.write_a2a_results(out, plan, records)
+    typer.echo(ar.format_summary(plan, records))
+    typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
+    ar.raise_on_mismatch(plan, records)
+    typer.echo("measured bytes equal the simulator's for every collective, rank and link class")

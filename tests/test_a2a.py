@@ -1,0 +1,216 @@
+"""The all-to-all replay: send matrices equal the simulator's bytes; real gloo collectives (4 ranks,
+2 emulated nodes of 2 GPUs) move exactly those bytes; results files; mismatches are reported."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from moetrace import results as rf
+from moetrace.cli import app
+from moetrace.placement import a2a_run as ar
+from moetrace.placement.a2a import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
+from moetrace.placement.compare import CompareConfig, _batches, load_trace_data, make_placement
+from moetrace.placement.deployment import parse_deployment
+from moetrace.placement.maps import placement_from_phy2log
+from moetrace.placement.simulate import simulate_volume
+from tests.test_placement_compare import _planted_trace
+
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+pytest.importorskip("numba")
+
+DEP = dict(config="DP2TP2EP4", gpus_per_node=2)
+HIDDEN = 16
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    return _planted_trace(tmp_path_factory.mktemp("t") / "planted", structured=True, num_requests=40)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return CompareConfig(deployment=parse_deployment(DEP["config"], num_gpus_per_node=DEP["gpus_per_node"]),
+                         strategies=("linear", "eplb", "data"), num_batches=3, num_batch_requests=16, num_redundant=4)
+
+
+@pytest.fixture(scope="module")
+def data(trace, cfg):
+    return load_trace_data(trace, test_fraction=cfg.test_fraction, seed=cfg.seed)
+
+
+@pytest.fixture(scope="module")
+def plan(data, cfg):
+    return ar.build_plan(data, cfg=cfg, hidden_size=HIDDEN, backend="gloo")
+
+
+@pytest.fixture(scope="module")
+def records(plan):
+    return ar.run_a2a(plan)
+
+
+@pytest.mark.parametrize("dedup", ["rank", "expert", "node"])
+@pytest.mark.parametrize("policy", ["same_node", "even", "metro"])
+def test_send_matrices_equal_simulator_bytes(data, cfg, dedup, policy):
+    """Summed by link class, the matrices are the simulator's dispatch/combine bytes for every (batch, layer)."""
+    dep = cfg.deployment
+    for s in ("linear", "eplb", "data"):
+        ps = make_placement(data, cfg, s)
+        rows, batch, src, _ = _batches(data, cfg, ps.group_of_test_R)
+        kw = dict(placement=ps.placement, batch_T=batch, src_rank_T=src, num_batches=cfg.num_batches, num_ranks=dep.num_ep,
+                  ranks_per_node=dep.ranks_per_node, dedup=dedup, policy=policy)
+        ids = data.test_topk_ids_TLK[rows]
+        sends = send_matrices(ids, **kw)
+        assert sends.shape == (cfg.num_batches, 2, 4, 4) and sends.dtype == np.int64
+        assert (np.diagonal(sends, axis1=2, axis2=3) == 0).all()  # nothing moves to the token's own GPU
+        sim = simulate_volume(ids, bytes_per_token=32, **kw)
+        check_against_simulator(sends, sim, ranks_per_node=dep.ranks_per_node, bytes_per_token=32)
+        intra, inter = rank_link_bytes(sends, phase="dispatch", ranks_per_node=dep.ranks_per_node, bytes_per_token=32)
+        np.testing.assert_array_equal(inter.sum(-1), sim["dispatch_inter_bytes"])
+        np.testing.assert_array_equal((intra + inter).max(-1), sim["max_rank_dispatch_send_bytes"])
+        c_intra, c_inter = rank_link_bytes(sends, phase="combine", ranks_per_node=dep.ranks_per_node, bytes_per_token=32)
+        np.testing.assert_array_equal((c_intra + c_inter).max(-1), sim["max_rank_combine_send_bytes"])
+
+
+def test_send_matrix_hand_example():
+    """Two nodes of two ranks, one slot per expert per rank: a token on rank 0 routed to experts on ranks 0, 1, 3."""
+    pl = placement_from_phy2log(np.array([[0, 1, 2, 3]]), num_experts=4)
+    ids = np.array([[[0, 1]], [[1, 3]], [[3, 3]]])  # [T=3, L=1, K=2]; the last repeats an expert (dedup)
+    kw = dict(placement=pl, batch_T=np.array([0, 0, 1]), src_rank_T=np.array([0, 0, 2]), num_batches=2, num_ranks=4,
+              ranks_per_node=2)
+    s = send_matrices(ids, **kw)
+    want = np.zeros((2, 1, 4, 4), dtype=np.int64)
+    want[0, 0, 0, 1] = 2  # tokens 0 and 1 -> rank 1 (intra); expert 0 is local to token 0
+    want[0, 0, 0, 3] = 1  # token 1 -> rank 3 (inter)
+    want[1, 0, 2, 3] = 1  # token 2 -> rank 3 once (rank dedup), intra
+    np.testing.assert_array_equal(s, want)
+    assert send_matrices(ids, dedup="expert", **kw)[1, 0, 2, 3] == 1  # the same expert twice is still one copy
+
+
+def test_check_against_simulator_names_the_mismatch(plan):
+    sim = {f"{p}_{c}_bytes": np.zeros(plan.sim_inter_VBL.shape[1:]) for p in ("dispatch", "combine") for c in ("intra", "inter")}
+    with pytest.raises(A2AMismatchError, match=r"linear: send matrix gives \d+ dispatch intra-node bytes at batch 0, layer 0"):
+        check_against_simulator(plan.sends_VBLWW[0], sim, ranks_per_node=2, bytes_per_token=plan.bytes_per_token, label="linear")
+
+
+def test_gloo_collectives_move_exactly_the_predicted_bytes(plan, records):
+    assert [r["rank"] for r in records] == [0, 1, 2, 3]
+    assert ar.first_mismatch(plan, records) is None
+    table = ar.result_table(plan, records)
+    V, B, L = plan.sim_inter_VBL.shape
+    assert table.height == V * B * L * 2 * 4
+    assert (table["measured_inter_bytes"] == table["predicted_inter_bytes"]).all()
+    assert (table["measured_intra_bytes"] == table["predicted_intra_bytes"]).all()
+    assert (table["seconds"] > 0).all()
+    # per (strategy, batch, layer), dispatch and combine each total the simulator's bytes
+    for v, s in enumerate(plan.strategies):
+        for phase in ("dispatch", "combine"):
+            t = table.filter((table["strategy"] == s) & (table["phase"] == phase)).sort(["batch", "layer", "rank"])
+            inter_BL = t["measured_inter_bytes"].to_numpy().reshape(B, L, 4).sum(-1)
+            intra_BL = t["measured_intra_bytes"].to_numpy().reshape(B, L, 4).sum(-1)
+            np.testing.assert_array_equal(inter_BL, plan.sim_inter_VBL[v])
+            np.testing.assert_array_equal(intra_BL, plan.sim_intra_VBL[v])
+    assert plan.sim_inter_VBL.sum() > 0 and plan.sim_intra_VBL.sum() > 0  # both link classes are exercised
+
+
+def test_ranking_by_measured_bytes_equals_simulators(plan, records):
+    rows = ar.summary_rows(plan, records)
+    measured = [r["measured_inter_node_bytes_per_batch_median"] for r in rows]
+    simulated = [r["simulated_inter_node_bytes_per_batch_median"] for r in rows]
+    assert measured == simulated
+    by = lambda key: [r["strategy"] for r in sorted(rows, key=lambda r: (r[key], r["strategy"]))]  # noqa: E731
+    assert by("measured_inter_node_normalized_median") == by("simulated_inter_node_normalized_median")
+    assert rows[0]["strategy"] == "linear" and rows[0]["measured_inter_node_normalized_median"] == 1.0
+    data_row = next(r for r in rows if r["strategy"] == "data")
+    assert data_row["measured_inter_node_normalized_median"] < 1.0  # the planted structure pays off on the wire
+
+
+def test_results_files_carry_format_and_version(plan, records, tmp_path):
+    files = ar.write_a2a_results(tmp_path / "out", plan, records)
+    assert [f.name for f in files] == [rf.A2A_COLLECTIVES, rf.A2A_MANIFEST]
+    kind, manifest = rf.read_result_manifest(tmp_path / "out")
+    assert kind is rf.A2A and manifest["format"] == "moetrace.a2a" and manifest["version"] == 1
+    assert manifest["bytes_match"] is True and manifest["first_mismatch"] is None
+    assert rf.read_table_format(tmp_path / "out" / rf.A2A_COLLECTIVES) == ("moetrace.a2a.collectives", 1)
+    with pytest.raises(Exception, match="already holds a2a results"):
+        rf.check_output(tmp_path / "out", rf.A2A, overwrite=False)
+
+
+def test_mismatch_is_a_clean_error(plan, records, monkeypatch):
+    real = ar._predicted
+
+    def off_by_one(p):
+        intra, inter = real(p)
+        inter = inter.copy()
+        inter[1, 0, 1, 0, 2] += 1  # eplb, batch 0, layer 1, dispatch, rank 2
+        return intra, inter
+
+    monkeypatch.setattr(ar, "_predicted", off_by_one)
+    msg = ar.first_mismatch(plan, records)
+    assert msg is not None and msg.startswith("eplb batch 0 layer 1 dispatch rank 2: measured")
+    with pytest.raises(A2AMismatchError, match="eplb batch 0 layer 1 dispatch rank 2"):
+        ar.raise_on_mismatch(plan, records)
+
+
+def test_payload_errors_are_reported(plan, records):
+    bad = [dict(r) for r in records]
+    bad[3] = {**bad[3], "payload_errors": ["rank 3 linear batch 0 layer 0 dispatch: a received row does not carry ..."]}
+    assert ar.first_mismatch(plan, bad).startswith("rank 3 linear batch 0 layer 0 dispatch")
+
+
+def test_cli_a2a_end_to_end(trace, tmp_path, monkeypatch):
+    out = tmp_path / "a2a"
+    args = ["a2a", str(trace), "--config", DEP["config"], "--gpus-per-node", str(DEP["gpus_per_node"]), "--strategies",
+            "linear,eplb", "--batches", "2", "--batch-requests", "8", "--hidden-size", str(HIDDEN), "--redundancy", "4",
+            "--backend", "gloo", "-o", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "measured bytes equal the simulator's" in r.output and "linear" in r.output
+    assert json.loads((out / rf.A2A_MANIFEST).read_text())["strategies"] == ["linear", "eplb"]
+    r = CliRunner().invoke(app, args)  # refused before any work
+    assert r.exit_code == 2 and "--overwrite" in r.output
+    # a forced mismatch exits non-zero naming it
+    real = ar._predicted
+    monkeypatch.setattr(ar, "_predicted", lambda p: (real(p)[0] + 1, real(p)[1]))
+    r = CliRunner().invoke(app, [*args, "--overwrite"])
+    assert r.exit_code == 2 and "measured all-to-all bytes differ from the simulator: linear batch 0 layer 0 dispatch rank 0" in r.output
+
+
+def test_cli_nccl_without_gpus_says_so(trace, tmp_path):
+    import torch
+
+    if torch.cuda.device_count() >= 4:
+        pytest.skip("this machine has a GPU per rank")
+    r = CliRunner().invoke(app, ["a2a", str(trace), "--config", DEP["config"], "--gpus-per-node", "2", "--backend", "nccl",
+                                 "-o", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "--backend nccl needs one GPU per rank: 4 ranks" in r.output
+
+
+def test_torchrun_flag_without_torchrun_env(trace, tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    r = CliRunner().invoke(app, ["a2a", str(trace), "--config", DEP["config"], "--gpus-per-node", "2", "--backend", "gloo",
+                                 "--torchrun", "--batches", "1", "--redundancy", "4", "-o", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "RANK and WORLD_SIZE are not set" in r.output
+
+
+def test_cli_a2a_from_placement_files(data, cfg, trace, tmp_path):
+    from moetrace.placement.compare import placement_file
+    from moetrace.placement.exports import save_placement
+
+    files = []
+    for s in ("linear", "data"):
+        save_placement(placement_file(data, cfg, make_placement(data, cfg, s)), tmp_path / f"{s}.json")
+        files += ["--placement", str(tmp_path / f"{s}.json")]
+    base = ["a2a", str(trace), "--gpus-per-node", "2", "--batches", "2", "--batch-requests", "8", "--hidden-size", "8",
+            "--backend", "gloo", *files]
+    r = CliRunner().invoke(app, [*base, "--config", "DP2TP2EP4", "-o", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "out" / rf.A2A_MANIFEST).read_text())
+    assert m["strategies"] == ["linear", "data"] and m["bytes_match"] is True
+    r = CliRunner().invoke(app, [*base, "--config", "DP4TP2EP8", "-o", str(tmp_path / "bad")])  # 4 nodes of 2: EP8
+    assert r.exit_code == 2 and "placement for EP4" in r.output and "EP8" in r.output
