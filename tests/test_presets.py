@@ -107,3 +107,13 @@ def test_resolve_refuses_an_unknown_name_in_one_line(name, match):
     with pytest.raises(ModelError, match=match) as exc:
         resolve(name)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("typo, suggestion", [("deepseekv3-tiny", "deepseek-v3-tiny"), ("Qwen3-30B", "qwen3-30b-a3b"),
+                                              ("mixtral-8x7", "mixtral-8x7b")])
+def test_a_mistyped_model_name_is_refused_at_once_with_a_suggestion(typo, suggestion):
+    from moetrace.errors import ModelError
+    from moetrace.tracer.presets import resolve
+
+    with pytest.raises(ModelError, match=f"did you mean '{suggestion}'"):
+        resolve(typo)

@@ -139,6 +139,15 @@ def _preset_names() -> str:
     return ", ".join(p for n in _load_all() for p in (n, n + TINY_SUFFIX))
 
 
+def _did_you_mean(name: str) -> str:
+    """``"did you mean 'deepseek-v3-tiny'? "`` for a near miss of a preset name, else ``""``."""
+    import difflib
+
+    names = [p for n in _load_all() for p in (n, n + TINY_SUFFIX)]
+    close = difflib.get_close_matches(name.lower(), names, n=2, cutoff=0.6)
+    return f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ResolvedModel:
     """What one model name means (see :func:`resolve`)."""
@@ -225,12 +234,12 @@ def resolve(name: str) -> ResolvedModel:
     if path.is_file():
         return ResolvedModel(name=name, kind="local", preset=None, source=name, config_path=path)
     if tiny:
-        raise ModelError(f"unknown model preset {name!r}; presets: {_preset_names()}")
+        raise ModelError(f"unknown model preset {name!r}; {_did_you_mean(name)}presets: {_preset_names()}")
     if _HUB_ID_RE.match(name):
         return ResolvedModel(name=name, kind="hub", preset=None, source=name, config_path=None)
     raise ModelError(
         f"model {name!r} is neither a preset, nor an existing checkpoint directory or config.json, nor a hub id "
-        f"(org/name); presets: {_preset_names()}"
+        f"(org/name); {_did_you_mean(name)}presets: {_preset_names()}"
     )
 
 
