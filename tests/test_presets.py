@@ -99,7 +99,7 @@ def test_resolve_a_hub_id_reads_nothing():
 
 @pytest.mark.parametrize("name, match", [
     ("deepseek-v4", "neither a preset.*deepseek-v3-tiny"),  # a bare unknown name, with the presets listed
-    ("deepseek-v4-tiny", "unknown model preset 'deepseek-v4-tiny'; presets: .*deepseek-v3-tiny"),
+    ("deepseek-v4-tiny", "unknown model preset 'deepseek-v4-tiny'; did you mean 'deepseek-v3-tiny'.*presets: .*deepseek-v3-tiny"),
     ("/no/such/checkpoint", "neither a preset, nor an existing checkpoint directory"),
     ("./ckpt", "neither a preset"),
 ])
