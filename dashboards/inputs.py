@@ -6,7 +6,8 @@ A directory is one of:
 - an **analysis** result (``manifest.json`` with ``format: "moetrace.analysis"``, written by
   ``moetrace analyze``);
 - a **placement** result (``compare.json`` with ``format: "moetrace.compare"``, written by
-  ``moetrace compare``).
+  ``moetrace compare``);
+- an **a2a** result (``a2a.json`` with ``format: "moetrace.a2a"``, written by ``moetrace a2a``).
 
 Result manifests are read and checked by ``moetrace.results.read_result_manifest`` (format name and
 version; a ``compare.json`` without a format was written by an older moetrace and says so).
@@ -25,14 +26,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 from moetrace.errors import TraceFormatError
-from moetrace.results import ANALYSIS, COMPARE, KINDS, read_result_manifest
+from moetrace.results import A2A, ANALYSIS, COMPARE, KINDS, read_result_manifest
 from moetrace.tracer.trace.layout import MANIFEST as TRACE_MANIFEST
 from moetrace.tracer.trace.schema import FORMAT as TRACE_FORMAT
 
-InputKind = Literal["trace", "analysis", "placement"]
+InputKind = Literal["trace", "analysis", "placement", "a2a"]
 
 #: result kind (moetrace.results) -> the input kind the dashboard draws it as
-DRAWN: dict[str, InputKind] = {ANALYSIS.name: "analysis", COMPARE.name: "placement"}
+DRAWN: dict[str, InputKind] = {ANALYSIS.name: "analysis", COMPARE.name: "placement", A2A.name: "a2a"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +60,7 @@ def detect(path: str | Path) -> Input:
     if not p.is_dir():
         raise TraceFormatError(
             f"{p}: {'not a directory' if p.exists() else 'no such directory'}. Pass trace directories and the output directories of "
-            "`moetrace analyze` / `moetrace compare`."
+            "`moetrace analyze` / `moetrace compare` / `moetrace a2a`."
         )
     names = list(dict.fromkeys([TRACE_MANIFEST, *(k.manifest for k in KINDS if k.manifest is not None)]))
     result_formats = {k.format for k in KINDS}
@@ -84,5 +85,5 @@ def detect(path: str | Path) -> Input:
     found = f"; found {', '.join(seen)}" if seen else ""
     raise TraceFormatError(
         f"{p}: not a trace, analysis or placement result directory (expected {expected}{found}). "
-        "Pass the directory given to -o of `moetrace analyze` or `moetrace compare`, or a trace directory."
+        "Pass the directory given to -o of `moetrace analyze`, `moetrace compare` or `moetrace a2a`, or a trace directory."
     )

@@ -4,7 +4,7 @@ Each input directory is recognised by its manifest (``inputs``); every section w
 present is rendered, every section whose results are absent is listed in
 ``DashboardReport.omitted`` with the reason (and in the page's footer), never an error.
 
-Out of scope: computing results (``moetrace analyze`` / ``moetrace compare`` do that; the
+Out of scope: computing results (``moetrace analyze`` / ``compare`` / ``a2a`` do that; the
 dashboard only reads their files), serving the page.
 """
 
@@ -43,6 +43,7 @@ class DashboardReport:
 def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple[list[Section], list[str]]:
     """The sections for these inputs, and notes on the sections left out."""
     from moetrace.dashboards.results import Results
+    from moetrace.dashboards.section_a2a import a2a_section
     from moetrace.dashboards.section_clusters import classifiers_section, clusters_section
     from moetrace.dashboards.section_correlation import correlation_section
     from moetrace.dashboards.section_imbalance import imbalance_section
@@ -53,9 +54,10 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
     traces = [i for i in inputs if i.kind == "trace"]
     analyses = [Results.from_input(i) for i in inputs if i.kind == "analysis"]
     placements = [Results.from_input(i) for i in inputs if i.kind == "placement"]
+    a2as = [Results.from_input(i) for i in inputs if i.kind == "a2a"]
     # a results directory names its trace: show that trace's overview too when it is at hand
     given = {t.path.resolve() for t in traces}
-    for r in [*analyses, *placements]:
+    for r in [*analyses, *placements, *a2as]:
         tp = r.trace_path
         if tp is not None and tp.resolve() not in given and (tp / "manifest.json").is_file():
             try:
@@ -94,6 +96,15 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
         omitted.extend(notes)
     if not placements:
         omitted.append("placement: no `moetrace compare` results among the inputs")
+    for n, r in enumerate(a2as):
+        sec, notes = a2a_section(r, key_prefix=f"m{n}-" if len(a2as) > 1 else "")
+        if sec is not None:
+            sections.append(replace(sec, title=f"{sec.title}: {r.trace_label}") if len(a2as) > 1 else sec)
+        omitted.extend(notes)
+    if not a2as:
+        omitted.append(
+            "all-to-all measurements vs predictions: no measured all-to-all results among the inputs (run `moetrace a2a`)"
+        )
     omitted = list(dict.fromkeys(omitted))
     return sections, omitted
 
@@ -107,8 +118,8 @@ def write_dashboard(
 ) -> DashboardReport:
     """Write one self-contained HTML report for ``inputs`` to ``out`` and say what is in it.
 
-    ``inputs``: trace directories and result directories of ``moetrace analyze`` and
-    ``moetrace compare``, in any order and mix. ``out``: the ``.html`` file to write (its parent
+    ``inputs``: trace directories and result directories of ``moetrace analyze``,
+    ``moetrace compare`` and ``moetrace a2a``, in any order and mix. ``out``: the ``.html`` file to write (its parent
     is created). The file is written to a temporary name and renamed, so a failure never leaves a
     half-written report.
     """

@@ -1,7 +1,7 @@
 """Read access to a results directory for the sections: its tables, its trace, its label.
 
-A results directory is what ``moetrace analyze`` or ``moetrace compare`` wrote: a manifest
-(``manifest.json`` or ``compare.json``) naming the trace it was computed from and a set of
+A results directory is what ``moetrace analyze``, ``moetrace compare`` or ``moetrace a2a`` wrote: a
+manifest (``manifest.json``, ``compare.json`` or ``a2a.json``) naming the trace it was computed from and a set of
 Parquet/JSON files. A section asks for a file by its name in ``moetrace.results`` and gets ``None``
 when it is absent (that section is then left out, with a note).
 
@@ -29,7 +29,7 @@ class Results:
 
     path: Path  # the directory
     manifest: dict[str, Any]  # its manifest
-    kind: str  # "analysis" or "placement"
+    kind: str  # "analysis", "placement" or "a2a"
 
     @classmethod
     def from_input(cls, inp: Input) -> "Results":

@@ -15,9 +15,8 @@ Figures (files and columns as written by ``moetrace.placement.compare.write_resu
   strategy; node boundaries drawn as lines.
 - The summary table (``summary.parquet``) above the figures.
 
-Measured all-to-all (replayed through real collectives) against these predictions is drawn when a
-results directory holds measurements; no moetrace command writes them yet, so it is listed as left
-out.
+Measured all-to-all (replayed through real collectives by ``moetrace a2a``) against these predictions
+is drawn by ``section_a2a`` from that command's results directory.
 
 Shape legend (docs/architecture.md): V strategies, B global batches, L MoE layers, P physical
 slots, W GPUs (EP ranks).
@@ -155,7 +154,7 @@ def placement_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
             figures=tuple(figures),
             notes=tuple(notes),
         ),
-        ["all-to-all measurements vs predictions: no measured all-to-all results among the inputs"],
+        [],
     )
 
 

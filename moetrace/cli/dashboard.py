@@ -19,7 +19,7 @@ def dashboard_cmd(
     inputs: Annotated[
         list[Path],
         typer.Argument(
-            help="Trace directories and output directories of `moetrace analyze` / `moetrace compare`, in any mix.",
+            help="Trace directories and output directories of `moetrace analyze` / `compare` / `a2a`, in any mix.",
             show_default=False,
         ),
     ],
@@ -31,7 +31,7 @@ def dashboard_cmd(
     title: Annotated[str | None, typer.Option(help="Page title (default: names the model).")] = None,
 ) -> None:
     """Write an interactive, offline HTML report: overview, load imbalance, correlations, clusters,
-    classifiers, placements and all-to-all volume, for whatever results are given.
+    classifiers, placements, all-to-all volume and measured all-to-all, for whatever results are given.
 
     Example: moetrace dashboard traces/dsv3 results/dsv3-analysis results/dsv3-compare -o report.html
     """

@@ -1,0 +1,75 @@
+"""The dashboard draws `moetrace a2a` results: measured vs predicted inter-node bytes per strategy and
+collective time per layer, from a tiny real gloo replay (4 ranks, 2 emulated nodes of 2 GPUs)."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from browser.figjson import figures_from_html
+from moetrace import results as rf
+from moetrace.cli import app
+from moetrace.dashboards.inputs import detect
+from moetrace.dashboards.report import write_dashboard
+from tests.test_placement_compare import _planted_trace
+
+pytest.importorskip("plotly")
+pytest.importorskip("torch")
+pytest.importorskip("sklearn")
+pytest.importorskip("numba")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dash-a2a")
+    trace = _planted_trace(tmp / "planted", structured=True, num_requests=40)
+    out = tmp / "a2a"
+    r = CliRunner().invoke(app, ["a2a", str(trace), "--config", "DP2TP2EP4", "--gpus-per-node", "2", "--strategies",
+                                 "linear,eplb", "--batches", "2", "--batch-requests", "8", "--hidden-size", "16",
+                                 "--redundancy", "4", "--backend", "gloo", "-o", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    return trace, out
+
+
+def test_dashboard_draws_a2a_results(runs, tmp_path):
+    trace, a2a = runs
+    assert detect(a2a).kind == "a2a"
+    html_out = tmp_path / "r.html"
+    r = CliRunner().invoke(app, ["dashboard", str(trace), str(a2a), "-o", str(html_out)])
+    assert r.exit_code == 0, r.output
+    assert "a2a" in r.output and "no measured all-to-all results" not in r.output
+    text = html_out.read_text()
+    assert "Measured all-to-all vs predictions" in text and "WARNING" not in text
+    figs = figures_from_html(text)
+    assert {"a2a-bytes", "a2a-time"} <= set(figs)
+    assert all(figs[k]["source"] == str(a2a / rf.A2A_COLLECTIVES) for k in ("a2a-bytes", "a2a-time"))
+    # bytes: measured and predicted bars per strategy, equal, normalized to linear
+    measured, predicted = figs["a2a-bytes"]["data"]
+    assert list(measured["x"]) == list(predicted["x"]) == ["linear (vLLM default)", "EPLB"]
+    assert list(measured["y"]) == pytest.approx(list(predicted["y"]))
+    assert measured["y"][0] == pytest.approx(1.0)
+    df = pl.read_parquet(a2a / rf.A2A_COLLECTIVES)
+    per_batch = df.filter(pl.col("strategy") == "eplb").group_by("batch").agg(pl.col("measured_inter_bytes").sum())
+    assert measured["customdata"][1] == pytest.approx(float(per_batch["measured_inter_bytes"].median()))
+    # time: a line per strategy and phase over the MoE layers
+    lines = figs["a2a-time"]["data"]
+    assert len(lines) == 4 and {t["line"]["dash"] for t in lines} == {"solid", "dot"}
+    assert "indicative only" in text
+
+
+def test_a2a_mismatch_is_a_visible_warning(runs, tmp_path):
+    _, a2a = runs
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    df = pl.read_parquet(a2a / rf.A2A_COLLECTIVES)
+    df = df.with_columns(pl.when(pl.int_range(pl.len()) == 0).then(pl.col("measured_inter_bytes") + 2)
+                         .otherwise(pl.col("measured_inter_bytes")).alias("measured_inter_bytes"))  # fmt: skip
+    df.write_parquet(bad / rf.A2A_COLLECTIVES)
+    (bad / rf.A2A_MANIFEST).write_bytes((a2a / rf.A2A_MANIFEST).read_bytes())
+    rep = write_dashboard([bad], out=tmp_path / "r.html")
+    assert "a2a" in rep.sections
+    text = rep.path.read_text()
+    assert "WARNING: measured all-to-all bytes differ" in text
+    ann = figures_from_html(text)["a2a-bytes"]["layout"].get("annotations", [])
+    assert any("measured ≠ predicted in 1" in a.get("text", "") for a in ann)
