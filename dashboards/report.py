@@ -82,31 +82,30 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
         lambda r, kp: classifiers_section(r, key_prefix=kp),
     )
     for build in builders:
-        for n, r in enumerate(analyses):
-            sec, notes = build(r, f"a{n}-" if len(analyses) > 1 else "")
-            if sec is not None:
-                sections.append(replace(sec, title=f"{sec.title}: {r.trace_label}") if len(analyses) > 1 else sec)
-            omitted.extend(notes)
+        _add_sections(sections, omitted, analyses, build, "a")
     if not analyses:
         omitted.append("load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs")
-    for n, r in enumerate(placements):
-        sec, notes = placement_section(r, key_prefix=f"p{n}-" if len(placements) > 1 else "")
-        if sec is not None:
-            sections.append(replace(sec, title=f"{sec.title}: {r.trace_label}") if len(placements) > 1 else sec)
-        omitted.extend(notes)
+    _add_sections(sections, omitted, placements, lambda r, kp: placement_section(r, key_prefix=kp), "p")
     if not placements:
         omitted.append("placement: no `moetrace compare` results among the inputs")
-    for n, r in enumerate(a2as):
-        sec, notes = a2a_section(r, key_prefix=f"m{n}-" if len(a2as) > 1 else "")
-        if sec is not None:
-            sections.append(replace(sec, title=f"{sec.title}: {r.trace_label}") if len(a2as) > 1 else sec)
-        omitted.extend(notes)
+    _add_sections(sections, omitted, a2as, lambda r, kp: a2a_section(r, key_prefix=kp), "m")
     if not a2as:
         omitted.append(
             "all-to-all measurements vs predictions: no measured all-to-all results among the inputs (run `moetrace a2a`)"
         )
     omitted = list(dict.fromkeys(omitted))
     return sections, omitted
+
+
+def _add_sections(sections: list[Section], omitted: list[str], results: Sequence, build, prefix: str) -> None:
+    """One section per results directory from ``build(results, key_prefix)``; several directories of one
+    kind get distinct keys and their trace's name in the title."""
+    many = len(results) > 1
+    for n, r in enumerate(results):
+        sec, notes = build(r, f"{prefix}{n}-" if many else "")
+        if sec is not None:
+            sections.append(replace(sec, title=f"{sec.title}: {r.trace_label}") if many else sec)
+        omitted.extend(notes)
 
 
 def write_dashboard(
