@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -95,13 +95,19 @@ class TraceData:
     test_req_T: np.ndarray  # int64 [T] row (0..R-1) of each test token's request
 
 
-def load_trace_data(trace: str | os.PathLike, *, test_fraction: float, seed: int, allow_incomplete: bool = False) -> TraceData:
-    """Count the trace and keep the held-out requests' decode tokens (streamed once more)."""
+def load_trace_data(
+    trace: str | os.PathLike, *, test_fraction: float, seed: int, allow_incomplete: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> TraceData:
+    """Count the trace and keep the held-out requests' decode tokens (streamed once more).
+
+    ``progress(tokens_done, tokens_total)`` is passed to the counting pass (``count_trace``).
+    """
     from moetrace.analysis.counts import count_trace
     from moetrace.tracer.trace.reader import open_trace
 
     tr = open_trace(trace, require_complete=not allow_incomplete)
-    counts = count_trace(tr, allow_incomplete=allow_incomplete)
+    counts = count_trace(tr, allow_incomplete=allow_incomplete, progress=progress)
     R = counts.num_requests
     if R < 4:
         raise TraceFormatError(f"{trace}: {R} requests; placement needs at least 4 (some to train, some to test)")
@@ -272,17 +278,27 @@ class CompareResult:
         return rows
 
 
-def run_compare(data: TraceData, cfg: CompareConfig) -> CompareResult:
-    """Place every strategy on the training requests and simulate them on the held-out ones."""
+def run_compare(
+    data: TraceData, cfg: CompareConfig, *, progress: Callable[[int, int], None] | None = None
+) -> CompareResult:
+    """Place every strategy on the training requests and simulate them on the held-out ones.
+
+    ``progress(steps_done, steps_total)`` is called after each placement and each simulation
+    (two steps per strategy, the linear reference included).
+    """
     dep, m = cfg.deployment, data.model
     strategies = list(dict.fromkeys(cfg.strategies))
     reference = "linear"
     todo = strategies if reference in strategies else [reference, *strategies]
     placed: dict[str, PlacedStrategy] = {}
     grouping = None
+    steps, done = 2 * len(todo), 0
     for s in todo:
         placed[s] = make_placement(data, cfg, s, grouping=grouping)
         grouping = placed[s].grouping or grouping  # data and improved share one grouping
+        done += 1
+        if progress is not None:
+            progress(done, steps)
     metrics = {}
     for s in todo:
         rows, batch, src, empty = _batches(data, cfg, placed[s].group_of_test_R)
@@ -292,6 +308,9 @@ def run_compare(data: TraceData, cfg: CompareConfig) -> CompareResult:
             num_batches=cfg.num_batches, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node,
             bytes_per_token=m.hidden_size * cfg.bytes_per_value, dedup=cfg.dedup, policy=cfg.replica_policy,
         )
+        done += 1
+        if progress is not None:
+            progress(done, steps)
     conf = {k: v for k, v in asdict(cfg).items() if k != "deployment"}
     conf.update(deployment=dep.name, gpus_per_node=dep.num_gpus_per_node, batch_requests=cfg.batch_requests,
                 num_ep=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node,

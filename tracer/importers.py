@@ -42,7 +42,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
@@ -161,9 +161,12 @@ def check_utf8(path: Path) -> None:
             raise TraceFormatError(f"{path}:{line}: not UTF-8 text ({exc.reason}); save the file as UTF-8") from None
 
 
-def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+def _iter_json_lines(path: Path, consumed: list[int] | None = None) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` of each non-blank line; ``consumed[0]`` is kept at the bytes read so far."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
+            if consumed is not None:
+                consumed[0] += len(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -210,8 +213,13 @@ def import_trace(
     source_format: SourceFormat = "auto",
     dataset: str | None = None,
     on_existing: OnExisting = "refuse",
+    progress: Callable[[int, int], None] | None = None,
 ) -> WriterStats:
-    """Convert one input file into the trace directory ``out``; returns what was written."""
+    """Convert one input file into the trace directory ``out``; returns what was written.
+
+    ``progress(bytes_done, bytes_total)`` is called over the input file's bytes after each committed
+    batch of requests, last with ``bytes_done == bytes_total``.
+    """
     src = Path(path)
     if not src.is_file():
         raise TraceFormatError(f"{src}: no such file")
@@ -226,9 +234,12 @@ def import_trace(
     try:
         with TraceWriter(out, model=model, backend=backend, collection=collection, on_existing=on_existing) as writer:
             if fmt == "sglang":
-                datasets = _import_sglang(src, writer=writer, info=model, label=label)
+                datasets = _import_sglang(src, writer=writer, info=model, label=label, progress=progress)
             else:
                 datasets = _import_tokens(src, writer=writer, info=model, label=label)
+                if progress is not None:  # one batch: the whole file
+                    size = src.stat().st_size
+                    progress(size, size)
             writer.update_manifest(collection={**collection, "datasets": sorted(datasets)})
     except TraceFormatError:
         if created:  # bad input: leave no partial trace behind that would block a corrected re-run
@@ -237,11 +248,14 @@ def import_trace(
     return writer.stats()
 
 
-def _import_sglang(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str) -> set[str]:
+def _import_sglang(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str,
+                   progress: Callable[[int, int], None] | None = None) -> set[str]:
     seen: set[str] = set()
     ids: set[int] = set()
     index = 0
     batch: list[tuple[int, str, int, int, np.ndarray]] = []
+    size = src.stat().st_size
+    consumed = [0]
 
     def flush() -> None:
         if not batch:
@@ -254,8 +268,10 @@ def _import_sglang(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
             topk_ids_TX=np.concatenate([b[4] for b in batch]),
         )
         batch.clear()
+        if progress is not None:
+            progress(min(consumed[0], size), size)
 
-    for n, obj in _iter_json_lines(src):
+    for n, obj in _iter_json_lines(src, consumed):
         for resp in obj if isinstance(obj, list) else [obj]:
             if not isinstance(resp, dict):
                 raise TraceFormatError(f"{src}:{n}: expected a response object, got {type(resp).__name__}")
@@ -274,6 +290,8 @@ def _import_sglang(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
             if len(batch) >= 512:
                 flush()
     flush()
+    if progress is not None:
+        progress(size, size)
     return seen
 
 

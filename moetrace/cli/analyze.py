@@ -6,7 +6,9 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli.common import AllowIncomplete, OutDir, Overwrite, Seed, TraceArg, friendly_errors
+from moetrace.cli.common import (
+    AllowIncomplete, OutDir, Overwrite, Quiet, Seed, TraceArg, friendly_errors, log_lines, progress_bar,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -42,6 +44,7 @@ def analyze_cmd(
     embedding_max_requests: Annotated[int, typer.Option(help="Subsample cap for t-SNE/UMAP (stratified by dataset).")] = 4000,
     overwrite: Overwrite = False,
     allow_incomplete: AllowIncomplete = False,
+    quiet: Quiet = False,
 ) -> None:
     """Characterize a trace: imbalance, correlations, embeddings, classifiers, cross-layer affinity.
 
@@ -60,14 +63,20 @@ def analyze_cmd(
         embedding_max_requests=embedding_max_requests,
         allow_incomplete=allow_incomplete,
     )
-    last = [-1]
+    log = log_lines(quiet)
+    with progress_bar("counting", "tokens", quiet=quiet) as bar:
+        last = [-1]
 
-    def progress(done: int, total: int) -> None:
-        pct = 100 * done // max(total, 1)
-        if pct // 10 != last[0]:
-            last[0] = pct // 10
-            typer.echo(f"  counted {done:,} / {total:,} tokens ({pct}%)", err=True)
+        def progress(done: int, total: int) -> None:
+            if bar.enabled:  # a terminal: the bar (rate, time left)
+                bar(done, total)
+                return
+            pct = 100 * done // max(total, 1)  # a log file: a line every 10 %
+            if pct // 10 != last[0]:
+                last[0] = pct // 10
+                log(f"  counted {done:,} / {total:,} tokens ({pct}%)")
 
-    summary = analyze(trace, out, config=config, overwrite=overwrite, log=lambda m: typer.echo(m, err=True), progress=progress)
+        summary = analyze(trace, out, config=config, overwrite=overwrite, log=log,
+                          progress=None if quiet else progress)
     typer.echo(format_summary(summary))
     typer.echo(f"\nresults in {out} ({summary['seconds']:.1f} s); files are listed in {out / ANALYSIS_MANIFEST}")

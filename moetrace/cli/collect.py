@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from moetrace.cli.common import ModelOpt, OutDir, Overwrite, Seed, friendly_errors, request_progress
+from moetrace.cli.common import ModelOpt, OutDir, Overwrite, Quiet, Seed, friendly_errors, request_progress
 
 
 def register(app: typer.Typer) -> None:
@@ -67,6 +67,7 @@ def collect_cmd(
         typer.Option(help="Split the run into N shards, one engine each, placed by Ray across the cluster, "
                      "then merge (OUT must be on a file system every node mounts)."),
     ] = None,
+    quiet: Quiet = False,
 ) -> None:
     """Collect a trace: the experts every token of every request is routed to, as Parquet.
 
@@ -97,7 +98,7 @@ def collect_cmd(
     )
     engine = VllmEngineConfig(tp=tp, ep=ep, dp=dp, max_model_len=max_model_len,
                               gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
-    with request_progress("collect") as bar:
+    with request_progress("collect", quiet=quiet) as bar:
         result = run_collection(
             config, out=out, backend=backend, engine=engine,
             on_existing="resume" if resume else "overwrite" if overwrite else "refuse",

@@ -36,6 +36,10 @@ Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace what is al
 AllowIncomplete = Annotated[
     bool, typer.Option("--allow-incomplete", help="Read a trace whose collection has not finished (committed parts only).")
 ]
+Quiet = Annotated[
+    bool,
+    typer.Option("--quiet", "-q", help="No progress bar and no step log lines on stderr (errors and the result still print)."),
+]
 
 
 def err(message: str) -> None:
@@ -81,32 +85,96 @@ def stderr_is_tty() -> bool:
     return sys.stderr.isatty()
 
 
+def show_progress(quiet: bool = False, *, tty: bool | None = None) -> bool:
+    """The one decision for every command: draw progress bars only on a terminal (stderr) and not under ``--quiet``.
+
+    ``tty`` overrides the check of stderr (tests).
+    """
+    if quiet:
+        return False
+    return stderr_is_tty() if tty is None else tty
+
+
+def _rich_bar(label: str, unit: str):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True,
+    )
+
+
+class ProgressBar:
+    """A ``progress(done, total)`` callback for the library that draws done/total, rate and time left (rich, stderr).
+
+    Draws only when :func:`show_progress` says so; starts on the first call, clears itself when the
+    work is done (``done >= total``) so that later lines print cleanly. Use through :func:`progress_bar`.
+    """
+
+    def __init__(self, label: str, unit: str, *, quiet: bool = False) -> None:
+        self._label, self._unit = label, unit
+        self.enabled = show_progress(quiet)
+        self._bar = None
+        self._task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            self._bar = _rich_bar(self._label, self._unit)
+            self._task = self._bar.add_task(self._label, total=max(total, 1), rate="")
+            self._bar.start()
+        elapsed = self._bar.tasks[self._task].elapsed or 1e-9
+        self._bar.update(self._task, completed=done, total=max(total, 1), rate=f"{done / elapsed:,.0f} {self._unit}/s")
+        if done >= total:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+@contextlib.contextmanager
+def progress_bar(label: str, unit: str, *, quiet: bool = False) -> Iterator[ProgressBar]:
+    """A :class:`ProgressBar` that is stopped (and cleared) however the block is left."""
+    bar = ProgressBar(label, unit, quiet=quiet)
+    try:
+        yield bar
+    finally:
+        bar.stop()
+
+
+def log_lines(quiet: bool = False) -> Callable[[str], None]:
+    """Where a command's per-step log lines go: stderr, or nowhere under ``--quiet``."""
+    if quiet:
+        return lambda _msg: None
+    return lambda msg: typer.echo(msg, err=True)
+
+
 class RequestProgress:
     """The one progress bar of the CLI: requests done of a total, tokens/s, time left (rich, on stderr).
 
-    Draws nothing when stderr is not a terminal. Pass :meth:`start` and :meth:`update` to the library
+    Draws nothing when stderr is not a terminal or under ``--quiet`` (:func:`show_progress`).
+    Pass :meth:`start` and :meth:`update` to the library
     as its ``on_start``/``on_progress`` callbacks; use it through :func:`request_progress`.
     """
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, *, quiet: bool = False) -> None:
         self._label = label
+        self.enabled = show_progress(quiet)
         self._bar = None  # rich Progress, once started on a terminal
         self._task = None
         self._done_before = 0  # requests already done when the run started (resume)
 
     def start(self, pending: int, total: int) -> None:
         """The work is known: ``total`` requests, ``pending`` of them still to run."""
-        if not stderr_is_tty():
+        if not self.enabled:
             return
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
         self._done_before = total - pending
-        self._bar = Progress(
-            TextColumn(f"[bold]{self._label}"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=Console(stderr=True), transient=True,
-        )
+        self._bar = _rich_bar(self._label, "requests")
         self._task = self._bar.add_task(self._label, total=total, completed=self._done_before, rate="")
         self._bar.start()
 
@@ -124,9 +192,9 @@ class RequestProgress:
 
 
 @contextlib.contextmanager
-def request_progress(label: str) -> Iterator[RequestProgress]:
+def request_progress(label: str, *, quiet: bool = False) -> Iterator[RequestProgress]:
     """A :class:`RequestProgress` that is stopped (and cleared) however the block is left."""
-    bar = RequestProgress(label)
+    bar = RequestProgress(label, quiet=quiet)
     try:
         yield bar
     finally:

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import OutDir, Overwrite, friendly_errors, human_bytes
+from moetrace.cli.common import OutDir, Overwrite, Quiet, friendly_errors, human_bytes, progress_bar
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +29,7 @@ def import_cmd(
     dataset: Annotated[str | None, typer.Option(help="Dataset label of requests that carry none "
                                                 "(default: the file name).")] = None,
     overwrite: Overwrite = False,
+    quiet: Quiet = False,
 ) -> None:
     """Convert routing recorded by another tool into a trace (format v1) that every analysis reads.
 
@@ -37,7 +38,9 @@ def import_cmd(
     from moetrace.tracer.importers import import_trace
     from moetrace.tracer.presets import resolve
 
-    stats = import_trace(source, out=out, model=resolve(model).model_info(), source_format=source_format,
-                         dataset=dataset, on_existing="overwrite" if overwrite else "refuse")
+    info = resolve(model).model_info()
+    with progress_bar("import", "bytes", quiet=quiet) as bar:
+        stats = import_trace(source, out=out, model=info, source_format=source_format,
+                             dataset=dataset, on_existing="overwrite" if overwrite else "refuse", progress=bar)
     typer.echo(f"{out}: {stats.num_requests} requests, {stats.num_tokens} tokens, "
                f"{human_bytes(stats.bytes_on_disk)} on disk")

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import AllowIncomplete, Overwrite, Seed, TraceArg, friendly_errors
+from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, Seed, TraceArg, friendly_errors, progress_bar
 from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
@@ -55,6 +55,7 @@ def place_cmd(
     seed: Seed = 0,
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,
+    quiet: Quiet = False,
 ) -> None:
     """Compute an expert placement from a trace's training requests and write moetrace's placement JSON.
 
@@ -68,7 +69,9 @@ def place_cmd(
     check_output(out, PLACEMENT, overwrite=overwrite)  # before minutes of work
     cfg = _cfg(config, gpus_per_node, strategies=(strategy,), num_clusters=clusters, num_redundant=redundancy,
                test_fraction=test_fraction, seed=seed)
-    data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
+    with progress_bar("counting", "tokens", quiet=quiet) as bar:
+        data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete,
+                               progress=bar)
     ps = make_placement(data, cfg, strategy)
     save_placement(placement_file(data, cfg, ps), out)
     typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)} -> {out}")
@@ -92,6 +95,7 @@ def compare_cmd(
     seed: Seed = 0,
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,
+    quiet: Quiet = False,
 ) -> None:
     """Place experts with several strategies on training requests; simulate all-to-all volume on held-out ones.
 
@@ -108,8 +112,11 @@ def compare_cmd(
     cfg = _cfg(config, gpus_per_node, strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                num_clusters=clusters, num_redundant=redundancy, test_fraction=test_fraction, num_batches=batches,
                num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, seed=seed)
-    data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
-    result = run_compare(data, cfg)
+    with progress_bar("counting", "tokens", quiet=quiet) as bar:
+        data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete,
+                               progress=bar)
+    with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
+        result = run_compare(data, cfg, progress=bar)
     typer.echo(format_compare_summary(result))
     for note in compare_notes(result):
         typer.secho(note, fg=typer.colors.YELLOW, err=True)

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli.common import ModelOpt, OutDir, Overwrite, Seed, friendly_errors, human_bytes, request_progress
+from moetrace.cli.common import ModelOpt, OutDir, Overwrite, Quiet, Seed, friendly_errors, human_bytes, request_progress
 from moetrace.errors import ConfigError
 
 
@@ -57,6 +57,7 @@ def synth_cmd(
         typer.Option(help='Knob overrides: a JSON file or inline JSON, e.g. \'{"pd_mix": 0.2, "zipf_exponent": 1.4}\'.'),
     ] = None,
     overwrite: Overwrite = False,
+    quiet: Quiet = False,
 ) -> None:
     """Generate a synthetic trace with known, planted structure (skew, domains, request clusters,
     prefill->decode relation, cross-layer affinity), written like a collected one.
@@ -75,7 +76,7 @@ def synth_cmd(
         knobs=SynthKnobs.from_dict(_read_knobs(knobs), base=load_calibration(cal)),
         calibration=cal,
     )
-    with request_progress("synth") as bar:
+    with request_progress("synth", quiet=quiet) as bar:
         bar.start(plan.num_requests, plan.num_requests)
         summary = synthesize(out, model=info, plan=plan, workers=workers,
                              on_existing="overwrite" if overwrite else "refuse", progress=bar.update)

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli.common import TraceArg, friendly_errors
+from moetrace.cli.common import Quiet, TraceArg, friendly_errors, progress_bar
 
 
 def register(app: typer.Typer) -> None:
@@ -16,14 +16,15 @@ def register(app: typer.Typer) -> None:
 
 
 @friendly_errors
-def validate_cmd(trace: TraceArg) -> None:
+def validate_cmd(trace: TraceArg, quiet: Quiet = False) -> None:
     """Check a trace against format v1 and name every problem; exit 1 if there is any.
 
     Example: moetrace validate traces/dsv3-gsm8k
     """
     from moetrace.tracer.trace.validate import validate
 
-    validate(trace)
+    with progress_bar("validate", "rows", quiet=quiet) as bar:
+        validate(trace, progress=bar)
     typer.secho(f"{trace}: valid moetrace trace (format v1)", fg=typer.colors.GREEN)
 
 

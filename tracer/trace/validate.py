@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -40,8 +41,12 @@ MAX_REPORTED = 200
 BATCH_ROWS = 65536
 
 
-def find_problems(path: str | os.PathLike) -> list[str]:
-    """Return a list of human-readable problems with the trace at ``path`` (empty: valid)."""
+def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], None] | None = None) -> list[str]:
+    """Return a list of human-readable problems with the trace at ``path`` (empty: valid).
+
+    ``progress(rows_done, rows_total)`` is called after each batch of routing rows read (and once at
+    the end with ``rows_done == rows_total``); the total is the row count in the parts' footers.
+    """
     p = Path(path)
     problems: list[str] = []
     try:
@@ -132,6 +137,14 @@ def find_problems(path: str | os.PathLike) -> list[str]:
         seen_T = np.zeros(claimed, dtype=np.uint8)
     num_dup = 0
     dup_examples: list[tuple[int, int]] = []
+    rows_done = 0
+
+    def tick(rows: int) -> None:
+        nonlocal rows_done
+        rows_done = min(rows_done + rows, rows_on_disk)
+        if progress is not None:
+            progress(rows_done, rows_on_disk)
+
     for n in sorted(rnames):
         where = f"{ROUTING_DIR}/{n}"
         try:
@@ -148,10 +161,13 @@ def find_problems(path: str | os.PathLike) -> list[str]:
                     rb, where, problems, E=E, rid_sorted=rid_sorted, p_sorted=p_sorted, len_sorted=len_sorted,
                     start_R=start_R, seen_T=seen_T, dup_examples=dup_examples,
                 )
+                tick(rb.num_rows)
         except (pa.ArrowException, OSError) as exc:
             problems.append(f"{where}: not readable as Parquet (truncated or corrupt?): {exc}")
         if len(problems) > MAX_REPORTED:
             break
+    tick(rows_on_disk)  # parts skipped (unreadable, bad schema, too many problems) count as done
+
 
     if num_dup:
         problems.append(f"routing: {num_dup} duplicate (request_id, position) rows, e.g. {dup_examples[:5]}")
@@ -245,9 +261,9 @@ def _check_routing_batch(rb: pa.RecordBatch, where: str, problems: list[str], *,
     return int(len(twice))
 
 
-def validate(path: str | os.PathLike) -> None:
+def validate(path: str | os.PathLike, *, progress: Callable[[int, int], None] | None = None) -> None:
     """Raise ``TraceValidationError`` listing every problem, or return if the trace is valid."""
-    problems = find_problems(path)
+    problems = find_problems(path, progress=progress)
     if problems:
         raise TraceValidationError(problems)
 
