@@ -53,6 +53,7 @@ class Section:
     tables: tuple[Table, ...] = ()  # shown before the figures
     figures: tuple[Figure, ...] = ()  # drawn in order
     notes: tuple[str, ...] = field(default=())  # e.g. "no classifier results in ..." (shown in grey)
+    banner: str = ""  # a warning shown above everything else in the section (random-weight traces)
 
 
 _CSS = """
@@ -71,7 +72,7 @@ main { padding: 8px 28px 40px 28px; max-width: 1400px; }
 section { scroll-margin-top: 44px; background:#fff; border:1px solid var(--rule); border-radius:6px; margin:20px 0; padding:8px 20px 16px 20px; }
 section h2 { font-size:19px; margin:10px 0 4px 0; }
 p.intro { color:var(--muted); margin:4px 0 10px 0; max-width: 70em; }
-.figure { margin: 14px 0 6px 0; min-height: 120px; }
+.figure { margin: 14px 0 6px 0; width: 100%; min-width: 0; }
 .caption { color:var(--muted); font-size:13px; margin: 0 0 14px 0; max-width: 70em; }
 .caption code, .source code { font-size:12px; }
 .source { color:#777; font-size:12px; }
@@ -82,6 +83,7 @@ th, td { border-bottom:1px solid var(--rule); padding:3px 12px 3px 0; text-align
 td.num, th.num { text-align:right; font-variant-numeric: tabular-nums; }
 .note { color:var(--muted); font-style: italic; font-size:13px; }
 .error { color:#D55E00; font-weight:bold; }
+.banner { background:#FFF4E0; border-left:5px solid #E69F00; padding:8px 12px; margin:8px 0 12px 0; font-weight:bold; }
 footer { color:var(--muted); font-size:12px; padding: 0 28px 30px 28px; }
 """
 
@@ -129,6 +131,16 @@ def _figure_json(fig: Any, config: dict[str, Any]) -> str:
     text = pio.json.to_json_plotly({"data": d.get("data", []), "layout": d.get("layout", {}), "config": config})
     # a literal "</" would end the <script> block early
     return text.replace("</", "<\\/")
+
+
+DEFAULT_FIGURE_HEIGHT = 450  # plotly's own default layout height
+
+
+def figure_height(fig: Any) -> int:
+    """The height (px) a figure was built for: its ``layout.height``, else plotly's default."""
+    layout = fig.to_plotly_json().get("layout", {}) if hasattr(fig, "to_plotly_json") else dict(fig).get("layout", {})
+    h = (layout or {}).get("height")
+    return int(h) if isinstance(h, (int, float)) and h > 0 else DEFAULT_FIGURE_HEIGHT
 
 
 def _cell(value: Any) -> str:
@@ -186,15 +198,19 @@ def render_page(
     ]
     for s in sections:
         out.append(f'<section id="{html.escape(s.key)}"><h2>{html.escape(s.title)}</h2>')
+        if s.banner:
+            out.append(f'<p class="banner" role="alert">{html.escape(s.banner)}</p>')
         if s.intro:
             out.append(f'<p class="intro">{html.escape(s.intro)}</p>')
         if s.tables:
             out.append('<div class="tables">' + "".join(f"<div>{_table_html(t)}</div>" for t in s.tables) + "</div>")
         for f in s.figures:
             div_id = f"fig-{f.key}"
+            # a definite CSS height (the figure's own): plotly's responsive resize measures the div,
+            # and a div sized only by its content collapses to nothing on the first window resize
             out.append(
                 f'<div class="figure" id="{html.escape(div_id)}" data-key="{html.escape(f.key)}" '
-                f'data-source="{html.escape(f.source)}"></div>'
+                f'data-source="{html.escape(f.source)}" style="height:{figure_height(f.figure)}px"></div>'
             )
             out.append(
                 f'<script type="application/json" class="figure-json" data-target="{html.escape(div_id)}">'

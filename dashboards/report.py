@@ -10,6 +10,7 @@ dashboard only reads their files), serving the page.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -82,7 +83,7 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
         lambda r, kp: classifiers_section(r, key_prefix=kp),
     )
     for build in builders:
-        _add_sections(sections, omitted, analyses, build, "a")
+        _add_sections(sections, omitted, analyses, _with_random_weights_banner(build), "a")
     if not analyses:
         omitted.append("load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs")
     _add_sections(sections, omitted, placements, lambda r, kp: placement_section(r, key_prefix=kp), "p")
@@ -95,6 +96,26 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
         )
     omitted = list(dict.fromkeys(omitted))
     return sections, omitted
+
+
+def _with_random_weights_banner(build):
+    """``build``, with the random-weights banner on its section when the results' trace had random weights."""
+
+    from moetrace.dashboards.section_overview import RANDOM_WEIGHTS_BANNER, random_weights
+
+    def wrapped(r, kp):
+        sec, notes = build(r, kp)
+        tp = r.trace_path
+        if sec is not None and tp is not None and (tp / "manifest.json").is_file():
+            try:
+                manifest = json.loads((tp / "manifest.json").read_text())
+            except (OSError, ValueError):
+                manifest = {}
+            if random_weights(manifest):
+                sec = replace(sec, banner=RANDOM_WEIGHTS_BANNER)
+        return sec, notes
+
+    return wrapped
 
 
 def _add_sections(sections: list[Section], omitted: list[str], results: Sequence, build, prefix: str) -> None:

@@ -40,6 +40,17 @@ def _flat(d: Any, prefix: str = "") -> list[tuple[str, str]]:
     return rows
 
 
+RANDOM_WEIGHTS_BANNER = "routing of random weights: structure here says nothing about a real model"
+
+
+def random_weights(manifest: dict[str, Any]) -> bool:
+    """Whether a trace's manifest says its model had seeded random weights: a ``-tiny`` preset
+    (model source ``moetrace:<preset>-tiny``) or a backend that says so."""
+    source = str((manifest.get("model") or {}).get("source", ""))
+    backend = str(manifest.get("backend") or {}).lower()
+    return source.startswith("moetrace:") or "random weights" in backend or "random_weights" in backend
+
+
 def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
     """The overview of one trace: model and provenance tables, per-dataset counts, length figures."""
     from moetrace.sizes import dir_bytes, human_bytes
@@ -147,5 +158,6 @@ def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
         intro=f"{label}: {req.height:,} requests from {per.height} dataset(s).",
         tables=tables,
         figures=figures,
+        banner=RANDOM_WEIGHTS_BANNER if random_weights(trace.manifest) else "",
     )
 

@@ -168,3 +168,63 @@ def test_compare_json_is_recognised(prod):
     assert detect(prod.compare).kind == "placement"
     assert detect(prod.analysis).kind == "analysis"
     assert detect(prod.trace).kind == "trace"
+
+
+def test_placement_box_axis_is_chosen_from_the_ratios(prod, tmp_path):
+    """The normalized-volume box plot's y axis spans the data around 1, not 0..max (hiding 4-5 %)."""
+    rep = write_dashboard([prod.trace, prod.compare], out=tmp_path / "r.html")
+    fig = figures_from_html(rep.path.read_text())["placement-normalized"]
+    lo, hi = fig["layout"]["yaxis"]["range"]
+    ys = np.concatenate([np.asarray(t["y"], dtype=float) for t in fig["data"]])
+    assert 0 <= lo <= np.percentile(ys, 1) and hi >= np.percentile(ys, 99)
+    assert lo < 1.0 < hi and "rangemode" not in fig["layout"]["yaxis"]
+    assert hi < np.max(ys) * 1.5  # chosen from the data, not plotly's autorange
+
+
+def test_ratio_range_for_ratios_near_one():
+    from moetrace.dashboards.section_placement import ratio_range
+
+    lo, hi = ratio_range([np.array([0.95, 0.97, 1.0, 1.02]), np.array([0.9, 0.96, 1.04])])
+    assert 0.85 < lo < 0.9 and 1.04 < hi < 1.1
+    lo, hi = ratio_range([np.ones(10)])  # all equal: still a visible span around 1
+    assert lo < 1.0 < hi and hi - lo >= 0.02
+    assert ratio_range([np.array([0.0, 0.5, 1.0])])[0] == 0.0  # never below 0 for non-negative ratios
+
+
+def test_random_weight_traces_get_a_banner(tmp_path):
+    """A ``-tiny`` preset trace (model source ``moetrace:...``) is flagged on its overview; a real one is not."""
+    import json
+
+    from moetrace.dashboards.section_overview import RANDOM_WEIGHTS_BANNER, random_weights
+
+    t = make_trace(tmp_path / "tiny", num_requests=8)
+    mpath = t / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    assert not random_weights(manifest)
+    rep = write_dashboard([t], out=tmp_path / "real.html")
+    assert RANDOM_WEIGHTS_BANNER not in rep.path.read_text()
+    manifest["model"]["source"] = "moetrace:qwen3-moe-tiny"
+    mpath.write_text(json.dumps(manifest))
+    assert random_weights(manifest)
+    assert random_weights({"model": {"source": "x"}, "backend": {"name": "hf", "weights": "seeded random weights"}})
+    text = write_dashboard([t], out=tmp_path / "tiny.html").path.read_text()
+    overview = text.split('<section id="overview">', 1)[1].split("</section>", 1)[0]
+    assert overview.split("</h2>", 1)[1].lstrip().startswith(f'<p class="banner" role="alert">{RANDOM_WEIGHTS_BANNER}</p>')
+
+
+def test_random_weight_banner_on_analysis_sections(prod, tmp_path):
+    import json
+
+    shutil.copytree(prod.trace, tmp_path / "trace")
+    shutil.copytree(prod.analysis, tmp_path / "analysis")
+    for name in ("trace", "analysis"):  # point the analysis at the copied trace
+        m = tmp_path / name / "manifest.json"
+        text = m.read_text().replace(str(prod.trace), str(tmp_path / "trace"))
+        d = json.loads(text)
+        if name == "trace":
+            d["model"]["source"] = "moetrace:qwen3-moe-tiny"
+        m.write_text(json.dumps(d))
+    text = write_dashboard([tmp_path / "analysis"], out=tmp_path / "r.html").path.read_text()
+    for key in ("overview", "imbalance", "correlation", "clusters", "classifiers"):
+        sec = text.split(f'<section id="{key}">', 1)[1].split("</section>", 1)[0]
+        assert 'class="banner"' in sec, key

@@ -104,3 +104,30 @@ def test_drawn_overview_data_equals_requests(loaded):
         sub = req.filter(req["dataset"] == ds)
         np.testing.assert_array_equal(np.sort(drawn[ds][0]), np.sort(sub["prompt_tokens"].to_numpy()))
         np.testing.assert_array_equal(np.sort(drawn[ds][1]), np.sort(sub["output_tokens"].to_numpy()))
+
+
+def test_figures_reflow_on_window_resize(loaded, tmp_path):
+    """Resizing the window (no reload) keeps every figure at its intended height and fits its width
+    to the container: 1400x900 -> 900x700 -> 1400x900."""
+    from browser.figjson import figures_from_html
+    from browser.harness import figure_sizes_across_viewports
+
+    rep, _, _ = loaded
+    intended = {k: f["layout"].get("height", 450) for k, f in figures_from_html(rep.path.read_text()).items()}
+    steps = figure_sizes_across_viewports(rep.path, [(1400, 900), (900, 700), (1400, 900)])
+    # what a user dragging the window edge produces: many resize events in quick succession
+    drag = [(1400 - 25 * i, 900) for i in range(1, 21)] + [(900, 700)] + [(900 + 25 * i, 900) for i in range(1, 21)]
+    steps += figure_sizes_across_viewports(rep.path, [(1400, 900), *drag], settle_ms=15)[-1:]
+    widths = []
+    for step in steps:
+        assert len(step) == rep.num_figures
+        for f in step:
+            want = intended[f["key"]]
+            assert want > 300, f
+            assert abs(f["div_height"] - want) <= 2 and abs(f["svg_height"] - want) <= 2, f
+            assert abs(f["svg_width"] - f["parent_width"]) <= 2, f  # follows its container
+        widths.append([f["svg_width"] for f in step])
+    # narrower window, narrower figures; back to the first size, back to the first widths
+    assert all(n < w - 200 for w, n in zip(widths[0], widths[1]))
+    np.testing.assert_allclose(widths[2], widths[0], atol=2)
+    np.testing.assert_allclose(widths[3], widths[0], atol=2)

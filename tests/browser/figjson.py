@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 _BLOCK = re.compile(
-    r'<div class="figure" id="([^"]+)" data-key="([^"]+)" data-source="([^"]*)"></div>\s*'
+    r'<div class="figure" id="([^"]+)" data-key="([^"]+)" data-source="([^"]*)"[^>]*></div>\s*'
     r'<script type="application/json" class="figure-json" data-target="\1">(.*?)</script>',
     re.S,
 )

@@ -128,6 +128,59 @@ def load_report(
     )
 
 
+_SIZES_JS = """
+() => Array.from(document.querySelectorAll('div.figure')).map(div => {
+  const svg = div.querySelector('.main-svg');
+  const r = div.getBoundingClientRect();
+  const ps = getComputedStyle(div.parentElement);
+  return {
+    key: div.dataset.key,
+    div_width: r.width,
+    div_height: r.height,
+    svg_width: svg ? svg.getBoundingClientRect().width : 0,
+    svg_height: svg ? svg.getBoundingClientRect().height : 0,
+    parent_width: div.parentElement.clientWidth - parseFloat(ps.paddingLeft) - parseFloat(ps.paddingRight),
+    intended_height: div.layout ? div.layout.height : null,
+  };
+})
+"""
+
+
+def figure_sizes_across_viewports(
+    path: str | os.PathLike, viewports: list[tuple[int, int]], *, timeout_s: float = 90, settle_ms: int = 600
+) -> list[list[dict[str, Any]]]:
+    """Load ``path`` at ``viewports[0]``, then resize the window to each viewport in turn (as a user
+    dragging the window would: a ``resize`` event, no reload) and read every figure's rendered size
+    after each step (``_SIZES_JS``: the div's and its plotly SVG's width and height, the width of the
+    figure's container)."""
+    from playwright.sync_api import sync_playwright
+
+    exe = chromium_path()
+    if exe is None:
+        raise RuntimeError("chromium is not installed (apt-get install -y chromium)")
+    url = Path(path).resolve().as_uri()
+    out = []
+    with tempfile.TemporaryDirectory(prefix="moetrace-chromium-") as profile, sync_playwright() as p:
+        w0, h0 = viewports[0]
+        ctx = p.chromium.launch_persistent_context(
+            profile, executable_path=exe, headless=True, args=LAUNCH_ARGS, viewport={"width": w0, "height": h0}
+        )
+        try:
+            page = ctx.new_page()
+            page.goto(url, wait_until="load", timeout=timeout_s * 1000)
+            page.wait_for_function("() => document.body.dataset.rendered !== undefined", timeout=timeout_s * 1000)
+            out.append(page.evaluate(_SIZES_JS))
+            for w, h in viewports[1:]:
+                page.set_viewport_size({"width": w, "height": h})
+                page.wait_for_timeout(settle_ms)  # plotly's responsive resize runs after a debounce
+                out.append(page.evaluate(_SIZES_JS))
+            page.wait_for_timeout(600)  # the last resize settles
+            out[-1] = page.evaluate(_SIZES_JS)
+        finally:
+            ctx.close()
+    return out
+
+
 if __name__ == "__main__":
     import argparse
     import json
