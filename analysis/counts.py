@@ -47,7 +47,7 @@ from moetrace.tracer.trace.reader import Trace, open_trace
 STAGES = (STAGE_PREFILL, STAGE_DECODE)
 Stage = Literal["prefill", "decode"]
 
-__all__ = ["RequestCounts", "count_trace", "count_arrays", "write_counts_table", "read_requests", "STAGES"]
+__all__ = ["RequestCounts", "count_trace", "count_arrays", "write_counts_table", "STAGES"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,12 +170,6 @@ def _num_threads() -> int:
 
 
 # ---------------------------------------------------------------------------------- streaming
-def read_requests(trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The requests table as arrays sorted by request id: ``request_id_R, dataset_R, prompt_tokens_R, output_tokens_R``
-    (checked by the trace reader: :attr:`~moetrace.tracer.trace.reader.Trace.request_arrays`)."""
-    return tuple(trace.request_arrays)  # type: ignore[return-value]
-
-
 def _counts_dtype(max_count: int) -> np.dtype:
     for dt in (np.uint8, np.uint16, np.uint32):
         if max_count <= np.iinfo(dt).max:
@@ -230,7 +224,7 @@ def count_trace(
             f"layers must be distinct MoE-layer ordinals in 0..{L - 1} (positions in moe_layers), got {list(layer_sel)}"
         )
 
-    rid_R, dataset_R, ptok_R, otok_R = read_requests(trace)
+    rid_R, dataset_R, ptok_R, otok_R = trace.request_arrays  # checked by the reader
     R = rid_R.shape[0]
     max_len = 0
     if STAGE_PREFILL in stages and R:

@@ -38,7 +38,7 @@ import numpy as np
 from moetrace import results as rf
 from moetrace.errors import ConfigError, MoetraceError, TraceFormatError
 from moetrace.placement.a2a import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
-from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, _batches, make_placement
+from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, _batches, place_strategies
 from moetrace.placement.grouping import groups_of_clusters, predict_clusters
 from moetrace.placement.simulate import simulate_volume
 
@@ -117,7 +117,7 @@ def build_plan(
     """The send matrices of every strategy over ``cfg.num_batches`` held-out global batches.
 
     ``placed``: name -> placement (e.g. from files); None: build ``cfg.strategies`` from the trace's
-    training requests (``compare.make_placement``). ``hidden_size`` 0: the model's. Raises
+    training requests (``compare.place_strategies``). ``hidden_size`` 0: the model's. Raises
     ``A2AMismatchError`` if a matrix disagrees with ``simulate_volume`` (a bug, never expected).
     """
     if dtype not in DTYPE_BYTES:
@@ -127,10 +127,7 @@ def build_plan(
     if H < 1:
         raise ConfigError(f"--hidden-size must be >= 1, got {H}")
     if placed is None:
-        placed, grouping = {}, None
-        for s in dict.fromkeys(cfg.strategies):
-            placed[s] = make_placement(data, cfg, s, grouping=grouping)
-            grouping = placed[s].grouping or grouping
+        placed = place_strategies(data, cfg, cfg.strategies)
     bpt = H * DTYPE_BYTES[dtype]
     sends, intra, inter = [], [], []
     for name, ps in placed.items():

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
 from moetrace.placement.strategies import PlacementInputs, check_strategies, get_strategy
 
-__all__ = ["CompareConfig", "TraceData", "load_trace_data", "make_placement", "run_compare", "write_results"]
+__all__ = ["CompareConfig", "TraceData", "load_trace_data", "make_placement", "place_strategies", "run_compare", "write_results"]
 
 
 #: the most tokens one comparison simulates (batches x requests per batch), so a typo cannot ask for terabytes
@@ -170,7 +170,7 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     inputs = PlacementInputs(
         num_layers=L, num_experts=E, num_slots=P,
         num_ranks=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node, router_groups=m.n_group or 1,
-        seed=cfg.seed, load_LE=_sum_rows(data.decode_RLE, train_R, np.zeros(len(train_R), np.int64), 1)[0], usage_GLE=usage_GLE,
+        seed=cfg.seed, load_LE=_sum_rows(data.decode_RLE, train_R)[0], usage_GLE=usage_GLE,
     )
     placement, extra = spec.build(inputs)
     if not spec.grouped:
@@ -186,12 +186,19 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     )
 
 
-def _sum_rows(x_RLE: np.ndarray, rows: np.ndarray, group_N: np.ndarray, num_groups: int) -> np.ndarray:
-    """``out[g] = sum of x_RLE[rows[i]] over i with group_N[i] == g``, float64 [num_groups, L, E], a
-    chunk of rows at a time (no copy of the selected rows)."""
+def _sum_rows(x_RLE: np.ndarray, rows: np.ndarray, group_N: np.ndarray | None = None, num_groups: int = 1) -> np.ndarray:
+    """``out[g]`` = the sum of ``x_RLE[rows[i]]`` over the i with ``group_N[i] == g`` (every i when
+    ``group_N`` is None), float64 [num_groups, L, E]; a chunk of rows at a time, so the selected
+    rows are never copied all at once."""
     out = np.zeros((num_groups, *x_RLE.shape[1:]))
     for lo in range(0, len(rows), 1024):
-        np.add.at(out, group_N[lo : lo + 1024], x_RLE[rows[lo : lo + 1024]])
+        chunk = x_RLE[rows[lo : lo + 1024]]
+        if group_N is None:
+            out[0] += chunk.sum(0, dtype=np.float64)
+            continue
+        g = group_N[lo : lo + 1024]
+        for k in np.unique(g):
+            out[k] += chunk[g == k].sum(0, dtype=np.float64)
     return out
 
 
@@ -278,6 +285,21 @@ class CompareResult:
         return rows
 
 
+def place_strategies(
+    data: TraceData, cfg: CompareConfig, strategies: Sequence[str], *, on_placed: Callable[[], None] | None = None
+) -> dict[str, PlacedStrategy]:
+    """Each strategy's placement from the training requests, in order (duplicates once); the grouped
+    strategies share one grouping. ``on_placed()`` is called after each."""
+    placed: dict[str, PlacedStrategy] = {}
+    grouping = None
+    for s in dict.fromkeys(strategies):
+        placed[s] = make_placement(data, cfg, s, grouping=grouping)
+        grouping = placed[s].grouping or grouping
+        if on_placed is not None:
+            on_placed()
+    return placed
+
+
 def run_compare(
     data: TraceData, cfg: CompareConfig, *, progress: Callable[[int, int], None] | None = None
 ) -> CompareResult:
@@ -290,15 +312,15 @@ def run_compare(
     strategies = list(dict.fromkeys(cfg.strategies))
     reference = "linear"
     todo = strategies if reference in strategies else [reference, *strategies]
-    placed: dict[str, PlacedStrategy] = {}
-    grouping = None
     steps, done = 2 * len(todo), 0
-    for s in todo:
-        placed[s] = make_placement(data, cfg, s, grouping=grouping)
-        grouping = placed[s].grouping or grouping  # data and improved share one grouping
+
+    def placed_one() -> None:
+        nonlocal done
         done += 1
         if progress is not None:
             progress(done, steps)
+
+    placed = place_strategies(data, cfg, todo, on_placed=placed_one)
     metrics = {}
     for s in todo:
         rows, batch, src, empty = _batches(data, cfg, placed[s].group_of_test_R)

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Literal
 import numpy as np
 
 from moetrace.errors import OutputExistsError, TraceFormatError
-from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
+from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo, is_whole
 from moetrace.tracer.trace.layout import MANIFEST
 from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 from moetrace.tracer.backends.vllm_convert import routed_experts_to_rows
@@ -184,7 +184,7 @@ def _iter_json_lines(path: Path, consumed: list[int] | None = None) -> Iterator[
 
 def _whole(value: Any, name: str, *, low: int = 0, high: int = MAX_REQUEST_TOKENS) -> int:
     """``value`` as an int in ``low..high``: a JSON whole number, not a float, string or boolean."""
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if not is_whole(value) or not low <= value <= high:
         raise TraceFormatError(f"`{name}` must be a whole number in {low}..{high:,}, got {value!r}")
     return value
 

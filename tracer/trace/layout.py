@@ -42,6 +42,15 @@ def shard_prefix(shard: int) -> str:
     return f"shard{shard:03d}"
 
 
+def lock_name(manifest_name: str) -> str | None:
+    """The writer lock beside a shard's manifest (``manifests/.shard-003.lock``); None for the
+    trace's own ``manifest.json`` (whole-trace writers lock ``.writer.lock``, see ``lock``)."""
+    if manifest_name == MANIFEST:
+        return None
+    m = Path(manifest_name)
+    return str(m.with_name(f".{m.stem}.lock"))
+
+
 def shard_manifest_name(shard: int) -> str:
     """Manifest path of shard ``shard`` inside the trace directory (``manifests/shard-003.json``)."""
     return f"{MANIFESTS_DIR}/shard-{shard:03d}.json"

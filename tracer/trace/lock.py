@@ -24,7 +24,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Callable, Literal
 
 from moetrace.errors import TraceBusyError
 
@@ -58,14 +58,15 @@ class WriterLock:
     def __init__(self) -> None:
         self._files: list[tuple[IO[str], Mode]] = []
 
-    def _take(self, path: Path, mode: Mode, *, busy: str) -> None:
+    def _take(self, path: Path, mode: Mode, *, busy: Callable[[str], str]) -> None:
+        """Lock ``path``; when another process holds it, raise with ``busy(<its holder, described>)``."""
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a+")
         try:
             fcntl.flock(f.fileno(), (fcntl.LOCK_EX if mode == "exclusive" else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
-            raise TraceBusyError(busy) from None
+            raise TraceBusyError(busy(_describe_holder(path))) from None
         except OSError as exc:  # a file system without locks: say so rather than write unprotected
             f.close()
             raise TraceBusyError(
@@ -98,18 +99,19 @@ def lock_trace(path: str | os.PathLike, *, shard_lock: str | None = None) -> Wri
     lock = WriterLock()
     trace_lock = p / TRACE_LOCK
     if shard_lock is None:
-        busy = (f"{p} is being written by {_describe_holder(trace_lock)}; wait for it to finish or stop it "
-                "(a stopped run is continued with --resume), or choose another -o")
-        if not _describe_holder(trace_lock).startswith("pid"):
-            busy = (f"{p} is being written by running shards of a sharded collection (manifests/.shard-*.lock); "
-                    "wait for them to finish, then `moetrace merge-shards`")
-        lock._take(trace_lock, "exclusive", busy=busy)
+        def whole(holder: str) -> str:
+            if not holder.startswith("pid"):  # shared holders write no name: running shards
+                return (f"{p} is being written by running shards of a sharded collection (manifests/.shard-*.lock); "
+                        "wait for them to finish, then `moetrace merge-shards`")
+            return (f"{p} is being written by {holder}; wait for it to finish or stop it "
+                    "(a stopped run is continued with --resume), or choose another -o")
+
+        lock._take(trace_lock, "exclusive", busy=whole)
         return lock
-    lock._take(trace_lock, "shared", busy=f"{p} is being written by {_describe_holder(trace_lock)} as a whole "
-               "trace; a shard cannot join it. Wait for it to finish, or collect the shards into another -o")
-    shard = p / shard_lock
+    lock._take(trace_lock, "shared", busy=lambda holder: f"{p} is being written by {holder} as a whole trace; a shard "
+               "cannot join it. Wait for it to finish, or collect the shards into another -o")
     try:
-        lock._take(shard, "exclusive", busy=f"{p}: this shard is already being collected by {_describe_holder(shard)}")
+        lock._take(p / shard_lock, "exclusive", busy=lambda holder: f"{p}: this shard is already being collected by {holder}")
     except TraceBusyError:
         lock.release()
         raise

@@ -33,7 +33,7 @@ STAGE_DECODE = "decode"
 _MAX_COUNT = 1 << 20
 
 
-def _is_int(v: Any) -> bool:
+def is_whole(v: Any) -> bool:
     """A JSON whole number (``8``; not ``8.0``, ``"8"`` or ``true``)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -67,11 +67,11 @@ class ModelInfo:
             v = getattr(self, name)
             if v is None and name in ("n_group", "topk_group"):
                 continue
-            if not _is_int(v) or v < low or v > _MAX_COUNT:
+            if not is_whole(v) or v < low or v > _MAX_COUNT:
                 raise TraceFormatError(
                     f"model {self.name!r}: `{name}` must be a whole number in {low}..{_MAX_COUNT:,}, got {v!r}"
                 )
-        if not isinstance(self.moe_layers, (list, tuple)) or not all(_is_int(x) for x in self.moe_layers):
+        if not isinstance(self.moe_layers, (list, tuple)) or not all(is_whole(x) for x in self.moe_layers):
             raise TraceFormatError(f"model {self.name!r}: `moe_layers` must be a list of layer indices, got {self.moe_layers!r}")
         if (self.n_group is None) != (self.topk_group is None):
             raise TraceFormatError(f"model {self.name!r}: `n_group` and `topk_group` go together (both or neither)")
@@ -196,7 +196,7 @@ def check_manifest_header(manifest: dict[str, Any], *, where: str) -> None:
         raise TraceFormatError(f"{where}: `complete` must be true or false, got {manifest.get('complete')!r}")
     totals = manifest.get("totals")
     if totals is not None and (
-        not isinstance(totals, dict) or any(not _is_int(v) or v < 0 for k, v in totals.items() if k in ("num_requests", "num_tokens"))
+        not isinstance(totals, dict) or any(not is_whole(v) or v < 0 for k, v in totals.items() if k in ("num_requests", "num_tokens"))
     ):
         raise TraceFormatError(f"{where}: `totals` must hold whole, non-negative num_requests and num_tokens, got {totals!r}")
     for key in ("backend", "collection", "writer"):

@@ -123,12 +123,13 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
     start_R = np.zeros(len(len_sorted), dtype=np.int64)
     np.cumsum(len_sorted[:-1], out=start_R[1:])
     claimed = int(len_sorted.sum())
-    rows_on_disk = 0
+    parts: dict[str, pq.ParquetFile] = {}  # each part's footer read once: row counts, schema, batches
     for n in sorted(rnames):
         try:
-            rows_on_disk += pq.read_metadata(rdir / n).num_rows
-        except (pa.ArrowException, OSError):
-            pass  # reported below, when the part is read
+            parts[n] = pq.ParquetFile(rdir / n)
+        except (pa.ArrowException, OSError) as exc:
+            problems.append(f"{ROUTING_DIR}/{n}: not readable as Parquet (truncated or corrupt?): {exc}")
+    rows_on_disk = sum(pf.metadata.num_rows for pf in parts.values())
     seen_T: np.ndarray | None = None
     if claimed > 2 * rows_on_disk + (1 << 24):  # far more than exist: no bitmap of that size
         problems.append(f"requests: prompt_tokens + output_tokens add up to {claimed:,} tokens but the routing parts "
@@ -145,15 +146,9 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
         if progress is not None:
             progress(rows_done, rows_on_disk)
 
-    for n in sorted(rnames):
+    for n, pf in parts.items():
         where = f"{ROUTING_DIR}/{n}"
-        try:
-            pf = pq.ParquetFile(rdir / n)
-            schema = pf.schema_arrow
-        except (pa.ArrowException, OSError) as exc:
-            problems.append(f"{where}: not readable as Parquet (truncated or corrupt?): {exc}")
-            continue
-        if not _routing_schema_ok(schema, where, problems, X=X, model=model):
+        if not _routing_schema_ok(pf.schema_arrow, where, problems, X=X, model=model):
             continue
         try:
             for rb in pf.iter_batches(batch_size=BATCH_ROWS, columns=["request_id", "position", "stage", "experts"]):
@@ -167,7 +162,6 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
         if len(problems) > MAX_REPORTED:
             break
     tick(rows_on_disk)  # parts skipped (unreadable, bad schema, too many problems) count as done
-
 
     if num_dup:
         problems.append(f"routing: {num_dup} duplicate (request_id, position) rows, e.g. {dup_examples[:5]}")

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from moetrace.atomic import write_json_atomic
 from moetrace.errors import OutputExistsError, TraceFormatError, WriteError
 from moetrace.tracer.trace.lock import lock_trace
-from moetrace.tracer.trace.layout import MANIFEST, PART_RE, REQUESTS_DIR, ROUTING_DIR, part_name
+from moetrace.tracer.trace.layout import MANIFEST, PART_RE, REQUESTS_DIR, ROUTING_DIR, lock_name, part_name
 from moetrace.tracer.trace.schema import (
     STAGE_DECODE,
     STAGE_PREFILL,
@@ -127,8 +127,7 @@ class TraceWriter:
         self._prior_tokens = 0
         self._prior_parts = 0
         # one writer per trace (shards: one per shard), taken before anything on disk is touched
-        shard_lock = None if manifest_name == MANIFEST else str(Path(manifest_name).with_name(f".{Path(manifest_name).stem}.lock"))
-        self._lock = lock_trace(self.path, shard_lock=shard_lock)
+        self._lock = lock_trace(self.path, shard_lock=lock_name(manifest_name))
         try:
             self._prepare_directory(on_existing, backend=backend, collection=collection)
         except BaseException:
