@@ -3,8 +3,14 @@
 Each result is a Parquet table (or JSON) named in ``docs/analysis.md``; the names, the format
 name and the version come from ``moetrace.results`` (``ANALYSIS``), and every file carries them
 (JSON keys, Parquet schema metadata). ``manifest.json`` records what was computed, from which trace
-(path and the trace manifest's model/backend/collection), when, with which moetrace version and
-parameters; ``summary.json`` holds the headline numbers.
+(path and the trace manifest's model/backend/collection and recorded stages), when, with which
+moetrace version and parameters, and under ``skipped`` each analysis (or part) that did not run with
+its one-line reason; ``summary.json`` holds the headline numbers.
+
+Single-stage traces (an imported capture of generated tokens only, ``collection.stages``, read by
+``schema.stages_of``): only the recorded stage is counted; what needs both stages (prefill↔decode
+correlation and recall) or the missing one (classification from prefill counts) is skipped with the
+reason, logged and recorded; everything else runs on the recorded stage.
 
 Out of scope: the algorithms themselves (one module each), drawing (``dashboards``), the result
 format's names (``moetrace.results``).
@@ -26,6 +32,7 @@ import polars as pl
 from moetrace import results as rf
 from moetrace.errors import ConfigError
 from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL, STAGES, stages_of
 
 Analysis = Literal["imbalance", "correlation", "embedding", "classify", "affinity", "counts"]
 #: what runs when nothing is chosen (``counts``, the tidy table, is opt-in: it can be large)
@@ -90,6 +97,8 @@ def analyze(
     files: dict[str, str] = {}
     summary: dict[str, Any] = {}
     timings: dict[str, float] = {}
+    recorded = stages_of(trace)
+    skipped: dict[str, str] = {}  # analysis (or part) -> why it did not run
 
     def write(name: str, df: pl.DataFrame, what: str) -> None:
         rf.write_result_table(out, rf.ANALYSIS, name, df)
@@ -100,7 +109,8 @@ def analyze(
     if needs_counts:
         say("counting tokens per (request, stage, layer, expert)")
         t0 = time.perf_counter()
-        counts = count_trace(trace, layers=config.layers, allow_incomplete=config.allow_incomplete, progress=progress)
+        counts = count_trace(trace, stages=[s for s in STAGES if s in recorded], layers=config.layers,
+                             allow_incomplete=config.allow_incomplete, progress=progress)
         timings["counts"] = time.perf_counter() - t0
         summary["num_requests"] = counts.num_requests
         summary["datasets"] = counts.datasets()
@@ -127,6 +137,9 @@ def analyze(
             t0 = time.perf_counter()
             summary[name] = step()
             timings[name] = time.perf_counter() - t0
+            for part, why in _skips(name, summary[name]):
+                skipped[part] = why
+                say(f"{part}: skipped ({why})")
 
     summary["seconds"] = round(time.perf_counter() - t_start, 3)
     rf.write_result_json(out, rf.ANALYSIS, rf.ANALYSIS_SUMMARY, _jsonable(summary))
@@ -140,9 +153,11 @@ def analyze(
             "model": trace.manifest.get("model"),
             "backend": trace.manifest.get("backend"),
             "collection": trace.manifest.get("collection"),
+            "stages": [s for s in STAGES if s in recorded],
         },
         "parameters": _jsonable(dataclasses.asdict(config)),
         "analyses": list(config.only),
+        "skipped": skipped,
         "files": files,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }
@@ -151,6 +166,25 @@ def analyze(
 
 
 # ------------------------------------------------------------------------------------- steps
+def missing_stage_reason(stages: tuple[str, ...], *, needs: tuple[str, ...]) -> str | None:
+    """None when every stage of ``needs`` was counted; else the one-line reason an analysis is skipped."""
+    missing = [s for s in needs if s not in stages]
+    if not missing:
+        return None
+    return (f"needs {' and '.join(needs)} routing; this trace recorded {' and '.join(stages)} only (its manifest's "
+            f"collection.stages); run it on a trace that has {' and '.join(missing)} routing")
+
+
+def _skips(name: str, result: Any) -> list[tuple[str, str]]:
+    """``(part, reason)`` of what the step ``name`` skipped, from its summary entry."""
+    if not isinstance(result, dict):
+        return []
+    out = [(name, result["skipped"])] if "skipped" in result else []
+    if "prefill_decode_skipped" in result:
+        out.append(("prefill_decode", result["prefill_decode_skipped"]))
+    return out
+
+
 def _run_imbalance(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     from moetrace.analysis.imbalance import batch_imbalance_table, expert_load_table, imbalance_table
 
@@ -185,7 +219,10 @@ def _run_correlation(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     write(rf.DATASET_CORRELATION, per_layer, "dataset × dataset Pearson r per stage and layer")
     write(rf.DATASET_CORRELATION_MEAN, mean, "dataset × dataset Pearson r per stage, mean over layers")
     out: dict[str, Any] = {}
-    if "prefill" in counts.stages and "decode" in counts.stages:
+    why = missing_stage_reason(counts.stages, needs=(STAGE_PREFILL, STAGE_DECODE))
+    if why is not None:
+        out["prefill_decode_skipped"] = why
+    else:
         pooled = prefill_decode_pooled(counts)
         write(rf.PREFILL_DECODE_POOLED, pooled, "pooled prefill↔decode r per dataset and layer")
         pr_layers, pr_req = prefill_decode_per_request(counts)
@@ -209,6 +246,9 @@ def _run_correlation(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
 def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     from moetrace.analysis.classify import classify_layers, classify_tables
 
+    why = missing_stage_reason(counts.stages, needs=(STAGE_PREFILL,))
+    if why is not None:
+        return {"skipped": why}
     if len(counts.datasets()) < 2:
         return {"skipped": f"needs at least 2 datasets, the trace has {counts.datasets()}; trace requests of a second dataset"}
     smallest = min(int((counts.dataset_R == d).sum()) for d in counts.datasets())
@@ -348,6 +388,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  median IF of random {imb['batch_size']}-request batches: "
                      + ", ".join(f"{s} {_f(v)}" for s, v in imb["batch_if"].get("all", {}).items()))
     cor = summary.get("correlation")
+    if cor and "prefill_decode_skipped" in cor:
+        lines.append(f"prefill↔decode correlation: skipped ({cor['prefill_decode_skipped']})")
     if cor and "prefill_decode_pooled" in cor:
         lines.append("prefill↔decode correlation (mean over layers)")
         lines.append(f"  pooled per dataset   {_f(cor['prefill_decode_pooled'])}   "

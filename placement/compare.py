@@ -39,7 +39,7 @@ from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_cluste
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
-from moetrace.placement.strategies import PlacementInputs, check_strategies, get_strategy
+from moetrace.placement.strategies import BOUNDS, PlacementInputs, check_strategies, get_strategy
 
 __all__ = ["CompareConfig", "TraceData", "load_trace_data", "make_placement", "place_strategies", "run_compare", "write_results"]
 
@@ -53,7 +53,7 @@ class CompareConfig:
     """What to place and how to evaluate it."""
 
     deployment: Deployment  # DPaTPbEPcTPd on nodes of g GPUs
-    strategies: tuple[str, ...] = ("linear", "eplb", "data", "improved")  # placements to compare
+    strategies: tuple[str, ...] = ("linear", "eplb", "data", "joint")  # placements to compare
     num_clusters: int = 0  # K-means clusters for grouped strategies (0: one per group)
     num_redundant: int = 0  # redundant slots per layer (P = E + R)
     test_fraction: float = 0.2  # share of requests held out for evaluation
@@ -63,6 +63,7 @@ class CompareConfig:
     replica_policy: ReplicaPolicy = "same_node"  # which replica serves a token when there are several
     bytes_per_value: int = 2  # bytes per hidden value on the wire (bf16 = 2)
     seed: int = 0  # split, K-means, random placement and batch sampling
+    oracle: bool = True  # also report the upper bounds (strategies.BOUNDS: perfect routing, test-set oracle)
 
     def __post_init__(self) -> None:
         check_strategies(self.strategies)
@@ -143,7 +144,7 @@ class PlacedStrategy:
     placement: Placement  # over the MoE layers
     grouping: Grouping | None = None  # clusters and their groups (grouped strategies)
     group_of_test_R: np.ndarray | None = None  # int64 [R] group of each request (test rows meaningful)
-    router_match_rate: float | None = None  # share of test requests whose prefill-predicted cluster = decode cluster
+    router_match_rate: float | None = None  # share of test requests routed from prefill as their decode would route them
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (eplb policy, groups without routed requests)
 
 
@@ -159,31 +160,51 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     P = dep.check_slots(num_experts=E, num_redundant=cfg.num_redundant)  # before clustering: fail fast
     train_R = np.flatnonzero(~data.is_test_R)
     R = len(data.is_test_R)
-    usage_GLE = None
+    usage_GLE = init_group_N = None
     if spec.grouped:
         if grouping is None:
             grouping = fit_grouping(
                 data.decode_RLE.reshape(R, -1), data.prefill_RLE.reshape(R, -1), rows=train_R,
                 num_clusters=cfg.num_clusters or G, num_groups=G, seed=cfg.seed,
             )
-        usage_GLE = _sum_rows(data.decode_RLE, train_R, groups_of_clusters(grouping.labels_R, grouping.cluster_to_groups), G)
+        init_group_N = groups_of_clusters(grouping.labels_R, grouping.cluster_to_groups)
+        usage_GLE = _sum_rows(data.decode_RLE, train_R, init_group_N, G)
     inputs = PlacementInputs(
         num_layers=L, num_experts=E, num_slots=P,
         num_ranks=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node, router_groups=m.n_group or 1,
         seed=cfg.seed, load_LE=_sum_rows(data.decode_RLE, train_R)[0], usage_GLE=usage_GLE,
+        decode_RLE=data.decode_RLE, prefill_RLE=data.prefill_RLE, train_rows=train_R, init_group_N=init_group_N,
     )
     placement, extra = spec.build(inputs)
     if not spec.grouped:
         return PlacedStrategy(strategy=strategy, placement=placement, extra=extra)
-    R = len(data.is_test_R)
-    pred_R = predict_clusters(data.prefill_RLE.reshape(R, -1), grouping.prefill_centroids_CF)
-    truth_R = predict_clusters(data.decode_RLE.reshape(R, -1), grouping.decode_centroids_CF)
     test = data.is_test_R
+    if spec.router == "price":  # routed to nodes directly; match: same node from prefill as from decode
+        group_R, truth_R = _price_routes(data, placement, np.asarray(extra["router_price"]), G)
+        pred_R = group_R
+    else:  # routed to clusters; match: same cluster from prefill as from decode
+        pred_R = predict_clusters(data.prefill_RLE.reshape(R, -1), grouping.prefill_centroids_CF)
+        truth_R = predict_clusters(data.decode_RLE.reshape(R, -1), grouping.decode_centroids_CF)
+        group_R = groups_of_clusters(pred_R, grouping.cluster_to_groups)
     return PlacedStrategy(
-        strategy=strategy, placement=placement, grouping=grouping, extra=extra,
-        group_of_test_R=groups_of_clusters(pred_R, grouping.cluster_to_groups),
+        strategy=strategy, placement=placement, grouping=grouping, extra=extra, group_of_test_R=group_R,
         router_match_rate=float((pred_R[test] == truth_R[test]).mean()),
     )
+
+
+def _price_routes(data: TraceData, placement: Placement, price_G: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Node of every held-out request under the price router (from its prefill, what serving does) and
+    under a balanced assignment by its decode (what it should have been), int64 [R] each (training
+    rows are 0)."""
+    from moetrace.placement.joint import balanced_assign, members_of_placement, node_scores, route_requests
+
+    member = members_of_placement(placement, num_groups=num_groups, num_experts=data.model.num_experts)
+    test = np.flatnonzero(data.is_test_R)
+    routed_R = np.zeros(len(data.is_test_R), dtype=np.int64)
+    routed_R[test] = route_requests(node_scores(data.prefill_RLE, member, rows=test), price_G)
+    truth_R = np.zeros(len(data.is_test_R), dtype=np.int64)
+    truth_R[test] = balanced_assign(node_scores(data.decode_RLE, member, rows=test))[0]
+    return routed_R, truth_R
 
 
 def _sum_rows(x_RLE: np.ndarray, rows: np.ndarray, group_N: np.ndarray | None = None, num_groups: int = 1) -> np.ndarray:
@@ -255,6 +276,7 @@ class CompareResult:
     placed: dict[str, PlacedStrategy]  # strategy -> its placement
     model: Any  # ModelInfo of the traced model
     reference: str  # strategy whose median normalizes inter-node volume
+    bounds: tuple[str, ...] = ()  # the rows of metrics that are upper bounds (strategies.BOUNDS), not strategies
 
     def inter_BL(self, strategy: str) -> np.ndarray:
         m = self.metrics[strategy]
@@ -266,11 +288,18 @@ class CompareResult:
         return self.inter_BL(strategy).sum(1) / ref if ref > 0 else np.full(self.inter_BL(strategy).shape[0], np.nan)
 
     def summary_rows(self) -> list[dict[str, Any]]:
+        """One row per strategy and bound. ``oracle_captured``: the share of the oracle's saving over
+        linear that the row reaches, (1 - v) / (1 - v_oracle) of median normalized volumes (None
+        without an oracle row, or when the oracle saves nothing)."""
+        med = {s: float(np.median(self.normalized_B(s))) for s in self.metrics}
+        gain = 1.0 - med["oracle"] if "oracle" in med else 0.0
         rows = []
         for s, m in self.metrics.items():
             nb = self.normalized_B(s)
             rows.append({
                 "strategy": s,
+                "is_bound": s in self.bounds,
+                "oracle_captured": (1.0 - med[s]) / gain if gain > 1e-9 else None,
                 "inter_node_normalized_median": float(np.median(nb)),
                 "inter_node_normalized_p10": float(np.quantile(nb, 0.1)),
                 "inter_node_normalized_p90": float(np.quantile(nb, 0.9)),
@@ -312,17 +341,20 @@ def run_compare(
     strategies = list(dict.fromkeys(cfg.strategies))
     reference = "linear"
     todo = strategies if reference in strategies else [reference, *strategies]
-    steps, done = 2 * len(todo), 0
+    bounds = [b.name for b in BOUNDS] if cfg.oracle else []
+    steps, done = 2 * len(todo) + 2 * len(bounds), 0
 
-    def placed_one() -> None:
+    def step() -> None:
         nonlocal done
         done += 1
         if progress is not None:
             progress(done, steps)
 
-    placed = place_strategies(data, cfg, todo, on_placed=placed_one)
+    placed = place_strategies(data, cfg, todo, on_placed=step)
+    if bounds:
+        placed.update(bound_placements(data, cfg, placed, on_placed=step))
     metrics = {}
-    for s in todo:
+    for s in [*todo, *bounds]:
         rows, batch, src, empty = _batches(data, cfg, placed[s].group_of_test_R)
         placed[s].extra["groups_without_routed_requests"] = empty
         metrics[s] = simulate_volume(
@@ -330,21 +362,64 @@ def run_compare(
             num_batches=cfg.num_batches, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node,
             bytes_per_token=m.hidden_size * cfg.bytes_per_value, dedup=cfg.dedup, policy=cfg.replica_policy,
         )
-        done += 1
-        if progress is not None:
-            progress(done, steps)
+        step()
     conf = {k: v for k, v in asdict(cfg).items() if k != "deployment"}
     conf.update(deployment=dep.name, gpus_per_node=dep.num_gpus_per_node, batch_requests=cfg.batch_requests,
                 num_ep=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node,
-                strategies=strategies, trace=data.trace_path,
+                strategies=strategies, bounds=bounds, trace=data.trace_path,
                 num_train_requests=int((~data.is_test_R).sum()), num_test_requests=int(data.is_test_R.sum()))
-    return CompareResult(config=conf, metrics=metrics, placed=placed, model=m, reference=reference)
+    return CompareResult(config=conf, metrics=metrics, placed=placed, model=m, reference=reference, bounds=tuple(bounds))
+
+
+def bound_placements(
+    data: TraceData, cfg: CompareConfig, placed: dict[str, PlacedStrategy], *, on_placed: Callable[[], None] | None = None
+) -> dict[str, PlacedStrategy]:
+    """The upper bounds of ``strategies.BOUNDS``, each a ``PlacedStrategy`` that looks at the held-out
+    requests' decode (so never deployable):
+
+    - ``perfect_routing``: the joint placement (reused from ``placed`` or built), held-out requests
+      assigned to nodes by their own decode activations (balanced, exact LP);
+    - ``oracle``: the joint placer fitted on the held-out requests themselves and routed by their
+      decode, started from the perfect routing: the inter-node volume this trace's structure allows
+      a placement of this kind (one node per request, ``J`` slots per node) to reach.
+    """
+    from moetrace.placement.joint import balanced_assign, joint_placement, members_of_placement, node_scores
+
+    G = cfg.deployment.num_groups
+    joint = placed.get("joint") or make_placement(
+        data, cfg, "joint", grouping=next((p.grouping for p in placed.values() if p.grouping is not None), None))
+    test = np.flatnonzero(data.is_test_R)
+    member = members_of_placement(joint.placement, num_groups=G, num_experts=data.model.num_experts)
+    perfect_N, _ = balanced_assign(node_scores(data.decode_RLE, member, rows=test))
+    group_R = np.zeros(len(data.is_test_R), dtype=np.int64)
+    group_R[test] = perfect_N
+    out = {"perfect_routing": PlacedStrategy(strategy="perfect_routing", placement=joint.placement, group_of_test_R=group_R)}
+    if on_placed is not None:
+        on_placed()
+    P = cfg.deployment.check_slots(num_experts=data.model.num_experts, num_redundant=cfg.num_redundant)
+    jo = joint_placement(data.decode_RLE, data.decode_RLE, init_group_R=perfect_N, num_groups=G, num_slots=P,
+                         ranks_per_group=cfg.deployment.ranks_per_node, rows=test)
+    group_R = np.zeros(len(data.is_test_R), dtype=np.int64)
+    group_R[test] = jo.group_R
+    out["oracle"] = PlacedStrategy(strategy="oracle", placement=jo.placement, group_of_test_R=group_R,
+                                   extra={"joint_iterations": jo.num_iters})
+    if on_placed is not None:
+        on_placed()
+    return out
 
 
 def placement_file(data: TraceData, cfg: CompareConfig, ps: PlacedStrategy) -> PlacementFile:
     dep = cfg.deployment
     grouping = None
-    if ps.grouping is not None:
+    if ps.grouping is not None and get_strategy(ps.strategy).router == "price":
+        grouping = {
+            "num_groups": dep.num_groups,
+            "router": "node score minus node price, highest wins",
+            "score": "share of the request's prefill expert activations (all MoE layers) held by the node",
+            "node_prices": ps.extra["router_price"],
+            "router_match_rate": ps.router_match_rate,
+        }
+    elif ps.grouping is not None:
         g = ps.grouping
         grouping = {
             "num_clusters": g.num_clusters, "num_groups": g.num_groups,

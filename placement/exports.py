@@ -117,7 +117,14 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
     problems = placement_problems(Placement(phy2log, log2phy, logcnt), num_experts=E, num_ranks=num_ep)
     if problems:
         raise TraceFormatError(f"{where}: invalid placement: " + "; ".join(problems))
-    if g is not None:
+    if g is not None and "node_prices" in g:  # the price router (strategy joint): one price per node
+        prices = g["node_prices"]
+        nodes = deployment.get("num_nodes")
+        if (not isinstance(prices, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                    and np.isfinite(x) for x in prices) or len(prices) != nodes):
+            raise TraceFormatError(f"{where}: grouping `node_prices` must be {nodes} finite numbers (one per node); "
+                                   "re-create the file with `moetrace place`")
+    elif g is not None:
         c2g = g.get("cluster_to_groups", [])
         if not isinstance(c2g, list):
             raise TraceFormatError(f"{where}: grouping `cluster_to_groups` must be a list of group lists")

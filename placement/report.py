@@ -18,17 +18,24 @@ __all__ = ["format_compare_summary", "compare_notes", "format_placement_summary"
 
 
 def format_compare_summary(result: CompareResult) -> str:
-    """Header line, column titles and one row per strategy (lower normalized volume is better)."""
+    """Header line, column titles, one row per strategy, then the bounds (lower normalized volume is
+    better; ``of oracle``: the share of the oracle's saving over linear a row reaches)."""
     c = result.config
     lines = [
         f"{c['deployment']} ({c['num_nodes']} nodes), {c['num_train_requests']} train / {c['num_test_requests']} "
         f"test requests, {c['num_batches']} batches of {c['batch_requests']} requests, dedup={c['dedup']}",
-        f"{'strategy':<12} {'inter-node (norm. median)':>26} {'p10':>6} {'p90':>6} {'inter/batch':>12} {'router':>7}",
+        f"{'strategy':<16} {'inter-node (norm. median)':>26} {'p10':>6} {'p90':>6} {'inter/batch':>12} {'router':>7} "
+        f"{'of oracle':>9}",
     ]
-    for r in result.summary_rows():
+    rows = result.summary_rows()
+    for i, r in enumerate(rows):
+        if r["is_bound"] and (i == 0 or not rows[i - 1]["is_bound"]):
+            lines.append("upper bounds (they see the held-out requests' decode; not deployable):")
         router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
-        lines.append(f"{r['strategy']:<12} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
-                     f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} {router:>7}")
+        captured = f"{r['oracle_captured']:.0%}" if r["oracle_captured"] is not None else "-"
+        lines.append(f"{r['strategy']:<16} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
+                     f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} "
+                     f"{router:>7} {captured:>9}")
     return "\n".join(lines)
 
 

@@ -7,19 +7,24 @@ one ``Strategy`` row here with a small builder from ``PlacementInputs``.
 
 A *grouped* strategy needs request clustering: the training requests are clustered into one group
 per node, and its placer sees per-group usage ``usage_GLE``; at serving time a router sends each
-request to a group (``grouping``).
+request to a group from its prefill only. The router is either the clustering's (``centroid``:
+nearest prefill centroid, ``grouping``) or the placement's own (``price``: the node holding most of
+the prompt's experts, less a per-node price that keeps nodes balanced, ``joint``).
+
+``BOUNDS`` names the rows ``compare`` adds that are not deployable strategies but upper bounds on
+what any placement of this kind could reach (they look at the held-out requests' decode).
 
 Shape legend (legend: docs/architecture.md): G node groups, L MoE layers, E logical experts,
 P physical slots, W EP ranks.
 
-Out of scope: the placement algorithms (``baselines``, ``eplb``, ``data_placement``, ``improved``;
+Out of scope: the placement algorithms (``baselines``, ``eplb``, ``data_placement``, ``improved``, ``joint``;
 a builder only adapts arguments); clustering and routing requests (``grouping``, ``compare``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from moetrace.errors import ConfigError
 
@@ -28,7 +33,7 @@ if TYPE_CHECKING:  # the placers (and numpy) load when a strategy is built, so `
 
     from moetrace.placement.maps import Placement
 
-__all__ = ["PlacementInputs", "Strategy", "STRATEGIES", "STRATEGY_NAMES", "get_strategy", "check_strategies"]
+__all__ = ["PlacementInputs", "Strategy", "Bound", "STRATEGIES", "BOUNDS", "LABELS", "STRATEGY_NAMES", "get_strategy", "check_strategies"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +50,10 @@ class PlacementInputs:
     seed: int  # seeds the random placement
     load_LE: np.ndarray  # float32 [L, E] decode tokens per (layer, expert)
     usage_GLE: np.ndarray | None = None  # float64 [G, L, E] decode tokens per group; grouped strategies only
+    decode_RLE: np.ndarray | None = None  # [R, L, E] decode counts of every request (price-routed strategies)
+    prefill_RLE: np.ndarray | None = None  # [R, L, E] prefill counts of every request (what the router sees)
+    train_rows: np.ndarray | None = None  # int64 rows of the training requests in the [R, ...] arrays
+    init_group_N: np.ndarray | None = None  # int64 [len(train_rows)] starting node of each training request
 
     @property
     def shape(self) -> dict[str, int]:
@@ -66,6 +75,16 @@ class Strategy:
     grouped: bool  # needs request clustering (one group per node, a prefill router at serving time)
     build: Builder  # the placement from PlacementInputs
     description: str  # one line, the same in docs/placement.md's table
+    router: Literal["none", "centroid", "price"] = "none"  # how a request finds its node at serving time
+
+
+@dataclass(frozen=True)
+class Bound:
+    """An upper bound ``compare`` reports next to the strategies (a row of ``BOUNDS``)."""
+
+    name: str  # its name in compare's result files (never a --strategies choice)
+    label: str  # short name for figures and tables
+    description: str  # one line, the same in docs/placement.md
 
 
 def _linear(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
@@ -113,6 +132,17 @@ def _improved(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
     return improved_placement(_usage_GLE(x), num_slots=x.num_slots, ranks_per_group=x.ranks_per_node), {}
 
 
+def _joint(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.joint import joint_placement
+
+    if x.decode_RLE is None or x.prefill_RLE is None or x.train_rows is None or x.init_group_N is None:
+        raise ConfigError("the joint placer needs per-request decode and prefill counts and starting groups")
+    jp = joint_placement(x.decode_RLE, x.prefill_RLE, init_group_R=x.init_group_N, num_groups=x.num_nodes,
+                         num_slots=x.num_slots, ranks_per_group=x.ranks_per_node, rows=x.train_rows)
+    return jp.placement, {"router_price": [round(float(p), 9) for p in jp.price_G], "joint_iterations": jp.num_iters,
+                          "joint_objective": [round(v, 6) for v in jp.objective_history]}
+
+
 #: the registry, in the order the CLI and docs list it
 STRATEGIES: tuple[Strategy, ...] = (
     #        name           label                      grouped build         description
@@ -120,9 +150,17 @@ STRATEGIES: tuple[Strategy, ...] = (
     Strategy("round_robin", "round robin",             False, _round_robin, "vLLM round robin: expert e on GPU e mod W"),
     Strategy("random",      "random",                  False, _random,      "every expert once plus random replicas, shuffled per layer (seeded)"),
     Strategy("eplb",        "EPLB",                    False, _eplb,        "DeepSeek EPLB on the training requests' decode load"),
-    Strategy("data",        "data-based (core paper)", True,  _data,        "core paper §4.2: each group's most-used experts on its node (greedy)"),
-    Strategy("improved",    "improved",                True,  _improved,    "ours: the data placer's objective solved exactly (an integral LP)"),
+    Strategy("data",        "data-based (core paper)", True,  _data,        "core paper §4.2: each group's most-used experts on its node (greedy)", "centroid"),
+    Strategy("improved",    "improved",                True,  _improved,    "the data placer's objective solved exactly (an integral LP)", "centroid"),
+    Strategy("joint",       "joint (ours)",            True,  _joint,       "ours: request routing and expert membership optimised together (alternating exact LPs), prefill router with node prices", "price"),
 )
+#: the bounds compare reports (``compare --no-oracle`` leaves them out)
+BOUNDS: tuple[Bound, ...] = (
+    Bound("perfect_routing", "joint, perfect routing", "the joint placement with held-out requests routed by their own decode (a router that cannot be built)"),
+    Bound("oracle", "oracle", "the joint placer fitted on the held-out requests themselves, routed by their decode: what this trace's structure allows"),
+)
+#: figure and table label of every strategy and bound name
+LABELS: dict[str, str] = {**{s.name: s.label for s in STRATEGIES}, **{b.name: b.label for b in BOUNDS}}
 STRATEGY_NAMES: tuple[str, ...] = tuple(s.name for s in STRATEGIES)
 
 

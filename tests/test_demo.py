@@ -27,6 +27,6 @@ def test_demo_runs_the_whole_pipeline(tmp_path):
         assert find_problems(out / "traces" / trace) == []
     assert (out / "results" / "synth-dsv3-analysis" / "manifest.json").exists()
     cmp_ = json.loads((out / "results" / "synth-dsv3-compare" / "compare.json").read_text())
-    assert {"linear", "eplb", "data", "improved"} <= set(cmp_["strategies"])
+    assert {"linear", "eplb", "data", "joint"} <= set(cmp_["strategies"])
     sg = json.loads((out / "placement" / "sglang-init-expert-location.json").read_text())
     assert len(sg["physical_to_logical_map"]) == 61  # one row per decoder layer of DeepSeek-V3

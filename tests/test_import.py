@@ -15,6 +15,7 @@ from moetrace.errors import ModelError, TraceFormatError
 from moetrace.tracer.importers import import_trace, sglang_response_rows
 from moetrace.tracer.presets import model_info_for, resolve
 from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.schema import stages_of
 from moetrace.tracer.trace.validate import find_problems
 
 MAV = model_info_for("llama4-maverick-tiny")  # 48 layers, MoE every 2nd (1, 3, ..., 47), 128 experts, top-1
@@ -116,6 +117,7 @@ def test_sglang_jsonl_several_requests_batched_line_and_labels(tmp_path):
     tr = open_trace(tmp_path / "t")
     assert tr.manifest["backend"] == {"name": "import", "source_format": "sglang", "source_file": str(src)}
     assert tr.manifest["collection"]["datasets"] == ["code", "gsm8k-run"]
+    assert tr.manifest["collection"]["stages"] == ["prefill", "decode"] and stages_of(tr) == {"prefill", "decode"}
     ta = tr.token_arrays()
     for rid, ((p, o), t) in enumerate(zip(shapes, truths)):
         sel = ta.request_id_T == rid

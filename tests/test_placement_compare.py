@@ -62,7 +62,7 @@ def flat(tmp_path_factory):
 def _cfg(**kw):
     # 2 nodes x 4 GPUs, 2 experts per GPU: linear puts experts 0..7 on node 0, so each domain is split
     return CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), num_batches=50,
-                         num_batch_requests=8, strategies=("linear", "round_robin", "eplb", "data", "improved"), **kw)
+                         num_batch_requests=8, strategies=("linear", "round_robin", "eplb", "data", "improved", "joint"), **kw)
 
 
 def test_grouped_placers_remove_inter_node_traffic_on_planted_domains(planted):
@@ -70,7 +70,7 @@ def test_grouped_placers_remove_inter_node_traffic_on_planted_domains(planted):
     res = run_compare(data, _cfg())
     norm = {r["strategy"]: r["inter_node_normalized_median"] for r in res.summary_rows()}
     assert norm["linear"] == pytest.approx(1.0)
-    assert norm["data"] == 0.0 and norm["improved"] == 0.0  # every token finds its experts on its node
+    assert norm["data"] == norm["improved"] == norm["joint"] == norm["oracle"] == 0.0  # every token finds its experts on its node
     assert norm["round_robin"] > 0.5 and norm["eplb"] > 0.5
     assert res.placed["data"].router_match_rate == 1.0
 
@@ -78,8 +78,9 @@ def test_grouped_placers_remove_inter_node_traffic_on_planted_domains(planted):
 def test_nobody_wins_on_structureless_traces(flat):
     data = load_trace_data(flat, test_fraction=0.25, seed=0)
     res = run_compare(data, _cfg())
-    for r in res.summary_rows():
-        assert 0.85 < r["inter_node_normalized_median"] < 1.15, r
+    for r in res.summary_rows():  # the bounds fit the 20 held-out requests themselves: they may overfit
+        if not r["is_bound"]:
+            assert 0.85 < r["inter_node_normalized_median"] < 1.15, r
 
 
 def test_cli_place_compare_export_roundtrip(planted, tmp_path):
@@ -120,7 +121,7 @@ def test_cli_place_compare_export_roundtrip(planted, tmp_path):
     import polars as pl
 
     layers = pl.read_parquet(res / "layers.parquet")
-    assert layers.height == 2 * 20 * L and set(layers["strategy"]) == {"linear", "data"}
+    assert layers.height == 4 * 20 * L and set(layers["strategy"]) == {"linear", "data", "perfect_routing", "oracle"}
     places = pl.read_parquet(res / "placements.parquet")
     assert places.filter(pl.col("strategy") == "data").height == L * E
 
@@ -216,13 +217,16 @@ def test_compare_prints_the_library_summary(planted):
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert lines[0].startswith("DP2TP4EP8 (2 nodes), 64 train / 16 test requests, 10 batches of 8 requests, dedup=rank")
-    assert lines[1].split() == ["strategy", "inter-node", "(norm.", "median)", "p10", "p90", "inter/batch", "router"]
-    assert lines[2].split()[:2] == ["linear", "1.000"] and lines[2].split()[-1] == "-"
-    assert lines[3].split()[0] == "data" and lines[3].split()[-1] == "100%"
+    assert lines[1].split() == ["strategy", "inter-node", "(norm.", "median)", "p10", "p90", "inter/batch", "router", "of",
+                                "oracle"]
+    assert lines[2].split()[:2] == ["linear", "1.000"] and lines[2].split()[-2:] == ["-", "0%"]
+    assert lines[3].split()[0] == "data" and lines[3].split()[-2:] == ["100%", "100%"]  # every token local: all of the oracle's gain
+    assert lines[4] == "upper bounds (they see the held-out requests' decode; not deployable):"
+    assert [ln.split()[0] for ln in lines[5:7]] == ["perfect_routing", "oracle"]
     data = load_trace_data(planted, test_fraction=0.2, seed=0)
     res = run_compare(data, CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), num_batches=10,
                                           num_batch_requests=8, strategies=("linear", "data")))
-    assert format_compare_summary(res).splitlines() == lines[:4]
+    assert format_compare_summary(res).splitlines() == lines[:7]
     assert compare_notes(res) == []
     res.placed["data"].extra["groups_without_routed_requests"] = [1]
     assert compare_notes(res) == ["note: data: 1 group(s) had no held-out request routed to them; their micro-batches drew "

@@ -27,6 +27,23 @@ Source formats:
     ``experts`` the top-k expert ids (``-1`` allowed); optional ``dataset``. Missing
     (position, layer) pairs become ``-1``.
 
+Stages (``stages``, ``--stages``; ``tokens`` only, an SGLang response always carries both):
+
+``both`` (default)
+    Every request has its prompt's routing (prefill position 0) and the file holds decode records.
+``decode-only``
+    A capture of generated tokens only: every record is ``decode`` (a ``prefill`` record is an
+    error: the file is not what was declared). Trace format v1 needs ``prompt_tokens >= 1``, so the
+    prompt is kept as rows holding ``-1`` (nothing recorded): when the positions count the prompt
+    (the file's smallest position is above 0), a request's prompt length is its first decode
+    position; when they count generated tokens from 0, the prompt length is unknown, every request
+    gets one ``-1`` prompt row, its positions move up by one, and the manifest records
+    ``collection.prompt_lengths_known: false``.
+``prefill-only``
+    A capture of prompt tokens only: every record is ``prefill``; requests have no generated tokens.
+
+The manifest records the stages as ``collection.stages`` (``schema.stages_of`` reads it).
+
 Shape legend: R requests, T tokens, L MoE layers, H all decoder layers, K top-k, X = L*K, N records
 of the ``tokens`` format (one per token and layer) (legend: docs/architecture.md).
 
@@ -46,13 +63,19 @@ from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
-from moetrace.errors import OutputExistsError, TraceFormatError
-from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo, is_whole
+from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
+from moetrace.tracer.trace.schema import NO_EXPERT, STAGE_DECODE, STAGE_PREFILL, ModelInfo, is_whole
 from moetrace.tracer.trace.layout import MANIFEST
 from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 from moetrace.tracer.backends.vllm_convert import routed_experts_to_rows
 
 SourceFormat = Literal["auto", "sglang", "tokens"]
+#: which stages a capture recorded: the value of ``--stages``
+StagesMode = Literal["both", "decode-only", "prefill-only"]
+#: ``--stages`` -> the manifest's ``collection.stages``
+RECORDED_STAGES: dict[str, list[str]] = {
+    "both": [STAGE_PREFILL, STAGE_DECODE], "decode-only": [STAGE_DECODE], "prefill-only": [STAGE_PREFILL],
+}
 
 
 #: SGLang's ``meta_info.routed_experts_dtype`` values -> the little-endian dtype of the payload's ids
@@ -212,10 +235,14 @@ def import_trace(
     model: ModelInfo,
     source_format: SourceFormat = "auto",
     dataset: str | None = None,
+    stages: StagesMode = "both",
     on_existing: OnExisting = "refuse",
     progress: Callable[[int, int], None] | None = None,
 ) -> WriterStats:
     """Convert one input file into the trace directory ``out``; returns what was written.
+
+    ``stages``: which stages the capture recorded (module docstring); ``decode-only`` and
+    ``prefill-only`` apply to the ``tokens`` format and are recorded as ``collection.stages``.
 
     ``progress(bytes_done, bytes_total)`` is called over the input file's bytes after each committed
     batch of requests, last with ``bytes_done == bytes_total``.
@@ -224,10 +251,16 @@ def import_trace(
     if not src.is_file():
         raise TraceFormatError(f"{src}: no such file")
     check_utf8(src)
+    if stages not in RECORDED_STAGES:
+        raise ConfigError(f"stages must be one of {', '.join(RECORDED_STAGES)}, got {stages!r}")
     fmt = detect_format(src) if source_format == "auto" else source_format
+    if fmt == "sglang" and stages != "both":
+        raise ConfigError(f"--stages {stages} applies to --format tokens; SGLang /generate responses always carry "
+                          "both stages (leave --stages at both)")
     label = dataset or src.stem
     backend = {"name": "import", "source_format": fmt, "source_file": str(src)}
-    collection = {"datasets": [label] if dataset else [], "imported_from": src.name}
+    collection: dict[str, Any] = {"datasets": [label] if dataset else [], "imported_from": src.name,
+                                  "stages": RECORDED_STAGES[stages]}
     created = not Path(out).exists()
     if on_existing == "refuse" and (Path(out) / MANIFEST).exists():
         raise OutputExistsError(f"{out} already holds a trace; choose another -o, or --overwrite to replace it")
@@ -236,7 +269,9 @@ def import_trace(
             if fmt == "sglang":
                 datasets = _import_sglang(src, writer=writer, info=model, label=label, progress=progress)
             else:
-                datasets = _import_tokens(src, writer=writer, info=model, label=label)
+                datasets, prompts_known = _import_tokens(src, writer=writer, info=model, label=label, stages=stages)
+                if not prompts_known:
+                    collection["prompt_lengths_known"] = False
                 if progress is not None:  # one batch: the whole file
                     size = src.stat().st_size
                     progress(size, size)
@@ -303,13 +338,16 @@ def tokens_to_requests(
     topk_ids_NK: np.ndarray,
     *,
     info: ModelInfo,
+    stages: StagesMode = "both",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per-(token, layer) records → ``(request_id_R, prompt_tokens_R, output_tokens_R, topk_ids_TX)``.
 
     ``request_N`` int64 ids, ``layer_N`` model layer indices, ``position_N`` 0-based,
     ``is_decode_N`` bool, ``topk_ids_NK`` int. Requests come out in ascending id order; a request
     has positions ``0..max`` (pairs with no record are ``-1``) and its prefill positions must be
-    exactly ``0..P-1``. Raises ``TraceFormatError`` naming the first offending request.
+    exactly ``0..P-1``. ``stages`` is what the capture recorded (module docstring): a record of
+    another stage is an error; under ``decode-only`` positions counted from 0 move up by one (see
+    ``decode_only_counts_generated``). Raises ``TraceFormatError`` naming the first offending request.
     """
     L, K = info.num_moe_layers, info.top_k
     if topk_ids_NK.ndim != 2 or topk_ids_NK.shape[1] != K:
@@ -325,10 +363,14 @@ def tokens_to_requests(
         )
     if (position_N < 0).any():
         raise TraceFormatError(f"negative position {int(position_N.min())}; positions are 0-based")
-    if (position_N >= np.iinfo(np.int32).max).any():
+    # a decode-only capture numbering generated tokens from 0: one unrecorded prompt row (format v1: prompt_tokens >= 1)
+    shift = int(stages == "decode-only" and decode_only_counts_generated(position_N))
+    if (position_N + shift >= np.iinfo(np.int32).max).any():
         raise TraceFormatError(f"position {int(position_N.max())} does not fit the trace's int32 positions")
     if ((topk_ids_NK < NO_EXPERT) | (topk_ids_NK >= info.num_experts)).any():
         raise TraceFormatError(f"expert ids outside 0..{info.num_experts - 1} (or -1)")
+    _check_stages(is_decode_N, request_N=request_N, position_N=position_N, stages=stages)
+    position_N = position_N + shift
     rids, inv = np.unique(request_N, return_inverse=True)
     R = len(rids)
     len_R = np.zeros(R, dtype=np.int64)
@@ -342,7 +384,10 @@ def tokens_to_requests(
     if wrong.any():
         raise TraceFormatError(f"request {rids[wrong][0]}: a prefill position comes after a decode position")
     if (prompt_R < 1).any():
-        raise TraceFormatError(f"request {rids[prompt_R < 1][0]}: no prefill position 0 (every request needs a prompt)")
+        raise TraceFormatError(
+            f"request {rids[prompt_R < 1][0]}: no prefill position 0 (with --stages both every request needs its "
+            "prompt's routing); a capture of generated tokens only imports with --stages decode-only"
+        )
     starts = np.zeros(R, dtype=np.int64)
     np.cumsum(len_R[:-1], out=starts[1:])
     try:
@@ -361,6 +406,34 @@ def tokens_to_requests(
     return rids.astype(np.int64), prompt_R.astype(np.int32), (len_R - prompt_R).astype(np.int32), topk_ids_TLK.reshape(-1, L * K)
 
 
+def decode_only_counts_generated(position_N: np.ndarray) -> bool:
+    """Whether a decode-only capture numbers generated tokens from 0 (its smallest position is 0),
+    rather than counting the prompt too: then prompt lengths are unknown."""
+    return bool(position_N.size) and int(position_N.min()) == 0
+
+
+def _check_stages(is_decode_N: np.ndarray, *, request_N: np.ndarray, position_N: np.ndarray, stages: StagesMode) -> None:
+    """Raise ``TraceFormatError`` when the records' stages contradict the declared ``stages``."""
+    if not is_decode_N.size:
+        return
+    fix = {"both": "", "decode-only": "; a capture with prompt records imports with --stages both",
+           "prefill-only": "; a capture with generated-token records imports with --stages both"}[stages]
+    for stage, has_N, mode in ((STAGE_PREFILL, ~is_decode_N, "decode-only"), (STAGE_DECODE, is_decode_N, "prefill-only")):
+        n = int(has_N.sum())
+        if stages == mode and n:
+            i = int(np.flatnonzero(has_N)[0])
+            raise TraceFormatError(
+                f"{n} record(s) have stage '{stage}' (first: request {int(request_N[i])}, position "
+                f"{int(position_N[i])}) but --stages {stages} declares a capture without {stage}{fix}"
+            )
+        if stages == "both" and not n:
+            other = "decode-only" if stage == STAGE_PREFILL else "prefill-only"
+            what = "generated tokens" if stage == STAGE_PREFILL else "prompt tokens"
+            raise TraceFormatError(
+                f"no record has stage '{stage}': a capture of {what} only imports with --stages {other}"
+            )
+
+
 def _int64(column: Any, name: str, src: Path) -> np.ndarray:
     """A polars integer column as int64 numpy, or a clean error when a value does not fit 64 bits."""
     import polars as pl
@@ -371,7 +444,9 @@ def _int64(column: Any, name: str, src: Path) -> np.ndarray:
         raise TraceFormatError(f"{src}: `{name}` holds whole numbers beyond 64 bits") from None
 
 
-def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str) -> set[str]:
+def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str,
+                   stages: StagesMode = "both") -> tuple[set[str], bool]:
+    """Import a ``tokens`` file; returns the dataset labels and whether the prompt lengths are known."""
     import polars as pl
 
     try:
@@ -397,9 +472,9 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
             raise TraceFormatError(f"{src}: {df[col].null_count()} record(s) have no `{col}` (null)")
     if df["experts"].list.explode().null_count():
         raise TraceFormatError(f"{src}: `experts` lists hold nulls; use -1 where no expert was recorded")
-    stages = set(df["stage"].unique().to_list())
-    if not stages <= {"prefill", "decode"}:
-        raise TraceFormatError(f"{src}: stage must be 'prefill' or 'decode', found {sorted(map(str, stages))}")
+    found = set(df["stage"].unique().to_list())
+    if not found <= {"prefill", "decode"}:
+        raise TraceFormatError(f"{src}: stage must be 'prefill' or 'decode', found {sorted(map(str, found))}")
     req = df["request"]
     if req.dtype.is_integer():
         request_N = _int64(req, "request", src)
@@ -410,10 +485,11 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
     if (lens != info.top_k).any():
         raise TraceFormatError(f"{src}: a record has {int(lens[lens != info.top_k][0])} experts; {info.name} has top_k {info.top_k}")
     topk_ids_NK = np.asarray(_int64(df["experts"].list.explode(), "experts", src)).reshape(-1, info.top_k)
+    position_N = _int64(df["position"], "position", src)
     try:
         rid_R, prompt_R, output_R, topk_ids_TX = tokens_to_requests(
-            request_N, _int64(df["layer"], "layer", src), _int64(df["position"], "position", src),
-            (df["stage"] == "decode").to_numpy(), topk_ids_NK, info=info,
+            request_N, _int64(df["layer"], "layer", src), position_N,
+            (df["stage"] == "decode").to_numpy(), topk_ids_NK, info=info, stages=stages,
         )
     except TraceFormatError as exc:
         raise TraceFormatError(f"{src}: {exc}") from exc
@@ -428,4 +504,4 @@ def _import_tokens(src: Path, *, writer: TraceWriter, info: ModelInfo, label: st
         ds_R = [label] * len(rid_R)
     writer.add_requests(request_id_R=rid_R, dataset_R=ds_R, prompt_tokens_R=prompt_R, output_tokens_R=output_R,
                         topk_ids_TX=topk_ids_TX)
-    return set(ds_R)
+    return set(ds_R), not (stages == "decode-only" and decode_only_counts_generated(position_N))

@@ -26,7 +26,7 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
     """The demo's command lines (without the leading ``moetrace``)."""
     tiny, tiny_an = out / "traces" / "tiny-dsv3", out / "results" / "tiny-dsv3-analysis"
     syn, syn_an, cmp_ = out / "traces" / "synth-dsv3", out / "results" / "synth-dsv3-analysis", out / "results" / "synth-dsv3-compare"
-    placement = out / "placement" / "improved.json"
+    placement = out / "placement" / "joint.json"
     return [
         ["collect", "--model", "deepseek-v3-tiny", "--dataset", "bundled", "--per-dataset", str(per_dataset),
          "--max-new-tokens", str(max_new_tokens), "--seed", str(seed), "-o", str(tiny), "--overwrite"],
@@ -36,9 +36,9 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
          "--seed", str(seed), "-o", str(syn), "--overwrite"],
         ["validate", str(syn)],
         ["analyze", str(syn), "-o", str(syn_an), "--seed", str(seed), "--overwrite"],
-        ["compare", str(syn), "--config", "DP8TP8EP64", "--strategies", "linear,round_robin,eplb,data,improved",
+        ["compare", str(syn), "--config", "DP8TP8EP64", "--strategies", "linear,round_robin,eplb,data,joint",
          "--seed", str(seed), "-o", str(cmp_), "--overwrite"],
-        ["place", str(syn), "--config", "DP8TP8EP64", "--strategy", "improved", "--seed", str(seed), "-o", str(placement),
+        ["place", str(syn), "--config", "DP8TP8EP64", "--strategy", "joint", "--seed", str(seed), "-o", str(placement),
          "--overwrite"],
         ["export", str(placement), "--format", "sglang", "-o", str(out / "placement" / "sglang-init-expert-location.json"),
          "--overwrite"],

@@ -28,12 +28,19 @@ def import_cmd(
         "{request, layer, position, stage, experts} records; auto: decide from the first record.")] = "auto",
     dataset: Annotated[str | None, typer.Option(help="Dataset label of requests that carry none "
                                                 "(default: the file name).")] = None,
+    stages: Annotated[Literal["both", "decode-only", "prefill-only"], typer.Option(
+        "--stages", help="Stages the capture recorded (--format tokens): both (every request has its prompt's "
+        "routing, and decode records); decode-only (generated tokens only, e.g. captures that log no prompt); "
+        "prefill-only (prompt tokens only). Recorded in the manifest; analyses that need the missing stage "
+        "are skipped with the reason.")] = "both",
     overwrite: Overwrite = False,
     quiet: Quiet = False,
 ) -> None:
     """Convert routing recorded by another tool into a trace (format v1) that every analysis reads.
 
     Example: moetrace import sglang-responses.jsonl --model deepseek-v3 -o traces/dsv3-sglang
+
+    A capture of generated tokens only: moetrace import gen.jsonl --format tokens --stages decode-only -m mixtral-8x7b -o t
     """
     from moetrace.tracer.importers import import_trace
     from moetrace.tracer.presets import resolve
@@ -41,6 +48,7 @@ def import_cmd(
     info = resolve(model).model_info()
     with progress_bar("import", "bytes", quiet=quiet) as bar:
         stats = import_trace(source, out=out, model=info, source_format=source_format,
-                             dataset=dataset, on_existing="overwrite" if overwrite else "refuse", progress=bar)
-    typer.echo(f"{out}: {stats.num_requests} requests, {stats.num_tokens} tokens, "
+                             dataset=dataset, stages=stages, on_existing="overwrite" if overwrite else "refuse", progress=bar)
+    only = "" if stages == "both" else f" ({stages.replace('-only', '')} stage only)"
+    typer.echo(f"{out}: {stats.num_requests} requests, {stats.num_tokens} tokens{only}, "
                f"{human_bytes(stats.bytes_on_disk)} on disk")

@@ -16,7 +16,7 @@ from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
 GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (NVLink domain).")]
-Clusters = Annotated[int, typer.Option("--clusters", help="K-means request clusters for data/improved (0: one per node).")]
+Clusters = Annotated[int, typer.Option("--clusters", help="K-means request clusters of the grouped strategies (0: one per node).")]
 Redundancy = Annotated[int, typer.Option("--redundancy", help="Redundant expert slots per layer (E+R must divide over EP ranks).")]
 TestFraction = Annotated[float, typer.Option("--test-fraction", help="Share of requests held out from placement.")]
 BatchRequests = Annotated[int, typer.Option(help="Requests per global batch (0: 32 per node).")]
@@ -82,7 +82,7 @@ def compare_cmd(
     trace: TraceArg,
     *,
     config: ConfigOpt,
-    strategies: StrategiesOpt = "linear,eplb,data,improved",
+    strategies: StrategiesOpt = "linear,eplb,data,joint",
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Results directory (Parquet + JSON for the dashboards).")] = None,
     gpus_per_node: GpusPerNode = 8,
     clusters: Clusters = 0,
@@ -92,6 +92,7 @@ def compare_cmd(
     batch_requests: BatchRequests = 0,
     dedup: DedupOpt = "rank",
     replica_policy: ReplicaPolicyOpt = "same_node",
+    oracle: Annotated[bool, typer.Option(help="Also report the upper bounds: perfect routing and the test-set oracle.")] = True,
     seed: Seed = 0,
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,
@@ -101,7 +102,7 @@ def compare_cmd(
 
     Prints inter-node volume normalized to the linear baseline's median (lower is better).
 
-    Example: moetrace compare traces/dsv3 --config DP8TP8EP64 --strategies linear,eplb,data,improved -o results/
+    Example: moetrace compare traces/dsv3 --config DP8TP8EP64 --strategies linear,eplb,data,joint -o results/
     """
     from moetrace.placement.compare import load_trace_data, run_compare, write_results
     from moetrace.placement.report import compare_notes, format_compare_summary
@@ -111,7 +112,7 @@ def compare_cmd(
         check_output(out, COMPARE, overwrite=overwrite)  # before minutes of work
     cfg = _cfg(config, gpus_per_node, strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                num_clusters=clusters, num_redundant=redundancy, test_fraction=test_fraction, num_batches=batches,
-               num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, seed=seed)
+               num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, oracle=oracle, seed=seed)
     with progress_bar("counting", "tokens", quiet=quiet) as bar:
         data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete,
                                progress=bar)

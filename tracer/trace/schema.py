@@ -16,6 +16,7 @@ checking a trace (``validate``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,8 @@ VERSION = 1
 
 STAGE_PREFILL = "prefill"
 STAGE_DECODE = "decode"
+#: the stages of a request, in position order
+STAGES = (STAGE_PREFILL, STAGE_DECODE)
 
 #: the largest count (layers, experts, hidden size, ...) a manifest may state: bounds what a file can ask for
 _MAX_COUNT = 1 << 20
@@ -184,6 +187,31 @@ def new_manifest(*, model: ModelInfo, backend: dict[str, Any], collection: dict[
     }
 
 
+def stages_of(trace_or_manifest: Any, /) -> frozenset[str]:
+    """The stages whose routing a trace recorded: ``manifest["collection"]["stages"]``.
+
+    Takes a manifest dict or anything with a ``manifest`` dict (an opened ``Trace``). A trace whose
+    manifest has no ``stages`` (every trace written before the key existed, and every collected or
+    synthetic trace) recorded both. An imported single-stage capture (``import --stages
+    decode-only``) lists one: its other stage's rows, if any, hold only ``-1`` (nothing recorded).
+    Raises ``TraceFormatError`` when the key is present but not a non-empty list of distinct stage names.
+    """
+    manifest = trace_or_manifest if isinstance(trace_or_manifest, Mapping) else getattr(trace_or_manifest, "manifest", None)
+    if not isinstance(manifest, Mapping):
+        raise TypeError(f"stages_of takes a trace manifest (dict) or a Trace, got {type(trace_or_manifest).__name__}")
+    collection = manifest.get("collection")
+    stages = collection.get("stages") if isinstance(collection, Mapping) else None
+    if stages is None:
+        return frozenset(STAGES)
+    if (not isinstance(stages, list) or not stages or len(set(map(str, stages))) != len(stages)
+            or any(s not in STAGES for s in stages)):
+        raise TraceFormatError(
+            f"manifest `collection.stages` must list the recorded stages out of {list(STAGES)} (distinct, at least one), "
+            f"got {stages!r}"
+        )
+    return frozenset(stages)
+
+
 def check_manifest_header(manifest: dict[str, Any], *, where: str) -> None:
     """Raise ``TraceFormatError`` unless ``manifest`` is a moetrace trace manifest of a known version."""
     if manifest.get("format") != FORMAT:
@@ -202,3 +230,7 @@ def check_manifest_header(manifest: dict[str, Any], *, where: str) -> None:
     for key in ("backend", "collection", "writer"):
         if key in manifest and not isinstance(manifest[key], dict):
             raise TraceFormatError(f"{where}: `{key}` must be an object, got {type(manifest[key]).__name__}")
+    try:
+        stages_of(manifest)
+    except TraceFormatError as exc:
+        raise TraceFormatError(f"{where}: {exc}") from None

@@ -5,7 +5,9 @@ with the required columns and types, every routing part has its requests part an
 leftover temporary files, expert ids in ``0 <= id < E`` or ``-1``, ``(request_id, position)``
 unique, ``request_id`` unique in the requests table, each request's positions are exactly
 ``0 .. prompt_tokens + output_tokens - 1`` with ``stage`` = prefill below ``prompt_tokens`` and
-decode from there, and no prompt/output text unless the manifest says it was asked for.
+decode from there, no prompt/output text unless the manifest says it was asked for, and, in a
+single-stage capture (manifest ``collection.stages``, see ``schema.stages_of``), no expert ids in
+the rows of the stage it did not record.
 
 Streaming: one part at a time, so memory is bounded by a part, plus one int64 key per token for the
 uniqueness check across parts.
@@ -31,8 +33,10 @@ from moetrace.tracer.trace.schema import (
     REQUIRED_ROUTING,
     STAGE_DECODE,
     STAGE_PREFILL,
+    STAGES,
     ModelInfo,
     check_manifest_header,
+    stages_of,
 )
 from moetrace.tracer.trace.layout import MANIFEST, REQUESTS_DIR, ROUTING_DIR, read_manifest
 
@@ -53,6 +57,7 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
         manifest = read_manifest(p)
         check_manifest_header(manifest, where=str(p / MANIFEST))
         model = ModelInfo.from_dict(manifest.get("model") or {})
+        recorded = stages_of(manifest)
     except (TraceFormatError, TypeError, ValueError) as exc:
         return [str(exc)]
     if not manifest["complete"]:  # a boolean: check_manifest_header made sure
@@ -138,6 +143,8 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
         seen_T = np.zeros(claimed, dtype=np.uint8)
     num_dup = 0
     dup_examples: list[tuple[int, int]] = []
+    unrecorded = tuple(s for s in STAGES if s not in recorded)
+    ids_in_unrecorded = dict.fromkeys(unrecorded, 0)  # rows of a stage the manifest says was not recorded
     rows_done = 0
 
     def tick(rows: int) -> None:
@@ -154,7 +161,7 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
             for rb in pf.iter_batches(batch_size=BATCH_ROWS, columns=["request_id", "position", "stage", "experts"]):
                 num_dup += _check_routing_batch(
                     rb, where, problems, E=E, rid_sorted=rid_sorted, p_sorted=p_sorted, len_sorted=len_sorted,
-                    start_R=start_R, seen_T=seen_T, dup_examples=dup_examples,
+                    start_R=start_R, seen_T=seen_T, dup_examples=dup_examples, ids_in_unrecorded=ids_in_unrecorded,
                 )
                 tick(rb.num_rows)
         except (pa.ArrowException, OSError) as exc:
@@ -163,6 +170,12 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
             break
     tick(rows_on_disk)  # parts skipped (unreadable, bad schema, too many problems) count as done
 
+    for stage, n in ids_in_unrecorded.items():
+        if n:
+            problems.append(
+                f"routing: {n} {stage} rows hold expert ids but the manifest's `collection.stages` "
+                f"{sorted(recorded, key=STAGES.index)} says {stage} was not recorded (its rows must be -1)"
+            )
     if num_dup:
         problems.append(f"routing: {num_dup} duplicate (request_id, position) rows, e.g. {dup_examples[:5]}")
     if seen_T is not None and len(len_sorted):
@@ -202,8 +215,12 @@ def _routing_schema_ok(schema: pa.Schema, where: str, problems: list[str], *, X:
 
 def _check_routing_batch(rb: pa.RecordBatch, where: str, problems: list[str], *, E: int, rid_sorted: np.ndarray,
                          p_sorted: np.ndarray, len_sorted: np.ndarray, start_R: np.ndarray,
-                         seen_T: np.ndarray | None, dup_examples: list[tuple[int, int]]) -> int:
-    """Check one batch of routing rows against the requests table; returns its duplicate rows."""
+                         seen_T: np.ndarray | None, dup_examples: list[tuple[int, int]],
+                         ids_in_unrecorded: dict[str, int]) -> int:
+    """Check one batch of routing rows against the requests table; returns its duplicate rows.
+
+    ``ids_in_unrecorded``: per stage the manifest says was not recorded, rows holding an expert id
+    (added to)."""
     for c in ("request_id", "position", "stage", "experts"):
         if rb.column(c).null_count:
             problems.append(f"{where}: `{c}` is null in {rb.column(c).null_count} row(s)")
@@ -226,6 +243,10 @@ def _check_routing_batch(rb: pa.RecordBatch, where: str, problems: list[str], *,
     if (~(is_pre | is_dec)).any():
         vals = pc.unique(pc.filter(stage, pa.array(~(is_pre | is_dec)))).to_pylist()[:5]
         problems.append(f"{where}: `stage` values {vals} (allowed: prefill, decode)")
+    if ids_in_unrecorded:
+        has_id = (ids.reshape(rb.num_rows, -1) != NO_EXPERT).any(axis=1) if rb.num_rows else np.zeros(0, bool)
+        for stage in ids_in_unrecorded:
+            ids_in_unrecorded[stage] += int((has_id & (is_pre if stage == STAGE_PREFILL else is_dec)).sum())
     idx = np.searchsorted(rid_sorted, rid)
     idx_c = np.minimum(idx, max(len(rid_sorted) - 1, 0))
     known = (idx < len(rid_sorted)) & (rid_sorted[idx_c] == rid) if len(rid_sorted) else np.zeros(len(rid), bool)

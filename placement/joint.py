@@ -1,0 +1,201 @@
+"""moetrace's joint placer: request→node routing and expert membership optimised together.
+
+What ``simulate`` (and ``moetrace a2a``) measures is, to first order, the share of a request's
+routed (token, expert) pairs whose expert is not on the node serving the request. That depends on
+two decisions at once: which node a request is sent to, and which experts each node holds. The
+core paper fixes the first by K-means on decode vectors and a nearest-centroid router, then places
+experts for those groups. Here both are optimised against the same objective, by alternation:
+
+1. *Membership step* (exact): given the groups, each node's J = P/G experts per layer maximise the
+   group's decode usage found on its own node, every expert placed at least once. This is the
+   improved placer's b-matching LP (``improved.optimal_members``; integral, HiGHS). With redundant
+   slots (J > E/G) heavily shared experts are replicated on the nodes that use them.
+2. *Routing step* (exact): given the membership, each request's score for node g is the share of its
+   *prefill* expert activations that node g holds (``route_RLE``: what a serving-time router sees).
+   Requests are assigned to nodes maximising the total score with every node taking at most
+   ``(1 + balance_slack) * R / G`` requests: a transportation LP (integral, HiGHS). Its dual prices
+   ``price_G`` turn it into an online router: a new request goes to ``argmax_g score_g - price_g``,
+   which reproduces the balanced assignment without seeing other requests.
+
+Each request weighs the same in both steps (counts are divided by the request's own total), because
+a decode step batches one token per running request whatever its length. The alternation starts
+from a given assignment (the K-means groups) and keeps the iterate with the best training objective
+(decode usage found locally under the prefill routing), so it is never worse than its start.
+
+Cross-layer affinity enters through the routing: a request is sent to the node holding its experts
+across all layers at once. Token-level affinity (layer l's expert predicting layer l+1's) would save
+traffic only in an engine where a token moves with its experts; in expert-parallel decode every
+layer dispatches from the token's own GPU, so it is not modelled here.
+
+Shape legend (docs/architecture.md): R requests, L MoE layers, E logical experts, G node groups
+(= nodes), P physical slots, J slots of one node group (P / G).
+
+Out of scope: second-order effects of rank dedup (two experts of one token on one remote GPU cost
+one copy); the GPUs inside a node (``data_placement.spread_in_nodes``); simulating traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moetrace._deps import require
+from moetrace.errors import ConfigError
+from moetrace.placement.data_placement import _check, expected_slot_load, spread_in_nodes
+from moetrace.placement.improved import optimal_members
+from moetrace.placement.maps import Placement, placement_from_phy2log
+
+__all__ = ["JointPlacement", "joint_placement", "node_scores", "balanced_assign", "route_requests", "group_usage",
+           "members_of_placement"]
+
+#: rows converted to float at a time (bounds memory on [R, L, E] count arrays)
+_CHUNK_ROWS = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class JointPlacement:
+    """The joint placer's output."""
+
+    placement: Placement  # expert slots; group g owns slots [g*J, (g+1)*J)
+    member_LGE: np.ndarray  # bool [L, G, E]: node g holds expert e at layer l
+    price_G: np.ndarray  # float64 [G]: the router's per-node price (route_requests)
+    group_R: np.ndarray  # int64 [R]: node of each training request (rows order)
+    objective_history: list[float]  # training objective per iteration (local decode share, mean per request)
+    num_iters: int  # iterations run (the best iterate is returned)
+
+
+def _shares(x_RLE: np.ndarray, rows: np.ndarray, lo: int) -> np.ndarray:
+    """Rows ``rows[lo:lo+chunk]`` of ``x_RLE`` as float32 [n, L*E], each divided by its own total."""
+    c = x_RLE[rows[lo : lo + _CHUNK_ROWS]].reshape(min(_CHUNK_ROWS, len(rows) - lo), -1).astype(np.float32)
+    tot = c.sum(1, keepdims=True)
+    return np.divide(c, tot, out=c, where=tot > 0)
+
+
+def node_scores(x_RLE: np.ndarray, member_LGE: np.ndarray, *, rows: np.ndarray | None = None) -> np.ndarray:
+    """Share of each request's expert activations held by each node, float64 [len(rows), G] in [0, 1].
+
+    ``x_RLE``: token counts [R, L, E] (any numeric dtype; prefill counts for a router, decode counts
+    to measure); ``member_LGE``: bool [L, G, E]. A request with no activations scores 0 everywhere.
+    """
+    rows = np.arange(x_RLE.shape[0]) if rows is None else np.asarray(rows)
+    L, G, E = member_LGE.shape
+    m_FG = np.ascontiguousarray(np.transpose(member_LGE, (0, 2, 1)).reshape(L * E, G), dtype=np.float32)
+    out = np.empty((len(rows), G))
+    for lo in range(0, len(rows), _CHUNK_ROWS):
+        out[lo : lo + _CHUNK_ROWS] = _shares(x_RLE, rows, lo) @ m_FG
+    return out
+
+
+def group_usage(x_RLE: np.ndarray, group_N: np.ndarray, *, num_groups: int, rows: np.ndarray | None = None) -> np.ndarray:
+    """Per node, the sum of its requests' activation shares, float64 [G, L, E] (each request weighs 1).
+
+    ``group_N``: int [len(rows)] node of each selected row.
+    """
+    rows = np.arange(x_RLE.shape[0]) if rows is None else np.asarray(rows)
+    R, L, E = x_RLE.shape
+    out = np.zeros((num_groups, L * E))
+    for lo in range(0, len(rows), _CHUNK_ROWS):
+        s = _shares(x_RLE, rows, lo)
+        g = np.asarray(group_N[lo : lo + _CHUNK_ROWS])
+        for k in np.unique(g):
+            out[k] += s[g == k].sum(0, dtype=np.float64)
+    return out.reshape(num_groups, L, E)
+
+
+def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """Assign every request to one node, maximising the total score, every node taking between
+    ``floor((1 - slack) R / G)`` and ``ceil((1 + slack) R / G)`` requests: ``(group_R int64 [R],
+    price_G float64 [G])``.
+
+    A transportation LP (HiGHS), integral at its optimum because its constraint matrix is totally
+    unimodular. ``price_G`` (score units) is the net dual of each node's two capacity constraints:
+    ``argmax_g score - price`` gives the same assignment up to ties (``route_requests``); a node in
+    demand has a positive price, one that must be filled a negative one.
+    """
+    optimize = require("scipy.optimize", purpose="the joint placer's balanced routing")
+    sparse = require("scipy.sparse", purpose="the joint placer's balanced routing")
+    s = np.asarray(score_RG, dtype=np.float64)
+    R, G = s.shape
+    if R == 0:
+        return np.zeros(0, np.int64), np.zeros(G)
+    hi = int(np.ceil((1.0 + balance_slack) * R / G))
+    lo = int(np.floor((1.0 - balance_slack) * R / G))
+    cols = np.arange(R * G)
+    A_eq = sparse.csr_matrix((np.ones(R * G), (np.repeat(np.arange(R), G), cols)), shape=(R, R * G))
+    node = np.tile(np.arange(G), R)
+    A_ub = sparse.csr_matrix((np.concatenate([np.ones(R * G), -np.ones(R * G)]),
+                              (np.concatenate([node, G + node]), np.concatenate([cols, cols]))), shape=(2 * G, R * G))
+    b_ub = np.concatenate([np.full(G, hi), np.full(G, -lo)])
+    res = optimize.linprog(-s.reshape(-1), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=np.ones(R), bounds=(0, 1),
+                           method="highs")
+    if res.status != 0:
+        raise AssertionError(f"balanced routing LP failed ({res.message})")
+    group_R = np.argmax(res.x.reshape(R, G), axis=1).astype(np.int64)
+    marg = -np.asarray(res.ineqlin.marginals, dtype=np.float64)  # >= 0: duals of the upper, then the lower bounds
+    return group_R, marg[:G] - marg[G:]
+
+
+def route_requests(score_RG: np.ndarray, price_G: np.ndarray) -> np.ndarray:
+    """The online router: each request to ``argmax_g score_RG[r, g] - price_G[g]``, int64 [R]."""
+    return np.argmax(np.asarray(score_RG) - np.asarray(price_G)[None, :], axis=1).astype(np.int64)
+
+
+def members_of_placement(placement: Placement, *, num_groups: int, num_experts: int) -> np.ndarray:
+    """Which experts each node holds, bool [L, G, E] (node g = slots [g*P/G, (g+1)*P/G))."""
+    L, P = placement.phy2log.shape
+    member = np.zeros((L, num_groups, num_experts), dtype=bool)
+    node_P = np.arange(P) // (P // num_groups)
+    for l in range(L):
+        member[l, node_P, placement.phy2log[l]] = True
+    return member
+
+
+def joint_placement(
+    decode_RLE: np.ndarray,
+    route_RLE: np.ndarray,
+    *,
+    init_group_R: np.ndarray,
+    num_groups: int,
+    num_slots: int,
+    ranks_per_group: int,
+    rows: np.ndarray | None = None,
+    num_iters: int = 8,
+    balance_slack: float = 0.05,
+) -> JointPlacement:
+    """Alternate exact membership and balanced routing from ``init_group_R``; the best iterate.
+
+    ``decode_RLE``: decode token counts [R, L, E] (what the placement serves); ``route_RLE``: the
+    counts the router sees (prefill at serving time; decode for the perfect-routing oracle); both any
+    numeric dtype. ``rows``: the requests to use (default all); ``init_group_R``: int [len(rows)]
+    their starting nodes in 0..``num_groups``-1.
+    """
+    rows = np.arange(decode_RLE.shape[0]) if rows is None else np.asarray(rows)
+    group = np.asarray(init_group_R, dtype=np.int64)
+    if len(group) != len(rows):
+        raise ConfigError(f"init_group_R has {len(group)} entries for {len(rows)} requests")
+    G = num_groups
+    if len(group) == 0 or group.min() < 0 or group.max() >= G:
+        raise ConfigError(f"init_group_R must hold nodes 0..{G - 1} for at least one training request")
+    _check(np.zeros((G, 1, decode_RLE.shape[2])), num_slots, ranks_per_group)
+    history: list[float] = []
+    best = None
+    for _ in range(num_iters):
+        usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows)
+        member = optimal_members(usage_GLE, num_slots=num_slots)
+        routed, price = balanced_assign(node_scores(route_RLE, member, rows=rows), balance_slack=balance_slack)
+        # training objective: the decode share a request finds on the node the router sends it to
+        local = node_scores(decode_RLE, member, rows=rows)[np.arange(len(rows)), routed]
+        obj = float(local.mean())
+        history.append(obj)
+        if best is None or obj > best[0] + 1e-12:
+            best = (obj, member, group_usage(decode_RLE, routed, num_groups=G, rows=rows), price, routed)
+        if np.array_equal(routed, group):
+            break
+        group = routed
+    obj, member, usage_GLE, price, group = best
+    phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
+    return JointPlacement(
+        placement=placement_from_phy2log(phy2log, num_experts=decode_RLE.shape[2]), member_LGE=member,
+        price_G=price, group_R=group, objective_history=history, num_iters=len(history),
+    )

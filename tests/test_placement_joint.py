@@ -1,0 +1,185 @@
+"""The joint placer and the upper bounds: balanced routing LP, price router, planted-block recovery."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
+from moetrace.placement.deployment import parse_deployment
+from moetrace.placement.joint import (balanced_assign, group_usage, joint_placement, members_of_placement, node_scores,
+                                      route_requests)
+from moetrace.placement.maps import placement_problems
+from moetrace.placement.report import format_compare_summary
+from moetrace.tracer.trace.schema import ModelInfo
+from moetrace.tracer.trace.writer import TraceWriter
+
+pytest.importorskip("scipy")
+pytest.importorskip("sklearn")
+
+
+# ---------------------------------------------------------------- balanced routing LP
+def _brute_force(score_RG: np.ndarray, lo: int, hi: int) -> float:
+    R, G = score_RG.shape
+    best = -np.inf
+    for assign in itertools.product(range(G), repeat=R):
+        sizes = np.bincount(assign, minlength=G)
+        if sizes.max() <= hi and sizes.min() >= lo:
+            best = max(best, score_RG[np.arange(R), assign].sum())
+    return best
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 7), st.integers(1, 3), st.integers(0, 2**16))
+def test_balanced_assign_is_optimal_and_respects_capacity(R, G, seed):
+    score = np.random.default_rng(seed).random((R, G))
+    group, price = balanced_assign(score, balance_slack=0.0)
+    hi, lo = int(np.ceil(R / G)), R // G
+    assert group.shape == (R,) and group.min() >= 0 and group.max() < G
+    sizes = np.bincount(group, minlength=G)
+    assert sizes.max() <= hi and sizes.min() >= lo  # no node overloaded, none left idle
+    assert score[np.arange(R), group].sum() == pytest.approx(_brute_force(score, lo, hi), abs=1e-9)
+
+
+def test_prices_turn_the_balanced_assignment_into_an_online_router():
+    # everybody prefers node 0; capacity forces half of them elsewhere, and the prices say who
+    rng = np.random.default_rng(0)
+    score = np.column_stack([0.6 + 0.3 * rng.random(200), 0.3 * rng.random(200)])
+    group, price = balanced_assign(score, balance_slack=0.0)
+    assert np.bincount(group).tolist() == [100, 100]
+    assert price[0] > price[1]  # node 0 is in demand
+    routed = route_requests(score, price)
+    assert (routed == group).mean() >= 0.98  # equal up to ties at the price boundary
+    assert (route_requests(score, np.zeros(2)) == 0).all()  # without prices node 0 would take everyone
+
+
+def test_scores_and_usage_weigh_each_request_equally():
+    E, L, G = 4, 2, 2
+    member = np.zeros((L, G, E), bool)
+    member[:, 0, :2] = member[:, 1, 2:] = True
+    x = np.zeros((2, L, E), np.uint16)
+    x[0, :, 0] = 1000  # a long request on expert 0
+    x[1, :, 3] = 1  # a one-token request on expert 3
+    np.testing.assert_allclose(node_scores(x, member), [[1, 0], [0, 1]])
+    u = group_usage(x, np.array([0, 0]), num_groups=G)
+    assert u[0, :, 0].tolist() == [0.5, 0.5] and u[0, :, 3].tolist() == [0.5, 0.5] and u[1].sum() == 0
+
+
+# ---------------------------------------------------------------- planted blocks
+E, K, L, G = 16, 2, 3, 4  # DP4TP2EP8 on nodes of 2 GPUs: 4 nodes, 4 experts per node
+
+
+def _block_counts(num_requests: int, *, noise: float, seed: int):
+    """Dataset d = r % G routes to experts 4d..4d+3 at every layer (prefill and decode), with ``noise``
+    of its draws uniform over all experts: counts [R, L, E] for both stages."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((2, num_requests, L, E), np.uint16)
+    for r in range(num_requests):
+        d = r % G
+        for s in range(2):
+            for _ in range(12):
+                for l in range(L):
+                    e = rng.integers(E) if rng.random() < noise else 4 * d + rng.integers(4)
+                    out[s, r, l, e] += 1
+    return out[0], out[1]
+
+
+def test_joint_placer_recovers_the_planted_blocks_from_a_poor_start():
+    prefill, decode = _block_counts(160, noise=0.15, seed=1)
+    start = np.random.default_rng(0).integers(0, G, 160)  # a random assignment, nothing like the datasets
+    jp = joint_placement(decode, prefill, init_group_R=start, num_groups=G, num_slots=E, ranks_per_group=2)
+    assert placement_problems(jp.placement, num_experts=E, num_ranks=8) == []
+    # every node holds exactly one dataset's block, at every layer, and gets exactly that dataset's requests
+    node_of_dataset = [int(np.bincount(jp.group_R[np.arange(160) % G == d], minlength=G).argmax()) for d in range(G)]
+    assert sorted(node_of_dataset) == list(range(G))
+    for d, g in enumerate(node_of_dataset):
+        assert (jp.group_R[np.arange(160) % G == d] == g).all()
+        for l in range(L):
+            assert np.flatnonzero(jp.member_LGE[l, g]).tolist() == list(range(4 * d, 4 * d + 4))
+    assert jp.objective_history[-1] >= max(jp.objective_history) - 1e-12
+    assert max(jp.objective_history) > 0.85  # all but the noise found locally
+    np.testing.assert_array_equal(members_of_placement(jp.placement, num_groups=G, num_experts=E), jp.member_LGE)
+
+
+MODEL = ModelInfo(name="blocks", source="test", architecture="Test", num_hidden_layers=L, moe_layers=tuple(range(L)),
+                  num_experts=E, top_k=K, num_shared_experts=0, hidden_size=8)
+
+
+def _block_trace(path, *, num_requests: int, noise: float, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    rows, ptok, otok = [], [], []
+    for r in range(num_requests):
+        d = r % G
+        n = 6 + 10
+        ids = np.empty((n, L, K), np.int16)
+        for t in range(n):
+            for l in range(L):
+                pool = np.arange(E) if rng.random() < noise else np.arange(4 * d, 4 * d + 4)
+                ids[t, l] = rng.choice(pool, K, replace=False)
+        ids[-1] = -1
+        rows.append(ids.reshape(n, L * K))
+        ptok.append(6)
+        otok.append(10)
+    with TraceWriter(path, model=MODEL, backend={"name": "synthetic"}, collection={"planted": "blocks"}) as w:
+        w.add_requests(request_id_R=np.arange(num_requests), dataset_R=[f"d{r % G}" for r in range(num_requests)],
+                       prompt_tokens_R=np.array(ptok), output_tokens_R=np.array(otok), topk_ids_TX=np.concatenate(rows))
+    return path
+
+
+def test_compare_reports_bounds_and_the_joint_placer_meets_the_oracle(tmp_path):
+    trace = _block_trace(tmp_path / "blocks", num_requests=160, noise=0.2)
+    data = load_trace_data(trace, test_fraction=0.25, seed=0)
+    cfg = CompareConfig(deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), num_batches=60,
+                        num_batch_requests=16, strategies=("linear", "eplb", "data", "joint"))
+    res = run_compare(data, cfg)
+    rows = {r["strategy"]: r for r in res.summary_rows()}
+    assert list(rows) == ["linear", "eplb", "data", "joint", "perfect_routing", "oracle"]
+    assert [r["is_bound"] for r in rows.values()] == [False] * 4 + [True] * 2
+    v = {s: r["inter_node_normalized_median"] for s, r in rows.items()}
+    assert v["oracle"] < 0.6  # the planted structure is there to exploit
+    assert v["joint"] <= v["oracle"] * 1.02 + 0.02  # and the joint placer gets it (within 2 points)
+    assert v["joint"] <= v["data"] + 0.02
+    assert rows["joint"]["router_match_rate"] > 0.9
+    assert rows["oracle"]["oracle_captured"] == pytest.approx(1.0)
+    assert rows["linear"]["oracle_captured"] == pytest.approx(0.0, abs=0.02)
+    text = format_compare_summary(res)
+    assert text.count("upper bounds") == 1 and "of oracle" in text
+
+
+def test_no_structure_no_gain(tmp_path):
+    trace = _block_trace(tmp_path / "flat", num_requests=160, noise=1.0)
+    data = load_trace_data(trace, test_fraction=0.25, seed=0)
+    cfg = CompareConfig(deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), num_batches=60,
+                        num_batch_requests=16, strategies=("linear", "data", "joint"), oracle=False)
+    rows = {r["strategy"]: r for r in run_compare(data, cfg).summary_rows()}
+    assert set(rows) == {"linear", "data", "joint"}
+    for r in rows.values():
+        assert 0.9 < r["inter_node_normalized_median"] < 1.1, r
+
+
+def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from moetrace.cli import app
+    from moetrace.placement.exports import export_placement, load_placement
+
+    trace = _block_trace(tmp_path / "blocks", num_requests=80, noise=0.1)
+    out = tmp_path / "joint.json"
+    r = CliRunner().invoke(app, ["place", str(trace), "--config", "DP4TP2EP8", "--gpus-per-node", "2", "--strategy",
+                                 "joint", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    pf = load_placement(out)
+    assert pf.strategy == "joint" and len(pf.grouping["node_prices"]) == G
+    assert "prefill" in pf.grouping["score"]  # the router sees the prompt only
+    assert json.loads(export_placement(pf, fmt="vllm")) == pf.placement.phy2log.tolist()
+    d = json.loads(out.read_text())
+    d["grouping"]["node_prices"] = [0.0, "x", 0.0, 0.0]
+    out.write_text(json.dumps(d))
+    r = CliRunner().invoke(app, ["export", str(out), "--format", "vllm", "-o", str(tmp_path / "v.json")])
+    assert r.exit_code != 0 and "node_prices" in r.output and "Traceback" not in r.output
