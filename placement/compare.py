@@ -39,7 +39,7 @@ from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_cluste
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
-from moetrace.placement.strategies import BOUNDS, PlacementInputs, check_strategies, get_strategy
+from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, check_strategies, get_strategy
 
 __all__ = ["CompareConfig", "TraceData", "load_trace_data", "make_placement", "place_strategies", "run_compare", "write_results"]
 
@@ -94,6 +94,7 @@ class TraceData:
     is_test_R: np.ndarray  # bool [R] held out from placement
     test_topk_ids_TLK: np.ndarray  # int16 [T, L, K] decode tokens of test requests with at least one recorded id
     test_req_T: np.ndarray  # int64 [T] row (0..R-1) of each test token's request
+    stages: frozenset[str] = frozenset({"prefill", "decode"})  # routing stages the trace recorded (schema.stages_of)
 
 
 def load_trace_data(
@@ -106,8 +107,14 @@ def load_trace_data(
     """
     from moetrace.analysis.counts import count_trace
     from moetrace.tracer.trace.reader import open_trace
+    from moetrace.tracer.trace.schema import STAGE_DECODE, stages_of
 
     tr = open_trace(trace, require_complete=not allow_incomplete)
+    stages = stages_of(tr)
+    if STAGE_DECODE not in stages:
+        raise TraceFormatError(f"{trace}: recorded prefill routing only (manifest collection.stages); placements are built "
+                               "from decode counts and the all-to-all model simulates decode steps: use a trace with "
+                               "decode routing")
     counts = count_trace(tr, allow_incomplete=allow_incomplete, progress=progress)
     R = counts.num_requests
     if R < 4:
@@ -132,7 +139,7 @@ def load_trace_data(
     return TraceData(
         model=tr.model, trace_path=str(trace),
         prefill_RLE=counts.stage("prefill"), decode_RLE=counts.stage("decode"),  # views of one counts array
-        is_test_R=is_test, test_topk_ids_TLK=ids[order], test_req_T=req[order],
+        is_test_R=is_test, test_topk_ids_TLK=ids[order], test_req_T=req[order], stages=stages,
     )
 
 
@@ -161,6 +168,12 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     train_R = np.flatnonzero(~data.is_test_R)
     R = len(data.is_test_R)
     usage_GLE = init_group_N = None
+    if spec.grouped and "prefill" not in data.stages:
+        raise ConfigError(
+            f"strategy {strategy!r} groups requests and routes each by its prefill routing, but {data.trace_path} recorded "
+            f"decode only (manifest collection.stages, e.g. import --stages decode-only); choose an ungrouped strategy "
+            f"({', '.join(s.name for s in STRATEGIES if not s.grouped)}) or a trace with both stages"
+        )
     if spec.grouped:
         if grouping is None:
             grouping = fit_grouping(
@@ -351,6 +364,8 @@ def run_compare(
             progress(done, steps)
 
     placed = place_strategies(data, cfg, todo, on_placed=step)
+    if bounds and "prefill" not in data.stages:  # the bounds start from the joint placement, which needs prefill
+        bounds, steps = [], steps - 2 * len(bounds)
     if bounds:
         placed.update(bound_placements(data, cfg, placed, on_placed=step))
     metrics = {}

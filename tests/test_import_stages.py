@@ -173,3 +173,22 @@ def test_validate_catches_ids_in_a_stage_the_manifest_says_was_not_recorded(tmp_
     probs = find_problems(tmp_path / "t")
     assert probs == ["routing: 4 prefill rows hold expert ids but the manifest's `collection.stages` ['decode'] says "
                      "prefill was not recorded (its rows must be -1)"]
+
+
+def test_placement_on_a_decode_only_trace_refuses_grouped_strategies_and_runs_the_rest(tmp_path):
+    src = write(tmp_path / "gen.jsonl", capture("decode", requests=16))
+    assert cli_import(src, tmp_path / "t", "--stages", "decode-only").exit_code == 0
+    args = ["compare", str(tmp_path / "t"), "--config", "DP2TP2EP4", "--gpus-per-node", "2", "--batches", "5",
+            "--batch-requests", "4"]
+    res = runner.invoke(app, [*args, "--strategies", "linear,data"])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "strategy 'data' groups requests and routes each by its prefill routing" in res.output
+    assert "decode only" in res.output and "linear" in res.output  # names the way out
+    res = runner.invoke(app, [*args, "--strategies", "linear,eplb"])
+    assert res.exit_code == 0, res.output
+    assert "upper bounds" not in res.output  # the bounds start from the joint placement, which needs prefill
+    src = write(tmp_path / "pre.jsonl", capture("prefill", requests=16))
+    assert cli_import(src, tmp_path / "p", "--stages", "prefill-only").exit_code == 0
+    res = runner.invoke(app, ["place", str(tmp_path / "p"), "--config", "DP2TP2EP4", "--gpus-per-node", "2",
+                              "--strategy", "eplb", "-o", str(tmp_path / "x.json")])
+    assert res.exit_code != 0 and "recorded prefill routing only" in res.output
