@@ -12,14 +12,20 @@ bytes of every split it actually sent. Rank 0 gathers the records (``gather_obje
 
 Ranks start either from torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the
 environment; ``moetrace a2a --torchrun``) or from ``launch_local``, which spawns them on this
-machine with an ``env://`` rendezvous on a free port. Backend ``gloo`` runs on CPU (bytes exact,
-times are loopback times); ``nccl`` needs one GPU per rank.
+machine with an ``env://`` rendezvous on a free port. A local gloo run can emulate the nodes
+(``netemu``: one network namespace per node, its link shaped to ``--link``; ranks of node i run in
+namespace i, so only inter-node traffic is slowed); without root every link is loopback (bytes
+exact, times do not separate the link classes; ``Network.note`` says so). Backend ``gloo`` runs on
+CPU; ``nccl`` needs one GPU per rank, and ``run_smoke`` runs a 1-rank NCCL check on one GPU.
 
-Shape legend (docs/architecture.md): B batches, L MoE layers, W EP ranks (GPUs), V strategies.
+Deployments with ``TPd > 1`` are replayed at EP-rank granularity, as the simulator counts them: one
+process per EP rank (its ``d`` tensor-parallel GPUs are one process).
 
-Out of scope: emulating slow inter-node links on one machine (no network namespaces: every link is
-local, so measured *times* of a local run do not separate intra- from inter-node); the tensor
-parallelism inside an EP rank (``TPd``: one process per EP rank); the expert computation itself.
+Shape legend (docs/architecture.md): B batches, L MoE layers, W EP ranks (GPUs), V strategies,
+G node groups (= nodes).
+
+Out of scope: the tensor-parallel traffic inside an EP rank (``TPd``); NVLink-speed intra-node links
+(local traffic runs at loopback speed); the expert computation itself.
 """
 
 from __future__ import annotations
@@ -37,15 +43,16 @@ import numpy as np
 
 from moetrace import results as rf
 from moetrace.errors import ConfigError, MoetraceError, TraceFormatError
+from moetrace.placement import netemu
 from moetrace.placement.a2a import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
 from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, _batches, place_strategies
 from moetrace.placement.grouping import groups_of_clusters, predict_clusters
 from moetrace.placement.simulate import simulate_volume
 
 __all__ = [
-    "A2APlan", "A2ARunError", "Backend", "build_plan", "choose_backend", "first_mismatch", "format_summary",
-    "launch_local", "placed_from_file", "raise_on_mismatch", "result_table", "run_a2a", "run_rank", "summary_rows",
-    "write_a2a_results",
+    "A2APlan", "A2ARunError", "Backend", "Network", "build_plan", "choose_backend", "first_mismatch", "format_smoke",
+    "format_summary", "launch_local", "placed_from_file", "raise_on_mismatch", "result_table", "run_a2a", "run_rank",
+    "run_smoke", "summary_rows", "write_a2a_results",
 ]
 
 Backend = Literal["gloo", "nccl", "auto"]
@@ -154,24 +161,58 @@ def build_plan(
     )
 
 
-def choose_backend(backend: Backend, *, world_size: int, torchrun: bool) -> str:
-    """``gloo`` or ``nccl``; ``auto`` takes nccl when there is a GPU per rank on this machine (under
-    torchrun: any GPU). Raises ``ConfigError`` for nccl without enough GPUs, saying what to do."""
-    import torch
-
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+def choose_backend(backend: Backend, *, world_size: int, torchrun: bool, num_gpus: int | None = None,
+                   smoke: bool = False) -> tuple[str, str]:
+    """``(backend, note)``: ``gloo`` or ``nccl``, and a one-line note when ``auto`` could not take the
+    GPUs it saw (empty otherwise). ``auto`` takes nccl when there is a GPU per rank on this machine
+    (under torchrun: any GPU). ``num_gpus``: GPUs visible (None: ask torch). Raises ``ConfigError``
+    for nccl without enough GPUs, saying what to do (``--smoke`` when there is at least one).
+    ``smoke`` (``run_smoke``): nccl on one GPU, refused without one, under torchrun or with gloo."""
+    if backend not in ("gloo", "nccl", "auto"):
+        raise ConfigError(f"--backend {backend!r} is not gloo, nccl or auto")
+    n = _visible_gpus() if num_gpus is None else num_gpus
+    if smoke:
+        if torchrun or backend == "gloo":
+            raise ConfigError("--smoke is a 1-rank NCCL check in this process; drop --torchrun and --backend gloo")
+        if n < 1:
+            raise ConfigError("--smoke needs a CUDA GPU and none is visible here; use --backend gloo to replay on CPU")
+        return "nccl", ""
     need = 1 if torchrun else world_size
+    hint = f"; --smoke runs a 1-rank NCCL all_to_all on cuda:0 (a GPU check, not the {world_size}-rank replay)" if n else ""
     if backend == "auto":
-        return "nccl" if n >= need else "gloo"
+        if n >= need:
+            return "nccl", ""
+        if n:
+            return "gloo", f"note: {world_size} ranks but {n} GPU(s) here (NCCL needs one per rank): using gloo on CPU{hint}"
+        return "gloo", ""
     if backend == "nccl" and n < need:
         raise ConfigError(
             f"--backend nccl needs one GPU per rank: {world_size} ranks, {n} GPU(s) visible here; run on a node with "
             f"{world_size} GPUs (or across nodes: torchrun --nnodes ... -m moetrace a2a --torchrun), or use --backend gloo "
-            "to measure the bytes on CPU"
+            f"to measure the bytes on CPU{hint}"
         )
-    if backend not in ("gloo", "nccl"):
-        raise ConfigError(f"--backend {backend!r} is not gloo, nccl or auto")
-    return backend
+    return backend, ""
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass(frozen=True)
+class Network:
+    """How the links between nodes were realized in a run (written to ``a2a.json`` as ``network``)."""
+
+    mode: str  # "emulated" (a namespace per node, shaped links), "loopback" (one machine, no link shaped), "torchrun"
+    link: str = ""  # the --link spec each emulated node's link was shaped to ("" unless emulated)
+    qdisc: str = ""  # shaping of a node's egress: "netem" (rate and latency) or "tbf" (rate only); "" unless emulated
+    note: str = ""  # one line: why not emulated, or what of --link is not (empty when all is as asked)
+    link_bytes_G2: tuple[tuple[int, int], ...] = ()  # [G][2] bytes the shapers sent out of / into each node
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "link": self.link, "qdisc": self.qdisc, "note": self.note,
+                "link_bytes": [list(x) for x in self.link_bytes_G2]}
 
 
 # ---- one rank ---------------------------------------------------------------------------------------
@@ -187,7 +228,8 @@ def run_rank(rank: int, world_size: int, plan: A2APlan) -> list[dict[str, Any]] 
     import torch.distributed as dist
 
     if plan.world_size != world_size:
-        raise ConfigError(f"{world_size} ranks started but the deployment has EP{plan.world_size}; start one process per EP rank")
+        raise ConfigError(f"{world_size} ranks started but the deployment has EP{plan.world_size}; start one process per EP "
+                          "rank (with TPd > 1, an EP rank's d GPUs are one process)")
     if plan.backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
@@ -274,25 +316,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result: str) -> None:
+def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result: str,
+             netns_W: tuple[str, ...], env: dict[str, str]) -> None:
+    if netns_W:
+        netemu.enter_netns(netns_W[rank])  # before any socket: the rendezvous and gloo's pairs live in the node's namespace
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(env)
     value = fn(rank, world_size, *args)
     if rank == 0:
         with open(result, "wb") as f:
             pickle.dump(value, f)
 
 
-def launch_local(world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
+def launch_local(world_size: int, fn: Callable[..., Any], *args: Any, nodes: netemu.EmulatedNodes | None = None,
+                 ranks_per_node: int = 1) -> Any:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes on this machine (spawned,
-    ``env://`` rendezvous on a free local port) and return rank 0's return value. A failing rank
-    raises ``A2ARunError`` with its last error line."""
+    ``env://`` rendezvous on a free local port) and return rank 0's return value. With ``nodes``,
+    rank ``r`` runs in emulated node ``r // ranks_per_node``'s namespace (gloo on its link, rendezvous
+    at node 0). A failing rank raises ``A2ARunError`` with its last error line."""
     import torch.multiprocessing as mp
 
+    netns_W: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    if nodes is not None:
+        if world_size != ranks_per_node * nodes.num_nodes:
+            raise ConfigError(f"{world_size} ranks do not fill {nodes.num_nodes} emulated nodes of {ranks_per_node}")
+        netns_W = tuple(nodes.namespaces[r // ranks_per_node] for r in range(world_size))
+        env = nodes.rank_env()
     with tempfile.TemporaryDirectory(prefix="moetrace-a2a-") as d:
         result = str(Path(d) / "rank0.pkl")
         try:
-            mp.spawn(_spawned, args=(world_size, _free_port(), fn, args, result), nprocs=world_size, join=True)
+            mp.spawn(_spawned, args=(world_size, _free_port(), fn, args, result, netns_W, env), nprocs=world_size,
+                     join=True)
         except mp.ProcessRaisedException as exc:
             lines = [x for x in str(exc).splitlines() if x.strip()]
             raise A2ARunError(f"a rank failed: {lines[-1].strip() if lines else exc}") from None
@@ -302,15 +358,133 @@ def launch_local(world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
             return pickle.load(f)
 
 
-def run_a2a(plan: A2APlan, *, torchrun: bool = False) -> list[dict[str, Any]] | None:
-    """Run the replay: in this process as one rank of a torchrun job (``torchrun``; returns the
-    records on rank 0, None elsewhere), or as ``plan.world_size`` local processes (returns the records)."""
+def run_a2a(plan: A2APlan, *, torchrun: bool = False, emulate: bool | None = None, link: str = netemu.DEFAULT_LINK,
+            log: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]] | None, Network]:
+    """Run the replay: in this process as one rank of a torchrun job (``torchrun``; the records on
+    rank 0, None elsewhere), or as ``plan.world_size`` local processes. Returns ``(records, network)``.
+
+    Local runs of more than one node: ``emulate`` True puts each node in its own network namespace
+    with its link shaped to ``link`` (``RATE[,LATENCY]``, ``netemu.parse_link``; raises
+    ``ConfigError`` when namespaces cannot be made here); False keeps every link loopback; None
+    emulates when ``netemu.probe`` says it can (root, ``ip``/``tc`` working, ``MOETRACE_NO_NETNS``
+    unset), else keeps loopback. ``log`` gets the one-line notes (not emulated, netem missing).
+    """
+    say = log or (lambda _msg: None)
     if torchrun:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise ConfigError("--torchrun: RANK and WORLD_SIZE are not set; start the command with torchrun "
                               "(torchrun --nproc-per-node N -m moetrace a2a ... --torchrun)")
-        return run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), plan)
-    return launch_local(plan.world_size, run_rank, plan)
+        return run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), plan), Network(mode="torchrun")
+    spec = netemu.parse_link(link)
+    G = plan.world_size // plan.ranks_per_node
+    if plan.backend != "gloo" and emulate:
+        raise ConfigError("--emulate-nodes needs --backend gloo (it shapes the TCP links between ranks on this machine); "
+                          "with NCCL, run on real nodes")
+    if G < 2 or emulate is False or plan.backend != "gloo":
+        why, links = ("--no-emulate-nodes", "loopback") if plan.backend == "gloo" else ("NCCL", "this machine's GPU links")
+        net = Network(mode="loopback", note="" if G < 2 else
+                      f"note: inter-node time is not emulated ({why}): all links are {links}; bytes are measured exactly")
+        if net.note:
+            say(net.note)
+        return launch_local(plan.world_size, run_rank, plan), net
+    ok, why = netemu.probe()
+    if not ok:
+        if emulate:
+            raise ConfigError(f"--emulate-nodes: network namespaces cannot be made here ({why}); run as root, "
+                              "or use --no-emulate-nodes")
+        net = Network(mode="loopback", note=f"note: inter-node time is not emulated ({why}): all links are loopback; "
+                                            "bytes are measured exactly")
+        say(net.note)
+        return launch_local(plan.world_size, run_rank, plan), net
+    stale = netemu.remove_stale()
+    if stale:
+        say(f"note: removed {len(stale)} network namespace(s) left by killed runs: {', '.join(stale)}")
+    with netemu.emulated_nodes(G, spec) as nodes:
+        for n in nodes.notes:
+            say(f"note: {n}")
+        records = launch_local(plan.world_size, run_rank, plan, nodes=nodes, ranks_per_node=plan.ranks_per_node)
+        counted = nodes.link_bytes()
+    return records, Network(mode="emulated", link=spec.spec, qdisc=nodes.node_qdisc, note="; ".join(nodes.notes),
+                            link_bytes_G2=tuple((int(a), int(b)) for a, b in counted))
+
+
+# ---- one GPU: the NCCL smoke check ------------------------------------------------------------------
+def run_smoke(plan: A2APlan, *, device_index: int = 0) -> list[dict[str, Any]]:
+    """A 1-rank NCCL check on ``cuda:<device_index>`` (for a machine with fewer GPUs than ranks).
+
+    Per (strategy, batch, layer): one ``all_to_all_single`` with world size 1 of the batch's whole
+    dispatch (every rank's token copies, ``sends_VBLWW[v, b, l].sum()`` rows of ``hidden_size``
+    values, grouped by sending rank and stamped with it; input and output splits ``[rows]``), timed
+    with CUDA events. Checks the rows arrive unchanged and their bytes equal the simulator's dispatch
+    total (intra + inter); raises ``A2AMismatchError`` otherwise. Returns one row per strategy:
+    ``collectives``, ``bytes_per_collective_median``, ``seconds_median``, ``gbytes_per_second_median``.
+
+    Out of scope: links between GPUs (with one rank NCCL copies on the device; the W-rank replay
+    needs W GPUs), combine (the same copy back).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if _visible_gpus() <= device_index:
+        raise ConfigError(f"--smoke needs a CUDA GPU (cuda:{device_index}); none is visible here")
+    if dist.is_initialized():
+        raise ConfigError("--smoke runs its own 1-rank process group; a process group already exists")
+    torch.cuda.set_device(device_index)
+    device = torch.device("cuda", device_index)
+    dt = getattr(torch, plan.dtype)
+    V, B, L, W, _ = plan.sends_VBLWW.shape
+    stamp_W = torch.tensor([float(w % 200 + 1) for w in range(W)], dtype=dt, device=device)
+    rows_max = max(int(plan.sends_VBLWW.sum(axis=(-1, -2)).max(initial=0)), 1)
+    send_buf = torch.empty((rows_max, plan.hidden_size), dtype=dt, device=device)
+    recv_buf = torch.empty_like(send_buf)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def once(n: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_to_all_single(recv_buf[:n], send_buf[:n], [n], [n])
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        once(rows_max)  # warm-up: NCCL's communicator starts on the first collective
+        out = []
+        for v, name in enumerate(plan.strategies):
+            secs, nbytes = [], []
+            for b in range(B):
+                for l in range(L):
+                    per_src_W = torch.tensor(plan.sends_VBLWW[v, b, l].sum(-1), device=device)
+                    n = int(per_src_W.sum())
+                    send_buf[:n] = torch.repeat_interleave(stamp_W, per_src_W)[:, None]
+                    secs.append(once(n))
+                    got = recv_buf[:n].numel() * recv_buf.element_size()
+                    want = plan.sim_intra_VBL[v, b, l] + plan.sim_inter_VBL[v, b, l]
+                    if got != want or not bool(recv_buf[:n].eq(send_buf[:n]).all()):
+                        raise A2AMismatchError(f"--smoke {name} batch {b} layer {l}: {got} bytes moved (simulator: "
+                                               f"{want:.0f}) or a row arrived changed")
+                    nbytes.append(got)
+            med_s = float(np.median(secs))
+            out.append({"strategy": name, "collectives": len(secs), "bytes_per_collective_median": float(np.median(nbytes)),
+                        "seconds_median": med_s,
+                        "gbytes_per_second_median": float(np.median(np.asarray(nbytes) / np.maximum(secs, 1e-12)) / 1e9),
+                        "device": torch.cuda.get_device_name(device)})
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def format_smoke(plan: A2APlan, rows: list[dict[str, Any]]) -> str:
+    """Header line, column titles and one row per strategy of ``run_smoke``'s result."""
+    from moetrace.sizes import human_bytes
+
+    lines = [f"NCCL smoke check on 1 GPU ({rows[0]['device'] if rows else '?'}): each {plan.config.get('deployment')} "
+             f"batch's dispatch ({plan.world_size} ranks' rows) as one all_to_all_single of world size 1, "
+             f"hidden {plan.hidden_size} {plan.dtype}",
+             f"{'strategy':<12} {'collectives':>11} {'bytes (median)':>15} {'seconds':>10} {'GB/s':>8}"]
+    for r in rows:
+        lines.append(f"{r['strategy']:<12} {r['collectives']:>11} {human_bytes(r['bytes_per_collective_median']):>15} "
+                     f"{r['seconds_median']:>10.2e} {r['gbytes_per_second_median']:>8.2f}")
+    return "\n".join(lines)
 
 
 # ---- results ---------------------------------------------------------------------------------------
@@ -369,8 +543,9 @@ def result_table(plan: A2APlan, records: list[dict[str, Any]]):
 
 def summary_rows(plan: A2APlan, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per strategy: measured and simulated inter-node bytes per batch normalized to the reference's
-    median (``linear`` when present, else the first strategy), and the median collective time (the
-    slowest rank of each collective)."""
+    median (``linear`` when present, else the first strategy), and the median collective times (the
+    slowest rank of each collective): dispatch, combine, and both of one (batch, layer)
+    (``layer_seconds_median``)."""
     _, me = _measured(plan, records)
     meas_VB = me.sum(axis=(2, 3, 4))
     sim_VB = 2 * plan.sim_inter_VBL.sum(2)  # dispatch + combine
@@ -387,37 +562,51 @@ def summary_rows(plan: A2APlan, records: list[dict[str, Any]]) -> list[dict[str,
         "measured_inter_node_bytes_per_batch_median": float(np.median(meas_VB[v])),
         "simulated_inter_node_bytes_per_batch_median": float(np.median(sim_VB[v])),
         "dispatch_seconds_median": float(np.median(secs[v, ..., 0])), "combine_seconds_median": float(np.median(secs[v, ..., 1])),
+        "layer_seconds_median": float(np.median(secs[v].sum(-1))),
     } for v, s in enumerate(plan.strategies)]
 
 
-def format_summary(plan: A2APlan, records: list[dict[str, Any]]) -> str:
-    """Header line, column titles and one row per strategy."""
+def _links_line(network: Network | None) -> str:
+    if network is None or network.mode == "torchrun":
+        return "links: as the torchrun job's hosts and devices have them"
+    if network.mode == "loopback":
+        return "links: all local to this machine (inter-node time not emulated)"
+    return f"links: a network namespace per node, inter-node links shaped to {network.link} ({network.qdisc})"
+
+
+def format_summary(plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None) -> str:
+    """Header lines, column titles and one row per strategy."""
     from moetrace.sizes import human_bytes
 
     c = plan.config
     lines = [
         f"{c.get('deployment')} ({c.get('num_nodes')} nodes), {plan.world_size} ranks on {plan.backend} ({records[0]['device']}), "
         f"{c.get('num_batches')} batches x {plan.sends_VBLWW.shape[2]} layers, hidden {plan.hidden_size} {plan.dtype}",
-        f"{'strategy':<12} {'measured inter (norm.)':>23} {'simulated':>10} {'inter/batch':>12} {'dispatch s':>11} {'combine s':>10}",
+        _links_line(network),
+        f"{'strategy':<12} {'measured inter (norm.)':>23} {'simulated':>10} {'inter/batch':>12} {'dispatch s':>11} {'combine s':>10} "
+        f"{'layer s':>9}",
     ]
     for r in summary_rows(plan, records):
         lines.append(f"{r['strategy']:<12} {r['measured_inter_node_normalized_median']:>23.3f} "
                      f"{r['simulated_inter_node_normalized_median']:>10.3f} "
                      f"{human_bytes(r['measured_inter_node_bytes_per_batch_median']):>12} "
-                     f"{r['dispatch_seconds_median']:>11.2e} {r['combine_seconds_median']:>10.2e}")
+                     f"{r['dispatch_seconds_median']:>11.2e} {r['combine_seconds_median']:>10.2e} "
+                     f"{r['layer_seconds_median']:>9.2e}")
     return "\n".join(lines)
 
 
-def write_a2a_results(out: str | os.PathLike, plan: A2APlan, records: list[dict[str, Any]]) -> list[Path]:
+def write_a2a_results(out: str | os.PathLike, plan: A2APlan, records: list[dict[str, Any]],
+                      network: Network | None = None) -> list[Path]:
     """Write ``collectives.parquet`` and ``a2a.json`` (names, format and version from
-    ``moetrace.results.A2A``); ``a2a.json`` last. Returns the paths."""
+    ``moetrace.results.A2A``; ``network``: how the links were realized); ``a2a.json`` last. Returns the paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     mismatch = first_mismatch(plan, records)
     meta = {**plan.config, "strategies": list(plan.strategies), "backend": plan.backend, "world_size": plan.world_size,
             "hidden_size": plan.hidden_size, "dtype": plan.dtype, "bytes_per_token": plan.bytes_per_token,
             "device": records[0]["device"], "hosts": sorted({r["host"] for r in records}),
-            "bytes_match": mismatch is None, "first_mismatch": mismatch, "summary": summary_rows(plan, records)}
+            "bytes_match": mismatch is None, "first_mismatch": mismatch, "summary": summary_rows(plan, records),
+            "network": network.to_dict() if network is not None else None}
     return [
         rf.write_result_table(out, rf.A2A, rf.A2A_COLLECTIVES, result_table(plan, records)),
         rf.write_result_json(out, rf.A2A, rf.A2A_MANIFEST, meta),

@@ -128,7 +128,7 @@ def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tup
                               (np.concatenate([node, G + node]), np.concatenate([cols, cols]))), shape=(2 * G, R * G))
     b_ub = np.concatenate([np.full(G, hi), np.full(G, -lo)])
     res = optimize.linprog(-s.reshape(-1), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=np.ones(R), bounds=(0, 1),
-                           method="highs")
+                           method="highs-ipm")  # interior point + crossover: a vertex, 2x faster than simplex here
     if res.status != 0:
         raise AssertionError(f"balanced routing LP failed ({res.message})")
     group_R = np.argmax(res.x.reshape(R, G), axis=1).astype(np.int64)

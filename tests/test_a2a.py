@@ -1,5 +1,6 @@
 """The all-to-all replay: send matrices equal the simulator's bytes; real gloo collectives (4 ranks,
-2 emulated nodes of 2 GPUs) move exactly those bytes; results files; mismatches are reported."""
+2 nodes of 2 GPUs, all links loopback here; tests/test_a2a_netemu.py covers emulated links) move
+exactly those bytes; results files; mismatches are reported."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def plan(data, cfg):
 
 @pytest.fixture(scope="module")
 def records(plan):
-    return ar.run_a2a(plan)
+    records, network = ar.run_a2a(plan, emulate=False)
+    assert network.mode == "loopback" and "not emulated" in network.note
+    return records
 
 
 @pytest.mark.parametrize("dedup", ["rank", "expert", "node"])
@@ -130,10 +133,12 @@ def test_ranking_by_measured_bytes_equals_simulators(plan, records):
 
 
 def test_results_files_carry_format_and_version(plan, records, tmp_path):
-    files = ar.write_a2a_results(tmp_path / "out", plan, records)
+    files = ar.write_a2a_results(tmp_path / "out", plan, records, ar.Network(mode="loopback", note="n"))
     assert [f.name for f in files] == [rf.A2A_COLLECTIVES, rf.A2A_MANIFEST]
     kind, manifest = rf.read_result_manifest(tmp_path / "out")
     assert kind is rf.A2A and manifest["format"] == "moetrace.a2a" and manifest["version"] == 1
+    assert manifest["network"] == {"mode": "loopback", "link": "", "qdisc": "", "note": "n", "link_bytes": []}
+    assert all(r["layer_seconds_median"] > 0 for r in manifest["summary"])
     assert manifest["bytes_match"] is True and manifest["first_mismatch"] is None
     assert rf.read_table_format(tmp_path / "out" / rf.A2A_COLLECTIVES) == ("moetrace.a2a.collectives", 1)
     with pytest.raises(Exception, match="already holds a2a results"):

@@ -12,6 +12,8 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from moetrace.cli.common import AllowIncomplete, Overwrite, Seed, TraceArg, friendly_errors
+from moetrace.errors import ConfigError
+from moetrace.placement.netemu import DEFAULT_LINK, parse_link
 from moetrace.cli.place import (
     BatchRequests,
     Clusters,
@@ -33,7 +35,7 @@ def a2a_cmd(
     trace: TraceArg,
     *,
     config: ConfigOpt,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Results directory (a2a.json, collectives.parquet).")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results directory (a2a.json, collectives.parquet); not with --smoke.", show_default=False)] = None,
     placement: Annotated[Optional[list[Path]], typer.Option("--placement", help="Placement JSON (repeat for several); instead of --strategies.")] = None,
     strategies: Annotated[str, typer.Option(help="Comma-separated strategies to place from the trace (when no --placement).")] = "linear,eplb,data",
     gpus_per_node: GpusPerNode = 8,
@@ -43,6 +45,10 @@ def a2a_cmd(
     dtype: Annotated[Literal["bfloat16", "float16", "float32"], typer.Option(help="Dtype of the token rows on the wire.")] = "bfloat16",
     backend: Annotated[Literal["gloo", "nccl", "auto"], typer.Option(help="gloo (CPU), nccl (one GPU per rank) or auto.")] = "auto",
     torchrun: Annotated[bool, typer.Option("--torchrun", help="This process is one rank of a torchrun job (RANK/WORLD_SIZE set).")] = False,
+    emulate_nodes: Annotated[Optional[bool], typer.Option("--emulate-nodes/--no-emulate-nodes", show_default="when root and `ip netns` work",
+                                                          help="Local gloo run: one network namespace per node, inter-node links shaped to --link.")] = None,
+    link: Annotated[str, typer.Option(help="Emulated node link RATE[,LATENCY], each direction (tc units: bit/kbit/mbit/gbit; s/ms/us).")] = DEFAULT_LINK,
+    smoke: Annotated[bool, typer.Option("--smoke", help="1-rank NCCL check on cuda:0 (fewer GPUs than ranks); prints, writes nothing.")] = False,
     clusters: Clusters = 0,
     redundancy: Redundancy = 0,
     test_fraction: TestFraction = 0.2,
@@ -55,7 +61,7 @@ def a2a_cmd(
     """Send the traced tokens' all-to-all through real torch.distributed collectives; compare bytes with the simulator.
 
     Example: moetrace a2a traces/dsv3 --config DP2TP2EP4 --gpus-per-node 2 --strategies linear,eplb,data -o a2a-out
-    (8 GPUs: torchrun --nproc-per-node 8 -m moetrace a2a ... --torchrun)
+    (as root, the 2 nodes are emulated: --link 1Gbit,50us; 8 GPUs: torchrun --nproc-per-node 8 -m moetrace a2a ... --torchrun)
     """
     from moetrace.placement import a2a_run as ar
     from moetrace.placement.compare import CompareConfig, load_trace_data
@@ -64,13 +70,25 @@ def a2a_cmd(
     from moetrace.results import A2A, check_output
 
     lead = not torchrun or os.environ.get("RANK", "0") == "0"
-    if lead:
+    if smoke and out is not None:
+        raise ConfigError("--smoke prints its check and writes no results; drop -o")
+    if not smoke and out is None:
+        raise ConfigError("-o/--out RESULTS is required (except with --smoke)")
+    if lead and out is not None:
         check_output(out, A2A, overwrite=overwrite)  # before any work
+    parse_link(link)  # a bad --link fails before any work
+    if torchrun and emulate_nodes:
+        raise ConfigError("--emulate-nodes is for a local run; under --torchrun the ranks use the real nodes' links")
     names = tuple(s.strip() for s in strategies.split(",") if s.strip())
     cfg = CompareConfig(deployment=parse_deployment(config, num_gpus_per_node=gpus_per_node), strategies=names,
                         num_clusters=clusters, num_redundant=redundancy, test_fraction=test_fraction, num_batches=batches,
                         num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, seed=seed)
-    resolved = ar.choose_backend(backend, world_size=cfg.deployment.num_ep, torchrun=torchrun)
+    resolved, note = ar.choose_backend(backend, world_size=cfg.deployment.num_ep, torchrun=torchrun, smoke=smoke)
+    if note:
+        typer.echo(note, err=True)
+    if cfg.deployment.num_ep_tp > 1 and lead:
+        typer.echo(f"note: {cfg.deployment.name}: TP{cfg.deployment.num_ep_tp} after EP is replayed as one process per EP rank "
+                   "(the EP all-to-all, as the simulator counts it; not the tensor-parallel traffic inside an EP rank)", err=True)
     data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
     placed = None
     if placement:
@@ -79,11 +97,15 @@ def a2a_cmd(
             ps = ar.placed_from_file(data, cfg, load_placement(f), where=str(f))
             placed[ps.strategy if ps.strategy not in placed else f"{ps.strategy}:{f.stem}"] = ps
     plan = ar.build_plan(data, cfg=cfg, placed=placed, hidden_size=hidden_size, dtype=dtype, backend=resolved)
-    records = ar.run_a2a(plan, torchrun=torchrun)
+    if smoke:
+        typer.echo(ar.format_smoke(plan, ar.run_smoke(plan)))
+        return
+    records, network = ar.run_a2a(plan, torchrun=torchrun, emulate=emulate_nodes, link=link,
+                                  log=lambda msg: typer.echo(msg, err=True))
     if records is None:  # a torchrun rank other than 0: rank 0 reports
         return
-    files = ar.write_a2a_results(out, plan, records)
-    typer.echo(ar.format_summary(plan, records))
+    files = ar.write_a2a_results(out, plan, records, network)
+    typer.echo(ar.format_summary(plan, records, network))
     typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
     ar.raise_on_mismatch(plan, records)
     typer.echo("measured bytes equal the simulator's for every collective, rank and link class")
