@@ -45,7 +45,7 @@ from moetrace import results as rf
 from moetrace.errors import ConfigError, MoetraceError, TraceFormatError
 from moetrace.placement import netemu
 from moetrace.placement.a2a import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
-from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, _batches, place_strategies
+from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, _batches, place_strategies, price_routes
 from moetrace.placement.grouping import groups_of_clusters, predict_clusters
 from moetrace.placement.simulate import simulate_volume
 
@@ -104,8 +104,15 @@ def placed_from_file(data: TraceData, cfg: CompareConfig, pf: Any, *, where: str
         raise ConfigError(f"{where}: placement for EP{pf.deployment.get('num_ep')} ({P} slots); --config {dep.name} has "
                           f"EP{dep.num_ep} (re-run `moetrace place` with this --config)")
     g = pf.grouping
+    if g and "node_prices" in g:  # the price router (strategy joint), from each request's prefill
+        if "prefill" not in data.stages:
+            raise ConfigError(f"{where}: its router reads prefill routing, which this trace did not record")
+        group_R, _ = price_routes(data, pf.placement, np.asarray(g["node_prices"], dtype=np.float64), dep.num_groups)
+        return PlacedStrategy(strategy=pf.strategy, placement=pf.placement, group_of_test_R=group_R)
     if not g or "prefill_centroids" not in g:
         return PlacedStrategy(strategy=pf.strategy, placement=pf.placement)
+    if "prefill" not in data.stages:
+        raise ConfigError(f"{where}: its router reads prefill routing, which this trace did not record")
     R = len(data.is_test_R)
     pred_R = predict_clusters(data.prefill_RLE.reshape(R, -1), np.asarray(g["prefill_centroids"], dtype=np.float64))
     return PlacedStrategy(strategy=pf.strategy, placement=pf.placement,

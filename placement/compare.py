@@ -193,7 +193,7 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
         return PlacedStrategy(strategy=strategy, placement=placement, extra=extra)
     test = data.is_test_R
     if spec.router == "price":  # routed to nodes directly; match: same node from prefill as from decode
-        group_R, truth_R = _price_routes(data, placement, np.asarray(extra["router_price"]), G)
+        group_R, truth_R = price_routes(data, placement, np.asarray(extra["router_price"]), G)
         pred_R = group_R
     else:  # routed to clusters; match: same cluster from prefill as from decode
         pred_R = predict_clusters(data.prefill_RLE.reshape(R, -1), grouping.prefill_centroids_CF)
@@ -205,7 +205,7 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     )
 
 
-def _price_routes(data: TraceData, placement: Placement, price_G: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+def price_routes(data: TraceData, placement: Placement, price_G: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """Node of every held-out request under the price router (from its prefill, what serving does) and
     under a balanced assignment by its decode (what it should have been), int64 [R] each (training
     rows are 0)."""

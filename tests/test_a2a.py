@@ -207,15 +207,23 @@ def test_cli_a2a_from_placement_files(data, cfg, trace, tmp_path):
     from moetrace.placement.compare import placement_file
     from moetrace.placement.exports import save_placement
 
-    files = []
-    for s in ("linear", "data"):
-        save_placement(placement_file(data, cfg, make_placement(data, cfg, s)), tmp_path / f"{s}.json")
+    from moetrace.placement.a2a_run import placed_from_file
+    from moetrace.placement.exports import load_placement
+
+    files, made = [], {}
+    for s in ("linear", "data", "joint"):
+        made[s] = make_placement(data, cfg, s)
+        save_placement(placement_file(data, cfg, made[s]), tmp_path / f"{s}.json")
         files += ["--placement", str(tmp_path / f"{s}.json")]
+    for s in ("data", "joint"):  # a file routes held-out requests exactly as the placement run did
+        got = placed_from_file(data, cfg, load_placement(tmp_path / f"{s}.json"), where=s)
+        test = data.is_test_R
+        np.testing.assert_array_equal(got.group_of_test_R[test], made[s].group_of_test_R[test])
     base = ["a2a", str(trace), "--gpus-per-node", "2", "--batches", "2", "--batch-requests", "8", "--hidden-size", "8",
             "--backend", "gloo", *files]
     r = CliRunner().invoke(app, [*base, "--config", "DP2TP2EP4", "-o", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "out" / rf.A2A_MANIFEST).read_text())
-    assert m["strategies"] == ["linear", "data"] and m["bytes_match"] is True
+    assert m["strategies"] == ["linear", "data", "joint"] and m["bytes_match"] is True
     r = CliRunner().invoke(app, [*base, "--config", "DP4TP2EP8", "-o", str(tmp_path / "bad")])  # 4 nodes of 2: EP8
     assert r.exit_code == 2 and "placement for EP4" in r.output and "EP8" in r.output
