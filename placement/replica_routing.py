@@ -57,10 +57,12 @@ def choose_slots(
     valid = ids >= 0
     e = np.where(valid, ids, 0)
     T, K = ids.shape
+    if int(logcnt_E.max()) == 1:  # one replica each: every policy picks it
+        return np.where(valid, log2phy_EM[:, 0][e], -1)
     idx = np.broadcast_to(np.arange(T, dtype=np.int64)[:, None], (T, K))
     cnt = logcnt_E[e]
     even = log2phy_EM[e, idx % cnt]
-    if policy == "even" or int(logcnt_E.max()) == 1:
+    if policy == "even":
         slot = even
     elif policy == "same_node":
         P = len(phy2log_P)

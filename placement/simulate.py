@@ -118,10 +118,16 @@ def _dispatch_copies(
     else:
         raise ValueError(f"unknown dedup unit {dedup!r}")
     key = np.where(valid, key, _SENTINEL)
-    order = np.argsort(key, axis=1, kind="stable")
-    skey = np.take_along_axis(key, order, axis=1)
-    srank = np.take_along_axis(rank, order, axis=1)
-    snode = np.take_along_axis(node, order, axis=1)
+    if dedup == "node":  # a remote node's key does not name the GPU: carry rank and node along the sort
+        order = np.argsort(key, axis=1, kind="stable")
+        skey = np.take_along_axis(key, order, axis=1)
+        srank = np.take_along_axis(rank, order, axis=1)
+        snode = np.take_along_axis(node, order, axis=1)
+    else:  # the key determines the GPU (rank, or slot // slots per rank): sort the keys alone
+        skey = np.sort(key, axis=1)
+        sval = np.where(skey == _SENTINEL, 0, skey)
+        srank = sval if dedup == "rank" else sval // per_rank
+        snode = srank // ranks_per_node
     first = np.ones_like(skey, dtype=bool)
     first[:, 1:] = skey[:, 1:] != skey[:, :-1]
     copy = first & (skey != _SENTINEL) & (srank != src_rank_T[:, None])
