@@ -24,6 +24,7 @@ from moetrace.dashboards.theme import (
     layer_slider,
     note_annotation,
     plotly_go,
+    square_matrix,
 )
 
 
@@ -67,9 +68,12 @@ def heatmaps_by_layer(
     value_format: str = ".3f",
     show_values: bool = False,
     height: int = 520,
+    square: bool = False,
 ) -> Any:
     """One heatmap per layer behind a layer slider; the colour range is shared by all layers.
-    ``layer_labels=None``: a single heatmap ``z_LYZ[0]``, no slider (what :func:`heatmap` draws)."""
+    ``layer_labels=None``: a single heatmap ``z_LYZ[0]``, no slider (what :func:`heatmap` draws).
+    ``square``: a names × names matrix (``x`` = ``y``) laid out by :func:`theme.square_matrix`; its
+    width (px, for the page's ``max_width``) is then in ``fig.layout.meta["width"]``."""
     go = plotly_go()
     z = np.asarray(z_LYZ, dtype=np.float64)
     finite = z[np.isfinite(z)]
@@ -97,6 +101,11 @@ def heatmaps_by_layer(
         )
     if layer_labels is not None:
         fig.update_layout(sliders=layer_slider(z.shape[0], traces_per_layer=1, layer_labels=[str(v) for v in layer_labels]))
+    if square:
+        _, width = square_matrix(fig, [str(v) for v in x], x_title=x_title, y_title=y_title, what=what, source=source,
+                                 slider=layer_labels is not None)  # fmt: skip
+        fig.update_layout(meta={"width": width})
+        return fig
     fig.update_layout(
         xaxis={"title": {"text": x_title}, "type": "category"},
         yaxis={"title": {"text": y_title}, "type": "category", "autorange": "reversed"},

@@ -10,6 +10,11 @@ Each figure's ``<div class="figure">`` carries ``data-key`` (stable id, e.g.
 ``imbalance-if-prefill``) and ``data-source`` (the result file its data was read from), so a reader
 and a test can trace every number back to a file.
 
+The page opens with a summary card (``<div id="summary">``, first in ``<main>``) of headline numbers
+(``Headline``), each linking to the section it summarizes. Tables longer than ``COLLAPSE_ROWS`` rows
+(a synthetic trace's settings, say) are folded into a ``<details>`` element with a one-line summary,
+so the first figure stays near the top of the page.
+
 Out of scope: what the figures show (``section_*``), which inputs exist (``inputs``).
 """
 
@@ -31,6 +36,11 @@ class Figure:
     figure: Any  # plotly go.Figure (or a dict with data/layout)
     source: str  # the file its data comes from, shown under the figure
     caption: str = ""  # one or two sentences: how to read it, the exact definition
+    max_width: int | None = None  # px; the div is never wider (square matrices keep their aspect)
+
+
+#: tables with more rows than this are folded into a <details> element (its summary line stays visible)
+COLLAPSE_ROWS = 12
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +51,22 @@ class Table:
     header: tuple[str, ...]  # column names
     rows: tuple[tuple[Any, ...], ...]  # cell values (escaped when written)
     caption: str = ""  # shown above the table
+    summary: str = ""  # the line shown while a long table (> COLLAPSE_ROWS rows) is folded; default: header and row count
+
+
+@dataclass(frozen=True, kw_only=True)
+class Headline:
+    """One headline number of the summary card, computed from one result file."""
+
+    key: str  # stable id, e.g. "imbalance" (``data-key`` on the page)
+    title: str  # what is measured, e.g. "Routing imbalance"
+    value: str  # the number as shown, e.g. "1.34×"
+    label: str  # a short line under the number: whose number it is, e.g. "prefill, mean over 58 layers"
+    detail: str  # one sentence: exactly what the number is
+    href: str  # the section it summarizes (a section key; the page links to it)
+    link: str  # the link's text, e.g. "Load imbalance"
+    source: str  # the file the number was read from
+    warning: bool = False  # drawn as a warning (measured bytes differ from the prediction)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +111,20 @@ td.num, th.num { text-align:right; font-variant-numeric: tabular-nums; }
 .error { color:#D55E00; font-weight:bold; }
 .banner { background:#FFF4E0; border-left:5px solid #E69F00; padding:8px 12px; margin:8px 0 12px 0; font-weight:bold; }
 footer { color:var(--muted); font-size:12px; padding: 0 28px 30px 28px; }
+#summary { scroll-margin-top: 44px; background:#fff; border:1px solid var(--rule); border-left:5px solid var(--accent);
+           border-radius:6px; margin:20px 0; padding:8px 20px 14px 20px; }
+#summary h2 { font-size:19px; margin:10px 0 8px 0; }
+.headlines { display:flex; flex-wrap:wrap; gap:14px 28px; }
+.headline { flex: 1 1 260px; max-width: 440px; min-width: 0; }
+.headline .h-title { font-size:13px; color:var(--muted); text-transform:uppercase; letter-spacing:.03em; }
+.headline .h-value { font-size:30px; font-weight:600; font-variant-numeric: tabular-nums; line-height:1.2; margin:2px 0; }
+.headline .h-label { font-size:14px; font-weight:600; }
+.headline .h-detail { font-size:13px; color:var(--muted); margin: 2px 0 4px 0; }
+.headline a { font-size:13px; color:var(--accent); text-decoration:none; }
+.headline a:hover { text-decoration:underline; }
+.headline.warning .h-value { color:#D55E00; }
+.tables > details { flex-basis:100%; margin: 4px 0 10px 0; }
+details > summary { cursor:pointer; color:var(--accent); font-size:14px; }
 """
 
 _LOADER = """
@@ -163,13 +203,40 @@ def _table_html(t: Table) -> str:
     for row in t.rows:
         parts.append("<tr>" + "".join(_cell(v) for v in row) + "</tr>")
     parts.append("</tbody></table>")
-    return "".join(parts)
+    body = "".join(parts)
+    if len(t.rows) <= COLLAPSE_ROWS:
+        return f"<div>{body}</div>"
+    line = t.summary or f"{t.header[0]}: {len(t.rows)} rows"
+    return f'<details data-key="{html.escape(t.key)}-details"><summary>{html.escape(line)}</summary>{body}</details>'
+
+
+def _summary_html(headlines: Sequence[Headline]) -> str:
+    """The summary card: one block per headline number, each with its explanation and a link."""
+    out = ['<div id="summary" role="region" aria-label="Summary"><h2>Summary</h2><div class="headlines">']
+    for h in headlines:
+        cls = "headline warning" if h.warning else "headline"
+        out.append(
+            f'<div class="{cls}" data-key="{html.escape(h.key)}" data-source="{html.escape(h.source)}">'
+            f'<div class="h-title">{html.escape(h.title)}</div>'
+            f'<div class="h-value">{html.escape(h.value)}</div>'
+            f'<div class="h-label">{html.escape(h.label)}</div>'
+            f'<p class="h-detail">{html.escape(h.detail)}</p>'
+            f'<a href="#{html.escape(h.href)}">{html.escape(h.link)} \u2192</a></div>'
+        )
+    out.append("</div></div>")
+    return "".join(out)
 
 
 def render_page(
-    sections: Sequence[Section], *, title: str, subtitle: str, footer_notes: Sequence[str] = ()
+    sections: Sequence[Section],
+    *,
+    title: str,
+    subtitle: str,
+    footer_notes: Sequence[str] = (),
+    headlines: Sequence[Headline] = (),
 ) -> str:
-    """The whole report as one HTML string (plotly.js embedded)."""
+    """The whole report as one HTML string (plotly.js embedded). ``headlines``: the summary card's
+    numbers (no card when empty); each must link to one of ``sections``."""
     from moetrace.dashboards.theme import PLOTLY_CONFIG
 
     js, js_version = plotlyjs_source()
@@ -180,6 +247,9 @@ def render_page(
     if len(set(fig_keys)) != len(fig_keys):
         dup = sorted({k for k in fig_keys if fig_keys.count(k) > 1})
         raise ValueError(f"figure keys must be unique, duplicates: {dup}")
+    dangling = [h.href for h in headlines if h.href not in keys]
+    if dangling:
+        raise ValueError(f"summary headlines link to sections that are not on the page: {dangling} (sections: {keys})")
 
     out = [
         "<!DOCTYPE html>",
@@ -193,9 +263,14 @@ def render_page(
         f"<script>{js}</script>",
         "</head><body>",
         f'<header><h1>{html.escape(title)}</h1><div class="meta">{html.escape(subtitle)}</div></header>',
-        "<nav>" + "".join(f'<a href="#{html.escape(s.key)}">{html.escape(s.title)}</a>' for s in sections) + "</nav>",
+        "<nav>"
+        + ('<a href="#summary">Summary</a>' if headlines else "")
+        + "".join(f'<a href="#{html.escape(s.key)}">{html.escape(s.title)}</a>' for s in sections)
+        + "</nav>",
         "<main>",
     ]
+    if headlines:
+        out.append(_summary_html(headlines))
     for s in sections:
         out.append(f'<section id="{html.escape(s.key)}"><h2>{html.escape(s.title)}</h2>')
         if s.banner:
@@ -203,14 +278,15 @@ def render_page(
         if s.intro:
             out.append(f'<p class="intro">{html.escape(s.intro)}</p>')
         if s.tables:
-            out.append('<div class="tables">' + "".join(f"<div>{_table_html(t)}</div>" for t in s.tables) + "</div>")
+            out.append('<div class="tables">' + "".join(_table_html(t) for t in s.tables) + "</div>")
         for f in s.figures:
             div_id = f"fig-{f.key}"
             # a definite CSS height (the figure's own): plotly's responsive resize measures the div,
             # and a div sized only by its content collapses to nothing on the first window resize
+            style = f"height:{figure_height(f.figure)}px" + (f"; max-width:{f.max_width}px" if f.max_width else "")
             out.append(
                 f'<div class="figure" id="{html.escape(div_id)}" data-key="{html.escape(f.key)}" '
-                f'data-source="{html.escape(f.source)}" style="height:{figure_height(f.figure)}px"></div>'
+                f'data-source="{html.escape(f.source)}" style="{style}"></div>'
             )
             out.append(
                 f'<script type="application/json" class="figure-json" data-target="{html.escape(div_id)}">'

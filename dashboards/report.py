@@ -2,7 +2,11 @@
 
 Each input directory is recognised by its manifest (``inputs``); every section whose results are
 present is rendered, every section whose results are absent is listed in
-``DashboardReport.omitted`` with the reason (and in the page's footer), never an error.
+``DashboardReport.omitted`` with the reason (and in the page's footer), never an error. A summary
+card of headline numbers (``summary``) opens the page when any of their results are present.
+Progress is reported as ``progress(done, total)`` over the report's steps: one per section built
+(overview per trace; imbalance, correlations, clusters, classifiers per analysis; one per compare
+and a2a results directory) and one for writing the page.
 
 Out of scope: computing results (``moetrace analyze`` / ``compare`` / ``a2a`` do that; the
 dashboard only reads their files), serving the page.
@@ -14,10 +18,10 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from moetrace.dashboards.inputs import Input, detect
-from moetrace.dashboards.page import Section, render_page
+from moetrace.dashboards.page import Headline, Section, render_page
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
 
 
@@ -39,10 +43,35 @@ class DashboardReport:
     sections: tuple[str, ...]  # keys of the sections rendered, in page order
     num_figures: int  # plotly figures on the page
     omitted: tuple[str, ...]  # sections not rendered and why (results absent)
+    headlines: tuple[str, ...]  # keys of the summary card's numbers, in card order (empty: no card)
 
 
-def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple[list[Section], list[str]]:
-    """The sections for these inputs, and notes on the sections left out."""
+#: ``progress(done, total)``: steps of the report done so far, of a total fixed before the first call
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Built:
+    """What ``build_sections`` made of the inputs."""
+
+    sections: list[Section]  # in page order
+    headlines: list[Headline]  # the summary card, in card order
+    omitted: list[str]  # sections left out and why
+    steps: int  # steps done (sections built); ``write_dashboard`` adds one for the page
+
+
+def _no_progress(done: int, total: int) -> None:
+    del done, total
+
+
+def build_sections(
+    inputs: Sequence[Input], *, config: DashboardConfig, progress: Progress = _no_progress, extra_steps: int = 0
+) -> Built:
+    """The sections and summary headlines for these inputs, and notes on the sections left out.
+
+    ``progress`` is called with ``(done, total)`` before the first section and after each one built;
+    ``total`` counts ``extra_steps`` more that the caller does afterwards (writing the page).
+    """
     from moetrace.dashboards.results import Results
     from moetrace.dashboards.section_a2a import a2a_section
     from moetrace.dashboards.section_clusters import classifiers_section, clusters_section
@@ -50,6 +79,7 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
     from moetrace.dashboards.section_imbalance import imbalance_section
     from moetrace.dashboards.section_overview import overview_section
     from moetrace.dashboards.section_placement import placement_section
+    from moetrace.dashboards.summary import a2a_headline, imbalance_headline, placement_headline
     from moetrace.tracer.trace.reader import open_trace
 
     traces = [i for i in inputs if i.kind == "trace"]
@@ -58,44 +88,61 @@ def build_sections(inputs: Sequence[Input], *, config: DashboardConfig) -> tuple
     a2as = [Results.from_input(i) for i in inputs if i.kind == "a2a"]
     # a results directory names its trace: show that trace's overview too when it is at hand
     given = {t.path.resolve() for t in traces}
+    omitted: list[str] = []
     for r in [*analyses, *placements, *a2as]:
         tp = r.trace_path
         if tp is not None and tp.resolve() not in given and (tp / "manifest.json").is_file():
             try:
                 traces.append(detect(tp))
                 given.add(tp.resolve())
-            except TraceFormatError:
-                pass  # moved or rewritten since the analysis: the overview note below says so
-    sections: list[Section] = []
-    omitted: list[str] = []
-    for n, t in enumerate(traces):
-        trace = open_trace(t.path, require_complete=False)
-        if trace.part_names():
-            trace.request_arrays  # checks the requests table and every routing part's footer, like analyze does
-        sections.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))
-    if not traces:
-        omitted.append("overview: no trace directory among the inputs (and the results name none that exists)")
-
+            except TraceFormatError as exc:  # rewritten since the results were computed: say so, show the rest
+                omitted.append(f"overview of {tp} (named by {r.path}): {exc}")
     builders = (
         lambda r, kp: imbalance_section(r, key_prefix=kp),
         lambda r, kp: correlation_section(r, key_prefix=kp),
         lambda r, kp: clusters_section(r, max_points=config.max_points, seed=config.seed, key_prefix=kp),
         lambda r, kp: classifiers_section(r, key_prefix=kp),
     )
+    total = len(traces) + len(builders) * len(analyses) + len(placements) + len(a2as) + extra_steps
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        progress(done, total)
+
+    progress(0, total)
+    sections: list[Section] = []
+    for n, t in enumerate(traces):
+        trace = open_trace(t.path, require_complete=False)
+        if trace.part_names():
+            trace.request_arrays  # checks the requests table and every routing part's footer, like analyze does
+        sections.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))
+        step()
+    if not traces:
+        omitted.append("overview: no trace directory among the inputs (and the results name none that exists)")
+
     for build in builders:
-        _add_sections(sections, omitted, analyses, _with_random_weights_banner(build), "a")
+        _add_sections(sections, omitted, analyses, _with_random_weights_banner(build), "a", step)
     if not analyses:
         omitted.append("load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs")
-    _add_sections(sections, omitted, placements, lambda r, kp: placement_section(r, key_prefix=kp), "p")
+    _add_sections(sections, omitted, placements, lambda r, kp: placement_section(r, key_prefix=kp), "p", step)
     if not placements:
         omitted.append("placement: no `moetrace compare` results among the inputs")
-    _add_sections(sections, omitted, a2as, lambda r, kp: a2a_section(r, key_prefix=kp), "m")
+    _add_sections(sections, omitted, a2as, lambda r, kp: a2a_section(r, key_prefix=kp), "m", step)
     if not a2as:
         omitted.append(
             "all-to-all measurements vs predictions: no measured all-to-all results among the inputs (run `moetrace a2a`)"
         )
-    omitted = list(dict.fromkeys(omitted))
-    return sections, omitted
+    headlines: list[Headline] = []
+    for results, prefix, headline in ((analyses, "a", imbalance_headline), (placements, "p", placement_headline),
+                                      (a2as, "m", a2a_headline)):  # fmt: skip
+        many = len(results) > 1
+        for n, r in enumerate(results):
+            h = headline(r, key_prefix=f"{prefix}{n}-" if many else "", suffix=f": {r.trace_label}" if many else "")
+            if h is not None:
+                headlines.append(h)
+    return Built(sections=sections, headlines=headlines, omitted=list(dict.fromkeys(omitted)), steps=done)
 
 
 def _with_random_weights_banner(build):
@@ -118,15 +165,18 @@ def _with_random_weights_banner(build):
     return wrapped
 
 
-def _add_sections(sections: list[Section], omitted: list[str], results: Sequence, build, prefix: str) -> None:
+def _add_sections(
+    sections: list[Section], omitted: list[str], results: Sequence, build, prefix: str, step: Callable[[], None]
+) -> None:
     """One section per results directory from ``build(results, key_prefix)``; several directories of one
-    kind get distinct keys and their trace's name in the title."""
+    kind get distinct keys and their trace's name in the title. ``step()`` after each."""
     many = len(results) > 1
     for n, r in enumerate(results):
         sec, notes = build(r, f"{prefix}{n}-" if many else "")
         if sec is not None:
             sections.append(replace(sec, title=f"{sec.title}: {r.trace_label}") if many else sec)
         omitted.extend(notes)
+        step()
 
 
 def write_dashboard(
@@ -135,13 +185,15 @@ def write_dashboard(
     out: str | os.PathLike,
     config: DashboardConfig = DashboardConfig(),
     overwrite: bool = True,
+    progress: Progress = _no_progress,
 ) -> DashboardReport:
     """Write one self-contained HTML report for ``inputs`` to ``out`` and say what is in it.
 
     ``inputs``: trace directories and result directories of ``moetrace analyze``,
     ``moetrace compare`` and ``moetrace a2a``, in any order and mix. ``out``: the ``.html`` file to write (its parent
     is created). The file is written to a temporary name and renamed, so a failure never leaves a
-    half-written report.
+    half-written report. ``progress(done, total)`` is called as sections are built and once more
+    when the file is written (``done == total``).
     """
     if not inputs:
         raise ConfigError("no inputs: pass at least one trace or results directory")
@@ -153,21 +205,26 @@ def write_dashboard(
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} exists; choose another -o or allow overwriting")
     found = [detect(p) for p in inputs]
-    sections, omitted = build_sections(found, config=config)
+    built = build_sections(found, config=config, progress=progress, extra_steps=1)
+    sections, omitted = built.sections, built.omitted
     if not sections:
         raise ConfigError("nothing to show: " + "; ".join(omitted))
     models = sorted({i.manifest.get("model", {}).get("name", "") for i in found if i.manifest.get("model")} - {""})
     title = config.title or f"moetrace report: {', '.join(models) or 'expert activations'}"
     subtitle = "Inputs: " + ", ".join(f"{i.path} ({i.kind})" for i in found)
-    text = render_page(sections, title=title, subtitle=subtitle, footer_notes=[f"Not shown: {o}" for o in omitted])
+    text = render_page(
+        sections, title=title, subtitle=subtitle, footer_notes=[f"Not shown: {o}" for o in omitted], headlines=built.headlines
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, out)
+    progress(built.steps + 1, built.steps + 1)
     return DashboardReport(
         path=out,
         size_bytes=out.stat().st_size,
         sections=tuple(s.key for s in sections),
         num_figures=sum(len(s.figures) for s in sections),
         omitted=tuple(omitted),
+        headlines=tuple(h.key for h in built.headlines),
     )

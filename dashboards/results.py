@@ -49,9 +49,9 @@ class Results:
         """How a figure cites the file it was drawn from."""
         return str(self.path / name)
 
-    def figure(self, key: str, figure: Any, *, file: str, caption: str) -> Figure:
+    def figure(self, key: str, figure: Any, *, file: str, caption: str, max_width: int | None = None) -> Figure:
         """A section's figure drawn from this result's file ``file``, cited under it."""
-        return Figure(key=key, figure=figure, source=self.source(file), caption=caption)
+        return Figure(key=key, figure=figure, source=self.source(file), caption=caption, max_width=max_width)
 
     @property
     def trace_path(self) -> Path | None:

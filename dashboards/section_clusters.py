@@ -30,7 +30,7 @@ from moetrace.dashboards.figures import (
 )
 from moetrace.dashboards.page import Section
 from moetrace.dashboards.results import Results, datasets_all_last, layer_order
-from moetrace.dashboards.theme import OKABE_ITO, SEQUENTIAL, height_for_rows
+from moetrace.dashboards.theme import OKABE_ITO, SEQUENTIAL
 
 METHOD_NAMES = {"tsne": "t-SNE", "umap": "UMAP"}
 
@@ -158,12 +158,13 @@ def classifiers_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             zmin=0.0,
             value_format=".0f",
             show_values=len(names) <= 10,
-            height=max(480, height_for_rows(len(names), per_row=40)),
+            square=True,
         )
         figures.append(res.figure(
             f"{kp}-confusion", fig, file=rf.CLASSIFY_CONFUSION,
             caption="Rows: the dataset a test request came from; columns: what the layer's classifier predicted. "
             "A perfect classifier fills the diagonal.",
+            max_width=int(fig.layout.meta["width"]),
         ))
     return (
         Section(

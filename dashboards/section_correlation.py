@@ -30,10 +30,9 @@ from moetrace.dashboards.theme import (
     DIVERGING,
     OKABE_ITO,
     category_colours,
-    finish,
-    height_for_rows,
     layer_slider,
     plotly_go,
+    square_matrix,
 )
 
 
@@ -139,17 +138,14 @@ def _matrix_figure(per_layer: pl.DataFrame | None, mean: pl.DataFrame | None, re
                 + "<br>%{y} vs %{x}<br>r = %{z:.3f}<extra></extra>",
             )
         )
-    fig.update_layout(
-        sliders=layer_slider(len(mats), traces_per_layer=1, layer_labels=labels),
-        xaxis={"title": {"text": "dataset"}, "type": "category"},
-        yaxis={"title": {"text": "dataset"}, "type": "category", "autorange": "reversed", "scaleanchor": "x"},
-    )
-    finish(fig, what=f"Dataset × dataset correlation of expert usage: {stage}", source=res.label,
-           height=max(460, height_for_rows(len(names), per_row=40)))  # fmt: skip
+    fig.update_layout(sliders=layer_slider(len(mats), traces_per_layer=1, layer_labels=labels))
+    _, width = square_matrix(fig, names, x_title="dataset", y_title="dataset", slider=True,
+                             what=f"Dataset × dataset correlation of expert usage: {stage}", source=res.label)  # fmt: skip
     return res.figure(
         key, fig, file=rf.DATASET_CORRELATION_MEAN if mean is not None else rf.DATASET_CORRELATION,
         caption=f"Pearson r between two datasets' per-expert {stage} token-count vectors of a layer. Slider: first "
         "step the mean over layers, then each layer (model index).",
+        max_width=width,
     )
 
 

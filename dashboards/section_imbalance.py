@@ -5,7 +5,10 @@ Figures (files and columns as written by ``moetrace.analysis.run``):
 - IF heatmap layer × dataset, one per stage: ``imbalance.parquet`` (dataset, stage, layer,
   model_layer, imbalance_factor); the ``all`` column pools every dataset.
 - Expert-load heatmap layer × expert, a dropdown over (dataset, stage): ``expert_load.parquet``
-  (load = tokens routed to the expert / (T·k/E); 1 = balanced).
+  (load = tokens routed to the expert / (T·k/E); 1 = balanced). Colour on a log scale by default,
+  buttons switch to linear or to per-layer (÷ the layer's busiest expert); the cells hold uint8
+  colour levels of the chosen view, the exact load is in ``customdata`` (hover). Per-layer *share*
+  (÷ the layer's tokens) is not offered: a layer's loads sum to E, so it is the linear view / E.
 - IF distribution over random serving-sized batches, a box per layer and stage, a dropdown over
   the batch scope (``all`` = mixed batches, or single-dataset batches): ``batch_imbalance.parquet``.
   Boxes are drawn from exact statistics of every batch (quartiles by linear interpolation,
@@ -32,13 +35,21 @@ from moetrace.dashboards.results import (
     pivot_LZ,
 )
 from moetrace.dashboards.theme import (
+    LEVELS,
     OKABE_ITO,
     REFERENCE_LINE,
     SEQUENTIAL,
     dropdown,
     finish,
     height_for_rows,
+    level_colorscale,
+    level_of,
+    nice_linear_ticks,
+    nice_log_ticks,
     plotly_go,
+    title_at_top,
+    to_levels,
+    typed_array,
 )
 
 STAGE_COLOURS = {"prefill": OKABE_ITO[4], "decode": OKABE_ITO[5]}  # blue, vermillion
@@ -108,6 +119,48 @@ def _stages(df: pl.DataFrame) -> list[str]:
     return [s for s in ("prefill", "decode") if s in have] + sorted(s for s in have if s not in ("prefill", "decode"))
 
 
+#: colour views of the expert-load heatmap: (button label, colour-bar title)
+LOAD_VIEWS = {
+    "log": ("log scale", "expert load, × balanced (log scale)"),
+    "linear": ("linear", "expert load, × balanced"),
+    "layer": ("per layer", "load / the layer's busiest expert"),
+}
+
+
+def load_views(z_SLE: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, tuple[list[float], list[str]]]]:
+    """The expert loads ``z_SLE`` (scopes × layers × experts, NaN = no value) as uint8 colour levels
+    (``theme.to_levels``) per view, and each view's colour-bar ticks (levels, labels).
+
+    - ``log``: log10 of the load between the smallest positive load and the largest of every scope
+      (a load of 0 gets the lowest colour), so a few hot experts do not darken all the others;
+    - ``linear``: the load from 0 to the largest of every scope;
+    - ``layer``: the load / the largest load of its own layer (and scope), 0..100 %.
+
+    ``log`` and ``linear`` share one range over every scope, so scopes compare directly.
+    """
+    z = np.asarray(z_SLE, dtype=np.float64)
+    finite = z[np.isfinite(z)]
+    hi = float(finite.max()) if finite.size else 1.0
+    hi = hi if hi > 0 else 1.0
+    pos = finite[finite > 0]
+    lo = max(float(pos.min()) if pos.size else hi, hi * 1e-4)
+    span = np.log10(hi / lo) if hi > lo else 1.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_f = (np.log10(np.maximum(z, lo)) - np.log10(lo)) / span
+        row_max = np.nanmax(np.where(np.isfinite(z), z, -np.inf), axis=-1, keepdims=True)
+        layer_f = np.where(row_max > 0, z / np.where(row_max > 0, row_max, 1.0), np.nan)
+    log_f = np.where(np.isfinite(z), log_f, np.nan)
+    views = {"log": to_levels(log_f), "linear": to_levels(z / hi), "layer": to_levels(layer_f)}
+    log_ticks = nice_log_ticks(lo, hi)
+    lin_ticks = nice_linear_ticks(hi)
+    ticks = {
+        "log": ([level_of(np.log10(t / lo) / span) for t in log_ticks], [f"{t:g}×" for t in log_ticks]),
+        "linear": ([level_of(t / hi) for t in lin_ticks], [f"{t:g}×" for t in lin_ticks]),
+        "layer": ([level_of(f) for f in (0, 0.25, 0.5, 0.75, 1.0)], ["0%", "25%", "50%", "75%", "100%"]),
+    }
+    return views, ticks
+
+
 def _expert_load_figure(load: pl.DataFrame, res: Results, *, key: str) -> Figure:
     go = plotly_go()
     layers_L, model_L = layer_order(load)
@@ -117,37 +170,70 @@ def _expert_load_figure(load: pl.DataFrame, res: Results, *, key: str) -> Figure
     scopes = [(d, s) for d in ds for s in stages]
     # the pooled scope first: it is what a placement sees
     scopes.sort(key=lambda ds_s: (ds_s[0] != "all", ds.index(ds_s[0]), stages.index(ds_s[1])))
-    zmax = float(load["load"].max())
+    z_SLE = np.stack([
+        pivot_LZ(load.filter((pl.col("dataset") == d) & (pl.col("stage") == s)), x="expert", x_order=experts.tolist(),
+                 value="load", layers_L=layers_L)
+        for d, s in scopes
+    ])  # fmt: skip
+    views, ticks = load_views(z_SLE)
     fig = go.Figure()
     for i, (d, s) in enumerate(scopes):
-        sub = load.filter((pl.col("dataset") == d) & (pl.col("stage") == s))
-        z_LE = pivot_LZ(sub, x="expert", x_order=experts.tolist(), value="load", layers_L=layers_L)
         fig.add_trace(
             go.Heatmap(
-                z=z_LE.astype(np.float32),
+                z=views["log"][i],
+                customdata=z_SLE[i].astype(np.float32),
                 x=experts,
                 y=[str(v) for v in model_L],
-                colorscale=SEQUENTIAL,
-                zmin=0.0,
-                zmax=zmax,
+                coloraxis="coloraxis",
                 visible=i == 0,
                 name=f"{d} · {s}",
-                colorbar={"title": {"text": "expert load (1 = balanced)", "side": "right"}, "thickness": 14},
-                hovertemplate=f"{d} · {s}<br>layer %{{y}}<br>expert %{{x}}<br>load %{{z:.3f}}<extra></extra>",
+                hovertemplate=f"{d} · {s}<br>layer %{{y}}<br>expert %{{x}}<br>load %{{customdata:.3f}}× balanced"
+                "<extra></extra>",
             )
         )
+
+    def colour_axis(view: str) -> dict:
+        vals, text = ticks[view]
+        return {"colorbar.title.text": LOAD_VIEWS[view][1], "colorbar.tickvals": vals, "colorbar.ticktext": text}
+
+    view_buttons = [
+        {
+            "label": label,
+            "method": "update",
+            "args": [{"z": [typed_array(v) for v in views[view]]}, {f"coloraxis.{k}": v for k, v in colour_axis(view).items()}],
+        }
+        for view, (label, _) in LOAD_VIEWS.items()
+    ]
     vis = [[j == i for j in range(len(scopes))] for i in range(len(scopes))]
+    vals, text = ticks["log"]
     fig.update_layout(
-        updatemenus=dropdown([f"{d} · {s}" for d, s in scopes], vis, prefix=""),
+        coloraxis={
+            "colorscale": level_colorscale(SEQUENTIAL),
+            "cmin": 0,
+            "cmax": LEVELS,
+            "colorbar": {"title": {"text": LOAD_VIEWS["log"][1], "side": "right"}, "thickness": 14, "tickvals": vals,
+                         "ticktext": text},
+        },  # fmt: skip
+        updatemenus=[
+            {"type": "buttons", "direction": "right", "active": 0, "showactive": True, "buttons": view_buttons,
+             "x": 0.0, "xanchor": "left", "y": 1.0, "yanchor": "bottom", "pad": {"b": 8}},
+            *dropdown([f"{d} · {s}" for d, s in scopes], vis, prefix="", y=1.0),
+        ],  # fmt: skip
         xaxis={"title": {"text": "expert id"}},
         yaxis={"title": {"text": "layer"}, "type": "category", "autorange": "reversed"},
     )
-    finish(fig, what="Expert load by layer and expert (pick dataset · stage)", source=res.label,
-           height=height_for_rows(len(model_L)))  # fmt: skip
+    height = height_for_rows(len(model_L)) + 30
+    finish(fig, what="Expert load by layer and expert (pick colour scale, dataset · stage)", source=res.label,
+           height=height)  # fmt: skip
+    fig.update_layout(margin={"t": 110})  # the title, then the buttons above the plot
+    title_at_top(fig, height)
+    fig.layout.updatemenus[1].pad = {"b": 8}
     return res.figure(
         key, fig, file=rf.EXPERT_LOAD,
-        caption="Expert load = tokens routed to the expert / (T·k/E) in the chosen dataset and stage; the colour "
-        "range is shared by every choice, so scopes compare directly.",
+        caption="Expert load = tokens routed to the expert / (T·k/E) in the chosen dataset and stage (1 = balanced; hover "
+        "for the value). Colour: log scale by default, so a few hot experts do not turn every other cell dark; "
+        "'linear' shows the load itself; 'per layer' divides by the busiest expert of each layer. Log and linear use one "
+        "range for every dataset · stage, so scopes compare directly. Grey: nothing routed.",
     )
 
 

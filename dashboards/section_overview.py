@@ -3,6 +3,8 @@
 Read from a trace directory: ``manifest.json`` (model, backend, collection) and the requests table.
 Token counts are the requests table's ``prompt_tokens`` (prefill) and ``output_tokens`` (decode)
 sums, i.e. positions of the trace, including positions whose routing was not recorded (``-1``).
+The provenance table of a synthetic trace runs to dozens of settings; like every long table it is
+folded (``page.COLLAPSE_ROWS``) behind a one-line summary.
 
 Shape legend (docs/architecture.md): none; no shape-suffixed names here.
 
@@ -114,6 +116,8 @@ def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
             header=("provenance", ""),
             rows=tuple(prov),
             caption="How the trace was collected (manifest backend and collection sections).",
+            summary=f"Provenance: {len(prov)} settings from the manifest's backend and collection sections "
+            "(click to show)",
         ),
     )
 

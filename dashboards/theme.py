@@ -144,8 +144,11 @@ def plotly_go():
     return go
 
 
-def dropdown(labels: Sequence[str], visible: Sequence[Sequence[bool]], *, prefix: str) -> list[dict[str, Any]]:
-    """Plotly ``updatemenus``: a dropdown whose i-th entry shows the traces flagged in ``visible[i]``."""
+def dropdown(
+    labels: Sequence[str], visible: Sequence[Sequence[bool]], *, prefix: str, y: float = 1.12
+) -> list[dict[str, Any]]:
+    """Plotly ``updatemenus``: a dropdown whose i-th entry shows the traces flagged in ``visible[i]``
+    (its bottom at ``y``, in the plot area's height; 1 = the top of the plot area)."""
     return [
         {
             "type": "dropdown",
@@ -153,7 +156,7 @@ def dropdown(labels: Sequence[str], visible: Sequence[Sequence[bool]], *, prefix
             "active": 0,
             "x": 1.0,
             "xanchor": "right",
-            "y": 1.12,
+            "y": y,
             "yanchor": "bottom",
             "showactive": True,
             "buttons": [
@@ -167,3 +170,157 @@ def dropdown(labels: Sequence[str], visible: Sequence[Sequence[bool]], *, prefix
 def height_for_rows(num_rows: int, *, per_row: int = 14, low: int = 380, high: int = 1100) -> int:
     """Figure height (px) that keeps ``num_rows`` heatmap rows readable."""
     return int(min(max(140 + per_row * num_rows, low), high))
+
+
+def typed_array(a: np.ndarray) -> dict[str, str]:
+    """``a`` as plotly.js's typed-array spec (base64 ``bdata``, ``dtype``, ``shape``).
+
+    Plotly encodes numpy arrays in a trace this way by itself; inside ``updatemenus`` arguments it
+    writes nested lists instead, several times larger. plotly.js decodes a spec wherever a data
+    array is set, ``Plotly.restyle`` included.
+    """
+    import base64
+
+    a = np.ascontiguousarray(a)
+    if a.dtype.kind not in "iuf" or a.dtype.itemsize > 8 or (a.dtype.kind == "f" and a.dtype.itemsize < 4):
+        raise ValueError(f"plotly.js typed arrays hold int8..int32, uint8..uint32, float32, float64; got {a.dtype}")
+    return {
+        "dtype": a.dtype.str.lstrip("<|="),
+        "bdata": base64.b64encode(a.tobytes()).decode("ascii"),
+        "shape": ", ".join(str(n) for n in a.shape),
+    }
+
+
+#: heatmap colour levels: 1..LEVELS map a value onto the colour scale; level 0 = no value (NaN)
+LEVELS = 255
+NO_VALUE_COLOUR = "#e8e8e8"
+
+
+def level_colorscale(name: str = SEQUENTIAL) -> list[list[Any]]:
+    """A plotly colour scale over levels 0..``LEVELS``: level 0 (no value) light grey, 1..LEVELS
+    the named scale (``cmin=0, cmax=LEVELS``)."""
+    import plotly.colors
+
+    colours = getattr(plotly.colors.sequential, name)
+    first = 1 / LEVELS
+    out: list[list[Any]] = [[0.0, NO_VALUE_COLOUR], [0.5 / LEVELS, NO_VALUE_COLOUR]]
+    out += [[first + (1 - first) * i / (len(colours) - 1), c] for i, c in enumerate(colours)]
+    return out
+
+
+def to_levels(fraction: np.ndarray) -> np.ndarray:
+    """Fractions in [0, 1] (clipped) as uint8 colour levels 1..LEVELS; NaN as level 0 (no value)."""
+    f = np.asarray(fraction, dtype=np.float64)
+    out = np.zeros(f.shape, dtype=np.uint8)
+    ok = np.isfinite(f)
+    out[ok] = 1 + np.rint((LEVELS - 1) * np.clip(f[ok], 0.0, 1.0)).astype(np.uint8)
+    return out
+
+
+def level_of(fraction: float) -> float:
+    """The colour level of one fraction (where a colour-bar tick goes)."""
+    return 1 + (LEVELS - 1) * float(np.clip(fraction, 0.0, 1.0))
+
+
+def nice_linear_ticks(hi: float, *, count: int = 5) -> list[float]:
+    """About ``count`` round tick values from 0 to ``hi`` (steps of 1, 2 or 5 times a power of 10)."""
+    if not np.isfinite(hi) or hi <= 0:
+        return [0.0]
+    raw = hi / count
+    mag = 10 ** np.floor(np.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    return [float(v) for v in np.round(np.arange(0, hi + step * 1e-9, step), 10)]
+
+
+def nice_log_ticks(lo: float, hi: float) -> list[float]:
+    """Round tick values between ``lo`` and ``hi`` (> 0) for a log axis: 1-2-5 times powers of 10,
+    only the powers of 10 when that gives more than 8, a finer 1-1.5-2-3-5-7 series when 1-2-5 gives
+    fewer than 3."""
+    if not (np.isfinite(lo) and np.isfinite(hi)) or lo <= 0 or hi <= lo:
+        return [float(hi)] if np.isfinite(hi) and hi > 0 else []
+    k0, k1 = int(np.floor(np.log10(lo))), int(np.ceil(np.log10(hi)))
+
+    def series(ms: tuple[float, ...]) -> list[float]:
+        vals = [float(f"{m * 10.0**k:.6g}") for k in range(k0, k1 + 1) for m in ms]
+        return [v for v in vals if lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9)]
+
+    ticks = series((1, 2, 5))
+    if len(ticks) > 8:
+        ticks = series((1,))
+    if len(ticks) < 3:
+        ticks = series((1, 1.5, 2, 3, 5, 7))
+    return ticks
+
+
+def square_matrix(
+    fig: Any,
+    names: Sequence[str],
+    *,
+    x_title: str,
+    y_title: str,
+    what: str,
+    source: str,
+    slider: bool,
+) -> tuple[int, int]:
+    """Lay out a names × names matrix heatmap (correlations, confusion) in place: square cells, the
+    column labels and x-axis title on top (a matrix reads like a table), the layer slider alone
+    below, margins sized to the labels. Returns the figure's (height, width) in px: give the width
+    to the page as the figure's ``max_width`` so a wide window does not stretch the square.
+    """
+    n = max(len(names), 1)
+    longest = max((len(str(v)) for v in names), default=1)
+    label_px = 7 * longest + 10  # ~7 px per character at the axis font size
+    side = int(min(max(56 * n, 300), 640))  # the square plot area
+    rotate = label_px > side / n  # column labels wider than a cell: tilt them
+    top_labels = int(label_px * 0.75) + 10 if rotate else 24
+    left = label_px + 50  # row labels and axis title
+    right = 110  # colour bar
+    width = left + side + right
+    lines = wrap_words(what, max_chars=max((side + right - 10) // 8, 20))  # the title starts above the plot; ~8 px a character
+    t = 44 + 20 * len(lines) + top_labels + 30  # figure title (+ its source line), column labels, axis title
+    b = 90 if slider else 20  # the slider and its current-value label
+    height = t + side + b
+    finish(fig, what="<br>".join(lines), source=source, height=height)
+    title_at_top(fig, height)
+    fig.update_layout(
+        margin={"l": left, "r": right, "t": t, "b": b},
+        xaxis={
+            "title": {"text": x_title, "standoff": 8},
+            "type": "category",
+            "side": "top",
+            "tickangle": -45 if rotate else 0,
+            "constrain": "domain",
+            "automargin": True,
+        },
+        yaxis={
+            "title": {"text": y_title},
+            "type": "category",
+            "autorange": "reversed",
+            "scaleanchor": "x",
+            "scaleratio": 1,
+            "constrain": "domain",
+            "automargin": True,
+        },
+    )
+    if slider:
+        for s in fig.layout.sliders:
+            s.update(y=0.0, yanchor="top", pad={"t": 16, "b": 0})
+    return height, width
+
+
+def title_at_top(fig: Any, height: int, *, offset_px: int = 26) -> None:
+    """Pin a figure's title near the top of the figure, whatever its top margin (for figures whose
+    margin holds more than the title: column labels, buttons). plotly.js anchors a multi-line title
+    about 15 px above its ``y``, hence ``offset_px`` 26 for a ~11 px gap."""
+    fig.update_layout(title={"y": 1 - offset_px / height, "yref": "container", "yanchor": "top"})
+
+
+def wrap_words(text: str, *, max_chars: int) -> list[str]:
+    """``text`` cut at spaces into lines of at most ``max_chars`` characters (a longer word stays whole)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and len(lines[-1]) + 1 + len(word) <= max_chars:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines or [""]

@@ -162,13 +162,16 @@ def joint_placement(
     rows: np.ndarray | None = None,
     num_iters: int = 8,
     balance_slack: float = 0.05,
+    tol: float = 1e-4,
 ) -> JointPlacement:
     """Alternate exact membership and balanced routing from ``init_group_R``; the best iterate.
 
     ``decode_RLE``: decode token counts [R, L, E] (what the placement serves); ``route_RLE``: the
     counts the router sees (prefill at serving time; decode for the perfect-routing oracle); both any
     numeric dtype. ``rows``: the requests to use (default all); ``init_group_R``: int [len(rows)]
-    their starting nodes in 0..``num_groups``-1.
+    their starting nodes in 0..``num_groups``-1. Stops after ``num_iters`` iterations, when the
+    routing no longer changes, or when the objective (mean local decode share, in [0, 1]) gained
+    less than ``tol``.
     """
     rows = np.arange(decode_RLE.shape[0]) if rows is None else np.asarray(rows)
     group = np.asarray(init_group_R, dtype=np.int64)
@@ -188,9 +191,10 @@ def joint_placement(
         local = node_scores(decode_RLE, member, rows=rows)[np.arange(len(rows)), routed]
         obj = float(local.mean())
         history.append(obj)
-        if best is None or obj > best[0] + 1e-12:
+        improved = best is None or obj > best[0] + tol
+        if best is None or obj > best[0]:
             best = (obj, member, group_usage(decode_RLE, routed, num_groups=G, rows=rows), price, routed)
-        if np.array_equal(routed, group):
+        if not improved or np.array_equal(routed, group):
             break
         group = routed
     obj, member, usage_GLE, price, group = best

@@ -228,3 +228,95 @@ def test_random_weight_banner_on_analysis_sections(prod, tmp_path):
     for key in ("overview", "imbalance", "correlation", "clusters", "classifiers"):
         sec = text.split(f'<section id="{key}">', 1)[1].split("</section>", 1)[0]
         assert 'class="banner"' in sec, key
+
+
+# ---------------------------------------------------------------- summary card, long tables, colours, progress
+def _compare_results(path: Path, medians: dict[str, float]):
+    """A ``compare`` results directory holding only a summary table with these normalized medians."""
+    import json
+
+    from moetrace.dashboards.results import Results
+
+    path.mkdir()
+    pl.DataFrame({"strategy": list(medians), "inter_node_normalized_median": list(medians.values())}).write_parquet(
+        path / "summary.parquet"
+    )
+    manifest = {"format": "moetrace.compare", "version": 1, "reference": "linear", "num_batches": 30,
+                "deployment": "DP8TP1EP8", "num_nodes": 2}  # fmt: skip
+    (path / "compare.json").write_text(json.dumps(manifest))
+    return Results(path=path, manifest=manifest, kind="placement")
+
+
+def test_best_placement_headline_names_deployable_strategies_only(tmp_path):
+    from moetrace.dashboards.summary import placement_headline
+
+    h = placement_headline(_compare_results(tmp_path / "a", {"linear": 1.0, "eplb": 0.9, "data": 0.5, "improved": 0.5,
+                                                             "oracle": 0.2}))  # fmt: skip
+    assert h.value == "0.50×" and h.href == "placement"
+    assert h.label.startswith("data-based") and " = improved" in h.label and "50% fewer" in h.label
+    assert "oracle 0.20×" in h.detail and "oracle" not in h.label  # a bound is quoted, never named best
+    h = placement_headline(_compare_results(tmp_path / "b", {"linear": 1.0, "eplb": 1.25}))
+    assert h.value == "1.25×" and "25% more" in h.label
+    assert placement_headline(_compare_results(tmp_path / "c", {"linear": 1.0, "oracle": 0.3})) is None
+
+
+def test_long_tables_fold_into_details():
+    from moetrace.dashboards.page import COLLAPSE_ROWS, Section, Table, render_page
+
+    def page(n: int, summary: str = "") -> str:
+        t = Table(key="t", header=("setting", "value"), rows=tuple((f"k{i}", i) for i in range(n)), summary=summary)
+        return render_page([Section(key="s", title="S", tables=(t,))], title="x", subtitle="")
+
+    assert "<details" not in page(COLLAPSE_ROWS)
+    text = page(COLLAPSE_ROWS + 1, summary="Settings: 13 rows")
+    assert '<details data-key="t-details"><summary>Settings: 13 rows</summary>' in text
+    assert "<summary>setting: 13 rows</summary>" in page(COLLAPSE_ROWS + 1)  # a default summary line
+
+
+def test_summary_card_links_must_exist():
+    from moetrace.dashboards.page import Headline, Section, render_page
+
+    h = Headline(key="k", title="T", value="1×", label="l", detail="d", href="missing", link="L", source="f")
+    with pytest.raises(ValueError, match="not on the page"):
+        render_page([Section(key="s", title="S")], title="x", subtitle="", headlines=[h])
+    assert '<div id="summary"' not in render_page([Section(key="s", title="S")], title="x", subtitle="")
+
+
+def test_expert_load_colour_views():
+    """Log colours spread a skewed layer over the scale where linear colours crush it; per layer, every
+    layer's busiest expert is the top colour; NaN (nothing routed) is level 0."""
+    from moetrace.dashboards.section_imbalance import load_views
+
+    z = np.array([[[40.0, 0.5, 0.25, 0.0], [1.0, 1.0, 1.0, 1.0], [np.nan] * 4]])  # one scope, 3 layers
+    views, ticks = load_views(z)
+    assert views["linear"][0, 0].tolist() == [255, 4, 3, 1]  # everything but the hot expert near the bottom
+    # log: 0.5 sits log(0.5/0.25)/log(40/0.25) = 14% of the way up, 9x higher than linear puts it
+    assert views["log"][0, 0].tolist() == [255, 36, 1, 1]
+    assert views["layer"][0, 1].tolist() == [255] * 4 and views["layer"][0, 0, 0] == 255
+    assert all(v[0, 2].tolist() == [0] * 4 for v in views.values())
+    vals, text = ticks["log"]
+    assert text[:3] == ["0.5×", "1×", "2×"] and vals == sorted(vals) and 1 <= vals[0] and vals[-1] <= 255
+
+
+def test_nice_ticks():
+    from moetrace.dashboards.theme import nice_linear_ticks, nice_log_ticks
+
+    assert nice_log_ticks(0.01, 30) == [0.01, 0.1, 1.0, 10.0]
+    assert nice_log_ticks(0.3, 4) == [0.5, 1.0, 2.0]
+    assert nice_log_ticks(0.8, 1.3) == [1.0]
+    assert nice_linear_ticks(3.7) == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_progress_counts_sections_and_the_page(prod, tmp_path):
+    calls = []
+    write_dashboard([prod.trace, prod.analysis, prod.compare], out=tmp_path / "r.html",
+                    progress=lambda done, total: calls.append((done, total)))  # fmt: skip
+    assert {t for _, t in calls} == {1 + 4 + 1 + 1}  # overview, 4 analysis sections, placement, the page
+    assert [d for d, _ in calls] == list(range(8))
+
+
+def test_cli_quiet_and_no_tty_draw_no_bar(trace, tmp_path):
+    for args in ([], ["--quiet"]):
+        res = CliRunner().invoke(app, ["dashboard", str(trace), "-o", str(tmp_path / "r.html"), *args])
+        assert res.exit_code == 0, res.output
+        assert res.output.startswith("wrote ") and "steps/s" not in res.output

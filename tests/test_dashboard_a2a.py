@@ -56,6 +56,14 @@ def test_dashboard_draws_a2a_results(runs, tmp_path):
     lines = figs["a2a-time"]["data"]
     assert len(lines) == 4 and {t["line"]["dash"] for t in lines} == {"solid", "dot"}
     assert "indicative only" in text
+    # the summary card: EPLB (the only strategy besides linear) measured / predicted, and the byte check
+    import json
+
+    (eplb,) = [r for r in json.loads((a2a / rf.A2A_MANIFEST).read_text())["summary"] if r["strategy"] == "eplb"]
+    value = f"{eplb['measured_inter_node_normalized_median']:.2f}× / {eplb['simulated_inter_node_normalized_median']:.2f}×"
+    assert f'<div class="headline" data-key="a2a" data-source="{a2a / rf.A2A_MANIFEST}">' in text
+    assert f'<div class="h-value">{value}</div>' in text
+    assert f"all {df.height:,} (collective, rank) pairs sent exactly the predicted bytes" in text
 
 
 def test_a2a_mismatch_is_a_visible_warning(runs, tmp_path):
@@ -71,5 +79,7 @@ def test_a2a_mismatch_is_a_visible_warning(runs, tmp_path):
     assert "a2a" in rep.sections
     text = rep.path.read_text()
     assert "WARNING: measured all-to-all bytes differ" in text
+    assert '<div class="headline warning" data-key="a2a"' in text  # the summary card warns too
+    assert f"WARNING: 1 of {df.height:,} (collective, rank) pairs sent other bytes than predicted" in text
     ann = figures_from_html(text)["a2a-bytes"]["layout"].get("annotations", [])
     assert any("measured ≠ predicted in 1" in a.get("text", "") for a in ann)

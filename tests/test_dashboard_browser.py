@@ -64,7 +64,7 @@ def test_every_section_and_figure_renders(loaded):
     rep, page, p = loaded
     assert not p.missing, p.missing  # every producer ran: every section must be there
     assert tuple(page.sections) == rep.sections == SECTIONS
-    assert page.nav == [f"#{s}" for s in rep.sections]
+    assert page.nav == ["#summary", *(f"#{s}" for s in rep.sections)]
     assert len(page.figures) == rep.num_figures
     for f in page.figures:
         assert f["plotted"], f["key"]
@@ -125,9 +125,156 @@ def test_figures_reflow_on_window_resize(loaded, tmp_path):
             want = intended[f["key"]]
             assert want > 300, f
             assert abs(f["div_height"] - want) <= 2 and abs(f["svg_height"] - want) <= 2, f
-            assert abs(f["svg_width"] - f["parent_width"]) <= 2, f  # follows its container
+            fit = min(f["parent_width"], f["max_width"] or np.inf)  # square matrices stop at their own width
+            assert abs(f["svg_width"] - fit) <= 2, f  # follows its container
         widths.append([f["svg_width"] for f in step])
-    # narrower window, narrower figures; back to the first size, back to the first widths
-    assert all(n < w - 200 for w, n in zip(widths[0], widths[1]))
+    # narrower window, narrower figures (but the square matrices, narrower than either); back to the
+    # first size, back to the first widths
+    wide = [f["max_width"] is None for f in steps[0]]
+    assert sum(wide) >= 10
+    assert all(n < w - 200 for w, n, ok in zip(widths[0], widths[1], wide) if ok)
     np.testing.assert_allclose(widths[2], widths[0], atol=2)
     np.testing.assert_allclose(widths[3], widths[0], atol=2)
+
+
+# ---------------------------------------------------------------- summary card, layout
+def _boxes_overlap(a, b, *, tol: float = 1.0) -> bool:
+    return a[0] < b[2] - tol and b[0] < a[2] - tol and a[1] < b[3] - tol and b[1] < a[3] - tol
+
+
+def test_summary_card_comes_first_with_the_results_numbers(loaded):
+    """The card is the first thing in the report's main column, visible without scrolling, and shows
+    the headline numbers of the analysis and compare results, each linking to its section."""
+    import json
+
+    import polars as pl
+
+    from browser.harness import open_report
+
+    rep, _, p = loaded
+    imb = pl.read_parquet(p.analysis / "imbalance.parquet").filter((pl.col("dataset") == "all") & (pl.col("stage") == "prefill"))
+    mean_if = float(imb["imbalance_factor"].mean())
+    # the same number analyze itself reports
+    summary = json.loads((p.analysis / "summary.json").read_text())
+    assert mean_if == pytest.approx(summary["imbalance"]["mean_if"]["all"]["prefill"])
+    worst = imb.sort("imbalance_factor", descending=True).row(0, named=True)
+    from moetrace.placement.strategies import STRATEGIES
+
+    placers = [st.name for st in STRATEGIES if st.name != "linear"]  # bound rows (an oracle) are never "best"
+    cmp = pl.read_parquet(p.compare / "summary.parquet").filter(pl.col("strategy").is_in(placers))
+    best = float(cmp["inter_node_normalized_median"].min())
+    with open_report(rep.path) as page:
+        card = page.evaluate("""() => {
+          const main = document.querySelector('main'), card = document.getElementById('summary');
+          const firstSection = document.querySelector('main section');
+          return {first: main.firstElementChild.id, top: card.getBoundingClientRect().top,
+                  bottom: card.getBoundingClientRect().bottom, section_top: firstSection.getBoundingClientRect().top,
+                  text: card.innerText,
+                  headlines: Array.from(card.querySelectorAll('.headline')).map(h => ({key: h.dataset.key,
+                     value: h.querySelector('.h-value').innerText, label: h.querySelector('.h-label').innerText,
+                     detail: h.querySelector('.h-detail').innerText, href: h.querySelector('a').getAttribute('href'),
+                     source: h.dataset.source}))};
+        }""")
+        assert card["first"] == "summary"
+        assert card["bottom"] <= card["section_top"] and 0 <= card["top"] < 900  # first, on the first screen
+        by = {h["key"]: h for h in card["headlines"]}
+        assert list(by) == ["imbalance", "placement"] == list(rep.headlines)  # no a2a results: no a2a headline
+        assert by["imbalance"]["value"] == f"{mean_if:.2f}×"
+        assert f"worst layer {worst['model_layer']}: {worst['imbalance_factor']:.2f}×" in by["imbalance"]["detail"]
+        assert f"median {summary['imbalance']['batch_if']['all']['prefill']:.2f}×" in by["imbalance"]["detail"]
+        assert by["placement"]["value"] == f"{best:.2f}×"
+        assert f"{100 * (1 - best):.0f}% fewer inter-node bytes" in by["placement"]["label"]
+        assert by["placement"]["source"] == str(p.compare / "summary.parquet")
+        for h in by.values():  # each link lands on its section
+            page.click(f'#summary a[href="{h["href"]}"]')
+            page.wait_for_timeout(100)
+            top = page.evaluate(f"() => document.getElementById('{h['href'][1:]}').getBoundingClientRect().top")
+            assert 0 <= top < 120, (h["href"], top)
+
+
+def test_matrices_are_square_and_nothing_overlaps(loaded):
+    """Correlation and confusion matrices: a square plot area; title, axis titles, tick labels, plot,
+    colour bar and slider never overlap (at a wide and a narrow window)."""
+    from browser.harness import figure_parts, open_report
+
+    rep, _, _ = loaded
+    keys = ["correlation-datasets-prefill", "correlation-datasets-decode", "classifiers-confusion"]
+    for width in (1400, 800):
+        with open_report(rep.path, width=width) as page:
+            for key in keys:
+                parts = figure_parts(page, key)
+                (plot,) = parts["plot"]
+                assert abs((plot[2] - plot[0]) - (plot[3] - plot[1])) <= 2, (key, width, plot)  # square
+                assert plot[2] - plot[0] > 200, (key, width, plot)
+                named = [(n, b) for n in ("title", "xtitle", "ytitle", "xticks", "yticks", "plot", "slider", "colorbar")
+                         for b in parts[n]]  # fmt: skip
+                assert {n for n, _ in named} >= {"title", "xtitle", "xticks", "plot", "slider", "colorbar"}, key
+                for i, (n1, b1) in enumerate(named):
+                    assert all(0 <= v for v in b1[:2]) and b1[2] <= parts["div"][2] + 1, (key, width, n1, b1)
+                    for n2, b2 in named[i + 1:]:
+                        assert not _boxes_overlap(b1, b2), (key, width, n1, b1, n2, b2)
+                # the slider sits below the plot, the x-axis title above it
+                (slider,) = parts["slider"]
+                assert slider[1] >= plot[3] and parts["xtitle"][0][3] <= plot[1], key
+
+
+def test_expert_load_colour_views_toggle(loaded):
+    """The expert-load heatmap opens on the log colour scale; the buttons switch to linear and per-layer
+    colours (the exact load stays in the hover data), and the dataset · stage menu still works."""
+    import polars as pl
+
+    from browser.harness import figure_parts, open_report
+
+    rep, _, p = loaded
+    load = pl.read_parquet(p.analysis / "expert_load.parquet")
+    allp = load.filter((pl.col("dataset") == "all") & (pl.col("stage") == "prefill")).sort("model_layer", "expert")
+    L, E = allp["model_layer"].n_unique(), allp["expert"].n_unique()
+    want = allp["load"].to_numpy().reshape(L, E)
+    hi = load["load"].max()
+    read = """() => { const d = document.querySelector('div.figure[data-key="imbalance-expert-load"]');
+      const t = d._fullData.find(t => t.visible === true);
+      return {name: t.name, z: Array.from(t.z, r => Array.from(r)), title: d._fullLayout.coloraxis.colorbar.title.text}; }"""
+    with open_report(rep.path) as page:
+        first = page.evaluate(read)
+        assert first["name"] == "all · prefill" and "log scale" in first["title"]
+        page.click('div.figure[data-key="imbalance-expert-load"] g.updatemenu-button:has-text("linear")')
+        lin = page.evaluate(read)
+        assert lin["title"] == "expert load, × balanced"
+        np.testing.assert_allclose(lin["z"], 1 + np.rint(254 * want / hi), atol=1)
+        page.click('div.figure[data-key="imbalance-expert-load"] g.updatemenu-button:has-text("per layer")')
+        per = page.evaluate(read)
+        assert per["title"] == "load / the layer's busiest expert"
+        np.testing.assert_allclose(per["z"], 1 + np.rint(254 * want / want.max(axis=1, keepdims=True)), atol=1)
+        assert np.all(np.max(per["z"], axis=1) == 255)  # every layer's busiest expert gets the top colour
+        assert first["z"] != lin["z"] != per["z"]
+        # the menus and the title do not overlap
+        parts = figure_parts(page, "imbalance-expert-load")
+        for b in parts["menus"]:
+            assert not _boxes_overlap(b, parts["title"][0]) and not _boxes_overlap(b, parts["plot"][0])
+
+
+def test_first_figure_near_the_top_for_a_synthetic_trace(tmp_path):
+    """A synthetic trace's long settings table is folded: the first figure starts on the first screen."""
+    from typer.testing import CliRunner
+
+    from browser.harness import open_report
+    from moetrace.cli import app
+
+    _need_browser()
+    trace = tmp_path / "synth"
+    r = CliRunner().invoke(app, ["synth", "-m", "mixtral-8x7b", "--datasets", "gsm8k,mbpp,lmsys-chat", "-n", "12",
+                                 "--workers", "1", "-q", "-o", str(trace)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rep = write_dashboard([trace], out=tmp_path / "r.html")
+    with open_report(rep.path, width=1400, height=900) as page:
+        got = page.evaluate("""() => {
+          const d = document.querySelector('details[data-key="overview-provenance-details"]');
+          return {fig_top: document.querySelector('div.figure').getBoundingClientRect().top + window.scrollY,
+                  open: d.open, summary: d.querySelector('summary').innerText,
+                  summary_visible: d.querySelector('summary').getBoundingClientRect().height > 0,
+                  rows: d.querySelectorAll('tr').length}; }""")
+        assert got["fig_top"] < 900, got
+        assert not got["open"] and got["summary_visible"] and "Provenance:" in got["summary"] and got["rows"] > 13
+        page.click('details[data-key="overview-provenance-details"] summary')  # one click shows the table
+        assert page.evaluate("() => document.querySelector('details[data-key=\"overview-provenance-details\"]').open")
+        assert page.evaluate("() => document.querySelector('div.figure').getBoundingClientRect().top + window.scrollY") > 900

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli.common import Seed, friendly_errors, human_bytes
+from moetrace.cli.common import Quiet, Seed, friendly_errors, human_bytes, progress_bar
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +29,7 @@ def dashboard_cmd(
     ] = 20_000,
     seed: Seed = 0,
     title: Annotated[str | None, typer.Option(help="Page title (default: names the model).")] = None,
+    quiet: Quiet = False,
 ) -> None:
     """Write an interactive, offline HTML report: overview, load imbalance, correlations, clusters,
     classifiers, placements, all-to-all volume and measured all-to-all, for whatever results are given.
@@ -37,7 +38,10 @@ def dashboard_cmd(
     """
     from moetrace.dashboards.report import DashboardConfig, write_dashboard
 
-    rep = write_dashboard(inputs, out=out, config=DashboardConfig(max_points=max_points, seed=seed, title=title))
+    with progress_bar("dashboard", "steps", quiet=quiet) as bar:
+        rep = write_dashboard(
+            inputs, out=out, config=DashboardConfig(max_points=max_points, seed=seed, title=title), progress=bar
+        )
     typer.echo(f"wrote {rep.path} ({human_bytes(rep.size_bytes)}, {rep.num_figures} figures)")
     typer.echo(f"sections: {', '.join(rep.sections)}")
     for note in rep.omitted:

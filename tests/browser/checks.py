@@ -43,11 +43,18 @@ def check_imbalance(figs: dict[str, list[dict]], an: Path) -> list[str]:
     load = pl.read_parquet(an / "expert_load.parquet")
     traces = _by_name(figs["imbalance-expert-load"])
     assert len(traces) == load.select("dataset", "stage").unique().height
+    # colour levels of the default (log) view: 1 + 254 * log(load / lo) / log(hi / lo), lo = the smallest
+    # positive load of every scope, hi the largest; the exact load is the hover's customdata
+    v = load["load"].to_numpy()
+    lo, hi = v[v > 0].min(), v.max()
     for name, t in traces.items():
         ds, stage = name.split(" · ")
         sub = load.filter((pl.col("dataset") == ds) & (pl.col("stage") == stage)).sort("model_layer", "expert")
         L, E = sub["model_layer"].n_unique(), sub["expert"].n_unique()
-        np.testing.assert_allclose(_arr(t["z"]), sub["load"].to_numpy().reshape(L, E), rtol=1e-6)
+        want = sub["load"].to_numpy().reshape(L, E)
+        np.testing.assert_allclose(_arr(t["customdata"]), want, rtol=1e-6)
+        levels = 1 + np.rint(254 * np.log(np.maximum(want, lo) / lo) / np.log(hi / lo))
+        np.testing.assert_allclose(_arr(t["z"]), levels, atol=1)
     checked.append("imbalance-expert-load")
 
     bt = pl.read_parquet(an / "batch_imbalance.parquet")
@@ -148,7 +155,8 @@ def check_classifiers(figs: dict[str, list[dict]], an: Path) -> list[str]:
 def check_placement(figs: dict[str, list[dict]], cmp: Path) -> list[str]:
     from moetrace.dashboards.section_placement import STRATEGY_NAMES
 
-    name_of = {v: k for k, v in STRATEGY_NAMES.items()}
+    labels = {v: k for k, v in STRATEGY_NAMES.items()}
+    name_of = {**{n: n for n in pl.read_parquet(cmp / "summary.parquet")["strategy"]}, **labels}  # rows outside the registry keep their name
     bt = pl.read_parquet(cmp / "batches.parquet")
     traces = figs["placement-normalized"]
     assert {name_of[t["name"]] for t in traces} == set(bt["strategy"].unique().to_list())

@@ -12,12 +12,13 @@ report itself is recorded, as are console errors and uncaught exceptions.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 try:
     from browser.figjson import decode
@@ -75,6 +76,70 @@ class PageLoad:
     nav: list[str]  # nav link targets
     sections: list[str]  # section ids
     screenshot: Path | None  # full-page PNG, when asked for
+
+
+@contextlib.contextmanager
+def open_report(path: str | os.PathLike, *, width: int = 1400, height: int = 900, timeout_s: float = 90) -> Iterator[Any]:
+    """A playwright page with ``path`` loaded at a ``width`` x ``height`` window and every figure drawn."""
+    from playwright.sync_api import sync_playwright
+
+    exe = chromium_path()
+    if exe is None:
+        raise RuntimeError("chromium is not installed (apt-get install -y chromium)")
+    url = Path(path).resolve().as_uri()
+    with tempfile.TemporaryDirectory(prefix="moetrace-chromium-") as profile, sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(
+            profile, executable_path=exe, headless=True, args=LAUNCH_ARGS, viewport={"width": width, "height": height}
+        )
+        try:
+            page = ctx.new_page()
+            page.goto(url, wait_until="load", timeout=timeout_s * 1000)
+            page.wait_for_function("() => document.body.dataset.rendered !== undefined", timeout=timeout_s * 1000)
+            yield page
+        finally:
+            ctx.close()
+
+
+def screenshot_top(path: str | os.PathLike, out: str | os.PathLike, *, width: int, height: int) -> Path:
+    """A PNG of the first ``height`` px of the report at a ``width`` px wide window (what a reader sees first)."""
+    with open_report(path, width=width, height=height) as page:
+        page.screenshot(path=str(out), full_page=False)
+    return Path(out)
+
+
+def screenshot_figures(path: str | os.PathLike, shots: dict[str, str | os.PathLike], *, width: int = 1400) -> list[Path]:
+    """PNGs of single figures: ``{figure key: PNG path}``, at a ``width`` px wide window."""
+    out = []
+    with open_report(path, width=width) as page:
+        for key, png in shots.items():
+            page.locator(f'div.figure[data-key="{key}"]').screenshot(path=str(png))
+            out.append(Path(png))
+    return out
+
+
+# bounding boxes (relative to the figure's div) of the parts of a plotly figure that must not overlap
+_PARTS_JS = """
+(key) => {
+  const div = document.querySelector(`div.figure[data-key="${key}"]`);
+  const r0 = div.getBoundingClientRect();
+  const boxes = sel => Array.from(div.querySelectorAll(sel)).map(e => {
+    const r = e.getBoundingClientRect();
+    return [r.left - r0.left, r.top - r0.top, r.right - r0.left, r.bottom - r0.top];
+  }).filter(b => b[2] > b[0] && b[3] > b[1]);
+  return {
+    div: [0, 0, r0.width, r0.height],
+    title: boxes('.g-gtitle'), xtitle: boxes('.g-xtitle'), ytitle: boxes('.g-ytitle'),
+    xticks: boxes('.xaxislayer-above'), yticks: boxes('.yaxislayer-above'), plot: boxes('.nsewdrag'),
+    slider: boxes('.slider-container'), colorbar: boxes('.colorbar'), menus: boxes('.updatemenu-header-group, .updatemenu-button'),
+  };
+}
+"""
+
+
+def figure_parts(page: Any, key: str) -> dict[str, list[list[float]]]:
+    """Bounding boxes ``[left, top, right, bottom]`` (px, relative to the figure's div) of the figure
+    ``key``'s title, axis titles, tick labels, plot area, slider, colour bar and menus."""
+    return page.evaluate(_PARTS_JS, key)
 
 
 def load_report(
@@ -140,6 +205,7 @@ _SIZES_JS = """
     svg_width: svg ? svg.getBoundingClientRect().width : 0,
     svg_height: svg ? svg.getBoundingClientRect().height : 0,
     parent_width: div.parentElement.clientWidth - parseFloat(ps.paddingLeft) - parseFloat(ps.paddingRight),
+    max_width: div.style.maxWidth ? parseFloat(div.style.maxWidth) : null,
     intended_height: div.layout ? div.layout.height : null,
   };
 })
