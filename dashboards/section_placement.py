@@ -41,7 +41,7 @@ from moetrace.dashboards.theme import (
     height_for_rows,
     plotly_go,
 )
-from moetrace.placement.strategies import STRATEGIES
+from moetrace.placement.strategies import LABELS
 from moetrace.results import (
     COMPARE_BATCHES,
     COMPARE_LAYERS,
@@ -50,7 +50,7 @@ from moetrace.results import (
 )
 
 #: strategy -> its label in figures, in registry order (which also fixes each strategy's colour)
-STRATEGY_NAMES = {s.name: s.label for s in STRATEGIES}
+STRATEGY_NAMES = LABELS  # strategies and the bounds compare reports
 
 
 def strategy_colours(strategies: list[str]) -> dict[str, str]:

@@ -75,8 +75,9 @@ def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
     """The best strategy's normalized inter-node volume, from ``summary.parquet`` (None when absent, or
     when it holds no strategy besides the reference)."""
     from moetrace.dashboards.section_placement import STRATEGY_NAMES
+    from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
 
-    deployable = set(STRATEGY_NAMES)  # registered strategies; any other row is a bound
+    deployable = set(REGISTERED)  # registered strategies; any other row is a bound (strategies.BOUNDS)
     summary = res.table(rf.COMPARE_SUMMARY)
     if summary is None:
         return None
@@ -92,7 +93,7 @@ def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
     ref_name = ref
     m = res.manifest
     change = f"{100 * (1 - best_v):.0f}% fewer" if best_v < 1.0 else f"{100 * (best_v - 1):.0f}% more"
-    bounds = [f"{s} {_x(v)}" for s, v in rows.items() if s != ref and s not in deployable]
+    bounds = [f"{STRATEGY_NAMES.get(s, s)} {_x(v)}" for s, v in rows.items() if s != ref and s not in deployable]
     detail = (
         f"Inter-node all-to-all bytes of a held-out global batch / {ref_name}'s median, median over "
         f"{m.get('num_batches', '?')} batches (lower is better); {m.get('deployment', '?')} on "

@@ -3,10 +3,10 @@
 The generative model, per MoE layer ``l`` (all randomness derived from one seed):
 
 1. *Planted profiles.* For each stage-role ``s`` (0: prefill, 1: decode-specific), every layer draws
-   Zipf score vectors ``z = -log(rank)`` over a random permutation of the experts: one shared by all
+   Zipf score vectors ``z = -log(rank + zipf_offset)`` over a random permutation of the experts: one shared by all
    datasets, one per domain, one per dataset. A dataset's log-profile is
    ``skew_DL * (w_shared*z_shared + w_domain*z_domain + w_dataset*z_dataset)`` (weights sum to 1, so a
-   single component gives weights exactly proportional to ``rank**-skew``). ``prefill_DLE`` is its
+   single component gives weights exactly proportional to ``(rank + zipf_offset)**-skew``). ``prefill_DLE`` is its
    softmax. The decode profile is ``pd_mix * prefill + (1 - pd_mix) * decode_specific``.
 2. *Per request.* Each request draws ``num_request_experts`` favourite experts per layer (uniformly,
    without replacement).
@@ -21,6 +21,9 @@ The generative model, per MoE layer ``l`` (all randomness derived from one seed)
    Gumbel-top-k over the dense mixture with the chosen experts removed.
 4. *Lengths.* Prompt and output lengths are log-normal per dataset, clipped. The final generated token
    of a request carries ``-1`` ids, like a collected trace (it is never forwarded through the model).
+
+*Control.* ``SynthPlan.structure == "none"`` gives every dataset the same profiles and drops the
+per-request favourites and the layer affinity, keeping the skew (:func:`plant_truth`).
 
 Requests are assigned to datasets round robin (``request_id % D``), generated in chunks of
 ``chunk_requests`` ids; chunk ``c`` uses ``SeedSequence(seed, spawn_key=(1, c))`` and the planted truth
@@ -66,6 +69,9 @@ DEFAULT_DOMAINS = {
     "tldr": "summarization",
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+#: ``planted``: the knobs' structure; ``none``: the control (see :func:`plant_truth`)
+Structure = Literal["planted", "none"]
+STRUCTURES: tuple[str, ...] = ("planted", "none")
 
 
 # ====================================================================== configuration
@@ -102,7 +108,8 @@ GENERIC_LENGTH = LengthDist(prompt_median=200, prompt_sigma=0.6, output_median=2
 class SynthKnobs:
     """The generative model's knobs (see the module docstring for how each enters)."""
 
-    zipf_exponent: float = 1.0  # skew of a planted profile: weight of the rank-r expert ∝ r**-skew (0 = uniform)
+    zipf_exponent: float = 1.0  # skew of a planted profile: weight of the rank-r expert ∝ (r + zipf_offset)**-skew (0 = uniform)
+    zipf_offset: float = 0.0  # Zipf-Mandelbrot offset q of the rank (0: plain Zipf); q > 0 flattens the head, keeps the tail
     dataset_skew: Mapping[str, float] = field(default_factory=dict)  # per-dataset multiplier of zipf_exponent (absent: 1)
     layer_skew_spread: float = 0.25  # sd of the log-normal per (dataset, layer) multiplier of the skew
     shared_weight: float = 0.3  # share of the log-profile common to all datasets (de facto shared hot experts)
@@ -124,8 +131,8 @@ class SynthKnobs:
                 f"knobs `shared_weight` + `domain_weight` = {self.shared_weight + self.domain_weight} must be <= 1 "
                 "(the remainder is the per-dataset share)"
             )
-        if self.zipf_exponent < 0 or self.layer_skew_spread < 0:
-            raise ConfigError("knobs `zipf_exponent` and `layer_skew_spread` must be >= 0")
+        if self.zipf_exponent < 0 or self.layer_skew_spread < 0 or self.zipf_offset < 0:
+            raise ConfigError("knobs `zipf_exponent`, `zipf_offset` and `layer_skew_spread` must be >= 0")
         if any(v < 0 for v in self.dataset_skew.values()):
             raise ConfigError(f"knob `dataset_skew` multipliers must be >= 0, got {dict(self.dataset_skew)}")
         if self.num_request_experts < 0:
@@ -174,6 +181,7 @@ class SynthPlan:
     knobs: SynthKnobs  # the generative model's parameters
     calibration: str | None = None  # name of the calibration preset the knobs started from (provenance)
     num_chunk_requests: int = 64  # requests per generation chunk (part of the seed derivation)
+    structure: Structure = "planted"  # "none": a control with no dataset, domain, request or layer structure
 
     def __post_init__(self) -> None:
         if not self.datasets:
@@ -189,6 +197,8 @@ class SynthPlan:
             raise ConfigError("num_chunk_requests must be >= 1")
         if self.seed < 0:
             raise ConfigError(f"--seed must be >= 0, got {self.seed}")
+        if self.structure not in STRUCTURES:
+            raise ConfigError(f"--structure must be one of {', '.join(STRUCTURES)}; got {self.structure!r}")
         object.__setattr__(self, "datasets", tuple(self.datasets))
 
     def collection(self, model: ModelInfo) -> dict[str, Any]:
@@ -202,6 +212,7 @@ class SynthPlan:
             "calibration": self.calibration,
             "num_chunk_requests": self.num_chunk_requests,
             "dataset_assignment": "round_robin",
+            "structure": self.structure,
             "num_request_experts": _num_fav(k, model),
             "knobs": k.to_dict(),
             "lengths": {d: dataclasses.asdict(k.length_of(d)) for d in self.datasets},
@@ -258,25 +269,37 @@ class PlantedTruth(NamedTuple):
 
 
 def plant_truth(model: ModelInfo, plan: SynthPlan) -> PlantedTruth:
-    """Draw the planted profiles and affinity maps from ``SeedSequence(seed, spawn_key=(0,))``."""
+    """Draw the planted profiles and affinity maps from ``SeedSequence(seed, spawn_key=(0,))``.
+
+    With ``plan.structure == "none"`` every dataset gets one and the same profile per stage: the
+    profile a single dataset with skew multiplier 1 would get (shared, domain and dataset components
+    drawn once), so the load imbalance of a dataset is kept but nothing distinguishes datasets; the
+    decode profile keeps its ``pd_mix`` relation to the prefill one, and ``skew_DL`` rows are equal.
+    """
     k = plan.knobs
     D, L, E = len(plan.datasets), model.num_moe_layers, model.num_experts
     rng = np.random.default_rng(np.random.SeedSequence(plan.seed, spawn_key=(0,)))
-    zipf_E = -np.log(np.arange(1, E + 1, dtype=np.float64))
+    zipf_E = -np.log(np.arange(1, E + 1, dtype=np.float64) + k.zipf_offset)
 
     def scores(n: int) -> np.ndarray:  # [n, L, E] Zipf scores over independent random permutations
         return zipf_E[rng.permuted(np.broadcast_to(np.arange(E), (n * L, E)), axis=1)].reshape(n, L, E)
 
-    domains = [k.domains.get(d, d) for d in plan.datasets]
-    dom_names = sorted(set(domains))
-    dom_idx = np.array([dom_names.index(x) for x in domains])
     w_sh, w_dom = k.shared_weight, k.domain_weight
     w_ds = 1.0 - w_sh - w_dom
-    mult_D = np.array([k.dataset_skew.get(d, 1.0) for d in plan.datasets])
-    skew_DL = k.zipf_exponent * mult_D[:, None] * np.exp(k.layer_skew_spread * rng.standard_normal((D, L)))
+    if plan.structure == "none":  # one "dataset" and one "domain", broadcast to every dataset
+        dom_names, dom_idx, ds_idx = ["all"], np.zeros(D, np.int64), np.zeros(D, np.int64)
+        mult_D = np.ones(1)
+    else:
+        domains = [k.domains.get(d, d) for d in plan.datasets]
+        dom_names = sorted(set(domains))
+        dom_idx = np.array([dom_names.index(x) for x in domains])
+        ds_idx = np.arange(D)
+        mult_D = np.array([k.dataset_skew.get(d, 1.0) for d in plan.datasets])
+    skew_DL = k.zipf_exponent * mult_D[:, None] * np.exp(k.layer_skew_spread * rng.standard_normal((mult_D.size, L)))
+    skew_DL = skew_DL[ds_idx]
     profiles = []
     for _stage in range(2):  # 0: prefill, 1: decode-specific (independent draws)
-        logit_DLE = w_sh * scores(1) + w_dom * scores(len(dom_names))[dom_idx] + w_ds * scores(D)
+        logit_DLE = w_sh * scores(1) + w_dom * scores(len(dom_names))[dom_idx] + w_ds * scores(ds_idx.max() + 1)[ds_idx]
         logit_DLE = skew_DL[:, :, None] * logit_DLE
         logit_DLE -= logit_DLE.max(axis=2, keepdims=True)
         p = np.exp(logit_DLE)
@@ -407,13 +430,17 @@ def generate_chunk(s: _Sampler, c: int) -> Chunk:
     cols = 1 << s.bits  # columns of one alias table
     tab_T = ((ds_R[req_T] * 2 + decode_T) * L) * cols  # + l*cols: offset of the token's alias table at layer l
     # each request's favourite experts per layer: int16 [R, L, num_fav], flattened
-    favs = np.argpartition(rng.random((R, L, E), dtype=np.float32), num_fav - 1, axis=2)[:, :, :num_fav]
-    favs = favs.astype(np.int16).reshape(-1)
+    planted = plan.structure == "planted"
+    if planted:
+        favs = np.argpartition(rng.random((R, L, E), dtype=np.float32), num_fav - 1, axis=2)[:, :, :num_fav]
+        favs = favs.astype(np.int16).reshape(-1)
+    else:  # the control: no per-request favourites, no layer affinity
+        favs = np.zeros(R * L * num_fav, np.int16)
     fav_T = req_T * (L * num_fav)  # + l*num_fav: offset of the token's favourites at layer l
     topk_ids_LKT = np.empty((L, K, T), np.int16)
     for l in range(L):
-        a = k.layer_affinity if l > 0 else 0.0
-        fv = (1.0 - a) * k.request_spread
+        a = k.layer_affinity if l > 0 and planted else 0.0
+        fv = (1.0 - a) * k.request_spread if planted else 0.0
         mix = _Mix(
             tab_T=tab_T + l * cols,
             fav_T=fav_T + l * num_fav,

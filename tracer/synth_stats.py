@@ -11,7 +11,18 @@ Definitions (SPEC §3; the analysis stage uses the same):
   most frequent layer-(l+1) companion of e (estimated on the same tokens) is among the token's
   layer-(l+1) experts;
 - cluster separation of request vectors = between-dataset scatter / within-dataset scatter of
-  L2-normalized per-request count vectors (a Fisher ratio: higher = more separable).
+  L2-normalized per-request count vectors (a Fisher ratio: higher = more separable);
+- top-share of a scope = the share of its recorded ids that go to its ``ceil(fraction * E)`` most
+  loaded experts (default fraction 1/8: "the top 32 of DeepSeek-V3's 256 experts take ~40% of the
+  activations of a coding workload");
+- within-domain / cross-domain correlation = the mean, over layers and over pairs of distinct datasets
+  of the same / of different domains, of the dataset correlation (Pearson over experts of two
+  datasets' per-expert counts of one stage, the core paper's §3.3.2 measure); dataset
+  specialisation = 1 - the mean over all pairs of distinct datasets (0 when every dataset routes
+  alike, up to sampling noise).
+
+The command line ``python -m moetrace.tracer.synth_stats TRACE`` prints all headline figures of any
+trace (synthetic or collected), so a preset is compared with a real trace by the same code.
 
 Shape legend: T tokens, R requests, L MoE layers, K top-k, E experts, D datasets, S stages (0 prefill,
 1 decode), F features (a request's per-expert counts of its layers, concatenated) (legend:
@@ -22,8 +33,10 @@ Out of scope: plots, per-batch IF distributions, embeddings and classifiers (``m
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -148,15 +161,75 @@ def cluster_separation(vectors_RF: np.ndarray, labels_R: np.ndarray) -> float:
     return between / within
 
 
-def summarize_counts(counts_DSLE: np.ndarray, datasets: tuple[str, ...]) -> dict:
-    """Headline figures: the mean prefill↔decode correlation (over layers and datasets), and per
-    dataset the IF of each (stage, layer) scope: its mean and its max over stages and layers."""
+def top_share(counts_xE: np.ndarray, *, fraction: float = 0.125) -> np.ndarray:
+    """Share of each scope's ids routed to its ``ceil(fraction * E)`` most loaded experts (last axis; NaN if empty)."""
+    E = counts_xE.shape[-1]
+    n = min(E, max(1, int(np.ceil(fraction * E - 1e-9))))
+    c = counts_xE.astype(np.float64)
+    top = -np.partition(-c, n - 1, axis=-1)[..., :n]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return top.sum(axis=-1) / c.sum(axis=-1)
+
+
+def domain_correlation(
+    counts_DSLE: np.ndarray, datasets: tuple[str, ...], domains: Mapping[str, str], *, stage: int | None
+) -> dict[str, float]:
+    """Mean dataset correlation of same-domain and of cross-domain pairs, and the dataset specialisation.
+
+    Per pair of distinct datasets, the Pearson correlation of their per-expert counts of ``stage``
+    (None: both stages pooled) is averaged over layers; ``within`` / ``cross`` average it over the
+    pairs of one domain / of different domains (NaN when there is no such pair); ``specialisation``
+    is 1 - its mean over all pairs. ``domains`` maps a dataset to its domain (absent: its own).
+    """
+    corr_DD = np.nanmean(dataset_correlation(counts_DSLE, stage=stage), axis=0)
+    dom = [domains.get(d, d) for d in datasets]
+    same, cross = [], []
+    for i, j in zip(*np.triu_indices(len(datasets), k=1)):
+        (same if dom[i] == dom[j] else cross).append(corr_DD[i, j])
+    return {"within": _mean(same), "cross": _mean(cross), "specialisation": 1.0 - _mean(same + cross)}
+
+
+def _mean(xs: list) -> float:
+    return float(np.mean(xs)) if xs else float("nan")
+
+
+def summarize_counts(
+    counts_DSLE: np.ndarray, datasets: tuple[str, ...], *, domains: Mapping[str, str] | None = None
+) -> dict:
+    """Headline figures of ``counts_DSLE`` (int64 [D, 2, L, E]), each defined in the module docstring.
+
+    - ``pd_correlation``: the prefill↔decode correlation, mean over layers and datasets;
+    - ``imbalance``: per dataset the IF of each (stage, layer) scope: its mean, 90th percentile and max;
+    - ``imbalance_all_datasets``: the same over the (stage, layer) scopes of all datasets pooled (a mixed workload);
+    - ``top_share``: per dataset the top-1/8 share of each layer (stages pooled), mean over layers;
+    - ``dataset_correlation``: per stage (``prefill``, ``decode``, ``pooled``) the within-domain and
+      cross-domain means and the dataset specialisation (``domains``: dataset -> domain; default
+      :data:`~moetrace.tracer.synth.DEFAULT_DOMAINS`).
+    """
+    from moetrace.tracer.synth import DEFAULT_DOMAINS
+
+    domains = DEFAULT_DOMAINS if domains is None else domains
     pd = prefill_decode_correlation(counts_DSLE)
     if_DSL = imbalance_factor(counts_DSLE)
+    share_DL = top_share(counts_DSLE.sum(axis=1))
+    if_SL = imbalance_factor(counts_DSLE.sum(axis=0))
     return {
         "pd_correlation": float(np.nanmean(pd)),
         "imbalance": {
-            d: {"mean": float(np.nanmean(if_DSL[i])), "max": float(np.nanmax(if_DSL[i]))} for i, d in enumerate(datasets)
+            d: {
+                "mean": float(np.nanmean(if_DSL[i])),
+                "p90": float(np.nanpercentile(if_DSL[i], 90)),
+                "max": float(np.nanmax(if_DSL[i])),
+            }
+            for i, d in enumerate(datasets)
+        },
+        "imbalance_all_datasets": {
+            "mean": float(np.nanmean(if_SL)), "p90": float(np.nanpercentile(if_SL, 90)), "max": float(np.nanmax(if_SL))
+        },
+        "top_share": {d: float(np.nanmean(share_DL[i])) for i, d in enumerate(datasets)},
+        "dataset_correlation": {
+            name: domain_correlation(counts_DSLE, datasets, domains, stage=st)
+            for name, st in (("prefill", 0), ("decode", 1), ("pooled", None))
         },
     }
 
@@ -172,4 +245,26 @@ def measure_plan(model, plan, *, workers: int = 1) -> dict:
         K=model.top_k,
         E=model.num_experts,
     )
-    return summarize_counts(counts, plan.datasets)
+    return summarize_counts(counts, plan.datasets, domains=plan.knobs.domains)
+
+
+def measure_trace(path: str | os.PathLike) -> dict:
+    """:func:`summarize_counts` of a trace directory; domains from a synthetic trace's manifest, else the defaults."""
+    from moetrace.tracer.trace.reader import open_trace
+
+    counts, datasets = counts_from_trace(path)
+    domains = (open_trace(path).manifest.get("collection") or {}).get("domains")
+    return {"trace": str(path), "datasets": list(datasets), **summarize_counts(counts, datasets, domains=domains)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m moetrace.tracer.synth_stats TRACE...``: print each trace's headline figures as JSON."""
+    ap = argparse.ArgumentParser(prog="python -m moetrace.tracer.synth_stats", description=main.__doc__)
+    ap.add_argument("traces", nargs="+", help="trace directories (synthetic or collected)")
+    args = ap.parse_args(argv)
+    for t in args.traces:
+        print(json.dumps(measure_trace(t), indent=1))
+
+
+if __name__ == "__main__":
+    main()

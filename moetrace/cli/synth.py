@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -56,6 +56,10 @@ def synth_cmd(
         str | None,
         typer.Option(help='Knob overrides: a JSON file or inline JSON, e.g. \'{"pd_mix": 0.2, "zipf_exponent": 1.4}\'.'),
     ] = None,
+    structure: Annotated[
+        Literal["planted", "none"],
+        typer.Option(help="'none': a control with no dataset, domain, request or layer structure (load imbalance kept)."),
+    ] = "planted",
     overwrite: Overwrite = False,
     quiet: Quiet = False,
 ) -> None:
@@ -75,6 +79,7 @@ def synth_cmd(
         seed=seed,
         knobs=SynthKnobs.from_dict(_read_knobs(knobs), base=load_calibration(cal)),
         calibration=cal,
+        structure=structure,
     )
     with request_progress("synth", quiet=quiet) as bar:
         bar.start(plan.num_requests, plan.num_requests)
@@ -84,5 +89,5 @@ def synth_cmd(
         f"{summary.path}: {summary.num_requests} requests, {summary.num_tokens} tokens, "
         f"{summary.num_ids / 1e6:.1f} M expert ids in {summary.seconds:.1f} s "
         f"({summary.num_ids / max(summary.seconds, 1e-9) / 1e6:.1f} M ids/s), {human_bytes(summary.bytes_on_disk)}; "
-        f"model {info.name}, calibration {cal}, seed {seed}. Planted truth: {summary.path / 'truth.npz'}"
+        f"model {info.name}, calibration {cal}, structure {structure}, seed {seed}. Planted truth: {summary.path / 'truth.npz'}"
     )
