@@ -55,7 +55,9 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
     if pooled is not None or per_req is not None:
         figures.append(_prefill_decode_figure(pooled, per_req, res, key=f"{kp}-prefill-decode"))
     else:
-        notes.append("prefill_decode_*.parquet absent (trace without both stages?): no prefill↔decode figure")
+        why = (res.manifest.get("skipped") or {}).get("prefill_decode")  # analyze records why it skipped a step
+        notes.append(f"prefill↔decode: skipped ({why})" if why else
+                     "prefill_decode_*.parquet absent (trace without both stages?): no prefill↔decode figure")
 
     rec = res.table(rf.PREFILL_DECODE_RECALL)
     if rec is not None:

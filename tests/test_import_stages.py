@@ -85,6 +85,10 @@ def test_decode_only_capture_imports_validates_and_analyses_skip_with_reason(tmp
     summary = json.loads((out / "summary.json").read_text())
     assert summary["correlation"]["prefill_decode_skipped"] == man["skipped"]["prefill_decode"]
     assert summary["classify"]["skipped"] == man["skipped"]["classify"]
+    html = tmp_path / "report.html"
+    res = runner.invoke(app, ["dashboard", str(tmp_path / "t"), str(out), "-o", str(html)])
+    assert res.exit_code == 0, res.output
+    assert "prefill↔decode: skipped (needs prefill and decode routing" in html.read_text()
 
 
 def test_decode_only_positions_counting_the_prompt_keep_its_length(tmp_path):
