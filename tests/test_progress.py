@@ -134,3 +134,46 @@ def test_every_long_command_has_quiet(cmd):
     r = runner.invoke(app, [cmd, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"})
     assert r.exit_code == 0, r.output
     assert "--quiet" in r.output
+
+
+# ---- a recorded terminal session: the real command under a pseudo-terminal draws the bar
+def _run_in_pty(argv: list[str], *, timeout: float = 120.0) -> tuple[int, str]:
+    """Run ``argv`` with stdout and stderr on a pseudo-terminal; (exit code, everything it drew)."""
+    import os
+    import pty
+    import select
+    import subprocess
+    import sys
+    import time
+
+    master, slave = pty.openpty()
+    env = {**os.environ, "COLUMNS": "120", "TERM": "xterm-256color"}
+    env.pop("CI", None)
+    proc = subprocess.Popen([sys.executable, "-m", "moetrace", *argv], stdin=subprocess.DEVNULL, stdout=slave,
+                            stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    out, deadline = bytearray(), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    return proc.wait(timeout=10), out.decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_synth_draws_a_bar_with_rate_and_eta_on_a_terminal(tmp_path, quiet):
+    argv = ["synth", "--model", "olmoe-1b-7b-tiny", "-n", "3000", "--workers", "1", "-o", str(tmp_path / "t")]
+    code, screen = _run_in_pty(argv + (["--quiet"] if quiet else []))
+    assert code == 0, screen
+    assert "3000 requests" in screen  # the result line prints either way
+    bar = "━" in screen and "requests" in screen and "/s" in screen
+    assert bar is not quiet, screen[-2000:]
