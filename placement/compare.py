@@ -44,6 +44,10 @@ from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, c
 __all__ = ["CompareConfig", "TraceData", "load_trace_data", "make_placement", "place_strategies", "run_compare", "write_results"]
 
 
+#: the least saving over linear (a share of linear's median) the oracle must show before compare says
+#: what share of it each strategy reaches
+MIN_ORACLE_GAIN = 0.02
+
 #: the most tokens one comparison simulates (batches x requests per batch), so a typo cannot ask for terabytes
 MAX_SIMULATED_TOKENS = 20_000_000
 
@@ -302,17 +306,19 @@ class CompareResult:
 
     def summary_rows(self) -> list[dict[str, Any]]:
         """One row per strategy and bound. ``oracle_captured``: the share of the oracle's saving over
-        linear that the row reaches, (1 - v) / (1 - v_oracle) of median normalized volumes (None
-        without an oracle row, or when the oracle saves nothing)."""
+        linear that the row reaches, (1 - v) / (1 - v_oracle) of median normalized volumes; None
+        without an oracle row, or when the oracle saves less than ``MIN_ORACLE_GAIN`` (a share of
+        noise is noise)."""
         med = {s: float(np.median(self.normalized_B(s))) for s in self.metrics}
         gain = 1.0 - med["oracle"] if "oracle" in med else 0.0
+        gain = gain if gain >= MIN_ORACLE_GAIN else 0.0
         rows = []
         for s, m in self.metrics.items():
             nb = self.normalized_B(s)
             rows.append({
                 "strategy": s,
                 "is_bound": s in self.bounds,
-                "oracle_captured": (1.0 - med[s]) / gain if gain > 1e-9 else None,
+                "oracle_captured": (1.0 - med[s]) / gain if gain > 0 else None,
                 "inter_node_normalized_median": float(np.median(nb)),
                 "inter_node_normalized_p10": float(np.quantile(nb, 0.1)),
                 "inter_node_normalized_p90": float(np.quantile(nb, 0.9)),

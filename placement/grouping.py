@@ -51,7 +51,8 @@ def normalized_rows(x_RF: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def _kmeans(x_RF: np.ndarray, num_clusters: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     sklearn_cluster = require("sklearn.cluster", purpose="K-means micro-batch grouping")
-    km = sklearn_cluster.KMeans(n_clusters=num_clusters, n_init=4, random_state=seed).fit(x_RF)
+    # copy_x=False: sklearn centres x in place and restores it, instead of holding a second [R, F] copy
+    km = sklearn_cluster.KMeans(n_clusters=num_clusters, n_init=4, random_state=seed, copy_x=False).fit(x_RF)
     return km.labels_.astype(np.int64), km.cluster_centers_
 
 
