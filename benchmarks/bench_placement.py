@@ -39,7 +39,7 @@ def main() -> None:
     t1 = time.perf_counter()
     res = run_compare(data, cfg)
     t2 = time.perf_counter()
-    print(f"trace {args.trace}: {len(data.is_test_R)} requests, {data.test_topk_ids_TLK.shape[0]} held-out decode tokens")
+    print(f"trace {args.trace}: {len(data.is_test_R)} requests, {int(data.is_test_R.sum())} held out")
     print(f"load + count: {t1 - t0:.1f} s; place {len(STRATEGY_NAMES)} strategies + simulate {args.batches} batches x "
           f"{cfg.batch_requests} requests x {data.model.num_moe_layers} layers: {t2 - t1:.1f} s")
     for r in res.summary_rows():

@@ -41,7 +41,7 @@ from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
 from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, check_strategies, get_strategy
 
-__all__ = ["CompareConfig", "TraceData", "load_trace_data", "make_placement", "place_strategies", "run_compare", "write_results"]
+__all__ = ["CompareConfig", "TraceData", "load_trace_data", "with_held_out_tokens", "make_placement", "place_strategies", "run_compare", "write_results"]
 
 
 #: the least saving over linear (a share of linear's median) the oracle must show before compare says
@@ -96,16 +96,19 @@ class TraceData:
     prefill_RLE: np.ndarray  # [R, L, E] prefill token counts, unsigned (count_trace's smallest safe dtype)
     decode_RLE: np.ndarray  # [R, L, E] decode token counts, same dtype
     is_test_R: np.ndarray  # bool [R] held out from placement
-    test_topk_ids_TLK: np.ndarray  # int16 [T, L, K] decode tokens of test requests with at least one recorded id
-    test_req_T: np.ndarray  # int64 [T] row (0..R-1) of each test token's request
+    test_topk_ids_TLK: np.ndarray | None  # int16 [T, L, K] held-out decode tokens with a recorded id (None: not read yet)
+    test_req_T: np.ndarray | None  # int64 [T] row (0..R-1) of each held-out token's request, ascending (None: not read yet)
     stages: frozenset[str] = frozenset({"prefill", "decode"})  # routing stages the trace recorded (schema.stages_of)
+    allow_incomplete: bool = False  # read from a trace without its completion mark (for the held-out tokens' pass)
 
 
 def load_trace_data(
     trace: str | os.PathLike, *, test_fraction: float, seed: int, allow_incomplete: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None, held_out_tokens: bool = True,
 ) -> TraceData:
-    """Count the trace and keep the held-out requests' decode tokens (streamed once more).
+    """Count the trace, split train/test and (``held_out_tokens``) keep the held-out requests' decode
+    tokens (streamed once more; ``with_held_out_tokens`` reads them later instead, so that placing
+    and holding the tokens never add up in memory).
 
     ``progress(tokens_done, tokens_total)`` is passed to the counting pass (``count_trace``).
     """
@@ -127,24 +130,61 @@ def load_trace_data(
     n_test = min(max(1, int(round(R * test_fraction))), R - 1)
     is_test = np.zeros(R, dtype=bool)
     is_test[rng.permutation(R)[:n_test]] = True
-    rid = counts.request_id_R
-    ids_parts, req_parts = [], []
-    for ta in tr.iter_token_arrays(batch_tokens=1 << 16):
-        row = np.searchsorted(rid, ta.request_id_T)
-        keep = ta.is_decode_T & is_test[row] & (ta.topk_ids_TLK >= 0).any(axis=(1, 2))
-        ids_parts.append(ta.topk_ids_TLK[keep])
-        req_parts.append(row[keep])
-    L, K = tr.model.num_moe_layers, tr.model.top_k
-    ids = np.concatenate(ids_parts) if ids_parts else np.zeros((0, L, K), np.int16)
-    req = np.concatenate(req_parts) if req_parts else np.zeros(0, np.int64)
-    if len(req) == 0:
-        raise TraceFormatError(f"{trace}: the held-out requests have no decode tokens; the volume model needs decode steps")
-    order = np.argsort(req, kind="stable")
-    return TraceData(
+    _release_arrow_memory()
+    data = TraceData(
         model=tr.model, trace_path=str(trace),
         prefill_RLE=counts.stage("prefill"), decode_RLE=counts.stage("decode"),  # views of one counts array
-        is_test_R=is_test, test_topk_ids_TLK=ids[order], test_req_T=req[order], stages=stages,
+        is_test_R=is_test, test_topk_ids_TLK=None, test_req_T=None, stages=stages, allow_incomplete=allow_incomplete,
     )
+    return with_held_out_tokens(data) if held_out_tokens else data
+
+
+def _release_arrow_memory() -> None:
+    """Give back the pages Arrow's allocator keeps after a pass over the trace (RSS, not correctness)."""
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
+
+
+def with_held_out_tokens(data: TraceData) -> TraceData:
+    """``data`` with ``test_topk_ids_TLK`` / ``test_req_T`` read from its trace (itself if they are).
+
+    The held-out decode rows are written in place into one array sized from the requests table (an
+    upper bound: rows with no recorded id are skipped): no list of parts and no concatenated copy,
+    and pages never written are never resident.
+    """
+    from dataclasses import replace
+
+    from moetrace.tracer.trace.reader import open_trace
+
+    if data.test_topk_ids_TLK is not None:
+        return data
+    tr = open_trace(data.trace_path, require_complete=not data.allow_incomplete)
+    L, K = tr.model.num_moe_layers, tr.model.top_k
+    req_table = tr.request_arrays  # sorted by request id, the rows of the counts
+    is_test = data.is_test_R
+    bound = int(req_table.output_tokens_R[is_test].sum(dtype=np.int64))
+    ids = np.empty((bound, L, K), dtype=np.int16)
+    req_parts, n = [], 0
+    for ta in tr.iter_token_arrays(batch_tokens=1 << 14):
+        row = np.searchsorted(req_table.request_id_R, ta.request_id_T)
+        keep = ta.is_decode_T & is_test[row] & (ta.topk_ids_TLK >= 0).any(axis=(1, 2))
+        k = int(keep.sum())
+        if n + k > bound:  # the reader checked every row against the requests table, so this cannot happen
+            raise AssertionError(f"{data.trace_path}: more held-out decode rows than the requests table claims")
+        ids[n : n + k] = ta.topk_ids_TLK[keep]
+        req_parts.append(row[keep])
+        n += k
+    _release_arrow_memory()
+    if n == 0:
+        raise TraceFormatError(f"{data.trace_path}: the held-out requests have no decode tokens; the volume model needs "
+                               "decode steps")
+    req = np.concatenate(req_parts)
+    ids = ids[:n]
+    if (np.diff(req) < 0).any():  # rows not in request order (e.g. shards interleaved): one reordered copy
+        order = np.argsort(req, kind="stable")
+        ids, req = ids[order], req[order]
+    return replace(data, test_topk_ids_TLK=ids, test_req_T=req)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -370,6 +410,7 @@ def run_compare(
             progress(done, steps)
 
     placed = place_strategies(data, cfg, todo, on_placed=step)
+    data = with_held_out_tokens(data)  # after placing: the tokens and the clustering never share memory
     if bounds and "prefill" not in data.stages:  # the bounds start from the joint placement, which needs prefill
         bounds, steps = [], steps - 2 * len(bounds)
     if bounds:

@@ -27,6 +27,8 @@ __all__ = ["Grouping", "l2_normalize", "normalized_rows", "map_clusters_to_group
 
 #: rows normalized at a time where only a reduction of the normalized rows is needed (bounds memory)
 _CHUNK_ROWS = 1024
+#: the most training requests K-means is fitted on (the rest are labelled by nearest centroid)
+MAX_FIT_REQUESTS = 4096
 
 
 def l2_normalize(x_RF: np.ndarray) -> np.ndarray:
@@ -100,19 +102,28 @@ class Grouping:
 
 def fit_grouping(
     decode_RF: np.ndarray, prefill_RF: np.ndarray, *, num_clusters: int, num_groups: int, seed: int,
-    rows: np.ndarray | None = None,
+    rows: np.ndarray | None = None, max_fit_requests: int = MAX_FIT_REQUESTS,
 ) -> Grouping:
     """Cluster training requests on decode vectors and map clusters to groups.
 
     ``rows``: the training requests' row indices into ``decode_RF`` / ``prefill_RF`` (default all);
-    ``labels_R`` then follows ``rows``' order. Memory: one float32 [len(rows), F] array.
+    ``labels_R`` then follows ``rows``' order. With more than ``max_fit_requests`` training requests,
+    K-means is fitted on a seeded sample of that many and every request is labelled by its nearest
+    centroid (what K-means' own assignment step does), which bounds memory at one float32
+    [max_fit_requests, F] array (DeepSeek-V3: 243 MB) however many requests there are.
     """
     rows = np.arange(decode_RF.shape[0]) if rows is None else np.asarray(rows)
     R = len(rows)
     if num_clusters < 1 or num_clusters > R:
         raise ConfigError(f"--clusters must be in 1..{R} (the training requests), got {num_clusters}")
-    x = normalized_rows(decode_RF, rows)
-    labels, centroids = _kmeans(x, num_clusters, seed)
+    if R <= max_fit_requests:
+        x = normalized_rows(decode_RF, rows)
+        labels, centroids = _kmeans(x, num_clusters, seed)
+    else:  # fit on a seeded sample, then label every training request by its nearest centroid
+        sample = np.sort(np.random.default_rng([seed, 11]).choice(R, max_fit_requests, replace=False))
+        x = normalized_rows(decode_RF, rows[sample])
+        _, centroids = _kmeans(x, num_clusters, seed)
+        labels = _nearest_centroid(decode_RF, rows, centroids)
     del x
     sizes = np.bincount(labels, minlength=num_clusters)
     c2g = map_clusters_to_groups(sizes, num_groups=num_groups, centroids_CF=centroids, seed=seed)
@@ -123,6 +134,16 @@ def fit_grouping(
     return Grouping(
         num_groups=num_groups, cluster_to_groups=c2g, decode_centroids_CF=centroids, prefill_centroids_CF=pre, labels_R=labels
     )
+
+
+def _nearest_centroid(x_RF: np.ndarray, rows: np.ndarray, centroids_CF: np.ndarray) -> np.ndarray:
+    """K-means' assignment step: the Euclidean-nearest centroid of each normalized row, int64 [len(rows)]."""
+    c = np.asarray(centroids_CF, dtype=np.float32)
+    half_sq = 0.5 * (c * c).sum(1)
+    out = np.empty(len(rows), dtype=np.int64)
+    for lo in range(0, len(rows), _CHUNK_ROWS):
+        out[lo : lo + _CHUNK_ROWS] = np.argmax(l2_normalize(x_RF[rows[lo : lo + _CHUNK_ROWS]]) @ c.T - half_sq, axis=1)
+    return out
 
 
 def predict_clusters(x_RF: np.ndarray, centroids_CF: np.ndarray) -> np.ndarray:

@@ -212,3 +212,23 @@ def test_simulator_counts_by_hand():
     assert m["activated_experts_per_rank_max"][:, 0].tolist() == [1, 1]
     node = simulate_volume(ids, dedup="node", **kw)
     assert node["dispatch_inter_bytes"][:, 0].tolist() == [10, 10]  # one copy to node 1
+
+
+def test_grouping_fitted_on_a_sample_labels_every_request_like_kmeans():
+    """Past max_fit_requests K-means sees a seeded sample; every request gets its nearest centroid,
+    and planted clusters come out the same as with the full fit."""
+    from moetrace.placement.grouping import fit_grouping
+
+    rng = np.random.default_rng(0)
+    R, F, C = 240, 24, 3
+    truth = np.arange(R) % C
+    x = rng.poisson(1.0, (R, F)).astype(np.uint16)
+    for c in range(C):
+        x[truth == c, 8 * c : 8 * c + 8] += 20
+    full = fit_grouping(x, x, num_clusters=C, num_groups=C, seed=0)
+    sampled = fit_grouping(x, x, num_clusters=C, num_groups=C, seed=0, max_fit_requests=30)
+    for g in (full, sampled):  # each planted cluster is exactly one label
+        assert len({(t, l) for t, l in zip(truth, g.labels_R)}) == C
+    xn = x / np.linalg.norm(x, axis=1, keepdims=True)
+    d = ((xn[:, None, :] - sampled.decode_centroids_CF[None]) ** 2).sum(-1)
+    np.testing.assert_array_equal(sampled.labels_R, d.argmin(1))

@@ -71,7 +71,7 @@ def place_cmd(
                test_fraction=test_fraction, seed=seed)
     with progress_bar("counting", "tokens", quiet=quiet) as bar:
         data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete,
-                               progress=bar)
+                               progress=bar, held_out_tokens=False)  # compare reads them after placing
     ps = make_placement(data, cfg, strategy)
     save_placement(placement_file(data, cfg, ps), out)
     typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)} -> {out}")
@@ -115,7 +115,7 @@ def compare_cmd(
                num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, oracle=oracle, seed=seed)
     with progress_bar("counting", "tokens", quiet=quiet) as bar:
         data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete,
-                               progress=bar)
+                               progress=bar, held_out_tokens=False)  # compare reads them after placing
     with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
         result = run_compare(data, cfg, progress=bar)
     typer.echo(format_compare_summary(result))

@@ -131,7 +131,7 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
     parts: dict[str, pq.ParquetFile] = {}  # each part's footer read once: row counts, schema, batches
     for n in sorted(rnames):
         try:
-            parts[n] = pq.ParquetFile(rdir / n)
+            parts[n] = pq.ParquetFile(rdir / n, pre_buffer=False)  # read column chunks as batches need them
         except (pa.ArrowException, OSError) as exc:
             problems.append(f"{ROUTING_DIR}/{n}: not readable as Parquet (truncated or corrupt?): {exc}")
     rows_on_disk = sum(pf.metadata.num_rows for pf in parts.values())
@@ -153,9 +153,11 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
         if progress is not None:
             progress(rows_done, rows_on_disk)
 
-    for n, pf in parts.items():
+    for n in list(parts):
+        pf = parts.pop(n)  # a part's reader keeps what it read until closed: one part alive at a time
         where = f"{ROUTING_DIR}/{n}"
         if not _routing_schema_ok(pf.schema_arrow, where, problems, X=X, model=model):
+            pf.close()
             continue
         try:
             for rb in pf.iter_batches(batch_size=BATCH_ROWS, columns=["request_id", "position", "stage", "experts"]):
@@ -166,6 +168,8 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
                 tick(rb.num_rows)
         except (pa.ArrowException, OSError) as exc:
             problems.append(f"{where}: not readable as Parquet (truncated or corrupt?): {exc}")
+        finally:
+            pf.close()
         if len(problems) > MAX_REPORTED:
             break
     tick(rows_on_disk)  # parts skipped (unreadable, bad schema, too many problems) count as done
