@@ -117,3 +117,26 @@ def test_a_mistyped_model_name_is_refused_at_once_with_a_suggestion(typo, sugges
 
     with pytest.raises(ModelError, match=f"did you mean '{suggestion}'"):
         resolve(typo)
+
+
+def test_an_unreachable_hub_is_refused_at_once_with_did_you_mean(monkeypatch):
+    """Offline (by HF_HUB_OFFLINE, or a hub that does not answer) a hub id not in the cache is one
+    line straight away, with the near presets, instead of the hub client's retries."""
+    import time
+
+    pytest.importorskip("transformers")
+    from moetrace.errors import ModelError
+    from moetrace.tracer.presets import hub_unreachable, resolve
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub_unreachable() == "HF_HUB_OFFLINE is set"
+    t0 = time.monotonic()
+    with pytest.raises(ModelError) as e:
+        resolve("someorg/qwen3-30b-a3bx").hf_config()
+    assert time.monotonic() - t0 < 5
+    msg = str(e.value)
+    assert "not in the local Hugging Face cache and the hub is not reachable from here (HF_HUB_OFFLINE is set)" in msg
+    assert "did you mean 'qwen3-30b-a3b'" in msg and "\n" not in msg
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
+    assert hub_unreachable(timeout_s=1).startswith("127.0.0.1:9: ")

@@ -139,6 +139,28 @@ def _preset_names() -> str:
     return ", ".join(p for n in _load_all() for p in (n, n + TINY_SUFFIX))
 
 
+def hub_unreachable(*, timeout_s: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached from here (one short phrase), or None when it can.
+
+    ``HF_HUB_OFFLINE`` set: offline by choice. Otherwise one TCP connection to the endpoint
+    (``HF_ENDPOINT``, default huggingface.co) with ``timeout_s``, so an offline machine is told at
+    once rather than after the hub client's retries.
+    """
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme != "http" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return f"{host}:{port}: {exc.strerror or exc}"
+
+
 def _did_you_mean(name: str) -> str:
     """``"did you mean 'deepseek-v3-tiny'? "`` for a near miss of a preset name, else ``""``."""
     import difflib
@@ -183,13 +205,20 @@ class ResolvedModel:
         if self.preset is not None:
             return self.preset.hf_config(tiny=self.kind == "tiny-preset")
         transformers = require("transformers", purpose="reading the model's HF config")
-        try:
-            return transformers.AutoConfig.from_pretrained(self.source)
+        unreachable = hub_unreachable() if self.kind == "hub" else None
+        try:  # an unreachable hub: the local cache only, so the answer comes at once instead of after retries
+            return transformers.AutoConfig.from_pretrained(self.source, local_files_only=unreachable is not None)
         except (OSError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if unreachable is not None:
+                raise ModelError(
+                    f"{self.source!r} is not in the local Hugging Face cache and the hub is not reachable from here "
+                    f"({unreachable}). {_did_you_mean(self.source.split('/')[-1])}Pass a preset (see `moetrace models`) "
+                    "or a local checkpoint directory, or run where the hub is reachable."
+                ) from exc
             raise ModelError(
-                f"cannot read the config of {self.source!r} ({first}). Pass a local checkpoint directory, a reachable "
-                "hub id, or a preset (see `moetrace models`)."
+                f"cannot read the config of {self.source!r} ({first}). {_did_you_mean(self.source.split('/')[-1])}"
+                "Pass a local checkpoint directory, a reachable hub id, or a preset (see `moetrace models`)."
             ) from exc
 
     def _config_json(self) -> dict[str, Any]:
