@@ -9,7 +9,8 @@ machine). In the same run, two references on one core (CPU time): generation alo
 the same sampler, and a naive Gumbel-top-k over all E experts per (token, layer) on one profile.
 
     .venv/bin/python benchmarks/bench_synth.py --requests 1000,4000 --workers 2
-    .venv/bin/python benchmarks/bench_synth.py --calibration   # the calibration table of docs/synth.md
+    .venv/bin/python benchmarks/bench_synth.py --calibration   # the statistics of each preset (docs/synth.md's
+                                                                # calibration table uses python -m moetrace.tracer.synth_stats)
 """
 
 from __future__ import annotations
