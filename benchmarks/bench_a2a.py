@@ -20,7 +20,7 @@ structure dominant (``KNOBS``). The token rows are ``--hidden-size`` values (def
 Needs root (network namespaces); without it the replay runs on loopback and says so, and its times
 do not separate the link classes. Times on a shared 2-core machine carry scheduling noise.
 
-Run: .venv/bin/python benchmarks/bench_a2a.py [--trace /tmp/bench-a2a/trace] [--strategies linear,eplb,data,improved]
+Run: .venv/bin/python benchmarks/bench_a2a.py [--trace /tmp/bench-a2a/trace] [--strategies linear,eplb,data,joint]
      [--link 200Mbit] [--batches 8] [--hidden-size 4096] [--md /tmp/bench_a2a.md]
 """
 
@@ -59,7 +59,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=Path("/tmp/bench-a2a/trace"))
-    ap.add_argument("--strategies", default="linear,eplb,data,improved")
+    ap.add_argument("--strategies", default="linear,eplb,data,joint")
     ap.add_argument("--config", default="DP2TP2EP4")
     ap.add_argument("--gpus-per-node", type=int, default=2)
     ap.add_argument("--link", default="200Mbit")  # below the CLI default: on 2 shared cores gloo costs ~20 ms a layer
