@@ -183,3 +183,31 @@ def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
     out.write_text(json.dumps(d))
     r = CliRunner().invoke(app, ["export", str(out), "--format", "vllm", "-o", str(tmp_path / "v.json")])
     assert r.exit_code != 0 and "node_prices" in r.output and "Traceback" not in r.output
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([(2, 1), (2, 2), (4, 1), (4, 2)]), st.integers(1, 3), st.integers(0, 2), st.integers(0, 2**16))
+def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed):
+    """Coverage, equal slots per GPU, replica consistency, at most one copy per node, determinism."""
+    nodes, rpn = nodes_rpn
+    W = nodes * rpn
+    E = W * per_rank
+    P = E + W * extra
+    if P // nodes > E:
+        P = E
+    rng = np.random.default_rng(seed)
+    R, L = 24, 2
+    decode = rng.poisson(rng.gamma(0.5, 2.0, (R, L, E))).astype(np.uint16)
+    prefill = rng.poisson(rng.gamma(0.5, 2.0, (R, L, E))).astype(np.uint16)
+    start = np.arange(R) % nodes
+    kw = dict(init_group_R=start, num_groups=nodes, num_slots=P, ranks_per_group=rpn)
+    jp = joint_placement(decode, prefill, **kw)
+    p = jp.placement
+    assert placement_problems(p, num_experts=E, num_ranks=W) == []
+    assert (p.logcnt >= 1).all() and (p.logcnt.sum(-1) == P).all()
+    member = members_of_placement(p, num_groups=nodes, num_experts=E)
+    assert (member.sum(-1) == P // nodes).all()  # J distinct experts per node: never two copies on one node
+    assert np.bincount(jp.group_R, minlength=nodes).max() <= int(np.ceil(1.05 * R / nodes))
+    again = joint_placement(decode, prefill, **kw)
+    np.testing.assert_array_equal(again.placement.phy2log, p.phy2log)
+    np.testing.assert_array_equal(again.price_G, jp.price_G)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -90,7 +91,11 @@ def test_compare_simulation_progress(tmp_path):
     calls, cb = _recorder()
     run_compare(data, cfg, progress=cb)
     _assert_monotone_to_total(calls)
-    assert calls[-1] == (4, 4)  # linear reference + round_robin, placed and simulated
+    assert calls[-1] == (8, 8)  # linear reference + round_robin + the two bounds, placed and simulated
+    calls, cb = _recorder()
+    run_compare(data, replace(cfg, oracle=False), progress=cb)
+    _assert_monotone_to_total(calls)
+    assert calls[-1] == (4, 4)  # without the bounds: linear + round_robin
 
 
 def test_import_progress(tmp_path):
