@@ -53,6 +53,19 @@ def random_weights(manifest: dict[str, Any]) -> bool:
     return source.startswith("moetrace:") or "random weights" in backend or "random_weights" in backend
 
 
+def _stages_line(trace: Trace) -> str:
+    """Which stages' routing the trace holds (manifest ``collection.stages``; absent: both)."""
+    from moetrace.tracer.trace.schema import stages_of
+
+    stages = stages_of(trace)
+    if len(stages) == 2:
+        return "prefill and decode"
+    only = next(iter(stages))
+    unknown = (trace.manifest.get("collection") or {}).get("prompt_lengths_known") is False
+    note = "; prompt lengths unknown (one placeholder prompt row per request)" if unknown else ""
+    return f"{only} only (the other stage's rows hold -1){note}"
+
+
 def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
     """The overview of one trace: model and provenance tables, per-dataset counts, length figures."""
     from moetrace.sizes import dir_bytes, human_bytes
@@ -90,6 +103,7 @@ def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
         ("size on disk", human_bytes(dir_bytes(trace.path))),
         ("requests", req.height),
         ("tokens (prefill + decode)", int(req["prompt_tokens"].sum() or 0) + int(req["output_tokens"].sum() or 0)),
+        ("routing recorded", _stages_line(trace)),
         ("moetrace version", trace.manifest.get("moetrace_version", "unknown")),
     )
     prov = _flat({"backend": trace.manifest.get("backend", {}), "collection": trace.manifest.get("collection", {})})

@@ -88,7 +88,10 @@ def test_decode_only_capture_imports_validates_and_analyses_skip_with_reason(tmp
     html = tmp_path / "report.html"
     res = runner.invoke(app, ["dashboard", str(tmp_path / "t"), str(out), "-o", str(html)])
     assert res.exit_code == 0, res.output
-    assert "prefill↔decode: skipped (needs prefill and decode routing" in html.read_text()
+    page = html.read_text()
+    assert "prefill↔decode: skipped (needs prefill and decode routing" in page
+    assert "decode only (the other stage&#x27;s rows hold -1); prompt lengths unknown" in page or \
+        "decode only (the other stage's rows hold -1); prompt lengths unknown" in page
 
 
 def test_decode_only_positions_counting_the_prompt_keep_its_length(tmp_path):
