@@ -32,7 +32,7 @@ def format_compare_summary(result: CompareResult) -> str:
         if r["is_bound"] and (i == 0 or not rows[i - 1]["is_bound"]):
             lines.append("upper bounds (they see the held-out requests' decode; not deployable):")
         router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
-        captured = f"{r['oracle_captured']:.0%}" if r["oracle_captured"] is not None else "-"
+        captured = f"{round(r['oracle_captured'], 2) or 0.0:.0%}" if r["oracle_captured"] is not None else "-"  # no "-0%"
         lines.append(f"{r['strategy']:<16} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
                      f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} "
                      f"{router:>7} {captured:>9}")
