@@ -37,7 +37,7 @@ def a2a_cmd(
     config: ConfigOpt,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results directory (a2a.json, collectives.parquet); not with --smoke.", show_default=False)] = None,
     placement: Annotated[Optional[list[Path]], typer.Option("--placement", help="Placement JSON (repeat for several); instead of --strategies.")] = None,
-    strategies: Annotated[str, typer.Option(help="Comma-separated strategies to place from the trace (when no --placement).")] = "linear,eplb,data",
+    strategies: Annotated[str, typer.Option(help="Comma-separated strategies to place from the trace (when no --placement).")] = "linear,eplb,data,joint",
     gpus_per_node: GpusPerNode = 8,
     batches: Annotated[int, typer.Option(help="Global batches (decode steps) to replay.")] = 8,
     batch_requests: BatchRequests = 0,
@@ -60,7 +60,7 @@ def a2a_cmd(
 ) -> None:
     """Send the traced tokens' all-to-all through real torch.distributed collectives; compare bytes with the simulator.
 
-    Example: moetrace a2a traces/dsv3 --config DP2TP2EP4 --gpus-per-node 2 --strategies linear,eplb,data -o a2a-out
+    Example: moetrace a2a traces/dsv3 --config DP2TP2EP4 --gpus-per-node 2 --strategies linear,eplb,data,joint -o a2a-out
     (as root, the 2 nodes are emulated: --link 1Gbit,50us; 8 GPUs: torchrun --nproc-per-node 8 -m moetrace a2a ... --torchrun)
     """
     from moetrace.placement import a2a_run as ar
