@@ -196,6 +196,7 @@ class PlacedStrategy:
     grouping: Grouping | None = None  # clusters and their groups (grouped strategies)
     group_of_test_R: np.ndarray | None = None  # int64 [R] group of each request (test rows meaningful)
     router_match_rate: float | None = None  # share of test requests routed from prefill as their decode would route them
+    decode_group_of_test_R: np.ndarray | None = None  # int64 [R] price router only: the balanced assignment by decode
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (eplb policy, groups without routed requests)
 
 
@@ -225,7 +226,8 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
                 num_clusters=cfg.num_clusters or G, num_groups=G, seed=cfg.seed,
             )
         init_group_N = groups_of_clusters(grouping.labels_R, grouping.cluster_to_groups)
-        usage_GLE = _sum_rows(data.decode_RLE, train_R, init_group_N, G)
+        if spec.router == "centroid":  # the price-routed placer sums its own (per-request) usage
+            usage_GLE = _sum_rows(data.decode_RLE, train_R, init_group_N, G)
     inputs = PlacementInputs(
         num_layers=L, num_experts=E, num_slots=P,
         num_ranks=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node, router_groups=m.n_group or 1,
@@ -246,6 +248,7 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     return PlacedStrategy(
         strategy=strategy, placement=placement, grouping=grouping, extra=extra, group_of_test_R=group_R,
         router_match_rate=float((pred_R[test] == truth_R[test]).mean()),
+        decode_group_of_test_R=truth_R if spec.router == "price" else None,
     )
 
 
@@ -445,21 +448,18 @@ def bound_placements(
       decode, started from the perfect routing: the inter-node volume this trace's structure allows
       a placement of this kind (one node per request, ``J`` slots per node) to reach.
     """
-    from moetrace.placement.joint import balanced_assign, joint_placement, members_of_placement, node_scores
+    from moetrace.placement.joint import joint_placement
 
     G = cfg.deployment.num_groups
     joint = placed.get("joint") or make_placement(
         data, cfg, "joint", grouping=next((p.grouping for p in placed.values() if p.grouping is not None), None))
     test = np.flatnonzero(data.is_test_R)
-    member = members_of_placement(joint.placement, num_groups=G, num_experts=data.model.num_experts)
-    perfect_N, _ = balanced_assign(node_scores(data.decode_RLE, member, rows=test))
-    group_R = np.zeros(len(data.is_test_R), dtype=np.int64)
-    group_R[test] = perfect_N
-    out = {"perfect_routing": PlacedStrategy(strategy="perfect_routing", placement=joint.placement, group_of_test_R=group_R)}
+    perfect_R = joint.decode_group_of_test_R  # the router's reference: held-out requests assigned by their decode
+    out = {"perfect_routing": PlacedStrategy(strategy="perfect_routing", placement=joint.placement, group_of_test_R=perfect_R)}
     if on_placed is not None:
         on_placed()
     P = cfg.deployment.check_slots(num_experts=data.model.num_experts, num_redundant=cfg.num_redundant)
-    jo = joint_placement(data.decode_RLE, data.decode_RLE, init_group_R=perfect_N, num_groups=G, num_slots=P,
+    jo = joint_placement(data.decode_RLE, data.decode_RLE, init_group_R=perfect_R[test], num_groups=G, num_slots=P,
                          ranks_per_group=cfg.deployment.ranks_per_node, rows=test)
     group_R = np.zeros(len(data.is_test_R), dtype=np.int64)
     group_R[test] = jo.group_R

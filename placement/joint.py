@@ -183,20 +183,21 @@ def joint_placement(
     _check(np.zeros((G, 1, decode_RLE.shape[2])), num_slots, ranks_per_group)
     history: list[float] = []
     best = None
+    usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows)
     for _ in range(num_iters):
-        usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows)
         member = optimal_members(usage_GLE, num_slots=num_slots)
         routed, price = balanced_assign(node_scores(route_RLE, member, rows=rows), balance_slack=balance_slack)
-        # training objective: the decode share a request finds on the node the router sends it to
-        local = node_scores(decode_RLE, member, rows=rows)[np.arange(len(rows)), routed]
-        obj = float(local.mean())
+        routed_usage = group_usage(decode_RLE, routed, num_groups=G, rows=rows)
+        # training objective: the decode share a request finds on the node the router sends it to,
+        # averaged over requests (each request's shares sum to 1 over all layers and experts)
+        obj = float(sum((routed_usage[g] * member[:, g, :]).sum() for g in range(G)) / len(rows))
         history.append(obj)
         improved = best is None or obj > best[0] + tol
         if best is None or obj > best[0]:
-            best = (obj, member, group_usage(decode_RLE, routed, num_groups=G, rows=rows), price, routed)
+            best = (obj, member, routed_usage, price, routed)
         if not improved or np.array_equal(routed, group):
             break
-        group = routed
+        group, usage_GLE = routed, routed_usage
     obj, member, usage_GLE, price, group = best
     phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
     return JointPlacement(

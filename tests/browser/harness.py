@@ -219,31 +219,15 @@ def figure_sizes_across_viewports(
     dragging the window would: a ``resize`` event, no reload) and read every figure's rendered size
     after each step (``_SIZES_JS``: the div's and its plotly SVG's width and height, the width of the
     figure's container)."""
-    from playwright.sync_api import sync_playwright
-
-    exe = chromium_path()
-    if exe is None:
-        raise RuntimeError("chromium is not installed (apt-get install -y chromium)")
-    url = Path(path).resolve().as_uri()
-    out = []
-    with tempfile.TemporaryDirectory(prefix="moetrace-chromium-") as profile, sync_playwright() as p:
-        w0, h0 = viewports[0]
-        ctx = p.chromium.launch_persistent_context(
-            profile, executable_path=exe, headless=True, args=LAUNCH_ARGS, viewport={"width": w0, "height": h0}
-        )
-        try:
-            page = ctx.new_page()
-            page.goto(url, wait_until="load", timeout=timeout_s * 1000)
-            page.wait_for_function("() => document.body.dataset.rendered !== undefined", timeout=timeout_s * 1000)
+    (w0, h0), out = viewports[0], []
+    with open_report(path, width=w0, height=h0, timeout_s=timeout_s) as page:
+        out.append(page.evaluate(_SIZES_JS))
+        for w, h in viewports[1:]:
+            page.set_viewport_size({"width": w, "height": h})
+            page.wait_for_timeout(settle_ms)  # plotly's responsive resize runs after a debounce
             out.append(page.evaluate(_SIZES_JS))
-            for w, h in viewports[1:]:
-                page.set_viewport_size({"width": w, "height": h})
-                page.wait_for_timeout(settle_ms)  # plotly's responsive resize runs after a debounce
-                out.append(page.evaluate(_SIZES_JS))
-            page.wait_for_timeout(600)  # the last resize settles
-            out[-1] = page.evaluate(_SIZES_JS)
-        finally:
-            ctx.close()
+        page.wait_for_timeout(600)  # the last resize settles
+        out[-1] = page.evaluate(_SIZES_JS)
     return out
 
 
