@@ -339,6 +339,63 @@ def test_cli_synth_writes_a_valid_trace_and_reports_errors(tmp_path):
 # ---------------------------------------------------------------- calibration presets
 
 
+def group_limited_inclusion(p: np.ndarray, K: int, *, size: int, limit: int) -> np.ndarray:
+    """P(expert e chosen) when a full Plackett-Luce order of all experts is scanned and an expert is
+    kept if its group (``e // size``) is among the first ``limit`` groups met, until K are kept."""
+    incl = np.zeros(p.size)
+    for seq in itertools.permutations(range(p.size)):
+        prob, left = 1.0, 1.0
+        for e in seq:
+            prob *= p[e] / left
+            left -= p[e]
+        groups: list[int] = []
+        kept = []
+        for e in seq:
+            g = e // size
+            if g not in groups and len(groups) < limit:
+                groups.append(g)
+            if g in groups:
+                kept.append(e)
+            if len(kept) == K:
+                break
+        incl[kept] += prob
+    return incl
+
+
+@pytest.mark.parametrize("zipf", [1.0, 4.0])
+def test_group_limited_topk_law(zipf):
+    # DeepSeek-V3-style router: 6 experts in 3 groups of 2, a token may use 2 groups, top-3;
+    # zipf 4 leaves little mass outside the head, so many rows go through the exact finish
+    model = dataclasses.replace(small_model(L=1, E=6, K=3), n_group=3, topk_group=2)
+    plan = SynthPlan(
+        datasets=("a",), num_requests=64, seed=2,
+        knobs=SynthKnobs(zipf_exponent=zipf, layer_skew_spread=0.0, request_spread=0.0, layer_affinity=0.0,
+                         lengths={"a": {"prompt_median": 1200, "prompt_sigma": 0.0, "output_median": 2, "output_sigma": 0.0}}),
+    )
+    truth = plant_truth(model, plan)
+    ch = generate_chunk(_make_sampler(model, plan, truth), 0)
+    prefill = ch.topk_ids_TX[np.concatenate([np.arange(s, s + 1200) for s in range(0, ch.topk_ids_TX.shape[0], 1202)])]
+    assert all(len(set(row)) == 3 and len({e // 2 for e in row}) <= 2 for row in prefill.tolist())
+    freq = np.bincount(prefill.reshape(-1), minlength=6) / prefill.shape[0]
+    expected = group_limited_inclusion(truth.prefill_DLE[0, 0], 3, size=2, limit=2)
+    n = prefill.shape[0]
+    assert np.all(np.abs(freq - expected) < 5 * np.sqrt(expected * (1 - expected) / n) + 1e-3)
+
+
+def test_deepseek_v3_tokens_stay_within_topk_group_groups():
+    full = model_info_for("deepseek-v3")
+    model = dataclasses.replace(full, moe_layers=full.moe_layers[:3])
+    ids = np.concatenate([c.topk_ids_TX for c in chunks_of(model, plan_for(num_requests=40))]).reshape(-1, 3, 8)
+    ids = ids[ids[:, 0, 0] >= 0]
+    groups_used = np.array([[len({e // 32 for e in t}) for t in tok] for tok in ids.tolist()])
+    assert groups_used.max() == 4 and (np.sort(ids, axis=2)[:, :, 1:] != np.sort(ids, axis=2)[:, :, :-1]).all()
+    # without the limit 8 experts of 256 fall in 5 or more of 8 groups most of the time
+    free = dataclasses.replace(model, n_group=None, topk_group=None)
+    ids_free = np.concatenate([c.topk_ids_TX for c in chunks_of(free, plan_for(num_requests=40))]).reshape(-1, 3, 8)
+    ids_free = ids_free[ids_free[:, 0, 0] >= 0]
+    assert max(len({e // 32 for e in t}) for tok in ids_free.tolist() for t in tok) > 4
+
+
 def _imb(dataset: str, key: str) -> Callable[[dict], float]:
     return lambda r: r["imbalance"][dataset][key]
 

@@ -19,6 +19,12 @@ The generative model, per MoE layer ``l`` (all randomness derived from one seed)
    in draw order. This is exactly the Plackett-Luce law that Gumbel-top-k on the log-mixture samples,
    at ``O(K)`` draws instead of ``O(E)``; rows that stay short after a few rounds finish with an exact
    Gumbel-top-k over the dense mixture with the chosen experts removed.
+   *Group-limited routers* (the model's ``n_group``/``topk_group``, DeepSeek-V3: 8/4): experts are in
+   ``n_group`` groups of consecutive ids and a candidate is kept only if its group is among the first
+   ``topk_group`` groups the token's kept candidates opened, so every token uses at most
+   ``topk_group`` groups. This is the same Plackett-Luce order scanned under the limit: the groups a
+   token uses are those of its highest-ranked experts (DeepSeek-V3 ranks groups by their two best
+   scores; here by the best one).
 4. *Lengths.* Prompt and output lengths are log-normal per dataset, clipped. The final generated token
    of a request carries ``-1`` ids, like a collected trace (it is never forwarded through the model).
 
@@ -33,8 +39,7 @@ processes. Chunks are written in request-id order through :class:`~moetrace.trac
 Shape legend: R requests, T tokens, L MoE layers, K top-k, E experts, D datasets, S stages (prefill,
 decode), N alias tables (= D*S*L), X = L*K (legend: docs/architecture.md).
 
-Out of scope: group-limited routing (DeepSeek-V3's ``n_group``/``topk_group`` constraint is not
-imposed), routing weights, token text; measuring the statistics (``synth_stats``).
+Out of scope: routing weights, token text; measuring the statistics (``synth_stats``).
 """
 
 from __future__ import annotations
@@ -213,6 +218,9 @@ class SynthPlan:
             "num_chunk_requests": self.num_chunk_requests,
             "dataset_assignment": "round_robin",
             "structure": self.structure,
+            # experts per token limited to the first topk_group of n_group groups (None: no limit)
+            "group_limit": ({"n_group": model.n_group, "topk_group": model.topk_group}
+                            if model.n_group and model.topk_group < model.n_group else None),
             "num_request_experts": _num_fav(k, model),
             "knobs": k.to_dict(),
             "lengths": {d: dataclasses.asdict(k.length_of(d)) for d in self.datasets},
@@ -507,8 +515,35 @@ def _draw(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | N
     return out
 
 
-def _accept(ch_KT: np.ndarray, nn_T: np.ndarray, candidates: np.ndarray, K: int, *, filled: int) -> None:
-    """Append each token's candidates (``[draws, T]``), in order, that are not yet chosen, until it holds K.
+@dataclass
+class _GroupLimit:
+    """A group-limited router's state for the tokens being sampled (DeepSeek-V3's ``n_group``/``topk_group``)."""
+
+    size: int  # experts per router group (num_experts / n_group); expert e is in group e // size
+    limit: int  # groups one token may use (topk_group)
+    mask_T: np.ndarray  # uint64 bit g set: the token already chose an expert of group g
+    num_T: np.ndarray  # int8 groups the token uses so far
+
+    def take(self, rows: np.ndarray) -> "_GroupLimit":
+        return _GroupLimit(self.size, self.limit, self.mask_T[rows], self.num_T[rows])
+
+    def put(self, rows: np.ndarray, sub: "_GroupLimit") -> None:
+        self.mask_T[rows], self.num_T[rows] = sub.mask_T, sub.num_T
+
+    def admit(self, c: np.ndarray, new: np.ndarray) -> None:
+        """Clear ``new`` where candidate ``c`` would open a group past the limit; record the groups of
+        the candidates that stay new."""
+        bit = np.left_shift(np.uint64(1), (c // self.size).astype(np.uint64))
+        seen = (self.mask_T & bit) != 0
+        new &= seen | (self.num_T < self.limit)
+        self.num_T += new & ~seen
+        self.mask_T |= np.where(new, bit, np.uint64(0))
+
+
+def _accept(ch_KT: np.ndarray, nn_T: np.ndarray, candidates: np.ndarray, K: int, *, filled: int,
+            groups: _GroupLimit | None = None) -> None:
+    """Append each token's candidates (``[draws, T]``), in order, that are not yet chosen (and, under a
+    group limit, whose group is among the token's first ``limit`` groups), until it holds K.
 
     ``ch_KT`` the chosen experts (-1 = empty slot), ``nn_T`` how many each token holds; ``filled``:
     an upper bound of ``nn_T`` on entry (slots at or above it are known to be empty).
@@ -518,34 +553,55 @@ def _accept(ch_KT: np.ndarray, nn_T: np.ndarray, candidates: np.ndarray, K: int,
         upto = min(filled, K)
         for slot in range(upto):
             new &= ch_KT[slot] != c
+        if groups is not None:
+            groups.admit(c, new)
         for slot in range(min(upto + 1, K)):
             np.copyto(ch_KT[slot], c, where=new & (nn_T == slot))
         nn_T += new
         filled += 1
 
 
+def _group_limit(model: ModelInfo, T: int) -> _GroupLimit | None:
+    """The group limit of ``model``'s router for T tokens, or None when it routes without one."""
+    if not model.n_group or model.topk_group >= model.n_group:
+        return None
+    size = model.num_experts // model.n_group
+    if model.n_group > 64 or model.topk_group * size < model.top_k:
+        raise ConfigError(f"model {model.name!r}: n_group={model.n_group}, topk_group={model.topk_group} cannot hold "
+                          f"top_k={model.top_k} experts (or more than 64 groups); fix the model's router fields")
+    return _GroupLimit(size, model.topk_group, np.zeros(T, np.uint64), np.zeros(T, np.int8))
+
+
 def _sample_topk(rng: np.random.Generator, s: _Sampler, mix: _Mix, ch: np.ndarray, *, K: int, E: int) -> None:
-    """Fill ``ch`` ``[K, T]`` int16 with K distinct experts per token, sampled without replacement."""
+    """Fill ``ch`` ``[K, T]`` int16 with K distinct experts per token, sampled without replacement
+    (within the token's first ``topk_group`` groups when the model's router is group-limited)."""
     T = ch.shape[1]
     ch.fill(-1)
     nn = np.ones(T, np.int8)
+    groups = _group_limit(s.model, T)
     cand = _draw(rng, s, mix, None, K + 2 if K > 1 else 1, K)
     ch[0] = cand[0]
-    _accept(ch, nn, cand[1:], K, filled=1)
+    if groups is not None:
+        groups.admit(cand[0], np.ones(T, dtype=bool))
+    _accept(ch, nn, cand[1:], K, filled=1, groups=groups)
     rows = np.flatnonzero(nn < K)
     for _round in range(3):
         if rows.size == 0:
             return
         sub_ch, sub_nn = ch[:, rows], nn[rows]
-        _accept(sub_ch, sub_nn, _draw(rng, s, mix, rows, 2 * K, K), K, filled=K)
+        sub_g = groups.take(rows) if groups is not None else None
+        _accept(sub_ch, sub_nn, _draw(rng, s, mix, rows, 2 * K, K), K, filled=K, groups=sub_g)
         ch[:, rows], nn[rows] = sub_ch, sub_nn
+        if groups is not None:
+            groups.put(rows, sub_g)
         rows = rows[sub_nn < K]
     if rows.size:
-        _finish_exact(rng, s, mix, rows, ch, nn, K, E)
+        _finish_exact(rng, s, mix, rows, ch, nn, K, E, groups=groups.take(rows) if groups is not None else None)
 
 
-def _finish_exact(rng, s: _Sampler, mix: _Mix, rows, ch, nn, K: int, E: int) -> None:
-    """Complete the remaining slots of ``rows`` by Gumbel-top-k over the dense mixture minus chosen experts."""
+def _finish_exact(rng, s: _Sampler, mix: _Mix, rows, ch, nn, K: int, E: int, *, groups: _GroupLimit | None = None) -> None:
+    """Complete the remaining slots of ``rows`` by Gumbel-top-k over the dense mixture minus chosen
+    experts (``groups``: the rows' group-limit state; experts of groups past the limit are skipped)."""
     n = rows.size
     w_aff, w_fav, w_tab = mix.w
     q = w_tab * s.p_NE[mix.tab_T[rows] >> s.bits]
@@ -564,10 +620,13 @@ def _finish_exact(rng, s: _Sampler, mix: _Mix, rows, ch, nn, K: int, E: int) -> 
         key = np.log(q) - np.log(-np.log(rng.random((n, E))))
     order = np.argsort(-key, axis=1, kind="stable")
     sub_nn = nn[rows].astype(np.int64)
-    for j in range(K):
+    for j in range(K if groups is None else E):  # chosen experts (key -inf) sort last
         need = sub_nn < K
         if not need.any():
             break
+        if groups is not None:  # skip experts of groups past the limit (and chosen ones)
+            need &= np.isfinite(key[ar, order[:, j]])
+            groups.admit(order[:, j], need)
         sub[sub_nn[need], ar[need]] = order[need, j]
         sub_nn += need
     ch[:, rows] = sub
