@@ -416,55 +416,83 @@ def run_compare(
     data = with_held_out_tokens(data)  # after placing: the tokens and the clustering never share memory
     if bounds and "prefill" not in data.stages:  # the bounds start from the joint placement, which needs prefill
         bounds, steps = [], steps - 2 * len(bounds)
-    if bounds:
-        placed.update(bound_placements(data, cfg, placed, on_placed=step))
-    metrics = {}
-    for s in [*todo, *bounds]:
-        rows, batch, src, empty = _batches(data, cfg, placed[s].group_of_test_R)
-        placed[s].extra["groups_without_routed_requests"] = empty
-        metrics[s] = simulate_volume(
-            data.test_topk_ids_TLK[rows], placement=placed[s].placement, batch_T=batch, src_rank_T=src,
+    candidates = bound_placements(data, cfg, placed, on_placed=step) if bounds else {}
+
+    def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
+        rows, batch, src, empty = _batches(data, cfg, ps.group_of_test_R)
+        ps.extra["groups_without_routed_requests"] = empty
+        return simulate_volume(
+            data.test_topk_ids_TLK[rows], placement=ps.placement, batch_T=batch, src_rank_T=src,
             num_batches=cfg.num_batches, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node,
             bytes_per_token=m.hidden_size * cfg.bytes_per_value, dedup=cfg.dedup, policy=cfg.replica_policy,
         )
+
+    metrics = {}
+    for s in todo:
+        metrics[s] = simulate(placed[s])
+        step()
+    for s in bounds:  # a bound is the best of its candidates (one per kind of placement) on the held-out batches
+        sims = [(simulate(c), c) for c in candidates[s]]
+        metrics[s], placed[s] = min(sims, key=lambda mc: float(np.median(_inter_B(mc[0]))))
         step()
     conf = {k: v for k, v in asdict(cfg).items() if k != "deployment"}
     conf.update(deployment=dep.name, gpus_per_node=dep.num_gpus_per_node, batch_requests=cfg.batch_requests,
                 num_ep=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node,
                 strategies=strategies, bounds=bounds, trace=data.trace_path,
-                num_train_requests=int((~data.is_test_R).sum()), num_test_requests=int(data.is_test_R.sum()))
+                num_train_requests=int((~data.is_test_R).sum()), num_test_requests=int(data.is_test_R.sum()),
+                bound_kinds={b: placed[b].extra.get("kind") for b in bounds})
     return CompareResult(config=conf, metrics=metrics, placed=placed, model=m, reference=reference, bounds=tuple(bounds))
+
+
+def _inter_B(metrics: dict[str, np.ndarray]) -> np.ndarray:
+    """Inter-node bytes (dispatch + combine, all layers) of every batch, float64 [B]."""
+    return (metrics["dispatch_inter_bytes"] + metrics["combine_inter_bytes"]).sum(1)
 
 
 def bound_placements(
     data: TraceData, cfg: CompareConfig, placed: dict[str, PlacedStrategy], *, on_placed: Callable[[], None] | None = None
-) -> dict[str, PlacedStrategy]:
-    """The upper bounds of ``strategies.BOUNDS``, each a ``PlacedStrategy`` that looks at the held-out
-    requests' decode (so never deployable):
+) -> dict[str, list[PlacedStrategy]]:
+    """The candidates of each upper bound of ``strategies.BOUNDS``, one per kind of joint placement
+    (free membership; and, for a group-limited router whose groups fill whole nodes, groups kept
+    whole: ``joint_aligned``); ``run_compare`` keeps the candidate with the least held-out volume.
+    Each looks at the held-out requests' decode, so none is deployable:
 
     - ``perfect_routing``: the joint placement (reused from ``placed`` or built), held-out requests
       assigned to nodes by their own decode activations (balanced, exact LP);
     - ``oracle``: the joint placer fitted on the held-out requests themselves and routed by their
       decode, started from the perfect routing: the inter-node volume this trace's structure allows
-      a placement of this kind (one node per request, ``J`` slots per node) to reach.
-    """
-    from moetrace.placement.joint import joint_placement
+      a placement of these kinds (one node per request, ``J`` slots per node) to reach.
 
-    G = cfg.deployment.num_groups
-    joint = placed.get("joint") or make_placement(
-        data, cfg, "joint", grouping=next((p.grouping for p in placed.values() if p.grouping is not None), None))
+    ``extra["kind"]`` of a candidate names the strategy it derives from.
+    """
+    from moetrace.placement.joint import aligned_router_groups, joint_placement
+
+    G, m = cfg.deployment.num_groups, data.model
+    kinds: list[tuple[str, int | None]] = [("joint", None)]
+    if (rg := aligned_router_groups(m, num_nodes=cfg.deployment.num_nodes)) is not None:
+        kinds.append(("joint_aligned", rg))
+    grouping = next((p.grouping for p in placed.values() if p.grouping is not None), None)
+    base = {}
+    for name, _ in kinds:
+        base[name] = placed.get(name) or make_placement(data, cfg, name, grouping=grouping)
+        grouping = grouping or base[name].grouping
     test = np.flatnonzero(data.is_test_R)
-    perfect_R = joint.decode_group_of_test_R  # the router's reference: held-out requests assigned by their decode
-    out = {"perfect_routing": PlacedStrategy(strategy="perfect_routing", placement=joint.placement, group_of_test_R=perfect_R)}
+    out: dict[str, list[PlacedStrategy]] = {"perfect_routing": [
+        PlacedStrategy(strategy="perfect_routing", placement=base[name].placement,
+                       group_of_test_R=base[name].decode_group_of_test_R, extra={"kind": name})  # assigned by decode
+        for name, _ in kinds]}
     if on_placed is not None:
         on_placed()
-    P = cfg.deployment.check_slots(num_experts=data.model.num_experts, num_redundant=cfg.num_redundant)
-    jo = joint_placement(data.decode_RLE, data.decode_RLE, init_group_R=perfect_R[test], num_groups=G, num_slots=P,
-                         ranks_per_group=cfg.deployment.ranks_per_node, rows=test)
-    group_R = np.zeros(len(data.is_test_R), dtype=np.int64)
-    group_R[test] = jo.group_R
-    out["oracle"] = PlacedStrategy(strategy="oracle", placement=jo.placement, group_of_test_R=group_R,
-                                   extra={"joint_iterations": jo.num_iters})
+    P = cfg.deployment.check_slots(num_experts=m.num_experts, num_redundant=cfg.num_redundant)
+    out["oracle"] = []
+    for name, rg in kinds:
+        perfect_R = base[name].decode_group_of_test_R
+        jo = joint_placement(data.decode_RLE, data.decode_RLE, init_group_R=perfect_R[test], num_groups=G, num_slots=P,
+                             ranks_per_group=cfg.deployment.ranks_per_node, rows=test, router_groups=rg)
+        group_R = np.zeros(len(data.is_test_R), dtype=np.int64)
+        group_R[test] = jo.group_R
+        out["oracle"].append(PlacedStrategy(strategy="oracle", placement=jo.placement, group_of_test_R=group_R,
+                                            extra={"joint_iterations": jo.num_iters, "kind": name}))
     if on_placed is not None:
         on_placed()
     return out

@@ -46,7 +46,7 @@ from moetrace.placement.data_placement import _check, expected_slot_load, spread
 from moetrace.placement.improved import optimal_members
 from moetrace.placement.maps import Placement, placement_from_phy2log
 
-__all__ = ["JointPlacement", "joint_placement", "node_scores", "balanced_assign", "route_requests", "group_usage",
+__all__ = ["JointPlacement", "joint_placement", "aligned_members", "aligned_router_groups", "node_scores", "balanced_assign", "route_requests", "group_usage",
            "members_of_placement"]
 
 #: rows converted to float at a time (bounds memory on [R, L, E] count arrays)
@@ -151,6 +151,41 @@ def members_of_placement(placement: Placement, *, num_groups: int, num_experts: 
     return member
 
 
+def aligned_router_groups(model, *, num_nodes: int) -> int | None:
+    """``model.n_group`` when its router is group-limited (``topk_group < n_group``) and its groups can
+    fill whole nodes (``n_group`` a multiple of ``num_nodes``); else None. ``model``: a ModelInfo."""
+    n, k = model.n_group, model.topk_group
+    return n if n and k and k < n and n % num_nodes == 0 and model.num_experts % n == 0 else None
+
+
+def aligned_members(usage_GLE: np.ndarray, *, num_slots: int, router_groups: int) -> np.ndarray:
+    """Membership keeping a group-limited router's expert groups whole: bool [L, G, E].
+
+    The router's ``router_groups`` groups (consecutive ids, E / router_groups experts each) go to the
+    nodes ``router_groups / G`` per node, each group to exactly one node, maximising the group usage
+    found on its node (the same exact LP as ``optimal_members``, over groups instead of experts). A
+    token then meets at most ``topk_group`` nodes, as under the router's own node limit. Redundant
+    slots (J > E / G) take the node's most-used experts it does not hold yet.
+    """
+    u = np.asarray(usage_GLE, dtype=np.float64)
+    G, L, E = u.shape
+    J = num_slots // G
+    if router_groups < 2 or E % router_groups or router_groups % G:
+        raise ConfigError(
+            f"keeping the router's expert groups whole needs a group-limited router whose groups fill whole nodes: "
+            f"{router_groups} group(s) of {E} experts over {G} nodes (n_group must be a multiple of the node count); "
+            "use the strategy `joint` instead")
+    size = E // router_groups
+    group_member = optimal_members(u.reshape(G, L, router_groups, size).sum(3), num_slots=router_groups)  # [L, G, H]
+    member = np.repeat(group_member, size, axis=2)  # [L, G, E]
+    extra = J - E // G
+    if extra > 0:
+        gain = np.where(member, -np.inf, np.transpose(u, (1, 0, 2)))  # [L, G, E]: usage of the experts a node lacks
+        top = np.argsort(-gain, axis=2, kind="stable")[:, :, :extra]
+        np.put_along_axis(member, top, True, axis=2)
+    return member
+
+
 def joint_placement(
     decode_RLE: np.ndarray,
     route_RLE: np.ndarray,
@@ -163,6 +198,7 @@ def joint_placement(
     num_iters: int = 8,
     balance_slack: float = 0.05,
     tol: float = 1e-4,
+    router_groups: int | None = None,
 ) -> JointPlacement:
     """Alternate exact membership and balanced routing from ``init_group_R``; the best iterate.
 
@@ -171,7 +207,8 @@ def joint_placement(
     numeric dtype. ``rows``: the requests to use (default all); ``init_group_R``: int [len(rows)]
     their starting nodes in 0..``num_groups``-1. Stops after ``num_iters`` iterations, when the
     routing no longer changes, or when the objective (mean local decode share, in [0, 1]) gained
-    less than ``tol``.
+    less than ``tol``. ``router_groups``: keep a group-limited router's expert groups whole on nodes
+    (``aligned_members``) instead of choosing every expert's node freely (None).
     """
     rows = np.arange(decode_RLE.shape[0]) if rows is None else np.asarray(rows)
     group = np.asarray(init_group_R, dtype=np.int64)
@@ -185,7 +222,8 @@ def joint_placement(
     best = None
     usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows)
     for _ in range(num_iters):
-        member = optimal_members(usage_GLE, num_slots=num_slots)
+        member = (optimal_members(usage_GLE, num_slots=num_slots) if router_groups is None
+                  else aligned_members(usage_GLE, num_slots=num_slots, router_groups=router_groups))
         routed, price = balanced_assign(node_scores(route_RLE, member, rows=rows), balance_slack=balance_slack)
         routed_usage = group_usage(decode_RLE, routed, num_groups=G, rows=rows)
         # training objective: the decode share a request finds on the node the router sends it to,

@@ -30,7 +30,9 @@ def format_compare_summary(result: CompareResult) -> str:
     rows = result.summary_rows()
     for i, r in enumerate(rows):
         if r["is_bound"] and (i == 0 or not rows[i - 1]["is_bound"]):
-            lines.append("upper bounds (they see the held-out requests' decode; not deployable):")
+            kinds = sorted({k for k in c.get("bound_kinds", {}).values() if k})
+            lines.append("upper bounds (they see the held-out requests' decode; not deployable"
+                         + (f"; from {', '.join(kinds)}" if kinds and kinds != ["joint"] else "") + "):")
         router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
         captured = f"{round(r['oracle_captured'], 2) or 0.0:.0%}" if r["oracle_captured"] is not None else "-"  # no "-0%"
         lines.append(f"{r['strategy']:<16} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
@@ -39,13 +41,26 @@ def format_compare_summary(result: CompareResult) -> str:
     return "\n".join(lines)
 
 
+#: strategies that keep a group-limited router's expert groups whole on nodes (EPLB: its hierarchical policy)
+GROUP_KEEPING = ("linear", "eplb", "joint_aligned")
+
+
 def compare_notes(result: CompareResult) -> list[str]:
-    """``note: ...`` lines about groups that no held-out request was routed to (empty when none)."""
-    return [
+    """``note: ...`` lines: groups that no held-out request was routed to; strategies that split a
+    group-limited router's expert groups over nodes when copies are counted per node (empty when none)."""
+    notes = [
         f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
         "to them; their micro-batches drew from all test requests (more requests or fewer clusters avoid this)"
         for r in result.summary_rows() if r["groups_without_routed_requests"]
     ]
+    m, c = result.model, result.config
+    splitters = [s for s in c["strategies"] if s not in GROUP_KEEPING]
+    if m.n_group and m.topk_group and m.topk_group < m.n_group and c["dedup"] == "node" and splitters:
+        notes.append(
+            f"note: {m.name}'s router sends each token to at most {m.topk_group} of its {m.n_group} expert groups; "
+            f"placements that keep each group on one node (EPLB's hierarchical policy, joint_aligned) bound the nodes a "
+            f"token reaches, {', '.join(splitters)} place experts one by one and lose that bound (docs/placement.md)")
+    return notes
 
 
 def format_placement_summary(ps: PlacedStrategy, *, deployment: str) -> str:

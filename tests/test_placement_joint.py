@@ -211,3 +211,97 @@ def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed):
     again = joint_placement(decode, prefill, **kw)
     np.testing.assert_array_equal(again.placement.phy2log, p.phy2log)
     np.testing.assert_array_equal(again.price_G, jp.price_G)
+
+
+# ---------------------------------------------------------------- router groups kept whole (joint_aligned)
+
+#: a DeepSeek-V3-like router at test size: 16 experts in 4 groups of 4, a token may use 2 groups
+GL_MODEL = ModelInfo(name="grouped-router", source="test", architecture="Test", num_hidden_layers=L,
+                     moe_layers=tuple(range(L)), num_experts=E, top_k=K, num_shared_experts=0, hidden_size=8,
+                     n_group=4, topk_group=2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from([(2, 4), (2, 2), (4, 4), (4, 8)]), st.integers(0, 2), st.integers(0, 2**16))
+def test_aligned_members_keep_router_groups_whole(nodes_groups, extra, seed):
+    from moetrace.placement.joint import aligned_members
+
+    nodes, H = nodes_groups
+    E_ = 16
+    size = E_ // H
+    J = E_ // nodes + extra
+    u = np.random.default_rng(seed).gamma(0.5, 2.0, (nodes, 3, E_))
+    member = aligned_members(u, num_slots=J * nodes, router_groups=H)
+    assert (member.sum(-1) == J).all() and member.any(1).all()  # J distinct experts per node, every expert placed
+    whole = member.reshape(3, nodes, H, size).all(-1)  # [L, G, H]: node holds the whole group
+    # every router group whole on a node, H / nodes groups per node (redundant slots may complete more)
+    assert (whole.sum(1) >= 1).all() and (whole.sum(2) >= H // nodes).all()
+    if extra == 0:
+        assert (whole.sum(1) == 1).all() and (whole.sum(2) == H // nodes).all()
+    again = aligned_members(u, num_slots=J * nodes, router_groups=H)
+    np.testing.assert_array_equal(again, member)
+
+
+def test_aligned_members_need_groups_that_fill_nodes():
+    from moetrace.errors import ConfigError
+    from moetrace.placement.joint import aligned_members
+
+    with pytest.raises(ConfigError, match="use the strategy `joint`"):
+        aligned_members(np.ones((4, 1, 16)), num_slots=16, router_groups=1)
+    with pytest.raises(ConfigError, match="multiple of the node count"):
+        aligned_members(np.ones((4, 1, 16)), num_slots=16, router_groups=2)
+
+
+def _grouped_router_trace(path, *, num_requests: int, seed: int = 0):
+    """Dataset d draws each token's K experts from router groups d and d+1 (mod 4), two groups as the
+    router allows; all four groups are used equally, so free placement has no locality to gain."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for r in range(num_requests):
+        d = r % 4
+        pool = np.concatenate([np.arange(4 * d, 4 * d + 4), np.arange(4 * ((d + 1) % 4), 4 * ((d + 1) % 4) + 4)])
+        ids = np.stack([np.stack([rng.choice(pool, K, replace=False) for _ in range(L)]) for _ in range(16)]).astype(np.int16)
+        ids[-1] = -1
+        rows.append(ids.reshape(16, L * K))
+    with TraceWriter(path, model=GL_MODEL, backend={"name": "synthetic"}, collection={"planted": "router groups"}) as w:
+        w.add_requests(request_id_R=np.arange(num_requests), dataset_R=[f"d{r % 4}" for r in range(num_requests)],
+                       prompt_tokens_R=np.full(num_requests, 6), output_tokens_R=np.full(num_requests, 10),
+                       topk_ids_TX=np.concatenate(rows))
+    return path
+
+
+def test_joint_aligned_keeps_the_node_limit_and_wins_when_copies_go_per_node(tmp_path):
+    from moetrace.placement.report import compare_notes
+
+    trace = _grouped_router_trace(tmp_path / "gl", num_requests=160)
+    data = load_trace_data(trace, test_fraction=0.25, seed=0)
+    cfg = CompareConfig(deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), num_batches=60,
+                        num_batch_requests=16, strategies=("linear", "data", "joint", "joint_aligned"), dedup="node")
+    res = run_compare(data, cfg)
+    rows = {r["strategy"]: r for r in res.summary_rows()}
+    aligned = res.placed["joint_aligned"]
+    # every token's experts sit on at most topk_group = 2 nodes (each expert's group is on one node)
+    node_of_LE = np.zeros((L, E), np.int64)
+    for l in range(L):
+        node_of_LE[l, aligned.placement.phy2log[l]] = np.arange(E) // (E // G)
+    ids = data.test_topk_ids_TLK.astype(np.int64)
+    for l in range(L):
+        assert max(len(set(t)) for t in node_of_LE[l][ids[:, l]].tolist()) <= 2
+    # each request goes to the node holding one of its two groups: one copy per token leaves the node
+    v = {s: r["inter_node_normalized_median"] for s, r in rows.items()}
+    assert v["joint_aligned"] < 0.75 and v["joint_aligned"] < v["joint"] - 0.05 and v["joint_aligned"] < v["data"] - 0.05
+    assert res.config["bound_kinds"]["oracle"] == "joint_aligned" and v["oracle"] <= v["joint_aligned"] + 1e-9
+    notes = compare_notes(res)
+    assert any("at most 2 of its 4 expert groups" in n and "data, joint place experts one by one" in n for n in notes)
+    assert "from joint_aligned" in format_compare_summary(res)
+
+
+def test_joint_aligned_refuses_a_router_without_groups(tmp_path):
+    from typer.testing import CliRunner
+
+    from moetrace.cli import app
+
+    trace = _block_trace(tmp_path / "blocks", num_requests=40, noise=0.1)
+    r = CliRunner().invoke(app, ["place", str(trace), "--config", "DP4TP2EP8", "--gpus-per-node", "2", "--strategy",
+                                 "joint_aligned", "-o", str(tmp_path / "p.json")])
+    assert r.exit_code != 0 and "use the strategy `joint`" in r.output and "Traceback" not in r.output
