@@ -15,12 +15,14 @@ Run: .venv/bin/python benchmarks/bench_placement_table.py [--root /tmp/pltab] [-
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from pathlib import Path
 
 from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.strategies import LABELS
+from moetrace.tracer.presets import model_info_for
 
 DATASETS = ("gsm8k", "math", "mbpp", "humaneval", "lmsys-chat", "xsum", "tldr")
 #: name -> (model preset, requests, deployment, GPUs per node)
@@ -33,7 +35,6 @@ STRATEGIES = ("linear", "eplb", "data", "joint")
 
 
 def trace_for(root: Path, case: str, structure: str) -> Path:
-    from moetrace.tracer.presets import model_info_for
     from moetrace.tracer.synth import SynthPlan, default_calibration, load_calibration, synthesize
 
     model, n, _, _ = CASES[case]
@@ -53,10 +54,13 @@ def main() -> None:
     args = ap.parse_args()
     for case in args.cases.split(","):
         model, n, config, gpn = CASES[case]
-        for structure in ("planted", "none"):
+        grouped_router = model_info_for(model).n_group is not None
+        strategies = (*STRATEGIES, "joint_aligned") if grouped_router else STRATEGIES
+        # a group-limited router (DeepSeek-V3) also under per-node copies, where keeping its groups whole pays
+        for structure, dedup in itertools.product(("planted", "none"), ("rank", "node") if grouped_router else ("rank",)):
             trace = trace_for(args.root, case, structure)
-            cfg = CompareConfig(deployment=parse_deployment(config, num_gpus_per_node=gpn), strategies=STRATEGIES,
-                                num_batches=args.batches)
+            cfg = CompareConfig(deployment=parse_deployment(config, num_gpus_per_node=gpn), strategies=strategies,
+                                num_batches=args.batches, dedup=dedup)
             t0 = time.perf_counter()
             data = load_trace_data(trace, test_fraction=cfg.test_fraction, seed=cfg.seed)
             t1 = time.perf_counter()
@@ -64,7 +68,7 @@ def main() -> None:
             t2 = time.perf_counter()
             rows = res.summary_rows()
             lin_load = next(r for r in rows if r["strategy"] == "linear")["tokens_per_rank_max_mean"]
-            print(f"\n### {model}, {config} ({gpn} GPUs/node), structure {structure}: {n} requests "
+            print(f"\n### {model}, {config} ({gpn} GPUs/node), structure {structure}, dedup {dedup}: {n} requests "
                   f"({cfg.test_fraction:.0%} held out), {args.batches} batches of {cfg.batch_requests}; "
                   f"count {t1 - t0:.1f} s, compare {t2 - t1:.1f} s")
             print("| strategy | inter-node volume / linear (median [p10, p90]) | busiest GPU's tokens / linear | of oracle |")
