@@ -41,7 +41,8 @@ def format_compare_summary(result: CompareResult) -> str:
     return "\n".join(lines)
 
 
-#: strategies that keep a group-limited router's expert groups whole on nodes (EPLB: its hierarchical policy)
+#: strategies that keep a group-limited router's expert groups whole on nodes (EPLB: its hierarchical policy;
+#: linear only without redundant slots)
 GROUP_KEEPING = ("linear", "eplb", "joint_aligned")
 
 
@@ -54,7 +55,8 @@ def compare_notes(result: CompareResult) -> list[str]:
         for r in result.summary_rows() if r["groups_without_routed_requests"]
     ]
     m, c = result.model, result.config
-    splitters = [s for s in c["strategies"] if s not in GROUP_KEEPING]
+    keeping = GROUP_KEEPING if not c.get("num_redundant") else tuple(k for k in GROUP_KEEPING if k != "linear")  # p mod E wraps
+    splitters = [s for s in c["strategies"] if s not in keeping]
     if m.n_group and m.topk_group and m.topk_group < m.n_group and c["dedup"] == "node" and splitters:
         notes.append(
             f"note: {m.name}'s router sends each token to at most {m.topk_group} of its {m.n_group} expert groups; "

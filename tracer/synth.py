@@ -521,7 +521,7 @@ class _GroupLimit:
 
     size: int  # experts per router group (num_experts / n_group); expert e is in group e // size
     limit: int  # groups one token may use (topk_group)
-    mask_T: np.ndarray  # uint64 bit g set: the token already chose an expert of group g
+    mask_T: np.ndarray  # uint8/16/64 (by n_group), bit g set: the token already chose an expert of group g
     num_T: np.ndarray  # int8 groups the token uses so far
 
     def take(self, rows: np.ndarray) -> "_GroupLimit":
@@ -530,14 +530,19 @@ class _GroupLimit:
     def put(self, rows: np.ndarray, sub: "_GroupLimit") -> None:
         self.mask_T[rows], self.num_T[rows] = sub.mask_T, sub.num_T
 
-    def admit(self, c: np.ndarray, new: np.ndarray) -> None:
+    def bits(self, c: np.ndarray) -> np.ndarray:
+        """The group bit of every candidate in ``c`` (any shape), in ``mask_T``'s dtype."""
+        one = self.mask_T.dtype.type(1)
+        return np.left_shift(one, (c // self.size).astype(self.mask_T.dtype))
+
+    def admit(self, c: np.ndarray, new: np.ndarray, bit: np.ndarray | None = None) -> None:
         """Clear ``new`` where candidate ``c`` would open a group past the limit; record the groups of
-        the candidates that stay new."""
-        bit = np.left_shift(np.uint64(1), (c // self.size).astype(np.uint64))
+        the candidates that stay new (``bit``: ``bits(c)`` when already computed)."""
+        bit = self.bits(c) if bit is None else bit
         seen = (self.mask_T & bit) != 0
         new &= seen | (self.num_T < self.limit)
         self.num_T += new & ~seen
-        self.mask_T |= np.where(new, bit, np.uint64(0))
+        self.mask_T |= np.where(new, bit, self.mask_T.dtype.type(0))
 
 
 def _accept(ch_KT: np.ndarray, nn_T: np.ndarray, candidates: np.ndarray, K: int, *, filled: int,
@@ -548,13 +553,14 @@ def _accept(ch_KT: np.ndarray, nn_T: np.ndarray, candidates: np.ndarray, K: int,
     ``ch_KT`` the chosen experts (-1 = empty slot), ``nn_T`` how many each token holds; ``filled``:
     an upper bound of ``nn_T`` on entry (slots at or above it are known to be empty).
     """
-    for c in candidates:
+    bits = groups.bits(candidates) if groups is not None else None
+    for i, c in enumerate(candidates):
         new = nn_T < K
         upto = min(filled, K)
         for slot in range(upto):
             new &= ch_KT[slot] != c
         if groups is not None:
-            groups.admit(c, new)
+            groups.admit(c, new, bits[i])
         for slot in range(min(upto + 1, K)):
             np.copyto(ch_KT[slot], c, where=new & (nn_T == slot))
         nn_T += new
@@ -569,7 +575,8 @@ def _group_limit(model: ModelInfo, T: int) -> _GroupLimit | None:
     if model.n_group > 64 or model.topk_group * size < model.top_k:
         raise ConfigError(f"model {model.name!r}: n_group={model.n_group}, topk_group={model.topk_group} cannot hold "
                           f"top_k={model.top_k} experts (or more than 64 groups); fix the model's router fields")
-    return _GroupLimit(size, model.topk_group, np.zeros(T, np.uint64), np.zeros(T, np.int8))
+    mask_dtype = np.uint8 if model.n_group <= 8 else np.uint16 if model.n_group <= 16 else np.uint64
+    return _GroupLimit(size, model.topk_group, np.zeros(T, mask_dtype), np.zeros(T, np.int8))
 
 
 def _sample_topk(rng: np.random.Generator, s: _Sampler, mix: _Mix, ch: np.ndarray, *, K: int, E: int) -> None:
@@ -590,7 +597,8 @@ def _sample_topk(rng: np.random.Generator, s: _Sampler, mix: _Mix, ch: np.ndarra
             return
         sub_ch, sub_nn = ch[:, rows], nn[rows]
         sub_g = groups.take(rows) if groups is not None else None
-        _accept(sub_ch, sub_nn, _draw(rng, s, mix, rows, 2 * K, K), K, filled=K, groups=sub_g)
+        # under a group limit most rows lack one or two experts: smaller rounds waste fewer draws
+        _accept(sub_ch, sub_nn, _draw(rng, s, mix, rows, 2 * K if groups is None else K, K), K, filled=K, groups=sub_g)
         ch[:, rows], nn[rows] = sub_ch, sub_nn
         if groups is not None:
             groups.put(rows, sub_g)
