@@ -57,7 +57,8 @@ def compare_notes(result: CompareResult) -> list[str]:
     m, c = result.model, result.config
     keeping = GROUP_KEEPING if not c.get("num_redundant") else tuple(k for k in GROUP_KEEPING if k != "linear")  # p mod E wraps
     splitters = [s for s in c["strategies"] if s not in keeping]
-    if m.n_group and m.topk_group and m.topk_group < m.n_group and c["dedup"] == "node" and splitters:
+    per_node = c["dedup"] == "node" or (c["dedup"] == "rank" and c.get("ranks_per_node") == 1)  # one GPU a node
+    if m.n_group and m.topk_group and m.topk_group < m.n_group and per_node and splitters:
         notes.append(
             f"note: {m.name}'s router sends each token to at most {m.topk_group} of its {m.n_group} expert groups; "
             f"placements that keep each group on one node (EPLB's hierarchical policy, joint_aligned) bound the nodes a "
