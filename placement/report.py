@@ -34,7 +34,9 @@ def format_compare_summary(result: CompareResult) -> str:
             lines.append("upper bounds (they see the held-out requests' decode; not deployable"
                          + (f"; from {', '.join(kinds)}" if kinds and kinds != ["joint"] else "") + "):")
         router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
-        captured = f"{round(r['oracle_captured'], 2) or 0.0:.0%}" if r["oracle_captured"] is not None else "-"  # no "-0%"
+        cap = r["oracle_captured"]
+        # worse than linear: "<0%" (the ratio explodes when the oracle saves little); no "-0%"
+        captured = "-" if cap is None else "<0%" if round(cap, 2) < 0 else f"{round(cap, 2) or 0.0:.0%}"
         lines.append(f"{r['strategy']:<16} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
                      f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} "
                      f"{router:>7} {captured:>9}")

@@ -186,9 +186,11 @@ def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.sampled_from([(2, 1), (2, 2), (4, 1), (4, 2)]), st.integers(1, 3), st.integers(0, 2), st.integers(0, 2**16))
-def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed):
-    """Coverage, equal slots per GPU, replica consistency, at most one copy per node, determinism."""
+@given(st.sampled_from([(2, 1), (2, 2), (4, 1), (4, 2)]), st.integers(1, 3), st.integers(0, 2), st.integers(0, 2**16),
+       st.booleans())
+def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed, aligned):
+    """Coverage, equal slots per GPU, replica consistency, at most one copy per node, determinism;
+    ``aligned``: router groups (one per node) kept whole."""
     nodes, rpn = nodes_rpn
     W = nodes * rpn
     E = W * per_rank
@@ -200,7 +202,8 @@ def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed):
     decode = rng.poisson(rng.gamma(0.5, 2.0, (R, L, E))).astype(np.uint16)
     prefill = rng.poisson(rng.gamma(0.5, 2.0, (R, L, E))).astype(np.uint16)
     start = np.arange(R) % nodes
-    kw = dict(init_group_R=start, num_groups=nodes, num_slots=P, ranks_per_group=rpn)
+    kw = dict(init_group_R=start, num_groups=nodes, num_slots=P, ranks_per_group=rpn,
+              router_groups=nodes if aligned else None)
     jp = joint_placement(decode, prefill, **kw)
     p = jp.placement
     assert placement_problems(p, num_experts=E, num_ranks=W) == []
@@ -208,6 +211,9 @@ def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed):
     member = members_of_placement(p, num_groups=nodes, num_experts=E)
     assert (member.sum(-1) == P // nodes).all()  # J distinct experts per node: never two copies on one node
     assert np.bincount(jp.group_R, minlength=nodes).max() <= int(np.ceil(1.05 * R / nodes))
+    if aligned:  # router group h (experts h*E/nodes ...) whole on one node, one group per node
+        whole = member.reshape(L, nodes, nodes, E // nodes).all(-1)
+        assert (whole.sum(1) >= 1).all() and (whole.sum(2) >= 1).all()
     again = joint_placement(decode, prefill, **kw)
     np.testing.assert_array_equal(again.placement.phy2log, p.phy2log)
     np.testing.assert_array_equal(again.price_G, jp.price_G)
