@@ -30,6 +30,7 @@ Out of scope: the tensor-parallel traffic inside an EP rank (``TPd``); NVLink-sp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -37,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
@@ -336,6 +337,22 @@ def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, r
             pickle.dump(value, f)
 
 
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in this process's environment for the block (children started in it inherit
+    them), then restore what was there."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def launch_local(world_size: int, fn: Callable[..., Any], *args: Any, nodes: netemu.EmulatedNodes | None = None,
                  ranks_per_node: int = 1) -> Any:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes on this machine (spawned,
@@ -351,7 +368,8 @@ def launch_local(world_size: int, fn: Callable[..., Any], *args: Any, nodes: net
             raise ConfigError(f"{world_size} ranks do not fill {nodes.num_nodes} emulated nodes of {ranks_per_node}")
         netns_W = tuple(nodes.namespaces[r // ranks_per_node] for r in range(world_size))
         env = nodes.rank_env()
-    with tempfile.TemporaryDirectory(prefix="moetrace-a2a-") as d:
+    start_env = nodes.spawn_env() if nodes is not None else {}
+    with tempfile.TemporaryDirectory(prefix="moetrace-a2a-") as d, _environ(start_env):
         result = str(Path(d) / "rank0.pkl")
         try:
             mp.spawn(_spawned, args=(world_size, _free_port(), fn, args, result, netns_W, env), nprocs=world_size,

@@ -177,6 +177,14 @@ class EmulatedNodes:
         """Environment of every rank: gloo on the node link, rendezvous at node 0."""
         return {"GLOO_SOCKET_IFNAME": self.ifname, "MASTER_ADDR": self.addrs[0]}
 
+    @staticmethod
+    def spawn_env() -> dict[str, str]:
+        """Environment the rank processes must be *started* with (read when torch loads): c10d's C++
+        log at ERROR unless the user set ``TORCH_CPP_LOG_LEVEL``. Inside a namespace it would warn
+        once per connection that it cannot resolve the peer's hostname, which is expected there
+        (no DNS)."""
+        return {"TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+
     def link_bytes(self) -> np.ndarray:
         """Bytes the shaping qdiscs have sent, int64 [G, 2]: column 0 out of node g, column 1 into it
         (inter-node traffic only: local traffic never reaches them)."""

@@ -4,6 +4,8 @@ test_a2a_link.py); TPd > 1 is replayed per EP rank."""
 
 from __future__ import annotations
 
+import os
+
 import json
 import subprocess
 
@@ -109,7 +111,7 @@ def test_namespaces_are_unique_and_always_removed():
 
 
 @needs_netns
-def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace):
+def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace, capfd):
     cfg = CompareConfig(deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2), strategies=("linear", "data"),
                         num_batches=2, num_batch_requests=8, num_redundant=4)
     plan = ar.build_plan(load_trace_data(trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=64,
@@ -123,3 +125,15 @@ def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace):
     assert sent_out_G.sum() >= inter_bytes  # the payload crossed the shaped links (plus TCP/gloo headers)
     assert all(n.startswith("note:") for n in notes)
     assert "links: a network namespace per node, inter-node links shaped to 500Mbit" in ar.format_summary(plan, records, net)
+    # the ranks start with c10d's log at ERROR: no per-connection "cannot resolve the hostname" noise
+    assert "hostname of the client socket" not in capfd.readouterr().err
+
+
+def test_rank_processes_start_with_quiet_c10d_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    assert netemu.EmulatedNodes.spawn_env() == {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+    with ar._environ(netemu.EmulatedNodes.spawn_env()):
+        assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    assert "TORCH_CPP_LOG_LEVEL" not in os.environ  # restored
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    assert netemu.EmulatedNodes.spawn_env() == {"TORCH_CPP_LOG_LEVEL": "INFO"}
