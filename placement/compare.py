@@ -208,6 +208,10 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     """
     spec = get_strategy(strategy)
     m, dep = data.model, cfg.deployment
+    if strategy == "joint_aligned":
+        from moetrace.placement.joint import require_aligned
+
+        require_aligned(m, num_nodes=dep.num_nodes)
     L, E, G = m.num_moe_layers, m.num_experts, dep.num_groups
     P = dep.check_slots(num_experts=E, num_redundant=cfg.num_redundant)  # before clustering: fail fast
     train_R = np.flatnonzero(~data.is_test_R)
@@ -383,6 +387,10 @@ def place_strategies(
     strategies share one grouping. ``on_placed()`` is called after each."""
     placed: dict[str, PlacedStrategy] = {}
     grouping = None
+    if "joint_aligned" in strategies:  # fail before minutes of other placements
+        from moetrace.placement.joint import require_aligned
+
+        require_aligned(data.model, num_nodes=cfg.deployment.num_nodes)
     for s in dict.fromkeys(strategies):
         placed[s] = make_placement(data, cfg, s, grouping=grouping)
         grouping = placed[s].grouping or grouping

@@ -30,6 +30,11 @@ layer dispatches from the token's own GPU, so it is not modelled here.
 Shape legend (docs/architecture.md): R requests, L MoE layers, E logical experts, G node groups
 (= nodes), P physical slots, J slots of one node group (P / G).
 
+*Router groups kept whole* (``router_groups``, strategy ``joint_aligned``): for a group-limited
+router (DeepSeek-V3: a token's experts come from at most 4 of 8 groups of consecutive ids) the
+membership step places whole groups (``aligned_members``), so a token meets at most ``topk_group``
+nodes; routing and prices are unchanged.
+
 Out of scope: second-order effects of rank dedup (two experts of one token on one remote GPU cost
 one copy); the GPUs inside a node (``data_placement.spread_in_nodes``); simulating traffic.
 """
@@ -46,8 +51,8 @@ from moetrace.placement.data_placement import _check, expected_slot_load, spread
 from moetrace.placement.improved import optimal_members
 from moetrace.placement.maps import Placement, placement_from_phy2log
 
-__all__ = ["JointPlacement", "joint_placement", "aligned_members", "aligned_router_groups", "node_scores", "balanced_assign", "route_requests", "group_usage",
-           "members_of_placement"]
+__all__ = ["JointPlacement", "joint_placement", "aligned_members", "aligned_router_groups", "require_aligned",
+           "node_scores", "balanced_assign", "route_requests", "group_usage", "members_of_placement"]
 
 #: rows converted to float at a time (bounds memory on [R, L, E] count arrays)
 _CHUNK_ROWS = 1024
@@ -156,6 +161,21 @@ def aligned_router_groups(model, *, num_nodes: int) -> int | None:
     fill whole nodes (``n_group`` a multiple of ``num_nodes``); else None. ``model``: a ModelInfo."""
     n, k = model.n_group, model.topk_group
     return n if n and k and k < n and n % num_nodes == 0 and model.num_experts % n == 0 else None
+
+
+def require_aligned(model, *, num_nodes: int) -> int:
+    """``aligned_router_groups`` or a ``ConfigError`` saying why the groups cannot be kept whole and
+    what to use instead. ``model``: a ModelInfo."""
+    rg = aligned_router_groups(model, num_nodes=num_nodes)
+    if rg is not None:
+        return rg
+    if not model.n_group or not model.topk_group or model.topk_group >= model.n_group:
+        why = f"{model.name}'s router is not group-limited (no n_group/topk_group limit in its config)"
+    else:
+        why = (f"{model.name}'s {model.n_group} router groups cannot fill {num_nodes} nodes whole "
+               f"(n_group must be a multiple of the node count)")
+    raise ConfigError(f"strategy joint_aligned keeps a group-limited router's expert groups whole on nodes, but {why}; "
+                      "use the strategy `joint` instead")
 
 
 def aligned_members(usage_GLE: np.ndarray, *, num_slots: int, router_groups: int) -> np.ndarray:

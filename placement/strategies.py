@@ -149,6 +149,7 @@ def _joint(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
 
 
 def _joint_aligned(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    # x.router_groups is the model's n_group (1 without one): aligned_members refuses what cannot be kept whole
     placement, extra = _joint_with(x, x.router_groups)
     return placement, {**extra, "router_groups_kept_whole": x.router_groups}
 

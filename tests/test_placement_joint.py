@@ -310,4 +310,18 @@ def test_joint_aligned_refuses_a_router_without_groups(tmp_path):
     trace = _block_trace(tmp_path / "blocks", num_requests=40, noise=0.1)
     r = CliRunner().invoke(app, ["place", str(trace), "--config", "DP4TP2EP8", "--gpus-per-node", "2", "--strategy",
                                  "joint_aligned", "-o", str(tmp_path / "p.json")])
-    assert r.exit_code != 0 and "use the strategy `joint`" in r.output and "Traceback" not in r.output
+    assert r.exit_code != 0 and "not group-limited" in r.output and "use the strategy `joint`" in r.output
+    assert "Traceback" not in r.output
+    # compare refuses before placing anything else; a router whose groups cannot fill the nodes, likewise
+    from moetrace.errors import ConfigError
+    from moetrace.placement.compare import place_strategies
+
+    data = load_trace_data(trace, test_fraction=0.25, seed=0, held_out_tokens=False)
+    cfg = CompareConfig(deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), strategies=("data", "joint_aligned"))
+    with pytest.raises(ConfigError, match="not group-limited"):
+        place_strategies(data, cfg, cfg.strategies, on_placed=lambda: pytest.fail("placed before refusing"))
+    gl = _grouped_router_trace(tmp_path / "gl", num_requests=40)
+    data = load_trace_data(gl, test_fraction=0.25, seed=0, held_out_tokens=False)
+    cfg = CompareConfig(deployment=parse_deployment("DP8TP1EP8", num_gpus_per_node=1), strategies=("joint_aligned",))
+    with pytest.raises(ConfigError, match="4 router groups cannot fill 8 nodes"):
+        place_strategies(data, cfg, cfg.strategies)
