@@ -39,12 +39,19 @@ DSV3 = model_info_for("deepseek-v3-tiny")  # 61 layers, MoE 3..60, 256 experts, 
 
 
 def planted(T_moe: int, info=DSV3, *, seed: int = 0) -> np.ndarray:
-    """True routing of T_moe forwarded tokens: [T_moe, L, K] distinct ids per (token, layer)."""
+    """True routing of T_moe forwarded tokens: [T_moe, L, K] distinct ids per (token, layer), within
+    ``topk_group`` of the router's groups when it is group-limited (as the real router picks them)."""
     rng = np.random.default_rng(seed)
-    return np.stack([
-        np.stack([rng.choice(info.num_experts, info.top_k, replace=False) for _ in info.moe_layers])
-        for _ in range(T_moe)
-    ]).astype(np.int16)
+    E, K = info.num_experts, info.top_k
+
+    def one() -> np.ndarray:
+        if not info.n_group:
+            return rng.choice(E, K, replace=False)
+        size = E // info.n_group
+        groups = rng.choice(info.n_group, info.topk_group, replace=False)
+        return rng.choice(np.concatenate([np.arange(g * size, (g + 1) * size) for g in groups]), K, replace=False)
+
+    return np.stack([np.stack([one() for _ in info.moe_layers]) for _ in range(T_moe)]).astype(np.int16)
 
 
 def vllm_full_layout(truth_NLK: np.ndarray, info=DSV3, dtype=np.uint8) -> np.ndarray:

@@ -5,9 +5,12 @@ with the required columns and types, every routing part has its requests part an
 leftover temporary files, expert ids in ``0 <= id < E`` or ``-1``, ``(request_id, position)``
 unique, ``request_id`` unique in the requests table, each request's positions are exactly
 ``0 .. prompt_tokens + output_tokens - 1`` with ``stage`` = prefill below ``prompt_tokens`` and
-decode from there, no prompt/output text unless the manifest says it was asked for, and, in a
-single-stage capture (manifest ``collection.stages``, see ``schema.stages_of``), no expert ids in
-the rows of the stage it did not record.
+decode from there, no prompt/output text unless the manifest says it was asked for, in a
+single-stage capture (manifest ``collection.stages``, see ``schema.stages_of``) no expert ids in
+the rows of the stage it did not record, and, for a group-limited router (the model's
+``n_group``/``topk_group``, DeepSeek-V3: 8/4), no (token, layer) whose experts span more than
+``topk_group`` groups: the router never picks such a set, so ids that do are not its logical
+expert ids (physical slots after an EPLB remap, another model's ids).
 
 Streaming: one part at a time, so memory is bounded by a part, plus one int64 key per token for the
 uniqueness check across parts.
@@ -41,6 +44,8 @@ from moetrace.tracer.trace.schema import (
 from moetrace.tracer.trace.layout import MANIFEST, REQUESTS_DIR, ROUTING_DIR, read_manifest
 
 MAX_REPORTED = 200
+#: set bits of every byte value
+_POPCOUNT8 = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 #: routing rows read at a time (bounds memory: ~ BATCH_ROWS * (L*K*2 + 16) bytes)
 BATCH_ROWS = 65536
 
@@ -145,6 +150,7 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
     dup_examples: list[tuple[int, int]] = []
     unrecorded = tuple(s for s in STAGES if s not in recorded)
     ids_in_unrecorded = dict.fromkeys(unrecorded, 0)  # rows of a stage the manifest says was not recorded
+    router = _RouterCheck.of(model)
     rows_done = 0
 
     def tick(rows: int) -> None:
@@ -164,6 +170,7 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
                 num_dup += _check_routing_batch(
                     rb, where, problems, E=E, rid_sorted=rid_sorted, p_sorted=p_sorted, len_sorted=len_sorted,
                     start_R=start_R, seen_T=seen_T, dup_examples=dup_examples, ids_in_unrecorded=ids_in_unrecorded,
+                    router=router,
                 )
                 tick(rb.num_rows)
         except (pa.ArrowException, OSError) as exc:
@@ -180,6 +187,8 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
                 f"routing: {n} {stage} rows hold expert ids but the manifest's `collection.stages` "
                 f"{sorted(recorded, key=STAGES.index)} says {stage} was not recorded (its rows must be -1)"
             )
+    if router is not None and router.num_bad:
+        problems.append(router.problem())
     if num_dup:
         problems.append(f"routing: {num_dup} duplicate (request_id, position) rows, e.g. {dup_examples[:5]}")
     if seen_T is not None and len(len_sorted):
@@ -217,10 +226,63 @@ def _routing_schema_ok(schema: pa.Schema, where: str, problems: list[str], *, X:
     return not bad
 
 
+class _RouterCheck:
+    """Counts (token, layer) rows whose experts span more groups than a group-limited router allows."""
+
+    def __init__(self, model: ModelInfo) -> None:
+        self.model = model
+        self.K, self.L = model.top_k, model.num_moe_layers
+        self.size = model.num_experts // model.n_group  # experts per group (consecutive ids)
+        # bit of the group of every int16 id read as uint16 (-1 -> 65535 and ids >= E: no bit)
+        self.dtype = np.uint8 if model.n_group <= 8 else np.uint64
+        h = np.arange((1 << 16) // self.size + 1)
+        self.bit_of = np.where(h < model.n_group, np.left_shift(1, np.minimum(h, 63).astype(np.uint64)), 0).astype(self.dtype)
+        self.num_bad = 0
+        self.example: tuple[int, int, int, list[int]] | None = None  # request, position, MoE layer, ids
+
+    @classmethod
+    def of(cls, model: ModelInfo) -> "_RouterCheck | None":
+        limited = model.n_group and model.topk_group and model.topk_group < model.n_group
+        return cls(model) if limited and model.n_group <= 64 and model.num_experts % model.n_group == 0 else None
+
+    def check(self, ids: np.ndarray, rb: pa.RecordBatch) -> None:
+        """``ids``: the batch's expert ids, flat (``rb``'s rows × L × K)."""
+        if ids.size != rb.num_rows * self.L * self.K or not rb.num_rows or ids.dtype != np.int16:
+            return  # a shape or type problem the other checks report
+        u = ids.view(np.uint16)
+        g = u >> np.uint16(self.size.bit_length() - 1) if self.size & (self.size - 1) == 0 else u // self.size
+        bits = self.bit_of[g].reshape(-1, self.K)  # [token-layer rows, K]
+        if self.dtype is np.uint8 and self.K == 8:  # 8 bytes of a row as one uint64: OR-fold them
+            v = np.ascontiguousarray(bits).view(np.uint64).reshape(-1)
+            v |= v >> np.uint64(32)
+            v |= v >> np.uint64(16)
+            v |= v >> np.uint64(8)
+            used = (v & np.uint64(0xFF)).astype(np.uint8)
+        else:
+            used = np.bitwise_or.reduce(bits, axis=1)
+        count = _POPCOUNT8[used] if self.dtype is np.uint8 else _POPCOUNT8[used.view(np.uint8)].reshape(-1, 8).sum(1)
+        bad = np.flatnonzero(count > self.model.topk_group)
+        self.num_bad += len(bad)
+        if len(bad) and self.example is None:
+            t, layer = divmod(int(bad[0]), self.L)
+            self.example = (int(rb.column("request_id")[t].as_py()), int(rb.column("position")[t].as_py()), layer,
+                            ids.reshape(-1, self.K)[bad[0]].tolist())
+
+    def problem(self) -> str:
+        m = self.model
+        r, pos, layer, ids = self.example or (-1, -1, -1, [])
+        return (f"routing: {self.num_bad} (token, MoE layer) rows use experts of more than topk_group={m.topk_group} of the "
+                f"router's n_group={m.n_group} groups, e.g. request {r} position {pos} MoE layer {layer}: experts {ids} "
+                f"(groups {sorted({e // self.size for e in ids if e >= 0})}); {m.name}'s router never picks such a set, so "
+                "these are not its logical expert ids (physical slots after an EPLB remap? another model's ids?): "
+                "re-collect or re-import with logical ids, or correct n_group/topk_group in the manifest's model section "
+                "if this model routes without a group limit")
+
+
 def _check_routing_batch(rb: pa.RecordBatch, where: str, problems: list[str], *, E: int, rid_sorted: np.ndarray,
                          p_sorted: np.ndarray, len_sorted: np.ndarray, start_R: np.ndarray,
                          seen_T: np.ndarray | None, dup_examples: list[tuple[int, int]],
-                         ids_in_unrecorded: dict[str, int]) -> int:
+                         ids_in_unrecorded: dict[str, int], router: _RouterCheck | None = None) -> int:
     """Check one batch of routing rows against the requests table; returns its duplicate rows.
 
     ``ids_in_unrecorded``: per stage the manifest says was not recorded, rows holding an expert id
@@ -234,6 +296,8 @@ def _check_routing_batch(rb: pa.RecordBatch, where: str, problems: list[str], *,
         problems.append(f"{where}: `experts` lists hold {ids.null_count} null ids")
         return 0
     ids = ids.to_numpy(zero_copy_only=False)
+    if router is not None:
+        router.check(ids, rb)
     out = (ids != NO_EXPERT) & ((ids < 0) | (ids >= E))
     if out.any():
         problems.append(f"{where}: {int(out.sum())} expert ids out of range (0 <= id < {E}, or -1), e.g. {np.unique(ids[out])[:10].tolist()}")
