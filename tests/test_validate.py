@@ -149,8 +149,9 @@ def _grouped_trace(path, *, E: int, K: int, n_group: int, topk_group: int, break
 
 
 def test_group_limited_router_ids_are_checked(tmp_path):
-    # K = 8 of 64 experts in 8 groups, 4 per token (DeepSeek-V3's shape, small); and K = 3 of 12 in 6 groups, 2 per token
-    for E, K, n_group, topk_group in ((64, 8, 8, 4), (12, 3, 6, 2)):
+    # K = 8 of 64 experts in 8 groups, 4 per token (DeepSeek-V3's shape, small); K = 3 of 12 in 6 groups, 2 per
+    # token; K = 4 of 32 in 16 groups, 3 per token (more than 8 groups: 64-bit group masks)
+    for E, K, n_group, topk_group in ((64, 8, 8, 4), (12, 3, 6, 2), (32, 4, 16, 3)):
         ok = _grouped_trace(tmp_path / f"ok{E}", E=E, K=K, n_group=n_group, topk_group=topk_group, break_one=False)
         assert find_problems(ok) == []
         bad = _grouped_trace(tmp_path / f"bad{E}", E=E, K=K, n_group=n_group, topk_group=topk_group, break_one=True)
