@@ -208,10 +208,7 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     """
     spec = get_strategy(strategy)
     m, dep = data.model, cfg.deployment
-    if strategy == "joint_aligned":
-        from moetrace.placement.joint import require_aligned
-
-        require_aligned(m, num_nodes=dep.num_nodes)
+    spec.check(m, num_nodes=dep.num_nodes)
     L, E, G = m.num_moe_layers, m.num_experts, dep.num_groups
     P = dep.check_slots(num_experts=E, num_redundant=cfg.num_redundant)  # before clustering: fail fast
     train_R = np.flatnonzero(~data.is_test_R)
@@ -343,8 +340,7 @@ class CompareResult:
     bounds: tuple[str, ...] = ()  # the rows of metrics that are upper bounds (strategies.BOUNDS), not strategies
 
     def inter_BL(self, strategy: str) -> np.ndarray:
-        m = self.metrics[strategy]
-        return m["dispatch_inter_bytes"] + m["combine_inter_bytes"]
+        return _inter_BL(self.metrics[strategy])
 
     def normalized_B(self, strategy: str) -> np.ndarray:
         """Per-batch inter-node bytes (all layers) / median of the reference's, float [B]."""
@@ -387,10 +383,8 @@ def place_strategies(
     strategies share one grouping. ``on_placed()`` is called after each."""
     placed: dict[str, PlacedStrategy] = {}
     grouping = None
-    if "joint_aligned" in strategies:  # fail before minutes of other placements
-        from moetrace.placement.joint import require_aligned
-
-        require_aligned(data.model, num_nodes=cfg.deployment.num_nodes)
+    for s in strategies:  # fail before minutes of other placements
+        get_strategy(s).check(data.model, num_nodes=cfg.deployment.num_nodes)
     for s in dict.fromkeys(strategies):
         placed[s] = make_placement(data, cfg, s, grouping=grouping)
         grouping = placed[s].grouping or grouping
@@ -441,7 +435,7 @@ def run_compare(
         step()
     for s in bounds:  # a bound is the best of its candidates (one per kind of placement) on the held-out batches
         sims = [(simulate(c), c) for c in candidates[s]]
-        metrics[s], placed[s] = min(sims, key=lambda mc: float(np.median(_inter_B(mc[0]))))
+        metrics[s], placed[s] = min(sims, key=lambda mc: float(np.median(_inter_BL(mc[0]).sum(1))))
         step()
     conf = {k: v for k, v in asdict(cfg).items() if k != "deployment"}
     conf.update(deployment=dep.name, gpus_per_node=dep.num_gpus_per_node, batch_requests=cfg.batch_requests,
@@ -452,9 +446,9 @@ def run_compare(
     return CompareResult(config=conf, metrics=metrics, placed=placed, model=m, reference=reference, bounds=tuple(bounds))
 
 
-def _inter_B(metrics: dict[str, np.ndarray]) -> np.ndarray:
-    """Inter-node bytes (dispatch + combine, all layers) of every batch, float64 [B]."""
-    return (metrics["dispatch_inter_bytes"] + metrics["combine_inter_bytes"]).sum(1)
+def _inter_BL(metrics: dict[str, np.ndarray]) -> np.ndarray:
+    """Inter-node bytes (dispatch + combine) of every batch and layer, float64 [B, L]."""
+    return metrics["dispatch_inter_bytes"] + metrics["combine_inter_bytes"]
 
 
 def bound_placements(

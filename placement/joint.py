@@ -159,8 +159,7 @@ def members_of_placement(placement: Placement, *, num_groups: int, num_experts: 
 def aligned_router_groups(model, *, num_nodes: int) -> int | None:
     """``model.n_group`` when its router is group-limited (``topk_group < n_group``) and its groups can
     fill whole nodes (``n_group`` a multiple of ``num_nodes``); else None. ``model``: a ModelInfo."""
-    n, k = model.n_group, model.topk_group
-    return n if n and k and k < n and n % num_nodes == 0 and model.num_experts % n == 0 else None
+    return model.n_group if model.group_limited and model.n_group % num_nodes == 0 else None
 
 
 def require_aligned(model, *, num_nodes: int) -> int:
@@ -169,7 +168,7 @@ def require_aligned(model, *, num_nodes: int) -> int:
     rg = aligned_router_groups(model, num_nodes=num_nodes)
     if rg is not None:
         return rg
-    if not model.n_group or not model.topk_group or model.topk_group >= model.n_group:
+    if not model.group_limited:
         why = f"{model.name}'s router is not group-limited (no n_group/topk_group limit in its config)"
     else:
         why = (f"{model.name}'s {model.n_group} router groups cannot fill {num_nodes} nodes whole "

@@ -12,6 +12,7 @@ Out of scope: computing anything (``compare``); colours and streams (the CLI dec
 from __future__ import annotations
 
 from moetrace.placement.compare import CompareResult, PlacedStrategy
+from moetrace.placement.strategies import get_strategy
 from moetrace.sizes import human_bytes
 
 __all__ = ["format_compare_summary", "compare_notes", "format_placement_summary"]
@@ -43,11 +44,6 @@ def format_compare_summary(result: CompareResult) -> str:
     return "\n".join(lines)
 
 
-#: strategies that keep a group-limited router's expert groups whole on nodes (EPLB: its hierarchical policy;
-#: linear only without redundant slots)
-GROUP_KEEPING = ("linear", "eplb", "joint_aligned")
-
-
 def compare_notes(result: CompareResult) -> list[str]:
     """``note: ...`` lines: groups that no held-out request was routed to; strategies that split a
     group-limited router's expert groups over nodes when copies are counted per node (empty when none)."""
@@ -57,10 +53,9 @@ def compare_notes(result: CompareResult) -> list[str]:
         for r in result.summary_rows() if r["groups_without_routed_requests"]
     ]
     m, c = result.model, result.config
-    keeping = GROUP_KEEPING if not c.get("num_redundant") else tuple(k for k in GROUP_KEEPING if k != "linear")  # p mod E wraps
-    splitters = [s for s in c["strategies"] if s not in keeping]
+    splitters = [s for s in c["strategies"] if not get_strategy(s).keeps_groups(num_redundant=c.get("num_redundant", 0))]
     per_node = c["dedup"] == "node" or (c["dedup"] == "rank" and c.get("ranks_per_node") == 1)  # one GPU a node
-    if m.n_group and m.topk_group and m.topk_group < m.n_group and per_node and splitters:
+    if m.group_limited and per_node and splitters:
         notes.append(
             f"note: {m.name}'s router sends each token to at most {m.topk_group} of its {m.n_group} expert groups; "
             f"placements that keep each group on one node (EPLB's hierarchical policy, joint_aligned) bound the nodes a "

@@ -76,6 +76,20 @@ class Strategy:
     build: Builder  # the placement from PlacementInputs
     description: str  # one line, the same in docs/placement.md's table
     router: Literal["none", "centroid", "price"] = "none"  # how a request finds its node at serving time
+    # whether every group of a group-limited router stays on one node ("linear": only without redundant slots,
+    # whose ``p mod E`` wraps over node boundaries)
+    keeps_router_groups: Literal["no", "yes", "without_redundancy"] = "no"
+    # raises ConfigError when the strategy cannot serve this (model, number of nodes); None: always can
+    requires: Callable[[Any, int], None] | None = None
+
+    def check(self, model: Any, *, num_nodes: int) -> None:
+        """``ConfigError`` naming why this strategy cannot place ``model`` (a ModelInfo) on ``num_nodes``."""
+        if self.requires is not None:
+            self.requires(model, num_nodes)
+
+    def keeps_groups(self, *, num_redundant: int) -> bool:
+        """Every router group stays on one node (for a router whose groups fill whole nodes)."""
+        return self.keeps_router_groups == "yes" or (self.keeps_router_groups == "without_redundancy" and not num_redundant)
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,12 @@ def _joint(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
     return _joint_with(x, None)
 
 
+def _aligned_possible(model: Any, num_nodes: int) -> None:
+    from moetrace.placement.joint import require_aligned
+
+    require_aligned(model, num_nodes=num_nodes)
+
+
 def _joint_aligned(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
     # x.router_groups is the model's n_group (1 without one): aligned_members refuses what cannot be kept whole
     placement, extra = _joint_with(x, x.router_groups)
@@ -157,14 +177,17 @@ def _joint_aligned(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
 #: the registry, in the order the CLI and docs list it
 STRATEGIES: tuple[Strategy, ...] = (
     #        name           label                      grouped build         description
-    Strategy("linear",      "linear (vLLM default)",   False, _linear,      "vLLM default: slot p holds expert p mod E"),
+    Strategy("linear",      "linear (vLLM default)",   False, _linear,      "vLLM default: slot p holds expert p mod E",
+             keeps_router_groups="without_redundancy"),
     Strategy("round_robin", "round robin",             False, _round_robin, "vLLM round robin: expert e on GPU e mod W"),
     Strategy("random",      "random",                  False, _random,      "every expert once plus random replicas, shuffled per layer (seeded)"),
-    Strategy("eplb",        "EPLB",                    False, _eplb,        "DeepSeek EPLB on the training requests' decode load"),
+    Strategy("eplb",        "EPLB",                    False, _eplb,        "DeepSeek EPLB on the training requests' decode load",
+             keeps_router_groups="yes"),  # its hierarchical policy
     Strategy("data",        "data-based (core paper)", True,  _data,        "core paper §4.2: each group's most-used experts on its node (greedy)", "centroid"),
     Strategy("improved",    "improved",                True,  _improved,    "the data placer's objective solved exactly (an integral LP)", "centroid"),
     Strategy("joint",       "joint (ours)",            True,  _joint,       "ours: request routing and expert membership optimised together (alternating exact LPs), prefill router with node prices", "price"),
-    Strategy("joint_aligned", "joint, groups whole (ours)", True, _joint_aligned, "ours for group-limited routers (DeepSeek-V3): joint with the router's expert groups kept whole on nodes, so a token meets at most topk_group nodes", "price"),
+    Strategy("joint_aligned", "joint, groups whole (ours)", True, _joint_aligned, "ours for group-limited routers (DeepSeek-V3): joint with the router's expert groups kept whole on nodes, so a token meets at most topk_group nodes", "price",
+             keeps_router_groups="yes", requires=_aligned_possible),
 )
 #: the bounds compare reports (``compare --no-oracle`` leaves them out)
 BOUNDS: tuple[Bound, ...] = (

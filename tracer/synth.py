@@ -220,7 +220,7 @@ class SynthPlan:
             "structure": self.structure,
             # experts per token limited to the first topk_group of n_group groups (None: no limit)
             "group_limit": ({"n_group": model.n_group, "topk_group": model.topk_group}
-                            if model.n_group and model.topk_group < model.n_group else None),
+                            if model.group_limited else None),
             "num_request_experts": _num_fav(k, model),
             "knobs": k.to_dict(),
             "lengths": {d: dataclasses.asdict(k.length_of(d)) for d in self.datasets},
@@ -569,7 +569,7 @@ def _accept(ch_KT: np.ndarray, nn_T: np.ndarray, candidates: np.ndarray, K: int,
 
 def _group_limit(model: ModelInfo, T: int) -> _GroupLimit | None:
     """The group limit of ``model``'s router for T tokens, or None when it routes without one."""
-    if not model.n_group or model.topk_group >= model.n_group:
+    if not model.group_limited:
         return None
     size = model.num_experts // model.n_group
     if model.n_group > 64 or model.topk_group * size < model.top_k:

@@ -103,6 +103,12 @@ class ModelInfo:
         return len(self.moe_layers)
 
     @property
+    def group_limited(self) -> bool:
+        """The router picks a token's experts from at most ``topk_group`` of its ``n_group`` groups of
+        consecutive ids, fewer than all (DeepSeek-V3: 4 of 8)."""
+        return self.n_group is not None and self.topk_group is not None and self.topk_group < self.n_group
+
+    @property
     def ids_per_token(self) -> int:
         """X = L*K: length of the ``experts`` list of one routing row."""
         return len(self.moe_layers) * self.top_k

@@ -242,8 +242,7 @@ class _RouterCheck:
 
     @classmethod
     def of(cls, model: ModelInfo) -> "_RouterCheck | None":
-        limited = model.n_group and model.topk_group and model.topk_group < model.n_group
-        return cls(model) if limited and model.n_group <= 64 and model.num_experts % model.n_group == 0 else None
+        return cls(model) if model.group_limited and model.n_group <= 64 else None
 
     def check(self, ids: np.ndarray, rb: pa.RecordBatch) -> None:
         """``ids``: the batch's expert ids, flat (``rb``'s rows × L × K)."""
