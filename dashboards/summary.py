@@ -26,15 +26,11 @@ import polars as pl
 import moetrace.results as rf
 from moetrace.dashboards.page import Headline
 from moetrace.dashboards.results import Results
+from moetrace.dashboards.section_imbalance import _stages
 
 def _x(v: float) -> str:
     """A ratio as shown on the card: ``1.34×``."""
     return f"{v:.2f}×"
-
-
-def _stages(df: pl.DataFrame) -> list[str]:
-    have = df["stage"].unique().to_list()
-    return [s for s in ("prefill", "decode") if s in have] + sorted(s for s in have if s not in ("prefill", "decode"))
 
 
 def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> Headline | None:
@@ -90,12 +86,11 @@ def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
     best_v = min(candidates.values())
     best = [s for s, v in candidates.items() if v == best_v]
     names = " = ".join(STRATEGY_NAMES.get(s, s) for s in best)
-    ref_name = ref
     m = res.manifest
     change = f"{100 * (1 - best_v):.0f}% fewer" if best_v < 1.0 else f"{100 * (best_v - 1):.0f}% more"
     bounds = [f"{STRATEGY_NAMES.get(s, s)} {_x(v)}" for s, v in rows.items() if s != ref and s not in deployable]
     detail = (
-        f"Inter-node all-to-all bytes of a held-out global batch / {ref_name}'s median, median over "
+        f"Inter-node all-to-all bytes of a held-out global batch / {ref}'s median, median over "
         f"{m.get('num_batches', '?')} batches (lower is better); {m.get('deployment', '?')} on "
         f"{m.get('num_nodes', '?')} node(s)" + (f"; bounds, not deployable: {', '.join(bounds)}" if bounds else "") + "."
     )
@@ -123,8 +118,11 @@ def a2a_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> Hea
         return None
     ref = str(rows[0].get("reference", "linear"))
     measured = "measured_inter_node_normalized_median"
-    others = [r for r in rows if r.get("strategy") != ref and r.get(measured) is not None] or rows
-    best = min(others, key=lambda r: float(r.get(measured) or float("inf")))
+    others = [r for r in rows if r.get("strategy") != ref and r.get(measured) is not None] or [
+        r for r in rows if r.get(measured) is not None]
+    if not others:
+        return None
+    best = min(others, key=lambda r: float(r[measured]))
     name = STRATEGY_NAMES.get(str(best["strategy"]), str(best["strategy"]))
     bad = mismatches(df)
     flagged = res.manifest.get("bytes_match") is False

@@ -104,16 +104,15 @@ def placed_from_file(data: TraceData, cfg: CompareConfig, pf: Any, *, where: str
     if P % dep.num_ep or int(pf.deployment.get("num_ep", dep.num_ep)) != dep.num_ep:
         raise ConfigError(f"{where}: placement for EP{pf.deployment.get('num_ep')} ({P} slots); --config {dep.name} has "
                           f"EP{dep.num_ep} (re-run `moetrace place` with this --config)")
-    g = pf.grouping
-    if g and "node_prices" in g:  # the price router (strategy joint), from each request's prefill
-        if "prefill" not in data.stages:
-            raise ConfigError(f"{where}: its router reads prefill routing, which this trace did not record")
-        group_R, _ = price_routes(data, pf.placement, np.asarray(g["node_prices"], dtype=np.float64), dep.num_groups)
-        return PlacedStrategy(strategy=pf.strategy, placement=pf.placement, group_of_test_R=group_R)
-    if not g or "prefill_centroids" not in g:
+    g = pf.grouping or {}
+    if not ({"node_prices", "prefill_centroids"} & g.keys()):
         return PlacedStrategy(strategy=pf.strategy, placement=pf.placement)
     if "prefill" not in data.stages:
         raise ConfigError(f"{where}: its router reads prefill routing, which this trace did not record")
+    if "node_prices" in g:  # the price router (strategies joint, joint_aligned), from each request's prefill
+        group_R, _ = price_routes(data, pf.placement, np.asarray(g["node_prices"], dtype=np.float64), dep.num_groups,
+                                  with_decode=False)
+        return PlacedStrategy(strategy=pf.strategy, placement=pf.placement, group_of_test_R=group_R)
     R = len(data.is_test_R)
     pred_R = predict_clusters(data.prefill_RLE.reshape(R, -1), np.asarray(g["prefill_centroids"], dtype=np.float64))
     return PlacedStrategy(strategy=pf.strategy, placement=pf.placement,

@@ -253,16 +253,19 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     )
 
 
-def price_routes(data: TraceData, placement: Placement, price_G: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+def price_routes(data: TraceData, placement: Placement, price_G: np.ndarray, num_groups: int, *,
+                 with_decode: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """Node of every held-out request under the price router (from its prefill, what serving does) and
-    under a balanced assignment by its decode (what it should have been), int64 [R] each (training
-    rows are 0)."""
+    (``with_decode``; else None) under a balanced assignment by its decode (what it should have been),
+    int64 [R] each (training rows are 0)."""
     from moetrace.placement.joint import balanced_assign, members_of_placement, node_scores, route_requests
 
     member = members_of_placement(placement, num_groups=num_groups, num_experts=data.model.num_experts)
     test = np.flatnonzero(data.is_test_R)
     routed_R = np.zeros(len(data.is_test_R), dtype=np.int64)
     routed_R[test] = route_requests(node_scores(data.prefill_RLE, member, rows=test), price_G)
+    if not with_decode:
+        return routed_R, None
     truth_R = np.zeros(len(data.is_test_R), dtype=np.int64)
     truth_R[test] = balanced_assign(node_scores(data.decode_RLE, member, rows=test))[0]
     return routed_R, truth_R

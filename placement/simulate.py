@@ -107,14 +107,13 @@ def _dispatch_copies(
     )
     valid = slot >= 0
     rank = np.where(valid, slot // per_rank, 0)
-    node = rank // ranks_per_node
-    local_node = node == src_node_T[:, None]
     if dedup == "rank":
         key = rank
     elif dedup == "expert":
         key = slot
     elif dedup == "node":
-        key = np.where(local_node, rank, W + node)
+        node = rank // ranks_per_node
+        key = np.where(node == src_node_T[:, None], rank, W + node)
     else:
         raise ValueError(f"unknown dedup unit {dedup!r}")
     key = np.where(valid, key, _SENTINEL)

@@ -210,14 +210,15 @@ class ResolvedModel:
             return transformers.AutoConfig.from_pretrained(self.source, local_files_only=unreachable is not None)
         except (OSError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            hint = _did_you_mean(self.source.split("/")[-1])
             if unreachable is not None:
                 raise ModelError(
                     f"{self.source!r} is not in the local Hugging Face cache and the hub is not reachable from here "
-                    f"({unreachable}). {_did_you_mean(self.source.split('/')[-1])}Pass a preset (see `moetrace models`) "
+                    f"({unreachable}). {hint}Pass a preset (see `moetrace models`) "
                     "or a local checkpoint directory, or run where the hub is reachable."
                 ) from exc
             raise ModelError(
-                f"cannot read the config of {self.source!r} ({first}). {_did_you_mean(self.source.split('/')[-1])}"
+                f"cannot read the config of {self.source!r} ({first}). {hint}"
                 "Pass a local checkpoint directory, a reachable hub id, or a preset (see `moetrace models`)."
             ) from exc
 

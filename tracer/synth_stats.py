@@ -193,6 +193,11 @@ def _mean(xs: list) -> float:
     return float(np.mean(xs)) if xs else float("nan")
 
 
+def _if_stats(if_x: np.ndarray) -> dict[str, float]:
+    """Mean, 90th percentile and max of imbalance factors over their scopes (NaN ignored)."""
+    return {"mean": float(np.nanmean(if_x)), "p90": float(np.nanpercentile(if_x, 90)), "max": float(np.nanmax(if_x))}
+
+
 def summarize_counts(
     counts_DSLE: np.ndarray, datasets: tuple[str, ...], *, domains: Mapping[str, str] | None = None
 ) -> dict:
@@ -215,17 +220,8 @@ def summarize_counts(
     if_SL = imbalance_factor(counts_DSLE.sum(axis=0))
     return {
         "pd_correlation": float(np.nanmean(pd)),
-        "imbalance": {
-            d: {
-                "mean": float(np.nanmean(if_DSL[i])),
-                "p90": float(np.nanpercentile(if_DSL[i], 90)),
-                "max": float(np.nanmax(if_DSL[i])),
-            }
-            for i, d in enumerate(datasets)
-        },
-        "imbalance_all_datasets": {
-            "mean": float(np.nanmean(if_SL)), "p90": float(np.nanpercentile(if_SL, 90)), "max": float(np.nanmax(if_SL))
-        },
+        "imbalance": {d: _if_stats(if_DSL[i]) for i, d in enumerate(datasets)},
+        "imbalance_all_datasets": _if_stats(if_SL),
         "top_share": {d: float(np.nanmean(share_DL[i])) for i, d in enumerate(datasets)},
         "dataset_correlation": {
             name: domain_correlation(counts_DSLE, datasets, domains, stage=st)

@@ -71,7 +71,7 @@ def place_cmd(
                test_fraction=test_fraction, seed=seed)
     with progress_bar("counting", "tokens", quiet=quiet) as bar:
         data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete,
-                               progress=bar, held_out_tokens=False)  # compare reads them after placing
+                               progress=bar, held_out_tokens=False)  # placing never reads them
     ps = make_placement(data, cfg, strategy)
     save_placement(placement_file(data, cfg, ps), out)
     typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)} -> {out}")

@@ -474,19 +474,13 @@ class TraceWriter:
         )
 
 
+#: the ``stage`` column's two words; ``take`` by ``is_decode`` builds the column
+_STAGE_WORDS = pa.array([STAGE_PREFILL, STAGE_DECODE])
+
+
 def _stage_strings(is_decode_T: np.ndarray) -> pa.StringArray:
-    """The ``stage`` column (``prefill`` / ``decode`` per token) built from its buffers: ``is_decode_T`` bool [T]."""
-    words = [np.frombuffer(s.encode(), np.uint8) for s in (STAGE_PREFILL, STAGE_DECODE)]
-    width = max(w.size for w in words)
-    padded = np.zeros((2, width), np.uint8)
-    keep = np.zeros((2, width), bool)
-    for i, w in enumerate(words):
-        padded[i, :w.size], keep[i, :w.size] = w, True
-    k = is_decode_T.astype(np.intp)
-    data = padded[k][keep[k]]  # the words back to back, uint8
-    offsets = np.zeros(k.size + 1, np.int32)
-    np.cumsum(np.array([w.size for w in words], np.int32)[k], out=offsets[1:])
-    return pa.StringArray.from_buffers(k.size, pa.py_buffer(offsets), pa.py_buffer(data))
+    """The ``stage`` column (``prefill`` / ``decode`` per token): ``is_decode_T`` bool [T]."""
+    return _STAGE_WORDS.take(pa.array(is_decode_T.view(np.int8)))
 
 
 def _describe_write_error(exc: BaseException, path: Path) -> str:
@@ -832,7 +826,6 @@ class _RoutingPartFile:
         self.schema = schema
         self.X = schema.field("experts").type.list_size
         self.options = dict(compression=compression, write_statistics=["request_id", "position"])
-        self.narrow_schema = pa.schema([f for f in schema if f.name != "experts"])
         # pyarrow's footer for this schema: schema elements, ARROW:schema, column orders
         empty = self._pyarrow_file(schema.empty_table())
         self.template = _footer(empty)
