@@ -101,6 +101,7 @@ def placement_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
                     r["tokens_per_rank_max_mean"],
                     r["activated_experts_per_rank_max_mean"],
                     "-" if r.get("router_match_rate") is None else f"{100 * r['router_match_rate']:.0f}%",
+                    "-" if r.get("busiest_node_load") is None else f"{r['busiest_node_load']:.2f}",
                 )
             )
         tables.append(
@@ -117,6 +118,7 @@ def placement_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
                     "max tokens per rank",
                     "max activated experts per rank",
                     "router match",
+                    "busiest node's requests / even share",
                 ),
                 rows=tuple(rows),
                 caption=f"Normalized to the median of {STRATEGY_NAMES.get(ref, ref)}; lower is better. Byte columns are "

@@ -404,22 +404,24 @@ def run_a2a(plan: A2APlan, *, torchrun: bool = False, emulate: bool | None = Non
     if plan.backend != "gloo" and emulate:
         raise ConfigError("--emulate-nodes needs --backend gloo (it shapes the TCP links between ranks on this machine); "
                           "with NCCL, run on real nodes")
-    if G < 2 or emulate is False or plan.backend != "gloo":
-        why, links = ("--no-emulate-nodes", "loopback") if plan.backend == "gloo" else ("NCCL", "this machine's GPU links")
-        net = Network(mode="loopback", note="" if G < 2 else
-                      f"note: inter-node time is not emulated ({why}): all links are {links}; bytes are measured exactly")
-        if net.note:
-            say(net.note)
-        return launch_local(plan.world_size, run_rank, plan), net
+
+    def unshaped(why: str, links: str = "loopback") -> tuple[list[dict[str, Any]] | None, Network]:
+        note = "" if G < 2 else (f"note: inter-node time is not emulated ({why}): all links are {links}; "
+                                 "bytes are measured exactly")
+        if note:
+            say(note)
+        return launch_local(plan.world_size, run_rank, plan), Network(mode="loopback", note=note)
+
+    if plan.backend != "gloo":
+        return unshaped("NCCL", "this machine's GPU links")
+    if G < 2 or emulate is False:
+        return unshaped("--no-emulate-nodes")
     ok, why = netemu.probe()
     if not ok:
         if emulate:
             raise ConfigError(f"--emulate-nodes: network namespaces cannot be made here ({why}); run as root, "
                               "or use --no-emulate-nodes")
-        net = Network(mode="loopback", note=f"note: inter-node time is not emulated ({why}): all links are loopback; "
-                                            "bytes are measured exactly")
-        say(net.note)
-        return launch_local(plan.world_size, run_rank, plan), net
+        return unshaped(why)
     stale = netemu.remove_stale()
     if stale:
         say(f"note: removed {len(stale)} network namespace(s) left by killed runs: {', '.join(stale)}")

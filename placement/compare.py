@@ -375,6 +375,7 @@ class CompareResult:
                 "activated_experts_per_rank_max_mean": float(m["activated_experts_per_rank_max"].mean()),
                 "router_match_rate": self.placed[s].router_match_rate,
                 "groups_without_routed_requests": len(self.placed[s].extra.get("groups_without_routed_requests", [])),
+                "busiest_node_load": self.placed[s].extra.get("busiest_node_load"),
             })
         return rows
 
@@ -426,6 +427,10 @@ def run_compare(
     def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
         rows, batch, src, empty = _batches(data, cfg, ps.group_of_test_R)
         ps.extra["groups_without_routed_requests"] = empty
+        if ps.group_of_test_R is not None:  # requests the busiest node is routed, over an even share
+            g = ps.group_of_test_R[data.is_test_R]
+            G = dep.num_groups
+            ps.extra["busiest_node_load"] = round(float(np.bincount(g, minlength=G).max() * G / max(len(g), 1)), 4)
         return simulate_volume(
             data.test_topk_ids_TLK[rows], placement=ps.placement, batch_T=batch, src_rank_T=src,
             num_batches=cfg.num_batches, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node,

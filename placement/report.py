@@ -2,7 +2,7 @@
 
 ``format_compare_summary``: a header line (deployment, train/test split, batches, dedup unit) and
 one aligned row per strategy (normalized inter-node median, p10, p90, inter-node bytes per batch,
-router match rate). ``compare_notes``: one line per strategy whose micro-batches had to draw from
+router match rate, node load: the held-out requests the busiest node is routed over an even share). ``compare_notes``: one line per strategy whose micro-batches had to draw from
 all test requests because no held-out request was routed to some of its groups.
 ``format_placement_summary``: the one line ``place`` prints.
 
@@ -20,13 +20,15 @@ __all__ = ["format_compare_summary", "compare_notes", "format_placement_summary"
 
 def format_compare_summary(result: CompareResult) -> str:
     """Header line, column titles, one row per strategy, then the bounds (lower normalized volume is
-    better; ``of oracle``: the share of the oracle's saving over linear a row reaches)."""
+    better; ``node load``: held-out requests routed to the busiest node over an even share, for
+    strategies that route requests; ``of oracle``: the share of the oracle's saving over linear a row
+    reaches)."""
     c = result.config
     lines = [
         f"{c['deployment']} ({c['num_nodes']} nodes), {c['num_train_requests']} train / {c['num_test_requests']} "
         f"test requests, {c['num_batches']} batches of {c['batch_requests']} requests, dedup={c['dedup']}",
         f"{'strategy':<16} {'inter-node (norm. median)':>26} {'p10':>6} {'p90':>6} {'inter/batch':>12} {'router':>7} "
-        f"{'of oracle':>9}",
+        f"{'node load':>9} {'of oracle':>9}",
     ]
     rows = result.summary_rows()
     for i, r in enumerate(rows):
@@ -35,12 +37,13 @@ def format_compare_summary(result: CompareResult) -> str:
             lines.append("upper bounds (they see the held-out requests' decode; not deployable"
                          + (f"; from {', '.join(kinds)}" if kinds and kinds != ["joint"] else "") + "):")
         router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
+        load = f"{r['busiest_node_load']:.2f}" if r.get("busiest_node_load") is not None else "-"
         cap = r["oracle_captured"]
         # worse than linear: "<0%" (the ratio explodes when the oracle saves little); no "-0%"
         captured = "-" if cap is None else "<0%" if round(cap, 2) < 0 else f"{round(cap, 2) or 0.0:.0%}"
         lines.append(f"{r['strategy']:<16} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
                      f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} "
-                     f"{router:>7} {captured:>9}")
+                     f"{router:>7} {load:>9} {captured:>9}")
     return "\n".join(lines)
 
 

@@ -144,6 +144,12 @@ def test_compare_reports_bounds_and_the_joint_placer_meets_the_oracle(tmp_path):
     assert v["joint"] <= v["oracle"] * 1.02 + 0.02  # and the joint placer gets it (within 2 points)
     assert v["joint"] <= v["data"] + 0.02
     assert rows["joint"]["router_match_rate"] > 0.9
+    assert rows["linear"]["busiest_node_load"] is None and rows["eplb"]["busiest_node_load"] is None  # they route nothing
+    test_R = data.is_test_R
+    for s in ("data", "joint", "perfect_routing", "oracle"):  # the busiest node's held-out requests over an even share
+        n_G = np.bincount(res.placed[s].group_of_test_R[test_R], minlength=4)
+        assert rows[s]["busiest_node_load"] == pytest.approx(n_G.max() * 4 / test_R.sum(), abs=1e-4)
+        assert rows[s]["busiest_node_load"] >= 1.0
     assert rows["oracle"]["oracle_captured"] == pytest.approx(1.0)
     assert rows["linear"]["oracle_captured"] == pytest.approx(0.0, abs=0.02)
     text = format_compare_summary(res)
