@@ -20,7 +20,7 @@ Clusters = Annotated[int, typer.Option("--clusters", help="K-means request clust
 Redundancy = Annotated[int, typer.Option("--redundancy", help="Redundant expert slots per layer (E+R must divide over EP ranks).")]
 TestFraction = Annotated[float, typer.Option("--test-fraction", help="Share of requests held out from placement.")]
 BatchRequests = Annotated[int, typer.Option(help="Requests per global batch (0: 32 per node).")]
-DedupOpt = Annotated[Literal["rank", "expert", "node"], typer.Option(help="A token is sent once per distinct destination GPU (rank), expert or node.")]
+DedupOpt = Annotated[Literal["rank", "expert", "node"], typer.Option(help="A token is sent once per distinct destination GPU (rank), expert (DeepEP low-latency decode) or node (DeepEP high-throughput).")]
 ReplicaPolicyOpt = Annotated[Literal["same_node", "even", "metro"], typer.Option(help="Which replica serves a token.")]
 _GROUPED = ", ".join(s.name for s in STRATEGIES if s.grouped)
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  # the registry's names, built at run time
