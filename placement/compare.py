@@ -427,7 +427,7 @@ def run_compare(
     def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
         rows, batch, src, empty = _batches(data, cfg, ps.group_of_test_R)
         ps.extra["groups_without_routed_requests"] = empty
-        if ps.group_of_test_R is not None:  # requests the busiest node is routed, over an even share
+        if ps.group_of_test_R is not None:  # held-out requests routed to the busiest node, over an even share
             g = ps.group_of_test_R[data.is_test_R]
             G = dep.num_groups
             ps.extra["busiest_node_load"] = round(float(np.bincount(g, minlength=G).max() * G / max(len(g), 1)), 4)

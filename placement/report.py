@@ -2,8 +2,9 @@
 
 ``format_compare_summary``: a header line (deployment, train/test split, batches, dedup unit) and
 one aligned row per strategy (normalized inter-node median, p10, p90, inter-node bytes per batch,
-router match rate, node load: the held-out requests the busiest node is routed over an even share). ``compare_notes``: one line per strategy whose micro-batches had to draw from
-all test requests because no held-out request was routed to some of its groups.
+router match rate, node load: held-out requests routed to the busiest node over an even share).
+``compare_notes``: one line per strategy whose micro-batches had to draw from all test requests
+because no held-out request was routed to some of its groups.
 ``format_placement_summary``: the one line ``place`` prints.
 
 Out of scope: computing anything (``compare``); colours and streams (the CLI decides where notes go).
