@@ -41,7 +41,8 @@ from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
 from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, check_strategies, get_strategy
 
-__all__ = ["CompareConfig", "TraceData", "load_trace_data", "with_held_out_tokens", "make_placement", "place_strategies", "run_compare", "write_results"]
+__all__ = ["CompareConfig", "TraceData", "expert_copy_floor", "load_trace_data", "with_held_out_tokens", "make_placement",
+           "place_strategies", "run_compare", "write_results"]
 
 
 #: the least saving over linear (a share of linear's median) the oracle must show before compare says
@@ -451,6 +452,9 @@ def run_compare(
                 strategies=strategies, bounds=bounds, trace=data.trace_path,
                 num_train_requests=int((~data.is_test_R).sum()), num_test_requests=int(data.is_test_R.sum()),
                 bound_kinds={b: placed[b].extra.get("kind") for b in bounds})
+    if cfg.oracle and cfg.dedup == "expert" and cfg.num_redundant == 0:
+        conf["expert_copy_floor"] = expert_copy_floor(data.decode_RLE, rows=np.flatnonzero(data.is_test_R),
+                                                      num_groups=dep.num_groups, num_slots=m.num_experts)
     return CompareResult(config=conf, metrics=metrics, placed=placed, model=m, reference=reference, bounds=tuple(bounds))
 
 
@@ -506,6 +510,34 @@ def bound_placements(
     if on_placed is not None:
         on_placed()
     return out
+
+
+def expert_copy_floor(decode_RLE: np.ndarray, *, rows: np.ndarray, num_groups: int, num_slots: int) -> float:
+    """A floor under every placement's inter-node volume over linear's, copies counted per (token,
+    expert) (``--dedup expert``) with no redundant slots: a certified bound, where the oracle is the
+    best placement a solver found.
+
+    Whatever a placement and a router do, a request served by a node that holds J = ``num_slots`` /
+    ``num_groups`` experts per layer finds locally at most the share of its decode (token, expert)
+    pairs that its own J most-used experts of each layer take. Averaged over ``rows`` (each request
+    weighed equally, as batches weigh them when every node is routed an even share) that ceiling
+    ``c`` bounds the local share; linear serves each request from every node alike, a local share of
+    1/G. Returns ``(1 - c) / (1 - 1/G)``. A router that loads nodes unevenly changes the weights
+    (``_batches`` fills every node's micro-batch from its own pool), so the bound assumes even nodes.
+    ``decode_RLE``: decode token counts [R, L, E], any numeric dtype; requests without decode tokens
+    are left out.
+    """
+    G, J = num_groups, num_slots // num_groups
+    total, n = 0.0, 0
+    for lo in range(0, len(rows), 256):  # float64 [256, L, E] at a time
+        x = np.asarray(decode_RLE[rows[lo : lo + 256]], dtype=np.float64)
+        tot = x.sum(axis=(1, 2))
+        keep = tot > 0
+        top = -np.partition(-x[keep], J - 1, axis=2)[:, :, :J]
+        total += float((top.sum(axis=(1, 2)) / tot[keep]).sum())
+        n += int(keep.sum())
+    ceiling = total / max(n, 1)
+    return (1.0 - ceiling) / (1.0 - 1.0 / G)
 
 
 def placement_file(data: TraceData, cfg: CompareConfig, ps: PlacedStrategy) -> PlacementFile:

@@ -45,6 +45,10 @@ def format_compare_summary(result: CompareResult) -> str:
         lines.append(f"{r['strategy']:<16} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
                      f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} "
                      f"{router:>7} {load:>9} {captured:>9}")
+    if c.get("expert_copy_floor") is not None:  # dedup expert, no redundancy: a proven bound, not a placement
+        J = result.model.num_experts // c["num_nodes"]
+        lines.append(f"{'floor':<16} {c['expert_copy_floor']:>26.3f}  proven for any placement with evenly loaded nodes: "
+                     f"each held-out request on a node of its own top {J} experts per layer")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from moetrace.cli import app
 from moetrace.errors import ConfigError, TraceFormatError
-from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
+from moetrace.placement.compare import CompareConfig, expert_copy_floor, load_trace_data, run_compare
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.exports import export_placement, load_placement
 from moetrace.placement.report import compare_notes, format_compare_summary
@@ -81,6 +81,45 @@ def test_nobody_wins_on_structureless_traces(flat):
     for r in res.summary_rows():  # the bounds fit the 20 held-out requests themselves: they may overfit
         if not r["is_bound"]:
             assert 0.85 < r["inter_node_normalized_median"] < 1.15, r
+
+
+def test_expert_copy_floor_is_below_any_membership_and_routing():
+    """The floor bounds (1 - local share) / (1 - 1/G) for every J-per-node membership and any routing."""
+    rng = np.random.default_rng(0)
+    R, L, E, G = 30, 3, 12, 3
+    J = E // G
+    x_RLE = rng.poisson(rng.gamma(0.5, 2.0, (R, L, E)))
+    x_RLE[:, :, 0] += 1
+    floor = expert_copy_floor(x_RLE, rows=np.arange(R), num_groups=G, num_slots=E)
+    share_RLE = x_RLE / x_RLE.sum(axis=(1, 2), keepdims=True)
+    # each request's own top-J experts of every layer: the ceiling the floor is built from
+    ceiling = np.mean([np.sort(share_RLE[r], axis=1)[:, -J:].sum() for r in range(R)])
+    assert floor == pytest.approx((1 - ceiling) / (1 - 1 / G))
+    for _ in range(300):
+        member_LGE = np.zeros((L, G, E), dtype=bool)
+        for l in range(L):
+            member_LGE[l, np.repeat(np.arange(G), J), rng.permutation(E)] = True
+        node_R = rng.integers(0, G, R)
+        local = np.mean([(share_RLE[r] * member_LGE[:, node_R[r], :]).sum() for r in range(R)])
+        assert (1 - local) / (1 - 1 / G) >= floor - 1e-12
+    # tight: G requests, each using only its own block of J experts, placed block by block
+    block_RLE = np.zeros((G, L, E))
+    for g in range(G):
+        block_RLE[g, :, g * J : (g + 1) * J] = rng.integers(1, 5, (L, J))
+    assert expert_copy_floor(block_RLE, rows=np.arange(G), num_groups=G, num_slots=E) == pytest.approx(0.0)
+
+
+def test_compare_reports_the_floor_with_expert_copies(planted, flat):
+    for trace, planted_domains in ((planted, True), (flat, False)):
+        res = run_compare(load_trace_data(trace, test_fraction=0.25, seed=0), _cfg(dedup="expert"))
+        floor = res.config["expert_copy_floor"]
+        if planted_domains:  # every request uses 8 experts, a node holds 8: nothing has to cross
+            assert floor == pytest.approx(0.0)
+        for r in res.summary_rows():
+            assert r["inter_node_normalized_median"] >= floor - 0.05, r  # 50 small batches: a little noise
+        assert format_compare_summary(res).splitlines()[-1].startswith(f"floor {floor:>37.3f}  proven for any placement")
+    no_floor = run_compare(load_trace_data(planted, test_fraction=0.25, seed=0), _cfg())  # dedup rank: not proven
+    assert "expert_copy_floor" not in no_floor.config
 
 
 def test_cli_place_compare_export_roundtrip(planted, tmp_path):
