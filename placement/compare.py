@@ -407,6 +407,7 @@ def run_compare(
     (two steps per strategy, the linear reference included).
     """
     dep, m = cfg.deployment, data.model
+    G = dep.num_groups
     strategies = list(dict.fromkeys(cfg.strategies))
     reference = "linear"
     todo = strategies if reference in strategies else [reference, *strategies]
@@ -429,9 +430,8 @@ def run_compare(
         rows, batch, src, empty = _batches(data, cfg, ps.group_of_test_R)
         ps.extra["groups_without_routed_requests"] = empty
         if ps.group_of_test_R is not None:  # held-out requests routed to the busiest node, over an even share
-            g = ps.group_of_test_R[data.is_test_R]
-            G = dep.num_groups
-            ps.extra["busiest_node_load"] = round(float(np.bincount(g, minlength=G).max() * G / max(len(g), 1)), 4)
+            n_G = np.bincount(ps.group_of_test_R[data.is_test_R], minlength=G)
+            ps.extra["busiest_node_load"] = round(float(n_G.max() * G / max(n_G.sum(), 1)), 4)
         return simulate_volume(
             data.test_topk_ids_TLK[rows], placement=ps.placement, batch_T=batch, src_rank_T=src,
             num_batches=cfg.num_batches, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node,
@@ -454,7 +454,7 @@ def run_compare(
                 bound_kinds={b: placed[b].extra.get("kind") for b in bounds})
     if cfg.oracle and cfg.dedup == "expert" and cfg.num_redundant == 0:
         conf["expert_copy_floor"] = expert_copy_floor(data.decode_RLE, rows=np.flatnonzero(data.is_test_R),
-                                                      num_groups=dep.num_groups, num_slots=m.num_experts)
+                                                      num_groups=G, num_slots=m.num_experts)
     return CompareResult(config=conf, metrics=metrics, placed=placed, model=m, reference=reference, bounds=tuple(bounds))
 
 
@@ -527,17 +527,10 @@ def expert_copy_floor(decode_RLE: np.ndarray, *, rows: np.ndarray, num_groups: i
     ``decode_RLE``: decode token counts [R, L, E], any numeric dtype; requests without decode tokens
     are left out.
     """
-    G, J = num_groups, num_slots // num_groups
-    total, n = 0.0, 0
-    for lo in range(0, len(rows), 256):  # float64 [256, L, E] at a time
-        x = np.asarray(decode_RLE[rows[lo : lo + 256]], dtype=np.float64)
-        tot = x.sum(axis=(1, 2))
-        keep = tot > 0
-        top = -np.partition(-x[keep], J - 1, axis=2)[:, :, :J]
-        total += float((top.sum(axis=(1, 2)) / tot[keep]).sum())
-        n += int(keep.sum())
-    ceiling = total / max(n, 1)
-    return (1.0 - ceiling) / (1.0 - 1.0 / G)
+    from moetrace.placement.joint import local_share_ceiling
+
+    ceiling = local_share_ceiling(decode_RLE, num_node_slots=num_slots // num_groups, rows=rows)
+    return (1.0 - ceiling) / (1.0 - 1.0 / num_groups)
 
 
 def placement_file(data: TraceData, cfg: CompareConfig, ps: PlacedStrategy) -> PlacementFile:

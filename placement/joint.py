@@ -52,7 +52,7 @@ from moetrace.placement.improved import optimal_members
 from moetrace.placement.maps import Placement, placement_from_phy2log
 
 __all__ = ["JointPlacement", "joint_placement", "aligned_members", "aligned_router_groups", "require_aligned",
-           "node_scores", "balanced_assign", "route_requests", "group_usage", "members_of_placement"]
+           "local_share_ceiling", "node_scores", "balanced_assign", "route_requests", "group_usage", "members_of_placement"]
 
 #: rows converted to float at a time (bounds memory on [R, L, E] count arrays)
 _CHUNK_ROWS = 1024
@@ -70,9 +70,9 @@ class JointPlacement:
     num_iters: int  # iterations run (the best iterate is returned)
 
 
-def _shares(x_RLE: np.ndarray, rows: np.ndarray, lo: int) -> np.ndarray:
-    """Rows ``rows[lo:lo+chunk]`` of ``x_RLE`` as float32 [n, L*E], each divided by its own total."""
-    c = x_RLE[rows[lo : lo + _CHUNK_ROWS]].reshape(min(_CHUNK_ROWS, len(rows) - lo), -1).astype(np.float32)
+def _shares(x_RLE: np.ndarray, rows: np.ndarray, lo: int, dtype: type = np.float32) -> np.ndarray:
+    """Rows ``rows[lo:lo+chunk]`` of ``x_RLE`` as ``dtype`` [n, L*E], each divided by its own total."""
+    c = x_RLE[rows[lo : lo + _CHUNK_ROWS]].reshape(min(_CHUNK_ROWS, len(rows) - lo), -1).astype(dtype)
     tot = c.sum(1, keepdims=True)
     return np.divide(c, tot, out=c, where=tot > 0)
 
@@ -90,6 +90,23 @@ def node_scores(x_RLE: np.ndarray, member_LGE: np.ndarray, *, rows: np.ndarray |
     for lo in range(0, len(rows), _CHUNK_ROWS):
         out[lo : lo + _CHUNK_ROWS] = _shares(x_RLE, rows, lo) @ m_FG
     return out
+
+
+def local_share_ceiling(x_RLE: np.ndarray, *, num_node_slots: int, rows: np.ndarray | None = None) -> float:
+    """The most any node holding ``num_node_slots`` experts per layer can serve locally, on average:
+    the mean over requests of the share of each one's activations taken by its own
+    ``num_node_slots`` most-used experts of every layer (each request weighs 1; requests without
+    activations are left out), float in [0, 1]. ``x_RLE``: token counts [R, L, E], any numeric dtype.
+    """
+    rows = np.arange(x_RLE.shape[0]) if rows is None else np.asarray(rows)
+    R, L, E = x_RLE.shape
+    J = num_node_slots
+    total, n = 0.0, 0
+    for lo in range(0, len(rows), _CHUNK_ROWS):
+        s = _shares(x_RLE, rows, lo, np.float64).reshape(-1, L, E)
+        total += float(np.partition(s, E - J, axis=2)[:, :, E - J :].sum())
+        n += int((s.sum(axis=(1, 2)) > 0).sum())
+    return total / max(n, 1)
 
 
 def group_usage(x_RLE: np.ndarray, group_N: np.ndarray, *, num_groups: int, rows: np.ndarray | None = None) -> np.ndarray:
