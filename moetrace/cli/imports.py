@@ -1,4 +1,8 @@
-"""``import``: routing recorded elsewhere (SGLang, per-token JSONL) → a moetrace trace."""
+"""``import``: routing recorded elsewhere → a moetrace trace.
+
+The ``--format`` choices and their help come from the registry ``moetrace.tracer.importers.FORMATS``,
+the ``--stages`` choices from its one ``StagesMode``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,17 @@ from typing import Annotated, Literal
 import typer
 
 from moetrace.cli.common import OutDir, Overwrite, Quiet, friendly_errors, human_bytes, progress_bar
+from moetrace.tracer.importers import FORMATS, STAGES_HELP, StagesMode
+
+FORMAT_CHOICES: tuple[str, ...] = ("auto", *(f.name for f in FORMATS))
+FormatName = Literal[FORMAT_CHOICES]  # type: ignore[valid-type]  # the registry's names, built at run time
+_FORMAT_HELP = "; ".join(f"{f.name}: {f.help}" for f in FORMATS) + "; auto: decide from the input's first bytes."
+_STAGES_FORMATS = ", ".join(f.name for f in FORMATS if f.stages_modes)
+_STAGES_HELP = (
+    f"Stages the capture recorded (--format {_STAGES_FORMATS}): "
+    + "; ".join(f"{mode} ({what})" for mode, what in STAGES_HELP.items())
+    + ". Recorded in the manifest; analyses that need the missing stage are skipped with the reason."
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -16,23 +31,17 @@ def register(app: typer.Typer) -> None:
 
 @friendly_errors
 def import_cmd(
-    source: Annotated[Path, typer.Argument(help="JSONL file: SGLang /generate responses, or per-token records.",
+    source: Annotated[Path, typer.Argument(help="The input: a file (or a directory) in one of the --format formats.",
                                            show_default=False)],
     *,
     out: OutDir,
     model: Annotated[str, typer.Option("--model", "-m", help="Model preset (see `moetrace models`) or an HF "
                                        "config.json / checkpoint directory: gives MoE layers, experts, top-k.",
                                        show_default=False)],
-    source_format: Annotated[Literal["auto", "sglang", "tokens"], typer.Option(
-        "--format", help="sglang: /generate responses with meta_info.routed_experts; tokens: "
-        "{request, layer, position, stage, experts} records; auto: decide from the first record.")] = "auto",
+    source_format: Annotated[FormatName, typer.Option("--format", help=_FORMAT_HELP)] = "auto",
     dataset: Annotated[str | None, typer.Option(help="Dataset label of requests that carry none "
                                                 "(default: the file name).")] = None,
-    stages: Annotated[Literal["both", "decode-only", "prefill-only"], typer.Option(
-        "--stages", help="Stages the capture recorded (--format tokens): both (every request has its prompt's "
-        "routing, and decode records); decode-only (generated tokens only, e.g. captures that log no prompt); "
-        "prefill-only (prompt tokens only). Recorded in the manifest; analyses that need the missing stage "
-        "are skipped with the reason.")] = "both",
+    stages: Annotated[StagesMode, typer.Option("--stages", help=_STAGES_HELP)] = "both",
     overwrite: Overwrite = False,
     quiet: Quiet = False,
 ) -> None:

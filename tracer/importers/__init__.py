@@ -1,0 +1,174 @@
+"""Import routing recorded by other tools into trace format v1, through one registry of formats.
+
+``FORMATS`` lists the formats, one module each (its docstring describes the input):
+
+- ``sglang`` (``sglang.py``): JSONL of SGLang ``/generate`` responses with ``meta_info.routed_experts``;
+- ``tokens`` (``tokens.py``): JSONL of per-token, per-layer records; the only one honouring ``--stages``
+  decode-only / prefill-only.
+
+``import_trace`` is the one entry point: it finds the format (``--format``, or ``detect_format``:
+each format looks at the input's first bytes, before anything is decoded as text, so a binary
+format or a directory fits), opens the trace writer, lets the format's ``read`` fill it, and
+writes the manifest (``backend.source_format``, ``collection.stages``, the datasets). Bad input
+leaves no partial trace behind.
+
+Adding a format: a module here with ``detect``, ``read`` and one ``base.ImportFormat`` (name,
+help line, whether it honours ``--stages``), one row in ``FORMATS``, a test. The CLI's
+``--format`` choices and help come from ``FORMATS``.
+
+Out of scope: what a ``--model`` name means (``presets.resolve``; the caller passes the
+``ModelInfo``), collecting (``collect``, ``backends``).
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
+from moetrace.tracer.importers import sglang, tokens
+from moetrace.tracer.importers.base import (
+    HEAD_BYTES, RECORDED_STAGES, STAGES_HELP, STAGES_MODES, ImportFormat, Progress, ReadResult, StagesMode,
+)
+from moetrace.tracer.importers.jsonl import MAX_REQUEST_BYTES, MAX_REQUEST_TOKENS, check_utf8, first_record
+from moetrace.tracer.importers.sglang import (
+    SGLANG_DEFAULT_DTYPE, SGLANG_ROUTED_EXPERTS_DTYPES, decode_sglang_routed_experts, sglang_response_rows,
+    sglang_routed_experts_dtype,
+)
+from moetrace.tracer.importers.tokens import decode_only_counts_generated, tokens_to_requests
+
+if TYPE_CHECKING:  # the writer (pyarrow) loads in import_trace, so `moetrace --help` stays light
+    from moetrace.tracer.trace.schema import ModelInfo
+    from moetrace.tracer.trace.writer import OnExisting, WriterStats
+
+__all__ = [
+    "FORMATS", "ImportFormat", "ReadResult", "StagesMode", "STAGES_MODES", "STAGES_HELP", "RECORDED_STAGES",
+    "get_format", "detect_format", "import_trace",
+    "sglang_response_rows", "decode_sglang_routed_experts", "sglang_routed_experts_dtype",
+    "SGLANG_ROUTED_EXPERTS_DTYPES", "SGLANG_DEFAULT_DTYPE", "tokens_to_requests", "decode_only_counts_generated",
+    "check_utf8", "MAX_REQUEST_TOKENS", "MAX_REQUEST_BYTES",
+]
+
+#: the registry, in the order the CLI lists it and detection asks
+FORMATS: tuple[ImportFormat, ...] = (
+    sglang.FORMAT,
+    tokens.FORMAT,
+)
+
+
+def _listing() -> str:
+    return ", ".join(f"{f.name} ({f.help})" for f in FORMATS)
+
+
+def get_format(name: str) -> ImportFormat:
+    """The registry row of ``name``; ``ConfigError`` naming the choices when there is none."""
+    for f in FORMATS:
+        if f.name == name:
+            return f
+    raise ConfigError(f"unknown import format {name!r}; choose from auto, {', '.join(f.name for f in FORMATS)}")
+
+
+def _head(src: Path) -> bytes:
+    """The first ``HEAD_BYTES`` of a file; ``b""`` for a directory."""
+    if src.is_dir():
+        return b""
+    with open(src, "rb") as f:
+        return f.read(HEAD_BYTES)
+
+
+def _describe(src: Path, head: bytes) -> str:
+    """What ``src`` looks like, for the error when no format recognises it (starts with the place)."""
+    if src.is_dir():
+        names = sorted(p.name for p in src.iterdir())
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        return f"{src}: a directory ({len(names)} entries{': ' + shown if names else ''})"
+    try:  # final only when the head is the whole file: it may end inside a character
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < HEAD_BYTES)
+    except UnicodeDecodeError as exc:
+        at = head[: exc.start].count(b"\n") + 1
+        return f"{src}:{at}: binary data, not UTF-8 text ({exc.reason})"
+    try:
+        found = first_record(src)
+    except TraceFormatError as exc:  # not UTF-8 or not JSON further on: says where
+        return str(exc)
+    if found is None:
+        return f"{src}: blank lines only"
+    n, obj = found
+    first = obj[0] if isinstance(obj, list) and obj else obj
+    what = f"a record with keys {sorted(first)}" if isinstance(first, dict) else f"a JSON {type(first).__name__}"
+    return f"{src}:{n}: {what}"
+
+
+def detect_format(src: Path) -> ImportFormat:
+    """The one registered format that recognises ``src`` (a file or a directory) from its first bytes.
+
+    Raises ``TraceFormatError`` for an empty file, an input no format recognises (saying what it
+    looks like and listing the formats), or one that several formats claim.
+    """
+    head = _head(src)
+    if not head and src.is_file():
+        raise TraceFormatError(f"{src}: empty file")
+    found = [f for f in FORMATS if f.detect(head, src)]
+    if len(found) > 1:
+        raise TraceFormatError(f"{src}: reads as several formats ({', '.join(f.name for f in found)}); "
+                               "pass --format to say which")
+    if not found:
+        raise TraceFormatError(f"{_describe(src, head)}, which is none of the formats moetrace imports: "
+                               f"{_listing()}. Pass --format to say which.")
+    return found[0]
+
+
+def import_trace(
+    path: str | os.PathLike,
+    *,
+    out: str | os.PathLike,
+    model: ModelInfo,
+    source_format: str = "auto",
+    dataset: str | None = None,
+    stages: StagesMode = "both",
+    on_existing: OnExisting = "refuse",
+    progress: Progress | None = None,
+) -> WriterStats:
+    """Convert one input (a file, or a directory for a format that reads one) into the trace directory
+    ``out``; returns what was written.
+
+    ``source_format``: a name in ``FORMATS``, or ``auto`` (``detect_format``). ``stages``: which
+    stages the capture recorded (``base.StagesMode``), for formats that honour it; recorded as
+    ``collection.stages``. ``progress(done, total)`` is called after each committed batch of
+    requests, last with ``done == total`` (bytes of the input for the JSONL formats).
+    """
+    from moetrace.tracer.trace.layout import MANIFEST
+    from moetrace.tracer.trace.writer import TraceWriter
+
+    src = Path(path)
+    if not src.exists():
+        raise TraceFormatError(f"{src}: no such file")
+    if stages not in RECORDED_STAGES:
+        raise ConfigError(f"stages must be one of {', '.join(RECORDED_STAGES)}, got {stages!r}")
+    fmt = detect_format(src) if source_format == "auto" else get_format(source_format)
+    if stages != "both" and not fmt.stages_modes:
+        honour = ", ".join(f.name for f in FORMATS if f.stages_modes)
+        raise ConfigError(f"--stages {stages} applies to --format {honour}; --format {fmt.name} ({fmt.help}) always "
+                          "carries both stages (leave --stages at both)")
+    label = dataset or src.stem
+    backend = {"name": "import", "source_format": fmt.name, "source_file": str(src)}
+    collection: dict[str, Any] = {"datasets": [label] if dataset else [], "imported_from": src.name,
+                                  "stages": RECORDED_STAGES[stages]}
+    created = not Path(out).exists()
+    if on_existing == "refuse" and (Path(out) / MANIFEST).exists():
+        raise OutputExistsError(f"{out} already holds a trace; choose another -o, or --overwrite to replace it")
+    try:
+        with TraceWriter(out, model=model, backend=backend, collection=collection, on_existing=on_existing) as writer:
+            result: ReadResult = fmt.read(src, writer=writer, info=model, label=label, stages=stages,
+                                          progress=progress)
+            if not result.prompt_lengths_known:
+                collection["prompt_lengths_known"] = False
+            writer.update_manifest(collection={**collection, "datasets": sorted(result.datasets)})
+    except TraceFormatError:
+        if created:  # bad input: leave no partial trace behind that would block a corrected re-run
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    return writer.stats()

@@ -1,0 +1,87 @@
+"""What an import format declares (``ImportFormat``, one row of the registry) and what every format shares.
+
+A format is one module of this package holding one ``ImportFormat``: its name, a one-line help,
+``detect`` (does this input look like mine, from its first bytes) and ``read`` (fill the trace
+writer). ``moetrace.tracer.importers`` lists the rows (``FORMATS``), detects, and owns the
+output directory, the manifest and the clean-up after bad input.
+
+Stages (``StagesMode``, ``--stages``): which stages a capture recorded. ``both`` (the default):
+every request has its prompt's routing and its generated tokens'; ``decode-only``: generated
+tokens only; ``prefill-only``: prompt tokens only. A format that honours the one-stage modes says
+so (``stages_modes``; its module says how it keeps trace format v1's ``prompt_tokens >= 1``);
+the manifest records the stages as ``collection.stages`` (``schema.stages_of`` reads it).
+
+This module imports nothing heavy (the CLI builds its choices from the registry at start-up):
+formats load numpy, polars and the writer inside ``read``.
+
+Out of scope: any one format (its module), detection over all formats and writing the manifest
+(``moetrace.tracer.importers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Literal, Protocol, get_args
+
+if TYPE_CHECKING:
+    from moetrace.tracer.trace.schema import ModelInfo
+    from moetrace.tracer.trace.writer import TraceWriter
+
+#: which stages a capture recorded: the value of ``--stages``
+StagesMode = Literal["both", "decode-only", "prefill-only"]
+STAGES_MODES: tuple[str, ...] = get_args(StagesMode)
+#: ``--stages`` -> what such a capture holds (the CLI's help)
+STAGES_HELP: dict[str, str] = {
+    "both": "every request has its prompt's routing, and decode records",
+    "decode-only": "generated tokens only, e.g. captures that log no prompt",
+    "prefill-only": "prompt tokens only",
+}
+#: ``--stages`` -> the manifest's ``collection.stages`` (``schema.STAGE_PREFILL``, ``STAGE_DECODE``)
+RECORDED_STAGES: dict[str, list[str]] = {
+    "both": ["prefill", "decode"], "decode-only": ["decode"], "prefill-only": ["prefill"],
+}
+
+#: how many bytes of the input ``detect`` sees (a format may read more from ``src`` itself)
+HEAD_BYTES = 1 << 16
+
+#: ``progress(done, total)``: after each committed batch, last with ``done == total`` (a format's own unit:
+#: bytes of the input for the JSONL formats, which is what the CLI's bar shows)
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """What a format's ``read`` tells the manifest beyond the rows it wrote."""
+
+    datasets: frozenset[str]  # the dataset labels of the requests written (``collection.datasets``)
+    prompt_lengths_known: bool = True  # False: prompts are placeholders of unknown length (a decode-only capture)
+
+
+class Detect(Protocol):
+    def __call__(self, head: bytes, src: Path, /) -> bool:
+        """Whether ``src`` is in this format, from ``head`` (its first ``HEAD_BYTES`` bytes; ``b""`` for a
+        directory or an empty file). Never assumes text; returns False, never raises, for inputs of other
+        formats: binary files, directories, text that is not this format."""
+        ...
+
+
+class Read(Protocol):
+    def __call__(self, src: Path, /, *, writer: TraceWriter, info: ModelInfo, label: str, stages: StagesMode,
+                 progress: Progress | None) -> ReadResult:
+        """Add every request of ``src`` to ``writer`` (``add_requests``), labelling requests that carry no
+        dataset with ``label``; ``stages`` is what the capture recorded (always ``both`` for a format whose
+        ``stages_modes`` is False). Raises ``TraceFormatError`` naming the place in ``src``, the problem and
+        the fix."""
+        ...
+
+
+@dataclass(frozen=True)
+class ImportFormat:
+    """One import format (a row of ``moetrace.tracer.importers.FORMATS``)."""
+
+    name: str  # the --format value and the manifest's backend.source_format
+    help: str  # one line: what the input holds (the CLI's --format help and the error for an unknown input)
+    detect: Detect  # recognises the input from its first bytes
+    read: Read  # fills the trace writer
+    stages_modes: bool = False  # honours --stages decode-only / prefill-only; False: the input always carries both
