@@ -22,7 +22,6 @@ Out of scope: what a ``--model`` name means (``presets.resolve``; the caller pas
 
 from __future__ import annotations
 
-import codecs
 import os
 import shutil
 from pathlib import Path
@@ -33,7 +32,9 @@ from moetrace.tracer.importers import sglang, tokens
 from moetrace.tracer.importers.base import (
     HEAD_BYTES, RECORDED_STAGES, STAGES_HELP, STAGES_MODES, ImportFormat, Progress, ReadResult, StagesMode,
 )
-from moetrace.tracer.importers.jsonl import MAX_REQUEST_BYTES, MAX_REQUEST_TOKENS, check_utf8, first_record
+from moetrace.tracer.importers.jsonl import (
+    MAX_REQUEST_BYTES, MAX_REQUEST_TOKENS, check_utf8, first_line, first_line_utf8_error, first_record,
+)
 from moetrace.tracer.importers.sglang import (
     SGLANG_DEFAULT_DTYPE, SGLANG_ROUTED_EXPERTS_DTYPES, decode_sglang_routed_experts, sglang_response_rows,
     sglang_routed_experts_dtype,
@@ -45,11 +46,10 @@ if TYPE_CHECKING:  # the writer (pyarrow) loads in import_trace, so `moetrace --
     from moetrace.tracer.trace.writer import OnExisting, WriterStats
 
 __all__ = [
-    "FORMATS", "ImportFormat", "ReadResult", "StagesMode", "STAGES_MODES", "STAGES_HELP", "RECORDED_STAGES",
-    "get_format", "detect_format", "import_trace",
-    "sglang_response_rows", "decode_sglang_routed_experts", "sglang_routed_experts_dtype",
-    "SGLANG_ROUTED_EXPERTS_DTYPES", "SGLANG_DEFAULT_DTYPE", "tokens_to_requests", "decode_only_counts_generated",
-    "check_utf8", "MAX_REQUEST_TOKENS", "MAX_REQUEST_BYTES",
+    "FORMATS", "ImportFormat", "MAX_REQUEST_BYTES", "MAX_REQUEST_TOKENS", "RECORDED_STAGES", "ReadResult",
+    "SGLANG_DEFAULT_DTYPE", "SGLANG_ROUTED_EXPERTS_DTYPES", "STAGES_HELP", "STAGES_MODES", "StagesMode",
+    "check_utf8", "decode_only_counts_generated", "decode_sglang_routed_experts", "detect_format", "get_format",
+    "import_trace", "sglang_response_rows", "sglang_routed_experts_dtype", "tokens_to_requests"
 ]
 
 #: the registry, in the order the CLI lists it and detection asks
@@ -85,16 +85,14 @@ def _describe(src: Path, head: bytes) -> str:
         names = sorted(p.name for p in src.iterdir())
         shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
         return f"{src}: a directory ({len(names)} entries{': ' + shown if names else ''})"
-    try:  # final only when the head is the whole file: it may end inside a character
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < HEAD_BYTES)
-    except UnicodeDecodeError as exc:
-        at = head[: exc.start].count(b"\n") + 1
-        return f"{src}:{at}: binary data, not UTF-8 text ({exc.reason})"
+    bad = first_line_utf8_error(head, whole_file=len(head) < HEAD_BYTES)
+    if bad is not None:  # said before reading a line, which in a binary file may have no end
+        return f"{src}:{first_line(head)[0]}: binary data, not UTF-8 text ({bad.reason})"
     try:
         found = first_record(src)
     except TraceFormatError as exc:  # not UTF-8 or not JSON further on: says where
         return str(exc)
-    if found is None:
+    if found is None:  # blank lines only, longer than the head
         return f"{src}: blank lines only"
     n, obj = found
     first = obj[0] if isinstance(obj, list) and obj else obj
@@ -109,7 +107,7 @@ def detect_format(src: Path) -> ImportFormat:
     looks like and listing the formats), or one that several formats claim.
     """
     head = _head(src)
-    if not head and src.is_file():
+    if src.is_file() and not head.strip() and len(head) < HEAD_BYTES:  # nothing, or blank lines only
         raise TraceFormatError(f"{src}: empty file")
     found = [f for f in FORMATS if f.detect(head, src)]
     if len(found) > 1:

@@ -20,9 +20,10 @@ Out of scope: any one format (its module), detection over all formats and writin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 if TYPE_CHECKING:
     from moetrace.tracer.trace.schema import ModelInfo

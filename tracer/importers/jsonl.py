@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from moetrace.errors import TraceFormatError
 
@@ -26,16 +27,34 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def looks_like_json_lines(head: bytes) -> bool:
-    """Whether the first bytes of a file read as UTF-8 text whose first non-blank character opens a JSON
-    object or list (a character cut off at the end of ``head`` is fine)."""
-    if head.lstrip(b" \t\r\n")[:1] not in (b"{", b"["):
-        return False
+def first_line(head: bytes) -> tuple[int, bytes, bool]:
+    """``(line number, bytes, complete)`` of the first line of ``head`` holding more than whitespace (the
+    last line when none does); ``complete``: its newline is inside ``head``."""
+    n, start = 1, 0
+    while True:
+        end = head.find(b"\n", start)
+        line = head[start:] if end < 0 else head[start:end]
+        if end < 0 or line.strip():
+            return n, line, end >= 0
+        n, start = n + 1, end + 1
+
+
+def first_line_utf8_error(head: bytes, *, whole_file: bool) -> UnicodeDecodeError | None:
+    """The error decoding the first non-blank line of ``head`` as UTF-8, None when it decodes. A character
+    cut off where ``head`` ends is fine unless ``head`` is the ``whole_file``."""
+    _, line, complete = first_line(head)
     try:
-        codecs.getincrementaldecoder("utf-8")().decode(head)  # not final: the head may end inside a character
-    except UnicodeDecodeError:
-        return False
-    return True
+        codecs.getincrementaldecoder("utf-8")().decode(line, final=complete or whole_file)
+    except UnicodeDecodeError as exc:
+        return exc
+    return None
+
+
+def looks_like_json_lines(head: bytes) -> bool:
+    """Whether the first non-blank line of a file (from its first bytes ``head``) is UTF-8 text opening a
+    JSON object or list. Later lines are not looked at: the reader's ``check_utf8`` names them."""
+    _, line, _ = first_line(head)
+    return line.lstrip()[:1] in (b"{", b"[") and first_line_utf8_error(head, whole_file=False) is None
 
 
 def first_object(head: bytes, src: Path) -> dict[str, Any] | None:
@@ -106,7 +125,8 @@ def iter_json_lines(path: Path, consumed: list[int] | None = None) -> Iterator[t
 
 def whole(value: Any, name: str, *, low: int = 0, high: int = MAX_REQUEST_TOKENS) -> int:
     """``value`` as an int in ``low..high``: a JSON whole number, not a float, string or boolean."""
-    from moetrace.tracer.trace.schema import is_whole  # here: the schema loads pyarrow, and detection stays light
+    # imported here: the schema loads pyarrow, and detection stays light
+    from moetrace.tracer.trace.schema import is_whole
 
     if not is_whole(value) or not low <= value <= high:
         raise TraceFormatError(f"`{name}` must be a whole number in {low}..{high:,}, got {value!r}")
