@@ -115,7 +115,7 @@ def test_sglang_jsonl_several_requests_batched_line_and_labels(tmp_path):
     assert (stats.num_requests, stats.num_tokens) == (3, sum(p + o for p, o in shapes))
     assert find_problems(tmp_path / "t") == []
     tr = open_trace(tmp_path / "t")
-    assert tr.manifest["backend"] == {"name": "import", "source_format": "sglang", "source_file": str(src)}
+    assert tr.manifest["backend"] == {"name": "import", "source_format": "sglang", "source_file": src.name}
     assert tr.manifest["collection"]["datasets"] == ["code", "gsm8k-run"]
     assert tr.manifest["collection"]["stages"] == ["prefill", "decode"] and stages_of(tr) == {"prefill", "decode"}
     ta = tr.token_arrays()

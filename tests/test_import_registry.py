@@ -82,7 +82,7 @@ def test_a_binary_format_fits_with_one_registry_row(tmp_path, monkeypatch):
     assert (stats.num_requests, stats.num_tokens) == (2, 12)
     assert find_problems(tmp_path / "t") == []
     tr = open_trace(tmp_path / "t")
-    assert tr.manifest["backend"] == {"name": "import", "source_format": "i16", "source_file": str(src)}
+    assert tr.manifest["backend"] == {"name": "import", "source_format": "i16", "source_file": src.name}
     assert tr.manifest["collection"]["datasets"] == ["run"] and tr.manifest["collection"]["stages"] == ["prefill", "decode"]
     ta = tr.token_arrays()
     for rid, (prompt, output, ids) in enumerate(truths):
@@ -181,3 +181,26 @@ def test_cli_choices_come_from_the_registry():
     for name in names:  # every registry name is a valid choice: the next error is the missing file
         res = CliRunner().invoke(app, ["import", "no-such.jsonl", "-m", "olmoe-1b-7b-tiny", "-o", "t", "--format", name])
         assert res.exit_code == 2 and "no-such.jsonl: no such file" in res.output, res.output
+
+
+def test_bad_text_input_never_costs_an_existing_trace_under_overwrite(tmp_path: Path) -> None:
+    """The UTF-8 check runs before the output is touched: --overwrite over a good trace with a file
+    that turns out not to be UTF-8 keeps the good trace."""
+    from moetrace.errors import TraceFormatError
+    from moetrace.tracer.importers import import_trace
+    from moetrace.tracer.presets import resolve
+    from moetrace.tracer.trace.reader import open_trace
+
+    info = resolve("mixtral-8x7b").model_info()
+    good = tmp_path / "good.jsonl"
+    rows = [{"request": 0, "layer": layer, "position": p, "stage": "prefill" if p == 0 else "decode",
+             "experts": [0, 1]} for p in range(2) for layer in info.moe_layers]
+    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "trace"
+    import_trace(good, out=out, model=info, source_format="tokens")
+    before = open_trace(out).manifest
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(good.read_bytes() + b'{"request": 1, "layer": 0, "stage": "\xff"}\n')
+    with pytest.raises(TraceFormatError, match="UTF-8"):
+        import_trace(bad, out=out, model=info, source_format="tokens", on_existing="overwrite")
+    assert open_trace(out).manifest == before

@@ -151,8 +151,11 @@ def import_trace(
         honour = ", ".join(f.name for f in FORMATS if f.stages_modes)
         raise ConfigError(f"--stages {stages} applies to --format {honour}; --format {fmt.name} ({fmt.help}) always "
                           "carries both stages (leave --stages at both)")
+    if fmt.precheck is not None:
+        fmt.precheck(src)
     label = dataset or src.stem
-    backend = {"name": "import", "source_format": fmt.name, "source_file": str(src)}
+    # the file's name only: the user's directories stay out of the trace (privacy)
+    backend = {"name": "import", "source_format": fmt.name, "source_file": src.name}
     collection: dict[str, Any] = {"datasets": [label] if dataset else [], "imported_from": src.name,
                                   "stages": RECORDED_STAGES[stages]}
     created = not Path(out).exists()

@@ -86,3 +86,6 @@ class ImportFormat:
     detect: Detect  # recognises the input from its first bytes
     read: Read  # fills the trace writer
     stages_modes: bool = False  # honours --stages decode-only / prefill-only; False: the input always carries both
+    # whole-input checks that need no model or writer (e.g. a text format's UTF-8 check), run before the
+    # output directory is touched, so bad input never costs an existing trace under --overwrite; None: none
+    precheck: Callable[[Path], None] | None = None

@@ -1,7 +1,7 @@
 """Reading JSON-lines inputs, shared by the text formats: detection from the head, the UTF-8 check,
 the line iterator, whole-number fields and the size limits.
 
-A text format checks UTF-8 inside its own ``read`` (``check_utf8``), after detection: detection
+A text format checks UTF-8 in its ``precheck`` (``check_utf8``), after detection and before the output is touched: detection
 looks at bytes first, so a binary format is never turned away as "not UTF-8".
 
 Out of scope: what a record means (each format's module), binary inputs.

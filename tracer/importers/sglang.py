@@ -139,7 +139,6 @@ def read(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str, stages:
     """Add every response of ``src`` to ``writer``, ``BATCH_RESPONSES`` at a time; progress in bytes of ``src``."""
     import numpy as np
 
-    check_utf8(src)
     seen: set[str] = set()
     ids: set[int] = set()
     index = 0
@@ -189,6 +188,7 @@ FORMAT = ImportFormat(
     name="sglang",
     help="JSONL of SGLang /generate responses with meta_info.routed_experts",
     detect=detect,
+    precheck=check_utf8,
     read=read,
     stages_modes=False,
 )

@@ -182,7 +182,6 @@ def read(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str, stages:
     import numpy as np
     import polars as pl
 
-    check_utf8(src)
     try:
         df = pl.read_ndjson(src, infer_schema_length=None)
     except (pl.exceptions.PolarsError, OSError, ValueError) as exc:  # polars' own errors on malformed JSON
@@ -249,6 +248,7 @@ FORMAT = ImportFormat(
     name="tokens",
     help="JSONL of per-token records {request, layer, position, stage, experts}",
     detect=detect,
+    precheck=check_utf8,
     read=read,
     stages_modes=True,
 )
