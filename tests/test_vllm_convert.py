@@ -512,8 +512,18 @@ def test_parent_side_before_the_engine_spawn_no_cuda_and_rows_exact(fake_vllm_en
 
     fake = fake_vllm_env(_FakeVllm(version))
     checks = []  # every look at vLLM's version and at the GPUs: once per run
+
+    def counted(name):
+        real = getattr(V, name)
+
+        def call():
+            checks.append(name)
+            return real()
+
+        return call
+
     for name in ("vllm_version", "visible_gpu_count"):
-        monkeypatch.setattr(V, name, lambda f=getattr(V, name), n=name: checks.append(n) or f())
+        monkeypatch.setattr(V, name, counted(name))
     result = collect(CFG, out=tmp_path / "t", backend="vllm", engine=V.VllmEngineConfig())
     assert checks == ["vllm_version", "visible_gpu_count"]
     (start,) = fake.starts

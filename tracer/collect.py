@@ -34,9 +34,6 @@ from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 if TYPE_CHECKING:  # pragma: no cover
     from moetrace.tracer.backends.vllm import VllmEngineConfig
 
-__all__ = ["CollectConfig", "CollectResult", "OnProgress", "OnStart", "collect", "parse_shard", "shard_prompts",
-           "writer_committed_nothing"]
-
 #: ``on_start(num_pending, num_total)``: requests still to run, and in this run (or shard)
 OnStart = Callable[[int, int], None]
 

@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moetrace.errors import ConfigError
+from moetrace.tracer.backends.base import OnProgress
 from moetrace.tracer.backends.registry import AUTO, choose_backend, get_backend
-from moetrace.tracer.collect import CollectConfig, CollectResult, OnProgress, OnStart, collect
+from moetrace.tracer.collect import CollectConfig, CollectResult, OnStart, collect
 from moetrace.tracer.trace.merge import merge_shards
 from moetrace.tracer.trace.writer import OnExisting, WriterStats
 

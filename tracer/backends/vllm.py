@@ -39,7 +39,7 @@ import queue
 import re
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -284,6 +284,7 @@ def engine_start_error(source: str, exc: BaseException) -> str:
 ROUTED_EXPERTS_NOTE = "vLLM enable_return_routed_experts; final generated position recorded as -1"
 
 
+@dataclass
 class VllmBackend:
     """The vLLM backend behind the collection seam (``backends.base.CollectionBackend``).
 
@@ -292,11 +293,10 @@ class VllmBackend:
     :meth:`describe` and :meth:`run` in that order.
     """
 
-    def __init__(self, *, engine: VllmEngineConfig) -> None:
-        self.engine = engine  # the engine settings, passed through to vllm.LLM
-        self._versions: dict[str, str] = {}  # vllm and torch, once checked
-        self._capture: CaptureFacts | None = None  # the installed release's capture facts, once checked
-        self._source: str | None = None  # what vLLM loads, once loaded
+    engine: VllmEngineConfig  # the engine settings, passed through to vllm.LLM
+    _versions: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # vllm and torch, once checked
+    _capture: CaptureFacts | None = field(default=None, init=False, repr=False)  # the release's capture facts
+    _source: str | None = field(default=None, init=False, repr=False)  # what vLLM loads, once loaded
 
     def check_environment(self, generation: GenerationConfig) -> None:
         """:func:`check_environment`: routing weights refused, vLLM >= 0.14 and its model-runner switch,
