@@ -170,3 +170,37 @@ def test_routing_weights_are_recorded_with_the_ids(models, tok):
     assert w.shape[0] == r.topk_ids_TX.shape[0]
     assert np.allclose(w[:-1].sum(-1), 2.5, atol=1e-4)
     assert (w[-1] == 0).all()  # the last generated token has no routing
+
+
+def test_hf_backend_through_collect_keeps_weights_and_text(tmp_path):
+    """`collect(backend="hf")`: the one GenerationConfig's record_weights and store_text reach the trace."""
+    from moetrace.tracer.collect import CollectConfig, collect
+    from moetrace.tracer.trace.reader import open_trace
+    from moetrace.tracer.trace.validate import find_problems
+
+    config = CollectConfig(model="mixtral-8x7b-tiny", datasets=("chat",), num_requests=3, max_new_tokens=3,
+                           batch_size=2, record_weights=True, store_text=True)
+    result = collect(config, out=tmp_path / "t", backend="hf")
+    assert result.backend == "hf" and result.num_new_requests == 3
+    assert find_problems(tmp_path / "t") == []
+    tr = open_trace(tmp_path / "t")
+    assert tr.manifest["writer"]["with_weights"] and tr.manifest["writer"]["with_text"]
+    assert all(tr.requests().collect()["output_text"].is_not_null())
+    routing = tr.routing().collect()
+    ids = np.array(routing["experts"].to_list()).reshape(-1, 32, 2)
+    w = np.array(routing["weights"].to_list()).reshape(-1, 32, 2)
+    fed = (ids >= 0).all(axis=(1, 2))  # every token but each request's last
+    assert fed.sum() == routing.height - 3
+    assert np.allclose(w[fed].sum(-1), 1.0, atol=1e-5)  # Mixtral renormalizes its top-2 weights
+
+
+def test_hf_backend_refuses_a_cuda_device_without_a_gpu(tmp_path):
+    from moetrace.errors import ModelError
+    from moetrace.tracer.collect import CollectConfig, collect
+
+    if torch.cuda.device_count() > 0:
+        pytest.skip("a GPU is visible here; this checks the message without one")
+    config = CollectConfig(model="mixtral-8x7b-tiny", datasets=("chat",), num_requests=1, device="cuda")
+    with pytest.raises(ModelError, match="--device cuda: no CUDA GPU is visible"):
+        collect(config, out=tmp_path / "t", backend="hf")
+    assert not (tmp_path / "t").exists()

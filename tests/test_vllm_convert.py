@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 
 from moetrace.cli import app
 from moetrace.errors import ConfigError, MissingDependencyError, ModelError
+from moetrace.tracer.backends.base import GenerationConfig
 from moetrace.tracer.collect import CollectConfig, collect
 from moetrace.tracer.presets import model_info_for, resolve
 from moetrace.tracer.trace.reader import open_trace
@@ -281,11 +282,20 @@ def test_engine_loop_keeps_the_window_full_and_emits_every_request():
     fake_vllm = SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw))
     work = iter([(i, [1, 2, i]) for i in range(25)])
     emitted = []
-    V.run_engine_loop(llm, work, vllm=fake_vllm, num_inflight=8, max_new_tokens=5, temperature=0.0, seed=0,
-                      detokenize=False, emit=emitted.extend)
+    V.run_engine_loop(llm, work, vllm=fake_vllm, num_inflight=8, generation=GenerationConfig(max_new_tokens=5),
+                      emit=emitted.extend)
     assert sorted(int(o.request_id) for o in emitted) == list(range(25))
     assert engine.peak == 8
     assert engine.added[3] == ("3", [1, 2, 3], 5)
+
+
+def test_sampling_params_come_from_the_one_generation_config():
+    fake_vllm = SimpleNamespace(SamplingParams=lambda **kw: kw)
+    greedy = V._sampling_params(fake_vllm, request_id=7, generation=GenerationConfig(max_new_tokens=9))
+    assert greedy == {"n": 1, "max_tokens": 9, "temperature": 0.0, "seed": None, "detokenize": False}
+    sampled = V._sampling_params(fake_vllm, request_id=7,
+                                 generation=GenerationConfig(temperature=0.7, seed=3, store_text=True))
+    assert sampled["seed"] == 3 * 1_000_003 + 7 and sampled["detokenize"] is True and sampled["temperature"] == 0.7
 
 
 def test_engine_config_checks_and_pass_through():
@@ -497,9 +507,25 @@ def _check_trace(out, fake, rids):
 
 
 @pytest.mark.parametrize("version", ["0.14.0", "0.20.2", "0.22.1", "0.32.0"])
-def test_parent_side_before_the_engine_spawn_no_cuda_and_rows_exact(fake_vllm_env, tmp_path, version):
+def test_parent_side_before_the_engine_spawn_no_cuda_and_rows_exact(fake_vllm_env, tmp_path, monkeypatch, version):
+    import torch
+
     fake = fake_vllm_env(_FakeVllm(version))
+    checks = []  # every look at vLLM's version and at the GPUs: once per run
+
+    def counted(name):
+        real = getattr(V, name)
+
+        def call():
+            checks.append(name)
+            return real()
+
+        return call
+
+    for name in ("vllm_version", "visible_gpu_count"):
+        monkeypatch.setattr(V, name, counted(name))
     result = collect(CFG, out=tmp_path / "t", backend="vllm", engine=V.VllmEngineConfig())
+    assert checks == ["vllm_version", "visible_gpu_count"]
     (start,) = fake.starts
     assert start["cuda_initialized"] is False and start["method"] == "spawn"
     assert start["model"] == "deepseek-ai/DeepSeek-V3" and start["kw"]["enable_return_routed_experts"] is True
@@ -508,7 +534,9 @@ def test_parent_side_before_the_engine_spawn_no_cuda_and_rows_exact(fake_vllm_en
     assert result.num_new_requests == 4
     _check_trace(tmp_path / "t", fake, range(4))
     backend = open_trace(tmp_path / "t").manifest["backend"]
-    assert backend["vllm_version"] == version and backend["capture"]["releases"] == facts.releases
+    assert backend["name"] == "vllm" and backend["versions"] == {"vllm": version, "torch": torch.__version__}
+    assert backend["capture"]["releases"] == facts.releases and backend["model_source"] == "deepseek-ai/DeepSeek-V3"
+    assert set(backend) == {"name", "versions", "model_source", "engine", "capture", "routed_experts"}
 
 
 def test_user_chosen_multiproc_method_is_kept(fake_vllm_env, tmp_path, monkeypatch):

@@ -68,7 +68,7 @@ def test_vllm_engine_collects_a_valid_resumable_trace(tiny_moe_dir, tmp_path):
 
     tr = open_trace(out)
     assert tr.model.moe_layers == (1, 2, 3)
-    assert tr.manifest["backend"]["name"] == "vllm" and tr.manifest["backend"]["vllm_version"]
+    assert tr.manifest["backend"]["name"] == "vllm" and tr.manifest["backend"]["versions"]["vllm"]
     assert tr.manifest["backend"]["capture"]["releases"]  # which capture facts the run used
     assert tr.manifest["vllm_run"]["num_failed_requests"] == 0
     req = tr.requests().collect()

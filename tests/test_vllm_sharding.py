@@ -11,7 +11,8 @@ import pytest
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.tracer import sharding as S
 from moetrace.tracer.trace import merge as M
-from moetrace.tracer.collect import CollectConfig, choose_backend, collect, parse_shard, shard_prompts
+from moetrace.tracer.backends.registry import BackendSettings, choose_backend
+from moetrace.tracer.collect import CollectConfig, collect, parse_shard, shard_prompts
 from moetrace.tracer.datasets import load_prompts
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.validate import find_problems
@@ -26,12 +27,32 @@ def test_parse_shard():
             parse_shard(bad)
 
 
-def test_the_backend_is_chosen_once_with_auto_rules():
-    assert choose_backend("hf", device="cuda") == "hf" and choose_backend("vllm", device="cpu") == "vllm"
-    assert choose_backend("auto", device="cpu") == "hf"  # a CPU run never starts vLLM
-    assert choose_backend("auto", device="cpu", on_ray=True) == "vllm"  # shards run on the cluster's GPU nodes
-    with pytest.raises(ConfigError, match="auto, hf or vllm"):
-        choose_backend("sglang", device="cpu")
+def test_the_backend_is_chosen_once_with_auto_rules(monkeypatch):
+    cpu, gpu = BackendSettings(device="cpu"), BackendSettings(device="cuda")
+    assert choose_backend("hf", settings=gpu) == "hf" and choose_backend("vllm", settings=cpu) == "vllm"
+    assert choose_backend("auto", settings=cpu) == "hf"  # a CPU run never starts vLLM
+    assert choose_backend("auto", settings=cpu, on_ray=True) == "vllm"  # shards run on the cluster's GPU nodes
+    with pytest.raises(ConfigError, match="one of auto, vllm, hf, not 'sglang'"):
+        choose_backend("sglang", settings=cpu)
+    # on a GPU device auto takes vLLM exactly when it is importable and a GPU is visible
+    from moetrace.tracer.backends import vllm as V
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(V, "visible_gpu_count", lambda: 2)
+    assert choose_backend("auto", settings=gpu) == "vllm" and choose_backend("auto", settings=cpu) == "hf"
+    monkeypatch.setattr(V, "visible_gpu_count", lambda: 0)
+    assert choose_backend("auto", settings=gpu) == "hf"
+
+
+def test_ray_shards_reserve_what_the_backend_row_asks_for():
+    from moetrace.tracer.backends.registry import BACKENDS
+    from moetrace.tracer.backends.vllm import VllmEngineConfig
+
+    assert BACKENDS["vllm"].num_gpus(BackendSettings(engine=VllmEngineConfig(tp=4, dp=2, ep=8))) == 8.0
+    assert BACKENDS["vllm"].num_gpus(BackendSettings()) == 1.0  # VllmEngineConfig() by default
+    assert BACKENDS["hf"].num_gpus(BackendSettings(device="cuda:1")) == 1.0
+    assert BACKENDS["hf"].num_gpus(BackendSettings(device="cpu")) == 0.0
 
 
 def test_shard_and_ray_shards_exclude_each_other(tmp_path):
@@ -83,7 +104,8 @@ def test_merge_refuses_a_missing_shard_then_merges_all(sharded_trace):
 
 def _shard_manifest(i: int, n: int, **over):
     m = {"format": "moetrace.trace", "version": 1, "complete": True,
-         "model": {"name": "x", "moe_layers": [0, 1]}, "backend": {"name": "vllm", "vllm_version": "0.32.0"},
+         "model": {"name": "x", "moe_layers": [0, 1]},
+         "backend": {"name": "vllm", "versions": {"vllm": "0.32.0", "torch": "2.9.0"}},
          "collection": {"datasets": ["gsm8k"], "seed": 0, "shard": i, "num_shards": n},
          "totals": {"num_requests": 5, "num_tokens": 50 + i}}
     for k, v in over.items():

@@ -1,43 +1,41 @@
 """``collect``: prompts → model → trace directory, resumable.
 
-Chooses the backend (:func:`choose_backend`, HF transformers on CPU/GPU or vLLM on GPUs: the one
-place it is decided), loads the prompts deterministically (request ids are stable across re-runs, so
-a resumed run skips exactly the committed requests), opens the one ``TraceWriter``, finalizes the
+Builds the backend a run was given through its row in ``backends.registry`` and drives it through
+the ``backends.base.CollectionBackend`` protocol only (check the environment, load the model,
+describe it for the manifest, run the engine loop on one ``GenerationConfig``): no backend is
+named here. It loads the prompts deterministically (request ids are stable across re-runs, so a
+resumed run skips exactly the committed requests), opens the one ``TraceWriter``, finalizes the
 manifest and says what was done (:meth:`CollectResult.summary_lines`). ``moetrace collect`` calls
-``sharding.run_collection``, which picks the backend once and runs :func:`collect` here or its
-shards on Ray.
+``sharding.run_collection``, which picks the backend once (``registry.choose_backend``) and runs
+:func:`collect` here or its shards on Ray.
 
-Out of scope: what a model name means (``presets.resolve``), how a backend records routing
-(``backends.hf``, ``backends.vllm``), prompt sources (``datasets``), running several shards and
-merging them (``sharding``), progress bars and printing (``moetrace.cli``).
+Out of scope: which backends exist and which ``auto`` picks (``backends.registry``), how a backend
+records routing (``backends.hf``, ``backends.vllm``), what a model name means
+(``presets.resolve``), prompt sources (``datasets``), running several shards and merging them
+(``sharding``), progress bars and printing (``moetrace.cli``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from moetrace.errors import ConfigError, ModelError
 from moetrace.sizes import human_bytes
+from moetrace.tracer.backends.base import GenerationConfig, OnProgress
+from moetrace.tracer.backends.registry import BackendSettings, get_backend
 from moetrace.tracer.trace.layout import REQUESTS_DIR, shard_manifest_name, shard_prefix
 from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from moetrace.tracer.backends.vllm import VllmEngineConfig
 
-#: what the user asks for (``--backend``)
-Backend = Literal["auto", "hf", "vllm"]
-#: what runs, once :func:`choose_backend` has decided
-BackendName = Literal["hf", "vllm"]
 #: ``on_start(num_pending, num_total)``: requests still to run, and in this run (or shard)
 OnStart = Callable[[int, int], None]
-#: ``on_progress(requests, tokens)``: what this run has committed so far (cumulative)
-OnProgress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,11 +58,18 @@ class CollectConfig:
     dtype: str = "auto"  # torch dtype of the HF backend (tiny models run in float32)
 
     def __post_init__(self) -> None:  # checked before anything is loaded or written
-        for name in ("max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if not self.temperature >= 0:
-            raise ConfigError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _ = self.generation  # GenerationConfig refuses bad generation settings
+
+    @property
+    def generation(self) -> GenerationConfig:
+        """The generation settings every backend runs with (one object, not loose keywords)."""
+        return GenerationConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
+                                chat_template=self.chat_template, batch_size=self.batch_size,
+                                store_text=self.store_text, record_weights=self.record_weights)
+
+    def backend_settings(self, engine: VllmEngineConfig | None = None) -> BackendSettings:
+        """What a backend is built from (``backends.registry``): this run's device and dtype, and ``engine``."""
+        return BackendSettings(device=self.device, dtype=self.dtype, engine=engine)
 
     def manifest_section(self) -> dict[str, Any]:
         d = asdict(self)
@@ -79,7 +84,7 @@ class CollectResult:
 
     path: Path  # the trace directory
     model: str  # the model name as given
-    backend: BackendName  # the backend that ran
+    backend: str  # the backend that ran (its name in backends.registry)
     stats: WriterStats  # what the trace holds now, earlier (resumed) runs included; one shard's files only for a shard
     num_new_requests: int  # requests this run added
     num_new_tokens: int  # tokens this run added
@@ -134,39 +139,19 @@ def writer_committed_nothing(out: str | os.PathLike) -> bool:
     return not any((Path(out) / REQUESTS_DIR).glob("*.parquet"))
 
 
-def choose_backend(backend: Backend, *, device: str, on_ray: bool = False) -> BackendName:
-    """The backend a run uses; decided once per run (``sharding.run_collection`` calls it).
-
-    ``hf`` and ``vllm`` are taken as asked. ``auto`` picks vLLM when it is importable, ``device`` is
-    not ``cpu`` and CUDA is present here, else HF transformers. For shards placed by Ray
-    (``on_ray``) ``auto`` picks vLLM: they run on the cluster's GPU nodes, not on the node that decides.
-    """
-    if backend not in ("auto", "hf", "vllm"):
-        raise ConfigError(f"--backend must be auto, hf or vllm, not {backend!r}")
-    if backend != "auto":
-        return backend
-    if on_ray:
-        return "vllm"
-    if importlib.util.find_spec("vllm") is not None and device != "cpu":
-        from moetrace.tracer.backends.vllm import visible_gpu_count
-
-        if visible_gpu_count() > 0:  # counted without initialising CUDA before vLLM forks its workers
-            return "vllm"
-    return "hf"
-
-
 def collect(
     config: CollectConfig,
     *,
     out: str | os.PathLike,
-    backend: BackendName,
+    backend: str,
     engine: VllmEngineConfig | None = None,
     on_existing: OnExisting = "refuse",
     shard: tuple[int, int] | None = None,
     on_start: OnStart | None = None,
     on_progress: OnProgress | None = None,
 ) -> CollectResult:
-    """Collect a trace into ``out`` with ``backend`` (``hf`` or ``vllm``, see :func:`choose_backend`).
+    """Collect a trace into ``out`` with ``backend``, a name in ``backends.registry`` (``auto`` is
+    decided before, by ``registry.choose_backend``).
 
     ``shard=(s, n)`` collects only shard ``s`` of ``n`` of the run's prompts (request ids
     ``s, s+n, ...``) into ``shardSSS-*`` parts with its own ``manifests/shard-SSS.json``; see
@@ -174,16 +159,18 @@ def collect(
 
     ``on_start(num_pending, num_total)`` is called once the model and prompts are loaded,
     ``on_progress(requests, tokens)`` after every commit with what this run has written so far.
-    ``engine`` is the vLLM engine configuration (default ``VllmEngineConfig()``), unused by ``hf``.
-    Everything that can be refused (settings, model, vLLM and GPUs) is checked before anything is
-    written.
+    ``engine`` is the vLLM engine configuration (default ``VllmEngineConfig()``), unused by other
+    backends. Everything that can be refused (settings, model, the backend's environment: packages,
+    GPUs) is checked before anything is written; the backend's environment is checked once.
     """
     from moetrace.tracer.datasets import load_prompts
     from moetrace.tracer.presets import resolve
 
-    if backend not in ("hf", "vllm"):
-        raise ConfigError(f"collect() runs 'hf' or 'vllm' (choose_backend decides 'auto'), not {backend!r}")
+    entry = get_backend(backend)
+    generation = config.generation
     resolved = resolve(config.model)  # an unknown name fails before any prompt is loaded
+    runner = entry.build(config.backend_settings(engine))
+    runner.check_environment(generation)
     prompts = load_prompts(
         list(config.datasets),
         per_dataset=config.per_dataset,
@@ -201,19 +188,8 @@ def collect(
         prompts = shard_prompts(prompts, shard=s, num_shards=n)
         writer_kw = {"part_prefix": shard_prefix(s), "manifest_name": shard_manifest_name(s)}
     t0 = time.perf_counter()
-    if backend == "hf":
-        from moetrace.tracer.backends import hf
-
-        model, tokenizer, info = hf.load_model(resolved, seed=config.seed, device=config.device, dtype=config.dtype)
-        backend_section = hf.backend_versions()
-        backend_section["device"] = config.device
-    else:
-        from moetrace.tracer.backends import vllm as vllm_backend
-
-        engine = engine if engine is not None else vllm_backend.VllmEngineConfig()
-        version = vllm_backend.check_environment(engine, record_weights=config.record_weights)
-        source, info = vllm_backend.model_for_vllm(resolved)
-        backend_section = {"name": "vllm", "vllm": version}
+    info = runner.load(resolved, generation)
+    backend_section = runner.describe().manifest_section(entry.name)
 
     fresh = shard is None and not Path(out).exists()
     try:
@@ -223,41 +199,15 @@ def collect(
             backend=backend_section,
             collection=collection,
             on_existing=on_existing,
-            with_weights=config.record_weights,
-            with_text=config.store_text,
+            with_weights=generation.record_weights,
+            with_text=generation.store_text,
             **writer_kw,
         ) as writer:
+            writer.update_manifest(backend=backend_section)  # a resumed trace records what ran last
             pending = sum(p.request_id not in writer.completed_request_ids for p in prompts)
             if on_start is not None:
                 on_start(pending, len(prompts))
-            if backend == "hf":
-                hf.collect_with_hf(
-                    prompts,
-                    writer=writer,
-                    model=model,
-                    tokenizer=tokenizer,
-                    info=info,
-                    max_new_tokens=config.max_new_tokens,
-                    batch_size=config.batch_size,
-                    temperature=config.temperature,
-                    seed=config.seed,
-                    chat_template=config.chat_template,
-                    store_text=config.store_text,
-                    record_weights=config.record_weights,
-                    on_progress=on_progress,
-                )
-            else:
-                vllm_backend.collect_with_vllm(
-                    prompts,
-                    writer=writer,
-                    source=source,
-                    engine=engine,
-                    max_new_tokens=config.max_new_tokens,
-                    seed=config.seed,
-                    temperature=config.temperature,
-                    chat_template=config.chat_template,
-                    on_progress=on_progress,
-                )
+            runner.run(prompts, writer=writer, generation=generation, on_progress=on_progress)
     except BaseException:
         # a run that created the directory and committed nothing (the engine did not start, the
         # model did not load, Ctrl-C at once) leaves nothing behind that would need --overwrite
@@ -265,6 +215,6 @@ def collect(
             shutil.rmtree(out, ignore_errors=True)
         raise
     # the writer counts what this run added; stats() also covers what a resumed run had before
-    return CollectResult(path=Path(out), model=config.model, backend=backend, stats=writer.stats(),
+    return CollectResult(path=Path(out), model=config.model, backend=entry.name, stats=writer.stats(),
                          num_new_requests=writer.num_requests_written, num_new_tokens=writer.num_tokens_written,
                          seconds=time.perf_counter() - t0, shard=shard)

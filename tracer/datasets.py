@@ -298,12 +298,6 @@ def resolve_source(source: str, *, prompt_field: str | None) -> tuple[str, list[
 # ---------------------------------------------------------------------------- sampling
 
 
-def split_counts(num_sources: int, total: int) -> list[int]:
-    """``total`` requests split as evenly as possible over ``num_sources`` (earlier ones get the remainder)."""
-    base, rem = divmod(total, num_sources)
-    return [base + (i < rem) for i in range(num_sources)]
-
-
 def sample_order(num_items: int, *, label: str, seed: int) -> np.ndarray:
     """A permutation of ``range(num_items)`` that depends only on ``(seed, label)``."""
     rng = np.random.default_rng([seed, zlib.crc32(label.encode())])

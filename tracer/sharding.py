@@ -13,11 +13,13 @@ system every node mounts. One node needs no Ray: run the shards one after anothe
 group, with ``collect.collect(config, shard=(s, n), ...)`` (``moetrace collect --shard S/N``).
 
 The entry point of ``moetrace collect`` lives here, on top of both: :func:`run_collection` picks
-the backend once (``collect.choose_backend``) and runs the whole collection, one shard of it, or
-every shard on Ray.
+the backend once (``backends.registry.choose_backend``) and runs the whole collection, one shard of
+it, or every shard on Ray. No backend is named here: a Ray shard reserves the GPUs its backend's
+registry row asks for.
 
-Out of scope: what one engine does (``backends.vllm``, ``backends.hf``), prompt loading
-(``datasets``), opening the trace and summarizing a run (``collect``), progress bars (``moetrace.cli``).
+Out of scope: what one engine does (``backends.vllm``, ``backends.hf``), which backends exist
+(``backends.registry``), prompt loading (``datasets``), opening the trace and summarizing a run
+(``collect``), progress bars (``moetrace.cli``).
 """
 
 from __future__ import annotations
@@ -25,28 +27,24 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moetrace.errors import ConfigError
-from moetrace.tracer.backends.vllm import VllmEngineConfig
-from moetrace.tracer.collect import (
-    Backend,
-    BackendName,
-    CollectConfig,
-    CollectResult,
-    OnProgress,
-    OnStart,
-    choose_backend,
-    collect,
-)
+from moetrace.tracer.backends.base import OnProgress
+from moetrace.tracer.backends.registry import AUTO, choose_backend, get_backend
+from moetrace.tracer.collect import CollectConfig, CollectResult, OnStart, collect
 from moetrace.tracer.trace.merge import merge_shards
 from moetrace.tracer.trace.writer import OnExisting, WriterStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from moetrace.tracer.backends.vllm import VllmEngineConfig
 
 
 def run_collection(
     config: CollectConfig,
     *,
     out: str | os.PathLike,
-    backend: Backend = "auto",
+    backend: str = AUTO,
     engine: VllmEngineConfig | None = None,
     on_existing: OnExisting = "refuse",
     shard: tuple[int, int] | None = None,
@@ -55,9 +53,10 @@ def run_collection(
     on_progress: OnProgress | None = None,
 ) -> CollectResult:
     """Collect ``config`` into ``out``: the whole run here, shard ``shard=(s, n)`` of it here, or
-    ``ray_shards`` shards as Ray tasks merged into one trace. The backend is chosen once, here.
+    ``ray_shards`` shards as Ray tasks merged into one trace. The backend (``auto`` or a name in
+    ``backends.registry``) is chosen once, here.
 
-    ``engine`` holds the vLLM engine settings (default ``VllmEngineConfig()``; unused by ``hf``).
+    ``engine`` holds the vLLM engine settings (default ``VllmEngineConfig()``; unused by other backends).
     ``on_start`` and ``on_progress`` report a run or shard collected here (see ``collect.collect``);
     Ray shards report nothing until they are merged. With ``ray_shards``, ``on_existing="refuse"``
     acts as ``"resume"``: Ray may retry a shard task, and re-running the same command continues every
@@ -65,7 +64,7 @@ def run_collection(
     """
     if shard is not None and ray_shards is not None:
         raise ConfigError("--shard and --ray-shards exclude each other")
-    chosen = choose_backend(backend, device=config.device, on_ray=ray_shards is not None)
+    chosen = choose_backend(backend, settings=config.backend_settings(engine), on_ray=ray_shards is not None)
     if ray_shards is not None:
         return collect_sharded_with_ray(config, out=out, num_shards=ray_shards, backend=chosen, engine=engine,
                                         on_existing="overwrite" if on_existing == "overwrite" else "resume")
@@ -78,7 +77,7 @@ def collect_sharded_with_ray(
     *,
     out: str | os.PathLike,
     num_shards: int,
-    backend: BackendName = "vllm",
+    backend: str = AUTO,
     engine: VllmEngineConfig | None = None,
     num_gpus_per_shard: float | None = None,
     ray_address: str | None = "auto",
@@ -87,26 +86,27 @@ def collect_sharded_with_ray(
     """Run every shard as a Ray task (one engine each, ``num_gpus_per_shard`` GPUs reserved), then
     merge. ``out`` must be a path every Ray node can write (shared file system). Re-running resumes
     each unfinished shard. Returns the shards' results added up (``num_merged_shards`` = ``num_shards``).
+    ``backend="auto"`` takes the registry's choice for Ray shards (vLLM).
 
-    ``num_gpus_per_shard`` defaults to the engine's ``tp*dp`` for vLLM, and for HF to 1 on a GPU
-    device (``config.device`` not ``cpu``), else 0.
+    ``num_gpus_per_shard`` defaults to what the backend's registry row asks for one engine: the
+    engine's ``tp*dp`` for vLLM; for HF 1 on a GPU device (``config.device`` not ``cpu``), else 0.
     """
     from moetrace._deps import require
 
     if num_shards < 1:
         raise ConfigError(f"--ray-shards must be at least 1, got {num_shards}")
+    settings = config.backend_settings(engine)
+    entry = get_backend(choose_backend(backend, settings=settings, on_ray=True))
     ray = require("ray", purpose="sharded collection over several nodes")
-    engine = engine if engine is not None else VllmEngineConfig()
     if num_gpus_per_shard is None:
-        gpu_device = 1.0 if config.device != "cpu" else 0.0
-        num_gpus_per_shard = float(engine.num_gpus) if backend == "vllm" else gpu_device
+        num_gpus_per_shard = entry.num_gpus(settings)
     if not ray.is_initialized():
         ray.init(address=ray_address)
     out_abs = str(Path(out).resolve())
 
     @ray.remote(num_gpus=num_gpus_per_shard)
     def run_shard(shard: int) -> CollectResult:
-        return collect(config, out=out_abs, backend=backend, engine=engine, on_existing=on_existing,
+        return collect(config, out=out_abs, backend=entry.name, engine=engine, on_existing=on_existing,
                        shard=(shard, num_shards))
 
     t0 = time.perf_counter()
@@ -115,7 +115,7 @@ def collect_sharded_with_ray(
     return CollectResult(
         path=Path(out),
         model=config.model,
-        backend=backend,
+        backend=entry.name,
         stats=WriterStats(
             num_requests=sum(r.stats.num_requests for r in results),
             num_tokens=sum(r.stats.num_tokens for r in results),

@@ -1,4 +1,7 @@
-"""``moetrace collect``: run a model on prompt sets and record every token's routed experts."""
+"""``moetrace collect``: run a model on prompt sets and record every token's routed experts.
+
+The ``--backend`` choices and their help come from the registry ``moetrace.tracer.backends.registry``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,15 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from moetrace.cli.common import ModelOpt, OutDir, Overwrite, Quiet, Seed, friendly_errors, request_progress
+from moetrace.tracer.backends.registry import AUTO, BACKENDS, backend_choices
+
+_BACKEND_CHOICES = backend_choices()
+BackendChoice = Literal[_BACKEND_CHOICES]  # type: ignore[valid-type]  # the registry's names, built at run time
+_AUTO_HELP = ", ".join(f"{e.name} ({e.auto_when})" for e in BACKENDS.values())
+BackendOpt = Annotated[
+    BackendChoice,
+    typer.Option(help=f"Collection backend: {', '.join(BACKENDS)}, or {AUTO}: {_AUTO_HELP}."),
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -37,11 +49,7 @@ def collect_cmd(
     seed: Seed = 0,
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy.")] = 0.0,
     device: Annotated[str, typer.Option(help="Torch device for the HF backend (cpu, cuda, cuda:1, ...).")] = "cpu",
-    backend: Annotated[
-        Literal["auto", "hf", "vllm"],
-        typer.Option(help="auto (vLLM when importable, --device is not cpu and CUDA is present, else hf; "
-                     "vLLM for --ray-shards), hf or vllm."),
-    ] = "auto",
+    backend: BackendOpt = AUTO,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted collection in OUT.")] = False,
     overwrite: Overwrite = False,
     store_text: Annotated[

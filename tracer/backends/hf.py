@@ -18,8 +18,11 @@ Shape legend: R requests in the generation batch, T token positions (the padded 
 batch, or the tokens of one request), N router rows of one forward (R*T in the prefill, R per
 decode step), L MoE layers, K top-k, X = L*K (legend: docs/architecture.md).
 
-Out of scope: what a model name means (``presets.resolve``), prompt loading (``datasets``), the run
-loop, resume and progress (``collect``), vLLM (``vllm``).
+The backend itself is :class:`HfBackend` (the ``backends.base.CollectionBackend`` protocol); its
+manifest ``backend`` section is ``{"name": "hf", "versions": {"transformers", "torch"}, "device"}``.
+
+Out of scope: what a model name means (``presets.resolve``), prompt loading (``datasets``), opening
+the trace, resume and progress bars (``collect``), vLLM (``vllm``).
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ import numpy as np
 
 from moetrace._deps import require
 from moetrace.errors import ModelError
+from moetrace.tracer.backends.base import BackendDescription, GenerationConfig, OnProgress
 from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
 if TYPE_CHECKING:  # pragma: no cover
-
+    from moetrace.tracer.datasets import PromptRecord
     from moetrace.tracer.presets import ResolvedModel, TinyEngine
+    from moetrace.tracer.trace.writer import TraceWriter
 
 #: largest model (parameters) `collect` agrees to run on a CPU
 MAX_CPU_PARAMS = 3_000_000_000
@@ -366,62 +371,82 @@ def _per_request_rows(per_layer: list[list[Any]], *, R: int, T: int, K: int, dty
     return rows
 
 
-def collect_with_hf(
-    prompts: Sequence[Any],
-    *,
-    writer,
-    model,
-    tokenizer,
-    info: ModelInfo,
-    max_new_tokens: int,
-    batch_size: int,
-    temperature: float,
-    seed: int,
-    chat_template: bool,
-    store_text: bool,
-    record_weights: bool = False,
-    on_progress: Callable[[int, int], None] | None = None,
-) -> None:
-    """Run every prompt not yet in ``writer.completed_request_ids`` and write its rows; commit per batch.
+@dataclass
+class HfBackend:
+    """The HF transformers backend behind the collection seam (``backends.base.CollectionBackend``).
 
-    Prompts are sorted by token length so batches pad little; each batch is one commit, so a kill
-    loses at most the batch in flight. ``on_progress(requests, tokens)`` gets, after each commit,
-    what this run has written so far (cumulative counts).
+    One object per run, built by its row in ``backends.registry``; ``collect`` calls
+    :meth:`check_environment`, :meth:`load`, :meth:`describe` and :meth:`run` in that order.
     """
-    from moetrace.tracer.datasets import render_prompt_ids
 
-    pending = [p for p in prompts if p.request_id not in writer.completed_request_ids]
-    encoded = [(p, render_prompt_ids(p, tokenizer, chat_template=chat_template)) for p in pending]
-    encoded.sort(key=lambda pe: (len(pe[1]), pe[0].request_id))
-    for start in range(0, len(encoded), batch_size):
-        chunk = encoded[start : start + batch_size]
-        results = generate_batch(
-            model,
-            tokenizer,
-            [ids for _, ids in chunk],
-            info=info,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=seed + start,
-            record_weights=record_weights,
-        )
-        for (p, _), r in zip(chunk, results):
-            writer.add_request(
-                request_id=p.request_id,
-                dataset=p.dataset,
-                prompt_tokens=r.prompt_tokens,
-                topk_ids_TX=r.topk_ids_TX,
-                topk_weights_TX=r.topk_weights_TX,
-                prompt_text=p.text if store_text else None,
-                output_text=tokenizer.decode(r.output_ids, skip_special_tokens=True) if store_text else None,
+    device: str = "cpu"  # torch device the model runs on
+    dtype: str = "auto"  # torch dtype of the weights (tiny models: float32)
+    _versions: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _loaded: tuple[Any, Any, ModelInfo] | None = field(default=None, init=False, repr=False)  # model, tokenizer, info
+
+    def check_environment(self, generation: GenerationConfig) -> None:
+        """torch and transformers importable (else ``MissingDependencyError`` naming the extra), and a
+        ``cuda`` device visible when one is asked for (counted without initialising CUDA)."""
+        torch = require("torch", purpose="the HF transformers backend")
+        transformers = require("transformers", purpose="the HF transformers backend")
+        if str(self.device).startswith("cuda") and torch.cuda.device_count() == 0:
+            raise ModelError(f"--device {self.device}: no CUDA GPU is visible here; use --device cpu")
+        self._versions = {"transformers": transformers.__version__, "torch": torch.__version__}
+
+    def load(self, resolved: ResolvedModel, generation: GenerationConfig) -> ModelInfo:
+        """Load the model and tokenizer (:func:`load_model`, seeded by ``generation.seed``)."""
+        self._loaded = load_model(resolved, seed=generation.seed, device=self.device, dtype=self.dtype)
+        return self._loaded[2]
+
+    def describe(self) -> BackendDescription:
+        return BackendDescription(versions=self._versions, settings={"device": self.device})
+
+    def run(
+        self,
+        prompts: Sequence[PromptRecord],
+        *,
+        writer: TraceWriter,
+        generation: GenerationConfig,
+        on_progress: OnProgress | None = None,
+    ) -> None:
+        """Run every prompt not yet in ``writer.completed_request_ids`` and write its rows; commit per batch.
+
+        Prompts are sorted by token length so batches pad little; each batch of
+        ``generation.batch_size`` is one commit, so a kill loses at most the batch in flight. Batch
+        ``b`` samples with seed ``generation.seed + b * batch_size``. ``on_progress(requests,
+        tokens)`` gets, after each commit, what this run has written so far (cumulative counts).
+        """
+        from moetrace.tracer.datasets import render_prompt_ids
+
+        if self._loaded is None:
+            raise RuntimeError("HfBackend.run before load")
+        model, tokenizer, info = self._loaded
+        g = generation
+        pending = [p for p in prompts if p.request_id not in writer.completed_request_ids]
+        encoded = [(p, render_prompt_ids(p, tokenizer, chat_template=g.chat_template)) for p in pending]
+        encoded.sort(key=lambda pe: (len(pe[1]), pe[0].request_id))
+        for start in range(0, len(encoded), g.batch_size):
+            chunk = encoded[start : start + g.batch_size]
+            results = generate_batch(
+                model,
+                tokenizer,
+                [ids for _, ids in chunk],
+                info=info,
+                max_new_tokens=g.max_new_tokens,
+                temperature=g.temperature,
+                seed=g.seed + start,
+                record_weights=g.record_weights,
             )
-        writer.commit()
-        if on_progress is not None:
-            on_progress(writer.num_requests_written, writer.num_tokens_written)
-
-
-def backend_versions() -> dict[str, str]:
-    torch = require("torch", purpose="the HF transformers backend")
-    transformers = require("transformers", purpose="the HF transformers backend")
-    return {"name": "hf", "transformers": transformers.__version__, "torch": torch.__version__}
-
+            for (p, _), r in zip(chunk, results):
+                writer.add_request(
+                    request_id=p.request_id,
+                    dataset=p.dataset,
+                    prompt_tokens=r.prompt_tokens,
+                    topk_ids_TX=r.topk_ids_TX,
+                    topk_weights_TX=r.topk_weights_TX,
+                    prompt_text=p.text if g.store_text else None,
+                    output_text=tokenizer.decode(r.output_ids, skip_special_tokens=True) if g.store_text else None,
+                )
+            writer.commit()
+            if on_progress is not None:
+                on_progress(writer.num_requests_written, writer.num_tokens_written)

@@ -22,9 +22,13 @@ The parent process never initialises CUDA (GPUs are counted through NVML with
 user chose otherwise (``VLLM_WORKER_MULTIPROC_METHOD``). Any failure of the engine's start becomes
 one ``ModelError`` line naming its cause (:func:`engine_start_error`).
 
+The backend itself is :class:`VllmBackend` (the ``backends.base.CollectionBackend`` protocol); its
+manifest ``backend`` section is ``{"name": "vllm", "versions": {"vllm", "torch"}, "model_source",
+"engine", "capture", "routed_experts"}``.
+
 Out of scope: what a model name means (``presets.resolve``), the array conversion (``vllm_convert``),
-prompt loading (``datasets``), choosing the backend and opening the trace (``collect``), several
-engines over several nodes (``sharding``).
+prompt loading (``datasets``), choosing the backend (``registry``), opening the trace (``collect``),
+several engines over several nodes (``sharding``).
 """
 
 from __future__ import annotations
@@ -35,17 +39,21 @@ import queue
 import re
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from moetrace._deps import require
 from moetrace.errors import ConfigError, ModelError, MoetraceError
+from moetrace.tracer.backends.base import BackendDescription, GenerationConfig, OnProgress
 from moetrace.tracer.backends.vllm_convert import ConvertedRequest, FailedRequest, LayerAxis, convert_or_fail
 from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
 if TYPE_CHECKING:  # pragma: no cover
+    from moetrace.tracer.datasets import PromptRecord
     from moetrace.tracer.presets import ResolvedModel
+    from moetrace.tracer.trace.writer import TraceWriter
 
 #: first vLLM release with ``enable_return_routed_experts`` (``ModelConfig`` field and
 #: ``CompletionOutput.routed_experts`` are in 0.14.0's source and in neither of 0.13.0's)
@@ -202,8 +210,6 @@ def parse_vllm_version(text: str) -> tuple[int, ...]:
 def vllm_version() -> tuple[str, tuple[int, ...]]:
     """Installed vLLM version string (the module's ``__version__``) and its leading numbers;
     raises if vLLM is missing."""
-    from moetrace._deps import require
-
     vllm = require("vllm", purpose="the vLLM backend")
     text = getattr(vllm, "__version__", None)
     if not isinstance(text, str):
@@ -221,12 +227,12 @@ def visible_gpu_count() -> int:
     return int(torch.cuda.device_count())
 
 
-def check_environment(engine: VllmEngineConfig, *, record_weights: bool = False) -> str:
+def check_environment(engine: VllmEngineConfig, *, record_weights: bool = False) -> tuple[str, CaptureFacts]:
     """Fail early: nothing asked that vLLM cannot record (routing weights), vLLM present and new
     enough to capture, its model-runner switch compatible with the capture, CUDA GPUs present and
     enough of them. Initialises no CUDA in this process.
 
-    Returns the vLLM version string.
+    Returns the vLLM version string and the capture facts of that release.
     """
     if record_weights:
         raise ConfigError(
@@ -234,7 +240,8 @@ def check_environment(engine: VllmEngineConfig, *, record_weights: bool = False)
             "--weights, or use --backend hf"
         )
     text, nums = vllm_version()
-    problem = capture_env_problem(capture_facts(nums), os.environ)
+    facts = capture_facts(nums)
+    problem = capture_env_problem(facts, os.environ)
     if problem is not None:
         raise ConfigError(problem)
     have = visible_gpu_count()
@@ -242,7 +249,7 @@ def check_environment(engine: VllmEngineConfig, *, record_weights: bool = False)
         raise ModelError("no CUDA GPU is visible: the vLLM backend needs GPUs. On a CPU use --backend hf.")
     if engine.num_gpus > have:
         raise ConfigError(f"tp*dp = {engine.num_gpus} GPUs asked, {have} visible (CUDA_VISIBLE_DEVICES)")
-    return text
+    return text, facts
 
 
 #: the start of the message vLLM's front end raises when its engine process died while starting
@@ -268,6 +275,70 @@ def engine_start_error(source: str, exc: BaseException) -> str:
         line += (". Not enough GPU memory: raise --gpu-memory-utilization, lower --max-model-len, or spread "
                  "the model over more GPUs (--tp)")
     return line
+
+
+# ---------------------------------------------------------------------------- the backend
+
+
+#: what the manifest says about the rows vLLM returns
+ROUTED_EXPERTS_NOTE = "vLLM enable_return_routed_experts; final generated position recorded as -1"
+
+
+@dataclass
+class VllmBackend:
+    """The vLLM backend behind the collection seam (``backends.base.CollectionBackend``).
+
+    One object per run, built by its row in ``backends.registry``; ``collect`` calls
+    :meth:`check_environment` (the one check of vLLM's version, environment and GPUs), :meth:`load`,
+    :meth:`describe` and :meth:`run` in that order.
+    """
+
+    engine: VllmEngineConfig  # the engine settings, passed through to vllm.LLM
+    _versions: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # vllm and torch, once checked
+    _capture: CaptureFacts | None = field(default=None, init=False, repr=False)  # the release's capture facts
+    _source: str | None = field(default=None, init=False, repr=False)  # what vLLM loads, once loaded
+
+    def check_environment(self, generation: GenerationConfig) -> None:
+        """:func:`check_environment`: routing weights refused, vLLM >= 0.14 and its model-runner switch,
+        enough visible GPUs. Initialises no CUDA in this process."""
+        version, self._capture = check_environment(self.engine, record_weights=generation.record_weights)
+        torch = require("torch", purpose="the vLLM backend")
+        self._versions = {"vllm": version, "torch": torch.__version__}
+
+    def load(self, resolved: ResolvedModel, generation: GenerationConfig) -> ModelInfo:
+        """What vLLM will load and its topology (:func:`model_for_vllm`); the engine starts in :meth:`run`."""
+        self._source, info = model_for_vllm(resolved)
+        return info
+
+    def describe(self) -> BackendDescription:
+        source, capture = self._ready()
+        return BackendDescription(
+            versions=self._versions,
+            settings={
+                "model_source": source,
+                "engine": dataclasses.asdict(self.engine),
+                "capture": dataclasses.asdict(capture),
+                "routed_experts": ROUTED_EXPERTS_NOTE,
+            },
+        )
+
+    def run(
+        self,
+        prompts: Sequence[PromptRecord],
+        *,
+        writer: TraceWriter,
+        generation: GenerationConfig,
+        on_progress: OnProgress | None = None,
+    ) -> None:
+        """:func:`collect_with_vllm` with what :meth:`check_environment` and :meth:`load` found."""
+        source, capture = self._ready()
+        collect_with_vllm(prompts, writer=writer, source=source, engine=self.engine, capture=capture,
+                          generation=generation, on_progress=on_progress)
+
+    def _ready(self) -> tuple[str, CaptureFacts]:
+        if self._source is None or self._capture is None:
+            raise RuntimeError("VllmBackend: call check_environment and load first")
+        return self._source, self._capture
 
 
 # ---------------------------------------------------------------------------- the run loop
@@ -349,24 +420,24 @@ class _Sink:
             self.on_progress(self.writer.num_requests_written, self.writer.num_tokens_written)
 
 
-def _sampling_params(vllm: Any, *, request_id: int, max_new_tokens: int, temperature: float, seed: int,
-                     detokenize: bool) -> Any:
+def _sampling_params(vllm: Any, *, request_id: int, generation: GenerationConfig) -> Any:
+    g = generation
     return vllm.SamplingParams(
         n=1,
-        max_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=None if temperature == 0 else seed * 1_000_003 + request_id,  # per-request, reproducible
-        detokenize=detokenize,
+        max_tokens=g.max_new_tokens,
+        temperature=g.temperature,
+        seed=None if g.temperature == 0 else g.seed * 1_000_003 + request_id,  # per-request, reproducible
+        detokenize=g.store_text,  # text is decoded only when the trace keeps it
     )
 
 
 def run_engine_loop(llm: Any, work: Iterator[tuple[int, list[int]]], *, vllm: Any, num_inflight: int,
-                    max_new_tokens: int, temperature: float, seed: int, detokenize: bool,
-                    emit: Callable[[list[Any]], None]) -> None:
+                    generation: GenerationConfig, emit: Callable[[list[Any]], None]) -> None:
     """Keep ``num_inflight`` requests in the engine, hand every finished batch of outputs to ``emit``.
 
-    ``work`` yields ``(request_id, prompt_token_ids)``. Continuous submission (instead of one
-    ``generate`` call per batch) keeps the running batch full; ``emit`` must not block for long.
+    ``work`` yields ``(request_id, prompt_token_ids)``; each is sampled as ``generation`` says.
+    Continuous submission (instead of one ``generate`` call per batch) keeps the running batch
+    full; ``emit`` must not block for long.
     """
     engine = llm.llm_engine
     inflight = 0
@@ -378,8 +449,7 @@ def run_engine_loop(llm: Any, work: Iterator[tuple[int, list[int]]], *, vllm: An
                 exhausted = True
                 break
             rid, ids = nxt
-            params = _sampling_params(vllm, request_id=rid, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, seed=seed, detokenize=detokenize)
+            params = _sampling_params(vllm, request_id=rid, generation=generation)
             engine.add_request(str(rid), {"prompt_token_ids": ids}, params)
             inflight += 1
         if inflight == 0 and exhausted:
@@ -391,43 +461,27 @@ def run_engine_loop(llm: Any, work: Iterator[tuple[int, list[int]]], *, vllm: An
 
 
 def collect_with_vllm(
-    prompts: list[Any],
+    prompts: Sequence[PromptRecord],
     *,
-    writer: Any,
+    writer: TraceWriter,
     source: str,
     engine: VllmEngineConfig,
-    max_new_tokens: int,
-    seed: int,
-    temperature: float,
-    chat_template: bool,
-    on_progress: Callable[[int, int], None] | None = None,
+    capture: CaptureFacts,
+    generation: GenerationConfig,
+    on_progress: OnProgress | None = None,
 ) -> None:
-    """Collect ``prompts`` (``PromptRecord``) with vLLM into ``writer`` (a ``TraceWriter``).
+    """Collect ``prompts`` with vLLM into ``writer``: the engine loop of :class:`VllmBackend`.
 
     ``source`` is what vLLM loads (:func:`model_for_vllm`); the routing topology is the writer's
-    ``model``. Requests already in ``writer.completed_request_ids`` are skipped (resume). With
+    ``model``; ``capture`` the facts of the installed release (:func:`check_environment`, run once
+    before). Requests already in ``writer.completed_request_ids`` are skipped (resume). With
     ``engine.dp`` > 1 the prompts are split over ``dp`` engine processes (vLLM's offline data
     parallelism, experts sharded over all ranks when ``ep`` > 1), which send converted requests back
     here. ``on_progress(requests, tokens)`` gets, after each commit, what this run has written so far.
+    The manifest's ``vllm_run`` section records failed and truncated requests.
     """
-    check_environment(engine, record_weights=writer.with_weights)
-    version, nums = vllm_version()
-    capture = capture_facts(nums)
     info = writer.model
     pending = [p for p in prompts if p.request_id not in writer.completed_request_ids]
-    import torch
-
-    writer.update_manifest(
-        backend={
-            "name": "vllm",
-            "vllm_version": version,
-            "torch_version": torch.__version__,
-            "model_source": source,
-            "engine": dataclasses.asdict(engine),
-            "capture": dataclasses.asdict(capture),
-            "routed_experts": "vLLM enable_return_routed_experts; final generated position recorded as -1",
-        }
-    )
     sink = _Sink(
         writer,
         info=info,
@@ -439,13 +493,10 @@ def collect_with_vllm(
     )
     try:
         if engine.dp == 1:
-            _run_single(pending, sink=sink, source=source, engine=engine, capture=capture,
-                        max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,
-                        chat_template=chat_template, detokenize=writer.with_text)
+            _run_single(pending, sink=sink, source=source, engine=engine, capture=capture, generation=generation)
         else:
             _run_data_parallel(pending, sink=sink, source=source, info=info, engine=engine, capture=capture,
-                               max_new_tokens=max_new_tokens, seed=seed, temperature=temperature,
-                               chat_template=chat_template, detokenize=writer.with_text)
+                               generation=generation)
     finally:
         sink.close()
     writer.update_manifest(
@@ -502,6 +553,7 @@ def _build_llm(source: str, engine: VllmEngineConfig, *, capture: CaptureFacts, 
 
 
 def _max_prompt(llm: Any, max_new_tokens: int) -> int:
+    """The longest prompt that leaves room for ``max_new_tokens`` in the engine's ``max_model_len``."""
     max_len = int(llm.llm_engine.model_config.max_model_len)
     if max_len <= max_new_tokens:
         raise ConfigError(f"max_model_len {max_len} leaves no room for a prompt and {max_new_tokens} new tokens")
@@ -509,16 +561,15 @@ def _max_prompt(llm: Any, max_new_tokens: int) -> int:
 
 
 def _run_single(pending: list[Any], *, sink: _Sink, source: str, engine: VllmEngineConfig, capture: CaptureFacts,
-                max_new_tokens: int, seed: int, temperature: float, chat_template: bool, detokenize: bool) -> None:
+                generation: GenerationConfig) -> None:
     import vllm
 
     if not pending:
         return
-    llm = _build_llm(source, engine, capture=capture, seed=seed)
-    work = _encode_all(pending, llm.get_tokenizer(), chat_template=chat_template,
-                       max_prompt=_max_prompt(llm, max_new_tokens), truncated=sink.truncated)
-    run_engine_loop(llm, work, vllm=vllm, num_inflight=engine.num_inflight, max_new_tokens=max_new_tokens,
-                    temperature=temperature, seed=seed, detokenize=detokenize, emit=sink.put)
+    llm = _build_llm(source, engine, capture=capture, seed=generation.seed)
+    work = _encode_all(pending, llm.get_tokenizer(), chat_template=generation.chat_template,
+                       max_prompt=_max_prompt(llm, generation.max_new_tokens), truncated=sink.truncated)
+    run_engine_loop(llm, work, vllm=vllm, num_inflight=engine.num_inflight, generation=generation, emit=sink.put)
 
 
 def split_evenly(items: Sequence[Any], num_parts: int) -> list[list[Any]]:
@@ -533,8 +584,7 @@ def split_evenly(items: Sequence[Any], num_parts: int) -> list[list[Any]]:
 
 
 def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[Any], source: str, info: ModelInfo,
-               engine: VllmEngineConfig, capture: CaptureFacts, max_new_tokens: int, seed: int, temperature: float,
-               chat_template: bool, detokenize: bool, results: Any) -> None:
+               engine: VllmEngineConfig, capture: CaptureFacts, generation: GenerationConfig, results: Any) -> None:
     """One DP engine rank (a process): generate its prompts, send converted requests back."""
     os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(dp),
                       VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(master_port))
@@ -543,27 +593,25 @@ def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[Any], source:
 
         from moetrace.tracer.datasets import PromptRecord
 
-        llm = _build_llm(source, engine, capture=capture, seed=seed)
+        llm = _build_llm(source, engine, capture=capture, seed=generation.seed)
         # every rank must run a request, even with an empty shard (vLLM's DP ranks step together)
         todo = prompts or [PromptRecord(request_id=-1, dataset="placeholder", text="placeholder")]
         truncated: list[int] = []
-        work = _encode_all(todo, llm.get_tokenizer(), chat_template=chat_template,
-                           max_prompt=_max_prompt(llm, max_new_tokens), truncated=truncated)
+        work = _encode_all(todo, llm.get_tokenizer(), chat_template=generation.chat_template,
+                           max_prompt=_max_prompt(llm, generation.max_new_tokens), truncated=truncated)
 
         def emit(outputs: list[Any]) -> None:
             results.put(("rows", rank, [convert_or_fail(o, info=info, layer_axis=capture.layer_axis)
                                         for o in outputs if int(o.request_id) >= 0]))
 
-        run_engine_loop(llm, work, vllm=vllm, num_inflight=engine.num_inflight, max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=seed, detokenize=detokenize, emit=emit)
+        run_engine_loop(llm, work, vllm=vllm, num_inflight=engine.num_inflight, generation=generation, emit=emit)
         results.put(("done", rank, truncated))
     except BaseException as exc:
         results.put(("error", rank, f"{type(exc).__name__}: {exc}"))
 
 
 def _run_data_parallel(pending: list[Any], *, sink: _Sink, source: str, info: ModelInfo, engine: VllmEngineConfig,
-                       capture: CaptureFacts, max_new_tokens: int, seed: int, temperature: float, chat_template: bool,
-                       detokenize: bool) -> None:
+                       capture: CaptureFacts, generation: GenerationConfig) -> None:
     import multiprocessing as mp
 
     if not pending:
@@ -574,8 +622,7 @@ def _run_data_parallel(pending: list[Any], *, sink: _Sink, source: str, info: Mo
     procs = [
         ctx.Process(
             target=_dp_worker,
-            args=(rank, engine.dp, port, shard, source, info, engine, capture, max_new_tokens, seed, temperature,
-                  chat_template, detokenize, results),
+            args=(rank, engine.dp, port, shard, source, info, engine, capture, generation, results),
             name=f"moetrace-vllm-dp{rank}",
         )
         for rank, shard in enumerate(split_evenly(pending, engine.dp))
