@@ -728,7 +728,8 @@ def synthesize(
     with TraceWriter(
         out,
         model=model,
-        backend={"name": "synthetic", "generator": "moetrace.synth", "version": 1, "numpy": np.__version__},
+        backend={"name": "synthetic", "generator": "moetrace.synth", "version": 1,
+                 "versions": {"numpy": np.__version__}},
         collection=collection,
         on_existing=on_existing,
         part_prefix="synth",
