@@ -133,7 +133,7 @@ def test_wheel_from_a_clean_checkout_holds_exactly_the_packages(clean_checkout, 
     data = {n for n in names if not n.endswith(".py")}
     bundled = {p.relative_to(clean_checkout).as_posix() for p in (clean_checkout / "moetrace" / "data").rglob("*")
                if p.is_file() and p.suffix in (".json", ".jsonl")}
-    assert data == bundled
+    assert data == bundled | {"moetrace/py.typed"}  # PEP 561: type checkers use the package's own hints
     code = (f"import sys; sys.path.insert(0, {str(whl)!r}); {EVIDENCE}; import moetrace.tracer.presets as p; "
             "assert '.whl' in p.__file__, p.__file__; print(p.model_info_for('deepseek-v3-tiny').num_moe_layers)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path)
