@@ -302,8 +302,8 @@ class RowCheck:
     ``recorded``: the stages the manifest says were recorded, when the batches carry the ``stage``
     column (``validate``); ``None``: the batches have no ``stage`` column (the reader derives the
     stage from the position) and the stage checks are skipped. ``group_limit``: count rows that
-    break the model's group-limited routing (``validate``). ``seen``: one byte per token the
-    requests table claims, for the duplicate and row-count checks (``None``: not checked, the
+    break the model's group-limited routing (``validate``). ``track_rows``: keep one byte per token the
+    requests table claims, for the duplicate and row-count checks (``False``: not checked, the
     claim was too large to allocate).
     """
 
@@ -356,7 +356,7 @@ class RowCheck:
             return []
         nonempty = req.length_R > 0
         seen_R = np.zeros(req.length_R.size, np.int64)
-        seen_R[nonempty] = np.add.reduceat(seen, req.start_R[nonempty])
+        seen_R[nonempty] = np.add.reduceat(seen, req.start_R[nonempty], dtype=np.int64)
         short = np.flatnonzero(seen_R != req.length_R)
         if not len(short):
             return []

@@ -82,7 +82,8 @@ class _Run:
     recorded: frozenset[str] = frozenset()  # the stages the manifest says were recorded
     routing_names: list[str] = field(default_factory=list)  # routing/*.parquet, sorted
     requests_names: list[str] = field(default_factory=list)  # requests/*.parquet, sorted
-    requests: RequestIndex | None = None  # the valid requests parts' rows, sorted by id
+    requests_table: pa.Table | None = None  # the valid requests parts' rows (the required columns)
+    requests: RequestIndex | None = None  # the same, sorted by id
     parts: dict[str, pq.ParquetFile] = field(default_factory=dict)  # routing parts whose footer reads
     rows_on_disk: int = 0  # rows in those footers
     rows: RowCheck | None = None  # the pass over the routing rows
@@ -146,7 +147,7 @@ def check_part_pairs(run: _Run) -> list[str]:
 
 def check_requests_parts(run: _Run) -> list[str]:
     """Each requests part reads, has the required columns and types and no nulls, and holds text
-    only if the manifest records that it was opted in; the valid ones make the requests table."""
+    only if the manifest records that it was opted in; the valid parts make the requests table."""
     m = run.manifest
     text_allowed = bool(m.get("writer", {}).get("with_text") or m.get("collection", {}).get("store_text"))
     problems: list[str] = []
@@ -168,21 +169,17 @@ def check_requests_parts(run: _Run) -> list[str]:
         if not bad and not nulls:
             tables.append(t.select(list(REQUIRED_REQUESTS)))
     if tables:
-        req = pa.concat_tables(tables, promote_options="permissive")  # nullable or not: same values
-        run.requests = _sorted_requests(req)
-        problems += _requests_table_problems(req)
+        run.requests_table = pa.concat_tables(tables, promote_options="permissive")  # nullable or not: same values
     return problems
 
 
-def _sorted_requests(req: pa.Table) -> RequestIndex:
-    return RequestIndex.of(req.column("request_id").to_numpy(), req.column("prompt_tokens").to_numpy(),
-                           req.column("output_tokens").to_numpy())
-
-
-def _requests_table_problems(req: pa.Table) -> list[str]:
-    rid = req.column("request_id").to_numpy()
-    return [*duplicate_request_ids(rid),
-            *request_lengths(rid, req.column("prompt_tokens").to_numpy(), req.column("output_tokens").to_numpy())]
+def check_requests_table(run: _Run) -> list[str]:
+    """The valid requests parts together: request ids unique, ``prompt_tokens >= 1``, ``output_tokens >= 0``."""
+    if run.requests_table is None:
+        return []
+    rid, ptok, otok = (run.requests_table.column(c).to_numpy() for c in ("request_id", "prompt_tokens", "output_tokens"))
+    run.requests = RequestIndex.of(rid, ptok, otok)
+    return duplicate_request_ids(rid) + request_lengths(rid, ptok, otok)
 
 
 def check_routing_footers(run: _Run) -> list[str]:
@@ -265,6 +262,7 @@ CHECKS: tuple[Callable[[_Run], list[str]], ...] = (
     check_directories,
     check_part_pairs,
     check_requests_parts,
+    check_requests_table,
     check_routing_footers,
     check_claimed_tokens,
     check_routing_rows,
