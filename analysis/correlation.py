@@ -1,7 +1,8 @@
 """Correlations of expert-count vectors (core paper §3.3, SPEC §3) and prefill→decode predictability.
 
-Definitions (Pearson r over the E experts of one layer; NaN when either vector is constant, e.g.
-a scope without tokens, and NaNs are left out of every mean):
+Definitions (Pearson r over the E experts of one layer, ``moetrace.stats``: the one definition the
+synth calibration uses too; NaN when either vector is constant, e.g. a scope without tokens, and
+NaNs are left out of every mean):
 
 - dataset correlation, per stage and layer: r(c_a, c_b) where c_d[e] = tokens of dataset d's
   requests in that stage routed to e. Layer-averaged matrix = mean over layers of the per-layer r.
@@ -31,28 +32,7 @@ import polars as pl
 from moetrace.analysis.counts import RequestCounts, sum_by_label
 from moetrace.analysis.imbalance import ALL
 from moetrace.errors import ConfigError
-
-
-def pearson_rows(x_NE: np.ndarray) -> np.ndarray:
-    """Pearson r between every pair of rows: float64 ``[N, N]``; NaN for constant rows."""
-    x = np.asarray(x_NE, dtype=np.float64)
-    x = x - x.mean(axis=-1, keepdims=True)
-    norm = np.sqrt((x * x).sum(axis=-1))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        z = x / norm[:, None]
-        z[norm == 0] = np.nan
-    return np.clip(z @ z.T, -1.0, 1.0)
-
-
-def pearson_paired(a_NE: np.ndarray, b_NE: np.ndarray) -> np.ndarray:
-    """Pearson r of row i of ``a`` with row i of ``b`` over the last axis: float64 ``[N...]``; NaN for constant rows."""
-    a = np.asarray(a_NE, dtype=np.float64)
-    b = np.asarray(b_NE, dtype=np.float64)
-    a = a - a.mean(axis=-1, keepdims=True)
-    b = b - b.mean(axis=-1, keepdims=True)
-    den = np.sqrt((a * a).sum(-1) * (b * b).sum(-1))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(den > 0, np.clip((a * b).sum(-1) / den, -1, 1), np.nan)
+from moetrace.stats import dataset_correlation_LDD, pearson_paired
 
 
 def _require_both_stages(counts: RequestCounts) -> tuple[int, int]:
@@ -69,10 +49,7 @@ def dataset_correlation(counts: RequestCounts) -> tuple[pl.DataFrame, pl.DataFra
     """
     labels, c_DSLE = sum_by_label(counts.counts_RSLE, counts.dataset_R)
     D, S, L, _ = c_DSLE.shape
-    r_SLDD = np.empty((S, L, D, D))
-    for s in range(S):
-        for l in range(L):
-            r_SLDD[s, l] = pearson_rows(c_DSLE[:, s, l])
+    r_SLDD = np.stack([dataset_correlation_LDD(c_DSLE[:, s]) for s in range(S)])
     s, l, a, b = (x.ravel() for x in np.meshgrid(np.arange(S), np.arange(L), np.arange(D), np.arange(D), indexing="ij"))
     per_layer = pl.DataFrame(
         {

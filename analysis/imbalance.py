@@ -5,7 +5,8 @@ Definitions, for one layer in a scope (a dataset × stage, or a batch of request
             computed as sum_e counts_e / k (each routed token picks k distinct experts)
     load_e  = counts_e / (T * k / E) = counts_e * E / sum_e counts_e     (1 = exactly balanced)
     IF      = max_e load_e                                              (1 = perfectly balanced)
-A scope with no routed token has load and IF NaN.
+A scope with no routed token has load and IF NaN. Both are computed by ``moetrace.stats``
+(``expert_load``, ``imbalance_factor``), the one definition the synth calibration uses too.
 
 Shape legend (docs/architecture.md): R requests, S stages (prefill, decode), L MoE layers, E logical experts per layer,
 D datasets, B batches.
@@ -20,27 +21,9 @@ import polars as pl
 
 from moetrace.analysis.counts import RequestCounts, sum_by_label
 from moetrace.errors import ConfigError
+from moetrace.stats import expert_load, imbalance_factor
 
 ALL = "all"  # dataset label of the scope "every request of the trace"
-
-
-def expert_load(counts_E: np.ndarray) -> np.ndarray:
-    """Expert load along the last axis: ``counts * E / counts.sum(-1)``; float64, NaN where the sum is 0.
-
-    counts_E: ``[..., E]`` token counts of one layer (any leading axes, e.g. ``[S, L, E]``).
-    """
-    c = np.asarray(counts_E, dtype=np.float64)
-    total = c.sum(axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(total > 0, c * c.shape[-1] / total, np.nan)
-
-
-def imbalance_factor(counts_E: np.ndarray) -> np.ndarray:
-    """IF = max expert load over the last axis; ``[...]`` float64, NaN where nothing was routed."""
-    c = np.asarray(counts_E, dtype=np.float64)
-    total = c.sum(axis=-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(total > 0, c.max(axis=-1) * c.shape[-1] / total, np.nan)
 
 
 def scope_counts(counts: RequestCounts) -> tuple[list[str], np.ndarray]:

@@ -108,6 +108,18 @@ def test_reader_refuses(tmp_path, case):
     assert find_problems(path), "validate must name the same damage"
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_reader_and_validate_word_a_damage_alike(tmp_path, case):
+    # one checker (tracer/trace/checks.py): the reader's error is one of validate's problems, word for word
+    damage, _ = CASES[case]
+    path = write_small_trace(tmp_path / "t")
+    damage(path)
+    with pytest.raises(TraceFormatError) as exc:
+        open_trace(path).token_arrays()
+    problems = find_problems(path)
+    assert any(p.split(": ", 1)[-1] in str(exc.value) for p in problems), (str(exc.value), problems)
+
+
 @pytest.mark.parametrize("case", ["expert id out of range", "duplicate (request_id, position)", "null expert list"])
 def test_cli_commands_refuse_cleanly(tmp_path, case):
     damage, message = CASES[case]

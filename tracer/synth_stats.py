@@ -1,12 +1,13 @@
 """The statistics the synth knobs move, measured from routing (for calibration, tests and docs).
 
-Definitions (SPEC §3; the analysis stage uses the same):
+Definitions (SPEC §3). Expert load, the imbalance factor, Pearson correlation and the dataset
+correlation are ``moetrace.stats``, the functions the analysis stage calls too:
 - expert load of e in a scope = tokens routed to e / (T*K/E), where T*K counts the recorded ids of
   the scope (ids == -1 are ignored);
 - imbalance factor (IF) of a layer in a scope = max over experts of the expert load;
 - prefill↔decode correlation of a layer = Pearson correlation over experts between the per-expert
-  count vectors of prefill and of decode, pooled over all tokens of one dataset; the headline number
-  is its mean over layers and datasets;
+  count vectors of prefill and of decode, pooled over all tokens of one dataset (the analysis
+  stage's pooled prefill↔decode r); the headline number is its mean over layers and datasets;
 - next-layer predictability of a layer pair (l, l+1) = the fraction of (token, expert e at l) whose
   most frequent layer-(l+1) companion of e (estimated on the same tokens) is among the token's
   layer-(l+1) experts;
@@ -40,6 +41,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from moetrace.stats import dataset_correlation_LDD, imbalance_factor, pearson_paired
 from moetrace.tracer.synth import Chunk
 
 
@@ -81,37 +83,14 @@ def counts_from_trace(path: str | os.PathLike) -> tuple[np.ndarray, tuple[str, .
     return counts, datasets
 
 
-def expert_load(counts_xE: np.ndarray) -> np.ndarray:
-    """Expert load ``counts / (T*K/E)`` along the last axis (NaN where a scope has no tokens)."""
-    E = counts_xE.shape[-1]
-    total = counts_xE.sum(axis=-1, keepdims=True).astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return counts_xE * E / total
-
-
-def imbalance_factor(counts_xE: np.ndarray) -> np.ndarray:
-    """Max expert load along the last axis."""
-    return expert_load(counts_xE).max(axis=-1)
-
-
-def pearson_last_axis(a_xE: np.ndarray, b_xE: np.ndarray) -> np.ndarray:
-    """Pearson correlation along the last axis (NaN where a vector is constant)."""
-    a = a_xE - a_xE.mean(axis=-1, keepdims=True)
-    b = b_xE - b_xE.mean(axis=-1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (a * b).sum(-1) / np.sqrt((a * a).sum(-1) * (b * b).sum(-1))
-
-
 def prefill_decode_correlation(counts_DSLE: np.ndarray) -> np.ndarray:
     """``[D, L]`` Pearson correlation of prefill vs decode per-expert counts, pooled per dataset."""
-    return pearson_last_axis(counts_DSLE[:, 0].astype(np.float64), counts_DSLE[:, 1].astype(np.float64))
+    return pearson_paired(counts_DSLE[:, 0], counts_DSLE[:, 1])
 
 
 def dataset_correlation(counts_DSLE: np.ndarray, *, stage: int | None = None) -> np.ndarray:
     """``[L, D, D]`` Pearson correlation between datasets' per-expert counts (one stage, or both pooled)."""
-    c = (counts_DSLE.sum(axis=1) if stage is None else counts_DSLE[:, stage]).astype(np.float64)  # [D, L, E]
-    c = c.transpose(1, 0, 2)  # [L, D, E]
-    return pearson_last_axis(c[:, :, None, :], c[:, None, :, :])
+    return dataset_correlation_LDD(counts_DSLE.sum(axis=1) if stage is None else counts_DSLE[:, stage])
 
 
 def next_layer_predictability(topk_ids_TLK: np.ndarray, *, E: int) -> np.ndarray:

@@ -4,6 +4,7 @@
 - ``layout``: the file names of a trace directory
 - ``writer``: ``TraceWriter``, the one crash-safe writer every producer uses
 - ``reader``: ``open_trace`` → ``Trace`` (polars frames, numpy ``TokenArrays``)
+- ``checks``: the data checks the reader and ``validate`` share (columns, requests, routing rows)
 - ``validate``: every invariant of the format, each problem named
 - ``merge``: the manifest of a sharded trace from its shard manifests
 - ``summary``: the text ``moetrace info`` prints
