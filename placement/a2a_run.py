@@ -1,7 +1,7 @@
 """Replay placements through real ``torch.distributed.all_to_all_single`` collectives (``moetrace a2a``).
 
 One process per EP rank. ``build_plan`` draws the same held-out global batches as ``compare``
-(``compare._batches``, same seed), places each strategy (or reads placement files), and computes the
+(``compare.held_out_batches``, same seed), places each strategy (or reads placement files), and computes the
 per-(batch, layer) send matrices (``a2a.send_matrices``), checked exactly against
 ``simulate_volume``. ``run_rank`` then, on every rank, for every strategy, batch and MoE layer:
 builds the real dispatch buffer (one row of ``hidden_size`` values of ``dtype`` per token copy it
@@ -46,7 +46,7 @@ from moetrace import results as rf
 from moetrace.errors import ConfigError, MoetraceError, TraceFormatError
 from moetrace.placement import netemu
 from moetrace.placement.a2a import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
-from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, _batches, place_strategies, price_routes
+from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, held_out_batches, place_strategies, price_routes
 from moetrace.placement.grouping import groups_of_clusters, predict_clusters
 from moetrace.placement.simulate import simulate_volume
 
@@ -145,7 +145,7 @@ def build_plan(
     bpt = H * DTYPE_BYTES[dtype]
     sends, intra, inter = [], [], []
     for name, ps in placed.items():
-        rows, batch, src, _ = _batches(data, cfg, ps.group_of_test_R)
+        rows, batch, src, _ = held_out_batches(data, cfg, ps.group_of_test_R)
         kw = dict(placement=ps.placement, batch_T=batch, src_rank_T=src, num_batches=cfg.num_batches,
                   num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node, dedup=cfg.dedup, policy=cfg.replica_policy)
         ids = data.test_topk_ids_TLK[rows]

@@ -41,8 +41,8 @@ from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
 from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, check_strategies, get_strategy
 
-__all__ = ["CompareConfig", "TraceData", "expert_copy_floor", "load_trace_data", "with_held_out_tokens", "make_placement",
-           "place_strategies", "run_compare", "write_results"]
+__all__ = ["CompareConfig", "TraceData", "expert_copy_floor", "held_out_batches", "load_trace_data", "with_held_out_tokens",
+           "make_placement", "place_strategies", "run_compare", "write_results"]
 
 
 #: the least saving over linear (a share of linear's median) the oracle must show before compare says
@@ -302,7 +302,7 @@ def _sources(dep: Deployment, per_group: int) -> np.ndarray:
     return out
 
 
-def _batches(
+def held_out_batches(
     data: TraceData, cfg: CompareConfig, group_of_R: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
     """Token rows, batch index and source rank of every simulated token (int64 [T] each), and the
@@ -427,7 +427,7 @@ def run_compare(
     candidates = bound_placements(data, cfg, placed, on_placed=step) if bounds else {}
 
     def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
-        rows, batch, src, empty = _batches(data, cfg, ps.group_of_test_R)
+        rows, batch, src, empty = held_out_batches(data, cfg, ps.group_of_test_R)
         ps.extra["groups_without_routed_requests"] = empty
         if ps.group_of_test_R is not None:  # held-out requests routed to the busiest node, over an even share
             n_G = np.bincount(ps.group_of_test_R[data.is_test_R], minlength=G)
@@ -523,7 +523,7 @@ def expert_copy_floor(decode_RLE: np.ndarray, *, rows: np.ndarray, num_groups: i
     weighed equally, as batches weigh them when every node is routed an even share) that ceiling
     ``c`` bounds the local share; linear serves each request from every node alike, a local share of
     1/G. Returns ``(1 - c) / (1 - 1/G)``. A router that loads nodes unevenly changes the weights
-    (``_batches`` fills every node's micro-batch from its own pool), so the bound assumes even nodes.
+    (``held_out_batches`` fills every node's micro-batch from its own pool), so the bound assumes even nodes.
     ``decode_RLE``: decode token counts [R, L, E], any numeric dtype; requests without decode tokens
     are left out.
     """

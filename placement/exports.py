@@ -26,7 +26,7 @@ import numpy as np
 
 from moetrace.atomic import write_json_atomic
 from moetrace.errors import ConfigError, TraceFormatError
-from moetrace.placement.maps import Placement, placement_from_phy2log, placement_problems
+from moetrace.placement.maps import Placement, placement_problems
 from moetrace.results import PLACEMENT, check_result_json, json_header
 
 __all__ = ["PlacementFile", "save_placement", "load_placement", "export_placement", "ExportFormat"]
@@ -168,7 +168,3 @@ def export_placement(pf: PlacementFile, *, fmt: ExportFormat) -> str:
         # by all MoE layers, or one row per MoE layer in model order; an object would be refused
         return json.dumps(pf.placement.phy2log.tolist()) + "\n"
     raise ConfigError(f"unknown export format {fmt!r}; use sglang, trtllm or vllm")
-
-
-def placement_file_from_phy2log(phy2log_LP: np.ndarray, **kw: Any) -> PlacementFile:
-    return PlacementFile(placement=placement_from_phy2log(phy2log_LP, num_experts=int(kw["model"]["num_experts"])), **kw)

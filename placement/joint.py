@@ -47,7 +47,7 @@ import numpy as np
 
 from moetrace._deps import require
 from moetrace.errors import ConfigError
-from moetrace.placement.data_placement import _check, expected_slot_load, spread_in_nodes
+from moetrace.placement.data_placement import check_usage, expected_slot_load, spread_in_nodes
 from moetrace.placement.improved import optimal_members
 from moetrace.placement.maps import Placement, placement_from_phy2log
 
@@ -253,7 +253,7 @@ def joint_placement(
     G = num_groups
     if len(group) == 0 or group.min() < 0 or group.max() >= G:
         raise ConfigError(f"init_group_R must hold nodes 0..{G - 1} for at least one training request")
-    _check(np.zeros((G, 1, decode_RLE.shape[2])), num_slots, ranks_per_group)
+    check_usage(np.zeros((G, 1, decode_RLE.shape[2])), num_slots, ranks_per_group)
     history: list[float] = []
     best = None
     usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows)

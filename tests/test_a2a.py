@@ -14,7 +14,7 @@ from moetrace import results as rf
 from moetrace.cli import app
 from moetrace.placement import a2a_run as ar
 from moetrace.placement.a2a import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
-from moetrace.placement.compare import CompareConfig, _batches, load_trace_data, make_placement
+from moetrace.placement.compare import CompareConfig, held_out_batches, load_trace_data, make_placement
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.maps import placement_from_phy2log
 from moetrace.placement.simulate import simulate_volume
@@ -63,7 +63,7 @@ def test_send_matrices_equal_simulator_bytes(data, cfg, dedup, policy):
     dep = cfg.deployment
     for s in ("linear", "eplb", "data"):
         ps = make_placement(data, cfg, s)
-        rows, batch, src, _ = _batches(data, cfg, ps.group_of_test_R)
+        rows, batch, src, _ = held_out_batches(data, cfg, ps.group_of_test_R)
         kw = dict(placement=ps.placement, batch_T=batch, src_rank_T=src, num_batches=cfg.num_batches, num_ranks=dep.num_ep,
                   ranks_per_node=dep.ranks_per_node, dedup=dedup, policy=policy)
         ids = data.test_topk_ids_TLK[rows]
