@@ -17,6 +17,7 @@ from moetrace.placement.compare import CompareConfig, expert_copy_floor, load_tr
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.exports import export_placement, load_placement
 from moetrace.placement.report import compare_notes, format_compare_summary
+from moetrace.placement.routers import CentroidRouter
 from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.writer import TraceWriter
@@ -130,7 +131,7 @@ def test_cli_place_compare_export_roundtrip(planted, tmp_path):
     assert r.exit_code == 0, r.output
     pf = load_placement(out)
     assert pf.placement.phy2log.shape == (L, E + 8)
-    assert len(pf.grouping["cluster_to_groups"]) == 2
+    assert isinstance(pf.router, CentroidRouter) and pf.router.num_clusters == 2
 
     sg = json.loads(export_placement(pf, fmt="sglang"))
     assert list(sg) == ["physical_to_logical_map"]  # SGLang passes the dict as keyword arguments

@@ -174,6 +174,7 @@ def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
 
     from moetrace.cli import app
     from moetrace.placement.exports import export_placement, load_placement
+    from moetrace.placement.routers import PriceRouter
 
     trace = _block_trace(tmp_path / "blocks", num_requests=80, noise=0.1)
     out = tmp_path / "joint.json"
@@ -181,10 +182,10 @@ def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
                                  "joint", "-o", str(out)])
     assert r.exit_code == 0, r.output
     pf = load_placement(out)
-    assert pf.strategy == "joint" and len(pf.grouping["node_prices"]) == G
-    assert "prefill" in pf.grouping["score"]  # the router sees the prompt only
-    assert json.loads(export_placement(pf, fmt="vllm")) == pf.placement.phy2log.tolist()
+    assert pf.strategy == "joint" and isinstance(pf.router, PriceRouter) and len(pf.router.node_prices_G) == G
     d = json.loads(out.read_text())
+    assert d["grouping"]["router_kind"] == "price" and "prefill" in d["grouping"]["score"]  # the router sees the prompt only
+    assert json.loads(export_placement(pf, fmt="vllm")) == pf.placement.phy2log.tolist()
     d["grouping"]["node_prices"] = [0.0, "x", 0.0, 0.0]
     out.write_text(json.dumps(d))
     r = CliRunner().invoke(app, ["export", str(out), "--format", "vllm", "-o", str(tmp_path / "v.json")])
