@@ -25,7 +25,7 @@ Out of scope: the algorithms themselves (pure functions in the sibling modules);
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -33,6 +33,7 @@ import numpy as np
 
 from moetrace import results as rf
 from moetrace.errors import ConfigError, TraceFormatError
+from moetrace.placement.compare_manifest import CompareManifest, GroupingRecord
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.exports import PlacementFile
 from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters
@@ -318,12 +319,25 @@ def held_out_batches(
 class CompareResult:
     """What ``run_compare`` found: per strategy its placement and simulated traffic."""
 
-    config: dict[str, Any]  # the run's configuration, as written to compare.json
+    config: CompareConfig  # what was asked
+    manifest: CompareManifest  # the run's configuration and facts, as written to compare.json
     metrics: dict[str, dict[str, np.ndarray]]  # strategy -> metric -> float64 [B, L]
     placed: dict[str, PlacedStrategy]  # strategy -> its placement
-    model: ModelInfo  # the traced model
-    reference: str  # strategy whose median normalizes inter-node volume
-    bounds: tuple[str, ...] = ()  # the rows of metrics that are upper bounds (strategies.BOUNDS), not strategies
+
+    @property
+    def model(self) -> ModelInfo:
+        """The traced model."""
+        return self.manifest.model
+
+    @property
+    def reference(self) -> str:
+        """The strategy whose median normalizes inter-node volume."""
+        return self.manifest.reference
+
+    @property
+    def bounds(self) -> tuple[str, ...]:
+        """The rows of ``metrics`` that are upper bounds (strategies.BOUNDS), not strategies."""
+        return self.manifest.bounds
 
     def inter_BL(self, strategy: str) -> np.ndarray:
         return _inter_BL(self.metrics[strategy])
@@ -428,16 +442,24 @@ def run_compare(
         sims = [(simulate(c), c) for c in candidates[s]]
         metrics[s], placed[s] = min(sims, key=lambda mc: float(np.median(_inter_BL(mc[0]).sum(1))))
         step()
-    conf = {k: v for k, v in asdict(cfg).items() if k != "deployment"}
-    conf.update(deployment=dep.name, gpus_per_node=dep.num_gpus_per_node, batch_requests=cfg.batch_requests,
-                num_ep=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node,
-                strategies=strategies, bounds=bounds, trace=data.trace_path,
-                num_train_requests=int((~data.is_test_R).sum()), num_test_requests=int(data.is_test_R.sum()),
-                bound_kinds={b: placed[b].extra.get("kind") for b in bounds})
+    floor = None
     if cfg.oracle and cfg.dedup == "expert" and cfg.num_redundant == 0:
-        conf["expert_copy_floor"] = expert_copy_floor(data.decode_RLE, rows=np.flatnonzero(data.is_test_R),
-                                                      num_groups=G, num_slots=m.num_experts)
-    return CompareResult(config=conf, metrics=metrics, placed=placed, model=m, reference=reference, bounds=tuple(bounds))
+        floor = expert_copy_floor(data.decode_RLE, rows=np.flatnonzero(data.is_test_R), num_groups=G, num_slots=m.num_experts)
+    manifest = CompareManifest(
+        strategies=tuple(strategies), num_clusters=cfg.num_clusters, num_redundant=cfg.num_redundant,
+        test_fraction=cfg.test_fraction, num_batches=cfg.num_batches, num_batch_requests=cfg.num_batch_requests,
+        dedup=cfg.dedup, replica_policy=cfg.replica_policy, bytes_per_value=cfg.bytes_per_value, seed=cfg.seed,
+        oracle=cfg.oracle, deployment=dep.name, gpus_per_node=dep.num_gpus_per_node, batch_requests=cfg.batch_requests,
+        num_ep=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node, bounds=tuple(bounds),
+        trace=data.trace_path, num_train_requests=int((~data.is_test_R).sum()), num_test_requests=int(data.is_test_R.sum()),
+        bound_kinds={b: placed[b].extra.get("kind") for b in bounds}, expert_copy_floor=floor, reference=reference, model=m,
+        grouping={s: GroupingRecord(num_clusters=p.grouping.num_clusters,
+                                    cluster_to_groups=tuple(tuple(int(g) for g in gs) for gs in p.grouping.cluster_to_groups),
+                                    router_match_rate=p.router_match_rate,
+                                    groups_without_routed_requests=tuple(p.extra.get("groups_without_routed_requests", [])))
+                  for s, p in placed.items() if p.grouping is not None},
+    )
+    return CompareResult(config=cfg, manifest=manifest, metrics=metrics, placed=placed)
 
 
 def _inter_BL(metrics: dict[str, np.ndarray]) -> np.ndarray:
@@ -550,7 +572,7 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
             "inter_node_normalized": result.normalized_B(s),
         }))
         place_frames.append((s, result.placed[s].placement.phy2log))
-    num_ep, ranks_per_node = int(result.config["num_ep"]), int(result.config["ranks_per_node"])
+    num_ep, ranks_per_node = result.manifest.num_ep, result.manifest.ranks_per_node
     rows = []
     for s, phy2log_LP in place_frames:
         Lp, P = phy2log_LP.shape
@@ -560,19 +582,10 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
             "slot": np.tile(np.arange(P), Lp), "gpu": np.tile(gpu_P, Lp), "node": np.tile(gpu_P // ranks_per_node, Lp),
             "expert": phy2log_LP.reshape(-1),
         }))
-    meta = dict(result.config)
-    meta["reference"] = result.reference
-    meta["model"] = result.model.to_dict()
-    meta["grouping"] = {
-        s: {"num_clusters": p.grouping.num_clusters, "cluster_to_groups": p.grouping.cluster_to_groups,
-            "router_match_rate": p.router_match_rate,
-            "groups_without_routed_requests": p.extra.get("groups_without_routed_requests", [])}
-        for s, p in result.placed.items() if p.grouping is not None
-    }
     return [
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_LAYERS, pl.concat(frames)),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_BATCHES, pl.concat(batch_frames)),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_SUMMARY, pl.DataFrame(result.summary_rows())),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_PLACEMENTS, pl.concat(rows)),
-        rf.write_result_json(out, rf.COMPARE, rf.COMPARE_MANIFEST, meta),  # last: it names a complete directory
+        rf.write_result_json(out, rf.COMPARE, rf.COMPARE_MANIFEST, result.manifest.to_json()),  # last: names a complete directory
     ]

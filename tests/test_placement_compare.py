@@ -113,14 +113,14 @@ def test_expert_copy_floor_is_below_any_membership_and_routing():
 def test_compare_reports_the_floor_with_expert_copies(planted, flat):
     for trace, planted_domains in ((planted, True), (flat, False)):
         res = run_compare(load_trace_data(trace, test_fraction=0.25, seed=0), _cfg(dedup="expert"))
-        floor = res.config["expert_copy_floor"]
+        floor = res.manifest.expert_copy_floor
         if planted_domains:  # every request uses 8 experts, a node holds 8: nothing has to cross
             assert floor == pytest.approx(0.0)
         for r in res.summary_rows():
             assert r["inter_node_normalized_median"] >= floor - 0.05, r  # 50 small batches: a little noise
         assert format_compare_summary(res).splitlines()[-1].startswith(f"floor {floor:>37.3f}  proven for any placement")
     no_floor = run_compare(load_trace_data(planted, test_fraction=0.25, seed=0), _cfg())  # dedup rank: not proven
-    assert "expert_copy_floor" not in no_floor.config
+    assert no_floor.manifest.expert_copy_floor is None
 
 
 def test_cli_place_compare_export_roundtrip(planted, tmp_path):

@@ -303,7 +303,7 @@ def test_joint_aligned_keeps_the_node_limit_and_wins_when_copies_go_per_node(tmp
     # each request goes to the node holding one of its two groups: one copy per token leaves the node
     v = {s: r["inter_node_normalized_median"] for s, r in rows.items()}
     assert v["joint_aligned"] < 0.75 and v["joint_aligned"] < v["joint"] - 0.05 and v["joint_aligned"] < v["data"] - 0.05
-    assert res.config["bound_kinds"]["oracle"] == "joint_aligned" and v["oracle"] <= v["joint_aligned"] + 1e-9
+    assert res.manifest.bound_kinds["oracle"] == "joint_aligned" and v["oracle"] <= v["joint_aligned"] + 1e-9
     notes = compare_notes(res)
     assert any("at most 2 of its 4 expert groups" in n and "data, joint place experts one by one" in n for n in notes)
     assert "from joint_aligned" in format_compare_summary(res)
