@@ -3,7 +3,8 @@
 ``moetrace place --strategy``, ``moetrace compare --strategies``, ``CompareConfig`` validation,
 ``make_placement`` and the dashboards' strategy labels all read ``STRATEGIES``; docs/placement.md
 has the same table (a test keeps it in step). Adding a strategy: write the placer as a pure function of arrays in its own module, then add
-one ``Strategy`` row here with a small builder from ``PlacementInputs``.
+one ``Strategy`` row here with a small builder from ``PlacementInputs`` (and, for a grouped one, the
+kind of its router: a key of ``routers.ROUTERS``).
 
 A *grouped* strategy needs request clustering: the training requests are clustered into one group
 per node, and its placer sees per-group usage ``usage_GLE``; at serving time a router sends each

@@ -221,12 +221,12 @@ def test_strategy_list_errors_name_the_problem():
         CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), strategies=("linear", "foo"))
 
 
-def _docs_strategy_rows() -> dict[str, tuple[str, str]]:
-    """strategy -> (grouped, description) columns of the table under "## Strategies" in docs/placement.md."""
+def _docs_strategy_rows() -> dict[str, tuple[str, str, str]]:
+    """strategy -> (grouped, description, router) columns of the table under "## Strategies" in docs/placement.md."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "placement.md").read_text()
     section = text.split("## Strategies", 1)[1].split("\n## ", 1)[0]
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
-    return {cells[0].strip("| `"): (cells[1].strip(), cells[2].rstrip(" |")) for cells in rows}
+    return {cells[0].strip("| `"): (cells[1].strip(), cells[2], cells[3].rstrip(" |").strip("`")) for cells in rows}
 
 
 def test_every_registered_strategy_is_in_the_docs_table_and_the_cli_help():
@@ -234,7 +234,7 @@ def test_every_registered_strategy_is_in_the_docs_table_and_the_cli_help():
     docs = _docs_strategy_rows()
     assert list(docs) == list(STRATEGY_NAMES), "docs/placement.md's strategies table differs from placement/strategies.py"
     for s in STRATEGIES:
-        assert docs[s.name] == ("yes" if s.grouped else "no", s.description), s.name
+        assert docs[s.name] == ("yes" if s.grouped else "no", s.description, s.router), s.name
     for cmd in ("place", "compare"):
         r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
         assert r.exit_code == 0, r.output
