@@ -10,7 +10,8 @@ A directory is one of:
 - an **a2a** result (``a2a.json`` with ``format: "moetrace.a2a"``, written by ``moetrace a2a``).
 
 Result manifests are read and checked by ``moetrace.results.read_result_manifest`` (format name and
-version; a ``compare.json`` without a format was written by an older moetrace and says so).
+version; a ``compare.json`` without a format was written by an older moetrace and says so); a
+``compare.json`` is then read into its typed record (``placement.compare_manifest.CompareManifest``).
 Anything else is an error that names the directory and what was expected, so a typo in a path
 never yields a silently empty report.
 
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from moetrace.errors import TraceFormatError
+from moetrace.placement.compare_manifest import CompareManifest
 from moetrace.results import A2A, ANALYSIS, COMPARE, KINDS, read_result_manifest
 from moetrace.tracer.trace.layout import MANIFEST as TRACE_MANIFEST
 from moetrace.tracer.trace.schema import FORMAT as TRACE_FORMAT
@@ -43,6 +45,7 @@ class Input:
     kind: InputKind  # what it holds
     path: Path  # the directory
     manifest: dict[str, Any]  # its manifest, parsed
+    compare: CompareManifest | None = None  # a compare result's manifest, typed (None for other kinds)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -75,6 +78,9 @@ def detect(path: str | Path) -> Input:
             return Input(kind="trace", path=p, manifest=obj)
         if obj is not None and (fmt in result_formats or fmt is None):
             kind, manifest = read_result_manifest(f)  # raises: older moetrace (no format), unsupported version
+            if kind is COMPARE:
+                return Input(kind=DRAWN[kind.name], path=p, manifest=manifest,
+                             compare=CompareManifest.from_json(manifest, where=str(f)))
             if kind.name in DRAWN:
                 return Input(kind=DRAWN[kind.name], path=p, manifest=manifest)
         seen.append(f"{name} (format {fmt!r})" if obj is not None else f"{name} (unreadable)")

@@ -21,6 +21,7 @@ import polars as pl
 
 from moetrace.dashboards.inputs import Input
 from moetrace.dashboards.page import Figure
+from moetrace.placement.compare_manifest import CompareManifest
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,10 +31,18 @@ class Results:
     path: Path  # the directory
     manifest: dict[str, Any]  # its manifest
     kind: str  # "analysis", "placement" or "a2a"
+    compare_manifest: CompareManifest | None = None  # the typed compare.json of a "placement" result
 
     @classmethod
     def from_input(cls, inp: Input) -> "Results":
-        return cls(path=inp.path, manifest=inp.manifest, kind=inp.kind)
+        return cls(path=inp.path, manifest=inp.manifest, kind=inp.kind, compare_manifest=inp.compare)
+
+    @property
+    def compare(self) -> CompareManifest:
+        """The typed ``compare.json`` of a ``moetrace compare`` results directory (``ValueError`` for other kinds)."""
+        if self.compare_manifest is None:
+            raise ValueError(f"{self.path}: {self.kind} results, not `moetrace compare` results")
+        return self.compare_manifest
 
     def has(self, name: str) -> bool:
         return (self.path / name).is_file()

@@ -60,8 +60,7 @@ def strategy_colours(strategies: list[str]) -> dict[str, str]:
 
 
 def _strategies(res: Results, df: pl.DataFrame) -> list[str]:
-    order = [s for s in res.manifest.get("strategies", []) if isinstance(s, str)]
-    ref = res.manifest.get("reference")
+    order, ref = res.compare.strategies, res.compare.reference
     have = df["strategy"].unique().to_list()
     out = ([ref] if ref in have else []) + [s for s in order if s in have and s != ref]
     return out + sorted(s for s in have if s not in out)
@@ -72,14 +71,14 @@ def placement_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
     figures: list[Figure] = []
     notes: list[str] = []
     tables: list[Table] = []
-    m = res.manifest
-    ref = m.get("reference", "linear")
+    m = res.compare
+    ref = m.reference
     setup = (
-        f"{m.get('deployment', '?')} on {m.get('num_nodes', '?')} node(s) of {m.get('gpus_per_node', '?')} GPUs; "
-        f"{m.get('num_train_requests', '?')} requests placed, {m.get('num_test_requests', '?')} held out for evaluation; "
-        f"{m.get('num_batches', '?')} global batches of {m.get('batch_requests', '?')} requests; "
-        f"dedup per {m.get('dedup', '?')}, replica policy {m.get('replica_policy', '?')}, "
-        f"{m.get('num_redundant', 0)} redundant slot(s) per layer."
+        f"{m.deployment} on {m.num_nodes} node(s) of {m.gpus_per_node} GPUs; "
+        f"{m.num_train_requests} requests placed, {m.num_test_requests} held out for evaluation; "
+        f"{m.num_batches} global batches of {m.batch_requests} requests; "
+        f"dedup per {m.dedup}, replica policy {m.replica_policy}, "
+        f"{m.num_redundant} redundant slot(s) per layer."
     )
 
     summary = res.table(COMPARE_SUMMARY)

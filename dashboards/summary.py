@@ -77,7 +77,8 @@ def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
     summary = res.table(rf.COMPARE_SUMMARY)
     if summary is None:
         return None
-    ref = str(res.manifest.get("reference", "linear"))
+    m = res.compare
+    ref = m.reference
     col = "inter_node_normalized_median"
     rows = {r["strategy"]: float(r[col]) for r in summary.select("strategy", col).iter_rows(named=True) if r[col] is not None}
     candidates = {s: v for s, v in rows.items() if s != ref and s in deployable}
@@ -86,13 +87,11 @@ def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
     best_v = min(candidates.values())
     best = [s for s, v in candidates.items() if v == best_v]
     names = " = ".join(STRATEGY_NAMES.get(s, s) for s in best)
-    m = res.manifest
     change = f"{100 * (1 - best_v):.0f}% fewer" if best_v < 1.0 else f"{100 * (best_v - 1):.0f}% more"
     bounds = [f"{STRATEGY_NAMES.get(s, s)} {_x(v)}" for s, v in rows.items() if s != ref and s not in deployable]
     detail = (
         f"Inter-node all-to-all bytes of a held-out global batch / {ref}'s median, median over "
-        f"{m.get('num_batches', '?')} batches (lower is better); {m.get('deployment', '?')} on "
-        f"{m.get('num_nodes', '?')} node(s)" + (f"; bounds, not deployable: {', '.join(bounds)}" if bounds else "") + "."
+        f"{m.num_batches} batches (lower is better); {m.deployment} on {m.num_nodes} node(s)" + (f"; bounds, not deployable: {', '.join(bounds)}" if bounds else "") + "."
     )
     return Headline(
         key=f"{key_prefix}placement",

@@ -1,7 +1,7 @@
 """Replay placements through real ``torch.distributed.all_to_all_single`` collectives (``moetrace a2a``).
 
 One process per EP rank. ``build_plan`` draws the same held-out global batches as ``compare``
-(``compare._batches``, same seed), places each strategy (or reads placement files), and computes the
+(``compare.held_out_batches``, same seed), places each strategy (or reads placement files), and computes the
 per-(batch, layer) send matrices (``a2a.send_matrices``), checked exactly against
 ``simulate_volume``. ``run_rank`` then, on every rank, for every strategy, batch and MoE layer:
 builds the real dispatch buffer (one row of ``hidden_size`` values of ``dtype`` per token copy it
@@ -46,8 +46,9 @@ from moetrace import results as rf
 from moetrace.errors import ConfigError, MoetraceError, TraceFormatError
 from moetrace.placement import netemu
 from moetrace.placement.a2a import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
-from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, _batches, place_strategies, price_routes
-from moetrace.placement.grouping import groups_of_clusters, predict_clusters
+from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, held_out_batches, place_strategies
+from moetrace.placement.exports import PlacementFile
+from moetrace.placement.routers import NoRouter
 from moetrace.placement.simulate import simulate_volume
 
 __all__ = [
@@ -92,31 +93,28 @@ class A2APlan:
 
 
 # ---- the plan: batches, placements, send matrices ---------------------------------------------------
-def placed_from_file(data: TraceData, cfg: CompareConfig, pf: Any, *, where: str) -> PlacedStrategy:
-    """A ``PlacedStrategy`` from a loaded placement file ``pf`` (``exports.PlacementFile``), checked
-    against the trace and deployment; a file with a grouping routes held-out requests by its prefill
-    centroids (as ``compare`` does)."""
+def placed_from_file(data: TraceData, cfg: CompareConfig, pf: PlacementFile, *, where: str) -> PlacedStrategy:
+    """A ``PlacedStrategy`` from a loaded placement file ``pf``, checked against the trace and
+    deployment; a file with a router routes the held-out requests by it from their prefill (as
+    ``compare`` does)."""
     m, dep = data.model, cfg.deployment
     L, P = pf.placement.phy2log.shape
-    if L != m.num_moe_layers or int(pf.model["num_experts"]) != m.num_experts:
-        raise TraceFormatError(f"{where}: placement of {L} MoE layers x {pf.model['num_experts']} experts; the trace has "
+    if L != m.num_moe_layers or pf.model.num_experts != m.num_experts:
+        raise TraceFormatError(f"{where}: placement of {L} MoE layers x {pf.model.num_experts} experts; the trace has "
                                f"{m.num_moe_layers} x {m.num_experts} (place it from this trace's model)")
-    if P % dep.num_ep or int(pf.deployment.get("num_ep", dep.num_ep)) != dep.num_ep:
-        raise ConfigError(f"{where}: placement for EP{pf.deployment.get('num_ep')} ({P} slots); --config {dep.name} has "
+    if P % dep.num_ep or pf.deployment.num_ep != dep.num_ep:
+        raise ConfigError(f"{where}: placement for EP{pf.deployment.num_ep} ({P} slots); --config {dep.name} has "
                           f"EP{dep.num_ep} (re-run `moetrace place` with this --config)")
-    g = pf.grouping or {}
-    if not ({"node_prices", "prefill_centroids"} & g.keys()):
+    if isinstance(pf.router, NoRouter):
         return PlacedStrategy(strategy=pf.strategy, placement=pf.placement)
+    if pf.router.num_groups != dep.num_groups:
+        raise ConfigError(f"{where}: its {pf.router.kind} router sends requests to {pf.router.num_groups} nodes; --config "
+                          f"{dep.name} on nodes of {dep.num_gpus_per_node} GPUs has {dep.num_groups} (re-run `moetrace place` "
+                          "with this --config and --gpus-per-node)")
     if "prefill" not in data.stages:
         raise ConfigError(f"{where}: its router reads prefill routing, which this trace did not record")
-    if "node_prices" in g:  # the price router (strategies joint, joint_aligned), from each request's prefill
-        group_R, _ = price_routes(data, pf.placement, np.asarray(g["node_prices"], dtype=np.float64), dep.num_groups,
-                                  with_decode=False)
-        return PlacedStrategy(strategy=pf.strategy, placement=pf.placement, group_of_test_R=group_R)
-    R = len(data.is_test_R)
-    pred_R = predict_clusters(data.prefill_RLE.reshape(R, -1), np.asarray(g["prefill_centroids"], dtype=np.float64))
-    return PlacedStrategy(strategy=pf.strategy, placement=pf.placement,
-                          group_of_test_R=groups_of_clusters(pred_R, g["cluster_to_groups"]))
+    routes = pf.router.route(data.prefill_RLE, placement=pf.placement, is_test_R=data.is_test_R)
+    return PlacedStrategy(strategy=pf.strategy, placement=pf.placement, router=pf.router, group_of_test_R=routes.group_R)
 
 
 def build_plan(
@@ -145,7 +143,7 @@ def build_plan(
     bpt = H * DTYPE_BYTES[dtype]
     sends, intra, inter = [], [], []
     for name, ps in placed.items():
-        rows, batch, src, _ = _batches(data, cfg, ps.group_of_test_R)
+        rows, batch, src, _ = held_out_batches(data, cfg, ps.group_of_test_R)
         kw = dict(placement=ps.placement, batch_T=batch, src_rank_T=src, num_batches=cfg.num_batches,
                   num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node, dedup=cfg.dedup, policy=cfg.replica_policy)
         ids = data.test_topk_ids_TLK[rows]

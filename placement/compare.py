@@ -2,8 +2,8 @@
 
 Steps: count tokens per (request, stage, layer, expert) with ``analysis.counts``; split requests
 into train and test (seeded, by request); build each strategy's placement from the training
-requests only; route the held-out requests to groups (grouped strategies: cluster predicted from
-prefill; others: uniformly at random); form global batches; simulate the all-to-all volume; normalize
+requests only; route the held-out requests to groups (grouped strategies: by their router
+from prefill, ``routers``; others: uniformly at random); form global batches; simulate the all-to-all volume; normalize
 inter-node volume to the median of the linear baseline (core paper Fig. 9).
 
 A global batch is one decode step: each of the G groups (nodes) takes ``batch_requests / G``
@@ -25,24 +25,29 @@ Out of scope: the algorithms themselves (pure functions in the sibling modules);
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from moetrace import results as rf
 from moetrace.errors import ConfigError, TraceFormatError
+from moetrace.placement.compare_manifest import CompareManifest, GroupingRecord
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.exports import PlacementFile
-from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters, predict_clusters
+from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
+from moetrace.placement.routers import NoRouter, Router, fit_router
 from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
 from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, check_strategies, get_strategy
 
-__all__ = ["CompareConfig", "TraceData", "expert_copy_floor", "load_trace_data", "with_held_out_tokens", "make_placement",
-           "place_strategies", "run_compare", "write_results"]
+if TYPE_CHECKING:
+    from moetrace.tracer.trace.schema import ModelInfo
+
+__all__ = ["CompareConfig", "TraceData", "expert_copy_floor", "held_out_batches", "load_trace_data", "with_held_out_tokens",
+           "make_placement", "place_strategies", "run_compare", "write_results"]
 
 
 #: the least saving over linear (a share of linear's median) the oracle must show before compare says
@@ -92,7 +97,7 @@ class CompareConfig:
 class TraceData:
     """What placement and evaluation read from a trace."""
 
-    model: Any  # ModelInfo
+    model: ModelInfo  # the traced model
     trace_path: str  # where it came from
     prefill_RLE: np.ndarray  # [R, L, E] prefill token counts, unsigned (count_trace's smallest safe dtype)
     decode_RLE: np.ndarray  # [R, L, E] decode token counts, same dtype
@@ -154,8 +159,6 @@ def with_held_out_tokens(data: TraceData) -> TraceData:
     upper bound: rows with no recorded id are skipped): no list of parts and no concatenated copy,
     and pages never written are never resident.
     """
-    from dataclasses import replace
-
     from moetrace.tracer.trace.reader import open_trace
 
     if data.test_topk_ids_TLK is not None:
@@ -195,10 +198,15 @@ class PlacedStrategy:
     strategy: str  # registry name (strategies.STRATEGIES)
     placement: Placement  # over the MoE layers
     grouping: Grouping | None = None  # clusters and their groups (grouped strategies)
+    router: Router = field(default_factory=NoRouter)  # how requests find their node (with its match rate on the held-out requests)
     group_of_test_R: np.ndarray | None = None  # int64 [R] group of each request (test rows meaningful)
-    router_match_rate: float | None = None  # share of test requests routed from prefill as their decode would route them
     decode_group_of_test_R: np.ndarray | None = None  # int64 [R] price router only: the balanced assignment by decode
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (eplb policy, groups without routed requests)
+
+    @property
+    def router_match_rate(self) -> float | None:
+        """Share of held-out requests routed from prefill as their decode would route them (None: no router)."""
+        return None if isinstance(self.router, NoRouter) else self.router.match_rate
 
 
 def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, grouping: Grouping | None = None) -> PlacedStrategy:
@@ -228,7 +236,7 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
                 num_clusters=cfg.num_clusters or G, num_groups=G, seed=cfg.seed,
             )
         init_group_N = groups_of_clusters(grouping.labels_R, grouping.cluster_to_groups)
-        if spec.router == "centroid":  # the price-routed placer sums its own (per-request) usage
+        if spec.uses_group_usage:  # (the price-routed placer sums its own, per-request usage)
             usage_GLE = _sum_rows(data.decode_RLE, train_R, init_group_N, G)
     inputs = PlacementInputs(
         num_layers=L, num_experts=E, num_slots=P,
@@ -237,39 +245,14 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
         decode_RLE=data.decode_RLE, prefill_RLE=data.prefill_RLE, train_rows=train_R, init_group_N=init_group_N,
     )
     placement, extra = spec.build(inputs)
-    if not spec.grouped:
+    router = fit_router(spec.router, grouping=grouping, provenance=extra, num_groups=G)
+    if isinstance(router, NoRouter):
         return PlacedStrategy(strategy=strategy, placement=placement, extra=extra)
-    test = data.is_test_R
-    if spec.router == "price":  # routed to nodes directly; match: same node from prefill as from decode
-        group_R, truth_R = price_routes(data, placement, np.asarray(extra["router_price"]), G)
-        pred_R = group_R
-    else:  # routed to clusters; match: same cluster from prefill as from decode
-        pred_R = predict_clusters(data.prefill_RLE.reshape(R, -1), grouping.prefill_centroids_CF)
-        truth_R = predict_clusters(data.decode_RLE.reshape(R, -1), grouping.decode_centroids_CF)
-        group_R = groups_of_clusters(pred_R, grouping.cluster_to_groups)
+    routes = router.route(data.prefill_RLE, placement=placement, is_test_R=data.is_test_R, decode_RLE=data.decode_RLE)
     return PlacedStrategy(
-        strategy=strategy, placement=placement, grouping=grouping, extra=extra, group_of_test_R=group_R,
-        router_match_rate=float((pred_R[test] == truth_R[test]).mean()),
-        decode_group_of_test_R=truth_R if spec.router == "price" else None,
+        strategy=strategy, placement=placement, grouping=grouping, extra=extra, group_of_test_R=routes.group_R,
+        router=replace(router, match_rate=routes.match_rate), decode_group_of_test_R=routes.decode_group_R,
     )
-
-
-def price_routes(data: TraceData, placement: Placement, price_G: np.ndarray, num_groups: int, *,
-                 with_decode: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
-    """Node of every held-out request under the price router (from its prefill, what serving does) and
-    (``with_decode``; else None) under a balanced assignment by its decode (what it should have been),
-    int64 [R] each (training rows are 0)."""
-    from moetrace.placement.joint import balanced_assign, members_of_placement, node_scores, route_requests
-
-    member = members_of_placement(placement, num_groups=num_groups, num_experts=data.model.num_experts)
-    test = np.flatnonzero(data.is_test_R)
-    routed_R = np.zeros(len(data.is_test_R), dtype=np.int64)
-    routed_R[test] = route_requests(node_scores(data.prefill_RLE, member, rows=test), price_G)
-    if not with_decode:
-        return routed_R, None
-    truth_R = np.zeros(len(data.is_test_R), dtype=np.int64)
-    truth_R[test] = balanced_assign(node_scores(data.decode_RLE, member, rows=test))[0]
-    return routed_R, truth_R
 
 
 def _sum_rows(x_RLE: np.ndarray, rows: np.ndarray, group_N: np.ndarray | None = None, num_groups: int = 1) -> np.ndarray:
@@ -302,7 +285,7 @@ def _sources(dep: Deployment, per_group: int) -> np.ndarray:
     return out
 
 
-def _batches(
+def held_out_batches(
     data: TraceData, cfg: CompareConfig, group_of_R: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
     """Token rows, batch index and source rank of every simulated token (int64 [T] each), and the
@@ -336,12 +319,25 @@ def _batches(
 class CompareResult:
     """What ``run_compare`` found: per strategy its placement and simulated traffic."""
 
-    config: dict[str, Any]  # the run's configuration, as written to compare.json
+    config: CompareConfig  # what was asked
+    manifest: CompareManifest  # the run's configuration and facts, as written to compare.json
     metrics: dict[str, dict[str, np.ndarray]]  # strategy -> metric -> float64 [B, L]
     placed: dict[str, PlacedStrategy]  # strategy -> its placement
-    model: Any  # ModelInfo of the traced model
-    reference: str  # strategy whose median normalizes inter-node volume
-    bounds: tuple[str, ...] = ()  # the rows of metrics that are upper bounds (strategies.BOUNDS), not strategies
+
+    @property
+    def model(self) -> ModelInfo:
+        """The traced model."""
+        return self.manifest.model
+
+    @property
+    def reference(self) -> str:
+        """The strategy whose median normalizes inter-node volume."""
+        return self.manifest.reference
+
+    @property
+    def bounds(self) -> tuple[str, ...]:
+        """The rows of ``metrics`` that are upper bounds (strategies.BOUNDS), not strategies."""
+        return self.manifest.bounds
 
     def inter_BL(self, strategy: str) -> np.ndarray:
         return _inter_BL(self.metrics[strategy])
@@ -427,7 +423,7 @@ def run_compare(
     candidates = bound_placements(data, cfg, placed, on_placed=step) if bounds else {}
 
     def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
-        rows, batch, src, empty = _batches(data, cfg, ps.group_of_test_R)
+        rows, batch, src, empty = held_out_batches(data, cfg, ps.group_of_test_R)
         ps.extra["groups_without_routed_requests"] = empty
         if ps.group_of_test_R is not None:  # held-out requests routed to the busiest node, over an even share
             n_G = np.bincount(ps.group_of_test_R[data.is_test_R], minlength=G)
@@ -446,16 +442,24 @@ def run_compare(
         sims = [(simulate(c), c) for c in candidates[s]]
         metrics[s], placed[s] = min(sims, key=lambda mc: float(np.median(_inter_BL(mc[0]).sum(1))))
         step()
-    conf = {k: v for k, v in asdict(cfg).items() if k != "deployment"}
-    conf.update(deployment=dep.name, gpus_per_node=dep.num_gpus_per_node, batch_requests=cfg.batch_requests,
-                num_ep=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node,
-                strategies=strategies, bounds=bounds, trace=data.trace_path,
-                num_train_requests=int((~data.is_test_R).sum()), num_test_requests=int(data.is_test_R.sum()),
-                bound_kinds={b: placed[b].extra.get("kind") for b in bounds})
+    floor = None
     if cfg.oracle and cfg.dedup == "expert" and cfg.num_redundant == 0:
-        conf["expert_copy_floor"] = expert_copy_floor(data.decode_RLE, rows=np.flatnonzero(data.is_test_R),
-                                                      num_groups=G, num_slots=m.num_experts)
-    return CompareResult(config=conf, metrics=metrics, placed=placed, model=m, reference=reference, bounds=tuple(bounds))
+        floor = expert_copy_floor(data.decode_RLE, rows=np.flatnonzero(data.is_test_R), num_groups=G, num_slots=m.num_experts)
+    manifest = CompareManifest(
+        strategies=tuple(strategies), num_clusters=cfg.num_clusters, num_redundant=cfg.num_redundant,
+        test_fraction=cfg.test_fraction, num_batches=cfg.num_batches, num_batch_requests=cfg.num_batch_requests,
+        dedup=cfg.dedup, replica_policy=cfg.replica_policy, bytes_per_value=cfg.bytes_per_value, seed=cfg.seed,
+        oracle=cfg.oracle, deployment=dep.name, gpus_per_node=dep.num_gpus_per_node, batch_requests=cfg.batch_requests,
+        num_ep=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node, bounds=tuple(bounds),
+        trace=data.trace_path, num_train_requests=int((~data.is_test_R).sum()), num_test_requests=int(data.is_test_R.sum()),
+        bound_kinds={b: placed[b].extra.get("kind") for b in bounds}, expert_copy_floor=floor, reference=reference, model=m,
+        grouping={s: GroupingRecord(num_clusters=p.grouping.num_clusters,
+                                    cluster_to_groups=tuple(tuple(int(g) for g in gs) for gs in p.grouping.cluster_to_groups),
+                                    router_match_rate=p.router_match_rate,
+                                    groups_without_routed_requests=tuple(p.extra.get("groups_without_routed_requests", [])))
+                  for s, p in placed.items() if p.grouping is not None},
+    )
+    return CompareResult(config=cfg, manifest=manifest, metrics=metrics, placed=placed)
 
 
 def _inter_BL(metrics: dict[str, np.ndarray]) -> np.ndarray:
@@ -523,7 +527,7 @@ def expert_copy_floor(decode_RLE: np.ndarray, *, rows: np.ndarray, num_groups: i
     weighed equally, as batches weigh them when every node is routed an even share) that ceiling
     ``c`` bounds the local share; linear serves each request from every node alike, a local share of
     1/G. Returns ``(1 - c) / (1 - 1/G)``. A router that loads nodes unevenly changes the weights
-    (``_batches`` fills every node's micro-batch from its own pool), so the bound assumes even nodes.
+    (``held_out_batches`` fills every node's micro-batch from its own pool), so the bound assumes even nodes.
     ``decode_RLE``: decode token counts [R, L, E], any numeric dtype; requests without decode tokens
     are left out.
     """
@@ -534,33 +538,9 @@ def expert_copy_floor(decode_RLE: np.ndarray, *, rows: np.ndarray, num_groups: i
 
 
 def placement_file(data: TraceData, cfg: CompareConfig, ps: PlacedStrategy) -> PlacementFile:
-    dep = cfg.deployment
-    grouping = None
-    if ps.grouping is not None and get_strategy(ps.strategy).router == "price":
-        grouping = {
-            "num_groups": dep.num_groups,
-            "router": "node score minus node price, highest wins",
-            "score": "share of the request's prefill expert activations (all MoE layers) held by the node",
-            "node_prices": ps.extra["router_price"],
-            "router_match_rate": ps.router_match_rate,
-        }
-    elif ps.grouping is not None:
-        g = ps.grouping
-        grouping = {
-            "num_clusters": g.num_clusters, "num_groups": g.num_groups,
-            "cluster_to_groups": g.cluster_to_groups,
-            "normalization": "l2 over the concatenated [moe_layers x experts] token-count vector",
-            "features": "tokens per (moe layer, expert), layer-major",
-            "decode_centroids": np.round(g.decode_centroids_CF, 6).tolist(),
-            "prefill_centroids": np.round(g.prefill_centroids_CF, 6).tolist(),
-            "router": "cosine-nearest prefill centroid",
-            "router_match_rate": ps.router_match_rate,
-        }
+    """What ``moetrace place`` writes for ``ps``: the placement, its router, and where they came from."""
     return PlacementFile(
-        model=data.model.to_dict(),
-        deployment={"config": dep.name, "gpus_per_node": dep.num_gpus_per_node, "num_ep": dep.num_ep,
-                    "num_nodes": dep.num_nodes, "ranks_per_node": dep.ranks_per_node},
-        strategy=ps.strategy, placement=ps.placement, grouping=grouping,
+        model=data.model, deployment=cfg.deployment, strategy=ps.strategy, placement=ps.placement, router=ps.router,
         source={"trace": data.trace_path, "seed": cfg.seed, "test_fraction": cfg.test_fraction,
                 "num_train_requests": int((~data.is_test_R).sum()), **ps.extra},
     )
@@ -592,7 +572,7 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
             "inter_node_normalized": result.normalized_B(s),
         }))
         place_frames.append((s, result.placed[s].placement.phy2log))
-    num_ep, ranks_per_node = int(result.config["num_ep"]), int(result.config["ranks_per_node"])
+    num_ep, ranks_per_node = result.manifest.num_ep, result.manifest.ranks_per_node
     rows = []
     for s, phy2log_LP in place_frames:
         Lp, P = phy2log_LP.shape
@@ -602,19 +582,10 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
             "slot": np.tile(np.arange(P), Lp), "gpu": np.tile(gpu_P, Lp), "node": np.tile(gpu_P // ranks_per_node, Lp),
             "expert": phy2log_LP.reshape(-1),
         }))
-    meta = dict(result.config)
-    meta["reference"] = result.reference
-    meta["model"] = result.model.to_dict()
-    meta["grouping"] = {
-        s: {"num_clusters": p.grouping.num_clusters, "cluster_to_groups": p.grouping.cluster_to_groups,
-            "router_match_rate": p.router_match_rate,
-            "groups_without_routed_requests": p.extra.get("groups_without_routed_requests", [])}
-        for s, p in result.placed.items() if p.grouping is not None
-    }
     return [
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_LAYERS, pl.concat(frames)),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_BATCHES, pl.concat(batch_frames)),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_SUMMARY, pl.DataFrame(result.summary_rows())),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_PLACEMENTS, pl.concat(rows)),
-        rf.write_result_json(out, rf.COMPARE, rf.COMPARE_MANIFEST, meta),  # last: it names a complete directory
+        rf.write_result_json(out, rf.COMPARE, rf.COMPARE_MANIFEST, result.manifest.to_json()),  # last: names a complete directory
     ]

@@ -24,10 +24,13 @@ from moetrace.errors import ConfigError
 from moetrace.placement.eplb import balanced_packing
 from moetrace.placement.maps import Placement, placement_from_phy2log
 
-__all__ = ["data_placement", "two_phase_members", "spread_in_nodes", "expected_slot_load"]
+__all__ = ["data_placement", "two_phase_members", "spread_in_nodes", "expected_slot_load", "place_members", "check_usage",
+           "verify_members"]
 
 
-def _check(usage_GLE: np.ndarray, num_slots: int, ranks_per_group: int) -> tuple[int, int, int, int]:
+def check_usage(usage_GLE: np.ndarray, num_slots: int, ranks_per_group: int) -> tuple[int, int, int, int]:
+    """``(G, L, E, J)`` of a membership problem: ``usage_GLE`` [G, L, E] over ``num_slots`` slots per layer
+    on ``ranks_per_group`` GPUs per group, J = ``num_slots`` / G; ``ConfigError`` naming what cannot be placed."""
     if usage_GLE.ndim != 3:
         raise ConfigError(f"usage must be [groups, layers, experts], got shape {usage_GLE.shape}")
     G, L, E = usage_GLE.shape
@@ -45,7 +48,7 @@ def _check(usage_GLE: np.ndarray, num_slots: int, ranks_per_group: int) -> tuple
 
 def two_phase_members(usage_GLE: np.ndarray, *, num_slots: int) -> np.ndarray:
     """Phases 1 and 2: membership ``member_LGE`` (bool [L, G, E]), exactly J experts per group."""
-    G, L, E, J = _check(usage_GLE, num_slots, 1)
+    G, L, E, J = check_usage(usage_GLE, num_slots, 1)
     u_LGE = np.transpose(np.asarray(usage_GLE, dtype=np.float64), (1, 0, 2))
     max_unique = -(-E // G)
     # Phase 1: visit (group, expert) pairs by descending usage (ties: lower group, then expert)
@@ -68,11 +71,13 @@ def two_phase_members(usage_GLE: np.ndarray, *, num_slots: int) -> np.ndarray:
             if room:
                 cand = np.argsort(np.where(member[l, g], np.inf, -u_LGE[l, g]), kind="stable")
                 member[l, g, cand[:room]] = True
-    _verify(member, J)
+    verify_members(member, J)
     return member
 
 
-def _verify(member_LGE: np.ndarray, J: int) -> None:
+def verify_members(member_LGE: np.ndarray, J: int) -> None:
+    """``AssertionError`` unless every group of ``member_LGE`` (bool [L, G, E]) holds exactly J experts
+    and every expert is in a group (a placer's bug, never a user's input)."""
     sizes = member_LGE.sum(-1)
     if not (sizes == J).all():
         raise AssertionError(f"group sizes {np.unique(sizes)} differ from J={J}")
@@ -116,7 +121,7 @@ def data_placement(usage_GLE: np.ndarray, *, num_slots: int, ranks_per_group: in
 def place_members(usage_GLE: np.ndarray, members, *, num_slots: int, ranks_per_group: int) -> Placement:
     """The placement whose group membership is ``members(usage_GLE, num_slots=...)`` (bool [L, G, E]),
     spread over each group's GPUs by expected load; group g owns slots [g*J, (g+1)*J)."""
-    G, L, E, J = _check(np.asarray(usage_GLE), num_slots, ranks_per_group)
+    G, L, E, J = check_usage(np.asarray(usage_GLE), num_slots, ranks_per_group)
     member = members(usage_GLE, num_slots=num_slots)
     phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
     return placement_from_phy2log(phy2log, num_experts=E)

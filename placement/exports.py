@@ -2,8 +2,8 @@
 
 ``moetrace.placement`` v1 JSON: model facts, deployment, strategy, ``phy2log`` [L, P],
 ``log2phy`` [L, E, M], ``logcnt`` [L, E] over the MoE layers, and (for grouped strategies) the
-grouping a serving router needs: cluster centroids in decode and prefill space, the cluster→group
-map and the normalization. Engine exports (see docs/exports.md for the source each was checked
+serving router in ``grouping``: a ``routers.Router`` written and read by its own class
+(``to_json`` / ``routers.read_router``, which dispatch on the section's ``router_kind``). Engine exports (see docs/exports.md for the source each was checked
 against): SGLang ``--init-expert-location`` JSON, TensorRT-LLM MoE load-balancer YAML, and for
 vLLM the bare JSON list of physical→logical rows, one per MoE layer, that its open initial-placement
 proposal reads (no released vLLM reads a placement file; checked through 0.33).
@@ -11,14 +11,15 @@ proposal reads (no released vLLM reads a placement file; checked through 0.33).
 Shape legend (docs/architecture.md): L MoE layers, H all decoder layers, E logical experts,
 P physical slots, M max replicas, C clusters, F features (L*E).
 
-Out of scope: computing placements; talking to a running engine.
+Out of scope: computing placements; routing requests (``routers``; the engine files hold no router, so
+every router kind exports the same way); talking to a running engine.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,8 +27,11 @@ import numpy as np
 
 from moetrace.atomic import write_json_atomic
 from moetrace.errors import ConfigError, TraceFormatError
-from moetrace.placement.maps import Placement, placement_from_phy2log, placement_problems
+from moetrace.placement.deployment import Deployment, parse_deployment
+from moetrace.placement.maps import Placement, placement_problems
+from moetrace.placement.routers import NoRouter, Router, read_router
 from moetrace.results import PLACEMENT, check_result_json, json_header
+from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = ["PlacementFile", "save_placement", "load_placement", "export_placement", "ExportFormat"]
 
@@ -40,11 +44,11 @@ ExportFormat = Literal["sglang", "trtllm", "vllm"]
 class PlacementFile:
     """Everything in a placement JSON."""
 
-    model: dict[str, Any]  # ModelInfo.to_dict() of the traced model
-    deployment: dict[str, Any]  # {"config": "DP8TP8EP64", "gpus_per_node": 8, "num_ep": 64, "num_nodes": 8}
+    model: ModelInfo  # the traced model (file: its to_dict())
+    deployment: Deployment  # what it was placed for (file: config, gpus_per_node and the derived num_ep, num_nodes, ranks_per_node)
     strategy: str  # a name from placement.strategies.STRATEGIES
     placement: Placement  # over the MoE layers, in model.moe_layers order
-    grouping: dict[str, Any] | None = None  # clusters, centroids, cluster_to_groups, normalization
+    router: Router = field(default_factory=NoRouter)  # how requests find their node (file: `grouping`, null for NoRouter)
     source: dict[str, Any] | None = None  # trace path, train requests, seed (provenance)
 
     @property
@@ -58,24 +62,50 @@ def save_placement(pf: PlacementFile, path: str | os.PathLike) -> None:
     p = pf.placement
     obj = {
         **json_header(PLACEMENT),
-        "model": pf.model,
-        "deployment": pf.deployment,
+        "model": pf.model.to_dict(),
+        "deployment": _deployment_json(pf.deployment),
         "strategy": pf.strategy,
         "num_slots": pf.num_slots,
-        "num_redundant": pf.num_slots - int(pf.model["num_experts"]),
-        "moe_layers": list(pf.model["moe_layers"]),
+        "num_redundant": pf.num_slots - pf.model.num_experts,
+        "moe_layers": list(pf.model.moe_layers),
         "phy2log": p.phy2log.tolist(),
         "log2phy": p.log2phy.tolist(),
         "logcnt": p.logcnt.tolist(),
-        "grouping": pf.grouping,
+        "grouping": pf.router.to_json(),
         "source": pf.source,
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(Path(path), obj, indent=None)  # never half-written; compact: phy2log has L x P ids
 
 
+def _deployment_json(dep: Deployment) -> dict[str, Any]:
+    return {"config": dep.name, "gpus_per_node": dep.num_gpus_per_node, "num_ep": dep.num_ep, "num_nodes": dep.num_nodes,
+            "ranks_per_node": dep.ranks_per_node}
+
+
+def _read_deployment(d: dict[str, Any], where: str) -> Deployment:
+    """The file's ``deployment``: ``config`` on nodes of ``gpus_per_node`` GPUs; the derived sizes it
+    also holds must agree."""
+    config, gpus = d.get("config"), d.get("gpus_per_node")
+    if not isinstance(config, str) or not isinstance(gpus, int) or isinstance(gpus, bool):
+        raise TraceFormatError(f"{where}: `deployment` needs `config` (e.g. \"DP8TP8EP64\") and `gpus_per_node`; "
+                               "re-create the file with `moetrace place`")
+    try:
+        dep = parse_deployment(config, num_gpus_per_node=gpus)
+    except ConfigError as exc:
+        raise TraceFormatError(f"{where}: `deployment`: {exc}") from None
+    stated = {k: d[k] for k in ("num_ep", "num_nodes", "ranks_per_node") if k in d}
+    derived = {k: v for k, v in _deployment_json(dep).items() if k in stated}
+    if stated != derived:
+        raise TraceFormatError(f"{where}: `deployment` {stated} disagrees with {config} on nodes of {gpus} GPUs "
+                               f"({derived}); re-create the file with `moetrace place`")
+    return dep
+
+
 def load_placement(path: str | os.PathLike) -> PlacementFile:
-    """Read and validate a placement JSON; every problem raises ``TraceFormatError`` naming it."""
+    """Read and validate a placement JSON; every problem raises ``TraceFormatError`` naming it.
+
+    The router comes from ``routers.read_router`` (files of every moetrace version included)."""
     where = str(path)
     try:
         d = json.loads(Path(path).read_text())
@@ -87,9 +117,9 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
     for key in ("model", "deployment", "strategy", "phy2log", "logcnt", "log2phy"):
         if key not in d:
             raise TraceFormatError(f"{where}: missing key `{key}`")
-    model, deployment, g = d["model"], d["deployment"], d.get("grouping")
-    for key, value in (("model", model), ("deployment", deployment), ("grouping", g)):
-        if not isinstance(value, dict) and not (key == "grouping" and value is None):
+    model, deployment = d["model"], d["deployment"]
+    for key, value in (("model", model), ("deployment", deployment)):
+        if not isinstance(value, dict):
             raise TraceFormatError(f"{where}: `{key}` must be a JSON object; re-create the file with `moetrace place`")
     for key in ("num_experts", "moe_layers", "num_hidden_layers"):
         if key not in model:
@@ -117,43 +147,30 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
     problems = placement_problems(Placement(phy2log, log2phy, logcnt), num_experts=E, num_ranks=num_ep)
     if problems:
         raise TraceFormatError(f"{where}: invalid placement: " + "; ".join(problems))
-    if g is not None and "node_prices" in g:  # the price router (strategy joint): one price per node
-        prices = g["node_prices"]
-        nodes = deployment.get("num_nodes")
-        if (not isinstance(prices, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                    and np.isfinite(x) for x in prices) or len(prices) != nodes):
-            raise TraceFormatError(f"{where}: grouping `node_prices` must be {nodes} finite numbers (one per node); "
-                                   "re-create the file with `moetrace place`")
-    elif g is not None:
-        c2g = g.get("cluster_to_groups", [])
-        if not isinstance(c2g, list):
-            raise TraceFormatError(f"{where}: grouping `cluster_to_groups` must be a list of group lists")
-        C = len(c2g)
-        for key in ("decode_centroids", "prefill_centroids"):
-            try:
-                arr = np.asarray(g.get(key, []), dtype=np.float64)
-            except (ValueError, TypeError) as exc:
-                raise TraceFormatError(f"{where}: grouping `{key}` must be a rectangular array of numbers ({exc})") from None
-            if arr.shape != (C, L * E):
-                raise TraceFormatError(f"{where}: grouping `{key}` has shape {arr.shape}, expected ({C}, {L * E})")
+    dep = _read_deployment(deployment, where)
+    try:
+        info = ModelInfo.from_dict(model)
+    except TraceFormatError as exc:
+        raise TraceFormatError(f"{where}: {exc}") from None
+    router = read_router(d.get("grouping"), where=where, num_groups=dep.num_groups, num_features=L * E)
     return PlacementFile(
-        model=model, deployment=deployment, strategy=str(d["strategy"]),
-        placement=Placement(phy2log, log2phy, logcnt), grouping=g, source=d.get("source"),
+        model=info, deployment=dep, strategy=str(d["strategy"]),
+        placement=Placement(phy2log, log2phy, logcnt), router=router, source=d.get("source"),
     )
 
 
 def _full_layer_map(pf: PlacementFile) -> np.ndarray:
     """phy2log over all H decoder layers; dense layers get the trivial map (slot p -> p mod E)."""
-    H, E = int(pf.model["num_hidden_layers"]), int(pf.model["num_experts"])
+    H, E = pf.model.num_hidden_layers, pf.model.num_experts
     P = pf.num_slots
     full = np.broadcast_to(np.arange(P) % E, (H, P)).copy()
-    full[np.asarray(pf.model["moe_layers"])] = pf.placement.phy2log
+    full[np.asarray(pf.model.moe_layers)] = pf.placement.phy2log
     return full
 
 
 def export_placement(pf: PlacementFile, *, fmt: ExportFormat) -> str:
     """The text of an engine's placement file for ``pf``."""
-    layers = [int(x) for x in pf.model["moe_layers"]]
+    layers = [int(x) for x in pf.model.moe_layers]
     if fmt == "sglang":
         # init_by_mapping(**data) accepts exactly this key; rows = num_hidden_layers
         return json.dumps({"physical_to_logical_map": _full_layer_map(pf).tolist()}) + "\n"
@@ -168,7 +185,3 @@ def export_placement(pf: PlacementFile, *, fmt: ExportFormat) -> str:
         # by all MoE layers, or one row per MoE layer in model order; an object would be refused
         return json.dumps(pf.placement.phy2log.tolist()) + "\n"
     raise ConfigError(f"unknown export format {fmt!r}; use sglang, trtllm or vllm")
-
-
-def placement_file_from_phy2log(phy2log_LP: np.ndarray, **kw: Any) -> PlacementFile:
-    return PlacementFile(placement=placement_from_phy2log(phy2log_LP, num_experts=int(kw["model"]["num_experts"])), **kw)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from moetrace._deps import require
-from moetrace.placement.data_placement import _check, _verify, place_members
+from moetrace.placement.data_placement import check_usage, place_members, verify_members
 from moetrace.placement.maps import Placement
 
 __all__ = ["improved_placement", "optimal_members"]
@@ -29,7 +29,7 @@ __all__ = ["improved_placement", "optimal_members"]
 
 def optimal_members(usage_GLE: np.ndarray, *, num_slots: int) -> np.ndarray:
     """Membership ``member_LGE`` (bool [L, G, E]) maximizing group-local usage, J per group."""
-    G, L, E, J = _check(np.asarray(usage_GLE), num_slots, 1)
+    G, L, E, J = check_usage(np.asarray(usage_GLE), num_slots, 1)
     optimize = require("scipy.optimize", purpose="the improved placer's exact assignment")
     sparse = require("scipy.sparse", purpose="the improved placer's exact assignment")
     u = np.transpose(np.asarray(usage_GLE, dtype=np.float64), (1, 0, 2))  # [L, G, E]
@@ -52,7 +52,7 @@ def optimal_members(usage_GLE: np.ndarray, *, num_slots: int) -> np.ndarray:
         if np.abs(x - np.round(x)).max() > 1e-6:
             raise AssertionError(f"layer {l}: assignment LP returned a fractional vertex")
         member[l] = x > 0.5
-    _verify(member, J)
+    verify_members(member, J)
     return member
 
 

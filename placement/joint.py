@@ -42,14 +42,18 @@ one copy); the GPUs inside a node (``data_placement.spread_in_nodes``); simulati
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moetrace._deps import require
 from moetrace.errors import ConfigError
-from moetrace.placement.data_placement import _check, expected_slot_load, spread_in_nodes
+from moetrace.placement.data_placement import check_usage, expected_slot_load, spread_in_nodes
 from moetrace.placement.improved import optimal_members
 from moetrace.placement.maps import Placement, placement_from_phy2log
+
+if TYPE_CHECKING:
+    from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = ["JointPlacement", "joint_placement", "aligned_members", "aligned_router_groups", "require_aligned",
            "local_share_ceiling", "node_scores", "balanced_assign", "route_requests", "group_usage", "members_of_placement"]
@@ -173,15 +177,16 @@ def members_of_placement(placement: Placement, *, num_groups: int, num_experts: 
     return member
 
 
-def aligned_router_groups(model, *, num_nodes: int) -> int | None:
+def aligned_router_groups(model: ModelInfo, *, num_nodes: int) -> int | None:
     """``model.n_group`` when its router is group-limited (``topk_group < n_group``) and its groups can
-    fill whole nodes (``n_group`` a multiple of ``num_nodes``); else None. ``model``: a ModelInfo."""
-    return model.n_group if model.group_limited and model.n_group % num_nodes == 0 else None
+    fill whole nodes (``n_group`` a multiple of ``num_nodes``); else None."""
+    n = model.n_group
+    return n if model.group_limited and n is not None and n % num_nodes == 0 else None
 
 
-def require_aligned(model, *, num_nodes: int) -> int:
+def require_aligned(model: ModelInfo, *, num_nodes: int) -> int:
     """``aligned_router_groups`` or a ``ConfigError`` saying why the groups cannot be kept whole and
-    what to use instead. ``model``: a ModelInfo."""
+    what to use instead."""
     rg = aligned_router_groups(model, num_nodes=num_nodes)
     if rg is not None:
         return rg
@@ -253,7 +258,7 @@ def joint_placement(
     G = num_groups
     if len(group) == 0 or group.min() < 0 or group.max() >= G:
         raise ConfigError(f"init_group_R must hold nodes 0..{G - 1} for at least one training request")
-    _check(np.zeros((G, 1, decode_RLE.shape[2])), num_slots, ranks_per_group)
+    check_usage(np.zeros((G, 1, decode_RLE.shape[2])), num_slots, ranks_per_group)
     history: list[float] = []
     best = None
     usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows)

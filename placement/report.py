@@ -24,17 +24,17 @@ def format_compare_summary(result: CompareResult) -> str:
     better; ``node load``: held-out requests routed to the busiest node over an even share, for
     strategies that route requests; ``of oracle``: the share of the oracle's saving over linear a row
     reaches)."""
-    c = result.config
+    c = result.manifest
     lines = [
-        f"{c['deployment']} ({c['num_nodes']} nodes), {c['num_train_requests']} train / {c['num_test_requests']} "
-        f"test requests, {c['num_batches']} batches of {c['batch_requests']} requests, dedup={c['dedup']}",
+        f"{c.deployment} ({c.num_nodes} nodes), {c.num_train_requests} train / {c.num_test_requests} "
+        f"test requests, {c.num_batches} batches of {c.batch_requests} requests, dedup={c.dedup}",
         f"{'strategy':<16} {'inter-node (norm. median)':>26} {'p10':>6} {'p90':>6} {'inter/batch':>12} {'router':>7} "
         f"{'node load':>9} {'of oracle':>9}",
     ]
     rows = result.summary_rows()
     for i, r in enumerate(rows):
         if r["is_bound"] and (i == 0 or not rows[i - 1]["is_bound"]):
-            kinds = sorted({k for k in c.get("bound_kinds", {}).values() if k})
+            kinds = sorted({k for k in c.bound_kinds.values() if k})
             lines.append("upper bounds (they see the held-out requests' decode; not deployable"
                          + (f"; from {', '.join(kinds)}" if kinds and kinds != ["joint"] else "") + "):")
         router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
@@ -45,9 +45,9 @@ def format_compare_summary(result: CompareResult) -> str:
         lines.append(f"{r['strategy']:<16} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
                      f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} "
                      f"{router:>7} {load:>9} {captured:>9}")
-    if c.get("expert_copy_floor") is not None:  # dedup expert, no redundancy: a proven bound, not a placement
-        J = result.model.num_experts // c["num_nodes"]
-        lines.append(f"{'floor':<16} {c['expert_copy_floor']:>26.3f}  proven for any placement with evenly loaded nodes: "
+    if c.expert_copy_floor is not None:  # dedup expert, no redundancy: a proven bound, not a placement
+        J = result.model.num_experts // c.num_nodes
+        lines.append(f"{'floor':<16} {c.expert_copy_floor:>26.3f}  proven for any placement with evenly loaded nodes: "
                      f"each held-out request on a node of its own top {J} experts per layer")
     return "\n".join(lines)
 
@@ -60,9 +60,9 @@ def compare_notes(result: CompareResult) -> list[str]:
         "to them; their micro-batches drew from all test requests (more requests or fewer clusters avoid this)"
         for r in result.summary_rows() if r["groups_without_routed_requests"]
     ]
-    m, c = result.model, result.config
-    splitters = [s for s in c["strategies"] if not get_strategy(s).keeps_groups(num_redundant=c.get("num_redundant", 0))]
-    per_node = c["dedup"] == "node" or (c["dedup"] == "rank" and c.get("ranks_per_node") == 1)  # one GPU a node
+    m, c = result.model, result.manifest
+    splitters = [s for s in c.strategies if not get_strategy(s).keeps_groups(num_redundant=c.num_redundant)]
+    per_node = c.dedup == "node" or (c.dedup == "rank" and c.ranks_per_node == 1)  # one GPU a node
     if m.group_limited and per_node and splitters:
         notes.append(
             f"note: {m.name}'s router sends each token to at most {m.topk_group} of its {m.n_group} expert groups; "

@@ -3,13 +3,15 @@
 ``moetrace place --strategy``, ``moetrace compare --strategies``, ``CompareConfig`` validation,
 ``make_placement`` and the dashboards' strategy labels all read ``STRATEGIES``; docs/placement.md
 has the same table (a test keeps it in step). Adding a strategy: write the placer as a pure function of arrays in its own module, then add
-one ``Strategy`` row here with a small builder from ``PlacementInputs``.
+one ``Strategy`` row here with a small builder from ``PlacementInputs`` (and, for a grouped one, the
+kind of its router: a key of ``routers.ROUTERS``).
 
 A *grouped* strategy needs request clustering: the training requests are clustered into one group
 per node, and its placer sees per-group usage ``usage_GLE``; at serving time a router sends each
-request to a group from its prefill only. The router is either the clustering's (``centroid``:
-nearest prefill centroid, ``grouping``) or the placement's own (``price``: the node holding most of
-the prompt's experts, less a per-node price that keeps nodes balanced, ``joint``).
+request to a group from its prefill only. ``router`` names its kind (``routers.ROUTERS``): the
+clustering's (``centroid``: nearest prefill centroid, ``grouping``) or the placement's own (``price``:
+the node holding most of the prompt's experts, less a per-node price that keeps nodes balanced,
+``joint``); ``make_placement`` builds it with ``routers.fit_router``.
 
 ``BOUNDS`` names the rows ``compare`` adds that are not deployable strategies but upper bounds on
 what any placement of this kind could reach (they look at the held-out requests' decode).
@@ -18,7 +20,7 @@ Shape legend (legend: docs/architecture.md): G node groups, L MoE layers, E logi
 P physical slots, W EP ranks.
 
 Out of scope: the placement algorithms (``baselines``, ``eplb``, ``data_placement``, ``improved``, ``joint``;
-a builder only adapts arguments); clustering and routing requests (``grouping``, ``compare``).
+a builder only adapts arguments); clustering and routing requests (``grouping``, ``routers``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ if TYPE_CHECKING:  # the placers (and numpy) load when a strategy is built, so `
     import numpy as np
 
     from moetrace.placement.maps import Placement
+    from moetrace.placement.routers import RouterKind
+    from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = ["PlacementInputs", "Strategy", "Bound", "STRATEGIES", "BOUNDS", "LABELS", "STRATEGY_NAMES", "get_strategy", "check_strategies"]
 
@@ -49,7 +53,7 @@ class PlacementInputs:
     router_groups: int  # expert groups of the model's group-limited router (DeepSeek-V3: 8), 1 when it has none
     seed: int  # seeds the random placement
     load_LE: np.ndarray  # float32 [L, E] decode tokens per (layer, expert)
-    usage_GLE: np.ndarray | None = None  # float64 [G, L, E] decode tokens per group; grouped strategies only
+    usage_GLE: np.ndarray | None = None  # float64 [G, L, E] decode tokens per group; strategies with uses_group_usage only
     decode_RLE: np.ndarray | None = None  # [R, L, E] decode counts of every request (price-routed strategies)
     prefill_RLE: np.ndarray | None = None  # [R, L, E] prefill counts of every request (what the router sees)
     train_rows: np.ndarray | None = None  # int64 rows of the training requests in the [R, ...] arrays
@@ -75,14 +79,16 @@ class Strategy:
     grouped: bool  # needs request clustering (one group per node, a prefill router at serving time)
     build: Builder  # the placement from PlacementInputs
     description: str  # one line, the same in docs/placement.md's table
-    router: Literal["none", "centroid", "price"] = "none"  # how a request finds its node at serving time
+    router: RouterKind = "none"  # how a request finds its node at serving time (a key of routers.ROUTERS)
     # whether every group of a group-limited router stays on one node ("linear": only without redundant slots,
     # whose ``p mod E`` wraps over node boundaries)
     keeps_router_groups: Literal["no", "yes", "without_redundancy"] = "no"
     # raises ConfigError when the strategy cannot serve this (model, number of nodes); None: always can
-    requires: Callable[[Any, int], None] | None = None
+    requires: Callable[[ModelInfo, int], None] | None = None
+    # the builder reads ``usage_GLE`` (the training requests' decode tokens summed per group of the clustering)
+    uses_group_usage: bool = False
 
-    def check(self, model: Any, *, num_nodes: int) -> None:
+    def check(self, model: ModelInfo, *, num_nodes: int) -> None:
         """``ConfigError`` naming why this strategy cannot place ``model`` (a ModelInfo) on ``num_nodes``."""
         if self.requires is not None:
             self.requires(model, num_nodes)
@@ -162,7 +168,7 @@ def _joint(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
     return _joint_with(x, None)
 
 
-def _aligned_possible(model: Any, num_nodes: int) -> None:
+def _aligned_possible(model: ModelInfo, num_nodes: int) -> None:
     from moetrace.placement.joint import require_aligned
 
     require_aligned(model, num_nodes=num_nodes)
@@ -183,8 +189,10 @@ STRATEGIES: tuple[Strategy, ...] = (
     Strategy("random",      "random",                  False, _random,      "every expert once plus random replicas, shuffled per layer (seeded)"),
     Strategy("eplb",        "EPLB",                    False, _eplb,        "DeepSeek EPLB on the training requests' decode load",
              keeps_router_groups="yes"),  # its hierarchical policy
-    Strategy("data",        "data-based (core paper)", True,  _data,        "core paper §4.2: each group's most-used experts on its node (greedy)", "centroid"),
-    Strategy("improved",    "improved",                True,  _improved,    "the data placer's objective solved exactly (an integral LP)", "centroid"),
+    Strategy("data",        "data-based (core paper)", True,  _data,        "core paper §4.2: each group's most-used experts on its node (greedy)", "centroid",
+             uses_group_usage=True),
+    Strategy("improved",    "improved",                True,  _improved,    "the data placer's objective solved exactly (an integral LP)", "centroid",
+             uses_group_usage=True),
     Strategy("joint",       "joint (ours)",            True,  _joint,       "ours: request routing and expert membership optimised together (alternating exact LPs), prefill router with node prices", "price"),
     Strategy("joint_aligned", "joint, groups whole (ours)", True, _joint_aligned, "ours for group-limited routers (DeepSeek-V3): joint with the router's expert groups kept whole on nodes, so a token meets at most topk_group nodes", "price",
              keeps_router_groups="yes", requires=_aligned_possible),

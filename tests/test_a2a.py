@@ -14,7 +14,7 @@ from moetrace import results as rf
 from moetrace.cli import app
 from moetrace.placement import a2a_run as ar
 from moetrace.placement.a2a import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
-from moetrace.placement.compare import CompareConfig, _batches, load_trace_data, make_placement
+from moetrace.placement.compare import CompareConfig, held_out_batches, load_trace_data, make_placement
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.maps import placement_from_phy2log
 from moetrace.placement.simulate import simulate_volume
@@ -63,7 +63,7 @@ def test_send_matrices_equal_simulator_bytes(data, cfg, dedup, policy):
     dep = cfg.deployment
     for s in ("linear", "eplb", "data"):
         ps = make_placement(data, cfg, s)
-        rows, batch, src, _ = _batches(data, cfg, ps.group_of_test_R)
+        rows, batch, src, _ = held_out_batches(data, cfg, ps.group_of_test_R)
         kw = dict(placement=ps.placement, batch_T=batch, src_rank_T=src, num_batches=cfg.num_batches, num_ranks=dep.num_ep,
                   ranks_per_node=dep.ranks_per_node, dedup=dedup, policy=policy)
         ids = data.test_topk_ids_TLK[rows]
@@ -227,3 +227,22 @@ def test_cli_a2a_from_placement_files(data, cfg, trace, tmp_path):
     assert m["strategies"] == ["linear", "data", "joint"] and m["bytes_match"] is True
     r = CliRunner().invoke(app, [*base, "--config", "DP4TP2EP8", "-o", str(tmp_path / "bad")])  # 4 nodes of 2: EP8
     assert r.exit_code == 2 and "placement for EP4" in r.output and "EP8" in r.output
+
+
+@pytest.mark.parametrize("strategy", ["data", "joint"])
+def test_a2a_refuses_a_router_for_another_number_of_nodes(data, cfg, strategy, tmp_path):
+    """A routed placement's router sends requests to the nodes it was placed for; a deployment with
+    other nodes (the same EP ranks on fewer, wider nodes) cannot serve it."""
+    from dataclasses import replace
+
+    from moetrace.errors import ConfigError
+    from moetrace.placement.a2a_run import placed_from_file
+    from moetrace.placement.compare import placement_file
+    from moetrace.placement.exports import load_placement, save_placement
+
+    save_placement(placement_file(data, cfg, make_placement(data, cfg, strategy)), tmp_path / "p.json")
+    pf = load_placement(tmp_path / "p.json")
+    one_node = replace(cfg, deployment=parse_deployment(DEP["config"], num_gpus_per_node=4))
+    with pytest.raises(ConfigError, match=rf"{pf.router.kind} router sends requests to 2 nodes; --config DP2TP2EP4 on "
+                                          "nodes of 4 GPUs has 1"):
+        placed_from_file(data, one_node, pf, where="p.json")

@@ -232,19 +232,21 @@ def test_random_weight_banner_on_analysis_sections(prod, tmp_path):
 
 # ---------------------------------------------------------------- summary card, long tables, colours, progress
 def _compare_results(path: Path, medians: dict[str, float]):
-    """A ``compare`` results directory holding only a summary table with these normalized medians."""
+    """A ``compare`` results directory holding only a summary table with these normalized medians
+    (its compare.json: the golden one of tests/golden/compare_v1, another deployment)."""
     import json
 
+    from moetrace.dashboards.inputs import detect
     from moetrace.dashboards.results import Results
 
     path.mkdir()
     pl.DataFrame({"strategy": list(medians), "inter_node_normalized_median": list(medians.values())}).write_parquet(
         path / "summary.parquet"
     )
-    manifest = {"format": "moetrace.compare", "version": 1, "reference": "linear", "num_batches": 30,
-                "deployment": "DP8TP1EP8", "num_nodes": 2}  # fmt: skip
+    golden = json.loads((Path(__file__).parent / "golden" / "compare_v1" / "compare.json").read_text())
+    manifest = {**golden, "num_batches": 30, "deployment": "DP8TP1EP8", "num_nodes": 2}
     (path / "compare.json").write_text(json.dumps(manifest))
-    return Results(path=path, manifest=manifest, kind="placement")
+    return Results.from_input(detect(path))
 
 
 def test_best_placement_headline_names_deployable_strategies_only(tmp_path):

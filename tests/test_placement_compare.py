@@ -17,6 +17,7 @@ from moetrace.placement.compare import CompareConfig, expert_copy_floor, load_tr
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.exports import export_placement, load_placement
 from moetrace.placement.report import compare_notes, format_compare_summary
+from moetrace.placement.routers import CentroidRouter
 from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.writer import TraceWriter
@@ -112,14 +113,14 @@ def test_expert_copy_floor_is_below_any_membership_and_routing():
 def test_compare_reports_the_floor_with_expert_copies(planted, flat):
     for trace, planted_domains in ((planted, True), (flat, False)):
         res = run_compare(load_trace_data(trace, test_fraction=0.25, seed=0), _cfg(dedup="expert"))
-        floor = res.config["expert_copy_floor"]
+        floor = res.manifest.expert_copy_floor
         if planted_domains:  # every request uses 8 experts, a node holds 8: nothing has to cross
             assert floor == pytest.approx(0.0)
         for r in res.summary_rows():
             assert r["inter_node_normalized_median"] >= floor - 0.05, r  # 50 small batches: a little noise
         assert format_compare_summary(res).splitlines()[-1].startswith(f"floor {floor:>37.3f}  proven for any placement")
     no_floor = run_compare(load_trace_data(planted, test_fraction=0.25, seed=0), _cfg())  # dedup rank: not proven
-    assert "expert_copy_floor" not in no_floor.config
+    assert no_floor.manifest.expert_copy_floor is None
 
 
 def test_cli_place_compare_export_roundtrip(planted, tmp_path):
@@ -130,7 +131,7 @@ def test_cli_place_compare_export_roundtrip(planted, tmp_path):
     assert r.exit_code == 0, r.output
     pf = load_placement(out)
     assert pf.placement.phy2log.shape == (L, E + 8)
-    assert len(pf.grouping["cluster_to_groups"]) == 2
+    assert isinstance(pf.router, CentroidRouter) and pf.router.num_clusters == 2
 
     sg = json.loads(export_placement(pf, fmt="sglang"))
     assert list(sg) == ["physical_to_logical_map"]  # SGLang passes the dict as keyword arguments
@@ -220,12 +221,12 @@ def test_strategy_list_errors_name_the_problem():
         CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), strategies=("linear", "foo"))
 
 
-def _docs_strategy_rows() -> dict[str, tuple[str, str]]:
-    """strategy -> (grouped, description) columns of the table under "## Strategies" in docs/placement.md."""
+def _docs_strategy_rows() -> dict[str, tuple[str, str, str]]:
+    """strategy -> (grouped, description, router) columns of the table under "## Strategies" in docs/placement.md."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "placement.md").read_text()
     section = text.split("## Strategies", 1)[1].split("\n## ", 1)[0]
     rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
-    return {cells[0].strip("| `"): (cells[1].strip(), cells[2].rstrip(" |")) for cells in rows}
+    return {cells[0].strip("| `"): (cells[1].strip(), cells[2], cells[3].rstrip(" |").strip("`")) for cells in rows}
 
 
 def test_every_registered_strategy_is_in_the_docs_table_and_the_cli_help():
@@ -233,7 +234,7 @@ def test_every_registered_strategy_is_in_the_docs_table_and_the_cli_help():
     docs = _docs_strategy_rows()
     assert list(docs) == list(STRATEGY_NAMES), "docs/placement.md's strategies table differs from placement/strategies.py"
     for s in STRATEGIES:
-        assert docs[s.name] == ("yes" if s.grouped else "no", s.description), s.name
+        assert docs[s.name] == ("yes" if s.grouped else "no", s.description, s.router), s.name
     for cmd in ("place", "compare"):
         r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
         assert r.exit_code == 0, r.output

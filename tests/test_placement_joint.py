@@ -174,6 +174,7 @@ def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
 
     from moetrace.cli import app
     from moetrace.placement.exports import export_placement, load_placement
+    from moetrace.placement.routers import PriceRouter
 
     trace = _block_trace(tmp_path / "blocks", num_requests=80, noise=0.1)
     out = tmp_path / "joint.json"
@@ -181,10 +182,10 @@ def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
                                  "joint", "-o", str(out)])
     assert r.exit_code == 0, r.output
     pf = load_placement(out)
-    assert pf.strategy == "joint" and len(pf.grouping["node_prices"]) == G
-    assert "prefill" in pf.grouping["score"]  # the router sees the prompt only
-    assert json.loads(export_placement(pf, fmt="vllm")) == pf.placement.phy2log.tolist()
+    assert pf.strategy == "joint" and isinstance(pf.router, PriceRouter) and len(pf.router.node_prices_G) == G
     d = json.loads(out.read_text())
+    assert d["grouping"]["router_kind"] == "price" and "prefill" in d["grouping"]["score"]  # the router sees the prompt only
+    assert json.loads(export_placement(pf, fmt="vllm")) == pf.placement.phy2log.tolist()
     d["grouping"]["node_prices"] = [0.0, "x", 0.0, 0.0]
     out.write_text(json.dumps(d))
     r = CliRunner().invoke(app, ["export", str(out), "--format", "vllm", "-o", str(tmp_path / "v.json")])
@@ -302,7 +303,7 @@ def test_joint_aligned_keeps_the_node_limit_and_wins_when_copies_go_per_node(tmp
     # each request goes to the node holding one of its two groups: one copy per token leaves the node
     v = {s: r["inter_node_normalized_median"] for s, r in rows.items()}
     assert v["joint_aligned"] < 0.75 and v["joint_aligned"] < v["joint"] - 0.05 and v["joint_aligned"] < v["data"] - 0.05
-    assert res.config["bound_kinds"]["oracle"] == "joint_aligned" and v["oracle"] <= v["joint_aligned"] + 1e-9
+    assert res.manifest.bound_kinds["oracle"] == "joint_aligned" and v["oracle"] <= v["joint_aligned"] + 1e-9
     notes = compare_notes(res)
     assert any("at most 2 of its 4 expert groups" in n and "data, joint place experts one by one" in n for n in notes)
     assert "from joint_aligned" in format_compare_summary(res)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -152,3 +154,65 @@ def test_every_kind_is_one_consistent_entry():
             assert rf.file_format(k, name).startswith(k.format + ".")
     with pytest.raises(ValueError, match="list it in moetrace/results.py"):
         rf.file_format(rf.COMPARE, "unknown.parquet")
+
+
+# ---------------------------------------------------------------- compare.json, typed (placement/compare_manifest.py)
+GOLDEN_COMPARE = Path(__file__).parent / "golden" / "compare_v1" / "compare.json"
+
+
+def test_compare_json_is_read_and_written_through_its_typed_record(compare_dir, tmp_path):
+    """A compare.json written by the previous moetrace reads into CompareManifest and writes back the
+    same bytes; the run's own compare.json reads back into what the dashboard and summary use."""
+    from moetrace.placement.compare_manifest import CompareManifest, read_compare_manifest
+
+    obj = json.loads(GOLDEN_COMPARE.read_text())
+    m = read_compare_manifest(GOLDEN_COMPARE)
+    assert (m.deployment, m.num_nodes, m.reference, m.expert_copy_floor) == ("DP2TP4EP8", 2, "linear", 0.0)
+    assert m.bounds == ("perfect_routing", "oracle") and m.grouping["data"].cluster_to_groups == ((0,), (1,))
+    out = rf.write_result_json(tmp_path, rf.COMPARE, rf.COMPARE_MANIFEST, m.to_json())
+    assert out.read_bytes() == GOLDEN_COMPARE.read_bytes()
+    ours = read_compare_manifest(compare_dir)
+    assert ours.strategies == ("linear", "eplb", "data") and ours.model.name == "planted"
+    assert detect(compare_dir).compare == ours
+    assert CompareManifest.from_json(obj, where="x").to_json() == {k: v for k, v in obj.items() if k not in ("format", "version")}
+
+
+def test_compare_json_of_older_moetrace_gets_the_later_keys_once(tmp_path):
+    from moetrace.placement.compare_manifest import LATER_KEYS, read_compare_manifest
+
+    obj = json.loads(GOLDEN_COMPARE.read_text())
+    for key in LATER_KEYS:  # compare.json as written before the bounds and the floor
+        del obj[key]
+    (tmp_path / "compare.json").write_text(json.dumps(obj))
+    m = read_compare_manifest(tmp_path)
+    assert (m.oracle, m.bounds, m.bound_kinds, m.expert_copy_floor) == (False, (), {}, None)
+    assert "expert_copy_floor" not in m.to_json()
+
+
+@pytest.mark.parametrize("corrupt, fragment", [
+    (lambda d: d.pop("num_nodes"), "no `num_nodes`; re-run `moetrace compare`"),
+    (lambda d: d.__setitem__("num_batches", "10"), "`num_batches` is '10', expected int"),
+    (lambda d: d.__setitem__("oracle", 1), "`oracle` is 1, expected bool"),
+    (lambda d: d["model"].pop("top_k"), "lacks ['top_k']"),
+    (lambda d: d["grouping"]["data"].pop("num_clusters"), "grouping 'data': no `num_clusters`"),
+])
+def test_broken_compare_json_is_one_clean_line(corrupt, fragment, tmp_path):
+    obj = json.loads(GOLDEN_COMPARE.read_text())
+    corrupt(obj)
+    (tmp_path / "compare.json").write_text(json.dumps(obj))
+    with pytest.raises(TraceFormatError, match=re.escape(fragment)):
+        detect(tmp_path)
+    r = runner.invoke(app, ["dashboard", str(tmp_path), "-o", str(tmp_path / "r.html")])
+    assert r.exit_code == 2 and fragment in r.output.replace("\n", "") and "Traceback" not in r.output
+
+
+def test_compare_json_holds_every_compare_config_field():
+    """compare.json records the whole configuration: a new CompareConfig field needs its manifest field."""
+    from dataclasses import fields
+
+    from moetrace.placement.compare import CompareConfig
+    from moetrace.placement.compare_manifest import CompareManifest
+
+    manifest = [f.name for f in fields(CompareManifest)]
+    config = [f.name for f in fields(CompareConfig) if f.name != "deployment"]
+    assert manifest[: len(config)] == config

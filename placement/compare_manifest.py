@@ -1,0 +1,171 @@
+"""``compare.json``, typed: one compare run's configuration and facts, written and read here only.
+
+``CompareManifest`` is what ``moetrace compare -o`` writes as ``compare.json`` (``to_json``; its
+``format`` and ``version`` come from ``moetrace.results.COMPARE``) and what every reader gets back
+(``from_json``, ``read_compare_manifest``): ``compare``'s printed summary and the dashboard read its
+fields, never the JSON's keys. Keys that files written by older moetrace lack (``LATER_KEYS``) get
+their meaning from before they existed, here and nowhere else.
+
+Out of scope: the tables of a compare results directory (``compare.write_results``, docs/placement.md);
+the run itself (``compare.run_compare``); file names, formats, versions (``moetrace.results``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from moetrace.errors import TraceFormatError
+from moetrace.results import COMPARE, COMPARE_MANIFEST, read_result_manifest
+from moetrace.tracer.trace.schema import ModelInfo
+
+__all__ = ["LATER_KEYS", "CompareManifest", "GroupingRecord", "read_compare_manifest"]
+
+#: keys added to compare.json after its format was stamped -> their value in files that lack them
+LATER_KEYS: dict[str, Any] = {
+    "oracle": False,  # no bound rows then
+    "bounds": (),
+    "bound_kinds": {},
+    "expert_copy_floor": None,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupingRecord:
+    """What compare.json says of one grouped strategy's clustering and router."""
+
+    num_clusters: int  # C K-means clusters of the training requests
+    cluster_to_groups: tuple[tuple[int, ...], ...]  # [C] the groups (nodes) serving each cluster
+    router_match_rate: float | None  # share of held-out requests routed from prefill as their decode would route them
+    groups_without_routed_requests: tuple[int, ...]  # nodes no held-out request was routed to
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_clusters": self.num_clusters, "cluster_to_groups": [list(g) for g in self.cluster_to_groups],
+                "router_match_rate": self.router_match_rate,
+                "groups_without_routed_requests": list(self.groups_without_routed_requests)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareManifest:
+    """One compare run (fields in the order compare.json holds them; the first eleven are
+    ``CompareConfig``'s, the deployment given by its name and sizes)."""
+
+    strategies: tuple[str, ...]  # the strategies asked for, in order, each once (the reference is simulated even when absent)
+    num_clusters: int  # K-means clusters of grouped strategies (0: one per node)
+    num_redundant: int  # redundant slots per layer
+    test_fraction: float  # share of requests held out
+    num_batches: int  # global batches simulated
+    num_batch_requests: int  # requests per global batch as asked (0: 32 per node)
+    dedup: str  # a token is sent once per distinct destination of this unit ("rank", "expert", "node")
+    replica_policy: str  # which replica serves a token ("same_node", "even", "metro")
+    bytes_per_value: int  # bytes per hidden value on the wire
+    seed: int  # split, K-means, random placement, batch sampling
+    oracle: bool  # the upper bounds were asked for
+    deployment: str  # DPaTPbEPc[TPd]
+    gpus_per_node: int  # GPUs per node
+    batch_requests: int  # requests per global batch used
+    num_ep: int  # W EP ranks
+    num_nodes: int  # G nodes (= node groups)
+    ranks_per_node: int  # EP ranks per node
+    bounds: tuple[str, ...]  # the bound rows of the results (strategies.BOUNDS), empty without them
+    trace: str  # the trace's path
+    num_train_requests: int  # requests the placements were built from
+    num_test_requests: int  # held-out requests the batches were drawn from
+    bound_kinds: dict[str, str | None]  # bound -> the strategy its best candidate derives from
+    expert_copy_floor: float | None  # the proven floor (--dedup expert, no redundancy, bounds on); None: not proven
+    reference: str  # the strategy whose median normalizes inter-node volume
+    model: ModelInfo  # the traced model
+    grouping: dict[str, GroupingRecord]  # grouped strategy -> its clustering and router
+
+    def to_json(self) -> dict[str, Any]:
+        """compare.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "expert_copy_floor" and v is None:
+                continue  # not proven: the key is left out
+            if isinstance(v, tuple):
+                v = list(v)
+            elif f.name == "model":
+                v = v.to_dict()
+            elif f.name == "grouping":
+                v = {s: g.to_json() for s, g in v.items()}
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], *, where: str) -> CompareManifest:
+        """The manifest in ``obj`` (compare.json read from ``where``, format and version already
+        checked); ``TraceFormatError`` naming the first key that is missing or of the wrong type."""
+        r = _Reader(obj, where)
+        try:
+            model = ModelInfo.from_dict(r.get("model", dict))
+        except TraceFormatError as exc:
+            raise TraceFormatError(f"{where}: {exc}") from None
+        floor = r.get("expert_copy_floor", (int, float), optional=True)
+        return cls(
+            strategies=r.names("strategies"), num_clusters=r.count("num_clusters"), num_redundant=r.count("num_redundant"),
+            test_fraction=float(r.get("test_fraction", (int, float))), num_batches=r.count("num_batches"),
+            num_batch_requests=r.count("num_batch_requests"), dedup=r.get("dedup", str),
+            replica_policy=r.get("replica_policy", str), bytes_per_value=r.count("bytes_per_value"), seed=r.count("seed"),
+            oracle=r.get("oracle", bool), deployment=r.get("deployment", str), gpus_per_node=r.count("gpus_per_node"),
+            batch_requests=r.count("batch_requests"), num_ep=r.count("num_ep"), num_nodes=r.count("num_nodes"),
+            ranks_per_node=r.count("ranks_per_node"), bounds=r.names("bounds"), trace=r.get("trace", str),
+            num_train_requests=r.count("num_train_requests"), num_test_requests=r.count("num_test_requests"),
+            bound_kinds={str(k): (None if v is None else str(v)) for k, v in r.get("bound_kinds", dict).items()},
+            expert_copy_floor=None if floor is None else float(floor), reference=r.get("reference", str), model=model,
+            grouping={str(s): _grouping(g, where, s) for s, g in r.get("grouping", dict).items()},
+        )
+
+
+def read_compare_manifest(path: str | os.PathLike) -> CompareManifest:
+    """The ``compare.json`` of the results directory ``path`` (or that file itself), its format and
+    version checked; ``TraceFormatError`` naming the problem."""
+    kind, obj = read_result_manifest(path)
+    where = str(Path(path) / COMPARE_MANIFEST if Path(path).is_dir() else path)
+    if kind is not COMPARE:
+        raise TraceFormatError(f"{path}: {kind.format} results, not {COMPARE.format} (written by `{COMPARE.command}`)")
+    return CompareManifest.from_json(obj, where=where)
+
+
+class _Reader:
+    """Typed access to compare.json's keys; ``LATER_KEYS`` fill those older files lack."""
+
+    def __init__(self, obj: dict[str, Any], where: str) -> None:
+        self.obj, self.where = obj, where
+
+    def get(self, key: str, typ: type | tuple[type, ...], *, optional: bool = False) -> Any:
+        if key not in self.obj:
+            if key in LATER_KEYS:
+                return LATER_KEYS[key]
+            raise TraceFormatError(f"{self.where}: no `{key}`; re-run `{COMPARE.command}`")
+        v = self.obj[key]
+        types = typ if isinstance(typ, tuple) else (typ,)
+        if (v is None and optional) or (isinstance(v, types) and (bool in types or not isinstance(v, bool))):
+            return v
+        raise TraceFormatError(f"{self.where}: `{key}` is {v!r}, expected {' or '.join(t.__name__ for t in types)}; "
+                               f"re-run `{COMPARE.command}`")
+
+    def count(self, key: str) -> int:
+        return int(self.get(key, int))
+
+    def names(self, key: str) -> tuple[str, ...]:
+        v = self.get(key, (list, tuple))
+        if not all(isinstance(s, str) for s in v):
+            raise TraceFormatError(f"{self.where}: `{key}` must be a list of names; re-run `{COMPARE.command}`")
+        return tuple(v)
+
+
+def _grouping(g: object, where: str, strategy: str) -> GroupingRecord:
+    if not isinstance(g, dict):
+        raise TraceFormatError(f"{where}: `grouping` of {strategy!r} must be an object; re-run `{COMPARE.command}`")
+    r = _Reader(g, f"{where} grouping {strategy!r}")
+    c2g = r.get("cluster_to_groups", list)
+    rate = r.get("router_match_rate", (int, float), optional=True)
+    return GroupingRecord(
+        num_clusters=r.count("num_clusters"), cluster_to_groups=tuple(tuple(int(x) for x in gs) for gs in c2g),
+        router_match_rate=None if rate is None else float(rate),
+        groups_without_routed_requests=tuple(int(x) for x in r.get("groups_without_routed_requests", list)),
+    )
