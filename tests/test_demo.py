@@ -7,9 +7,6 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-pytest.importorskip("plotly")
 
 from moetrace.cli import app  # noqa: E402
 from moetrace.tracer.trace.validate import find_problems  # noqa: E402
