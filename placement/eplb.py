@@ -1,11 +1,28 @@
 """DeepSeek's expert-parallelism load balancer (EPLB), re-implemented in vectorized numpy.
 
-Same algorithm and tie-breaking as deepseek-ai/EPLB ``eplb.py`` (it reproduces the README's worked
-example exactly): replicate the heaviest experts greedily (min-max load per replica), pack expert
-groups onto nodes, then pack replicas onto GPUs (LPT greedy with an equal count per pack). The
-hierarchical policy runs when expert groups divide evenly over nodes; otherwise the global policy
-(the same routine with one group and one node). Loops run over items and replicas only, never
-over layers.
+The algorithm of deepseek-ai/EPLB ``eplb.py``: replicate the heaviest experts greedily (min-max
+load per replica), pack expert groups onto nodes, then pack replicas onto GPUs (LPT greedy with an
+equal count per pack), all in float32 as DeepSeek does. The hierarchical policy runs when expert
+groups divide evenly over nodes; otherwise the global policy (the same routine with one group and
+one node). Loops run over items and replicas only, never over layers.
+
+Where the output may differ from DeepSeek's (``tests/golden/eplb_deepseek.json`` holds their
+outputs on 161 cases; ``tests/test_placement_eplb.py`` checks each statement below): both packing
+steps sort items heaviest first, and only the order of items of *equal* weight can differ. Ours
+puts the lower index first. DeepSeek's uses torch's unstable sort, which promises no order for
+ties: torch's CPU build with libstdc++ keeps index order for up to 16 items (its insertion-sort
+threshold) and not beyond. So the outputs are identical when every sort has at most 16 items
+(slots of a node, ``num_replicas / num_nodes``, or all ``num_replicas`` under the global policy;
+no sort at all with one slot per GPU) or holds no equal weights. Otherwise:
+
+- the replicas of one expert always weigh the same, so their order in ``log2phy[l, e]`` (replica
+  rank → slot) may differ; the set of slots, ``phy2log`` and ``logcnt`` do not;
+- two different experts of one node with the same load per replica (integer or zero loads) may
+  trade slots: ``phy2log`` differs, each GPU's multiset of per-replica loads does not;
+- with more than 16 expert groups (hierarchical policy), groups of the same total load may go to
+  other nodes: ``logcnt`` and ``phy2log`` may differ, each node's total load does not.
+
+The replication step breaks ties the same way in both (first expert).
 
 Shape legend (docs/architecture.md): L MoE layers, E logical experts, P physical slots
 (replicas), M max replicas per expert, N rows of a batched sub-problem; inside one sub-problem
@@ -20,9 +37,9 @@ from __future__ import annotations
 import numpy as np
 
 from moetrace.errors import ConfigError
-from moetrace.placement.maps import Placement, placement_from_phy2log
+from moetrace.placement.maps import Placement
 
-__all__ = ["rebalance", "balanced_packing", "replicate_experts"]
+__all__ = ["balanced_packing", "rebalance", "replicate_experts"]
 
 
 def _take_rows(a_N_: np.ndarray, idx_N_: np.ndarray) -> np.ndarray:
@@ -40,15 +57,15 @@ def _put_rows(out_N_: np.ndarray, idx_N_: np.ndarray, values_N_: np.ndarray) -> 
 def _argsort_desc(weight_Nn: np.ndarray) -> np.ndarray:
     """``np.argsort(-weight_Nn, axis=1, kind="stable")``: heaviest first, lower index first on ties.
 
-    float32 (what EPLB uses) sorts unique int64 keys (descending-order bits, then the index), ~4x
-    faster than numpy's stable float sort; other dtypes use that sort.
+    float32 (what EPLB uses) sorts unique int64 keys (32 descending-order bits, then the 31-bit
+    index), ~4x faster than numpy's stable float sort; other dtypes use that sort.
     """
     n = weight_Nn.shape[1]
     if weight_Nn.dtype != np.float32 or n >= 2**31:
         return np.argsort(-weight_Nn, axis=1, kind="stable")
     bits = (weight_Nn + np.float32(0)).view(np.int32).astype(np.int64)  # + 0 folds -0.0 into +0.0
     desc = 0x7FFFFFFF - (bits ^ ((bits >> 31) & 0x7FFFFFFF))  # in [0, 2**32), ascending as w descends
-    return np.sort((desc << 32) | np.arange(n, dtype=np.int64), axis=1) & 0xFFFFFFFF
+    return np.sort((desc << 31) | np.arange(n, dtype=np.int64), axis=1) & 0x7FFFFFFF
 
 
 def balanced_packing(weight_Nn: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -167,7 +184,8 @@ def rebalance(load_LE: np.ndarray, *, num_replicas: int, num_groups: int, num_no
     """EPLB placement of ``load_LE`` (float [L, E], tokens per expert) on ``num_replicas`` slots.
 
     ``num_groups``: expert groups of a group-limited router (DeepSeek-V3: 8; 1 when the router has
-    none). Hierarchical policy when ``num_groups % num_nodes == 0``, global otherwise. Slot ``p``
+    none). Hierarchical policy when ``num_groups % num_nodes == 0`` and the groups divide E evenly
+    (where they do not, DeepSeek's code stops on an assertion), global otherwise. Slot ``p``
     lives on GPU ``p // (num_replicas / num_gpus)``. Returns ``Placement(phy2log [L, P],
     log2phy [L, E, M], logcnt [L, E])`` with EPLB's replica ranks.
     """
@@ -181,10 +199,7 @@ def rebalance(load_LE: np.ndarray, *, num_replicas: int, num_groups: int, num_no
         raise ConfigError(f"num_replicas={num_replicas} must be >= {E} experts and a multiple of num_gpus={num_gpus}")
     if num_gpus % num_nodes:
         raise ConfigError(f"num_gpus={num_gpus} must be a multiple of num_nodes={num_nodes}")
-    hierarchical = num_groups % num_nodes == 0 and E % num_groups == 0
-    if hierarchical:
-        if (num_replicas // num_nodes) < E // num_nodes or E % num_nodes:
-            hierarchical = False
+    hierarchical = num_groups % num_nodes == 0 and E % num_groups == 0  # then nodes divide E and P too
     if hierarchical:
         phy2log, phyrank, logcnt = _hierarchical(load, num_replicas, num_groups, num_nodes, num_gpus)
     else:
@@ -194,8 +209,3 @@ def rebalance(load_LE: np.ndarray, *, num_replicas: int, num_groups: int, num_no
     _put_rows(log2phy, phy2log * M + phyrank, np.broadcast_to(np.arange(num_replicas), (L, num_replicas)))
     return Placement(phy2log, log2phy.reshape(L, E, M), logcnt)
 
-
-def rebalance_unranked(load_LE: np.ndarray, **kw) -> Placement:
-    """``rebalance`` with ``log2phy`` rebuilt in slot order (what engines rebuild from phy2log)."""
-    p = rebalance(load_LE, **kw)
-    return placement_from_phy2log(p.phy2log, num_experts=p.logcnt.shape[1])

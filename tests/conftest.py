@@ -1,6 +1,8 @@
-"""Shared fixtures: small traces written with the real writer."""
+"""Shared fixtures (small traces written with the real writer) and the slow tier's list."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,3 +40,54 @@ def write_small_trace(path, *, num_requests: int = 6, seed: int = 0, model: Mode
 @pytest.fixture
 def small_trace(tmp_path):
     return write_small_trace(tmp_path / "trace")
+
+
+# ---------------------------------------------------------------- the two tiers
+# The slow tier: end-to-end checks that take seconds each. Plain `pytest` runs the fast tier
+# (pyproject's addopts: -m "not slow"); `pytest -m slow` runs this tier (also for one file:
+# `pytest -m slow tests/test_demo.py`); the README's test command and CI run both. Module file
+# name -> the test functions of it in the tier (every parametrization), or None for the whole file.
+# A test may also carry @pytest.mark.slow itself (the Ray shards test does).
+SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
+    "test_demo.py": None,  # the whole pipeline as `moetrace demo` runs it
+    "test_dashboard_browser.py": None,  # a real headless Chromium
+    "test_dashboard_a2a.py": None,  # its fixture replays all-to-all on real ranks
+    "test_a2a_link.py": None,  # ranks in network namespaces with a shaped link
+    "test_a2a_netemu.py": (
+        "test_without_namespaces_says_so_and_still_measures_bytes_tpd2",
+        "test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes",
+    ),
+    "test_a2a.py": (  # real torch.distributed (gloo) ranks
+        "test_gloo_collectives_move_exactly_the_predicted_bytes",
+        "test_ranking_by_measured_bytes_equals_simulators",
+        "test_results_files_carry_format_and_version",
+        "test_mismatch_is_a_clean_error",
+        "test_payload_errors_are_reported",
+        "test_cli_a2a_end_to_end",
+        "test_cli_a2a_from_placement_files",
+    ),
+    "test_progress.py": ("test_synth_draws_a_bar_with_rate_and_eta_on_a_terminal",),  # `moetrace synth` in a terminal
+    "test_collect.py": ("test_sigkill_then_resume_loses_nothing_and_duplicates_nothing",),  # a collector killed mid-run
+    "test_reliability.py": ("test_disk_full",),  # writes until a tmpfs is full
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the slow tier; a file or test in SLOW_TESTS that no longer exists is an error."""
+    here = Path(__file__).parent
+    if gone_files := [m for m in SLOW_TESTS if not (here / m).is_file()]:
+        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names files tests/ does not hold: {gone_files}")
+    checked: set[str] = set()
+    for item in items:
+        module = item.path.name
+        if module not in SLOW_TESTS:
+            continue
+        names = SLOW_TESTS[module]
+        if names is not None and module not in checked:
+            checked.add(module)
+            gone = [n for n in names if not hasattr(getattr(item, "module", None), n)]
+            if gone:
+                raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests {module} does not define: {gone}")
+        if names is None or getattr(item, "originalname", item.name) in names:
+            item.add_marker(pytest.mark.slow)

@@ -20,9 +20,6 @@ from moetrace.placement.maps import placement_from_phy2log
 from moetrace.placement.simulate import simulate_volume
 from tests.test_placement_compare import _planted_trace
 
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-pytest.importorskip("numba")
 
 DEP = dict(config="DP2TP2EP4", gpus_per_node=2)
 HIDDEN = 16

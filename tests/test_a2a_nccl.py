@@ -14,9 +14,7 @@ from moetrace.placement.compare import CompareConfig, load_trace_data
 from moetrace.placement.deployment import parse_deployment
 from tests.test_placement_compare import _planted_trace
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-pytest.importorskip("numba")
+import torch
 
 
 def test_auto_uses_nccl_only_with_a_gpu_per_rank():

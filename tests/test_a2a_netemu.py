@@ -22,9 +22,6 @@ from moetrace.placement.compare import CompareConfig, load_trace_data
 from moetrace.placement.deployment import parse_deployment
 from tests.test_placement_compare import _planted_trace
 
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-pytest.importorskip("numba")
 
 CAN_EMULATE, WHY_NOT = netemu.probe()
 needs_netns = pytest.mark.skipif(not CAN_EMULATE, reason=f"network namespaces cannot be made here: {WHY_NOT}")

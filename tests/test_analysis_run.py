@@ -108,8 +108,6 @@ def test_cli_errors_are_clean(planted, tmp_path):
 
 
 def test_analyze_a_trace_from_the_tiny_model_collector(tmp_path):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     trace = tmp_path / "tiny"
     res = runner.invoke(app, ["collect", "--model", "olmoe-1b-7b-tiny", "--max-new-tokens", "6", "--dataset", "math-word,code",
                               "--per-dataset", "6", "-o", str(trace)])

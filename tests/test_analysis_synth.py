@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import polars as pl
-import pytest
 
-synth = pytest.importorskip("moetrace.tracer.synth")
+import moetrace.tracer.synth as synth
 
 from moetrace.analysis.affinity import affinity_table, pair_counts  # noqa: E402
 from moetrace.analysis.correlation import prefill_decode_pooled  # noqa: E402

@@ -46,7 +46,6 @@ def _leftovers(parent):
 # ------------------------------------------------------------------------- the vLLM-sized configs
 @pytest.mark.parametrize("name", [p.name for p in list_presets()])
 def test_vllm_sized_config_keeps_topology_and_real_head_dims(name):
-    pytest.importorskip("transformers")
     from moetrace.tracer.backends.hf import count_parameters
 
     p = resolve(name).preset
@@ -68,7 +67,6 @@ def test_vllm_sized_config_keeps_topology_and_real_head_dims(name):
 
 
 def test_the_cpu_tiny_dims_are_unchanged():
-    pytest.importorskip("transformers")
     cfg = resolve("deepseek-v3-tiny").hf_config()
     assert (cfg.hidden_size, cfg.qk_rope_head_dim, cfg.kv_lora_rank) == (64, 8, 32)
 
@@ -82,8 +80,6 @@ def test_a_preset_without_a_vllm_sized_config_is_refused():
 # --------------------------------------------------------------------------------- a checkpoint
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     from moetrace.tracer.checkpoint import make_checkpoint
 
     return make_checkpoint(PRESET, out=tmp_path_factory.mktemp("ckpt") / "mixtral", seed=0)
@@ -206,8 +202,6 @@ def test_an_existing_output_is_one_line_and_kept(tmp_path):
 
 
 def test_a_failed_build_leaves_nothing_and_keeps_the_old_directory(monkeypatch, tmp_path):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
     from moetrace.tracer import checkpoint as ck
     from moetrace.tracer.backends import hf
 

@@ -15,8 +15,6 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
 
 from moetrace.cli import app  # noqa: E402
 from moetrace.tracer.trace.reader import open_trace  # noqa: E402

@@ -21,8 +21,6 @@ from moetrace.dashboards.theme import downsample, layer_slider
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.tracer.trace.reader import open_trace
 
-pytest.importorskip("plotly")
-
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):

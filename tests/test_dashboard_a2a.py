@@ -14,11 +14,6 @@ from moetrace.dashboards.inputs import detect
 from moetrace.dashboards.report import write_dashboard
 from tests.test_placement_compare import _planted_trace
 
-pytest.importorskip("plotly")
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-pytest.importorskip("numba")
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

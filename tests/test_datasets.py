@@ -198,7 +198,7 @@ def test_unknown_name_lists_valid_names():
 
 
 def test_hub_unreachable_says_so_and_shows_the_local_file_way(monkeypatch):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     import huggingface_hub.constants
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
@@ -212,7 +212,7 @@ def test_hub_unreachable_says_so_and_shows_the_local_file_way(monkeypatch):
 
 def test_hub_path_goes_through_datasets_with_the_right_id_config_split(tmp_path, monkeypatch):
     """The hub path with the real ``datasets`` library, the download swapped for a local json file."""
-    datasets = pytest.importorskip("datasets")
+    import datasets
     path = write_jsonl(tmp_path / "x.jsonl", XSUM)
     real = datasets.load_dataset
     calls = []
@@ -230,7 +230,6 @@ def test_hub_path_goes_through_datasets_with_the_right_id_config_split(tmp_path,
 # ---- tokenizing ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_tok():
-    pytest.importorskip("transformers")
     from moetrace.tracer.backends.hf import tiny_tokenizer
 
     return tiny_tokenizer()

@@ -1,32 +1,62 @@
-"""`moetrace demo`: the README's main command runs every stage end to end (small sizes)."""
+"""`moetrace demo`: the README's main command runs every stage end to end (small sizes).
+
+The demo runs once for the module (about a minute of CPU, most of it the analyses' embeddings and
+the placement comparison); each test reads one part of its output. Slow tier (tests/conftest.py).
+"""
 
 from __future__ import annotations
 
 import json
+import shlex
+from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-pytest.importorskip("plotly")
+from moetrace.cli import app
+from moetrace.tracer.trace.validate import find_problems
 
-from moetrace.cli import app  # noqa: E402
-from moetrace.tracer.trace.validate import find_problems  # noqa: E402
+# the demo's own knobs, turned down: 2 prompts per bundled set, 140 synthetic requests (20 per dataset)
+ARGS = ["--per-dataset", "2", "--max-new-tokens", "4", "--synth-requests", "140"]
 
 
-def test_demo_runs_the_whole_pipeline(tmp_path):
-    out = tmp_path / "demo"
-    res = CliRunner().invoke(app, ["demo", "-o", str(out), "--per-dataset", "2", "--max-new-tokens", "4",
-                                   "--synth-requests", "420"])
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    res = CliRunner().invoke(app, ["demo", "-o", str(out), *ARGS])
     assert res.exit_code == 0, res.output
-    report = out / "report.html"
-    assert f"dashboard: {report.resolve()}" in res.output
-    assert report.stat().st_size > 1_000_000  # plotly.js is embedded: the report opens offline
+    return out, res.output
+
+
+def test_prints_each_step_as_a_command_to_copy_and_the_dashboard_path(demo):
+    out, output = demo
+    steps = [line.split("$ ", 1)[1] for line in output.splitlines() if line.startswith("[") and "] $ moetrace " in line]
+    assert [shlex.split(s)[1] for s in steps] == ["collect", "validate", "analyze", "synth", "validate", "analyze",
+                                                  "compare", "place", "export", "export", "dashboard"]
+    assert f"dashboard: {(out / 'report.html').resolve()}" in output
+
+
+def test_traces_are_valid_and_results_complete(demo):
+    out, _ = demo
     for trace in ("tiny-dsv3", "synth-dsv3"):
         assert find_problems(out / "traces" / trace) == []
-    assert (out / "results" / "synth-dsv3-analysis" / "manifest.json").exists()
+    for analysis in ("tiny-dsv3-analysis", "synth-dsv3-analysis"):
+        manifest = json.loads((out / "results" / analysis / "manifest.json").read_text())
+        assert all((out / "results" / analysis / f).exists() for f in manifest["files"])
     cmp_ = json.loads((out / "results" / "synth-dsv3-compare" / "compare.json").read_text())
-    assert {"linear", "eplb", "data", "joint"} <= set(cmp_["strategies"])
+    assert {"linear", "round_robin", "eplb", "data", "joint"} <= set(cmp_["strategies"])
+
+
+def test_exports_load_in_both_engines_formats(demo):
+    out, _ = demo
     sg = json.loads((out / "placement" / "sglang-init-expert-location.json").read_text())
     assert len(sg["physical_to_logical_map"]) == 61  # one row per decoder layer of DeepSeek-V3
+    trt = yaml.safe_load((out / "placement" / "trtllm-moe-load-balancer.yaml").read_text())
+    assert trt["num_slots"] == 256 and sorted(trt["initial_global_assignments"]) == list(range(3, 61))  # MoE layers
+
+
+def test_report_opens_offline(demo):
+    out, _ = demo
+    html = (out / "report.html").read_text()
+    assert len(html) > 1_000_000 and "<script src=" not in html  # plotly.js is embedded, nothing fetched

@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch
 
 from moetrace.tracer.backends.hf import RoutingRecorder, _iter_routers, build_tiny_model, generate_batch, tiny_tokenizer  # noqa: E402
 

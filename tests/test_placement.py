@@ -173,7 +173,6 @@ def test_more_groups_than_clusters_go_to_largest_round_robin():
 
 
 def test_more_clusters_than_groups_merge_similar_centroids():
-    pytest.importorskip("sklearn")
     c = np.array([[1, 0, 0, 0], [0.9, 0.1, 0, 0], [0, 0, 1, 0], [0, 0, 0.95, 0.05]], dtype=float)
     m = map_clusters_to_groups(np.array([3, 3, 3, 3]), num_groups=2, centroids_CF=c)
     assert m[0] == m[1] and m[2] == m[3] and m[0] != m[2]

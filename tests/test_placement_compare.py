@@ -22,9 +22,6 @@ from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.writer import TraceWriter
 
-pytest.importorskip("sklearn")
-pytest.importorskip("scipy")
-pytest.importorskip("numba")
 
 E, K, L = 16, 2, 2
 MODEL = ModelInfo(name="planted", source="test", architecture="Test", num_hidden_layers=3, moe_layers=(1, 2),

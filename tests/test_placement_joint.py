@@ -18,9 +18,6 @@ from moetrace.placement.report import format_compare_summary
 from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.writer import TraceWriter
 
-pytest.importorskip("scipy")
-pytest.importorskip("sklearn")
-
 
 # ---------------------------------------------------------------- balanced routing LP
 def _brute_force(score_RG: np.ndarray, lo: int, hi: int) -> float:

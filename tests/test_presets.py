@@ -28,7 +28,6 @@ def test_every_spec_preset_exists():
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_B))
 def test_full_config_has_the_published_size_and_topology(name):
-    pytest.importorskip("transformers")
     from moetrace.tracer.backends.hf import count_parameters
 
     resolved = resolve(name)
@@ -124,7 +123,6 @@ def test_an_unreachable_hub_is_refused_at_once_with_did_you_mean(monkeypatch):
     line straight away, with the near presets, instead of the hub client's retries."""
     import time
 
-    pytest.importorskip("transformers")
     from moetrace.errors import ModelError
     from moetrace.tracer.presets import hub_unreachable, resolve
 

@@ -48,7 +48,6 @@ def test_bars_follow_the_decision(monkeypatch):
 
 
 def test_bar_draws_on_a_tty_and_clears_at_total(monkeypatch):
-    pytest.importorskip("rich")
     monkeypatch.setattr(common, "stderr_is_tty", lambda: True)
     bar = ProgressBar("validate", "rows")
     bar(0, 10)
@@ -80,7 +79,6 @@ def test_compare_load_progress(tmp_path):
 
 
 def test_compare_simulation_progress(tmp_path):
-    pytest.importorskip("numba")
     from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
     from moetrace.placement.deployment import parse_deployment
 

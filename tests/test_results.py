@@ -17,8 +17,6 @@ from moetrace.dashboards.inputs import detect
 from moetrace.errors import TraceFormatError
 from test_placement_compare import _planted_trace
 
-pytest.importorskip("sklearn")
-pytest.importorskip("scipy")
 
 runner = CliRunner()
 DEPLOY = ["--config", "DP2TP4EP8", "--gpus-per-node", "4"]

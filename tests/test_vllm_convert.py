@@ -322,7 +322,6 @@ def test_model_resolution(tmp_path):
     assert source == "deepseek-ai/DeepSeek-V3" and info.moe_layers[0] == 3 and len(info.moe_layers) == 58
     with pytest.raises(ModelError, match="--backend hf"):
         V.model_for_vllm(resolve("deepseek-v3-tiny"))
-    pytest.importorskip("transformers")
     cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4,
            "hidden_size": 64, "num_experts": 16, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
            "mlp_only_layers": [0], "intermediate_size": 64, "moe_intermediate_size": 32,

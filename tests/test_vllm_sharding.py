@@ -73,7 +73,6 @@ def test_shards_partition_the_run_and_mix_datasets():
 
 @pytest.fixture(scope="module")
 def sharded_trace(tmp_path_factory):
-    pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("sharded") / "trace"
     for s in (0, 2):  # shard 1 later: the merge must notice it missing
         collect(CONFIG, out=out, backend="hf", shard=(s, 3))
@@ -150,7 +149,6 @@ def test_clashing_request_ids_are_refused(tmp_path):
 def test_ray_runs_the_shards_as_tasks(tmp_path):
     if importlib.util.find_spec("ray") is None:
         pytest.skip("Ray is not installed (pip install 'moetrace[ray]')")
-    pytest.importorskip("transformers")
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False)
