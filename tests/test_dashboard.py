@@ -104,10 +104,7 @@ def test_cli_writes_and_reports_size(trace, tmp_path):
 # ---------------------------------------------------------------- with the real producers' results
 @pytest.fixture(scope="module")
 def prod():
-    p = produced()
-    if p.missing:
-        pytest.skip("producers not available: " + "; ".join(p.missing))
-    return p
+    return produced()  # the test set-up installs every producer: a broken install fails here
 
 
 def test_html_figures_equal_result_files(prod, tmp_path):

