@@ -308,9 +308,9 @@ class _FastPart:
             for fid in (_CM_DICT_OFFSET, _CM_DATA_OFFSET):
                 if _get(cm, fid) is not None:
                     cm = _set(cm, fid, _T_I64, _get(cm, fid) + shift)
-            cc = _set(cc, _CC_META, _T_STRUCT, cm)
-            if _get(cc, _CC_FILE_OFFSET):
-                cc = _set(cc, _CC_FILE_OFFSET, _T_I64, _get(cc, _CC_FILE_OFFSET) + shift)
+            # file_offset 0, as pyarrow >= 18 writes it: pyarrow 16 and 17 point it at a copy of the column
+            # metadata after the chunk (deprecated in Parquet), which is not copied
+            cc = _set(_set(cc, _CC_META, _T_STRUCT, cm), _CC_FILE_OFFSET, _T_I64, 0)
             chunks[path] = cc
         return chunks
 
