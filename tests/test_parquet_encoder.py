@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import SMALL, write_small_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -22,8 +23,6 @@ from moetrace.tracer.trace.parquet_encoder import ENCODER_ENV, resolve_encoder, 
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.validate import find_problems
 from moetrace.tracer.trace.writer import TraceWriter
-
-from conftest import SMALL, write_small_trace
 
 PYARROW_MAJOR = int(pa.__version__.split(".")[0])
 

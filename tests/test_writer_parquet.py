@@ -13,9 +13,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moetrace.tracer.trace.reader import open_trace
-from moetrace.tracer.trace.schema import ModelInfo, routing_schema
-from moetrace.tracer.trace.validate import find_problems
 from moetrace.tracer.trace.parquet_encoder import (
     ROUTING_DICTIONARY,
     ROUTING_STATISTICS,
@@ -24,6 +21,9 @@ from moetrace.tracer.trace.parquet_encoder import (
     _page_compressor,
     writer_options,
 )
+from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.schema import ModelInfo, routing_schema
+from moetrace.tracer.trace.validate import find_problems
 from moetrace.tracer.trace.writer import TraceWriter
 
 

@@ -38,8 +38,9 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Literal, NamedTuple, Protocol, Sequence
+from typing import Any, BinaryIO, Literal, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -243,7 +244,8 @@ class _FastSetup:
                 if fid in (_CM_ENCODINGS, _CM_ENCODING_STATS):
                     mine, v = sorted(map(repr, mine[1])) if mine else None, sorted(map(repr, v[1]))
                 if mine != v:
-                    problems.append(f"{path}: column-metadata field {fid} is {mine!r}, pyarrow writes {v!r}")
+                    problems.append(f"{path}: column-metadata field {fid} is {repr(mine)[:60]}, pyarrow writes "
+                                    f"{repr(v)[:60]}")
         if not problems and not pq.read_table(pa.BufferReader(data)).equals(pq.read_table(pa.BufferReader(self.reference))):
             problems.append("the decoded tables differ")
         if problems:
@@ -284,8 +286,8 @@ class _FastPart:
         self.f.write(b"PAR1")
         self.pos = 4
 
-    def _write(self, b: bytes | np.ndarray | pa.Buffer) -> None:
-        """Append a bytes-like object (bytes, numpy array, pa.Buffer)."""
+    def _write(self, b: _Bytes) -> None:
+        """Append a bytes-like object."""
         self.pos += self.f.write(b)
 
     def _copy_chunks(self, data: bytes) -> dict[str, _Struct]:
@@ -385,6 +387,8 @@ class _FastPart:
         self.f.close()
 
 
+#: what the encoder writes: page headers (bytes), page bodies (numpy's memoryview), compressed bodies (pa.Buffer)
+_Bytes: TypeAlias = "bytes | memoryview | pa.Buffer"
 #: indices per data page of the vectorized encoder (pyarrow's default data page holds ~1 MiB)
 _PAGE_IDS = 1 << 20
 
@@ -418,15 +422,15 @@ def _ids(fields: _Struct) -> list[int]:
     return sorted(f for f, _, _ in fields)
 
 
-def _page_compressor(codec: int) -> Callable[[np.ndarray], list[Any]] | None:
+def _page_compressor(codec: int) -> Callable[[np.ndarray], list[_Bytes]] | None:
     """For a Parquet codec id: ``body (uint8 array) -> list of byte chunks`` (the compressed page body), or None
     where the vectorized encoder does not support the codec."""
     if codec == _CODEC_NONE:
-        return lambda body: [body]
+        return lambda body: [body.data]
     if codec == _CODEC_LZ4_HADOOP:  # Hadoop framing: big-endian raw size and compressed size, then an LZ4 block
         lz4 = pa.Codec("lz4_raw")
 
-        def framed(body: np.ndarray) -> list[Any]:
+        def framed(body: np.ndarray) -> list[_Bytes]:
             c = lz4.compress(body)
             return [body.size.to_bytes(4, "big") + c.size.to_bytes(4, "big"), c]
 
@@ -495,7 +499,7 @@ class _ExpertsEncoder:
     255 or below -1 is not covered (``plan`` returns None).
     """
 
-    def __init__(self, X: int, compress: Callable[[np.ndarray], list[Any]]) -> None:
+    def __init__(self, X: int, compress: Callable[[np.ndarray], list[_Bytes]]) -> None:
         self.X = X
         self.compress = compress
         self.rows_per_page = max(1, _PAGE_IDS // X)
@@ -544,11 +548,11 @@ class _ExpertsEncoder:
                         runs.append(([ids_TX[a:b]], bool(neg_T[a])))
         return _Plan(hi, neg, width, runs)
 
-    def _page(self, write: Callable[[Any], None], page_type: int, body: np.ndarray,
+    def _page(self, write: Callable[[_Bytes], None], page_type: int, body: np.ndarray,
               sub_header: _Struct) -> tuple[int, int]:
         """Write one page (header, compressed body); returns (uncompressed, compressed) bytes with the header."""
         chunks = self.compress(body)
-        size = sum(len(c) if isinstance(c, bytes) else c.size if isinstance(c, pa.Buffer) else c.nbytes for c in chunks)
+        size = sum(c.size if isinstance(c, pa.Buffer) else c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks)
         header = _thrift_bytes([(1, _T_I32, page_type), (2, _T_I32, body.nbytes), (3, _T_I32, size),
                                 (5 if page_type == _PAGE_DATA else 7, _T_STRUCT, sub_header)])
         write(header)
@@ -556,7 +560,7 @@ class _ExpertsEncoder:
             write(c)
         return len(header) + body.nbytes, len(header) + size
 
-    def write(self, plan: _Plan, write: Callable[[Any], None]) -> dict[str, int]:
+    def write(self, plan: _Plan, write: Callable[[_Bytes], None]) -> dict[str, int]:
         """Write the chunk of ``plan`` through ``write(bytes-like)``; returns its sizes and page count."""
         hi, neg, width, runs = plan
         X = self.X

@@ -404,6 +404,7 @@ class TraceWriter:
         with self._on_write_error():
             if self._pq is None:
                 self._open_part()
+            assert self._pq is not None
             narrow = pa.Table.from_batches([b for b, _ in self._buf], schema=self._narrow_schema)
             self._pq.write_row_group(narrow, [ids for _, ids in self._buf])
         self._buf = []
