@@ -149,14 +149,17 @@ def routing_part_opener(schema: pa.Schema, *, compression: str | None,
     return open_fast
 
 
-def _experts_array(ids_list: list[np.ndarray], X: int) -> pa.FixedSizeListArray:
-    flat = np.concatenate([a.reshape(-1) for a in ids_list]) if len(ids_list) != 1 else ids_list[0].reshape(-1)
-    return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.int16()), X)
+def _experts_array(ids_list: list[np.ndarray], schema: pa.Schema) -> pa.ChunkedArray:
+    """The ``experts`` column of ``schema`` for the rows ``ids_list`` (int16 ``[T_i, X]`` arrays), one chunk per
+    array: pyarrow builds a chunk's levels and indices at once, so the chunks as added bound its memory."""
+    t = schema.field("experts").type
+    return pa.chunked_array([pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1), type=pa.int16()), type=t)
+                             for a in ids_list], type=t)
 
 
 def _with_experts(narrow: pa.Table, ids_list: list[np.ndarray], schema: pa.Schema) -> pa.Table:
     """The whole routing table: ``narrow``'s columns with ``experts`` in its place of ``schema``."""
-    experts = _experts_array(ids_list, schema.field("experts").type.list_size)
+    experts = _experts_array(ids_list, schema)
     cols = [experts if f.name == "experts" else narrow.column(f.name) for f in schema]
     return pa.Table.from_arrays(cols, schema=schema)
 
@@ -267,7 +270,7 @@ def _probe_table(schema: pa.Schema) -> pa.Table:
         "request_id": pa.array(np.zeros(T, np.int64)),
         "position": pa.array(np.arange(T, dtype=np.int32)),
         "stage": pa.array(["prefill", "prefill", "decode", "decode"]),
-        "experts": _experts_array([_probe_ids(X)], X),
+        "experts": _experts_array([_probe_ids(X)], schema),
     }
     if "weights" in schema.names:
         w = pa.array(np.linspace(0, 1, T * X, dtype=np.float32))
@@ -326,7 +329,7 @@ class _FastPart:
         plan = setup.encoder.plan(ids_list) if setup.encoder is not None else None
         if setup.encoder is None or plan is None:
             # not covered by the vectorized encoder: pyarrow encodes the column, copied the same way
-            experts = pa.Table.from_arrays([_experts_array(ids_list, setup.X)],
+            experts = pa.Table.from_arrays([_experts_array(ids_list, setup.schema)],
                                            schema=pa.schema([setup.schema.field("experts")]))
             chunks.update(self._copy_chunks(setup.pyarrow_file(experts)))
         else:
