@@ -4,19 +4,23 @@ What it writes. A routing part (``routing/*.parquet``, trace format v1) row grou
 **fast** encoder (``encoder="fast"``, the default) pyarrow writes the narrow columns (``request_id``,
 ``position``, ``stage``, ``weights``) of each row group into memory, their column chunks are copied into the
 part, and the ``experts`` column chunk is encoded with numpy in the encoding pyarrow itself writes: one PLAIN
-int32 dictionary page, then RLE_DICTIONARY data pages (about 1 Mi ids each, across request boundaries) with
-RLE repetition and definition levels and bit-packed indices of at most 8 bits, the same codec, and the same
-column metadata (size statistics where the installed pyarrow writes them). The footer is pyarrow's own
-footer for the routing schema (schema elements, ``ARROW:schema``, column orders) holding this file's row
-groups. With **pyarrow** (``encoder="pyarrow"`` or ``MOETRACE_PARQUET_ENCODER=pyarrow``) a plain
-``pyarrow.parquet.ParquetWriter`` writes the part. Both take the same explicit writer options
-(``writer_options``), so both give the same decoded table, the same column-metadata fields and file sizes
-within 1 % (tests/test_parquet_encoder.py, also at the pyarrow floor: tests/test_pyarrow_floor.py).
+int32 dictionary page (the ids 0..max, then -1 if it occurs), then RLE_DICTIONARY data pages (about 1 Mi ids
+each, across request boundaries) with RLE (short rows: bit-packed) repetition levels, RLE definition levels
+and bit-packed indices of at most 8 bits, the same codec, and the same column metadata (size statistics
+where the installed pyarrow writes them). The footer is pyarrow's own footer for the routing schema (schema
+elements, ``ARROW:schema``, column orders) holding this file's row groups. With **pyarrow**
+(``encoder="pyarrow"`` or ``MOETRACE_PARQUET_ENCODER=pyarrow``) a plain ``pyarrow.parquet.ParquetWriter``
+writes the part. Both take the same explicit writer options (``writer_options``), so both give the same
+decoded table, the same column-metadata fields and, at real model shapes, file sizes within 1 %; where id
+255 and -1 meet in a row group the fast encoder's parts are smaller (8-bit pages and runs of -1 rows where
+pyarrow packs 9-bit indices). tests/test_writer_parquet.py checks this, also under the pyarrow floor
+(tests/test_pyarrow_floor.py); tests/test_parquet_encoder.py the choice of encoder and the fence.
 
 What it leaves out. Page indexes (ColumnIndex/OffsetIndex), Bloom filters, page checksums, statistics of
 anything but ``request_id`` and ``position``, v2 data pages, and file paths in column chunks: the options
 turn them off for both encoders, and the fast encoder refuses (``EncoderError``) a pyarrow that writes them
-anyway. Ids above 255, a row group where id 255 and a row mixing ``-1`` with recorded ids meet (9-bit
+anyway. Nor the copy of each chunk's column metadata that pyarrow 16 and 17 write after it (deprecated;
+``file_offset`` is 0, as pyarrow >= 18 writes it). Ids above 255, a row group where id 255 and a row mixing ``-1`` with recorded ids meet (9-bit
 indices), and codecs other than lz4, zstd, snappy and none are encoded by pyarrow (the old speed), copied
 the same way.
 
