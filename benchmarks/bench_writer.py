@@ -3,7 +3,10 @@
 Measures, in one run on the same data, each repetition in a fresh child process (so each has its own
 peak memory), alternating the variants:
 
-- ``after``: this checkout's ``TraceWriter`` (default settings: dictionary-encoded ids, lz4);
+- ``after``: this checkout's ``TraceWriter`` (default settings: the fast Parquet encoder, dictionary-encoded
+  ids, lz4);
+- ``pyarrow encoder``: this checkout's ``TraceWriter(encoder="pyarrow")``, the escape hatch
+  (``MOETRACE_PARQUET_ENCODER=pyarrow``): the same files written by plain pyarrow;
 - ``before`` (with ``--baseline PATH``): another version of ``tracer/trace/writer.py``, e.g. HEAD's from a
   ``git worktree add --detach /tmp/wt-writer HEAD``, loaded from its file under another module name (its
   imports resolve to this checkout's ``moetrace``, so only the writer module differs);
@@ -67,9 +70,10 @@ def _child(variant: str, ids_path: str, out: str, writer_path: str | None) -> di
     T, X = topk_ids_TX.shape
     model = model_info_for("deepseek-v3")
     TraceWriter = None if variant == "ceiling" else _load_writer(writer_path)
+    kw = {"encoder": "pyarrow"} if variant == "pyarrow" else {}
     # warm-up outside the measurement: lazy imports (pyarrow's pandas shim, compute kernels) of the first write
     if TraceWriter is not None:
-        with TraceWriter(Path(out) / "warmup", model=model, backend={"name": "synthetic"}, collection={}) as w:
+        with TraceWriter(Path(out) / "warmup", model=model, backend={"name": "synthetic"}, collection={}, **kw) as w:
             w.add_request(request_id=0, dataset="gsm8k", prompt_tokens=1, topk_ids_TX=topk_ids_TX[:2])
         shutil.rmtree(Path(out) / "warmup")
     else:
@@ -86,7 +90,7 @@ def _child(variant: str, ids_path: str, out: str, writer_path: str | None) -> di
         R = T // (PROMPT + OUTPUT)
         P, O = np.full(R, PROMPT, np.int32), np.full(R, OUTPUT, np.int32)
         offsets = np.concatenate([[0], np.cumsum(P + O)])
-        with TraceWriter(Path(out) / "w", model=model, backend={"name": "synthetic"}, collection={}) as w:
+        with TraceWriter(Path(out) / "w", model=model, backend={"name": "synthetic"}, collection={}, **kw) as w:
             for s in range(0, R, R_STEP):
                 e = min(s + R_STEP, R)
                 w.add_requests(request_id_R=np.arange(s, e), dataset_R=["gsm8k"] * (e - s), prompt_tokens_R=P[s:e],
@@ -129,7 +133,8 @@ def main() -> None:
     np.save(ids_path, experts.reshape(T, -1))
     del experts
 
-    variants = [("after", "-")] + ([("before", str(Path(args.baseline).resolve()))] if args.baseline else []) + [("ceiling", "-")]
+    variants = [("after", "-")] + ([("before", str(Path(args.baseline).resolve()))] if args.baseline else []) + [
+        ("pyarrow", "-"), ("ceiling", "-")]
     res: dict[str, list[dict]] = {v: [] for v, _ in variants}
     for rep in range(args.reps):
         order = variants if rep % 2 == 0 else [variants[1], variants[0], *variants[2:]]
@@ -144,7 +149,7 @@ def main() -> None:
 
     X = model.ids_per_token
     names = {"after": "moetrace TraceWriter, this checkout (dict+lz4)", "before": f"moetrace TraceWriter, {args.baseline}",
-             "ceiling": "pyarrow ceiling (plain, bare column)"}
+             "pyarrow": "moetrace TraceWriter, encoder='pyarrow'", "ceiling": "pyarrow ceiling (plain, bare column)"}
     unrec = ", last token of each request -1" if args.last_token_unrecorded else ""
     print(f"{T:,} tokens x {X} ids (DeepSeek-V3 shape{unrec}), {args.reps} reps per variant, one child process each, "
           f"{os.cpu_count()} CPUs, load average before/after: see `uptime`")
@@ -154,11 +159,11 @@ def main() -> None:
         rates = sorted(T / r["wall"] / 1e6 for r in runs)
         print(f"  {names[variant]:<60} {rates[-1]:7.3f} {float(np.median(rates)):7.3f}          "
               f"{min(r['cpu'] for r in runs):6.2f}  {max(r['peak_mib'] for r in runs):8.0f}  {runs[0]['bytes_per_token']:7.0f}")
-    if args.baseline:
-        best = {v: min(r["wall"] for r in res[v]) for v in ("after", "before")}
-        cpu = {v: min(r["cpu"] for r in res[v]) for v in ("after", "before")}
-        print(f"  after / before: {best['before'] / best['after']:.2f}x tokens/s (best wall), "
-              f"{cpu['before'] / cpu['after']:.2f}x (CPU time)")
+    for other in ("pyarrow", "before") if args.baseline else ("pyarrow",):
+        best = {v: min(r["wall"] for r in res[v]) for v in ("after", other)}
+        cpu = {v: min(r["cpu"] for r in res[v]) for v in ("after", other)}
+        print(f"  after / {other}: {best[other] / best['after']:.2f}x tokens/s (best wall), "
+              f"{cpu[other] / cpu['after']:.2f}x (CPU time)")
 
 
 if __name__ == "__main__":

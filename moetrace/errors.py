@@ -46,3 +46,7 @@ class DatasetError(MoetraceError):
 
 class ConfigError(MoetraceError, ValueError):
     "A deployment, placement or analysis configuration is inconsistent."
+
+
+class EncoderError(MoetraceError):
+    "The fast Parquet encoder cannot write what the installed pyarrow expects; the message names the escape hatch."

@@ -3,6 +3,7 @@
 - ``schema``: the one explicit Arrow schema, ``ModelInfo``, the manifest header
 - ``layout``: the file names of a trace directory
 - ``writer``: ``TraceWriter``, the one crash-safe writer every producer uses
+- ``parquet_encoder``: how the writer encodes routing parts (fast, or plain pyarrow: ``MOETRACE_PARQUET_ENCODER``)
 - ``reader``: ``open_trace`` → ``Trace`` (polars frames, numpy ``TokenArrays``)
 - ``checks``: the data checks the reader and ``validate`` share (columns, requests, routing rows)
 - ``validate``: every invariant of the format, each problem named

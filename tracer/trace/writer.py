@@ -8,15 +8,16 @@ the two renames) is an orphan and is removed on resume. Readers only ever look a
 ``manifest.json`` is written (atomically) with ``complete: false`` at start and finalized by
 ``close()``.
 
-Speed. A routing part is assembled by ``_RoutingPartFile`` (end of this module): pyarrow encodes the narrow
-columns, numpy encodes the ``experts`` ids (pyarrow's Parquet encoding, vectorized), so the writer runs at
-about 1 M tokens/s of the DeepSeek-V3 shape instead of ~0.2 (benchmarks/bench_writer.py). The files are
-the same trace format v1 to every reader.
+Speed. Routing parts are encoded by ``parquet_encoder``: by default its fast encoder (pyarrow encodes the
+narrow columns, numpy the ``experts`` ids in pyarrow's own encoding), about 1 M tokens/s of the DeepSeek-V3
+shape instead of ~0.1 (benchmarks/bench_writer.py); ``encoder="pyarrow"`` or
+``MOETRACE_PARQUET_ENCODER=pyarrow`` writes through plain pyarrow instead. The files are the same trace
+format v1 to every reader.
 
 Shape legend (docs/architecture.md): T tokens, R requests, L MoE layers, K top-k, X = L*K.
 
-Out of scope: what the rows mean (``schema``), file names (``layout``), reading (``reader``), checking
-(``validate``), producing the rows (``moetrace.tracer.backends``, ``synth``, ``importers``).
+Out of scope: what the rows mean (``schema``), file names (``layout``), the Parquet encoding of routing
+parts (``parquet_encoder``), reading (``reader``), checking (``validate``), producing the rows (``moetrace.tracer.backends``, ``synth``, ``importers``).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace.atomic import write_json_atomic
-from moetrace.errors import OutputExistsError, TraceFormatError, WriteError
+from moetrace.errors import EncoderError, OutputExistsError, TraceFormatError, WriteError
 from moetrace.tracer.trace.lock import lock_trace
 from moetrace.tracer.trace.layout import MANIFEST, PART_RE, REQUESTS_DIR, ROUTING_DIR, lock_name, part_name
+from moetrace.tracer.trace.parquet_encoder import Encoder, RoutingPart, resolve_encoder, routing_part_opener, writer_options
 from moetrace.tracer.trace.schema import (
     STAGE_DECODE,
     STAGE_PREFILL,
@@ -92,6 +94,11 @@ class TraceWriter:
         Parquet codec (``zstd``, ``lz4``, ``snappy``, ``none``).
     manifest_name
         File name of this writer's manifest (sharded writers use ``manifests/<shard>.json``).
+    encoder
+        How routing parts are encoded (``parquet_encoder``): ``"fast"`` (numpy, ~10x pyarrow's speed) or
+        ``"pyarrow"`` (plain ``pyarrow.parquet``); the same files either way. None (default):
+        ``$MOETRACE_PARQUET_ENCODER`` if set, else ``"fast"``. An unknown name is a ``ConfigError``; a pyarrow
+        whose files the fast encoder cannot reproduce is an ``EncoderError`` here, before anything is written.
     """
 
     def __init__(
@@ -109,6 +116,7 @@ class TraceWriter:
         part_tokens: int = 4_194_304,
         compression: str = "lz4",
         manifest_name: str = MANIFEST,
+        encoder: Encoder | None = None,
     ) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_]+", part_prefix):
             raise ValueError(f"`part_prefix` must be letters, digits and '_', got {part_prefix!r}")
@@ -126,6 +134,10 @@ class TraceWriter:
         self.routing_schema = routing_schema(model.ids_per_token, with_weights=with_weights)
         self._narrow_schema = pa.schema([f for f in self.routing_schema if f.name != "experts"])
         self.requests_schema = requests_schema(with_text=with_text)
+        self.encoder: Encoder = resolve_encoder(encoder)
+        # checks the fast encoder against the installed pyarrow once, before the directory is touched
+        self._open_routing_part = routing_part_opener(self.routing_schema, compression=self.compression,
+                                                      encoder=self.encoder)
         self._closed = False
         self._failed: BaseException | None = None  # the error that stopped this writer, if one did
 
@@ -142,7 +154,7 @@ class TraceWriter:
         self._next_seq = self._first_free_seq()
 
         # the open part
-        self._pq: _RoutingPartFile | None = None
+        self._pq: RoutingPart | None = None
         self._part_name: str | None = None
         self._part_tokens = 0
         # buffered rows of the next row group: every column but `experts`, and the `experts` ids (int16 [T_i, X])
@@ -384,7 +396,7 @@ class TraceWriter:
         self._part_name = part_name(self.part_prefix, self._next_seq)
         self._next_seq += 1
         tmp = self.path / ROUTING_DIR / f".{self._part_name}.tmp"
-        self._pq = _RoutingPartFile(tmp, self.routing_schema, compression=self.compression)
+        self._pq = self._open_routing_part(tmp)
 
     def _flush_row_group(self) -> None:
         if not self._buf:
@@ -392,6 +404,7 @@ class TraceWriter:
         with self._on_write_error():
             if self._pq is None:
                 self._open_part()
+            assert self._pq is not None
             narrow = pa.Table.from_batches([b for b, _ in self._buf], schema=self._narrow_schema)
             self._pq.write_row_group(narrow, [ids for _, ids in self._buf])
         self._buf = []
@@ -410,7 +423,8 @@ class TraceWriter:
         with self._on_write_error():
             self._pq.close()
             _fsync_file(rdir / f".{self._part_name}.tmp")
-            pq.write_table(pa.Table.from_pylist(self._req_rows, schema=self.requests_schema), req_tmp, compression="zstd")
+            pq.write_table(pa.Table.from_pylist(self._req_rows, schema=self.requests_schema), req_tmp,
+                           **writer_options("zstd", use_dictionary=True, write_statistics=True))
             _fsync_file(req_tmp)
         os.replace(rdir / f".{self._part_name}.tmp", rdir / self._part_name)  # routing first
         os.replace(req_tmp, qdir / self._part_name)  # then requests: the commit point
@@ -423,10 +437,11 @@ class TraceWriter:
     @contextlib.contextmanager
     def _on_write_error(self) -> Iterator[None]:
         """A failed write (disk full, I/O error) drops the open part, whose requests were never committed,
-        and becomes one clean error naming the cause; the committed parts stay and the trace stays resumable."""
+        and becomes one clean error naming the cause; the committed parts stay and the trace stays resumable.
+        An ``EncoderError`` (what the fast encoder cannot write) drops the part the same way and stays itself."""
         try:
             yield
-        except (OSError, pa.ArrowException) as exc:
+        except (OSError, pa.ArrowException, EncoderError) as exc:
             self._failed = exc
             name = self._part_name
             if self._pq is not None:
@@ -436,6 +451,8 @@ class TraceWriter:
                 if name is not None:
                     (self.path / sub / f".{name}.tmp").unlink(missing_ok=True)
             self._pq, self._part_name, self._buf, self._req_rows = None, None, [], []
+            if isinstance(exc, EncoderError):
+                raise
             raise WriteError(_describe_write_error(exc, self.path)) from exc
 
     def close(self, *, complete: bool = True, extra_manifest: dict[str, Any] | None = None) -> WriterStats:
@@ -501,440 +518,3 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The routing part file. pyarrow's Parquet writer encodes the `experts` column at ~10 ns per id (per-value
-# dictionary hashing, repetition/definition levels, bit packing), which caps the writer near 0.2 M tokens/s
-# at 464 ids per token. The file is therefore assembled here: pyarrow writes the narrow columns (request_id,
-# position, stage, weights) of each row group into memory, their column chunks are copied into the part, and
-# the `experts` chunk is encoded with numpy in the same Parquet encoding pyarrow uses (a PLAIN int32
-# dictionary page, then RLE_DICTIONARY data pages with RLE repetition/definition levels and bit-packed
-# indices of at most 8 bits), so readers see the same Arrow schema, the same values and the same encodings.
-# What the vectorized encoder does not cover (an id above 255; a row mixing -1 with recorded ids while id 255
-# also occurs; codecs other than lz4, zstd, snappy and none) pyarrow encodes, copied the same way. The footer
-# is pyarrow's own footer for the routing schema (schema elements, ARROW:schema, column orders) with this
-# file's row groups; tests/test_writer_parquet.py checks the parts against what pyarrow writes for the same rows.
-
-# Thrift compact protocol (the encoding of Parquet footers and page headers): type codes
-_T_TRUE, _T_FALSE, _T_BYTE, _T_I16, _T_I32, _T_I64, _T_DOUBLE, _T_BINARY, _T_LIST, _T_SET, _T_MAP, _T_STRUCT = range(1, 13)
-# a decoded struct: [(field id, type code, value)], in field order; a list value: (element type, [values])
-_Struct = list
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _zigzag(n: int) -> int:
-    return (n << 1) ^ (n >> 63)
-
-
-class _ThriftReader:
-    """Decode Thrift compact-protocol bytes into ``_Struct`` trees (no schema needed)."""
-
-    def __init__(self, data: bytes, pos: int = 0) -> None:
-        self.data, self.pos = data, pos
-
-    def _uvarint(self) -> int:
-        shift = result = 0
-        while True:
-            b = self.data[self.pos]
-            self.pos += 1
-            result |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return result
-            shift += 7
-
-    def _value(self, t: int) -> Any:
-        if t in (_T_I16, _T_I32, _T_I64):
-            n = self._uvarint()
-            return (n >> 1) ^ -(n & 1)
-        if t == _T_BINARY:
-            n = self._uvarint()
-            self.pos += n
-            return self.data[self.pos - n:self.pos]
-        if t == _T_STRUCT:
-            return self.struct()
-        if t in (_T_LIST, _T_SET):
-            h = self.data[self.pos]
-            self.pos += 1
-            size, et = h >> 4, h & 0x0F
-            if size == 15:
-                size = self._uvarint()
-            if et in (_T_TRUE, _T_FALSE):
-                raise TraceFormatError("unexpected list of booleans in a Parquet footer")
-            return (et, [self._value(et) for _ in range(size)])
-        if t == _T_BYTE:
-            self.pos += 1
-            return int.from_bytes(self.data[self.pos - 1:self.pos], "little", signed=True)
-        if t == _T_DOUBLE:
-            self.pos += 8
-            return self.data[self.pos - 8:self.pos]
-        raise TraceFormatError(f"unexpected Thrift type {t} in a Parquet footer")
-
-    def struct(self) -> _Struct:
-        fields: _Struct = []
-        last = 0
-        while True:
-            b = self.data[self.pos]
-            self.pos += 1
-            if b == 0:
-                return fields
-            t, delta = b & 0x0F, b >> 4
-            if delta:
-                fid = last + delta
-            else:
-                n = self._uvarint()
-                fid = (n >> 1) ^ -(n & 1)
-            last = fid
-            fields.append((fid, t, t == _T_TRUE) if t in (_T_TRUE, _T_FALSE) else (fid, t, self._value(t)))
-
-
-def _thrift_value(out: bytearray, t: int, v: Any) -> None:
-    if t in (_T_I16, _T_I32, _T_I64):
-        out += _varint(_zigzag(v))
-    elif t == _T_BINARY:
-        out += _varint(len(v))
-        out += v
-    elif t == _T_STRUCT:
-        _thrift_struct(out, v)
-    elif t in (_T_LIST, _T_SET):
-        et, items = v
-        out.append((len(items) << 4 | et) if len(items) < 15 else (0xF0 | et))
-        if len(items) >= 15:
-            out += _varint(len(items))
-        for item in items:
-            _thrift_value(out, et, item)
-    elif t == _T_BYTE:
-        out += int(v).to_bytes(1, "little", signed=True)
-    elif t == _T_DOUBLE:
-        out += v
-    else:
-        raise ValueError(f"cannot encode Thrift type {t}")
-
-
-def _thrift_struct(out: bytearray, fields: _Struct) -> None:
-    last = 0
-    for fid, t, v in fields:
-        if t in (_T_TRUE, _T_FALSE):
-            t = _T_TRUE if v else _T_FALSE
-        if 0 < fid - last <= 15:
-            out.append((fid - last) << 4 | t)
-        else:
-            out.append(t)
-            out += _varint(_zigzag(fid))
-        last = fid
-        if t not in (_T_TRUE, _T_FALSE):
-            _thrift_value(out, t, v)
-    out.append(0)
-
-
-def _thrift_bytes(fields: _Struct) -> bytes:
-    out = bytearray()
-    _thrift_struct(out, fields)
-    return bytes(out)
-
-
-def _get(fields: _Struct, fid: int, default: Any = None) -> Any:
-    return next((v for f, _, v in fields if f == fid), default)
-
-
-def _set(fields: _Struct, fid: int, t: int, v: Any) -> _Struct:
-    """``fields`` with field ``fid`` set to ``v`` (added in field order if absent)."""
-    out = [x for x in fields if x[0] != fid] + [(fid, t, v)]
-    return sorted(out, key=lambda x: x[0])
-
-
-def _footer(data: bytes) -> _Struct:
-    """The decoded ``FileMetaData`` of a whole Parquet file held in ``data``."""
-    if data[:4] != b"PAR1" or data[-4:] != b"PAR1":
-        raise TraceFormatError("pyarrow produced a Parquet buffer without PAR1 magic")
-    n = int.from_bytes(data[-8:-4], "little")
-    return _ThriftReader(data, len(data) - 8 - n).struct()
-
-
-# Parquet enums used below (parquet.thrift)
-_PAGE_DATA, _PAGE_DICT = 0, 2
-_ENC_PLAIN, _ENC_RLE, _ENC_RLE_DICT = 0, 3, 8
-_CODEC_NONE, _CODEC_SNAPPY, _CODEC_LZ4_HADOOP, _CODEC_ZSTD, _CODEC_LZ4_RAW = 0, 1, 5, 6, 7
-# ColumnChunk / ColumnMetaData fields that hold file offsets
-_CC_FILE_OFFSET, _CC_META = 2, 3
-_CM_CODEC, _CM_NUM_VALUES, _CM_UNCOMPRESSED, _CM_COMPRESSED, _CM_DATA_OFFSET, _CM_INDEX_OFFSET, _CM_DICT_OFFSET = 4, 5, 6, 7, 9, 10, 11
-_CM_BLOOM_OFFSET = 14
-#: indices per data page of the vectorized encoder (pyarrow's default data page holds ~1 MiB)
-_PAGE_IDS = 1 << 20
-
-
-def _page_compressor(codec: int):
-    """For a Parquet codec id: ``body (uint8 array) -> list of byte chunks`` (the compressed page body), or None
-    where the vectorized encoder does not support the codec."""
-    if codec == _CODEC_NONE:
-        return lambda body: [body]
-    if codec == _CODEC_LZ4_HADOOP:  # Hadoop framing: big-endian raw size and compressed size, then an LZ4 block
-        lz4 = pa.Codec("lz4_raw")
-
-        def framed(body: np.ndarray) -> list:
-            c = lz4.compress(body)
-            return [body.size.to_bytes(4, "big") + c.size.to_bytes(4, "big"), c]
-
-        return framed
-    names = {_CODEC_SNAPPY: "snappy", _CODEC_ZSTD: "zstd", _CODEC_LZ4_RAW: "lz4_raw"}
-    if codec in names:
-        c = pa.Codec(names[codec])
-        return lambda body: [c.compress(body)]
-    return None
-
-
-def _rle_run(count: int, value: int, width_bytes: int) -> bytes:
-    """One run of the RLE/bit-packed hybrid: ``count`` copies of ``value``."""
-    return _varint(count << 1) + value.to_bytes(width_bytes, "little")
-
-
-def _pack_bits(idx: np.ndarray, width: int) -> np.ndarray:
-    """Bit-pack ``idx`` (uint8 ``[8 * G]``, each < 2**width, ``width`` in 1..7) least significant bit first:
-    every 8 values become ``width`` bytes; uint8 ``[G * width]``."""
-    v = idx.reshape(-1, 8).T.astype(np.uint64)
-    word = v[0].copy()
-    for i in range(1, 8):
-        word |= v[i] << np.uint64(width * i)
-    return word.view(np.uint8).reshape(-1, 8)[:, :width].reshape(-1)
-
-
-class _ExpertsEncoder:
-    """Encode the ``experts`` column chunk (int16 ``[T, X]``) in pyarrow's encoding, vectorized with numpy.
-
-    The dictionary page holds ids ``0..hi`` then ``-1`` (``hi``: the largest id of the row group, at most 255),
-    PLAIN int32. Data pages (about 1 Mi ids each, whole rows) hold RLE repetition levels (one 0 then X-1 ones
-    per row), one RLE run of definition level 1, and the dictionary indices as one bit-packed run of
-    ``ceil(log2(hi + 2))`` bits (an index is the id itself, -1's is ``hi + 1``). When id 255 and -1 both occur
-    (257 entries), rows without -1 are 8-bit pages and rows of only -1 are RLE pages of index 256; a row
-    mixing both, an id above 255 or below -1 is not covered (``plan`` returns None).
-    """
-
-    def __init__(self, X: int, compress) -> None:
-        self.X = X
-        self.compress = compress
-        self.rows_per_page = max(1, _PAGE_IDS // X)
-        # repetition levels of one row: a run of one 0 then X-1 ones (bit width 1)
-        self.rep_row = np.frombuffer(_rle_run(1, 0, 1) + (_rle_run(X - 1, 1, 1) if X > 1 else b""), np.uint8)
-
-    def plan(self, ids_list: list[np.ndarray]) -> tuple[int, int, list[tuple[np.ndarray, bool]]] | None:
-        """``(hi, width, segments)`` for the row group ``ids_list`` (C-contiguous int16 ``[T_i, X]`` arrays in
-        row order; segments: runs of rows ``(ids [n, X], all -1?)``), or None if not covered."""
-        row_min = [a.min(axis=1) for a in ids_list]  # int16 [T_i]: the smallest id of every row
-        lo = min((int(m.min()) for m in row_min if m.size), default=0)
-        hi = max((int(a.max()) for a in ids_list if a.size), default=0)
-        if lo < -1 or hi > 255:
-            return None
-        hi = max(hi, -1)
-        width = max(1, (hi + 1).bit_length())  # indices 0..hi+1
-        if width <= 8 or lo >= 0:
-            return hi, width, [(ids_TX, False) for ids_TX in ids_list]
-        segments = []
-        for ids_TX, m in zip(ids_list, row_min):
-            neg_T = m < 0
-            if neg_T.any() and (ids_TX[neg_T].max(axis=1) >= 0).any():
-                return None  # a row mixes -1 and recorded ids: index 256 would need 9-bit packed pages
-            bounds = np.concatenate([[0], np.flatnonzero(np.diff(neg_T.view(np.int8))) + 1, [neg_T.size]]).tolist()
-            segments += [(ids_TX[a:b], bool(neg_T[a])) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        return hi, width, segments
-
-    def _page(self, write, page_type: int, body: np.ndarray, sub_header: _Struct) -> tuple[int, int]:
-        """Write one page (header, compressed body); returns (uncompressed, compressed) bytes with the header."""
-        chunks = self.compress(body)
-        size = sum(len(c) if isinstance(c, bytes) else c.size if isinstance(c, pa.Buffer) else c.nbytes for c in chunks)
-        header = _thrift_bytes([(1, _T_I32, page_type), (2, _T_I32, body.nbytes), (3, _T_I32, size),
-                                (5 if page_type == _PAGE_DATA else 7, _T_STRUCT, sub_header)])
-        write(header)
-        for c in chunks:
-            write(c)
-        return len(header) + body.nbytes, len(header) + size
-
-    def write(self, plan: tuple[int, int, list[tuple[np.ndarray, bool]]], write) -> dict[str, int]:
-        """Write the chunk of ``plan`` through ``write(bytes-like)``; returns its sizes and page count."""
-        hi, width, segments = plan
-        X = self.X
-        dictionary = np.concatenate([np.arange(hi + 1, dtype="<i4"), np.array([-1], "<i4")]).view(np.uint8)
-        dict_u, dict_c = self._page(write, _PAGE_DICT, dictionary, [(1, _T_I32, hi + 2), (2, _T_I32, _ENC_PLAIN)])
-        sizes = {"uncompressed": dict_u, "compressed": dict_c, "dict_size": dict_c, "pages": 0, "num_values": 0}
-        for ids_TX, all_neg in segments:
-            flat = ids_TX.reshape(-1)
-            for s in range(0, ids_TX.shape[0], self.rows_per_page):
-                n = min(self.rows_per_page, ids_TX.shape[0] - s)
-                rep = _rle_run(n, 0, 1) if X == 1 else None
-                rep_size = len(rep) if rep is not None else n * self.rep_row.size
-                dfn = _rle_run(n * X, 1, 1)
-                if all_neg:
-                    values = np.frombuffer(b"\x09" + _rle_run(n * X, hi + 2 - 1, 2), np.uint8)
-                    w = values.size
-                else:
-                    bits = min(width, 8)
-                    groups = -(-n * X // 8)
-                    vhead = bytes([bits]) + _varint(groups << 1 | 1)
-                    w = len(vhead) + groups * bits
-                body = np.empty(4 + rep_size + 4 + len(dfn) + w, np.uint8)
-                body[:4] = np.frombuffer(rep_size.to_bytes(4, "little"), np.uint8)
-                o = 4
-                if rep is not None:
-                    body[o:o + rep_size] = np.frombuffer(rep, np.uint8)
-                else:
-                    body[o:o + rep_size].reshape(n, -1)[:] = self.rep_row
-                o += rep_size
-                body[o:o + 4] = np.frombuffer(len(dfn).to_bytes(4, "little"), np.uint8)
-                body[o + 4:o + 4 + len(dfn)] = np.frombuffer(dfn, np.uint8)
-                o += 4 + len(dfn)
-                if all_neg:
-                    body[o:] = values
-                else:
-                    body[o:o + len(vhead)] = np.frombuffer(vhead, np.uint8)
-                    o += len(vhead)
-                    ids = flat[s * X:(s + n) * X]
-                    if bits == 8:
-                        dst = body[o:o + n * X]
-                        np.copyto(dst, ids, casting="unsafe")  # int16 -> uint8: -1 wraps to 255
-                        body[o + n * X:] = 0
-                    else:
-                        dst = np.zeros(groups * 8, np.uint8)
-                        np.copyto(dst[:n * X], ids, casting="unsafe")
-                    if hi < 254 and ids.min() < 0:
-                        dst[dst == 255] = hi + 1  # the index of -1
-                    if bits < 8:
-                        body[o:] = _pack_bits(dst, bits)
-                u, c = self._page(write, _PAGE_DATA, body, [(1, _T_I32, n * X), (2, _T_I32, _ENC_RLE_DICT),
-                                                            (3, _T_I32, _ENC_RLE), (4, _T_I32, _ENC_RLE)])
-                sizes["uncompressed"] += u
-                sizes["compressed"] += c
-                sizes["pages"] += 1
-                sizes["num_values"] += n * X
-        return sizes
-
-
-class _RoutingPartFile:
-    """One routing part being written under its temporary name: row groups in, a Parquet file out.
-
-    ``write_row_group(narrow, ids_list)`` appends one row group; ``close()`` writes the footer. A failed write
-    (disk full) raises ``OSError`` or ``pa.ArrowException``, as ``pq.ParquetWriter`` does.
-    """
-
-    def __init__(self, path: Path, schema: pa.Schema, *, compression: str | None) -> None:
-        self.schema = schema
-        self.X = schema.field("experts").type.list_size
-        self.options = dict(compression=compression, write_statistics=["request_id", "position"])
-        # pyarrow's footer for this schema: schema elements, ARROW:schema, column orders
-        empty = self._pyarrow_file(schema.empty_table())
-        self.template = _footer(empty)
-        self.leaf_paths = [c.path for c in pq.read_metadata(pa.BufferReader(empty)).schema]
-        self.encoder: _ExpertsEncoder | None = None
-        self.row_groups: list[_Struct] = []
-        self.num_rows = 0
-        self.f = open(path, "wb")
-        try:
-            self.f.write(b"PAR1")
-        except BaseException:
-            self.f.close()
-            raise
-        self.pos = 4
-
-    def _pyarrow_file(self, table: pa.Table) -> bytes:
-        sink = pa.BufferOutputStream()
-        with pq.ParquetWriter(sink, table.schema, use_dictionary=["stage", "experts.list.element"], **self.options) as w:
-            w.write_table(table, row_group_size=max(table.num_rows, 1))
-        return sink.getvalue().to_pybytes()
-
-    def _write(self, b) -> None:
-        """Append a bytes-like object (bytes, numpy array, pa.Buffer)."""
-        self.pos += self.f.write(b)
-
-    def _copy_chunks(self, data: bytes) -> dict[str, _Struct]:
-        """Append the column chunks of the one-row-group Parquet file ``data`` to the part; their ``ColumnChunk``
-        structs by column path, with offsets moved to where the chunks now lie."""
-        (rg,) = _get(_footer(data), 4)[1]
-        chunks = {}
-        for cc in _get(rg, 1)[1]:
-            cm = _get(cc, _CC_META)
-            if _get(cm, _CM_BLOOM_OFFSET) is not None or _get(cm, _CM_INDEX_OFFSET) is not None or any(
-                    f not in (_CC_FILE_OFFSET, _CC_META) for f, _, _ in cc):
-                raise RuntimeError("pyarrow wrote page indexes, bloom filters or file paths the routing part does not copy")
-            start = min(x for x in (_get(cm, _CM_DICT_OFFSET), _get(cm, _CM_DATA_OFFSET)) if x is not None)
-            shift = self.pos - start
-            self._write(data[start:start + _get(cm, _CM_COMPRESSED)])
-            for fid in (_CM_DICT_OFFSET, _CM_DATA_OFFSET):
-                if _get(cm, fid) is not None:
-                    cm = _set(cm, fid, _T_I64, _get(cm, fid) + shift)
-            cc = _set(cc, _CC_META, _T_STRUCT, cm)
-            if _get(cc, _CC_FILE_OFFSET):
-                cc = _set(cc, _CC_FILE_OFFSET, _T_I64, _get(cc, _CC_FILE_OFFSET) + shift)
-            chunks[".".join(x.decode() for x in _get(cm, 3)[1])] = cc
-        return chunks
-
-    def write_row_group(self, narrow: pa.Table, ids_list: list[np.ndarray]) -> None:
-        """Append one row group: ``narrow`` holds every column but ``experts`` (>= 1 row), ``ids_list`` the
-        ``experts`` ids of the same rows as int16 ``[T_i, X]`` arrays."""
-        T = narrow.num_rows
-        if T == 0:
-            return
-        chunks = self._copy_chunks(self._pyarrow_file(narrow))
-        codec = _get(_get(chunks["request_id"], _CC_META), _CM_CODEC)
-        if self.encoder is None:
-            compress = _page_compressor(codec)
-            self.encoder = _ExpertsEncoder(self.X, compress) if compress is not None else None
-        plan = self.encoder.plan(ids_list) if self.encoder is not None else None
-        if plan is None:  # not covered by the vectorized encoder: pyarrow encodes the column, copied the same way
-            flat = np.concatenate([a.reshape(-1) for a in ids_list])
-            experts = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.int16()), self.X)
-            table = pa.Table.from_arrays([experts], schema=pa.schema([self.schema.field("experts")]))
-            chunks.update(self._copy_chunks(self._pyarrow_file(table)))
-        else:
-            start = self.pos
-            size = self.encoder.write(plan, self._write)
-            cm = [
-                (1, _T_I32, 1),  # physical type INT32
-                (2, _T_LIST, (_T_I32, [_ENC_PLAIN, _ENC_RLE, _ENC_RLE_DICT])),
-                (3, _T_LIST, (_T_BINARY, [b"experts", b"list", b"element"])),
-                (_CM_CODEC, _T_I32, codec),
-                (_CM_NUM_VALUES, _T_I64, size["num_values"]),
-                (_CM_UNCOMPRESSED, _T_I64, size["uncompressed"]),
-                (_CM_COMPRESSED, _T_I64, size["compressed"]),
-                (_CM_DATA_OFFSET, _T_I64, start + size["dict_size"]),
-                (_CM_DICT_OFFSET, _T_I64, start),
-                (13, _T_LIST, (_T_STRUCT, [  # encoding_stats
-                    [(1, _T_I32, _PAGE_DICT), (2, _T_I32, _ENC_PLAIN), (3, _T_I32, 1)],
-                    [(1, _T_I32, _PAGE_DATA), (2, _T_I32, _ENC_RLE_DICT), (3, _T_I32, size["pages"])],
-                ])),
-            ]
-            chunks["experts.list.element"] = [(_CC_FILE_OFFSET, _T_I64, 0), (_CC_META, _T_STRUCT, cm)]
-        ordered = [chunks[p] for p in self.leaf_paths]
-        metas = [_get(cc, _CC_META) for cc in ordered]
-        self.row_groups.append([
-            (1, _T_LIST, (_T_STRUCT, ordered)),
-            (2, _T_I64, sum(_get(m, _CM_UNCOMPRESSED) for m in metas)),
-            (3, _T_I64, T),
-            (5, _T_I64, min(_get(m, _CM_DICT_OFFSET, _get(m, _CM_DATA_OFFSET)) for m in metas)),
-            (6, _T_I64, sum(_get(m, _CM_COMPRESSED) for m in metas)),
-            (7, _T_I16, len(self.row_groups)),
-        ])
-        self.num_rows += T
-        self.f.flush()  # the row group is on disk (in the temporary file), as pq.ParquetWriter leaves it
-
-    def close(self) -> None:
-        """Write the footer and close the file (the caller fsyncs and renames it)."""
-        from moetrace import __version__
-
-        try:
-            meta = _set(self.template, 3, _T_I64, self.num_rows)
-            meta = _set(meta, 4, _T_LIST, (_T_STRUCT, self.row_groups))
-            meta = _set(meta, 6, _T_BINARY, f"moetrace version {__version__} (build parquet-cpp-arrow {pa.__version__})".encode())
-            footer = _thrift_bytes(meta)
-            self._write(footer + len(footer).to_bytes(4, "little") + b"PAR1")
-        finally:
-            self.f.close()
-
-    def abort(self) -> None:
-        """Close the file without a footer (the caller removes it)."""
-        self.f.close()

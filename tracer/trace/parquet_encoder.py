@@ -1,0 +1,773 @@
+"""Routing part files in Parquet: the fast encoder (default) and plain pyarrow (the escape hatch), one interface.
+
+What it writes. A routing part (``routing/*.parquet``, trace format v1) row group by row group. With the
+**fast** encoder (``encoder="fast"``, the default) pyarrow writes the narrow columns (``request_id``,
+``position``, ``stage``, ``weights``) of each row group into memory, their column chunks are copied into the
+part, and the ``experts`` column chunk is encoded with numpy in the encoding pyarrow itself writes: one PLAIN
+int32 dictionary page (the ids 0..max, then -1 if it occurs), then RLE_DICTIONARY data pages (about 1 Mi ids
+each, across request boundaries) with RLE (short rows: bit-packed) repetition levels, RLE definition levels
+and bit-packed indices of at most 8 bits, the same codec, and the same column metadata (size statistics
+where the installed pyarrow writes them). The footer is pyarrow's own footer for the routing schema (schema
+elements, ``ARROW:schema``, column orders) holding this file's row groups. With **pyarrow**
+(``encoder="pyarrow"`` or ``MOETRACE_PARQUET_ENCODER=pyarrow``) a plain ``pyarrow.parquet.ParquetWriter``
+writes the part. Both take the same explicit writer options (``writer_options``), so both give the same
+decoded table, the same column-metadata fields and, at real model shapes, file sizes within 1 %; where id
+255 and -1 meet in a row group the fast encoder's parts are smaller (8-bit pages and runs of -1 rows where
+pyarrow packs 9-bit indices). tests/test_writer_parquet.py checks this, also under the pyarrow floor
+(tests/test_pyarrow_floor.py); tests/test_parquet_encoder.py the choice of encoder and the fence.
+
+What it leaves out. Page indexes (ColumnIndex/OffsetIndex), Bloom filters, page checksums, statistics of
+anything but ``request_id`` and ``position``, v2 data pages, and file paths in column chunks: the options
+turn them off for both encoders, and the fast encoder refuses (``EncoderError``) a pyarrow that writes them
+anyway. Nor the copy of each chunk's column metadata that pyarrow 16 and 17 write after it (deprecated;
+``file_offset`` is 0, as pyarrow >= 18 writes it). Ids above 255, a row group where id 255 and a row mixing ``-1`` with recorded ids meet (9-bit
+indices), and codecs other than lz4, zstd, snappy and none are encoded by pyarrow (the old speed), copied
+the same way.
+
+Why it exists. pyarrow encodes the ``experts`` column at about 10 ns per id (per-value dictionary hashing,
+level encoding, bit packing), which caps the writer near 0.1 M tokens/s of the DeepSeek-V3 shape (464 ids
+per token); the fast encoder writes about 1 M tokens/s, 10-13x the tokens per CPU-second
+(docs/benchmarks.md, benchmarks/bench_writer.py).
+
+Fenced. ``routing_part_opener`` checks once, when a writer opens and before anything is written, that the
+fast encoder writes what the installed pyarrow writes for a small probe (same column-chunk and
+column-metadata fields, same encodings, codec, size statistics, same decoded table); anything else it
+cannot handle later is an ``EncoderError`` whose message names the escape hatch.
+
+Shape legend (docs/architecture.md): T tokens, X = L*K ids per token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO, Literal, NamedTuple, Protocol, TypeAlias
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moetrace.errors import ConfigError, EncoderError
+
+Encoder = Literal["fast", "pyarrow"]
+ENCODERS: tuple[Encoder, ...] = ("fast", "pyarrow")
+#: the environment variable that picks the encoder when the writer is not told
+ENCODER_ENV = "MOETRACE_PARQUET_ENCODER"
+ESCAPE_HATCH = f"set {ENCODER_ENV}=pyarrow to write through plain pyarrow (slower, same trace format)"
+
+#: routing columns that are dictionary-encoded, and the only ones with statistics (Parquet column paths)
+ROUTING_DICTIONARY = ["stage", "experts.list.element"]
+ROUTING_STATISTICS = ["request_id", "position"]
+
+
+def resolve_encoder(encoder: str | None = None) -> Encoder:
+    """The encoder a writer uses: ``encoder`` when given, else ``$MOETRACE_PARQUET_ENCODER``, else ``"fast"``.
+
+    An unknown name (argument or environment) is a ``ConfigError``."""
+    if encoder is None:
+        value = os.environ.get(ENCODER_ENV, "")
+        if value == "":
+            return "fast"
+        where = f"{ENCODER_ENV}={value!r}"
+    else:
+        value, where = encoder, f"encoder={encoder!r}"
+    for name in ENCODERS:
+        if value == name:
+            return name
+    raise ConfigError(f"{where} names no Parquet encoder; use one of {', '.join(ENCODERS)}")
+
+
+def writer_options(compression: str | None, *, use_dictionary: bool | Sequence[str],
+                   write_statistics: bool | Sequence[str]) -> dict[str, Any]:
+    """Keyword arguments of ``pq.ParquetWriter``/``pq.write_table``: every option that shapes the file, stated
+    explicitly so a new pyarrow release with other defaults writes the same files. ``compression``: a Parquet
+    codec name, or None for none."""
+    options: dict[str, Any] = dict(
+        version="2.6",  # Parquet logical types (pyarrow's default since 13)
+        compression=compression,
+        use_dictionary=list(use_dictionary) if not isinstance(use_dictionary, bool) else use_dictionary,
+        write_statistics=list(write_statistics) if not isinstance(write_statistics, bool) else write_statistics,
+        data_page_version="1.0",  # the fast encoder writes v1 data pages
+        data_page_size=1 << 20,  # bytes per data page; the fast encoder's pages hold 1 Mi ids (_PAGE_IDS)
+        write_page_index=False,  # no ColumnIndex/OffsetIndex: the fast encoder copies column chunks, not page indexes
+        write_page_checksum=False,  # no page CRCs: the fast encoder's page headers carry none
+        use_compliant_nested_type=True,  # the list's leaf is experts.list.element
+        store_schema=True,  # ARROW:schema in the footer: readers get fixed_size_list<int16> back
+        use_byte_stream_split=False,
+    )
+    # Bloom filters: pyarrow writes them only from 24 on, and only when `bloom_filter_options` asks; older
+    # releases reject the keyword (ParquetWriter passes unknown options on and fails), so it is passed exactly
+    # where it exists, as None (no filter)
+    if _pyarrow_major() >= 24:
+        options["bloom_filter_options"] = None
+    return options
+
+
+def _pyarrow_major() -> int:
+    return int(pa.__version__.split(".")[0])
+
+
+class RoutingPart(Protocol):
+    """One routing part being written under its temporary name: row groups in, a Parquet file out.
+
+    A failed write (disk full) raises ``OSError`` or ``pa.ArrowException``, as ``pq.ParquetWriter`` does; what
+    the fast encoder cannot write raises ``EncoderError``."""
+
+    def write_row_group(self, narrow: pa.Table, ids_list: list[np.ndarray]) -> None:
+        """Append one row group: ``narrow`` holds every column but ``experts``, ``ids_list`` the ``experts`` ids
+        of the same rows as C-contiguous int16 ``[T_i, X]`` arrays, in row order."""
+
+    def close(self) -> None:
+        """Write the footer and close the file (the caller fsyncs and renames it)."""
+
+    def abort(self) -> None:
+        """Close the file, footer or not (the caller removes it)."""
+
+
+def routing_part_opener(schema: pa.Schema, *, compression: str | None,
+                        encoder: Encoder) -> Callable[[Path], RoutingPart]:
+    """``open(path) -> RoutingPart`` for parts of ``schema`` (the routing schema) written by ``encoder``.
+
+    For the fast encoder this checks, once, that it writes what the installed pyarrow writes for a probe
+    (``EncoderError`` if not, before any file is opened). ``compression``: a codec pyarrow knows, or None."""
+    if compression is not None and not pa.Codec.is_available(compression):
+        raise ConfigError(f"compression {compression!r} is not a Parquet codec this pyarrow has "
+                          "(lz4, zstd, snappy, gzip, brotli or none)")
+    options = writer_options(compression, use_dictionary=ROUTING_DICTIONARY, write_statistics=ROUTING_STATISTICS)
+    if encoder == "pyarrow":
+        return lambda path: _PyarrowPart(path, schema, options)
+    setup = _FastSetup(schema, options)
+    setup.check_against_pyarrow()
+
+    def open_fast(path: Path) -> RoutingPart:
+        f = open(path, "wb")
+        try:
+            return _FastPart(f, setup)
+        except BaseException:
+            f.close()
+            raise
+
+    return open_fast
+
+
+def _experts_array(ids_list: list[np.ndarray], schema: pa.Schema) -> pa.ChunkedArray:
+    """The ``experts`` column of ``schema`` for the rows ``ids_list`` (int16 ``[T_i, X]`` arrays), one chunk per
+    array: pyarrow builds a chunk's levels and indices at once, so the chunks as added bound its memory."""
+    t = schema.field("experts").type
+    return pa.chunked_array([pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1), type=pa.int16()), type=t)
+                             for a in ids_list], type=t)
+
+
+def _with_experts(narrow: pa.Table, ids_list: list[np.ndarray], schema: pa.Schema) -> pa.Table:
+    """The whole routing table: ``narrow``'s columns with ``experts`` in its place of ``schema``."""
+    experts = _experts_array(ids_list, schema)
+    cols = [experts if f.name == "experts" else narrow.column(f.name) for f in schema]
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+class _PyarrowPart:
+    """The escape hatch: a plain ``pq.ParquetWriter`` with the explicit options, one row group per call."""
+
+    def __init__(self, path: Path, schema: pa.Schema, options: dict[str, Any]) -> None:
+        self.schema = schema
+        self.writer = pq.ParquetWriter(path, schema, **options)
+
+    def write_row_group(self, narrow: pa.Table, ids_list: list[np.ndarray]) -> None:
+        if narrow.num_rows:
+            self.writer.write_table(_with_experts(narrow, ids_list, self.schema), row_group_size=narrow.num_rows)
+
+    def close(self) -> None:
+        self.writer.close()
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError, pa.ArrowException):  # the part is being removed: its footer is moot
+            self.writer.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The fast encoder.
+
+
+class _FastSetup:
+    """What every fast part of one writer shares: pyarrow's options, footer template and codec for ``schema``."""
+
+    def __init__(self, schema: pa.Schema, options: dict[str, Any]) -> None:
+        self.schema = schema
+        self.options = options
+        self.X = schema.field("experts").type.list_size
+        # pyarrow's footer for this schema: schema elements, ARROW:schema, column orders
+        empty = self.pyarrow_file(schema.empty_table())
+        self.template = _footer(empty)
+        self.leaf_paths = [c.path for c in pq.read_metadata(pa.BufferReader(empty)).schema]
+        experts_paths = [p for p in self.leaf_paths if p.split(".")[0] == "experts"]
+        if len(experts_paths) != 1:
+            raise EncoderError(f"pyarrow {pa.__version__} lays the experts column out as {experts_paths}, not one "
+                               f"leaf column; {ESCAPE_HATCH}")
+        self.experts_path = experts_paths[0]
+        # what pyarrow writes for a small probe: the codec id, and whether column metadata carry size statistics
+        self.probe = _probe_table(schema)
+        self.reference = self.pyarrow_file(self.probe)
+        ref_rg = _row_groups(_footer(self.reference))[0]
+        ref_cm = _get(_chunk_of(ref_rg, self.experts_path), _CC_META)
+        self.codec: int = _get(ref_cm, _CM_CODEC)
+        self.size_statistics = _get(ref_cm, _CM_SIZE_STATS) is not None
+        self.row_group_ordinal = _get(ref_rg, _RG_ORDINAL) is not None
+        compress = _page_compressor(self.codec)
+        self.encoder = _ExpertsEncoder(self.X, compress) if compress is not None else None
+
+    def pyarrow_file(self, table: pa.Table) -> bytes:
+        """``table`` written by pyarrow with the options, as one row group, in memory."""
+        sink = pa.BufferOutputStream()
+        with pq.ParquetWriter(sink, table.schema, **self.options) as w:
+            w.write_table(table, row_group_size=max(table.num_rows, 1))
+        return sink.getvalue().to_pybytes()
+
+    def check_against_pyarrow(self) -> None:
+        """Raise ``EncoderError`` unless the fast encoder writes the probe as pyarrow does: the same column-chunk
+        and column-metadata fields, encodings, codec, size statistics and row-group fields, the same table."""
+        buf = io.BytesIO()
+        part = _FastPart(buf, self)
+        part.write_row_group(self.probe.drop_columns(["experts"]), [_probe_ids(self.X)])
+        part.close_footer()
+        data = buf.getvalue()
+        ours, ref = _row_groups(_footer(data))[0], _row_groups(_footer(self.reference))[0]
+        problems = []
+        if {f for f, _, _ in ours} != {f for f, _, _ in ref}:
+            problems.append(f"row-group fields {_ids(ours)} vs {_ids(ref)}")
+        for path in self.leaf_paths:
+            cc, rcc = _chunk_of(ours, path), _chunk_of(ref, path)
+            if _ids(cc) != _ids(rcc):
+                problems.append(f"{path}: column-chunk fields {_ids(cc)} vs {_ids(rcc)}")
+            cm, rcm = _get(cc, _CC_META), _get(rcc, _CC_META)
+            if _ids(cm) != _ids(rcm):
+                problems.append(f"{path}: column-metadata fields {_ids(cm)} vs {_ids(rcm)}")
+            for fid, _, v in rcm:
+                if fid in _CM_LAYOUT_FIELDS:
+                    continue
+                mine = _get(cm, fid)
+                if fid in (_CM_ENCODINGS, _CM_ENCODING_STATS):
+                    mine, v = sorted(map(repr, mine[1])) if mine else None, sorted(map(repr, v[1]))
+                if mine != v:
+                    problems.append(f"{path}: column-metadata field {fid} is {repr(mine)[:60]}, pyarrow writes "
+                                    f"{repr(v)[:60]}")
+        if not problems and not pq.read_table(pa.BufferReader(data)).equals(pq.read_table(pa.BufferReader(self.reference))):
+            problems.append("the decoded tables differ")
+        if problems:
+            raise EncoderError(f"the fast Parquet encoder does not write what pyarrow {pa.__version__} writes for a "
+                               f"routing part ({'; '.join(problems[:3])}); {ESCAPE_HATCH}")
+
+
+def _probe_ids(X: int) -> np.ndarray:
+    """int16 [4, X]: recorded ids 0..2, a row of -1 (not recorded), one more recorded row."""
+    ids = (np.arange(4 * X, dtype=np.int16) % 3).reshape(4, X)
+    ids[2] = -1
+    return ids
+
+
+def _probe_table(schema: pa.Schema) -> pa.Table:
+    """A 4-row routing table of ``schema``: the rows the fast encoder is checked on."""
+    T, X = 4, schema.field("experts").type.list_size
+    cols = {
+        "request_id": pa.array(np.zeros(T, np.int64)),
+        "position": pa.array(np.arange(T, dtype=np.int32)),
+        "stage": pa.array(["prefill", "prefill", "decode", "decode"]),
+        "experts": _experts_array([_probe_ids(X)], schema),
+    }
+    if "weights" in schema.names:
+        w = pa.array(np.linspace(0, 1, T * X, dtype=np.float32))
+        cols["weights"] = pa.FixedSizeListArray.from_arrays(w, X)
+    return pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)
+
+
+class _FastPart:
+    """A routing part written by the fast encoder into the open binary file ``f`` (it closes it)."""
+
+    def __init__(self, f: BinaryIO, setup: _FastSetup) -> None:
+        self.setup = setup
+        self.f = f
+        self.row_groups: list[_Struct] = []
+        self.num_rows = 0
+        self.f.write(b"PAR1")
+        self.pos = 4
+
+    def _write(self, b: _Bytes) -> None:
+        """Append a bytes-like object."""
+        self.pos += self.f.write(b)
+
+    def _copy_chunks(self, data: bytes) -> dict[str, _Struct]:
+        """Append the column chunks of the one-row-group Parquet file ``data`` to the part; their ``ColumnChunk``
+        structs by column path, with offsets moved to where the chunks now lie."""
+        (rg,) = _row_groups(_footer(data))
+        chunks = {}
+        for cc in _get(rg, 1)[1]:
+            cm = _get(cc, _CC_META)
+            path = ".".join(x.decode() for x in _get(cm, _CM_PATH)[1])
+            extra = [f for f, _, _ in cc if f not in (_CC_FILE_OFFSET, _CC_META)] + [
+                f for f in (_CM_INDEX_OFFSET, _CM_BLOOM_OFFSET, _CM_BLOOM_LENGTH) if _get(cm, f) is not None]
+            if extra:
+                raise EncoderError(
+                    f"pyarrow {pa.__version__} wrote page indexes, Bloom filters or file paths (Thrift fields {extra} "
+                    f"of column {path}) that the fast Parquet encoder does not copy; {ESCAPE_HATCH}")
+            start = min(x for x in (_get(cm, _CM_DICT_OFFSET), _get(cm, _CM_DATA_OFFSET)) if x is not None)
+            shift = self.pos - start
+            self._write(data[start:start + _get(cm, _CM_COMPRESSED)])
+            for fid in (_CM_DICT_OFFSET, _CM_DATA_OFFSET):
+                if _get(cm, fid) is not None:
+                    cm = _set(cm, fid, _T_I64, _get(cm, fid) + shift)
+            # file_offset 0, as pyarrow >= 18 writes it: pyarrow 16 and 17 point it at a copy of the column
+            # metadata after the chunk (deprecated in Parquet), which is not copied
+            cc = _set(_set(cc, _CC_META, _T_STRUCT, cm), _CC_FILE_OFFSET, _T_I64, 0)
+            chunks[path] = cc
+        return chunks
+
+    def write_row_group(self, narrow: pa.Table, ids_list: list[np.ndarray]) -> None:
+        """Append one row group (see ``RoutingPart``)."""
+        setup = self.setup
+        T = narrow.num_rows
+        if T == 0:
+            return
+        chunks = self._copy_chunks(setup.pyarrow_file(narrow))
+        plan = setup.encoder.plan(ids_list) if setup.encoder is not None else None
+        if setup.encoder is None or plan is None:
+            # not covered by the vectorized encoder: pyarrow encodes the column, copied the same way
+            experts = pa.Table.from_arrays([_experts_array(ids_list, setup.schema)],
+                                           schema=pa.schema([setup.schema.field("experts")]))
+            chunks.update(self._copy_chunks(setup.pyarrow_file(experts)))
+        else:
+            start = self.pos
+            size = setup.encoder.write(plan, self._write)
+            cm: _Struct = [
+                (1, _T_I32, 1),  # physical type INT32
+                (_CM_ENCODINGS, _T_LIST, (_T_I32, [_ENC_PLAIN, _ENC_RLE, _ENC_RLE_DICT])),
+                (_CM_PATH, _T_LIST, (_T_BINARY, [x.encode() for x in setup.experts_path.split(".")])),
+                (_CM_CODEC, _T_I32, setup.codec),
+                (_CM_NUM_VALUES, _T_I64, size["num_values"]),
+                (_CM_UNCOMPRESSED, _T_I64, size["uncompressed"]),
+                (_CM_COMPRESSED, _T_I64, size["compressed"]),
+                (_CM_DATA_OFFSET, _T_I64, start + size["dict_size"]),
+                (_CM_DICT_OFFSET, _T_I64, start),
+                (_CM_ENCODING_STATS, _T_LIST, (_T_STRUCT, [
+                    [(1, _T_I32, _PAGE_DICT), (2, _T_I32, _ENC_PLAIN), (3, _T_I32, 1)],
+                    [(1, _T_I32, _PAGE_DATA), (2, _T_I32, _ENC_RLE_DICT), (3, _T_I32, size["pages"])],
+                ])),
+            ]
+            if setup.size_statistics:  # level histograms: every row one level-0 and X-1 level-1 repetitions, no nulls
+                X = setup.X
+                cm.append((_CM_SIZE_STATS, _T_STRUCT, [(2, _T_LIST, (_T_I64, [T, T * (X - 1)])),
+                                                       (3, _T_LIST, (_T_I64, [0, T * X]))]))
+            chunks[setup.experts_path] = [(_CC_FILE_OFFSET, _T_I64, 0), (_CC_META, _T_STRUCT, cm)]
+        ordered = [chunks[p] for p in setup.leaf_paths]
+        metas = [_get(cc, _CC_META) for cc in ordered]
+        rg = [
+            (1, _T_LIST, (_T_STRUCT, ordered)),
+            (2, _T_I64, sum(_get(m, _CM_UNCOMPRESSED) for m in metas)),
+            (3, _T_I64, T),
+            (5, _T_I64, min(_get(m, _CM_DICT_OFFSET, _get(m, _CM_DATA_OFFSET)) for m in metas)),
+            (6, _T_I64, sum(_get(m, _CM_COMPRESSED) for m in metas)),
+        ]
+        if setup.row_group_ordinal:
+            rg.append((_RG_ORDINAL, _T_I16, len(self.row_groups)))
+        self.row_groups.append(rg)
+        self.num_rows += T
+        self.f.flush()  # the row group is on disk (in the temporary file), as pq.ParquetWriter leaves it
+
+    def close_footer(self) -> None:
+        """Write the footer (the file stays open)."""
+        from moetrace import __version__
+
+        meta = _set(self.setup.template, 3, _T_I64, self.num_rows)
+        meta = _set(meta, 4, _T_LIST, (_T_STRUCT, self.row_groups))
+        meta = _set(meta, 6, _T_BINARY, f"moetrace version {__version__} (build parquet-cpp-arrow {pa.__version__})".encode())
+        footer = _thrift_bytes(meta)
+        self._write(footer + len(footer).to_bytes(4, "little") + b"PAR1")
+
+    def close(self) -> None:
+        try:
+            self.close_footer()
+        finally:
+            self.f.close()
+
+    def abort(self) -> None:
+        self.f.close()
+
+
+#: what the encoder writes: page headers (bytes), page bodies (numpy's memoryview), compressed bodies (pa.Buffer)
+_Bytes: TypeAlias = "bytes | memoryview | pa.Buffer"
+#: indices per data page of the vectorized encoder (pyarrow's default data page holds ~1 MiB)
+_PAGE_IDS = 1 << 20
+
+# Parquet enums used below (parquet.thrift)
+_PAGE_DATA, _PAGE_DICT = 0, 2
+_ENC_PLAIN, _ENC_RLE, _ENC_RLE_DICT = 0, 3, 8
+_CODEC_NONE, _CODEC_SNAPPY, _CODEC_LZ4_HADOOP, _CODEC_ZSTD, _CODEC_LZ4_RAW = 0, 1, 5, 6, 7
+# RowGroup, ColumnChunk and ColumnMetaData field ids
+_RG_ORDINAL = 7
+_CC_FILE_OFFSET, _CC_META = 2, 3
+_CM_ENCODINGS, _CM_PATH, _CM_CODEC, _CM_NUM_VALUES, _CM_UNCOMPRESSED, _CM_COMPRESSED = 2, 3, 4, 5, 6, 7
+_CM_DATA_OFFSET, _CM_INDEX_OFFSET, _CM_DICT_OFFSET, _CM_ENCODING_STATS = 9, 10, 11, 13
+_CM_BLOOM_OFFSET, _CM_BLOOM_LENGTH, _CM_SIZE_STATS = 14, 15, 16
+#: ColumnMetaData fields that differ between two encodings of the same rows (sizes, offsets)
+_CM_LAYOUT_FIELDS = (_CM_UNCOMPRESSED, _CM_COMPRESSED, _CM_DATA_OFFSET, _CM_INDEX_OFFSET, _CM_DICT_OFFSET)
+
+
+def _row_groups(footer: _Struct) -> list[_Struct]:
+    return _get(footer, 4, (None, []))[1]
+
+
+def _chunk_of(rg: _Struct, path: str) -> _Struct:
+    """The ``ColumnChunk`` of the leaf column ``path`` (``experts.list.element``) in row group ``rg``."""
+    for cc in _get(rg, 1)[1]:
+        if ".".join(x.decode() for x in _get(_get(cc, _CC_META), _CM_PATH)[1]) == path:
+            return cc
+    raise EncoderError(f"pyarrow {pa.__version__} wrote no column chunk {path}; {ESCAPE_HATCH}")
+
+
+def _ids(fields: _Struct) -> list[int]:
+    return sorted(f for f, _, _ in fields)
+
+
+def _page_compressor(codec: int) -> Callable[[np.ndarray], list[_Bytes]] | None:
+    """For a Parquet codec id: ``body (uint8 array) -> list of byte chunks`` (the compressed page body), or None
+    where the vectorized encoder does not support the codec."""
+    if codec == _CODEC_NONE:
+        return lambda body: [body.data]
+    if codec == _CODEC_LZ4_HADOOP:  # Hadoop framing: big-endian raw size and compressed size, then an LZ4 block
+        lz4 = pa.Codec("lz4_raw")
+
+        def framed(body: np.ndarray) -> list[_Bytes]:
+            c = lz4.compress(body)
+            return [body.size.to_bytes(4, "big") + c.size.to_bytes(4, "big"), c]
+
+        return framed
+    names = {_CODEC_SNAPPY: "snappy", _CODEC_ZSTD: "zstd", _CODEC_LZ4_RAW: "lz4_raw"}
+    if codec in names:
+        c = pa.Codec(names[codec])
+        return lambda body: [c.compress(body)]
+    return None
+
+
+def _rle_run(count: int, value: int, width_bytes: int) -> bytes:
+    """One run of the RLE/bit-packed hybrid: ``count`` copies of ``value``."""
+    return _varint(count << 1) + value.to_bytes(width_bytes, "little")
+
+
+def _pack_bits(idx: np.ndarray, width: int) -> np.ndarray:
+    """Bit-pack ``idx`` (uint8 ``[8 * G]``, each < 2**width, ``width`` in 1..7) least significant bit first:
+    every 8 values become ``width`` bytes; uint8 ``[G * width]``."""
+    v = idx.reshape(-1, 8).T.astype(np.uint64)
+    word = v[0].copy()
+    for i in range(1, 8):
+        word |= v[i] << np.uint64(width * i)
+    return word.view(np.uint8).reshape(-1, 8)[:, :width].reshape(-1)
+
+
+class _Plan(NamedTuple):
+    """How the vectorized encoder writes one row group's ``experts`` chunk."""
+
+    hi: int  # the largest id (-1 if none): the dictionary holds ids 0..hi
+    neg: bool  # -1 occurs: the dictionary ends with -1, index hi + 1
+    width: int  # bits of a dictionary index (at most 8 are packed; see _ExpertsEncoder)
+    runs: list[tuple[list[np.ndarray], bool]]  # consecutive row blocks (int16 [n_i, X]) and whether all are -1
+
+
+def _pages(blocks: list[np.ndarray], rows_per_page: int) -> list[list[np.ndarray]]:
+    """Consecutive row blocks (int16 ``[n_i, X]``) cut into pages of ``rows_per_page`` rows (the last one
+    shorter), each page the list of its row-block views."""
+    pages: list[list[np.ndarray]] = []
+    page: list[np.ndarray] = []
+    n = 0
+    for a in blocks:
+        s = 0
+        while s < a.shape[0]:
+            take = min(rows_per_page - n, a.shape[0] - s)
+            page.append(a[s:s + take])
+            n, s = n + take, s + take
+            if n == rows_per_page:
+                pages.append(page)
+                page, n = [], 0
+    if page:
+        pages.append(page)
+    return pages
+
+
+class _ExpertsEncoder:
+    """Encode the ``experts`` column chunk (int16 ``[T, X]``) in pyarrow's encoding, vectorized with numpy.
+
+    The dictionary page holds ids ``0..hi`` then, if it occurs, ``-1`` (``hi``: the largest id of the row group,
+    at most 255), PLAIN int32. Data pages (about 1 Mi ids each, whole rows, across the row blocks it is given)
+    hold repetition levels (one 0 then X-1 ones per row: RLE runs, or for short rows one bit-packed run), one
+    RLE run of definition level 1, and the
+    dictionary indices as one bit-packed run of as many bits as the largest index needs (an index is the id
+    itself, -1's is ``hi + 1``), as pyarrow packs them. When id 255 and -1 both occur (257 entries), rows
+    without -1 are 8-bit pages and rows of only -1 are RLE pages of index 256; a row mixing both, an id above
+    255 or below -1 is not covered (``plan`` returns None).
+    """
+
+    def __init__(self, X: int, compress: Callable[[np.ndarray], list[_Bytes]]) -> None:
+        self.X = X
+        self.compress = compress
+        self.rows_per_page = max(1, _PAGE_IDS // X)
+        # repetition levels of one row: a run of one 0 then X-1 ones (bit width 1)
+        self.rep_row = np.frombuffer(_rle_run(1, 0, 1) + (_rle_run(X - 1, 1, 1) if X > 1 else b""), np.uint8)
+
+    def _rep_levels(self, n: int) -> bytes | None:
+        """The repetition levels of ``n`` rows as one run where that is shorter than a pair of RLE runs per
+        row (``rep_row``, written by the caller: None): all zeros for X = 1, else one bit-packed run (a 0 then
+        X-1 ones per row, least significant bit first), which is shorter for short rows, as pyarrow chooses."""
+        X = self.X
+        if X == 1:
+            return _rle_run(n, 0, 1)
+        groups = -(-n * X // 8)
+        head = _varint(groups << 1 | 1)
+        if len(head) + groups >= n * self.rep_row.size:
+            return None
+        levels = np.ones(groups * 8, np.uint8)
+        levels[:n * X:X] = 0
+        levels[n * X:] = 0
+        return head + np.packbits(levels, bitorder="little").tobytes()
+
+    def plan(self, ids_list: list[np.ndarray]) -> _Plan | None:
+        """The plan for the row group ``ids_list`` (C-contiguous int16 ``[T_i, X]`` arrays in row order), or
+        None if not covered."""
+        row_min = [a.min(axis=1) for a in ids_list]  # int16 [T_i]: the smallest id of every row
+        lo = min((int(m.min()) for m in row_min if m.size), default=0)
+        hi = max((int(a.max()) for a in ids_list if a.size), default=0)
+        if lo < -1 or hi > 255:
+            return None
+        hi, neg = max(hi, -1), lo < 0
+        width = max(1, (hi + neg).bit_length())  # indices 0..hi, and hi+1 for -1
+        if width <= 8 or not neg:
+            return _Plan(hi, neg, width, [(list(ids_list), False)])
+        runs: list[tuple[list[np.ndarray], bool]] = []
+        for ids_TX, m in zip(ids_list, row_min):
+            neg_T = m < 0
+            if neg_T.any() and (ids_TX[neg_T].max(axis=1) >= 0).any():
+                return None  # a row mixes -1 and recorded ids: index 256 would need 9-bit packed pages
+            bounds = np.concatenate([[0], np.flatnonzero(np.diff(neg_T.view(np.int8))) + 1, [neg_T.size]]).tolist()
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                if b > a:
+                    if runs and runs[-1][1] == bool(neg_T[a]):
+                        runs[-1][0].append(ids_TX[a:b])
+                    else:
+                        runs.append(([ids_TX[a:b]], bool(neg_T[a])))
+        return _Plan(hi, neg, width, runs)
+
+    def _page(self, write: Callable[[_Bytes], None], page_type: int, body: np.ndarray,
+              sub_header: _Struct) -> tuple[int, int]:
+        """Write one page (header, compressed body); returns (uncompressed, compressed) bytes with the header."""
+        chunks = self.compress(body)
+        size = sum(c.size if isinstance(c, pa.Buffer) else c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks)
+        header = _thrift_bytes([(1, _T_I32, page_type), (2, _T_I32, body.nbytes), (3, _T_I32, size),
+                                (5 if page_type == _PAGE_DATA else 7, _T_STRUCT, sub_header)])
+        write(header)
+        for c in chunks:
+            write(c)
+        return len(header) + body.nbytes, len(header) + size
+
+    def write(self, plan: _Plan, write: Callable[[_Bytes], None]) -> dict[str, int]:
+        """Write the chunk of ``plan`` through ``write(bytes-like)``; returns its sizes and page count."""
+        hi, neg, width, runs = plan
+        X = self.X
+        dictionary = np.concatenate([np.arange(hi + 1, dtype="<i4"), np.array([-1] if neg else [], "<i4")])
+        dict_u, dict_c = self._page(write, _PAGE_DICT, dictionary.view(np.uint8),
+                                    [(1, _T_I32, dictionary.size), (2, _T_I32, _ENC_PLAIN)])
+        sizes = {"uncompressed": dict_u, "compressed": dict_c, "dict_size": dict_c, "pages": 0, "num_values": 0}
+        for blocks, all_neg in runs:
+            for page in _pages(blocks, self.rows_per_page):
+                n = sum(a.shape[0] for a in page)
+                rep = self._rep_levels(n)
+                rep_size = len(rep) if rep is not None else n * self.rep_row.size
+                dfn = _rle_run(n * X, 1, 1)
+                if all_neg:
+                    values = np.frombuffer(b"\x09" + _rle_run(n * X, hi + 2 - 1, 2), np.uint8)
+                    w = values.size
+                else:
+                    bits = min(width, 8)
+                    groups = -(-n * X // 8)
+                    vhead = bytes([bits]) + _varint(groups << 1 | 1)
+                    w = len(vhead) + groups * bits
+                body = np.empty(4 + rep_size + 4 + len(dfn) + w, np.uint8)
+                body[:4] = np.frombuffer(rep_size.to_bytes(4, "little"), np.uint8)
+                o = 4
+                if rep is not None:
+                    body[o:o + rep_size] = np.frombuffer(rep, np.uint8)
+                else:
+                    body[o:o + rep_size].reshape(n, -1)[:] = self.rep_row
+                o += rep_size
+                body[o:o + 4] = np.frombuffer(len(dfn).to_bytes(4, "little"), np.uint8)
+                body[o + 4:o + 4 + len(dfn)] = np.frombuffer(dfn, np.uint8)
+                o += 4 + len(dfn)
+                if all_neg:
+                    body[o:] = values
+                else:
+                    body[o:o + len(vhead)] = np.frombuffer(vhead, np.uint8)
+                    o += len(vhead)
+                    if bits == 8:
+                        dst = body[o:o + n * X]
+                        body[o + n * X:] = 0
+                    else:
+                        dst = np.zeros(groups * 8, np.uint8)
+                    k = 0
+                    for a in page:  # int16 -> uint8: -1 wraps to 255
+                        np.copyto(dst[k:k + a.size], a.reshape(-1), casting="unsafe")
+                        k += a.size
+                    if neg and hi < 254 and min(int(a.min()) for a in page) < 0:
+                        dst[dst == 255] = hi + 1  # the index of -1
+                    if bits < 8:
+                        body[o:] = _pack_bits(dst, bits)
+                u, c = self._page(write, _PAGE_DATA, body, [(1, _T_I32, n * X), (2, _T_I32, _ENC_RLE_DICT),
+                                                            (3, _T_I32, _ENC_RLE), (4, _T_I32, _ENC_RLE)])
+                sizes["uncompressed"] += u
+                sizes["compressed"] += c
+                sizes["pages"] += 1
+                sizes["num_values"] += n * X
+        return sizes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Thrift compact protocol (the encoding of Parquet footers and page headers): type codes
+_T_TRUE, _T_FALSE, _T_BYTE, _T_I16, _T_I32, _T_I64, _T_DOUBLE, _T_BINARY, _T_LIST, _T_SET, _T_MAP, _T_STRUCT = range(1, 13)
+# a decoded struct: [(field id, type code, value)], in field order; a list value: (element type, [values])
+_Struct = list
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _zigzag(n: int) -> int:
+    return (n << 1) ^ (n >> 63)
+
+
+class _ThriftReader:
+    """Decode Thrift compact-protocol bytes (pyarrow's footers) into ``_Struct`` trees (no schema needed)."""
+
+    def __init__(self, data: bytes, pos: int = 0) -> None:
+        self.data, self.pos = data, pos
+
+    def _uvarint(self) -> int:
+        shift = result = 0
+        while True:
+            b = self.data[self.pos]
+            self.pos += 1
+            result |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return result
+            shift += 7
+
+    def _value(self, t: int) -> Any:
+        if t in (_T_I16, _T_I32, _T_I64):
+            n = self._uvarint()
+            return (n >> 1) ^ -(n & 1)
+        if t == _T_BINARY:
+            n = self._uvarint()
+            self.pos += n
+            return self.data[self.pos - n:self.pos]
+        if t == _T_STRUCT:
+            return self.struct()
+        if t in (_T_LIST, _T_SET):
+            h = self.data[self.pos]
+            self.pos += 1
+            size, et = h >> 4, h & 0x0F
+            if size == 15:
+                size = self._uvarint()
+            if et in (_T_TRUE, _T_FALSE):
+                raise EncoderError(f"pyarrow {pa.__version__} wrote a list of booleans in a Parquet footer, which the "
+                                   f"fast Parquet encoder does not read; {ESCAPE_HATCH}")
+            return (et, [self._value(et) for _ in range(size)])
+        if t == _T_BYTE:
+            self.pos += 1
+            return int.from_bytes(self.data[self.pos - 1:self.pos], "little", signed=True)
+        if t == _T_DOUBLE:
+            self.pos += 8
+            return self.data[self.pos - 8:self.pos]
+        raise EncoderError(f"pyarrow {pa.__version__} wrote Thrift type {t} in a Parquet footer, which the fast "
+                           f"Parquet encoder does not read; {ESCAPE_HATCH}")
+
+    def struct(self) -> _Struct:
+        fields: _Struct = []
+        last = 0
+        while True:
+            b = self.data[self.pos]
+            self.pos += 1
+            if b == 0:
+                return fields
+            t, delta = b & 0x0F, b >> 4
+            if delta:
+                fid = last + delta
+            else:
+                n = self._uvarint()
+                fid = (n >> 1) ^ -(n & 1)
+            last = fid
+            fields.append((fid, t, t == _T_TRUE) if t in (_T_TRUE, _T_FALSE) else (fid, t, self._value(t)))
+
+
+def _thrift_value(out: bytearray, t: int, v: Any) -> None:
+    if t in (_T_I16, _T_I32, _T_I64):
+        out += _varint(_zigzag(v))
+    elif t == _T_BINARY:
+        out += _varint(len(v))
+        out += v
+    elif t == _T_STRUCT:
+        _thrift_struct(out, v)
+    elif t in (_T_LIST, _T_SET):
+        et, items = v
+        out.append((len(items) << 4 | et) if len(items) < 15 else (0xF0 | et))
+        if len(items) >= 15:
+            out += _varint(len(items))
+        for item in items:
+            _thrift_value(out, et, item)
+    elif t == _T_BYTE:
+        out += int(v).to_bytes(1, "little", signed=True)
+    elif t == _T_DOUBLE:
+        out += v
+    else:
+        raise EncoderError(f"the fast Parquet encoder cannot write Thrift type {t}; {ESCAPE_HATCH}")
+
+
+def _thrift_struct(out: bytearray, fields: _Struct) -> None:
+    last = 0
+    for fid, t, v in fields:
+        if t in (_T_TRUE, _T_FALSE):
+            t = _T_TRUE if v else _T_FALSE
+        if 0 < fid - last <= 15:
+            out.append((fid - last) << 4 | t)
+        else:
+            out.append(t)
+            out += _varint(_zigzag(fid))
+        last = fid
+        if t not in (_T_TRUE, _T_FALSE):
+            _thrift_value(out, t, v)
+    out.append(0)
+
+
+def _thrift_bytes(fields: _Struct) -> bytes:
+    out = bytearray()
+    _thrift_struct(out, fields)
+    return bytes(out)
+
+
+def _get(fields: _Struct, fid: int, default: Any = None) -> Any:
+    return next((v for f, _, v in fields if f == fid), default)
+
+
+def _set(fields: _Struct, fid: int, t: int, v: Any) -> _Struct:
+    """``fields`` with field ``fid`` set to ``v`` (added in field order if absent)."""
+    out = [x for x in fields if x[0] != fid] + [(fid, t, v)]
+    return sorted(out, key=lambda x: x[0])
+
+
+def _footer(data: bytes) -> _Struct:
+    """The decoded ``FileMetaData`` of a whole Parquet file held in ``data``."""
+    if data[:4] != b"PAR1" or data[-4:] != b"PAR1":
+        raise EncoderError(f"pyarrow {pa.__version__} produced a Parquet buffer without PAR1 magic; {ESCAPE_HATCH}")
+    n = int.from_bytes(data[-8:-4], "little")
+    return _ThriftReader(data, len(data) - 8 - n).struct()
