@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -41,10 +41,9 @@ from moetrace._deps import require
 from moetrace.atomic import atomic_path
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.results import ANALYSIS, COUNTS, table_metadata
-from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL, STAGES
+from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL, STAGES, Stage
 from moetrace.tracer.trace.reader import Trace, open_trace
 
-Stage = Literal["prefill", "decode"]
 
 __all__ = ["RequestCounts", "count_trace", "count_arrays", "write_counts_table", "STAGES"]
 

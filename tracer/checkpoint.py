@@ -115,13 +115,15 @@ def make_checkpoint(
 def _vllm_preset(name: str) -> Preset:
     """The preset called ``name``, if vLLM serves its architecture and it has a vLLM-sized config."""
     resolved = resolve(name)  # an unknown name: ModelError naming the presets
+    p = resolved.preset
     if resolved.kind == "tiny-preset":
-        raise ModelError(f"{name}: pass the preset name ({resolved.preset.name}); make-checkpoint writes its "
+        assert p is not None  # set for every preset name
+        raise ModelError(f"{name}: pass the preset name ({p.name}); make-checkpoint writes its "
                          "vLLM-sized tiny variant (real head dims), not the -tiny dims")
     if resolved.kind != "preset":
         names = ", ".join(p.name for p in list_presets())
         raise ModelError(f"{name!r} is not a model preset; make-checkpoint takes one of: {names}")
-    p = resolved.preset
+    assert p is not None  # set for every preset name
     if p.architecture not in VLLM_ARCHITECTURES:
         raise ModelError(f"{p.name}: vLLM does not serve {p.architecture}; make-checkpoint supports "
                          f"{', '.join(VLLM_ARCHITECTURES)}")

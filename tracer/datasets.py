@@ -32,11 +32,13 @@ import zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
 from moetrace.errors import DatasetError
+
+T = TypeVar("T")
 
 BUNDLED = ("math-word", "math-competition", "code", "chat", "summarize")
 BUNDLED_ALIAS = "bundled"
@@ -244,7 +246,7 @@ def _hub_rows(spec: HubDataset) -> list[dict[str, Any]]:
 
 
 def _bundled_texts(name: str) -> list[str]:
-    f = resources.files("moetrace.data").joinpath("prompts", f"{name}.jsonl")
+    f = resources.files("moetrace.data") / "prompts" / f"{name}.jsonl"  # one part per joinpath on 3.10
     rows = [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
     return extract_prompts(rows, spec=None, field="prompt", where=f"bundled set {name!r}")
 
@@ -267,6 +269,7 @@ def resolve_source(source: str, *, prompt_field: str | None) -> tuple[str, list[
     if source in HUB:
         return source, extract_prompts(_hub_rows(HUB[source]), spec=HUB[source], field=None,
                                        where=f"{source} ({HUB[source].hub_id})")
+    name: str | None
     name, sep, path_str = source.partition("=")
     if sep:
         if name not in HUB:
@@ -304,9 +307,9 @@ def sample_order(num_items: int, *, label: str, seed: int) -> np.ndarray:
     return rng.permutation(num_items)
 
 
-def interleave(groups: Sequence[Sequence[Any]]) -> list[Any]:
+def interleave(groups: Sequence[Sequence[T]]) -> list[T]:
     """Round robin over groups: first item of each, then second of each, ... (exhausted groups drop out)."""
-    out = []
+    out: list[T] = []
     for i in range(max((len(g) for g in groups), default=0)):
         out.extend(g[i] for g in groups if i < len(g))
     return out

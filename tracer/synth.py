@@ -253,7 +253,7 @@ def load_calibration(name: str) -> SynthKnobs:
     names = list_calibrations()
     if name not in names:
         raise ConfigError(f"unknown synth calibration {name!r}; presets: {', '.join(names)}")
-    d = json.loads(resources.files("moetrace.data").joinpath("synth", f"{name}.json").read_text())
+    d = json.loads((resources.files("moetrace.data") / "synth" / f"{name}.json").read_text())
     return SynthKnobs.from_dict(d["knobs"])
 
 
@@ -439,6 +439,7 @@ def generate_chunk(s: _Sampler, c: int) -> Chunk:
     tab_T = ((ds_R[req_T] * 2 + decode_T) * L) * cols  # + l*cols: offset of the token's alias table at layer l
     # each request's favourite experts per layer: int16 [R, L, num_fav], flattened
     planted = plan.structure == "planted"
+    favs: np.ndarray
     if planted:
         favs = np.argpartition(rng.random((R, L, E), dtype=np.float32), num_fav - 1, axis=2)[:, :, :num_fav]
         favs = favs.astype(np.int16).reshape(-1)
@@ -508,6 +509,7 @@ def _draw(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | N
         fi = (mix.fav_T if rows is None else mix.fav_T[rows]) + fi
         np.copyto(out, mix.fav[fi], where=sel < mix.cut_fav)
     if mix.w[0] > 0:
+        assert mix.follow_KT is not None  # the follow weight is 0 at layer 0, the one layer without followers
         follow = mix.follow_KT if rows is None else mix.follow_KT[:, rows]
         slot = (h16 * np.uint32(K)) >> np.uint32(16)
         fi = slot.astype(np.intp) * n + np.arange(n)
@@ -560,6 +562,7 @@ def _accept(ch_KT: np.ndarray, nn_T: np.ndarray, candidates: np.ndarray, K: int,
         for slot in range(upto):
             new &= ch_KT[slot] != c
         if groups is not None:
+            assert bits is not None  # computed whenever groups is set
             groups.admit(c, new, bits[i])
         for slot in range(min(upto + 1, K)):
             np.copyto(ch_KT[slot], c, where=new & (nn_T == slot))
@@ -571,12 +574,14 @@ def _group_limit(model: ModelInfo, T: int) -> _GroupLimit | None:
     """The group limit of ``model``'s router for T tokens, or None when it routes without one."""
     if not model.group_limited:
         return None
-    size = model.num_experts // model.n_group
-    if model.n_group > 64 or model.topk_group * size < model.top_k:
-        raise ConfigError(f"model {model.name!r}: n_group={model.n_group}, topk_group={model.topk_group} cannot hold "
+    n_group, topk_group = model.n_group, model.topk_group
+    assert n_group is not None and topk_group is not None  # group_limited implies both are set
+    size = model.num_experts // n_group
+    if n_group > 64 or topk_group * size < model.top_k:
+        raise ConfigError(f"model {model.name!r}: n_group={n_group}, topk_group={topk_group} cannot hold "
                           f"top_k={model.top_k} experts (or more than 64 groups); fix the model's router fields")
-    mask_dtype = np.uint8 if model.n_group <= 8 else np.uint16 if model.n_group <= 16 else np.uint64
-    return _GroupLimit(size, model.topk_group, np.zeros(T, mask_dtype), np.zeros(T, np.int8))
+    mask_dtype = np.uint8 if n_group <= 8 else np.uint16 if n_group <= 16 else np.uint64
+    return _GroupLimit(size, topk_group, np.zeros(T, mask_dtype), np.zeros(T, np.int8))
 
 
 def _sample_topk(rng: np.random.Generator, s: _Sampler, mix: _Mix, ch: np.ndarray, *, K: int, E: int) -> None:
@@ -600,14 +605,15 @@ def _sample_topk(rng: np.random.Generator, s: _Sampler, mix: _Mix, ch: np.ndarra
         # under a group limit most rows lack one or two experts: smaller rounds waste fewer draws
         _accept(sub_ch, sub_nn, _draw(rng, s, mix, rows, 2 * K if groups is None else K, K), K, filled=K, groups=sub_g)
         ch[:, rows], nn[rows] = sub_ch, sub_nn
-        if groups is not None:
+        if groups is not None and sub_g is not None:  # sub_g is set exactly when groups is
             groups.put(rows, sub_g)
         rows = rows[sub_nn < K]
     if rows.size:
         _finish_exact(rng, s, mix, rows, ch, nn, K, E, groups=groups.take(rows) if groups is not None else None)
 
 
-def _finish_exact(rng, s: _Sampler, mix: _Mix, rows, ch, nn, K: int, E: int, *, groups: _GroupLimit | None = None) -> None:
+def _finish_exact(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray, ch: np.ndarray, nn: np.ndarray,
+                  K: int, E: int, *, groups: _GroupLimit | None = None) -> None:
     """Complete the remaining slots of ``rows`` by Gumbel-top-k over the dense mixture minus chosen
     experts (``groups``: the rows' group-limit state; experts of groups past the limit are skipped)."""
     n = rows.size
@@ -618,6 +624,7 @@ def _finish_exact(rng, s: _Sampler, mix: _Mix, rows, ch, nn, K: int, E: int, *, 
         fav = mix.fav[mix.fav_T[rows][:, None] + np.arange(mix.num_fav)]
         np.add.at(q, (np.repeat(ar, mix.num_fav), fav.reshape(-1)), w_fav / mix.num_fav)
     if w_aff > 0:
+        assert mix.follow_KT is not None  # the follow weight is 0 at layer 0, the one layer without followers
         fol = mix.follow_KT[:, rows].T
         np.add.at(q, (np.repeat(ar, K), fol.reshape(-1)), w_aff / K)
     sub = ch[:, rows]

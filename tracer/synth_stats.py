@@ -107,9 +107,12 @@ def next_layer_predictability(topk_ids_TLK: np.ndarray, *, E: int) -> np.ndarray
     return out
 
 
-def request_vectors(chunks: Iterable[Chunk], *, L: int, K: int, E: int, stage: int, layers: slice | None = None):
+def request_vectors(
+    chunks: Iterable[Chunk], *, L: int, K: int, E: int, stage: int, layers: slice | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``(vectors_RF, dataset_R)``: per-request per-expert counts of one stage (layers concatenated), L2-normalized."""
-    vecs, labels = [], []
+    vecs: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
     sel = np.arange(L)[layers] if layers is not None else np.arange(L)
     for ch in chunks:
         len_R = ch.prompt_tokens_R.astype(np.int64) + ch.output_tokens_R
@@ -123,9 +126,9 @@ def request_vectors(chunks: Iterable[Chunk], *, L: int, K: int, E: int, stage: i
         v = np.bincount(key[keep], minlength=len_R.size * sel.size * E).reshape(len_R.size, sel.size * E)
         vecs.append(v)
         labels.append(ch.dataset_R)
-    v = np.concatenate(vecs).astype(np.float64)
-    v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-    return v, np.concatenate(labels)
+    vectors_RF = np.concatenate(vecs).astype(np.float64)
+    vectors_RF /= np.maximum(np.linalg.norm(vectors_RF, axis=1, keepdims=True), 1e-12)
+    return vectors_RF, np.concatenate(labels)
 
 
 def cluster_separation(vectors_RF: np.ndarray, labels_R: np.ndarray) -> float:
@@ -162,13 +165,14 @@ def domain_correlation(
     """
     corr_DD = np.nanmean(dataset_correlation(counts_DSLE, stage=stage), axis=0)
     dom = [domains.get(d, d) for d in datasets]
-    same, cross = [], []
+    same: list[float] = []
+    cross: list[float] = []
     for i, j in zip(*np.triu_indices(len(datasets), k=1)):
         (same if dom[i] == dom[j] else cross).append(corr_DD[i, j])
     return {"within": _mean(same), "cross": _mean(cross), "specialisation": 1.0 - _mean(same + cross)}
 
 
-def _mean(xs: list) -> float:
+def _mean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else float("nan")
 
 

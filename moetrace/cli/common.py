@@ -11,9 +11,12 @@ import errno
 import functools
 import sys
 from pathlib import Path
-from typing import Annotated, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Annotated, Callable, Iterator, TypeVar
 
 import typer
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 from moetrace.errors import MoetraceError, TraceValidationError
 from moetrace.sizes import human_bytes  # noqa: F401  (re-exported for the command modules)
@@ -95,7 +98,7 @@ def show_progress(quiet: bool = False, *, tty: bool | None = None) -> bool:
     return stderr_is_tty() if tty is None else tty
 
 
-def _rich_bar(label: str, unit: str):
+def _rich_bar(label: str, unit: str) -> Progress:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -116,8 +119,8 @@ class ProgressBar:
     def __init__(self, label: str, unit: str, *, quiet: bool = False) -> None:
         self._label, self._unit = label, unit
         self.enabled = show_progress(quiet)
-        self._bar = None
-        self._task = None
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
@@ -126,6 +129,7 @@ class ProgressBar:
             self._bar = _rich_bar(self._label, self._unit)
             self._task = self._bar.add_task(self._label, total=max(total, 1), rate="")
             self._bar.start()
+        assert self._task is not None  # added together with the bar
         elapsed = self._bar.tasks[self._task].elapsed or 1e-9
         self._bar.update(self._task, completed=done, total=max(total, 1), rate=f"{done / elapsed:,.0f} {self._unit}/s")
         if done >= total:
@@ -165,8 +169,8 @@ class RequestProgress:
     def __init__(self, label: str, *, quiet: bool = False) -> None:
         self._label = label
         self.enabled = show_progress(quiet)
-        self._bar = None  # rich Progress, once started on a terminal
-        self._task = None
+        self._bar: Progress | None = None  # rich Progress, once started on a terminal
+        self._task: TaskID | None = None
         self._done_before = 0  # requests already done when the run started (resume)
 
     def start(self, pending: int, total: int) -> None:
@@ -180,7 +184,7 @@ class RequestProgress:
 
     def update(self, requests: int, tokens: int) -> None:
         """What this run has done so far (cumulative requests and tokens)."""
-        if self._bar is None:
+        if self._bar is None or self._task is None:
             return
         elapsed = self._bar.tasks[self._task].elapsed or 1e-9
         self._bar.update(self._task, completed=self._done_before + requests, rate=f"{tokens / elapsed:,.0f} tok/s")

@@ -109,9 +109,11 @@ def build_tiny_model(
     resolved = resolve(preset_name)
     if resolved.kind != "tiny-preset":
         raise ModelError(f"{preset_name!r} is not a -tiny preset (see `moetrace models`)")
+    preset = resolved.preset
+    assert preset is not None  # set for every preset name
     torch = require("torch", purpose="the HF transformers backend")
     transformers = require("transformers", purpose="the HF transformers backend")
-    cfg = resolved.preset.hf_config(tiny=True, engine=engine)
+    cfg = preset.hf_config(tiny=True, engine=engine)
     gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -124,7 +126,7 @@ def build_tiny_model(
     model.generation_config.pad_token_id = TINY_PAD_ID
     model.generation_config.eos_token_id = TINY_EOS_ID
     model.generation_config.bos_token_id = TINY_BOS_ID
-    return model.to(device).eval(), resolved.preset.model_info(tiny=True, engine=engine)
+    return model.to(device).eval(), preset.model_info(tiny=True, engine=engine)
 
 
 def load_model(
@@ -365,6 +367,7 @@ def _per_request_rows(per_layer: list[list[Any]], *, R: int, T: int, K: int, dty
         out_TLK = np.full((P + O, L, K), fill, dtype=pre_LRTK.dtype)
         out_TLK[:P] = pre_LRTK[:, r, T - P :, :].transpose(1, 0, 2)
         if O > 1:
+            assert dec_LRTK is not None  # two generated tokens or more: decode steps were recorded
             out_TLK[P : P + O - 1] = dec_LRTK[:, r, : O - 1, :].transpose(1, 0, 2)
         return out_TLK.reshape(P + O, L * K)
 

@@ -191,6 +191,7 @@ def model_for_vllm(resolved: ResolvedModel) -> tuple[str, ModelInfo]:
     it exists only in memory, in the HF backend.
     """
     if resolved.kind == "tiny-preset":
+        assert resolved.preset is not None  # set for every preset name
         raise ModelError(
             f"{resolved.name!r} is built in memory by the HF backend; vLLM needs a checkpoint. "
             f"Use --backend hf for {resolved.name!r}, or {resolved.preset.name!r} with --backend vllm"
@@ -351,7 +352,7 @@ class _Sink:
     encoding and commits happen here. Errors surface on the next :meth:`put` or at :meth:`close`.
     """
 
-    def __init__(self, writer: Any, *, info: ModelInfo, datasets: dict[int, str], commit_every: int,
+    def __init__(self, writer: TraceWriter, *, info: ModelInfo, datasets: dict[int, str], commit_every: int,
                  on_progress: Callable[[int, int], None] | None, prompt_texts: dict[int, str] | None,
                  layer_axis: LayerAxis = "decoder") -> None:
         self.writer, self.info, self.datasets, self.layer_axis = writer, info, datasets, layer_axis
@@ -399,15 +400,15 @@ class _Sink:
         if not done:
             return
         self.num_missing_rows += sum(int((c.topk_ids_TX[: -1] == NO_EXPERT).all(axis=1).sum()) for c in done)
-        with_text = self.writer.with_text
+        texts = self.prompt_texts if self.writer.with_text else None  # given exactly when the writer keeps text
         self.writer.add_requests(
             request_id_R=np.array([c.request_id for c in done], dtype=np.int64),
             dataset_R=[self.datasets[c.request_id] for c in done],
             prompt_tokens_R=np.array([c.prompt_tokens for c in done], dtype=np.int32),
             output_tokens_R=np.array([c.output_tokens for c in done], dtype=np.int32),
             topk_ids_TX=np.concatenate([c.topk_ids_TX for c in done]),
-            prompt_text_R=[self.prompt_texts[c.request_id] for c in done] if with_text else None,
-            output_text_R=[c.output_text for c in done] if with_text else None,
+            prompt_text_R=[texts[c.request_id] for c in done] if texts is not None else None,
+            output_text_R=[c.output_text for c in done] if texts is not None else None,
         )
         self._since_commit += len(done)
         if self._since_commit >= self.commit_every:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +45,7 @@ from moetrace.tracer.trace.checks import (
     null_problems,
     request_lengths,
     routing_schema_problems,
+    unreadable,
 )
 from moetrace.tracer.trace.layout import (
     MANIFEST,
@@ -59,6 +60,9 @@ from moetrace.tracer.trace.schema import (
     requests_schema,
     routing_schema,
 )
+
+if TYPE_CHECKING:
+    import polars as pl
 
 
 class RequestArrays(NamedTuple):
@@ -112,23 +116,26 @@ class Trace:
     def requests_files(self) -> list[Path]:
         return [self.path / REQUESTS_DIR / n for n in self.part_names()]
 
-    def requests(self) -> "pl.LazyFrame":  # noqa: F821
+    def requests(self) -> pl.LazyFrame:
         """One row per request: ``request_id, dataset, prompt_tokens, output_tokens`` (+ extras)."""
         import polars as pl
 
         files = self.requests_files()
         if not files:
-            return pl.LazyFrame(schema=pl.Schema(pl.from_arrow(requests_schema(with_text=False).empty_table()).schema))
+            empty = pl.from_arrow(requests_schema(with_text=False).empty_table())
+            assert isinstance(empty, pl.DataFrame)  # from_arrow is typed DataFrame | Series; a Table gives a DataFrame
+            return pl.LazyFrame(schema=pl.Schema(empty.schema))
         return pl.scan_parquet(files)
 
-    def routing(self) -> "pl.LazyFrame":  # noqa: F821
+    def routing(self) -> pl.LazyFrame:
         """One row per token: ``request_id, position, stage, experts`` (``Array[i16, L*K]``)."""
         import polars as pl
 
         files = self.routing_files()
         if not files:
-            empty = routing_schema(self.model.ids_per_token, with_weights=False).empty_table()
-            return pl.from_arrow(empty).lazy()
+            frame = pl.from_arrow(routing_schema(self.model.ids_per_token, with_weights=False).empty_table())
+            assert isinstance(frame, pl.DataFrame)  # from_arrow is typed DataFrame | Series; a Table gives a DataFrame
+            return frame.lazy()
         return pl.scan_parquet(files)
 
     def num_tokens(self) -> int:
@@ -188,7 +195,7 @@ class Trace:
                                       b.ids_N.astype(np.int16, copy=False).reshape(rb.num_rows, L, K), b.row_T)
             except (pa.ArrowException, OSError, KeyError) as exc:
                 raise TraceFormatError(
-                    f"{f}: cannot read this routing part ({exc}); run `moetrace validate {self.path}` for details"
+                    f"{f}: {unreadable(exc)}; run `moetrace validate {self.path}` for details"
                 ) from exc
 
     def token_arrays(self) -> TokenArrays:
@@ -205,7 +212,7 @@ def _num_rows(f: Path, trace_path: Path) -> int:
     try:
         return pq.read_metadata(f).num_rows
     except (pa.ArrowException, OSError) as exc:
-        raise TraceFormatError(f"{f}: cannot read this routing part ({exc}); run `moetrace validate {trace_path}`") from exc
+        raise TraceFormatError(f"{f}: {unreadable(exc)}; run `moetrace validate {trace_path}` for details") from exc
 
 
 def open_trace(path: str | os.PathLike, *, require_complete: bool = True) -> Trace:

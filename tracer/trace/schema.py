@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal
 
 import pyarrow as pa
 
@@ -27,10 +27,11 @@ from moetrace.errors import TraceFormatError
 FORMAT = "moetrace.trace"
 VERSION = 1
 
-STAGE_PREFILL = "prefill"
-STAGE_DECODE = "decode"
+Stage = Literal["prefill", "decode"]
+STAGE_PREFILL: Final = "prefill"
+STAGE_DECODE: Final = "decode"
 #: the stages of a request, in position order
-STAGES = (STAGE_PREFILL, STAGE_DECODE)
+STAGES: Final = (STAGE_PREFILL, STAGE_DECODE)
 
 #: the largest count (layers, experts, hidden size, ...) a manifest may state: bounds what a file can ask for
 _MAX_COUNT = 1 << 20
@@ -78,7 +79,10 @@ class ModelInfo:
             raise TraceFormatError(f"model {self.name!r}: `moe_layers` must be a list of layer indices, got {self.moe_layers!r}")
         if (self.n_group is None) != (self.topk_group is None):
             raise TraceFormatError(f"model {self.name!r}: `n_group` and `topk_group` go together (both or neither)")
-        if self.n_group is not None and (self.num_experts % self.n_group or self.topk_group > self.n_group):
+        # both set or both None (checked above)
+        if self.n_group is not None and self.topk_group is not None and (
+            self.num_experts % self.n_group or self.topk_group > self.n_group
+        ):
             raise TraceFormatError(
                 f"model {self.name!r}: n_group={self.n_group} must divide num_experts={self.num_experts} and "
                 f"topk_group={self.topk_group} must be <= n_group"
@@ -119,7 +123,7 @@ class ModelInfo:
         return {k: v for k, v in d.items() if v is not None}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelInfo":
+    def from_dict(cls, d: object) -> "ModelInfo":  # d: a manifest's `model` value, any JSON (checked here)
         if d is None:
             raise TraceFormatError("manifest has no `model` section (name, moe_layers, num_experts, top_k, ...)")
         if not isinstance(d, dict):
