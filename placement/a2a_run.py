@@ -38,18 +38,20 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal, TypedDict
 
 import numpy as np
 
 from moetrace import results as rf
 from moetrace.errors import ConfigError, MoetraceError, TraceFormatError
 from moetrace.placement import netemu
-from moetrace.placement.a2a import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
+from moetrace.placement.a2a import A2AMismatchError, Phase, check_against_simulator, rank_link_bytes, send_matrices
 from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, held_out_batches, place_strategies
 from moetrace.placement.exports import PlacementFile
+from moetrace.placement.maps import Placement
+from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.routers import NoRouter
-from moetrace.placement.simulate import simulate_volume
+from moetrace.placement.simulate import DedupUnit, simulate_volume
 
 __all__ = [
     "A2APlan", "A2ARunError", "Backend", "Network", "build_plan", "choose_backend", "first_mismatch", "format_smoke",
@@ -58,7 +60,7 @@ __all__ = [
 ]
 
 Backend = Literal["gloo", "nccl", "auto"]
-PHASES = ("dispatch", "combine")
+PHASES: tuple[Phase, Phase] = ("dispatch", "combine")
 #: bytes per value on the wire of each supported dtype
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -117,6 +119,19 @@ def placed_from_file(data: TraceData, cfg: CompareConfig, pf: PlacementFile, *, 
     return PlacedStrategy(strategy=pf.strategy, placement=pf.placement, router=pf.router, group_of_test_R=routes.group_R)
 
 
+class _Routing(TypedDict):
+    """The keyword arguments ``send_matrices`` and ``simulate_volume`` share (see ``simulate.layer_copies``)."""
+
+    placement: Placement
+    batch_T: np.ndarray
+    src_rank_T: np.ndarray
+    num_batches: int
+    num_ranks: int
+    ranks_per_node: int
+    dedup: DedupUnit
+    policy: ReplicaPolicy
+
+
 def build_plan(
     data: TraceData,
     *,
@@ -144,8 +159,9 @@ def build_plan(
     sends, intra, inter = [], [], []
     for name, ps in placed.items():
         rows, batch, src, _ = held_out_batches(data, cfg, ps.group_of_test_R)
-        kw = dict(placement=ps.placement, batch_T=batch, src_rank_T=src, num_batches=cfg.num_batches,
-                  num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node, dedup=cfg.dedup, policy=cfg.replica_policy)
+        kw = _Routing(placement=ps.placement, batch_T=batch, src_rank_T=src, num_batches=cfg.num_batches,
+                      num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node, dedup=cfg.dedup, policy=cfg.replica_policy)
+        assert data.test_topk_ids_TLK is not None  # read with test_req_T, which held_out_batches needed
         ids = data.test_topk_ids_TLK[rows]
         s_BLWW = send_matrices(ids, **kw)
         sim = simulate_volume(ids, bytes_per_token=bpt, **kw)

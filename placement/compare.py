@@ -294,6 +294,7 @@ def held_out_batches(
     per_group = max(1, cfg.batch_requests // G)
     rng = np.random.default_rng([cfg.seed, 7])
     R = len(data.is_test_R)
+    assert data.test_req_T is not None, "read the held-out tokens first (with_held_out_tokens)"
     ntok_R = np.bincount(data.test_req_T, minlength=R)
     start_R = np.zeros(R, dtype=np.int64)
     np.cumsum(ntok_R[:-1], out=start_R[1:])
@@ -423,6 +424,7 @@ def run_compare(
     candidates = bound_placements(data, cfg, placed, on_placed=step) if bounds else {}
 
     def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
+        assert data.test_topk_ids_TLK is not None  # read by with_held_out_tokens above
         rows, batch, src, empty = held_out_batches(data, cfg, ps.group_of_test_R)
         ps.extra["groups_without_routed_requests"] = empty
         if ps.group_of_test_R is not None:  # held-out requests routed to the busiest node, over an even share
@@ -505,6 +507,7 @@ def bound_placements(
     out["oracle"] = []
     for name, rg in kinds:
         perfect_R = base[name].decode_group_of_test_R
+        assert perfect_R is not None  # joint placements route by price, which also assigns by decode
         jo = joint_placement(data.decode_RLE, data.decode_RLE, init_group_R=perfect_R[test], num_groups=G, num_slots=P,
                              ranks_per_group=cfg.deployment.ranks_per_node, rows=test, router_groups=rg)
         group_R = np.zeros(len(data.is_test_R), dtype=np.int64)

@@ -58,12 +58,12 @@ def two_phase_members(usage_GLE: np.ndarray, *, num_slots: int) -> np.ndarray:
     size = np.zeros((L, G), dtype=np.int64)
     rows = np.arange(L)
     for j in range(G * E):
-        g, e = np.divmod(order[:, j], E)
-        ok = ~placed[rows, e] & (size[rows, g] < max_unique)
+        g_L, e_L = np.divmod(order[:, j], E)
+        ok = ~placed[rows, e_L] & (size[rows, g_L] < max_unique)
         r = rows[ok]
-        member[r, g[ok], e[ok]] = True
-        placed[r, e[ok]] = True
-        size[r, g[ok]] += 1
+        member[r, g_L[ok], e_L[ok]] = True
+        placed[r, e_L[ok]] = True
+        size[r, g_L[ok]] += 1
     # Phase 2: most-used missing experts fill the remaining slots (redundant replicas)
     for l in range(L):
         for g in range(G):

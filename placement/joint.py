@@ -256,6 +256,8 @@ def joint_placement(
     if len(group) != len(rows):
         raise ConfigError(f"init_group_R has {len(group)} entries for {len(rows)} requests")
     G = num_groups
+    if num_iters < 1:
+        raise ConfigError(f"num_iters must be at least 1, got {num_iters}")
     if len(group) == 0 or group.min() < 0 or group.max() >= G:
         raise ConfigError(f"init_group_R must hold nodes 0..{G - 1} for at least one training request")
     check_usage(np.zeros((G, 1, decode_RLE.shape[2])), num_slots, ranks_per_group)
@@ -277,6 +279,7 @@ def joint_placement(
         if not improved or np.array_equal(routed, group):
             break
         group, usage_GLE = routed, routed_usage
+    assert best is not None  # num_iters >= 1 and the first iterate is always kept
     obj, member, usage_GLE, price, group = best
     phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
     return JointPlacement(

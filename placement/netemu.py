@@ -129,15 +129,17 @@ def probe() -> tuple[bool, str]:
         return False, f"{NO_NETNS_ENV} is set"
     if os.geteuid() != 0:
         return False, "not root (network namespaces need CAP_NET_ADMIN)"
-    for t in ("ip", "tc"):
-        if _tool(t) is None:
-            return False, f"`{t}` (iproute2) is not installed"
+    ip = _tool("ip")
+    if ip is None:
+        return False, "`ip` (iproute2) is not installed"
+    if _tool("tc") is None:
+        return False, "`tc` (iproute2) is not installed"
     name = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(3)}-probe"
     try:
-        _run(_tool("ip"), "netns", "add", name)
+        _run(ip, "netns", "add", name)
     except NetEmuError as exc:
         return False, str(exc)
-    _run(_tool("ip"), "netns", "del", name)
+    _run(ip, "netns", "del", name)
     return True, ""
 
 
@@ -192,6 +194,8 @@ class EmulatedNodes:
 
         out = np.zeros((self.num_nodes, 2), dtype=np.int64)
         tc = _tool("tc")
+        if tc is None:  # emulated_nodes found it; gone since
+            raise NetEmuError("reading the link counters needs `tc` (iproute2)")
         for g, ns in enumerate(self.namespaces):
             for col, (where, dev) in enumerate(((ns, self.ifname), (self.hub, f"v{g}"))):
                 text = _run(tc, "-n", where, "-s", "qdisc", "show", "dev", dev)

@@ -102,6 +102,15 @@ def test_joint_placer_recovers_the_planted_blocks_from_a_poor_start():
     np.testing.assert_array_equal(members_of_placement(jp.placement, num_groups=G, num_experts=E), jp.member_LGE)
 
 
+def test_joint_placer_refuses_zero_iterations():
+    from moetrace.errors import ConfigError
+
+    prefill, decode = _block_counts(16, noise=0.15, seed=1)
+    with pytest.raises(ConfigError, match="num_iters must be at least 1"):
+        joint_placement(decode, prefill, init_group_R=np.arange(16) % G, num_groups=G, num_slots=E, ranks_per_group=2,
+                        num_iters=0)
+
+
 MODEL = ModelInfo(name="blocks", source="test", architecture="Test", num_hidden_layers=L, moe_layers=tuple(range(L)),
                   num_experts=E, top_k=K, num_shared_experts=0, hidden_size=8)
 

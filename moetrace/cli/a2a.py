@@ -104,6 +104,7 @@ def a2a_cmd(
                                   log=lambda msg: typer.echo(msg, err=True))
     if records is None:  # a torchrun rank other than 0: rank 0 reports
         return
+    assert out is not None  # required without --smoke (checked above)
     files = ar.write_a2a_results(out, plan, records, network)
     typer.echo(ar.format_summary(plan, records, network))
     typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
