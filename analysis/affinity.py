@@ -131,7 +131,7 @@ def pair_counts(
     tokens = np.zeros(L, np.int64)
     kept = 0
     for ta in trace.iter_token_arrays(batch_tokens=batch_tokens):  # checked against the manifest, row by row
-        T = ta.row_T.shape[0]
+        T = int(ta.row_T.shape[0])
         keep = np.ones(T, bool) if p >= 1 else rng.random(T) < p
         kept += int(keep.sum())
         _run(ta.topk_ids_TLK.reshape(T, L * K), keep, K, cross, co, single, tokens)

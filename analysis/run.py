@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import numpy as np
 import polars as pl
@@ -33,6 +33,9 @@ from moetrace import results as rf
 from moetrace.errors import ConfigError
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL, STAGES, stages_of
+
+if TYPE_CHECKING:
+    from moetrace.analysis.embedding import Method
 
 Analysis = Literal["imbalance", "correlation", "embedding", "classify", "affinity", "counts"]
 #: what runs when nothing is chosen (``counts``, the tidy table, is opt-in: it can be large)
@@ -51,7 +54,7 @@ class AnalyzeConfig:
     num_batches: int = 1000  # at most this many batches per scope
     embedding_max_requests: int = 4000  # subsample cap for t-SNE/UMAP (stratified by dataset)
     embedding_layer: int | None = None  # MoE-layer ordinal to embed; None = all analysed layers concatenated
-    embedding_methods: tuple[str, ...] = ("tsne", "umap")  # projections to compute
+    embedding_methods: tuple[Method, ...] = ("tsne", "umap")  # projections to compute
     classify_max_requests_per_dataset: int = 5000  # cap per dataset before the 80:20 split
     affinity_max_tokens: int = 500_000  # token sample for cross-layer affinity and co-activation
     recall_k: int | None = None  # k of prefill→decode recall@k (default the model's top-k)
@@ -117,6 +120,7 @@ def analyze(
 
     if "counts" in config.only:
         t0 = time.perf_counter()
+        assert counts is not None  # "counts" is one of needs_counts
         n = write_counts_table(counts, out / rf.COUNTS)
         files[rf.COUNTS] = "tidy non-zero token counts per request, stage, layer, expert"
         summary["counts_rows"] = n
@@ -353,11 +357,11 @@ def _run_affinity(trace, config: AnalyzeConfig, write) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------- helpers
 def _mean(s: pl.Series) -> float | None:
     v = s.fill_nan(None).mean()
-    return None if v is None else float(v)
+    return None if v is None else float(v)  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
 
 
-def _nested(df: pl.DataFrame, col: str) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
+def _nested(df: pl.DataFrame, col: str) -> dict[str, dict[str, float | None]]:
+    out: dict[str, dict[str, float | None]] = {}
     for r in df.sort("dataset", "stage").iter_rows(named=True):
         out.setdefault(r["dataset"], {})[r["stage"]] = None if r[col] is None or np.isnan(r[col]) else float(r[col])
     return out

@@ -52,7 +52,7 @@ def heatmap(z_YZ: np.ndarray, *, height: int = 460, **style: Any) -> Any:
 def heatmaps_by_layer(
     z_LYZ: np.ndarray,
     *,
-    layer_labels: Sequence[Any] | None,
+    layer_labels: Sequence[Any] | np.ndarray | None,
     x: Sequence[Any],
     y: Sequence[Any],
     x_title: str,

@@ -22,6 +22,7 @@ Out of scope: reading the results themselves (``section_*``); the file names and
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -57,7 +58,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def detect(path: str | Path) -> Input:
+def detect(path: str | os.PathLike) -> Input:
     """Classify ``path`` by its manifest's ``format``; raise ``TraceFormatError`` if it is none of them."""
     p = Path(path)
     if not p.is_dir():

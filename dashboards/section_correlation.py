@@ -43,8 +43,8 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
 
     per_layer = res.table(rf.DATASET_CORRELATION)
     mean = res.table(rf.DATASET_CORRELATION_MEAN)
-    if per_layer is not None or mean is not None:
-        ref = per_layer if per_layer is not None else mean
+    ref = per_layer if per_layer is not None else mean
+    if ref is not None:
         for stage in [s for s in ("prefill", "decode") if s in ref["stage"].unique().to_list()]:
             figures.append(_matrix_figure(per_layer, mean, res, stage=stage, key=f"{kp}-datasets-{stage}"))
     else:

@@ -114,7 +114,7 @@ def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
     if per.height > 1:
         counts_rows += (
             ("total", req.height, int(req["prompt_tokens"].sum()), int(req["output_tokens"].sum()),
-             float(req["prompt_tokens"].median()), float(req["output_tokens"].median())),
+             float(req["prompt_tokens"].median()), float(req["output_tokens"].median())),  # type: ignore[arg-type]  # polars types Series.median() as any Python literal
         )  # fmt: skip
     tables = (
         Table(key=f"{key_prefix}overview-model", header=("model", ""), rows=model_rows, caption=f"Model of {label}."),

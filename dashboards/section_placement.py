@@ -285,8 +285,8 @@ def _placement_map(places: pl.DataFrame, res: Results, *, key: str) -> Figure:
     go = plotly_go()
     strategies = _strategies(res, places)
     layers_L, model_L = layer_order(places)
-    P = int(places["slot"].max()) + 1
-    num_experts = int(places["expert"].max()) + 1
+    P = int(places["slot"].max()) + 1  # type: ignore[arg-type]  # polars types Series.max() as any Python literal
+    num_experts = int(places["expert"].max()) + 1  # type: ignore[arg-type]  # polars types Series.max() as any Python literal
     fig = go.Figure()
     gpu_of_P = node_of_P = None
     for i, s in enumerate(strategies):

@@ -44,9 +44,9 @@ def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
     stages = _stages(pooled)
     stage = stages[0]
     sub = pooled.filter(pl.col("stage") == stage)
-    mean = float(sub["imbalance_factor"].mean())
+    mean = float(sub["imbalance_factor"].mean())  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
     worst = sub.sort("imbalance_factor", descending=True).row(0, named=True)
-    facts = [f"{s} {_x(float(pooled.filter(pl.col('stage') == s)['imbalance_factor'].mean()))}" for s in stages[1:]]
+    facts = [f"{s} {_x(float(pooled.filter(pl.col('stage') == s)['imbalance_factor'].mean()))}" for s in stages[1:]]  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
     facts.append(f"worst layer {worst['model_layer']}: {_x(worst['imbalance_factor'])}")
     bt = res.table(rf.BATCH_IMBALANCE)
     if bt is not None:
@@ -54,7 +54,7 @@ def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
         if bsub.height:
             size = ((res.json(rf.ANALYSIS_SUMMARY) or {}).get("imbalance") or {}).get("batch_size")
             batches = f"{size}-request batches" if size else "serving-sized batches"
-            facts.append(f"random {batches}: median {_x(float(bsub['imbalance_factor'].median()))}")
+            facts.append(f"random {batches}: median {_x(float(bsub['imbalance_factor'].median()))}")  # type: ignore[arg-type]  # polars types Series.median() as any Python literal
     return Headline(
         key=f"{key_prefix}imbalance",
         title="Routing imbalance" + suffix,
