@@ -183,7 +183,7 @@ def figure_height(fig: Any) -> int:
     return int(h) if isinstance(h, (int, float)) and h > 0 else DEFAULT_FIGURE_HEIGHT
 
 
-def _cell(value: Any) -> str:
+def _cell(value: object) -> str:
     if isinstance(value, bool):
         return f"<td>{'yes' if value else 'no'}</td>"
     if isinstance(value, int):

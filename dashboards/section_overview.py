@@ -29,7 +29,7 @@ def trace_label(trace: Trace) -> str:
     return f"trace {trace.path.name} ({trace.model.name})"
 
 
-def _flat(d: Any, prefix: str = "") -> list[tuple[str, str]]:
+def _flat(d: object, prefix: str = "") -> list[tuple[str, str]]:
     """Nested manifest dicts as (dotted key, compact value) rows."""
     rows: list[tuple[str, str]] = []
     if isinstance(d, dict):

@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 
 @contextlib.contextmanager
@@ -40,6 +40,6 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         tmp.write_text(text)
 
 
-def write_json_atomic(path: Path, obj: Any, *, indent: int | None = 2) -> None:
+def write_json_atomic(path: Path, obj: object, *, indent: int | None = 2) -> None:
     """Write ``obj`` as JSON to ``path`` atomically (see :func:`write_text_atomic`)."""
     write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")

@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 from moetrace.errors import ConfigError, ModelError
 from moetrace.sizes import human_bytes
@@ -33,6 +33,8 @@ from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from moetrace.tracer.backends.vllm import VllmEngineConfig
+
+T = TypeVar("T")
 
 #: ``on_start(num_pending, num_total)``: requests still to run, and in this run (or shard)
 OnStart = Callable[[int, int], None]
@@ -127,7 +129,7 @@ def parse_shard(text: str) -> tuple[int, int]:
     return s, n
 
 
-def shard_prompts(prompts: Sequence[Any], *, shard: int, num_shards: int) -> list[Any]:
+def shard_prompts(prompts: Sequence[T], *, shard: int, num_shards: int) -> list[T]:
     """The prompts of shard ``shard`` of ``num_shards``: every ``num_shards``-th, starting at ``shard``."""
     if not 0 <= shard < num_shards:
         raise ConfigError(f"shard {shard} is outside 0..{num_shards - 1}")

@@ -60,7 +60,7 @@ class PromptRecord:
 # ---------------------------------------------------------------------------- field extraction
 
 
-def first_user_turn(conversation: Any) -> str | None:
+def first_user_turn(conversation: object) -> str | None:
     """Content of the first ``role == "user"`` message of a list of ``{role, content}`` dicts."""
     if not isinstance(conversation, (list, tuple)):
         return None
@@ -70,7 +70,7 @@ def first_user_turn(conversation: Any) -> str | None:
     return None
 
 
-def _as_text(value: Any) -> str | None:
+def _as_text(value: object) -> str | None:
     """A prompt-field value as text: strings as they are, conversations as their first user turn."""
     if isinstance(value, str):
         return value

@@ -167,7 +167,7 @@ class SynthKnobs:
             raise ConfigError(f"bad synth knobs: {exc}") from exc
 
 
-def _length_from(dataset: str, v: Any) -> LengthDist:
+def _length_from(dataset: str, v: object) -> LengthDist:
     if not isinstance(v, Mapping):
         raise ConfigError(f"knob `lengths.{dataset}` must be an object with prompt_median, prompt_sigma, ...")
     try:

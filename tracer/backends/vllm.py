@@ -40,7 +40,7 @@ import re
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -54,6 +54,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from moetrace.tracer.datasets import PromptRecord
     from moetrace.tracer.presets import ResolvedModel
     from moetrace.tracer.trace.writer import TraceWriter
+
+T = TypeVar("T")
 
 #: first vLLM release with ``enable_return_routed_experts`` (``ModelConfig`` field and
 #: ``CompletionOutput.routed_experts`` are in 0.14.0's source and in neither of 0.13.0's)
@@ -522,7 +524,7 @@ def collect_with_vllm(
         )
 
 
-def _encode_all(prompts: Sequence[Any], tokenizer: Any, *, chat_template: bool, max_prompt: int,
+def _encode_all(prompts: Sequence[PromptRecord], tokenizer: Any, *, chat_template: bool, max_prompt: int,
                 truncated: list[int]) -> Iterator[tuple[int, list[int]]]:
     """Token ids of each prompt; prompts longer than ``max_prompt`` keep their first ``max_prompt``
     tokens (their ids are appended to ``truncated``; ``prompt_tokens`` is the length actually run)."""
@@ -561,7 +563,7 @@ def _max_prompt(llm: Any, max_new_tokens: int) -> int:
     return max_len - max_new_tokens
 
 
-def _run_single(pending: list[Any], *, sink: _Sink, source: str, engine: VllmEngineConfig, capture: CaptureFacts,
+def _run_single(pending: list[PromptRecord], *, sink: _Sink, source: str, engine: VllmEngineConfig, capture: CaptureFacts,
                 generation: GenerationConfig) -> None:
     import vllm
 
@@ -573,10 +575,11 @@ def _run_single(pending: list[Any], *, sink: _Sink, source: str, engine: VllmEng
     run_engine_loop(llm, work, vllm=vllm, num_inflight=engine.num_inflight, generation=generation, emit=sink.put)
 
 
-def split_evenly(items: Sequence[Any], num_parts: int) -> list[list[Any]]:
+def split_evenly(items: Sequence[T], num_parts: int) -> list[list[T]]:
     """``items`` in ``num_parts`` contiguous, near-equal parts (earlier parts get the remainder)."""
     base, rem = divmod(len(items), num_parts)
-    out, start = [], 0
+    out: list[list[T]] = []
+    start = 0
     for i in range(num_parts):
         n = base + (i < rem)
         out.append(list(items[start : start + n]))
@@ -584,7 +587,7 @@ def split_evenly(items: Sequence[Any], num_parts: int) -> list[list[Any]]:
     return out
 
 
-def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[Any], source: str, info: ModelInfo,
+def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[PromptRecord], source: str, info: ModelInfo,
                engine: VllmEngineConfig, capture: CaptureFacts, generation: GenerationConfig, results: Any) -> None:
     """One DP engine rank (a process): generate its prompts, send converted requests back."""
     os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(dp),
@@ -611,7 +614,7 @@ def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[Any], source:
         results.put(("error", rank, f"{type(exc).__name__}: {exc}"))
 
 
-def _run_data_parallel(pending: list[Any], *, sink: _Sink, source: str, info: ModelInfo, engine: VllmEngineConfig,
+def _run_data_parallel(pending: list[PromptRecord], *, sink: _Sink, source: str, info: ModelInfo, engine: VllmEngineConfig,
                        capture: CaptureFacts, generation: GenerationConfig) -> None:
     import multiprocessing as mp
 

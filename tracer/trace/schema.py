@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeGuard
 
 import pyarrow as pa
 
@@ -37,7 +37,7 @@ STAGES: Final = (STAGE_PREFILL, STAGE_DECODE)
 _MAX_COUNT = 1 << 20
 
 
-def is_whole(v: Any) -> bool:
+def is_whole(v: object) -> TypeGuard[int]:
     """A JSON whole number (``8``; not ``8.0``, ``"8"`` or ``true``)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -197,7 +197,7 @@ def new_manifest(*, model: ModelInfo, backend: dict[str, Any], collection: dict[
     }
 
 
-def stages_of(trace_or_manifest: Any, /) -> frozenset[str]:
+def stages_of(trace_or_manifest: object, /) -> frozenset[str]:
     """The stages whose routing a trace recorded: ``manifest["collection"]["stages"]``.
 
     Takes a manifest dict or anything with a ``manifest`` dict (an opened ``Trace``). A trace whose
