@@ -95,7 +95,7 @@ CASES: dict[str, Case] = {
     "non-UTF-8 manifest": Case(lambda d: ["info", str(_raw_bytes_manifest(d))], 2, r"manifest\.json.*(UTF-8|JSON)"),
     "nullable columns, same values": Case(lambda d: ["validate", str(_nullable_requests(d))], 0, r"valid moetrace trace"),
     # ---- the readers behind analyze / compare / dashboard
-    "analyze a damaged part": Case(lambda d: ["analyze", str(_truncated(d)), "-o", str(d / "a")], 2, r"cannot read this routing part"),
+    "analyze a damaged part": Case(lambda d: ["analyze", str(_truncated(d)), "-o", str(d / "a")], 2, r"not readable as Parquet"),
     "dashboard of a damaged trace": Case(lambda d: ["dashboard", str(_truncated(d)), "-o", str(d / "r.html")], 2,
                                          r"cannot read|damaged|validate"),
     "dashboard of a non-UTF-8 manifest": Case(lambda d: ["dashboard", str(_raw_bytes_manifest(d)), "-o", str(d / "r.html")], 2,

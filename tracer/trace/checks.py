@@ -122,6 +122,12 @@ def optional_routing_column_problems(schema: pa.Schema, model: ModelInfo) -> lis
     return [f"optional column `weights` has type {wt}, expected fixed_size_list<float32>[{X}]"]
 
 
+def unreadable(exc: BaseException) -> str:
+    """The problem with a Parquet file that pyarrow cannot read (truncated, corrupt, or data this
+    pyarrow cannot decode); the reader and ``validate`` both word it so."""
+    return f"not readable as Parquet (truncated or corrupt?): {exc}"
+
+
 def null_problems(columns: Mapping[str, pa.Array | pa.ChunkedArray]) -> list[str]:
     """Columns holding nulls (every column of the format is required)."""
     return [f"{col.null_count} row(s) have a null {name}" for name, col in columns.items() if col.null_count]

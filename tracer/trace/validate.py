@@ -49,6 +49,7 @@ from moetrace.tracer.trace.checks import (
     optional_routing_column_problems,
     request_lengths,
     routing_schema_problems,
+    unreadable,
 )
 from moetrace.tracer.trace.layout import (
     MANIFEST,
@@ -157,7 +158,7 @@ def check_requests_parts(run: _Run) -> list[str]:
         try:
             t = pq.read_table(run.path / REQUESTS_DIR / n)
         except (pa.ArrowException, OSError) as exc:
-            problems.append(f"{where}: not readable as Parquet (truncated or corrupt?): {exc}")
+            problems.append(f"{where}: {unreadable(exc)}")
             continue
         bad = column_problems(t.schema, REQUIRED_REQUESTS, exact=True)
         problems += [f"{where}: {p}" for p in bad]
@@ -189,7 +190,7 @@ def check_routing_footers(run: _Run) -> list[str]:
         try:
             run.parts[n] = pq.ParquetFile(run.path / ROUTING_DIR / n, pre_buffer=False)  # column chunks read as batches need them
         except (pa.ArrowException, OSError) as exc:
-            problems.append(f"{ROUTING_DIR}/{n}: not readable as Parquet (truncated or corrupt?): {exc}")
+            problems.append(f"{ROUTING_DIR}/{n}: {unreadable(exc)}")
     run.rows_on_disk = sum(pf.metadata.num_rows for pf in run.parts.values())
     return problems
 
@@ -227,7 +228,7 @@ def check_routing_rows(run: _Run) -> list[str]:
                     problems += [f"{where}: {p}" for p in run.rows.batch(rb)[1]]
                     tick(rb.num_rows)
         except (pa.ArrowException, OSError) as exc:
-            problems.append(f"{where}: not readable as Parquet (truncated or corrupt?): {exc}")
+            problems.append(f"{where}: {unreadable(exc)}")
         finally:
             pf.close()
         if len(run.problems) + len(problems) > MAX_REPORTED:

@@ -220,8 +220,8 @@ class TraceWriter:
             raise OutputExistsError(f"{exc}. Use --overwrite to replace it.") from exc
         old = manifest.get("model", {})
         new = self.model.to_dict()
-        keys = ("source", "architecture", "moe_layers", "num_experts", "top_k")
-        diff = [f"{k}: {old.get(k)!r} (on disk) vs {new.get(k)!r} (now)" for k in keys if old.get(k) != new.get(k)]
+        model_keys = ("source", "architecture", "moe_layers", "num_experts", "top_k")
+        diff = [f"{k}: {old.get(k)!r} (on disk) vs {new.get(k)!r} (now)" for k in model_keys if old.get(k) != new.get(k)]
         if diff:
             raise OutputExistsError(
                 f"{self.path} holds a trace of a different model ({'; '.join(diff)}). "
@@ -254,7 +254,8 @@ class TraceWriter:
                 f.unlink()
         committed = {f.name for f in (self.path / REQUESTS_DIR).glob("*.parquet")}
         for f in (self.path / ROUTING_DIR).glob("*.parquet"):
-            if f.name not in committed and PART_RE.match(f.name) and PART_RE.match(f.name)["prefix"] == self.part_prefix:
+            part = PART_RE.match(f.name)
+            if f.name not in committed and part is not None and part["prefix"] == self.part_prefix:
                 f.unlink()
 
     def _load_committed(self) -> None:
