@@ -25,8 +25,8 @@ Out of scope: per-request statistics (``counts``, ``correlation``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import polars as pl
@@ -94,11 +94,18 @@ class PairCounts:
     model_layers: tuple[int, ...]  # model layer index of each MoE layer
 
 
-def pair_counts_arrays(topk_ids_TLK: np.ndarray, *, num_experts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def pair_counts_arrays(
+    topk_ids_TLK: np.ndarray, *, num_experts: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The pure array form: (cross_LEE, co_LEE, single_LE, tokens_L) of every token of ``topk_ids_TLK`` (int16 ``[T, L, K]``)."""
     T, L, K = topk_ids_TLK.shape
     E = int(num_experts)
-    out = (np.zeros((max(L - 1, 0), E, E), np.int64), np.zeros((L, E, E), np.int64), np.zeros((L, E), np.int64), np.zeros(L, np.int64))
+    out = (
+        np.zeros((max(L - 1, 0), E, E), np.int64),
+        np.zeros((L, E, E), np.int64),
+        np.zeros((L, E), np.int64),
+        np.zeros(L, np.int64),
+    )
     _run(np.ascontiguousarray(topk_ids_TLK.reshape(T, L * K), dtype=np.int16), np.ones(T, bool), K, *out)
     return out
 
@@ -136,7 +143,12 @@ def pair_counts(
         kept += int(keep.sum())
         _run(ta.topk_ids_TLK.reshape(T, L * K), keep, K, cross, co, single, tokens)
     return PairCounts(
-        cross_LEE=cross, co_LEE=co, single_LE=single, tokens_L=tokens, num_sampled=kept, num_tokens=total,
+        cross_LEE=cross,
+        co_LEE=co,
+        single_LE=single,
+        tokens_L=tokens,
+        num_sampled=kept,
+        num_tokens=total,
         model_layers=tuple(m.moe_layers),
     )
 
@@ -146,7 +158,12 @@ def cross_layer_affinity(cross_EE: np.ndarray) -> dict[str, float]:
     n = np.asarray(cross_EE, dtype=np.float64)
     total = n.sum()
     if total == 0:
-        return {"mutual_information_bits": np.nan, "uncertainty_coefficient": np.nan, "top1_predictability": np.nan, "top1_marginal": np.nan}
+        return {
+            "mutual_information_bits": np.nan,
+            "uncertainty_coefficient": np.nan,
+            "top1_predictability": np.nan,
+            "top1_marginal": np.nan,
+        }
     p = n / total
     pa, pb = p.sum(1), p.sum(0)
     nz = p > 0
@@ -166,10 +183,24 @@ def affinity_table(pc: PairCounts) -> pl.DataFrame:
     rows = []
     for l in range(pc.cross_LEE.shape[0]):
         a = cross_layer_affinity(pc.cross_LEE[l])
-        rows.append({"layer": l, "model_layer": pc.model_layers[l], "next_model_layer": pc.model_layers[l + 1], **a, "pairs": int(pc.cross_LEE[l].sum())})
+        rows.append(
+            {
+                "layer": l,
+                "model_layer": pc.model_layers[l],
+                "next_model_layer": pc.model_layers[l + 1],
+                **a,
+                "pairs": int(pc.cross_LEE[l].sum()),
+            }
+        )
     schema = {
-        "layer": pl.Int64, "model_layer": pl.Int64, "next_model_layer": pl.Int64, "mutual_information_bits": pl.Float64,
-        "uncertainty_coefficient": pl.Float64, "top1_predictability": pl.Float64, "top1_marginal": pl.Float64, "pairs": pl.Int64,
+        "layer": pl.Int64,
+        "model_layer": pl.Int64,
+        "next_model_layer": pl.Int64,
+        "mutual_information_bits": pl.Float64,
+        "uncertainty_coefficient": pl.Float64,
+        "top1_predictability": pl.Float64,
+        "top1_marginal": pl.Float64,
+        "pairs": pl.Int64,
     }
     return pl.DataFrame(rows, schema=schema)
 

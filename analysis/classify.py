@@ -52,7 +52,9 @@ class ClassifyResult:
         return float(self.shuffled_accuracy_L.mean())
 
 
-def balanced_split(label_R: np.ndarray, *, seed: int, test_fraction: float = 0.2, max_requests_per_dataset: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def balanced_split(
+    label_R: np.ndarray, *, seed: int, test_fraction: float = 0.2, max_requests_per_dataset: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Row indices (train, test): equal requests per label, then a stratified split. int64 arrays."""
     rng = np.random.default_rng(seed)
     labels, inv = np.unique(label_R, return_inverse=True)
@@ -92,7 +94,9 @@ def classify_layers(
     sklearn_lm = require("sklearn.linear_model", purpose="request-type classification")
     metrics = require("sklearn.metrics", purpose="request-type classification")
     label_R = np.asarray(label_R).astype(str)
-    train, test = balanced_split(label_R, seed=seed, test_fraction=test_fraction, max_requests_per_dataset=max_requests_per_dataset)
+    train, test = balanced_split(
+        label_R, seed=seed, test_fraction=test_fraction, max_requests_per_dataset=max_requests_per_dataset
+    )
     datasets = tuple(np.unique(label_R).tolist())
     y_tr, y_te = label_R[train], label_R[test]
     y_shuf = np.random.default_rng(seed + 1).permutation(y_tr)

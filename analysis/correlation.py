@@ -126,7 +126,9 @@ def prefill_decode_per_request(counts: RequestCounts) -> tuple[pl.DataFrame, pl.
             mean_L = np.nanmean(sub, axis=0) if sub.shape[0] else np.full(r_RL.shape[1], np.nan)
         for l in range(r_RL.shape[1]):
             rows.append((label, counts.layers[l], counts.model_layers[l], float(mean_L[l]), int(n_L[l])))
-    per_layer = pl.DataFrame(rows, schema=["dataset", "layer", "model_layer", "pearson_mean", "num_requests"], orient="row")
+    per_layer = pl.DataFrame(
+        rows, schema=["dataset", "layer", "model_layer", "pearson_mean", "num_requests"], orient="row"
+    )
     with _quiet_nanmean():
         per_req = pl.DataFrame(
             {

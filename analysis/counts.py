@@ -30,8 +30,8 @@ that need the full top-k set of one token (``affinity``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -41,9 +41,8 @@ from moetrace._deps import require
 from moetrace.atomic import atomic_path
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.results import ANALYSIS, COUNTS, table_metadata
-from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL, STAGES, Stage
 from moetrace.tracer.trace.reader import Trace, open_trace
-
+from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL, STAGES, Stage
 
 __all__ = ["RequestCounts", "count_trace", "count_arrays", "write_counts_table", "STAGES"]
 
@@ -74,7 +73,9 @@ class RequestCounts:
     def stage(self, name: Stage) -> np.ndarray:
         """``counts_RLE`` of one stage (a view, no copy)."""
         if name not in self.stages:
-            raise ConfigError(f"stage {name!r} was not counted (have {list(self.stages)}); count it with stages=[..., {name!r}]")
+            raise ConfigError(
+                f"stage {name!r} was not counted (have {list(self.stages)}); count it with stages=[..., {name!r}]"
+            )
         return self.counts_RSLE[:, self.stages.index(name)]
 
     def datasets(self) -> list[str]:
@@ -313,7 +314,9 @@ def write_counts_table(counts: RequestCounts, path: str | os.PathLike, *, chunk_
 
 
 # ---------------------------------------------------------------------------------- group sums
-def sum_by_label(counts_R_: np.ndarray, label_R: np.ndarray, *, chunk_requests: int = 2048) -> tuple[list[str], np.ndarray]:
+def sum_by_label(
+    counts_R_: np.ndarray, label_R: np.ndarray, *, chunk_requests: int = 2048
+) -> tuple[list[str], np.ndarray]:
     """Sum per-request counts over the requests of each label.
 
     counts_R_: ``[R, ...]`` any integer dtype; label_R: ``[R]`` labels (e.g. datasets). Returns the

@@ -56,7 +56,9 @@ def stratified_subsample(label_R: np.ndarray, *, max_requests: int, seed: int) -
     labels, inv = np.unique(label_R, return_inverse=True)
     sizes = np.bincount(inv)
     take = np.maximum(1, np.floor(sizes * max_requests / R).astype(int))
-    picks = [rng.choice(np.flatnonzero(inv == d), size=min(take[d], sizes[d]), replace=False) for d in range(len(labels))]
+    picks = [
+        rng.choice(np.flatnonzero(inv == d), size=min(take[d], sizes[d]), replace=False) for d in range(len(labels))
+    ]
     return np.sort(np.concatenate(picks))
 
 
@@ -66,7 +68,11 @@ def reduce_pca(features_NF: np.ndarray, *, num_components: int = 50, seed: int =
     if F <= num_components:
         return features_NF
     decomposition = require("sklearn.decomposition", purpose="embeddings")
-    return decomposition.PCA(n_components=min(num_components, N), random_state=seed).fit_transform(features_NF).astype(np.float32)
+    return (
+        decomposition.PCA(n_components=min(num_components, N), random_state=seed)
+        .fit_transform(features_NF)
+        .astype(np.float32)
+    )
 
 
 def project(features_NF: np.ndarray, *, method: Method, seed: int) -> np.ndarray:
@@ -78,7 +84,11 @@ def project(features_NF: np.ndarray, *, method: Method, seed: int) -> np.ndarray
         manifold = require("sklearn.manifold", purpose="t-SNE embeddings")
         x = reduce_pca(features_NF, num_components=50, seed=seed)
         perplexity = float(min(30.0, (N - 1) / 3))
-        return manifold.TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(x).astype(np.float32)
+        return (
+            manifold.TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed)
+            .fit_transform(x)
+            .astype(np.float32)
+        )
     if method == "umap":
         umap = require("umap", purpose="UMAP embeddings")
         import warnings

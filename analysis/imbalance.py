@@ -100,7 +100,9 @@ def batch_imbalance(
     return out
 
 
-def batch_imbalance_table(counts: RequestCounts, *, batch_size: int, seed: int, num_batches: int | None = 1000) -> pl.DataFrame:
+def batch_imbalance_table(
+    counts: RequestCounts, *, batch_size: int, seed: int, num_batches: int | None = 1000
+) -> pl.DataFrame:
     """IF distribution over random batches: mixed batches (dataset ``"all"``, drawn from every
     request) and single-dataset batches (drawn from one dataset's requests, if it has at least
     ``batch_size``). Columns: dataset, batch (index), stage, layer, model_layer, imbalance_factor.

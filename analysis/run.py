@@ -22,9 +22,10 @@ import dataclasses
 import datetime as dt
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import polars as pl
@@ -65,7 +66,9 @@ class AnalyzeConfig:
         if bad or not self.only:
             raise ConfigError(f"unknown analyses {bad or '(none chosen)'}; choose from {', '.join(ANALYSES)}")
         if self.batch_size < 1 or self.num_batches < 1:
-            raise ConfigError(f"batch size and number of batches must be >= 1, got {self.batch_size}, {self.num_batches}")
+            raise ConfigError(
+                f"batch size and number of batches must be >= 1, got {self.batch_size}, {self.num_batches}"
+            )
         for m in self.embedding_methods:
             if m not in ("tsne", "umap"):
                 raise ConfigError(f"unknown embedding method {m!r}; use tsne and/or umap")
@@ -94,7 +97,9 @@ def analyze(
     rf.check_output(out, rf.ANALYSIS, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
     if config.embedding_layer is not None and config.layers is not None and config.embedding_layer not in config.layers:
-        raise ConfigError(f"embedding layer {config.embedding_layer} is not among the analysed layers {list(config.layers)}")
+        raise ConfigError(
+            f"embedding layer {config.embedding_layer} is not among the analysed layers {list(config.layers)}"
+        )
 
     t_start = time.perf_counter()
     files: dict[str, str] = {}
@@ -112,8 +117,13 @@ def analyze(
     if needs_counts:
         say("counting tokens per (request, stage, layer, expert)")
         t0 = time.perf_counter()
-        counts = count_trace(trace, stages=[s for s in STAGES if s in recorded], layers=config.layers,
-                             allow_incomplete=config.allow_incomplete, progress=progress)
+        counts = count_trace(
+            trace,
+            stages=[s for s in STAGES if s in recorded],
+            layers=config.layers,
+            allow_incomplete=config.allow_incomplete,
+            progress=progress,
+        )
         timings["counts"] = time.perf_counter() - t0
         summary["num_requests"] = counts.num_requests
         summary["datasets"] = counts.datasets()
@@ -128,12 +138,26 @@ def analyze(
 
     steps = (  # (analysis, what it does, step) in the order they run
         ("imbalance", "expert load and imbalance factor", lambda: _run_imbalance(counts, config, write)),
-        ("correlation", "datasets, prefill↔decode (pooled, per request), recall@k",
-         lambda: _run_correlation(counts, config, write)),
-        ("classify", "per-layer logistic regression from prefill counts to dataset",
-         lambda: _run_classify(counts, config, write)),
-        ("embedding", "t-SNE / UMAP of normalized per-request vectors", lambda: _run_embedding_one_blas(counts, config, write)),
-        ("affinity", "cross-layer affinity and co-activation on a token sample", lambda: _run_affinity(trace, config, write)),
+        (
+            "correlation",
+            "datasets, prefill↔decode (pooled, per request), recall@k",
+            lambda: _run_correlation(counts, config, write),
+        ),
+        (
+            "classify",
+            "per-layer logistic regression from prefill counts to dataset",
+            lambda: _run_classify(counts, config, write),
+        ),
+        (
+            "embedding",
+            "t-SNE / UMAP of normalized per-request vectors",
+            lambda: _run_embedding_one_blas(counts, config, write),
+        ),
+        (
+            "affinity",
+            "cross-layer affinity and co-activation on a token sample",
+            lambda: _run_affinity(trace, config, write),
+        ),
     )
     for name, what, step in steps:
         if name in config.only:
@@ -175,8 +199,10 @@ def missing_stage_reason(stages: tuple[str, ...], *, needs: tuple[str, ...]) -> 
     missing = [s for s in needs if s not in stages]
     if not missing:
         return None
-    return (f"needs {' and '.join(needs)} routing; this trace recorded {' and '.join(stages)} only (its manifest's "
-            f"collection.stages); run it on a trace that has {' and '.join(missing)} routing")
+    return (
+        f"needs {' and '.join(needs)} routing; this trace recorded {' and '.join(stages)} only (its manifest's "
+        f"collection.stages); run it on a trace that has {' and '.join(missing)} routing"
+    )
 
 
 def _skips(name: str, result: Any) -> list[tuple[str, str]]:
@@ -205,7 +231,9 @@ def _run_imbalance(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     write(rf.BATCH_IMBALANCE, bt, f"imbalance factor of random batches of {batch_size} requests")
     out["batch_size"] = batch_size
     out["batch_if"] = _nested(
-        bt.filter(pl.col("dataset") == "all").group_by("dataset", "stage").agg(pl.col("imbalance_factor").median().alias("median")),
+        bt.filter(pl.col("dataset") == "all")
+        .group_by("dataset", "stage")
+        .agg(pl.col("imbalance_factor").median().alias("median")),
         "median",
     )
     return out
@@ -237,7 +265,8 @@ def _run_correlation(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
         ds = pooled.filter(pl.col("dataset") != "all")
         out["prefill_decode_pooled"] = _mean(ds["pearson"])
         out["prefill_decode_pooled_by_dataset"] = {
-            r["dataset"]: r["pearson"] for r in ds.group_by("dataset").agg(pl.col("pearson").mean()).iter_rows(named=True)
+            r["dataset"]: r["pearson"]
+            for r in ds.group_by("dataset").agg(pl.col("pearson").mean()).iter_rows(named=True)
         }
         out["prefill_decode_per_request"] = _mean(pr_layers.filter(pl.col("dataset") == "all")["pearson_mean"])
         allrec = rec.filter(pl.col("dataset") == "all")
@@ -254,10 +283,14 @@ def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     if why is not None:
         return {"skipped": why}
     if len(counts.datasets()) < 2:
-        return {"skipped": f"needs at least 2 datasets, the trace has {counts.datasets()}; trace requests of a second dataset"}
+        return {
+            "skipped": f"needs at least 2 datasets, the trace has {counts.datasets()}; trace requests of a second dataset"
+        }
     smallest = min(int((counts.dataset_R == d).sum()) for d in counts.datasets())
     if round(smallest * 0.2) < 1:  # the 80:20 split needs one test request per dataset
-        return {"skipped": f"the smallest dataset has {smallest} requests; an 80:20 split needs at least 3 each; trace more requests of it"}
+        return {
+            "skipped": f"the smallest dataset has {smallest} requests; an 80:20 split needs at least 3 each; trace more requests of it"
+        }
     res = classify_layers(
         counts.stage("prefill"),
         counts.dataset_R,
@@ -302,7 +335,9 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     for stage in counts.stages:
         feats = request_features(counts.stage(stage), layer=layer_pos)
         has = np.flatnonzero(np.abs(feats).sum(1) > 0)
-        pick = has[stratified_subsample(counts.dataset_R[has], max_requests=config.embedding_max_requests, seed=config.seed)]
+        pick = has[
+            stratified_subsample(counts.dataset_R[has], max_requests=config.embedding_max_requests, seed=config.seed)
+        ]
         if pick.size < 5:
             continue
         x, lab = reduce_pca(feats[pick], num_components=50, seed=config.seed), counts.dataset_R[pick]
@@ -342,7 +377,9 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
 def _run_affinity(trace, config: AnalyzeConfig, write) -> dict[str, Any]:
     from moetrace.analysis.affinity import affinity_table, coactivation_table, pair_counts
 
-    pc = pair_counts(trace, max_tokens=config.affinity_max_tokens, seed=config.seed, allow_incomplete=config.allow_incomplete)
+    pc = pair_counts(
+        trace, max_tokens=config.affinity_max_tokens, seed=config.seed, allow_incomplete=config.allow_incomplete
+    )
     aff = affinity_table(pc)
     write(rf.AFFINITY, aff, "cross-layer affinity per consecutive MoE-layer pair")
     write(rf.COACTIVATION, coactivation_table(pc), "expert pairs co-activated within a token, per layer, with lift")
@@ -389,34 +426,48 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  {'dataset':<16}" + "".join(f"{s:>10}" for s in stages))
         for ds, v in imb["mean_if"].items():
             lines.append(f"  {ds:<16}" + "".join(f"{_f(v.get(s)):>10}" for s in stages))
-        lines.append(f"  median IF of random {imb['batch_size']}-request batches: "
-                     + ", ".join(f"{s} {_f(v)}" for s, v in imb["batch_if"].get("all", {}).items()))
+        lines.append(
+            f"  median IF of random {imb['batch_size']}-request batches: "
+            + ", ".join(f"{s} {_f(v)}" for s, v in imb["batch_if"].get("all", {}).items())
+        )
     cor = summary.get("correlation")
     if cor and "prefill_decode_skipped" in cor:
         lines.append(f"prefill↔decode correlation: skipped ({cor['prefill_decode_skipped']})")
     if cor and "prefill_decode_pooled" in cor:
         lines.append("prefill↔decode correlation (mean over layers)")
-        lines.append(f"  pooled per dataset   {_f(cor['prefill_decode_pooled'])}   "
-                     + "  ".join(f"{d} {_f(v)}" for d, v in sorted(cor["prefill_decode_pooled_by_dataset"].items())))
+        lines.append(
+            f"  pooled per dataset   {_f(cor['prefill_decode_pooled'])}   "
+            + "  ".join(f"{d} {_f(v)}" for d, v in sorted(cor["prefill_decode_pooled_by_dataset"].items()))
+        )
         lines.append(f"  per request          {_f(cor['prefill_decode_per_request'])}")
-        lines.append(f"  recall@{cor['recall_k']} of decode hot experts from prefill {_f(cor['recall'])} "
-                     f"(popularity baseline {_f(cor['recall_popularity'])})")
+        lines.append(
+            f"  recall@{cor['recall_k']} of decode hot experts from prefill {_f(cor['recall'])} "
+            f"(popularity baseline {_f(cor['recall_popularity'])})"
+        )
     cl = summary.get("classify")
     if cl and "mean_accuracy" in cl:
-        lines.append(f"dataset classification from prefill counts: mean accuracy {_f(cl['mean_accuracy'])} "
-                     f"(best layer {_f(cl['best_layer_accuracy'])}, chance {_f(cl['chance'])}, "
-                     f"shuffled control {_f(cl['mean_shuffled_accuracy'])}; {cl['num_train']} train / {cl['num_test']} test)")
+        lines.append(
+            f"dataset classification from prefill counts: mean accuracy {_f(cl['mean_accuracy'])} "
+            f"(best layer {_f(cl['best_layer_accuracy'])}, chance {_f(cl['chance'])}, "
+            f"shuffled control {_f(cl['mean_shuffled_accuracy'])}; {cl['num_train']} train / {cl['num_test']} test)"
+        )
     elif cl:
         lines.append(f"dataset classification: skipped ({cl['skipped']})")
     emb = summary.get("embedding")
     if emb:
-        lines.append("clustering by dataset: " + "; ".join(
-            f"{s} silhouette {_f(v['silhouette'])}, K-means ARI {_f(v['adjusted_rand'])}" for s, v in emb.items()))
+        lines.append(
+            "clustering by dataset: "
+            + "; ".join(
+                f"{s} silhouette {_f(v['silhouette'])}, K-means ARI {_f(v['adjusted_rand'])}" for s, v in emb.items()
+            )
+        )
     aff = summary.get("affinity")
     if aff:
-        lines.append(f"cross-layer affinity: uncertainty coefficient {_f(aff['uncertainty_coefficient'])}, top-1 "
-                     f"predictability {_f(aff['top1_predictability'])} vs marginal {_f(aff['top1_marginal'])} "
-                     f"({aff['sampled_tokens']} tokens)")
+        lines.append(
+            f"cross-layer affinity: uncertainty coefficient {_f(aff['uncertainty_coefficient'])}, top-1 "
+            f"predictability {_f(aff['top1_predictability'])} vs marginal {_f(aff['top1_marginal'])} "
+            f"({aff['sampled_tokens']} tokens)"
+        )
     return "\n".join(lines)
 
 

@@ -16,11 +16,17 @@ import argparse
 import numpy as np
 import torch
 
-from moetrace.tracer.datasets import load_prompts, render_prompt_ids
 from moetrace.tracer.backends.hf import build_tiny_model, generate_batch, tiny_tokenizer
+from moetrace.tracer.datasets import load_prompts, render_prompt_ids
 
-MODELS = ["deepseek-v3-tiny", "qwen3-30b-a3b-tiny", "mixtral-8x7b-tiny", "olmoe-1b-7b-tiny",
-          "llama4-maverick-tiny", "gpt-oss-120b-tiny"]
+MODELS = [
+    "deepseek-v3-tiny",
+    "qwen3-30b-a3b-tiny",
+    "mixtral-8x7b-tiny",
+    "olmoe-1b-7b-tiny",
+    "llama4-maverick-tiny",
+    "gpt-oss-120b-tiny",
+]
 
 
 def main() -> None:
@@ -35,7 +41,9 @@ def main() -> None:
     tok = tiny_tokenizer()
     prompts = load_prompts(["bundled"], num_requests=args.prompts, seed=0)
     ids = [render_prompt_ids(p, tok, chat_template=False)[: args.max_prompt] for p in prompts]
-    print(f"{args.prompts} bundled prompts (<= {args.max_prompt} tokens), {args.new} greedy new tokens, batch {args.batch} vs 1")
+    print(
+        f"{args.prompts} bundled prompts (<= {args.max_prompt} tokens), {args.new} greedy new tokens, batch {args.batch} vs 1"
+    )
     print(f"{'model':<22} {'rows':>7} {'row diffs':>9} {'token diffs':>11} {'(token,layer)':>13} {'near-ties':>9}")
     for name in args.models.split(","):
         model, info = build_tiny_model(name, seed=0)
@@ -47,7 +55,9 @@ def main() -> None:
         for b, s in zip(batched, singles):
             rows += s.topk_ids_TX.shape[0]
             row_diff += abs(b.topk_ids_TX.shape[0] - s.topk_ids_TX.shape[0])
-            tok_diff += sum(x != y for x, y in zip(b.output_ids, s.output_ids)) + abs(len(b.output_ids) - len(s.output_ids))
+            tok_diff += sum(x != y for x, y in zip(b.output_ids, s.output_ids)) + abs(
+                len(b.output_ids) - len(s.output_ids)
+            )
             n = min(b.topk_ids_TX.shape[0], s.topk_ids_TX.shape[0])
             bb = np.sort(b.topk_ids_TX[:n].reshape(n, info.num_moe_layers, info.top_k), -1)
             ss = np.sort(s.topk_ids_TX[:n].reshape(n, info.num_moe_layers, info.top_k), -1)

@@ -37,17 +37,31 @@ from pathlib import Path
 
 import numpy as np
 
-KNOBS = {"shared_weight": 0.0, "domain_weight": 0.9, "request_spread": 0.05, "zipf_exponent": 1.5,
-         "layer_skew_spread": 0.1, "layer_affinity": 0.0}
+KNOBS = {
+    "shared_weight": 0.0,
+    "domain_weight": 0.9,
+    "request_spread": 0.05,
+    "zipf_exponent": 1.5,
+    "layer_skew_spread": 0.1,
+    "layer_affinity": 0.0,
+}
 SYNTH = ["--model", "olmoe-1b-7b-tiny", "--requests", "400", "--seed", "0", "--datasets", "gsm8k,mbpp"]
 
 
 def _machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "?")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "?",
+    )
     load = os.getloadavg()[0]
-    return (f"{platform.node()}: {os.cpu_count()} CPU cores ({cpu}), Linux {platform.release()}, Python "
-            f"{platform.python_version()}; load average at start {load:.1f}")
+    return (
+        f"{platform.node()}: {os.cpu_count()} CPU cores ({cpu}), Linux {platform.release()}, Python "
+        f"{platform.python_version()}; load average at start {load:.1f}"
+    )
 
 
 def main() -> None:
@@ -72,13 +86,28 @@ def main() -> None:
     grouped = [s for s in names if get_strategy(s).grouped]
     if "linear" not in names or not grouped:
         sys.exit("--strategies needs linear and at least one grouped placer (e.g. data)")
-    synth_cmd = [sys.executable, "-m", "moetrace", "synth", *SYNTH, "--knobs", json.dumps(KNOBS), "-o", str(args.trace), "-q"]
+    synth_cmd = [
+        sys.executable,
+        "-m",
+        "moetrace",
+        "synth",
+        *SYNTH,
+        "--knobs",
+        json.dumps(KNOBS),
+        "-o",
+        str(args.trace),
+        "-q",
+    ]
     if not args.trace.exists():
         subprocess.run(synth_cmd, check=True)
 
     machine = _machine()
-    cfg = CompareConfig(deployment=parse_deployment(args.config, num_gpus_per_node=args.gpus_per_node), strategies=names,
-                        num_batches=args.batches, num_batch_requests=args.batch_requests)
+    cfg = CompareConfig(
+        deployment=parse_deployment(args.config, num_gpus_per_node=args.gpus_per_node),
+        strategies=names,
+        num_batches=args.batches,
+        num_batch_requests=args.batch_requests,
+    )
     data = load_trace_data(args.trace, test_fraction=cfg.test_fraction, seed=cfg.seed)
     plan = ar.build_plan(data, cfg=cfg, hidden_size=args.hidden_size, dtype="bfloat16", backend="gloo")
     t0 = time.perf_counter()
@@ -88,7 +117,9 @@ def main() -> None:
 
     rows = {r["strategy"]: r for r in ar.summary_rows(plan, records)}
     best = min(grouped, key=lambda s: rows[s]["simulated_inter_node_bytes_per_batch_median"])
-    secs_VBL = np.stack([r["seconds_VBL2"] for r in records], axis=-1).max(-1).sum(-1)  # slowest rank, dispatch + combine
+    secs_VBL = (
+        np.stack([r["seconds_VBL2"] for r in records], axis=-1).max(-1).sum(-1)
+    )  # slowest rank, dispatch + combine
     lin, grp = names.index("linear"), names.index(best)
     B, L = secs_VBL.shape[1:]
     # link-bound prediction: the busiest node link direction of each collective at the link rate, dispatch + combine
@@ -102,17 +133,26 @@ def main() -> None:
 
     def line(s: str) -> str:
         r = rows[s]
-        return (f"| {s} | {r['layer_seconds_median'] * 1e3:.2f} | {secs_VBL[names.index(s)].mean() * 1e3:.2f} | "
-                f"{np.median(link_s_VBL[names.index(s)]) * 1e3:.2f} | "
-                f"{r['simulated_inter_node_bytes_per_batch_median'] / 2**20:.2f} | "
-                f"{r['simulated_inter_node_normalized_median']:.3f} |")
+        return (
+            f"| {s} | {r['layer_seconds_median'] * 1e3:.2f} | {secs_VBL[names.index(s)].mean() * 1e3:.2f} | "
+            f"{np.median(link_s_VBL[names.index(s)]) * 1e3:.2f} | "
+            f"{r['simulated_inter_node_bytes_per_batch_median'] / 2**20:.2f} | "
+            f"{r['simulated_inter_node_normalized_median']:.3f} |"
+        )
 
     t_ratio = rows[best]["layer_seconds_median"] / rows["linear"]["layer_seconds_median"]
     mean_ratio = secs_VBL[grp].mean() / secs_VBL[lin].mean()
-    b_ratio = rows[best]["simulated_inter_node_bytes_per_batch_median"] / rows["linear"]["simulated_inter_node_bytes_per_batch_median"]
+    b_ratio = (
+        rows[best]["simulated_inter_node_bytes_per_batch_median"]
+        / rows["linear"]["simulated_inter_node_bytes_per_batch_median"]
+    )
     l_ratio = np.median(link_s_VBL[grp]) / np.median(link_s_VBL[lin])
-    links = (f"emulated: one network namespace per node, each node link shaped to {net.link} ({net.qdisc})"
-             + (f"; {net.note}" if net.note else "") if net.mode == "emulated" else f"NOT emulated ({net.note})")
+    links = (
+        f"emulated: one network namespace per node, each node link shaped to {net.link} ({net.qdisc})"
+        + (f"; {net.note}" if net.note else "")
+        if net.mode == "emulated"
+        else f"NOT emulated ({net.note})"
+    )
     c = plan.config
     out = [
         f"{c['deployment']} on {c['num_nodes']} emulated nodes of {args.gpus_per_node} GPUs: {plan.world_size} gloo ranks "
@@ -138,7 +178,8 @@ def main() -> None:
         f"Machine: {machine}.\n\n{text}\n\n"
         f"Reproduce (as root, from the repository root):\n\n```\n{cmd}\n```\n\n"
         f"The trace it generates when missing:\n\n```\nmoetrace synth {' '.join(SYNTH)} --knobs '{json.dumps(KNOBS)}' "
-        f"-o {args.trace}\n```\n")
+        f"-o {args.trace}\n```\n"
+    )
     print(f"wrote {args.md}")
 
 

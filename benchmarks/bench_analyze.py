@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_counts import make_trace  # noqa: E402
+from bench_counts import make_trace
 
 
 def main() -> None:

@@ -140,8 +140,10 @@ def main() -> None:
         t0 = time.perf_counter()
         res = count_trace(trace)
         best = min(best, time.perf_counter() - t0)
-    print(f"count_trace      {best:8.3f} s  {ids / best / 1e6:8.1f} M ids/s   counts {res.counts_RSLE.dtype} "
-          f"{res.counts_RSLE.nbytes / 2**20:.0f} MiB")
+    print(
+        f"count_trace      {best:8.3f} s  {ids / best / 1e6:8.1f} M ids/s   counts {res.counts_RSLE.dtype} "
+        f"{res.counts_RSLE.nbytes / 2**20:.0f} MiB"
+    )
     if args.skip_baseline:
         return
     t0 = time.perf_counter()

@@ -34,7 +34,9 @@ def build(points: int, cap: int, out: Path) -> tuple[float, int]:
         xy[:, 0], xy[:, 1], category_N=names[cat], hover_N={"request": np.arange(points), "prompt tokens": rng.integers(1, 4000, points)},
         x_title="t-SNE 1", y_title="t-SNE 2", what="bench scatter", source="synthetic", max_points=cap, seed=0,
     )  # fmt: skip
-    page = render_page([Section(key="s", title="s", figures=(Figure(key="f", figure=fig, source="-"),))], title="b", subtitle="")
+    page = render_page(
+        [Section(key="s", title="s", figures=(Figure(key="f", figure=fig, source="-"),))], title="b", subtitle=""
+    )
     out.write_text(page)
     return time.perf_counter() - t0, out.stat().st_size
 
@@ -44,7 +46,9 @@ def load_seconds(path: Path) -> float:
     from playwright.sync_api import sync_playwright
 
     with tempfile.TemporaryDirectory() as prof, sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(prof, executable_path=chromium_path(), headless=True, args=LAUNCH_ARGS)
+        ctx = p.chromium.launch_persistent_context(
+            prof, executable_path=chromium_path(), headless=True, args=LAUNCH_ARGS
+        )
         page = ctx.new_page()
         t0 = time.perf_counter()
         page.goto(path.resolve().as_uri(), wait_until="load", timeout=300_000)

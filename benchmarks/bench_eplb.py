@@ -29,8 +29,10 @@ def main() -> None:
             t = time.perf_counter()
             rebalance(load, **kw)
             times.append(time.perf_counter() - t)
-        print(f"eplb {policy:<12} 58x256 -> 320 slots, 8 nodes x 8 GPUs: median {np.median(times) * 1e3:.2f} ms, "
-              f"min {min(times) * 1e3:.2f} ms over {args.repeats} calls")
+        print(
+            f"eplb {policy:<12} 58x256 -> 320 slots, 8 nodes x 8 GPUs: median {np.median(times) * 1e3:.2f} ms, "
+            f"min {min(times) * 1e3:.2f} ms over {args.repeats} calls"
+        )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from moetrace.tracer.datasets import load_prompts, render_prompt_ids
 from moetrace.tracer.backends.hf import build_tiny_model, generate_batch, tiny_tokenizer
+from moetrace.tracer.datasets import load_prompts, render_prompt_ids
 
 
 def main() -> None:
@@ -34,23 +34,32 @@ def main() -> None:
     inp_RT = torch.full((len(ids), T), tok.pad_token_id)
     att_RT = torch.zeros_like(inp_RT)
     for r, p in enumerate(ids):
-        inp_RT[r, T - len(p):] = torch.tensor(p)
-        att_RT[r, T - len(p):] = 1
+        inp_RT[r, T - len(p) :] = torch.tensor(p)
+        att_RT[r, T - len(p) :] = 1
     tokens = sum(map(len, ids)) + args.new * len(ids)
 
     def plain():
         with torch.inference_mode():
-            model.generate(input_ids=inp_RT, attention_mask=att_RT, max_new_tokens=args.new, min_new_tokens=args.new,
-                           do_sample=False, pad_token_id=tok.pad_token_id)
+            model.generate(
+                input_ids=inp_RT,
+                attention_mask=att_RT,
+                max_new_tokens=args.new,
+                min_new_tokens=args.new,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            )
 
     def traced():
         generate_batch(model, tok, ids, info=info, max_new_tokens=args.new)
 
-    plain(); traced()  # warm-up
+    plain()
+    traced()  # warm-up
     tp, tt = [], []
     for _ in range(args.reps):
         for fn, acc in ((plain, tp), (traced, tt)):
-            t0 = time.perf_counter(); fn(); acc.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
     mp, mt = statistics.median(tp), statistics.median(tt)
     print(f"{args.model}, batch {args.batch}, {args.new} new tokens, {tokens} tokens per run, median of {args.reps}")
     print(f"  generate alone      {tokens / mp:8.1f} tokens/s")

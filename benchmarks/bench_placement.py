@@ -30,9 +30,18 @@ def main() -> None:
         from moetrace.tracer.synth import SynthPlan, default_calibration, load_calibration, synthesize
 
         ds = ("gsm8k", "math", "mbpp", "humaneval", "lmsys-chat", "xsum", "tldr")
-        synthesize(args.trace, model=model_info_for("deepseek-v3"), workers=2, plan=SynthPlan(
-            datasets=ds, num_requests=args.requests, seed=1, knobs=load_calibration(default_calibration("deepseek-v3")),
-            calibration="deepseek-v3"))
+        synthesize(
+            args.trace,
+            model=model_info_for("deepseek-v3"),
+            workers=2,
+            plan=SynthPlan(
+                datasets=ds,
+                num_requests=args.requests,
+                seed=1,
+                knobs=load_calibration(default_calibration("deepseek-v3")),
+                calibration="deepseek-v3",
+            ),
+        )
     cfg = CompareConfig(deployment=parse_deployment("DP8TP8EP64"), strategies=STRATEGY_NAMES, num_batches=args.batches)
     t0 = time.perf_counter()
     data = load_trace_data(args.trace, test_fraction=cfg.test_fraction, seed=cfg.seed)
@@ -40,8 +49,10 @@ def main() -> None:
     res = run_compare(data, cfg)
     t2 = time.perf_counter()
     print(f"trace {args.trace}: {len(data.is_test_R)} requests, {int(data.is_test_R.sum())} held out")
-    print(f"load + count: {t1 - t0:.1f} s; place {len(STRATEGY_NAMES)} strategies + simulate {args.batches} batches x "
-          f"{cfg.batch_requests} requests x {data.model.num_moe_layers} layers: {t2 - t1:.1f} s")
+    print(
+        f"load + count: {t1 - t0:.1f} s; place {len(STRATEGY_NAMES)} strategies + simulate {args.batches} batches x "
+        f"{cfg.batch_requests} requests x {data.model.num_moe_layers} layers: {t2 - t1:.1f} s"
+    )
     for r in res.summary_rows():
         print(f"  {r['strategy']:<12} inter-node normalized median {r['inter_node_normalized_median']:.3f}")
 

@@ -46,25 +46,39 @@ def main() -> None:
     model = dataclasses.replace(full, moe_layers=full.moe_layers[: args.layers])
     base = load_calibration("deepseek-v3")
     for zipf in (float(z) for z in args.zipf.split(",")):
-        plan = SynthPlan(datasets=PAPER_DATASETS, num_requests=args.requests, seed=1,
-                         knobs=dataclasses.replace(base, zipf_exponent=zipf), calibration="deepseek-v3")
+        plan = SynthPlan(
+            datasets=PAPER_DATASETS,
+            num_requests=args.requests,
+            seed=1,
+            knobs=dataclasses.replace(base, zipf_exponent=zipf),
+            calibration="deepseek-v3",
+        )
         path = args.root / f"dsv3-L{args.layers}-z{zipf}"
         if not path.exists():
             synthesize(path, model=model, workers=2, plan=plan)
         stats = measure_plan(model, dataclasses.replace(plan, num_requests=min(args.requests, 700)))
         data = load_trace_data(path, test_fraction=0.2, seed=0)
         for num_redundant in (int(r) for r in args.redundancy.split(",")):
-            cfg = CompareConfig(deployment=parse_deployment("DP8TP8EP64"), strategies=("linear", "data", "joint"),
-                                num_batches=args.batches, num_redundant=num_redundant)
+            cfg = CompareConfig(
+                deployment=parse_deployment("DP8TP8EP64"),
+                strategies=("linear", "data", "joint"),
+                num_batches=args.batches,
+                num_redundant=num_redundant,
+            )
             rows = run_compare(data, cfg).summary_rows()
             ratios = {r["strategy"]: round(r["inter_node_normalized_median"], 3) for r in rows}
-            print(json.dumps({
-                "zipf_exponent": zipf,
-                "redundancy": num_redundant,
-                "top_share_mean": round(float(np.mean(list(stats["top_share"].values()))), 3),
-                "imbalance_p90_mean": round(float(np.mean([v["p90"] for v in stats["imbalance"].values()])), 1),
-                **ratios,
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "zipf_exponent": zipf,
+                        "redundancy": num_redundant,
+                        "top_share_mean": round(float(np.mean(list(stats["top_share"].values()))), 3),
+                        "imbalance_p90_mean": round(float(np.mean([v["p90"] for v in stats["imbalance"].values()])), 1),
+                        **ratios,
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

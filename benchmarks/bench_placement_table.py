@@ -41,8 +41,19 @@ def trace_for(root: Path, case: str, structure: str) -> Path:
     path = root / f"{case}-{structure}"
     if not path.exists():
         cal = default_calibration(model)
-        synthesize(path, model=model_info_for(model), workers=2, plan=SynthPlan(
-            datasets=DATASETS, num_requests=n, seed=1, knobs=load_calibration(cal), calibration=cal, structure=structure))
+        synthesize(
+            path,
+            model=model_info_for(model),
+            workers=2,
+            plan=SynthPlan(
+                datasets=DATASETS,
+                num_requests=n,
+                seed=1,
+                knobs=load_calibration(cal),
+                calibration=cal,
+                structure=structure,
+            ),
+        )
     return path
 
 
@@ -57,10 +68,16 @@ def main() -> None:
         grouped_router = model_info_for(model).n_group is not None
         strategies = (*STRATEGIES, "joint_aligned") if grouped_router else STRATEGIES
         # a group-limited router (DeepSeek-V3) also under per-node copies, where keeping its groups whole pays
-        for structure, dedup in itertools.product(("planted", "none"), ("rank", "node") if grouped_router else ("rank",)):
+        for structure, dedup in itertools.product(
+            ("planted", "none"), ("rank", "node") if grouped_router else ("rank",)
+        ):
             trace = trace_for(args.root, case, structure)
-            cfg = CompareConfig(deployment=parse_deployment(config, num_gpus_per_node=gpn), strategies=strategies,
-                                num_batches=args.batches, dedup=dedup)
+            cfg = CompareConfig(
+                deployment=parse_deployment(config, num_gpus_per_node=gpn),
+                strategies=strategies,
+                num_batches=args.batches,
+                dedup=dedup,
+            )
             t0 = time.perf_counter()
             data = load_trace_data(trace, test_fraction=cfg.test_fraction, seed=cfg.seed)
             t1 = time.perf_counter()
@@ -68,16 +85,22 @@ def main() -> None:
             t2 = time.perf_counter()
             rows = res.summary_rows()
             lin_load = next(r for r in rows if r["strategy"] == "linear")["tokens_per_rank_max_mean"]
-            print(f"\n### {model}, {config} ({gpn} GPUs/node), structure {structure}, dedup {dedup}: {n} requests "
-                  f"({cfg.test_fraction:.0%} held out), {args.batches} batches of {cfg.batch_requests}; "
-                  f"count {t1 - t0:.1f} s, compare {t2 - t1:.1f} s")
-            print("| strategy | inter-node volume / linear (median [p10, p90]) | busiest GPU's tokens / linear | of oracle |")
+            print(
+                f"\n### {model}, {config} ({gpn} GPUs/node), structure {structure}, dedup {dedup}: {n} requests "
+                f"({cfg.test_fraction:.0%} held out), {args.batches} batches of {cfg.batch_requests}; "
+                f"count {t1 - t0:.1f} s, compare {t2 - t1:.1f} s"
+            )
+            print(
+                "| strategy | inter-node volume / linear (median [p10, p90]) | busiest GPU's tokens / linear | of oracle |"
+            )
             print("|---|---|---|---|")
             for r in rows:
                 cap = "-" if r["oracle_captured"] is None else f"{r['oracle_captured']:.0%}"
-                print(f"| {LABELS.get(r['strategy'], r['strategy'])} | {r['inter_node_normalized_median']:.3f} "
-                      f"[{r['inter_node_normalized_p10']:.3f}, {r['inter_node_normalized_p90']:.3f}] | "
-                      f"{r['tokens_per_rank_max_mean'] / lin_load:.3f} | {cap} |")
+                print(
+                    f"| {LABELS.get(r['strategy'], r['strategy'])} | {r['inter_node_normalized_median']:.3f} "
+                    f"[{r['inter_node_normalized_p10']:.3f}, {r['inter_node_normalized_p90']:.3f}] | "
+                    f"{r['tokens_per_rank_max_mean'] / lin_load:.3f} | {cap} |"
+                )
 
 
 if __name__ == "__main__":

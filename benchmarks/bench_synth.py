@@ -55,7 +55,14 @@ def _one(n: int, workers: int, out: Path) -> dict:
 def _references(seconds: float = 4.0) -> dict:
     """Generation alone vs naive Gumbel-top-k, one core, on the same model and calibration."""
     from moetrace.tracer.presets import model_info_for
-    from moetrace.tracer.synth import PAPER_DATASETS, SynthPlan, _make_sampler, generate_chunk, load_calibration, plant_truth
+    from moetrace.tracer.synth import (
+        PAPER_DATASETS,
+        SynthPlan,
+        _make_sampler,
+        generate_chunk,
+        load_calibration,
+        plant_truth,
+    )
 
     model = model_info_for("deepseek-v3")
     plan = SynthPlan(datasets=PAPER_DATASETS, num_requests=10**6, seed=0, knobs=load_calibration("deepseek-v3"))
@@ -76,8 +83,11 @@ def _references(seconds: float = 4.0) -> dict:
         np.argpartition(-key_TLE, K - 1, axis=2)[:, :, :K].astype(np.int16)
         ids += T * logp_LE.shape[0] * K
     naive = ids / (time.process_time() - t0)
-    return {"generate_only_Mids_per_cpu_s": round(ours / 1e6, 1), "naive_gumbel_topk_Mids_per_cpu_s": round(naive / 1e6, 1),
-            "speedup_vs_naive": round(ours / naive, 1)}
+    return {
+        "generate_only_Mids_per_cpu_s": round(ours / 1e6, 1),
+        "naive_gumbel_topk_Mids_per_cpu_s": round(naive / 1e6, 1),
+        "speedup_vs_naive": round(ours / naive, 1),
+    }
 
 
 def _calibration_rows() -> None:
@@ -113,7 +123,9 @@ def main() -> None:
         try:
             res = subprocess.run(
                 [sys.executable, __file__, "--one", str(n), "--workers", str(args.workers), "--out", str(tmp / "t")],
-                check=True, capture_output=True, text=True,
+                check=True,
+                capture_output=True,
+                text=True,
             )
             rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)

@@ -77,15 +77,22 @@ def _child(variant: str, ids_path: str, out: str, writer_path: str | None) -> di
             w.add_request(request_id=0, dataset="gsm8k", prompt_tokens=1, topk_ids_TX=topk_ids_TX[:2])
         shutil.rmtree(Path(out) / "warmup")
     else:
-        pq.write_table(pa.table({"experts": pa.FixedSizeListArray.from_arrays(pa.array(topk_ids_TX[:2].reshape(-1)), X)}),
-                       Path(out) / "warmup.parquet")
+        pq.write_table(
+            pa.table({"experts": pa.FixedSizeListArray.from_arrays(pa.array(topk_ids_TX[:2].reshape(-1)), X)}),
+            Path(out) / "warmup.parquet",
+        )
         (Path(out) / "warmup.parquet").unlink()
     rss0 = _rss_mib()
     cpu0, t0 = time.process_time(), time.perf_counter()
     if variant == "ceiling":
         flat = pa.FixedSizeListArray.from_arrays(pa.array(topk_ids_TX.reshape(-1)), X)
-        pq.write_table(pa.table({"experts": flat}), Path(out) / "bare.parquet", compression=None,
-                       use_dictionary=False, write_statistics=False)
+        pq.write_table(
+            pa.table({"experts": flat}),
+            Path(out) / "bare.parquet",
+            compression=None,
+            use_dictionary=False,
+            write_statistics=False,
+        )
     else:
         R = T // (PROMPT + OUTPUT)
         P, O = np.full(R, PROMPT, np.int32), np.full(R, OUTPUT, np.int32)
@@ -93,8 +100,13 @@ def _child(variant: str, ids_path: str, out: str, writer_path: str | None) -> di
         with TraceWriter(Path(out) / "w", model=model, backend={"name": "synthetic"}, collection={}, **kw) as w:
             for s in range(0, R, R_STEP):
                 e = min(s + R_STEP, R)
-                w.add_requests(request_id_R=np.arange(s, e), dataset_R=["gsm8k"] * (e - s), prompt_tokens_R=P[s:e],
-                               output_tokens_R=O[s:e], topk_ids_TX=topk_ids_TX[offsets[s]:offsets[e]])
+                w.add_requests(
+                    request_id_R=np.arange(s, e),
+                    dataset_R=["gsm8k"] * (e - s),
+                    prompt_tokens_R=P[s:e],
+                    output_tokens_R=O[s:e],
+                    topk_ids_TX=topk_ids_TX[offsets[s] : offsets[e]],
+                )
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB (Linux)
     size = sum(f.stat().st_size for f in Path(out).rglob("*.parquet"))
@@ -106,8 +118,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=400_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--baseline", help="path of another tracer/trace/writer.py to measure as `before`")
-    ap.add_argument("--last-token-unrecorded", action="store_true",
-                    help="-1 in every slot of each request's last row, as HF and vLLM traces have")
+    ap.add_argument(
+        "--last-token-unrecorded",
+        action="store_true",
+        help="-1 in every slot of each request's last row, as HF and vLLM traces have",
+    )
     ap.add_argument("--child", nargs=4, metavar=("VARIANT", "IDS", "OUT", "WRITER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -127,14 +142,17 @@ def main() -> None:
     for layer in range(model.num_moe_layers):
         experts[:, layer, :] = rng.choice(model.num_experts, size=(T, model.top_k), p=pop[layer])
     if args.last_token_unrecorded:
-        experts[PROMPT + OUTPUT - 1::PROMPT + OUTPUT] = -1
+        experts[PROMPT + OUTPUT - 1 :: PROMPT + OUTPUT] = -1
     root = Path(tempfile.mkdtemp(prefix="bench_writer_"))
     ids_path = root / "ids.npy"
     np.save(ids_path, experts.reshape(T, -1))
     del experts
 
-    variants = [("after", "-")] + ([("before", str(Path(args.baseline).resolve()))] if args.baseline else []) + [
-        ("pyarrow", "-"), ("ceiling", "-")]
+    variants = (
+        [("after", "-")]
+        + ([("before", str(Path(args.baseline).resolve()))] if args.baseline else [])
+        + [("pyarrow", "-"), ("ceiling", "-")]
+    )
     res: dict[str, list[dict]] = {v: [] for v, _ in variants}
     for rep in range(args.reps):
         order = variants if rep % 2 == 0 else [variants[1], variants[0], *variants[2:]]
@@ -148,22 +166,32 @@ def main() -> None:
     shutil.rmtree(root)
 
     X = model.ids_per_token
-    names = {"after": "moetrace TraceWriter, this checkout (dict+lz4)", "before": f"moetrace TraceWriter, {args.baseline}",
-             "pyarrow": "moetrace TraceWriter, encoder='pyarrow'", "ceiling": "pyarrow ceiling (plain, bare column)"}
+    names = {
+        "after": "moetrace TraceWriter, this checkout (dict+lz4)",
+        "before": f"moetrace TraceWriter, {args.baseline}",
+        "pyarrow": "moetrace TraceWriter, encoder='pyarrow'",
+        "ceiling": "pyarrow ceiling (plain, bare column)",
+    }
     unrec = ", last token of each request -1" if args.last_token_unrecorded else ""
-    print(f"{T:,} tokens x {X} ids (DeepSeek-V3 shape{unrec}), {args.reps} reps per variant, one child process each, "
-          f"{os.cpu_count()} CPUs, load average before/after: see `uptime`")
+    print(
+        f"{T:,} tokens x {X} ids (DeepSeek-V3 shape{unrec}), {args.reps} reps per variant, one child process each, "
+        f"{os.cpu_count()} CPUs, load average before/after: see `uptime`"
+    )
     print(f"  {'variant':<60} {'best':>7} {'median':>7} M tok/s  {'CPU s':>6}  {'peak MiB':>8}  {'B/token':>7}")
     for variant, _ in variants:
         runs = res[variant]
         rates = sorted(T / r["wall"] / 1e6 for r in runs)
-        print(f"  {names[variant]:<60} {rates[-1]:7.3f} {float(np.median(rates)):7.3f}          "
-              f"{min(r['cpu'] for r in runs):6.2f}  {max(r['peak_mib'] for r in runs):8.0f}  {runs[0]['bytes_per_token']:7.0f}")
+        print(
+            f"  {names[variant]:<60} {rates[-1]:7.3f} {float(np.median(rates)):7.3f}          "
+            f"{min(r['cpu'] for r in runs):6.2f}  {max(r['peak_mib'] for r in runs):8.0f}  {runs[0]['bytes_per_token']:7.0f}"
+        )
     for other in ("pyarrow", "before") if args.baseline else ("pyarrow",):
         best = {v: min(r["wall"] for r in res[v]) for v in ("after", other)}
         cpu = {v: min(r["cpu"] for r in res[v]) for v in ("after", other)}
-        print(f"  after / {other}: {best[other] / best['after']:.2f}x tokens/s (best wall), "
-              f"{cpu[other] / cpu['after']:.2f}x (CPU time)")
+        print(
+            f"  after / {other}: {best[other] / best['after']:.2f}x tokens/s (best wall), "
+            f"{cpu[other] / cpu['after']:.2f}x (CPU time)"
+        )
 
 
 if __name__ == "__main__":

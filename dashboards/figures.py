@@ -11,7 +11,8 @@ Out of scope: reading results (``section_*``), the page (``page``).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -100,7 +101,9 @@ def heatmaps_by_layer(
             )
         )
     if layer_labels is not None:
-        fig.update_layout(sliders=layer_slider(z.shape[0], traces_per_layer=1, layer_labels=[str(v) for v in layer_labels]))
+        fig.update_layout(
+            sliders=layer_slider(z.shape[0], traces_per_layer=1, layer_labels=[str(v) for v in layer_labels])
+        )
     if square:
         _, width = square_matrix(fig, [str(v) for v in x], x_title=x_title, y_title=y_title, what=what, source=source,
                                  slider=layer_labels is not None)  # fmt: skip

@@ -80,8 +80,12 @@ def detect(path: str | os.PathLike) -> Input:
         if obj is not None and (fmt in result_formats or fmt is None):
             kind, manifest = read_result_manifest(f)  # raises: older moetrace (no format), unsupported version
             if kind is COMPARE:
-                return Input(kind=DRAWN[kind.name], path=p, manifest=manifest,
-                             compare=CompareManifest.from_json(manifest, where=str(f)))
+                return Input(
+                    kind=DRAWN[kind.name],
+                    path=p,
+                    manifest=manifest,
+                    compare=CompareManifest.from_json(manifest, where=str(f)),
+                )
             if kind.name in DRAWN:
                 return Input(kind=DRAWN[kind.name], path=p, manifest=manifest)
         seen.append(f"{name} (format {fmt!r})" if obj is not None else f"{name} (unreadable)")

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import html
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from moetrace._deps import require
 
@@ -51,7 +52,9 @@ class Table:
     header: tuple[str, ...]  # column names
     rows: tuple[tuple[Any, ...], ...]  # cell values (escaped when written)
     caption: str = ""  # shown above the table
-    summary: str = ""  # the line shown while a long table (> COLLAPSE_ROWS rows) is folded; default: header and row count
+    summary: str = (
+        ""  # the line shown while a long table (> COLLAPSE_ROWS rows) is folded; default: header and row count
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,7 +296,9 @@ def render_page(
                 f"{_figure_json(f.figure, PLOTLY_CONFIG)}</script>"
             )
             cap = html.escape(f.caption)
-            out.append(f'<p class="caption">{cap} <span class="source">Data: <code>{html.escape(f.source)}</code></span></p>')
+            out.append(
+                f'<p class="caption">{cap} <span class="source">Data: <code>{html.escape(f.source)}</code></span></p>'
+            )
         out.extend(f'<p class="note">{html.escape(n)}</p>' for n in s.notes)
         out.append("</section>")
     now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

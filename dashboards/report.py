@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 from moetrace.dashboards.inputs import Input, detect
 from moetrace.dashboards.page import Headline, Section, render_page
@@ -116,7 +116,7 @@ def build_sections(
     for n, t in enumerate(traces):
         trace = open_trace(t.path, require_complete=False)
         if trace.part_names():
-            trace.request_arrays  # checks the requests table and every routing part's footer, like analyze does
+            _ = trace.request_arrays  # checks the requests table and every routing part's footer, like analyze does
         sections.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))
         step()
     if not traces:
@@ -125,7 +125,9 @@ def build_sections(
     for build in builders:
         _add_sections(sections, omitted, analyses, _with_random_weights_banner(build), "a", step)
     if not analyses:
-        omitted.append("load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs")
+        omitted.append(
+            "load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs"
+        )
     _add_sections(sections, omitted, placements, lambda r, kp: placement_section(r, key_prefix=kp), "p", step)
     if not placements:
         omitted.append("placement: no `moetrace compare` results among the inputs")
@@ -213,7 +215,11 @@ def write_dashboard(
     title = config.title or f"moetrace report: {', '.join(models) or 'expert activations'}"
     subtitle = "Inputs: " + ", ".join(f"{i.path} ({i.kind})" for i in found)
     text = render_page(
-        sections, title=title, subtitle=subtitle, footer_notes=[f"Not shown: {o}" for o in omitted], headlines=built.headlines
+        sections,
+        title=title,
+        subtitle=subtitle,
+        footer_notes=[f"Not shown: {o}" for o in omitted],
+        headlines=built.headlines,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")

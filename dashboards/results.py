@@ -34,7 +34,7 @@ class Results:
     compare_manifest: CompareManifest | None = None  # the typed compare.json of a "placement" result
 
     @classmethod
-    def from_input(cls, inp: Input) -> "Results":
+    def from_input(cls, inp: Input) -> Results:
         return cls(path=inp.path, manifest=inp.manifest, kind=inp.kind, compare_manifest=inp.compare)
 
     @property
@@ -121,7 +121,15 @@ def box_stats(values_B: np.ndarray) -> dict[str, float]:
     v = np.asarray(values_B, dtype=np.float64)
     v = v[np.isfinite(v)]
     if v.size == 0:
-        return {"q1": np.nan, "median": np.nan, "q3": np.nan, "mean": np.nan, "lowerfence": np.nan, "upperfence": np.nan, "n": 0}
+        return {
+            "q1": np.nan,
+            "median": np.nan,
+            "q3": np.nan,
+            "mean": np.nan,
+            "lowerfence": np.nan,
+            "upperfence": np.nan,
+            "n": 0,
+        }
     q1, med, q3 = np.quantile(v, [0.25, 0.5, 0.75])
     return {
         "q1": float(q1),

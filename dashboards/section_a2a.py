@@ -135,7 +135,10 @@ def _bytes_figure(df: pl.DataFrame, res: Results, *, key: str, mismatched: int) 
     colours = strategy_colours(strategies)
     per_batch = (
         df.group_by("strategy", "batch")
-        .agg(pl.col("measured_inter_bytes").sum().alias("measured"), pl.col("predicted_inter_bytes").sum().alias("predicted"))
+        .agg(
+            pl.col("measured_inter_bytes").sum().alias("measured"),
+            pl.col("predicted_inter_bytes").sum().alias("predicted"),
+        )
         .group_by("strategy")
         .agg(pl.col("measured").median(), pl.col("predicted").median())
     )
@@ -144,7 +147,10 @@ def _bytes_figure(df: pl.DataFrame, res: Results, *, key: str, mismatched: int) 
     scale = {c: (float(by[ref][c]) if ref is not None else 1.0) for c in ("measured", "predicted")}
     names = [_label(s) for s in strategies]
     fig = go.Figure()
-    for col, label, pattern in (("measured", "measured (collectives)", ""), ("predicted", "predicted (simulator)", "/")):
+    for col, label, pattern in (
+        ("measured", "measured (collectives)", ""),
+        ("predicted", "predicted (simulator)", "/"),
+    ):
         raw = np.array([float(by[s][col]) for s in strategies])
         y = raw / scale[col] if scale[col] > 0 else np.full_like(raw, np.nan)
         fig.add_trace(
@@ -153,8 +159,11 @@ def _bytes_figure(df: pl.DataFrame, res: Results, *, key: str, mismatched: int) 
                 y=y,
                 name=label,
                 customdata=raw,
-                marker={"color": [colours[s] for s in strategies], "pattern": {"shape": pattern},
-                        "line": {"color": "#222", "width": 1}},
+                marker={
+                    "color": [colours[s] for s in strategies],
+                    "pattern": {"shape": pattern},
+                    "line": {"color": "#222", "width": 1},
+                },
                 hovertemplate=f"%{{x}}<br>{label}<br>"
                 + ("normalized %{y:.3f}<br>" if ref else "")
                 + "%{customdata:,.0f} bytes per batch<extra></extra>",
@@ -177,7 +186,9 @@ def _bytes_figure(df: pl.DataFrame, res: Results, *, key: str, mismatched: int) 
         barmode="group",
         xaxis={"title": {"text": "placement strategy"}},
         yaxis={
-            "title": {"text": f"inter-node bytes per batch / median of {_label(ref)}" if ref else "inter-node bytes per batch"},
+            "title": {
+                "text": f"inter-node bytes per batch / median of {_label(ref)}" if ref else "inter-node bytes per batch"
+            },
             "rangemode": "tozero",
         },
         legend={"title": {"text": "bytes"}},

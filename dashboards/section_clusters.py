@@ -49,7 +49,9 @@ def _requests_of_trace(res: Results) -> pl.DataFrame | None:
     return t.requests().select("request_id", "prompt_tokens", "output_tokens").collect()
 
 
-def clusters_section(res: Results, *, max_points: int, seed: int, key_prefix: str = "") -> tuple[Section | None, list[str]]:
+def clusters_section(
+    res: Results, *, max_points: int, seed: int, key_prefix: str = ""
+) -> tuple[Section | None, list[str]]:
     emb = res.table(rf.EMBEDDING)
     kp = f"{key_prefix}clusters"
     if emb is None:
@@ -77,7 +79,9 @@ def clusters_section(res: Results, *, max_points: int, seed: int, key_prefix: st
                 row = scores.filter(pl.col("stage") == stage)
                 if row.height and f"silhouette_{method}" in row.columns:
                     r = row.row(0, named=True)
-                    score_txt = f" (silhouette {r[f'silhouette_{method}']:.2f} in 2-D, K-means ARI {r['adjusted_rand']:.2f})"
+                    score_txt = (
+                        f" (silhouette {r[f'silhouette_{method}']:.2f} in 2-D, K-means ARI {r['adjusted_rand']:.2f})"
+                    )
             fig = scatter_by_category(
                 sub["x"].to_numpy(),
                 sub["y"].to_numpy(),
@@ -90,12 +94,16 @@ def clusters_section(res: Results, *, max_points: int, seed: int, key_prefix: st
                 max_points=max_points,
                 seed=seed,
             )
-            figures.append(res.figure(
-                f"{kp}-{method}-{stage}", fig, file=rf.EMBEDDING,
-                caption=f"One point per request: its {stage} token counts per expert ({scope}), normalized, projected "
-                f"to 2-D with {METHOD_NAMES[method]} ({sub.height:,} requests). Axes have no unit; only neighbourhoods "
-                "matter.",
-            ))
+            figures.append(
+                res.figure(
+                    f"{kp}-{method}-{stage}",
+                    fig,
+                    file=rf.EMBEDDING,
+                    caption=f"One point per request: its {stage} token counts per expert ({scope}), normalized, projected "
+                    f"to 2-D with {METHOD_NAMES[method]} ({sub.height:,} requests). Axes have no unit; only neighbourhoods "
+                    "matter.",
+                )
+            )
     return (
         Section(
             key=kp,
@@ -121,7 +129,10 @@ def classifiers_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
         acc = acc.sort("layer")
         chance = float(acc["chance"][0])
         fig = lines_by_layer(
-            {"test accuracy": acc["accuracy"].to_numpy(), "shuffled-label control": acc["shuffled_accuracy"].to_numpy()},
+            {
+                "test accuracy": acc["accuracy"].to_numpy(),
+                "shuffled-label control": acc["shuffled_accuracy"].to_numpy(),
+            },
             layers=acc["model_layer"].to_list(),
             y_title="accuracy (test split)",
             y_range=(0.0, 1.02),
@@ -131,14 +142,20 @@ def classifiers_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             colours={"test accuracy": OKABE_ITO[4], "shuffled-label control": OKABE_ITO[7]},
             dash={"shuffled-label control": "dash"},
         )
-        figures.append(res.figure(
-            f"{kp}-accuracy", fig, file=rf.CLASSIFY_ACCURACY,
-            caption="Per layer, multinomial logistic regression from a request's raw prefill count vector to its dataset, "
-            "80:20 split with equal representation of datasets. The control trains on shuffled labels; chance = 1/datasets.",
-        ))
+        figures.append(
+            res.figure(
+                f"{kp}-accuracy",
+                fig,
+                file=rf.CLASSIFY_ACCURACY,
+                caption="Per layer, multinomial logistic regression from a request's raw prefill count vector to its dataset, "
+                "80:20 split with equal representation of datasets. The control trains on shuffled labels; chance = 1/datasets.",
+            )
+        )
     if conf is not None:
         layers_L, model_L = layer_order(conf)
-        names = datasets_all_last(conf["true_dataset"].unique().to_list() + conf["predicted_dataset"].unique().to_list())
+        names = datasets_all_last(
+            conf["true_dataset"].unique().to_list() + conf["predicted_dataset"].unique().to_list()
+        )
         idx = {n: i for i, n in enumerate(names)}
         z = np.zeros((len(layers_L), len(names), len(names)))
         li = {int(v): i for i, v in enumerate(layers_L)}
@@ -160,12 +177,16 @@ def classifiers_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             show_values=len(names) <= 10,
             square=True,
         )
-        figures.append(res.figure(
-            f"{kp}-confusion", fig, file=rf.CLASSIFY_CONFUSION,
-            caption="Rows: the dataset a test request came from; columns: what the layer's classifier predicted. "
-            "A perfect classifier fills the diagonal.",
-            max_width=int(fig.layout.meta["width"]),
-        ))
+        figures.append(
+            res.figure(
+                f"{kp}-confusion",
+                fig,
+                file=rf.CLASSIFY_CONFUSION,
+                caption="Rows: the dataset a test request came from; columns: what the layer's classifier predicted. "
+                "A perfect classifier fills the diagonal.",
+                max_width=int(fig.layout.meta["width"]),
+            )
+        )
     return (
         Section(
             key=kp,

@@ -56,8 +56,11 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
         figures.append(_prefill_decode_figure(pooled, per_req, res, key=f"{kp}-prefill-decode"))
     else:
         why = (res.manifest.get("skipped") or {}).get("prefill_decode")  # analyze records why it skipped a step
-        notes.append(f"prefill↔decode: skipped ({why})" if why else
-                     "prefill_decode_*.parquet absent (trace without both stages?): no prefill↔decode figure")
+        notes.append(
+            f"prefill↔decode: skipped ({why})"
+            if why
+            else "prefill_decode_*.parquet absent (trace without both stages?): no prefill↔decode figure"
+        )
 
     rec = res.table(rf.PREFILL_DECODE_RECALL)
     if rec is not None:
@@ -73,14 +76,21 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             y_range=(0.0, 1.02),
             what=f"How well prefill predicts a request's decode hot experts (recall@{k}), by layer",
             source=res.label,
-            colours={f"recall@{k} from prefill counts": OKABE_ITO[4], f"popularity baseline (top-{k} overall)": OKABE_ITO[7]},
+            colours={
+                f"recall@{k} from prefill counts": OKABE_ITO[4],
+                f"popularity baseline (top-{k} overall)": OKABE_ITO[7],
+            },
             dash={f"popularity baseline (top-{k} overall)": "dash"},
         )
-        figures.append(res.figure(
-            f"{kp}-recall", fig, file=rf.PREFILL_DECODE_RECALL,
-            caption=f"Per request: the share of its {k} most-used decode experts found among its {k} most-used "
-            "prefill experts, averaged over requests; the baseline guesses the globally most-used experts.",
-        ))
+        figures.append(
+            res.figure(
+                f"{kp}-recall",
+                fig,
+                file=rf.PREFILL_DECODE_RECALL,
+                caption=f"Per request: the share of its {k} most-used decode experts found among its {k} most-used "
+                "prefill experts, averaged over requests; the baseline guesses the globally most-used experts.",
+            )
+        )
 
     if not figures:
         return None, ["correlations: no correlation results in " + str(res.path)]
@@ -105,7 +115,9 @@ def _square(df: pl.DataFrame, names: list[str]) -> np.ndarray:
     return out
 
 
-def _matrix_figure(per_layer: pl.DataFrame | None, mean: pl.DataFrame | None, res: Results, *, stage: str, key: str) -> Figure:
+def _matrix_figure(
+    per_layer: pl.DataFrame | None, mean: pl.DataFrame | None, res: Results, *, stage: str, key: str
+) -> Figure:
     go = plotly_go()
     frames = [f for f in (per_layer, mean) if f is not None]
     names = datasets_all_last(pl.concat([f.select("dataset_a") for f in frames])["dataset_a"].unique().to_list())
@@ -144,14 +156,18 @@ def _matrix_figure(per_layer: pl.DataFrame | None, mean: pl.DataFrame | None, re
     _, width = square_matrix(fig, names, x_title="dataset", y_title="dataset", slider=True,
                              what=f"Dataset × dataset correlation of expert usage: {stage}", source=res.label)  # fmt: skip
     return res.figure(
-        key, fig, file=rf.DATASET_CORRELATION_MEAN if mean is not None else rf.DATASET_CORRELATION,
+        key,
+        fig,
+        file=rf.DATASET_CORRELATION_MEAN if mean is not None else rf.DATASET_CORRELATION,
         caption=f"Pearson r between two datasets' per-expert {stage} token-count vectors of a layer. Slider: first "
         "step the mean over layers, then each layer (model index).",
         max_width=width,
     )
 
 
-def _prefill_decode_figure(pooled: pl.DataFrame | None, per_req: pl.DataFrame | None, res: Results, *, key: str) -> Figure:
+def _prefill_decode_figure(
+    pooled: pl.DataFrame | None, per_req: pl.DataFrame | None, res: Results, *, key: str
+) -> Figure:
     series: dict[str, np.ndarray] = {}
     dash: dict[str, str] = {}
     layers = None
@@ -181,7 +197,9 @@ def _prefill_decode_figure(pooled: pl.DataFrame | None, per_req: pl.DataFrame | 
         dash=dash,
     )
     return res.figure(
-        key, fig, file=rf.PREFILL_DECODE_POOLED if pooled is not None else rf.PREFILL_DECODE_PER_REQUEST_LAYERS,
+        key,
+        fig,
+        file=rf.PREFILL_DECODE_POOLED if pooled is not None else rf.PREFILL_DECODE_PER_REQUEST_LAYERS,
         caption="Pooled: per dataset, Pearson r between the layer's prefill and decode per-expert count vectors ('all' pools "
         "every dataset). Per request: r of each request's own prefill and decode vectors, averaged over requests (dashed).",
     )

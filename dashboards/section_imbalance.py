@@ -83,11 +83,15 @@ def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
                 show_values=len(model_L) <= 24 and len(ds) <= 10,
                 height=height_for_rows(len(model_L)),
             )
-            figures.append(res.figure(
-                f"{kp}-if-{stage}", fig, file=rf.IMBALANCE,
-                caption=f"IF of a layer = max over experts of (tokens routed to the expert) / (T·k/E), over all "
-                f"{stage} tokens of the dataset; 'all' pools every dataset. The slowest expert bounds the layer.",
-            ))
+            figures.append(
+                res.figure(
+                    f"{kp}-if-{stage}",
+                    fig,
+                    file=rf.IMBALANCE,
+                    caption=f"IF of a layer = max over experts of (tokens routed to the expert) / (T·k/E), over all "
+                    f"{stage} tokens of the dataset; 'all' pools every dataset. The slowest expert bounds the layer.",
+                )
+            )
     else:
         notes.append("imbalance.parquet absent: no IF heatmap")
 
@@ -107,9 +111,8 @@ def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
         return None, ["load imbalance: no imbalance results in " + str(res.path)]
     summary = res.json(rf.ANALYSIS_SUMMARY) or {}
     bs = (summary.get("imbalance") or {}).get("batch_size")
-    intro = (
-        "How unevenly tokens spread over experts, per layer, dataset and stage (SPEC §3). "
-        + (f"Batches hold {bs} requests each. " if bs else "")
+    intro = "How unevenly tokens spread over experts, per layer, dataset and stage (SPEC §3). " + (
+        f"Batches hold {bs} requests each. " if bs else ""
     )
     return Section(key=kp, title="Load imbalance", intro=intro, figures=tuple(figures), notes=tuple(notes)), []
 
@@ -200,7 +203,10 @@ def _expert_load_figure(load: pl.DataFrame, res: Results, *, key: str) -> Figure
         {
             "label": label,
             "method": "update",
-            "args": [{"z": [typed_array(v) for v in views[view]]}, {f"coloraxis.{k}": v for k, v in colour_axis(view).items()}],
+            "args": [
+                {"z": [typed_array(v) for v in views[view]]},
+                {f"coloraxis.{k}": v for k, v in colour_axis(view).items()},
+            ],
         }
         for view, (label, _) in LOAD_VIEWS.items()
     ]
@@ -211,12 +217,26 @@ def _expert_load_figure(load: pl.DataFrame, res: Results, *, key: str) -> Figure
             "colorscale": level_colorscale(SEQUENTIAL),
             "cmin": 0,
             "cmax": LEVELS,
-            "colorbar": {"title": {"text": LOAD_VIEWS["log"][1], "side": "right"}, "thickness": 14, "tickvals": vals,
-                         "ticktext": text},
+            "colorbar": {
+                "title": {"text": LOAD_VIEWS["log"][1], "side": "right"},
+                "thickness": 14,
+                "tickvals": vals,
+                "ticktext": text,
+            },
         },  # fmt: skip
         updatemenus=[
-            {"type": "buttons", "direction": "right", "active": 0, "showactive": True, "buttons": view_buttons,
-             "x": 0.0, "xanchor": "left", "y": 1.0, "yanchor": "bottom", "pad": {"b": 8}},
+            {
+                "type": "buttons",
+                "direction": "right",
+                "active": 0,
+                "showactive": True,
+                "buttons": view_buttons,
+                "x": 0.0,
+                "xanchor": "left",
+                "y": 1.0,
+                "yanchor": "bottom",
+                "pad": {"b": 8},
+            },
             *dropdown([f"{d} · {s}" for d, s in scopes], vis, prefix="", y=1.0),
         ],  # fmt: skip
         xaxis={"title": {"text": "expert id"}},
@@ -229,7 +249,9 @@ def _expert_load_figure(load: pl.DataFrame, res: Results, *, key: str) -> Figure
     title_at_top(fig, height)
     fig.layout.updatemenus[1].pad = {"b": 8}
     return res.figure(
-        key, fig, file=rf.EXPERT_LOAD,
+        key,
+        fig,
+        file=rf.EXPERT_LOAD,
         caption="Expert load = tokens routed to the expert / (T·k/E) in the chosen dataset and stage (1 = balanced; hover "
         "for the value). Colour: log scale by default, so a few hot experts do not turn every other cell dark; "
         "'linear' shows the load itself; 'per layer' divides by the busiest expert of each layer. Log and linear use one "
@@ -249,7 +271,9 @@ def _batch_figure(bt: pl.DataFrame, res: Results, *, key: str) -> Figure:
         for stage in stages:
             sub = bt.filter((pl.col("dataset") == scope) & (pl.col("stage") == stage))
             n_batches[scope] = int(sub["batch"].n_unique())
-            stats = [box_stats(sub.filter(pl.col("layer") == int(lay))["imbalance_factor"].to_numpy()) for lay in layers_L]
+            stats = [
+                box_stats(sub.filter(pl.col("layer") == int(lay))["imbalance_factor"].to_numpy()) for lay in layers_L
+            ]
             fig.add_trace(
                 go.Box(
                     x=[str(v) for v in model_L],
@@ -279,7 +303,9 @@ def _batch_figure(bt: pl.DataFrame, res: Results, *, key: str) -> Figure:
     )
     finish(fig, what="Imbalance factor over random serving-sized batches, per layer", source=res.label, height=460)
     return res.figure(
-        key, fig, file=rf.BATCH_IMBALANCE,
+        key,
+        fig,
+        file=rf.BATCH_IMBALANCE,
         caption="Each box summarizes the IF of every batch (requests shuffled and cut into batches): box = quartiles, "
         "line = median, dashed = mean, whiskers = min to max. The dotted line is perfect balance.",
     )

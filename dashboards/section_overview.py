@@ -108,7 +108,14 @@ def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
     )
     prov = _flat({"backend": trace.manifest.get("backend", {}), "collection": trace.manifest.get("collection", {})})
     counts_rows = tuple(
-        (r["dataset"], r["requests"], int(r["prefill"]), int(r["decode"]), float(r["prompt_median"]), float(r["output_median"]))
+        (
+            r["dataset"],
+            r["requests"],
+            int(r["prefill"]),
+            int(r["decode"]),
+            float(r["prompt_median"]),
+            float(r["output_median"]),
+        )
         for r in per.iter_rows(named=True)
     )
     if per.height > 1:
@@ -178,4 +185,3 @@ def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:
         figures=figures,
         banner=RANDOM_WEIGHTS_BANNER if random_weights(trace.manifest) else "",
     )
-

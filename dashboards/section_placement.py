@@ -208,9 +208,13 @@ def _fig9(batches: pl.DataFrame, res: Results, *, ref: str, key: str) -> Figure:
         xaxis={"title": {"text": "placement strategy"}},
         yaxis={"title": {"text": "inter-node all-to-all bytes / reference median"}, "range": list(ratio_range(all_y))},
     )
-    finish(fig, what="Normalized inter-node all-to-all volume per strategy (lower is better)", source=res.label, height=460)
+    finish(
+        fig, what="Normalized inter-node all-to-all volume per strategy (lower is better)", source=res.label, height=460
+    )
     return res.figure(
-        key, fig, file=COMPARE_BATCHES,
+        key,
+        fig,
+        file=COMPARE_BATCHES,
         caption="One value per simulated global batch (a decode step of every node's micro-batch): inter-node bytes of "
         f"dispatch and combine summed over MoE layers, divided by the median of {STRATEGY_NAMES.get(ref, ref)}. Box = "
         "quartiles, whiskers = 1.5 IQR, dashed = mean. The y axis spans the 1st to 99th percentile of the values (and 1), "
@@ -334,7 +338,9 @@ def _placement_map(places: pl.DataFrame, res: Results, *, key: str) -> Figure:
     finish(fig, what="Placement map: the expert in every slot, by layer and GPU (pick a strategy)", source=res.label,
            height=height_for_rows(len(model_L)))  # fmt: skip
     return res.figure(
-        key, fig, file=COMPARE_PLACEMENTS,
+        key,
+        fig,
+        file=COMPARE_PLACEMENTS,
         caption="Each cell is one physical expert slot; its colour is the logical expert it holds (hover for the id, GPU "
         "and node). A linear placement reads as a smooth gradient; a data-based one gathers each node's experts.",
     )

@@ -28,6 +28,7 @@ from moetrace.dashboards.page import Headline
 from moetrace.dashboards.results import Results
 from moetrace.dashboards.section_imbalance import _stages
 
+
 def _x(v: float) -> str:
     """A ratio as shown on the card: ``1.34×``."""
     return f"{v:.2f}×"
@@ -60,7 +61,9 @@ def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
         title="Routing imbalance" + suffix,
         value=_x(mean),
         label=f"{stage}, mean over {sub.height} MoE layers",
-        detail="Busiest expert's tokens / the mean expert's (1 = balanced), all datasets pooled; " + "; ".join(facts) + ".",
+        detail="Busiest expert's tokens / the mean expert's (1 = balanced), all datasets pooled; "
+        + "; ".join(facts)
+        + ".",
         href=f"{key_prefix}imbalance",
         link="Load imbalance",
         source=res.source(rf.IMBALANCE),
@@ -80,7 +83,11 @@ def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
     m = res.compare
     ref = m.reference
     col = "inter_node_normalized_median"
-    rows = {r["strategy"]: float(r[col]) for r in summary.select("strategy", col).iter_rows(named=True) if r[col] is not None}
+    rows = {
+        r["strategy"]: float(r[col])
+        for r in summary.select("strategy", col).iter_rows(named=True)
+        if r[col] is not None
+    }
     candidates = {s: v for s, v in rows.items() if s != ref and s in deployable}
     if not candidates:
         return None
@@ -91,7 +98,9 @@ def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
     bounds = [f"{STRATEGY_NAMES.get(s, s)} {_x(v)}" for s, v in rows.items() if s != ref and s not in deployable]
     detail = (
         f"Inter-node all-to-all bytes of a held-out global batch / {ref}'s median, median over "
-        f"{m.num_batches} batches (lower is better); {m.deployment} on {m.num_nodes} node(s)" + (f"; bounds, not deployable: {', '.join(bounds)}" if bounds else "") + "."
+        f"{m.num_batches} batches (lower is better); {m.deployment} on {m.num_nodes} node(s)"
+        + (f"; bounds, not deployable: {', '.join(bounds)}" if bounds else "")
+        + "."
     )
     return Headline(
         key=f"{key_prefix}placement",
@@ -118,7 +127,8 @@ def a2a_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> Hea
     ref = str(rows[0].get("reference", "linear"))
     measured = "measured_inter_node_normalized_median"
     others = [r for r in rows if r.get("strategy") != ref and r.get(measured) is not None] or [
-        r for r in rows if r.get(measured) is not None]
+        r for r in rows if r.get(measured) is not None
+    ]
     if not others:
         return None
     best = min(others, key=lambda r: float(r[measured]))

@@ -12,7 +12,8 @@ Out of scope: what a figure shows (the ``section_*`` modules), the page around i
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,12 @@ REFERENCE_LINE = "#555555"  # chance levels, balanced load, medians of baselines
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, 'DejaVu Sans', sans-serif"
 
 #: shared plotly config: no logo, no link to the cloud editor, PNG export named after the figure
-PLOTLY_CONFIG = {"displaylogo": False, "responsive": True, "showLink": False, "modeBarButtonsToRemove": ["sendDataToCloud"]}
+PLOTLY_CONFIG = {
+    "displaylogo": False,
+    "responsive": True,
+    "showLink": False,
+    "modeBarButtonsToRemove": ["sendDataToCloud"],
+}
 
 
 #: category order: Okabe-Ito without black, yellow last (it is faint on white)
@@ -80,7 +86,12 @@ def finish(fig: Any, *, what: str, source: str, height: int = 420) -> Any:
 
 
 def layer_slider(
-    num_layers: int, *, traces_per_layer: int, layer_labels: Sequence[str], extra_visible: int = 0, prefix: str = "layer "
+    num_layers: int,
+    *,
+    traces_per_layer: int,
+    layer_labels: Sequence[str],
+    extra_visible: int = 0,
+    prefix: str = "layer ",
 ) -> list[dict[str, Any]]:
     """Plotly ``sliders`` that show one layer's traces at a time.
 
@@ -276,7 +287,9 @@ def square_matrix(
     left = label_px + 50  # row labels and axis title
     right = 110  # colour bar
     width = left + side + right
-    lines = wrap_words(what, max_chars=max((side + right - 10) // 8, 20))  # the title starts above the plot; ~8 px a character
+    lines = wrap_words(
+        what, max_chars=max((side + right - 10) // 8, 20)
+    )  # the title starts above the plot; ~8 px a character
     t = 44 + 20 * len(lines) + top_labels + 30  # figure title (+ its source line), column labels, axis title
     b = 90 if slider else 20  # the slider and its current-value label
     height = t + side + b

@@ -35,9 +35,22 @@ from moetrace.atomic import atomic_path, write_json_atomic
 from moetrace.errors import OutputExistsError, TraceFormatError
 
 __all__ = [
-    "ResultKind", "KINDS", "ANALYSIS", "COMPARE", "PLACEMENT", "A2A",
-    "file_format", "json_header", "check_output", "table_metadata", "write_result_table", "write_result_json",
-    "check_result_json", "read_result_manifest", "read_table_format", "kind_of_format",
+    "ResultKind",
+    "KINDS",
+    "ANALYSIS",
+    "COMPARE",
+    "PLACEMENT",
+    "A2A",
+    "file_format",
+    "json_header",
+    "check_output",
+    "table_metadata",
+    "write_result_table",
+    "write_result_json",
+    "check_result_json",
+    "read_result_manifest",
+    "read_table_format",
+    "kind_of_format",
 ]
 
 #: Arrow schema metadata keys of a result table
@@ -89,19 +102,50 @@ A2A_MANIFEST = "a2a.json"
 A2A_COLLECTIVES = "collectives.parquet"
 
 ANALYSIS = ResultKind(
-    name="analysis", format="moetrace.analysis", version=1, command="moetrace analyze", manifest=ANALYSIS_MANIFEST,
-    files=(ANALYSIS_SUMMARY, IMBALANCE, EXPERT_LOAD, BATCH_IMBALANCE, DATASET_CORRELATION, DATASET_CORRELATION_MEAN,
-           PREFILL_DECODE_POOLED, PREFILL_DECODE_PER_REQUEST_LAYERS, PREFILL_DECODE_PER_REQUEST, PREFILL_DECODE_RECALL,
-           CLASSIFY_ACCURACY, CLASSIFY_CONFUSION, EMBEDDING, EMBEDDING_SCORES, AFFINITY, COACTIVATION, COUNTS),
+    name="analysis",
+    format="moetrace.analysis",
+    version=1,
+    command="moetrace analyze",
+    manifest=ANALYSIS_MANIFEST,
+    files=(
+        ANALYSIS_SUMMARY,
+        IMBALANCE,
+        EXPERT_LOAD,
+        BATCH_IMBALANCE,
+        DATASET_CORRELATION,
+        DATASET_CORRELATION_MEAN,
+        PREFILL_DECODE_POOLED,
+        PREFILL_DECODE_PER_REQUEST_LAYERS,
+        PREFILL_DECODE_PER_REQUEST,
+        PREFILL_DECODE_RECALL,
+        CLASSIFY_ACCURACY,
+        CLASSIFY_CONFUSION,
+        EMBEDDING,
+        EMBEDDING_SCORES,
+        AFFINITY,
+        COACTIVATION,
+        COUNTS,
+    ),
 )
 COMPARE = ResultKind(
-    name="compare", format="moetrace.compare", version=1, command="moetrace compare", manifest=COMPARE_MANIFEST,
+    name="compare",
+    format="moetrace.compare",
+    version=1,
+    command="moetrace compare",
+    manifest=COMPARE_MANIFEST,
     files=(COMPARE_LAYERS, COMPARE_BATCHES, COMPARE_SUMMARY, COMPARE_PLACEMENTS),
 )
-PLACEMENT = ResultKind(name="placement", format="moetrace.placement", version=1, command="moetrace place", manifest=None)
+PLACEMENT = ResultKind(
+    name="placement", format="moetrace.placement", version=1, command="moetrace place", manifest=None
+)
 
 A2A = ResultKind(
-    name="a2a", format="moetrace.a2a", version=1, command="moetrace a2a", manifest=A2A_MANIFEST, files=(A2A_COLLECTIVES,),
+    name="a2a",
+    format="moetrace.a2a",
+    version=1,
+    command="moetrace a2a",
+    manifest=A2A_MANIFEST,
+    files=(A2A_COLLECTIVES,),
 )
 
 #: every result kind; a new kind is one more entry
@@ -136,8 +180,9 @@ def table_metadata(kind: ResultKind, name: str) -> dict[bytes, bytes]:
     return {FORMAT_KEY: file_format(kind, name).encode(), VERSION_KEY: str(kind.version).encode()}
 
 
-def write_result_table(directory: str | os.PathLike, kind: ResultKind, name: str, table: Any, *,
-                       compression: str = "zstd") -> Path:
+def write_result_table(
+    directory: str | os.PathLike, kind: ResultKind, name: str, table: Any, *, compression: str = "zstd"
+) -> Path:
     """Write ``table`` (a ``pyarrow.Table``, or anything with ``to_arrow()`` such as a polars
     DataFrame) as ``directory/name`` with its format and version in the schema metadata; through a
     temporary name and a rename, so a reader never sees half of it. Returns the path."""
@@ -174,7 +219,9 @@ def check_output(path: str | os.PathLike, kind: ResultKind, *, overwrite: bool) 
             raise OutputExistsError(f"{p} is a file; -o of `{kind.command}` names a results directory")
         exists = any((p / n).exists() for n in (kind.manifest, *kind.files))
     if exists and not overwrite:
-        raise OutputExistsError(f"{p} already holds {kind.name} results; choose another -o, or pass --overwrite to replace them")
+        raise OutputExistsError(
+            f"{p} already holds {kind.name} results; choose another -o, or pass --overwrite to replace them"
+        )
 
 
 def check_result_json(path: str | os.PathLike, obj: object, kind: ResultKind | None = None) -> ResultKind:
@@ -188,14 +235,20 @@ def check_result_json(path: str | os.PathLike, obj: object, kind: ResultKind | N
     if fmt is None:
         writers = [k.command for k in KINDS if k is kind or (kind is None and k.manifest == Path(path).name)]
         redo = f"; re-run `{'` / `'.join(writers)}`" if writers else ""
-        raise TraceFormatError(f"{where} has no `format` key: it was written by an older moetrace (or is not a moetrace result){redo}")
+        raise TraceFormatError(
+            f"{where} has no `format` key: it was written by an older moetrace (or is not a moetrace result){redo}"
+        )
     found = kind_of_format(fmt)
     if found is None or (kind is not None and found is not kind):
         expected = repr(kind.format) if kind is not None else " or ".join(repr(k.format) for k in KINDS)
-        raise TraceFormatError(f"{where}: format {fmt!r} is not a moetrace result this reader takes (expected {expected})")
+        raise TraceFormatError(
+            f"{where}: format {fmt!r} is not a moetrace result this reader takes (expected {expected})"
+        )
     if obj.get("version") != found.version:
-        raise TraceFormatError(f"{where}: {found.format} version {obj.get('version')!r} is not supported (this moetrace "
-                               f"reads version {found.version}); re-run `{found.command}`")
+        raise TraceFormatError(
+            f"{where}: {found.format} version {obj.get('version')!r} is not supported (this moetrace "
+            f"reads version {found.version}); re-run `{found.command}`"
+        )
     return found
 
 
@@ -225,5 +278,7 @@ def read_table_format(path: str | os.PathLike) -> tuple[str, int]:
 
     meta = pq.read_schema(path).metadata or {}
     if FORMAT_KEY not in meta or VERSION_KEY not in meta:
-        raise TraceFormatError(f"{path}: no moetrace format in the table's schema metadata (written by an older moetrace?)")
+        raise TraceFormatError(
+            f"{path}: no moetrace format in the table's schema metadata (written by an older moetrace?)"
+        )
     return meta[FORMAT_KEY].decode(), int(meta[VERSION_KEY])

@@ -83,8 +83,9 @@ def check_against_simulator(
     """Raise ``A2AMismatchError`` naming the first (batch, layer, phase, link class) where the matrices'
     bytes differ from ``simulate_volume``'s metrics ``sim`` (float64 [B, L] each); exact equality."""
     for phase in ("dispatch", "combine"):
-        intra_BLW, inter_BLW = rank_link_bytes(sends_BLWW, phase=phase, ranks_per_node=ranks_per_node,
-                                               bytes_per_token=bytes_per_token)
+        intra_BLW, inter_BLW = rank_link_bytes(
+            sends_BLWW, phase=phase, ranks_per_node=ranks_per_node, bytes_per_token=bytes_per_token
+        )
         for cls, got in (("intra", intra_BLW.sum(-1)), ("inter", inter_BLW.sum(-1))):
             want = sim[f"{phase}_{cls}_bytes"]
             bad = np.argwhere(got != want)

@@ -36,9 +36,10 @@ import pickle
 import socket
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 
@@ -54,9 +55,24 @@ from moetrace.placement.routers import NoRouter
 from moetrace.placement.simulate import DedupUnit, simulate_volume
 
 __all__ = [
-    "A2APlan", "A2ARunError", "Backend", "Network", "build_plan", "choose_backend", "first_mismatch", "format_smoke",
-    "format_summary", "launch_local", "placed_from_file", "raise_on_mismatch", "result_table", "run_a2a", "run_rank",
-    "run_smoke", "summary_rows", "write_a2a_results",
+    "A2APlan",
+    "A2ARunError",
+    "Backend",
+    "Network",
+    "build_plan",
+    "choose_backend",
+    "first_mismatch",
+    "format_smoke",
+    "format_summary",
+    "launch_local",
+    "placed_from_file",
+    "raise_on_mismatch",
+    "result_table",
+    "run_a2a",
+    "run_rank",
+    "run_smoke",
+    "summary_rows",
+    "write_a2a_results",
 ]
 
 Backend = Literal["gloo", "nccl", "auto"]
@@ -102,21 +118,29 @@ def placed_from_file(data: TraceData, cfg: CompareConfig, pf: PlacementFile, *, 
     m, dep = data.model, cfg.deployment
     L, P = pf.placement.phy2log.shape
     if L != m.num_moe_layers or pf.model.num_experts != m.num_experts:
-        raise TraceFormatError(f"{where}: placement of {L} MoE layers x {pf.model.num_experts} experts; the trace has "
-                               f"{m.num_moe_layers} x {m.num_experts} (place it from this trace's model)")
+        raise TraceFormatError(
+            f"{where}: placement of {L} MoE layers x {pf.model.num_experts} experts; the trace has "
+            f"{m.num_moe_layers} x {m.num_experts} (place it from this trace's model)"
+        )
     if P % dep.num_ep or pf.deployment.num_ep != dep.num_ep:
-        raise ConfigError(f"{where}: placement for EP{pf.deployment.num_ep} ({P} slots); --config {dep.name} has "
-                          f"EP{dep.num_ep} (re-run `moetrace place` with this --config)")
+        raise ConfigError(
+            f"{where}: placement for EP{pf.deployment.num_ep} ({P} slots); --config {dep.name} has "
+            f"EP{dep.num_ep} (re-run `moetrace place` with this --config)"
+        )
     if isinstance(pf.router, NoRouter):
         return PlacedStrategy(strategy=pf.strategy, placement=pf.placement)
     if pf.router.num_groups != dep.num_groups:
-        raise ConfigError(f"{where}: its {pf.router.kind} router sends requests to {pf.router.num_groups} nodes; --config "
-                          f"{dep.name} on nodes of {dep.num_gpus_per_node} GPUs has {dep.num_groups} (re-run `moetrace place` "
-                          "with this --config and --gpus-per-node)")
+        raise ConfigError(
+            f"{where}: its {pf.router.kind} router sends requests to {pf.router.num_groups} nodes; --config "
+            f"{dep.name} on nodes of {dep.num_gpus_per_node} GPUs has {dep.num_groups} (re-run `moetrace place` "
+            "with this --config and --gpus-per-node)"
+        )
     if "prefill" not in data.stages:
         raise ConfigError(f"{where}: its router reads prefill routing, which this trace did not record")
     routes = pf.router.route(data.prefill_RLE, placement=pf.placement, is_test_R=data.is_test_R)
-    return PlacedStrategy(strategy=pf.strategy, placement=pf.placement, router=pf.router, group_of_test_R=routes.group_R)
+    return PlacedStrategy(
+        strategy=pf.strategy, placement=pf.placement, router=pf.router, group_of_test_R=routes.group_R
+    )
 
 
 class _Routing(TypedDict):
@@ -159,8 +183,16 @@ def build_plan(
     sends, intra, inter = [], [], []
     for name, ps in placed.items():
         rows, batch, src, _ = held_out_batches(data, cfg, ps.group_of_test_R)
-        kw = _Routing(placement=ps.placement, batch_T=batch, src_rank_T=src, num_batches=cfg.num_batches,
-                      num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node, dedup=cfg.dedup, policy=cfg.replica_policy)
+        kw = _Routing(
+            placement=ps.placement,
+            batch_T=batch,
+            src_rank_T=src,
+            num_batches=cfg.num_batches,
+            num_ranks=dep.num_ep,
+            ranks_per_node=dep.ranks_per_node,
+            dedup=cfg.dedup,
+            policy=cfg.replica_policy,
+        )
         assert data.test_topk_ids_TLK is not None  # read with test_req_T, which held_out_batches needed
         ids = data.test_topk_ids_TLK[rows]
         s_BLWW = send_matrices(ids, **kw)
@@ -170,20 +202,37 @@ def build_plan(
         intra.append(sim["dispatch_intra_bytes"])
         inter.append(sim["dispatch_inter_bytes"])
     conf = {
-        "deployment": dep.name, "gpus_per_node": dep.num_gpus_per_node, "num_ep": dep.num_ep, "num_nodes": dep.num_nodes,
-        "ranks_per_node": dep.ranks_per_node, "num_batches": cfg.num_batches, "batch_requests": cfg.batch_requests,
-        "dedup": cfg.dedup, "replica_policy": cfg.replica_policy, "seed": cfg.seed, "test_fraction": cfg.test_fraction,
-        "trace": data.trace_path, "model": m.to_dict(),
+        "deployment": dep.name,
+        "gpus_per_node": dep.num_gpus_per_node,
+        "num_ep": dep.num_ep,
+        "num_nodes": dep.num_nodes,
+        "ranks_per_node": dep.ranks_per_node,
+        "num_batches": cfg.num_batches,
+        "batch_requests": cfg.batch_requests,
+        "dedup": cfg.dedup,
+        "replica_policy": cfg.replica_policy,
+        "seed": cfg.seed,
+        "test_fraction": cfg.test_fraction,
+        "trace": data.trace_path,
+        "model": m.to_dict(),
     }
     return A2APlan(
-        strategies=tuple(placed), sends_VBLWW=np.stack(sends), sim_intra_VBL=np.stack(intra), sim_inter_VBL=np.stack(inter),
-        ranks_per_node=dep.ranks_per_node, hidden_size=H, dtype=dtype, backend=backend,
-        model_layers=tuple(int(x) for x in m.moe_layers), config=conf,
+        strategies=tuple(placed),
+        sends_VBLWW=np.stack(sends),
+        sim_intra_VBL=np.stack(intra),
+        sim_inter_VBL=np.stack(inter),
+        ranks_per_node=dep.ranks_per_node,
+        hidden_size=H,
+        dtype=dtype,
+        backend=backend,
+        model_layers=tuple(int(x) for x in m.moe_layers),
+        config=conf,
     )
 
 
-def choose_backend(backend: Backend, *, world_size: int, torchrun: bool, num_gpus: int | None = None,
-                   smoke: bool = False) -> tuple[str, str]:
+def choose_backend(
+    backend: Backend, *, world_size: int, torchrun: bool, num_gpus: int | None = None, smoke: bool = False
+) -> tuple[str, str]:
     """``(backend, note)``: ``gloo`` or ``nccl``, and a one-line note when ``auto`` could not take the
     GPUs it saw (empty otherwise). ``auto`` takes nccl when there is a GPU per rank on this machine
     (under torchrun: any GPU). ``num_gpus``: GPUs visible (None: ask torch). Raises ``ConfigError``
@@ -199,12 +248,19 @@ def choose_backend(backend: Backend, *, world_size: int, torchrun: bool, num_gpu
             raise ConfigError("--smoke needs a CUDA GPU and none is visible here; use --backend gloo to replay on CPU")
         return "nccl", ""
     need = 1 if torchrun else world_size
-    hint = f"; --smoke runs a 1-rank NCCL all_to_all on cuda:0 (a GPU check, not the {world_size}-rank replay)" if n else ""
+    hint = (
+        f"; --smoke runs a 1-rank NCCL all_to_all on cuda:0 (a GPU check, not the {world_size}-rank replay)"
+        if n
+        else ""
+    )
     if backend == "auto":
         if n >= need:
             return "nccl", ""
         if n:
-            return "gloo", f"note: {world_size} ranks but {n} GPU(s) here (NCCL needs one per rank): using gloo on CPU{hint}"
+            return (
+                "gloo",
+                f"note: {world_size} ranks but {n} GPU(s) here (NCCL needs one per rank): using gloo on CPU{hint}",
+            )
         return "gloo", ""
     if backend == "nccl" and n < need:
         raise ConfigError(
@@ -232,8 +288,13 @@ class Network:
     link_bytes_G2: tuple[tuple[int, int], ...] = ()  # [G][2] bytes the shapers sent out of / into each node
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "link": self.link, "qdisc": self.qdisc, "note": self.note,
-                "link_bytes": [list(x) for x in self.link_bytes_G2]}
+        return {
+            "mode": self.mode,
+            "link": self.link,
+            "qdisc": self.qdisc,
+            "note": self.note,
+            "link_bytes": [list(x) for x in self.link_bytes_G2],
+        }
 
 
 # ---- one rank ---------------------------------------------------------------------------------------
@@ -249,8 +310,10 @@ def run_rank(rank: int, world_size: int, plan: A2APlan) -> list[dict[str, Any]] 
     import torch.distributed as dist
 
     if plan.world_size != world_size:
-        raise ConfigError(f"{world_size} ranks started but the deployment has EP{plan.world_size}; start one process per EP "
-                          "rank (with TPd > 1, an EP rank's d GPUs are one process)")
+        raise ConfigError(
+            f"{world_size} ranks started but the deployment has EP{plan.world_size}; start one process per EP "
+            "rank (with TPd > 1, an EP rank's d GPUs are one process)"
+        )
     if plan.backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
@@ -307,11 +370,15 @@ def _replay(rank: int, plan: A2APlan, device: Any) -> dict[str, Any]:
     def check(t, splits, want_W, what) -> None:
         want = torch.repeat_interleave(want_W, torch.tensor(splits, device=device))
         if not bool(t.eq(want[:, None]).all()) and len(errors) < 5:
-            errors.append(f"rank {rank} {what}: a received row does not carry the stamp of the rank that should send it")
+            errors.append(
+                f"rank {rank} {what}: a received row does not carry the stamp of the rank that should send it"
+            )
 
     for _ in range(plan.warmup):
         s = plan.sends_VBLWW[0, 0, 0]
-        collective(recv_buf[: int(s[:, rank].sum())], send_buf[: int(s[rank].sum())], s[:, rank].tolist(), s[rank].tolist())
+        collective(
+            recv_buf[: int(s[:, rank].sum())], send_buf[: int(s[rank].sum())], s[:, rank].tolist(), s[rank].tolist()
+        )
     for v in range(V):
         for b in range(B):
             for l in range(L):
@@ -326,8 +393,15 @@ def _replay(rank: int, plan: A2APlan, device: Any) -> dict[str, Any]:
                 where = f"{plan.strategies[v]} batch {b} layer {l}"
                 check(out, from_W, stamp_W, f"{where} dispatch")
                 check(back, to_W, stamp_W[rank].repeat(W), f"{where} combine")
-    return {"rank": rank, "sent_VBL2W": sent, "recv_VBL2W": recv, "seconds_VBL2": secs, "payload_errors": errors,
-            "device": str(torch.cuda.get_device_name(device) if cuda else "cpu"), "host": socket.gethostname()}
+    return {
+        "rank": rank,
+        "sent_VBL2W": sent,
+        "recv_VBL2W": recv,
+        "seconds_VBL2": secs,
+        "payload_errors": errors,
+        "device": str(torch.cuda.get_device_name(device) if cuda else "cpu"),
+        "host": socket.gethostname(),
+    }
 
 
 # ---- starting the ranks ----------------------------------------------------------------------------
@@ -337,12 +411,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result: str,
-             netns_W: tuple[str, ...], env: dict[str, str]) -> None:
+def _spawned(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    result: str,
+    netns_W: tuple[str, ...],
+    env: dict[str, str],
+) -> None:
     if netns_W:
-        netemu.enter_netns(netns_W[rank])  # before any socket: the rendezvous and gloo's pairs live in the node's namespace
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+        netemu.enter_netns(
+            netns_W[rank]
+        )  # before any socket: the rendezvous and gloo's pairs live in the node's namespace
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     os.environ.update(env)
     value = fn(rank, world_size, *args)
     if rank == 0:
@@ -366,8 +456,13 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def launch_local(world_size: int, fn: Callable[..., Any], *args: Any, nodes: netemu.EmulatedNodes | None = None,
-                 ranks_per_node: int = 1) -> Any:
+def launch_local(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    nodes: netemu.EmulatedNodes | None = None,
+    ranks_per_node: int = 1,
+) -> Any:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes on this machine (spawned,
     ``env://`` rendezvous on a free local port) and return rank 0's return value. With ``nodes``,
     rank ``r`` runs in emulated node ``r // ranks_per_node``'s namespace (gloo on its link, rendezvous
@@ -385,8 +480,9 @@ def launch_local(world_size: int, fn: Callable[..., Any], *args: Any, nodes: net
     with tempfile.TemporaryDirectory(prefix="moetrace-a2a-") as d, _environ(start_env):
         result = str(Path(d) / "rank0.pkl")
         try:
-            mp.spawn(_spawned, args=(world_size, _free_port(), fn, args, result, netns_W, env), nprocs=world_size,
-                     join=True)
+            mp.spawn(
+                _spawned, args=(world_size, _free_port(), fn, args, result, netns_W, env), nprocs=world_size, join=True
+            )
         except mp.ProcessRaisedException as exc:
             lines = [x for x in str(exc).splitlines() if x.strip()]
             raise A2ARunError(f"a rank failed: {lines[-1].strip() if lines else exc}") from None
@@ -396,8 +492,14 @@ def launch_local(world_size: int, fn: Callable[..., Any], *args: Any, nodes: net
             return pickle.load(f)
 
 
-def run_a2a(plan: A2APlan, *, torchrun: bool = False, emulate: bool | None = None, link: str = netemu.DEFAULT_LINK,
-            log: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]] | None, Network]:
+def run_a2a(
+    plan: A2APlan,
+    *,
+    torchrun: bool = False,
+    emulate: bool | None = None,
+    link: str = netemu.DEFAULT_LINK,
+    log: Callable[[str], None] | None = None,
+) -> tuple[list[dict[str, Any]] | None, Network]:
     """Run the replay: in this process as one rank of a torchrun job (``torchrun``; the records on
     rank 0, None elsewhere), or as ``plan.world_size`` local processes. Returns ``(records, network)``.
 
@@ -410,18 +512,25 @@ def run_a2a(plan: A2APlan, *, torchrun: bool = False, emulate: bool | None = Non
     say = log or (lambda _msg: None)
     if torchrun:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            raise ConfigError("--torchrun: RANK and WORLD_SIZE are not set; start the command with torchrun "
-                              "(torchrun --nproc-per-node N -m moetrace a2a ... --torchrun)")
+            raise ConfigError(
+                "--torchrun: RANK and WORLD_SIZE are not set; start the command with torchrun "
+                "(torchrun --nproc-per-node N -m moetrace a2a ... --torchrun)"
+            )
         return run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), plan), Network(mode="torchrun")
     spec = netemu.parse_link(link)
     G = plan.world_size // plan.ranks_per_node
     if plan.backend != "gloo" and emulate:
-        raise ConfigError("--emulate-nodes needs --backend gloo (it shapes the TCP links between ranks on this machine); "
-                          "with NCCL, run on real nodes")
+        raise ConfigError(
+            "--emulate-nodes needs --backend gloo (it shapes the TCP links between ranks on this machine); "
+            "with NCCL, run on real nodes"
+        )
 
     def unshaped(why: str, links: str = "loopback") -> tuple[list[dict[str, Any]] | None, Network]:
-        note = "" if G < 2 else (f"note: inter-node time is not emulated ({why}): all links are {links}; "
-                                 "bytes are measured exactly")
+        note = (
+            ""
+            if G < 2
+            else (f"note: inter-node time is not emulated ({why}): all links are {links}; bytes are measured exactly")
+        )
         if note:
             say(note)
         return launch_local(plan.world_size, run_rank, plan), Network(mode="loopback", note=note)
@@ -433,8 +542,10 @@ def run_a2a(plan: A2APlan, *, torchrun: bool = False, emulate: bool | None = Non
     ok, why = netemu.probe()
     if not ok:
         if emulate:
-            raise ConfigError(f"--emulate-nodes: network namespaces cannot be made here ({why}); run as root, "
-                              "or use --no-emulate-nodes")
+            raise ConfigError(
+                f"--emulate-nodes: network namespaces cannot be made here ({why}); run as root, "
+                "or use --no-emulate-nodes"
+            )
         return unshaped(why)
     stale = netemu.remove_stale()
     if stale:
@@ -444,8 +555,13 @@ def run_a2a(plan: A2APlan, *, torchrun: bool = False, emulate: bool | None = Non
             say(f"note: {n}")
         records = launch_local(plan.world_size, run_rank, plan, nodes=nodes, ranks_per_node=plan.ranks_per_node)
         counted = nodes.link_bytes()
-    return records, Network(mode="emulated", link=spec.spec, qdisc=nodes.node_qdisc, note="; ".join(nodes.notes),
-                            link_bytes_G2=tuple((int(a), int(b)) for a, b in counted))
+    return records, Network(
+        mode="emulated",
+        link=spec.spec,
+        qdisc=nodes.node_qdisc,
+        note="; ".join(nodes.notes),
+        link_bytes_G2=tuple((int(a), int(b)) for a, b in counted),
+    )
 
 
 # ---- one GPU: the NCCL smoke check ------------------------------------------------------------------
@@ -479,6 +595,7 @@ def run_smoke(plan: A2APlan, *, device_index: int = 0) -> list[dict[str, Any]]:
     recv_buf = torch.empty_like(send_buf)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
+
         def once(n: int) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -500,14 +617,22 @@ def run_smoke(plan: A2APlan, *, device_index: int = 0) -> list[dict[str, Any]]:
                     got = recv_buf[:n].numel() * recv_buf.element_size()
                     want = plan.sim_intra_VBL[v, b, l] + plan.sim_inter_VBL[v, b, l]
                     if got != want or not bool(recv_buf[:n].eq(send_buf[:n]).all()):
-                        raise A2AMismatchError(f"--smoke {name} batch {b} layer {l}: {got} bytes moved (simulator: "
-                                               f"{want:.0f}) or a row arrived changed")
+                        raise A2AMismatchError(
+                            f"--smoke {name} batch {b} layer {l}: {got} bytes moved (simulator: "
+                            f"{want:.0f}) or a row arrived changed"
+                        )
                     nbytes.append(got)
             med_s = float(np.median(secs))
-            out.append({"strategy": name, "collectives": len(secs), "bytes_per_collective_median": float(np.median(nbytes)),
-                        "seconds_median": med_s,
-                        "gbytes_per_second_median": float(np.median(np.asarray(nbytes) / np.maximum(secs, 1e-12)) / 1e9),
-                        "device": torch.cuda.get_device_name(device)})
+            out.append(
+                {
+                    "strategy": name,
+                    "collectives": len(secs),
+                    "bytes_per_collective_median": float(np.median(nbytes)),
+                    "seconds_median": med_s,
+                    "gbytes_per_second_median": float(np.median(np.asarray(nbytes) / np.maximum(secs, 1e-12)) / 1e9),
+                    "device": torch.cuda.get_device_name(device),
+                }
+            )
         return out
     finally:
         dist.destroy_process_group()
@@ -517,13 +642,17 @@ def format_smoke(plan: A2APlan, rows: list[dict[str, Any]]) -> str:
     """Header line, column titles and one row per strategy of ``run_smoke``'s result."""
     from moetrace.sizes import human_bytes
 
-    lines = [f"NCCL smoke check on 1 GPU ({rows[0]['device'] if rows else '?'}): each {plan.config.get('deployment')} "
-             f"batch's dispatch ({plan.world_size} ranks' rows) as one all_to_all_single of world size 1, "
-             f"hidden {plan.hidden_size} {plan.dtype}",
-             f"{'strategy':<12} {'collectives':>11} {'bytes (median)':>15} {'seconds':>10} {'GB/s':>8}"]
+    lines = [
+        f"NCCL smoke check on 1 GPU ({rows[0]['device'] if rows else '?'}): each {plan.config.get('deployment')} "
+        f"batch's dispatch ({plan.world_size} ranks' rows) as one all_to_all_single of world size 1, "
+        f"hidden {plan.hidden_size} {plan.dtype}",
+        f"{'strategy':<12} {'collectives':>11} {'bytes (median)':>15} {'seconds':>10} {'GB/s':>8}",
+    ]
     for r in rows:
-        lines.append(f"{r['strategy']:<12} {r['collectives']:>11} {human_bytes(r['bytes_per_collective_median']):>15} "
-                     f"{r['seconds_median']:>10.2e} {r['gbytes_per_second_median']:>8.2f}")
+        lines.append(
+            f"{r['strategy']:<12} {r['collectives']:>11} {human_bytes(r['bytes_per_collective_median']):>15} "
+            f"{r['seconds_median']:>10.2e} {r['gbytes_per_second_median']:>8.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -532,17 +661,26 @@ def _measured(plan: A2APlan, records: list[dict[str, Any]]) -> tuple[np.ndarray,
     """Measured (intra, inter) bytes each rank sent, int64 [V, B, L, 2, W] (phase axis: dispatch, combine)."""
     W = plan.world_size
     node_W = np.arange(W) // plan.ranks_per_node
-    sent = np.stack([r["sent_VBL2W"] for r in sorted(records, key=lambda r: r["rank"])], axis=-2)  # [V,B,L,2,W src,W dst]
+    sent = np.stack(
+        [r["sent_VBL2W"] for r in sorted(records, key=lambda r: r["rank"])], axis=-2
+    )  # [V,B,L,2,W src,W dst]
     inter_WW = node_W[:, None] != node_W[None, :]
     return (sent * ~inter_WW).sum(-1), (sent * inter_WW).sum(-1)
 
 
 def _predicted(plan: A2APlan) -> tuple[np.ndarray, np.ndarray]:
     """Predicted (intra, inter) bytes each rank sends, int64 [V, B, L, 2, W], from the send matrices."""
-    out = [[rank_link_bytes(s, phase=p, ranks_per_node=plan.ranks_per_node, bytes_per_token=plan.bytes_per_token)
-            for p in PHASES] for s in plan.sends_VBLWW]
-    return (np.stack([np.stack([o[0] for o in v], axis=2) for v in out]),
-            np.stack([np.stack([o[1] for o in v], axis=2) for v in out]))
+    out = [
+        [
+            rank_link_bytes(s, phase=p, ranks_per_node=plan.ranks_per_node, bytes_per_token=plan.bytes_per_token)
+            for p in PHASES
+        ]
+        for s in plan.sends_VBLWW
+    ]
+    return (
+        np.stack([np.stack([o[0] for o in v], axis=2) for v in out]),
+        np.stack([np.stack([o[1] for o in v], axis=2) for v in out]),
+    )
 
 
 def first_mismatch(plan: A2APlan, records: list[dict[str, Any]]) -> str | None:
@@ -557,8 +695,10 @@ def first_mismatch(plan: A2APlan, records: list[dict[str, Any]]) -> str | None:
         bad = np.argwhere(got != want)
         if len(bad):
             v, b, l, p, w = (int(x) for x in bad[0])
-            return (f"{plan.strategies[v]} batch {b} layer {l} {PHASES[p]} rank {w}: measured {int(got[v, b, l, p, w])} "
-                    f"{cls}-node bytes, predicted {int(want[v, b, l, p, w])} ({len(bad)} (collective, rank) pairs differ)")
+            return (
+                f"{plan.strategies[v]} batch {b} layer {l} {PHASES[p]} rank {w}: measured {int(got[v, b, l, p, w])} "
+                f"{cls}-node bytes, predicted {int(want[v, b, l, p, w])} ({len(bad)} (collective, rank) pairs differ)"
+            )
     return None
 
 
@@ -571,14 +711,21 @@ def result_table(plan: A2APlan, records: list[dict[str, Any]]):
     pi, pe = _predicted(plan)
     secs = np.stack([r["seconds_VBL2"] for r in sorted(records, key=lambda r: r["rank"])], axis=-1)  # [V,B,L,2,W]
     idx = np.indices((V, B, L, 2, W)).reshape(5, -1)
-    return pl.DataFrame({
-        "strategy": np.asarray(plan.strategies)[idx[0]], "batch": idx[1], "layer": idx[2],
-        "model_layer": np.asarray(plan.model_layers or range(L), dtype=np.int64)[idx[2]],
-        "phase": np.asarray(PHASES)[idx[3]], "rank": idx[4],
-        "measured_intra_bytes": mi.reshape(-1), "measured_inter_bytes": me.reshape(-1),
-        "predicted_intra_bytes": pi.reshape(-1), "predicted_inter_bytes": pe.reshape(-1),
-        "seconds": secs.reshape(-1),
-    })
+    return pl.DataFrame(
+        {
+            "strategy": np.asarray(plan.strategies)[idx[0]],
+            "batch": idx[1],
+            "layer": idx[2],
+            "model_layer": np.asarray(plan.model_layers or range(L), dtype=np.int64)[idx[2]],
+            "phase": np.asarray(PHASES)[idx[3]],
+            "rank": idx[4],
+            "measured_intra_bytes": mi.reshape(-1),
+            "measured_inter_bytes": me.reshape(-1),
+            "predicted_intra_bytes": pi.reshape(-1),
+            "predicted_inter_bytes": pe.reshape(-1),
+            "seconds": secs.reshape(-1),
+        }
+    )
 
 
 def summary_rows(plan: A2APlan, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -596,14 +743,20 @@ def summary_rows(plan: A2APlan, records: list[dict[str, Any]]) -> list[dict[str,
         m = np.median(x_VB[ref])
         return float(np.median(x_VB[v]) / m) if m > 0 else float("nan")
 
-    return [{
-        "strategy": s, "reference": plan.strategies[ref],
-        "measured_inter_node_normalized_median": norm(meas_VB, v), "simulated_inter_node_normalized_median": norm(sim_VB, v),
-        "measured_inter_node_bytes_per_batch_median": float(np.median(meas_VB[v])),
-        "simulated_inter_node_bytes_per_batch_median": float(np.median(sim_VB[v])),
-        "dispatch_seconds_median": float(np.median(secs[v, ..., 0])), "combine_seconds_median": float(np.median(secs[v, ..., 1])),
-        "layer_seconds_median": float(np.median(secs[v].sum(-1))),
-    } for v, s in enumerate(plan.strategies)]
+    return [
+        {
+            "strategy": s,
+            "reference": plan.strategies[ref],
+            "measured_inter_node_normalized_median": norm(meas_VB, v),
+            "simulated_inter_node_normalized_median": norm(sim_VB, v),
+            "measured_inter_node_bytes_per_batch_median": float(np.median(meas_VB[v])),
+            "simulated_inter_node_bytes_per_batch_median": float(np.median(sim_VB[v])),
+            "dispatch_seconds_median": float(np.median(secs[v, ..., 0])),
+            "combine_seconds_median": float(np.median(secs[v, ..., 1])),
+            "layer_seconds_median": float(np.median(secs[v].sum(-1))),
+        }
+        for v, s in enumerate(plan.strategies)
+    ]
 
 
 def _links_line(network: Network | None) -> str:
@@ -627,26 +780,39 @@ def format_summary(plan: A2APlan, records: list[dict[str, Any]], network: Networ
         f"{'layer s':>9}",
     ]
     for r in summary_rows(plan, records):
-        lines.append(f"{r['strategy']:<12} {r['measured_inter_node_normalized_median']:>23.3f} "
-                     f"{r['simulated_inter_node_normalized_median']:>10.3f} "
-                     f"{human_bytes(r['measured_inter_node_bytes_per_batch_median']):>12} "
-                     f"{r['dispatch_seconds_median']:>11.2e} {r['combine_seconds_median']:>10.2e} "
-                     f"{r['layer_seconds_median']:>9.2e}")
+        lines.append(
+            f"{r['strategy']:<12} {r['measured_inter_node_normalized_median']:>23.3f} "
+            f"{r['simulated_inter_node_normalized_median']:>10.3f} "
+            f"{human_bytes(r['measured_inter_node_bytes_per_batch_median']):>12} "
+            f"{r['dispatch_seconds_median']:>11.2e} {r['combine_seconds_median']:>10.2e} "
+            f"{r['layer_seconds_median']:>9.2e}"
+        )
     return "\n".join(lines)
 
 
-def write_a2a_results(out: str | os.PathLike, plan: A2APlan, records: list[dict[str, Any]],
-                      network: Network | None = None) -> list[Path]:
+def write_a2a_results(
+    out: str | os.PathLike, plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None
+) -> list[Path]:
     """Write ``collectives.parquet`` and ``a2a.json`` (names, format and version from
     ``moetrace.results.A2A``; ``network``: how the links were realized); ``a2a.json`` last. Returns the paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     mismatch = first_mismatch(plan, records)
-    meta = {**plan.config, "strategies": list(plan.strategies), "backend": plan.backend, "world_size": plan.world_size,
-            "hidden_size": plan.hidden_size, "dtype": plan.dtype, "bytes_per_token": plan.bytes_per_token,
-            "device": records[0]["device"], "hosts": sorted({r["host"] for r in records}),
-            "bytes_match": mismatch is None, "first_mismatch": mismatch, "summary": summary_rows(plan, records),
-            "network": network.to_dict() if network is not None else None}
+    meta = {
+        **plan.config,
+        "strategies": list(plan.strategies),
+        "backend": plan.backend,
+        "world_size": plan.world_size,
+        "hidden_size": plan.hidden_size,
+        "dtype": plan.dtype,
+        "bytes_per_token": plan.bytes_per_token,
+        "device": records[0]["device"],
+        "hosts": sorted({r["host"] for r in records}),
+        "bytes_match": mismatch is None,
+        "first_mismatch": mismatch,
+        "summary": summary_rows(plan, records),
+        "network": network.to_dict() if network is not None else None,
+    }
     return [
         rf.write_result_table(out, rf.A2A, rf.A2A_COLLECTIVES, result_table(plan, records)),
         rf.write_result_json(out, rf.A2A, rf.A2A_MANIFEST, meta),

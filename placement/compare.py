@@ -25,9 +25,10 @@ Out of scope: the algorithms themselves (pure functions in the sibling modules);
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,8 +47,18 @@ from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, c
 if TYPE_CHECKING:
     from moetrace.tracer.trace.schema import ModelInfo
 
-__all__ = ["CompareConfig", "TraceData", "expert_copy_floor", "held_out_batches", "load_trace_data", "with_held_out_tokens",
-           "make_placement", "place_strategies", "run_compare", "write_results"]
+__all__ = [
+    "CompareConfig",
+    "TraceData",
+    "expert_copy_floor",
+    "held_out_batches",
+    "load_trace_data",
+    "with_held_out_tokens",
+    "make_placement",
+    "place_strategies",
+    "run_compare",
+    "write_results",
+]
 
 
 #: the least saving over linear (a share of linear's median) the oracle must show before compare says
@@ -102,15 +113,24 @@ class TraceData:
     prefill_RLE: np.ndarray  # [R, L, E] prefill token counts, unsigned (count_trace's smallest safe dtype)
     decode_RLE: np.ndarray  # [R, L, E] decode token counts, same dtype
     is_test_R: np.ndarray  # bool [R] held out from placement
-    test_topk_ids_TLK: np.ndarray | None  # int16 [T, L, K] held-out decode tokens with a recorded id (None: not read yet)
-    test_req_T: np.ndarray | None  # int64 [T] row (0..R-1) of each held-out token's request, ascending (None: not read yet)
+    test_topk_ids_TLK: (
+        np.ndarray | None
+    )  # int16 [T, L, K] held-out decode tokens with a recorded id (None: not read yet)
+    test_req_T: (
+        np.ndarray | None
+    )  # int64 [T] row (0..R-1) of each held-out token's request, ascending (None: not read yet)
     stages: frozenset[str] = frozenset({"prefill", "decode"})  # routing stages the trace recorded (schema.stages_of)
     allow_incomplete: bool = False  # read from a trace without its completion mark (for the held-out tokens' pass)
 
 
 def load_trace_data(
-    trace: str | os.PathLike, *, test_fraction: float, seed: int, allow_incomplete: bool = False,
-    progress: Callable[[int, int], None] | None = None, held_out_tokens: bool = True,
+    trace: str | os.PathLike,
+    *,
+    test_fraction: float,
+    seed: int,
+    allow_incomplete: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    held_out_tokens: bool = True,
 ) -> TraceData:
     """Count the trace, split train/test and (``held_out_tokens``) keep the held-out requests' decode
     tokens (streamed once more; ``with_held_out_tokens`` reads them later instead, so that placing
@@ -125,9 +145,11 @@ def load_trace_data(
     tr = open_trace(trace, require_complete=not allow_incomplete)
     stages = stages_of(tr)
     if STAGE_DECODE not in stages:
-        raise TraceFormatError(f"{trace}: recorded prefill routing only (manifest collection.stages); placements are built "
-                               "from decode counts and the all-to-all model simulates decode steps: use a trace with "
-                               "decode routing")
+        raise TraceFormatError(
+            f"{trace}: recorded prefill routing only (manifest collection.stages); placements are built "
+            "from decode counts and the all-to-all model simulates decode steps: use a trace with "
+            "decode routing"
+        )
     counts = count_trace(tr, allow_incomplete=allow_incomplete, progress=progress)
     R = counts.num_requests
     if R < 4:
@@ -138,9 +160,15 @@ def load_trace_data(
     is_test[rng.permutation(R)[:n_test]] = True
     _release_arrow_memory()
     data = TraceData(
-        model=tr.model, trace_path=str(trace),
-        prefill_RLE=counts.stage("prefill"), decode_RLE=counts.stage("decode"),  # views of one counts array
-        is_test_R=is_test, test_topk_ids_TLK=None, test_req_T=None, stages=stages, allow_incomplete=allow_incomplete,
+        model=tr.model,
+        trace_path=str(trace),
+        prefill_RLE=counts.stage("prefill"),
+        decode_RLE=counts.stage("decode"),  # views of one counts array
+        is_test_R=is_test,
+        test_topk_ids_TLK=None,
+        test_req_T=None,
+        stages=stages,
+        allow_incomplete=allow_incomplete,
     )
     return with_held_out_tokens(data) if held_out_tokens else data
 
@@ -181,8 +209,9 @@ def with_held_out_tokens(data: TraceData) -> TraceData:
         n += k
     _release_arrow_memory()
     if n == 0:
-        raise TraceFormatError(f"{data.trace_path}: the held-out requests have no decode tokens; the volume model needs "
-                               "decode steps")
+        raise TraceFormatError(
+            f"{data.trace_path}: the held-out requests have no decode tokens; the volume model needs decode steps"
+        )
     req = np.concatenate(req_parts)
     ids = ids[:n]
     if (np.diff(req) < 0).any():  # rows not in request order (e.g. shards interleaved): one reordered copy
@@ -198,7 +227,9 @@ class PlacedStrategy:
     strategy: str  # registry name (strategies.STRATEGIES)
     placement: Placement  # over the MoE layers
     grouping: Grouping | None = None  # clusters and their groups (grouped strategies)
-    router: Router = field(default_factory=NoRouter)  # how requests find their node (with its match rate on the held-out requests)
+    router: Router = field(
+        default_factory=NoRouter
+    )  # how requests find their node (with its match rate on the held-out requests)
     group_of_test_R: np.ndarray | None = None  # int64 [R] group of each request (test rows meaningful)
     decode_group_of_test_R: np.ndarray | None = None  # int64 [R] price router only: the balanced assignment by decode
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (eplb policy, groups without routed requests)
@@ -209,7 +240,9 @@ class PlacedStrategy:
         return None if isinstance(self.router, NoRouter) else self.router.match_rate
 
 
-def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, grouping: Grouping | None = None) -> PlacedStrategy:
+def make_placement(
+    data: TraceData, cfg: CompareConfig, strategy: str, *, grouping: Grouping | None = None
+) -> PlacedStrategy:
     """The placement of ``strategy`` from the training requests of ``data`` (built through the registry).
 
     Grouped strategies cluster the training requests first (or reuse ``grouping``), sum their decode
@@ -232,17 +265,31 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
     if spec.grouped:
         if grouping is None:
             grouping = fit_grouping(
-                data.decode_RLE.reshape(R, -1), data.prefill_RLE.reshape(R, -1), rows=train_R,
-                num_clusters=cfg.num_clusters or G, num_groups=G, seed=cfg.seed,
+                data.decode_RLE.reshape(R, -1),
+                data.prefill_RLE.reshape(R, -1),
+                rows=train_R,
+                num_clusters=cfg.num_clusters or G,
+                num_groups=G,
+                seed=cfg.seed,
             )
         init_group_N = groups_of_clusters(grouping.labels_R, grouping.cluster_to_groups)
         if spec.uses_group_usage:  # (the price-routed placer sums its own, per-request usage)
             usage_GLE = _sum_rows(data.decode_RLE, train_R, init_group_N, G)
     inputs = PlacementInputs(
-        num_layers=L, num_experts=E, num_slots=P,
-        num_ranks=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node, router_groups=m.n_group or 1,
-        seed=cfg.seed, load_LE=_sum_rows(data.decode_RLE, train_R)[0], usage_GLE=usage_GLE,
-        decode_RLE=data.decode_RLE, prefill_RLE=data.prefill_RLE, train_rows=train_R, init_group_N=init_group_N,
+        num_layers=L,
+        num_experts=E,
+        num_slots=P,
+        num_ranks=dep.num_ep,
+        num_nodes=dep.num_nodes,
+        ranks_per_node=dep.ranks_per_node,
+        router_groups=m.n_group or 1,
+        seed=cfg.seed,
+        load_LE=_sum_rows(data.decode_RLE, train_R)[0],
+        usage_GLE=usage_GLE,
+        decode_RLE=data.decode_RLE,
+        prefill_RLE=data.prefill_RLE,
+        train_rows=train_R,
+        init_group_N=init_group_N,
     )
     placement, extra = spec.build(inputs)
     router = fit_router(spec.router, grouping=grouping, provenance=extra, num_groups=G)
@@ -250,12 +297,19 @@ def make_placement(data: TraceData, cfg: CompareConfig, strategy: str, *, groupi
         return PlacedStrategy(strategy=strategy, placement=placement, extra=extra)
     routes = router.route(data.prefill_RLE, placement=placement, is_test_R=data.is_test_R, decode_RLE=data.decode_RLE)
     return PlacedStrategy(
-        strategy=strategy, placement=placement, grouping=grouping, extra=extra, group_of_test_R=routes.group_R,
-        router=replace(router, match_rate=routes.match_rate), decode_group_of_test_R=routes.decode_group_R,
+        strategy=strategy,
+        placement=placement,
+        grouping=grouping,
+        extra=extra,
+        group_of_test_R=routes.group_R,
+        router=replace(router, match_rate=routes.match_rate),
+        decode_group_of_test_R=routes.decode_group_R,
     )
 
 
-def _sum_rows(x_RLE: np.ndarray, rows: np.ndarray, group_N: np.ndarray | None = None, num_groups: int = 1) -> np.ndarray:
+def _sum_rows(
+    x_RLE: np.ndarray, rows: np.ndarray, group_N: np.ndarray | None = None, num_groups: int = 1
+) -> np.ndarray:
     """``out[g]`` = the sum of ``x_RLE[rows[i]]`` over the i with ``group_N[i] == g`` (every i when
     ``group_N`` is None), float64 [num_groups, L, E]; a chunk of rows at a time, so the selected
     rows are never copied all at once."""
@@ -359,22 +413,28 @@ class CompareResult:
         rows = []
         for s, m in self.metrics.items():
             nb = self.normalized_B(s)
-            rows.append({
-                "strategy": s,
-                "is_bound": s in self.bounds,
-                "oracle_captured": (1.0 - med[s]) / gain if gain > 0 else None,
-                "inter_node_normalized_median": float(np.median(nb)),
-                "inter_node_normalized_p10": float(np.quantile(nb, 0.1)),
-                "inter_node_normalized_p90": float(np.quantile(nb, 0.9)),
-                "inter_node_bytes_per_batch_median": float(np.median(self.inter_BL(s).sum(1))),
-                "intra_node_bytes_per_batch_median": float(np.median((m["dispatch_intra_bytes"] + m["combine_intra_bytes"]).sum(1))),
-                "max_rank_dispatch_send_bytes_mean": float(m["max_rank_dispatch_send_bytes"].mean()),
-                "tokens_per_rank_max_mean": float(m["tokens_per_rank_max"].mean()),
-                "activated_experts_per_rank_max_mean": float(m["activated_experts_per_rank_max"].mean()),
-                "router_match_rate": self.placed[s].router_match_rate,
-                "groups_without_routed_requests": len(self.placed[s].extra.get("groups_without_routed_requests", [])),
-                "busiest_node_load": self.placed[s].extra.get("busiest_node_load"),
-            })
+            rows.append(
+                {
+                    "strategy": s,
+                    "is_bound": s in self.bounds,
+                    "oracle_captured": (1.0 - med[s]) / gain if gain > 0 else None,
+                    "inter_node_normalized_median": float(np.median(nb)),
+                    "inter_node_normalized_p10": float(np.quantile(nb, 0.1)),
+                    "inter_node_normalized_p90": float(np.quantile(nb, 0.9)),
+                    "inter_node_bytes_per_batch_median": float(np.median(self.inter_BL(s).sum(1))),
+                    "intra_node_bytes_per_batch_median": float(
+                        np.median((m["dispatch_intra_bytes"] + m["combine_intra_bytes"]).sum(1))
+                    ),
+                    "max_rank_dispatch_send_bytes_mean": float(m["max_rank_dispatch_send_bytes"].mean()),
+                    "tokens_per_rank_max_mean": float(m["tokens_per_rank_max"].mean()),
+                    "activated_experts_per_rank_max_mean": float(m["activated_experts_per_rank_max"].mean()),
+                    "router_match_rate": self.placed[s].router_match_rate,
+                    "groups_without_routed_requests": len(
+                        self.placed[s].extra.get("groups_without_routed_requests", [])
+                    ),
+                    "busiest_node_load": self.placed[s].extra.get("busiest_node_load"),
+                }
+            )
         return rows
 
 
@@ -431,9 +491,16 @@ def run_compare(
             n_G = np.bincount(ps.group_of_test_R[data.is_test_R], minlength=G)
             ps.extra["busiest_node_load"] = round(float(n_G.max() * G / max(n_G.sum(), 1)), 4)
         return simulate_volume(
-            data.test_topk_ids_TLK[rows], placement=ps.placement, batch_T=batch, src_rank_T=src,
-            num_batches=cfg.num_batches, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node,
-            bytes_per_token=m.hidden_size * cfg.bytes_per_value, dedup=cfg.dedup, policy=cfg.replica_policy,
+            data.test_topk_ids_TLK[rows],
+            placement=ps.placement,
+            batch_T=batch,
+            src_rank_T=src,
+            num_batches=cfg.num_batches,
+            num_ranks=dep.num_ep,
+            ranks_per_node=dep.ranks_per_node,
+            bytes_per_token=m.hidden_size * cfg.bytes_per_value,
+            dedup=cfg.dedup,
+            policy=cfg.replica_policy,
         )
 
     metrics = {}
@@ -446,20 +513,45 @@ def run_compare(
         step()
     floor = None
     if cfg.oracle and cfg.dedup == "expert" and cfg.num_redundant == 0:
-        floor = expert_copy_floor(data.decode_RLE, rows=np.flatnonzero(data.is_test_R), num_groups=G, num_slots=m.num_experts)
+        floor = expert_copy_floor(
+            data.decode_RLE, rows=np.flatnonzero(data.is_test_R), num_groups=G, num_slots=m.num_experts
+        )
     manifest = CompareManifest(
-        strategies=tuple(strategies), num_clusters=cfg.num_clusters, num_redundant=cfg.num_redundant,
-        test_fraction=cfg.test_fraction, num_batches=cfg.num_batches, num_batch_requests=cfg.num_batch_requests,
-        dedup=cfg.dedup, replica_policy=cfg.replica_policy, bytes_per_value=cfg.bytes_per_value, seed=cfg.seed,
-        oracle=cfg.oracle, deployment=dep.name, gpus_per_node=dep.num_gpus_per_node, batch_requests=cfg.batch_requests,
-        num_ep=dep.num_ep, num_nodes=dep.num_nodes, ranks_per_node=dep.ranks_per_node, bounds=tuple(bounds),
-        trace=data.trace_path, num_train_requests=int((~data.is_test_R).sum()), num_test_requests=int(data.is_test_R.sum()),
-        bound_kinds={b: placed[b].extra.get("kind") for b in bounds}, expert_copy_floor=floor, reference=reference, model=m,
-        grouping={s: GroupingRecord(num_clusters=p.grouping.num_clusters,
-                                    cluster_to_groups=tuple(tuple(int(g) for g in gs) for gs in p.grouping.cluster_to_groups),
-                                    router_match_rate=p.router_match_rate,
-                                    groups_without_routed_requests=tuple(p.extra.get("groups_without_routed_requests", [])))
-                  for s, p in placed.items() if p.grouping is not None},
+        strategies=tuple(strategies),
+        num_clusters=cfg.num_clusters,
+        num_redundant=cfg.num_redundant,
+        test_fraction=cfg.test_fraction,
+        num_batches=cfg.num_batches,
+        num_batch_requests=cfg.num_batch_requests,
+        dedup=cfg.dedup,
+        replica_policy=cfg.replica_policy,
+        bytes_per_value=cfg.bytes_per_value,
+        seed=cfg.seed,
+        oracle=cfg.oracle,
+        deployment=dep.name,
+        gpus_per_node=dep.num_gpus_per_node,
+        batch_requests=cfg.batch_requests,
+        num_ep=dep.num_ep,
+        num_nodes=dep.num_nodes,
+        ranks_per_node=dep.ranks_per_node,
+        bounds=tuple(bounds),
+        trace=data.trace_path,
+        num_train_requests=int((~data.is_test_R).sum()),
+        num_test_requests=int(data.is_test_R.sum()),
+        bound_kinds={b: placed[b].extra.get("kind") for b in bounds},
+        expert_copy_floor=floor,
+        reference=reference,
+        model=m,
+        grouping={
+            s: GroupingRecord(
+                num_clusters=p.grouping.num_clusters,
+                cluster_to_groups=tuple(tuple(int(g) for g in gs) for gs in p.grouping.cluster_to_groups),
+                router_match_rate=p.router_match_rate,
+                groups_without_routed_requests=tuple(p.extra.get("groups_without_routed_requests", [])),
+            )
+            for s, p in placed.items()
+            if p.grouping is not None
+        },
     )
     return CompareResult(config=cfg, manifest=manifest, metrics=metrics, placed=placed)
 
@@ -470,7 +562,11 @@ def _inter_BL(metrics: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def bound_placements(
-    data: TraceData, cfg: CompareConfig, placed: dict[str, PlacedStrategy], *, on_placed: Callable[[], None] | None = None
+    data: TraceData,
+    cfg: CompareConfig,
+    placed: dict[str, PlacedStrategy],
+    *,
+    on_placed: Callable[[], None] | None = None,
 ) -> dict[str, list[PlacedStrategy]]:
     """The candidates of each upper bound of ``strategies.BOUNDS``, one per kind of joint placement
     (free membership; and, for a group-limited router whose groups fill whole nodes, groups kept
@@ -497,10 +593,17 @@ def bound_placements(
         base[name] = placed.get(name) or make_placement(data, cfg, name, grouping=grouping)
         grouping = grouping or base[name].grouping
     test = np.flatnonzero(data.is_test_R)
-    out: dict[str, list[PlacedStrategy]] = {"perfect_routing": [
-        PlacedStrategy(strategy="perfect_routing", placement=base[name].placement,
-                       group_of_test_R=base[name].decode_group_of_test_R, extra={"kind": name})  # assigned by decode
-        for name, _ in kinds]}
+    out: dict[str, list[PlacedStrategy]] = {
+        "perfect_routing": [
+            PlacedStrategy(
+                strategy="perfect_routing",
+                placement=base[name].placement,
+                group_of_test_R=base[name].decode_group_of_test_R,
+                extra={"kind": name},
+            )  # assigned by decode
+            for name, _ in kinds
+        ]
+    }
     if on_placed is not None:
         on_placed()
     P = cfg.deployment.check_slots(num_experts=m.num_experts, num_redundant=cfg.num_redundant)
@@ -508,12 +611,26 @@ def bound_placements(
     for name, rg in kinds:
         perfect_R = base[name].decode_group_of_test_R
         assert perfect_R is not None  # joint placements route by price, which also assigns by decode
-        jo = joint_placement(data.decode_RLE, data.decode_RLE, init_group_R=perfect_R[test], num_groups=G, num_slots=P,
-                             ranks_per_group=cfg.deployment.ranks_per_node, rows=test, router_groups=rg)
+        jo = joint_placement(
+            data.decode_RLE,
+            data.decode_RLE,
+            init_group_R=perfect_R[test],
+            num_groups=G,
+            num_slots=P,
+            ranks_per_group=cfg.deployment.ranks_per_node,
+            rows=test,
+            router_groups=rg,
+        )
         group_R = np.zeros(len(data.is_test_R), dtype=np.int64)
         group_R[test] = jo.group_R
-        out["oracle"].append(PlacedStrategy(strategy="oracle", placement=jo.placement, group_of_test_R=group_R,
-                                            extra={"joint_iterations": jo.num_iters, "kind": name}))
+        out["oracle"].append(
+            PlacedStrategy(
+                strategy="oracle",
+                placement=jo.placement,
+                group_of_test_R=group_R,
+                extra={"joint_iterations": jo.num_iters, "kind": name},
+            )
+        )
     if on_placed is not None:
         on_placed()
     return out
@@ -543,9 +660,18 @@ def expert_copy_floor(decode_RLE: np.ndarray, *, rows: np.ndarray, num_groups: i
 def placement_file(data: TraceData, cfg: CompareConfig, ps: PlacedStrategy) -> PlacementFile:
     """What ``moetrace place`` writes for ``ps``: the placement, its router, and where they came from."""
     return PlacementFile(
-        model=data.model, deployment=cfg.deployment, strategy=ps.strategy, placement=ps.placement, router=ps.router,
-        source={"trace": data.trace_path, "seed": cfg.seed, "test_fraction": cfg.test_fraction,
-                "num_train_requests": int((~data.is_test_R).sum()), **ps.extra},
+        model=data.model,
+        deployment=cfg.deployment,
+        strategy=ps.strategy,
+        placement=ps.placement,
+        router=ps.router,
+        source={
+            "trace": data.trace_path,
+            "seed": cfg.seed,
+            "test_fraction": cfg.test_fraction,
+            "num_train_requests": int((~data.is_test_R).sum()),
+            **ps.extra,
+        },
     )
 
 
@@ -562,33 +688,58 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
         B, L = m[METRICS[0]].shape
         ref_L = np.median(result.inter_BL(result.reference), axis=0)
         inter_BL = result.inter_BL(s)
-        cols = {"strategy": [s] * (B * L), "batch": np.repeat(np.arange(B), L), "layer": np.tile(np.arange(L), B),
-                "model_layer": np.tile(model_layers, B)}
+        cols = {
+            "strategy": [s] * (B * L),
+            "batch": np.repeat(np.arange(B), L),
+            "layer": np.tile(np.arange(L), B),
+            "model_layer": np.tile(model_layers, B),
+        }
         cols.update({k: v.reshape(-1) for k, v in m.items()})
         cols["inter_node_normalized"] = (inter_BL / np.where(ref_L > 0, ref_L, np.nan)).reshape(-1)
         frames.append(pl.DataFrame(cols))
-        sum_l = lambda k: m[k].sum(1)  # noqa: E731
-        batch_frames.append(pl.DataFrame({
-            "strategy": [s] * B, "batch": np.arange(B),
-            "dispatch_intra_bytes": sum_l("dispatch_intra_bytes"), "dispatch_inter_bytes": sum_l("dispatch_inter_bytes"),
-            "combine_intra_bytes": sum_l("combine_intra_bytes"), "combine_inter_bytes": sum_l("combine_inter_bytes"),
-            "inter_node_normalized": result.normalized_B(s),
-        }))
+        batch_frames.append(
+            pl.DataFrame(
+                {
+                    "strategy": [s] * B,
+                    "batch": np.arange(B),
+                    **{
+                        k: m[k].sum(1)  # over layers
+                        for k in (
+                            "dispatch_intra_bytes",
+                            "dispatch_inter_bytes",
+                            "combine_intra_bytes",
+                            "combine_inter_bytes",
+                        )
+                    },
+                    "inter_node_normalized": result.normalized_B(s),
+                }
+            )
+        )
         place_frames.append((s, result.placed[s].placement.phy2log))
     num_ep, ranks_per_node = result.manifest.num_ep, result.manifest.ranks_per_node
     rows = []
     for s, phy2log_LP in place_frames:
         Lp, P = phy2log_LP.shape
         gpu_P = np.arange(P) // (P // num_ep)
-        rows.append(pl.DataFrame({
-            "strategy": [s] * (Lp * P), "layer": np.repeat(np.arange(Lp), P), "model_layer": np.repeat(model_layers, P),
-            "slot": np.tile(np.arange(P), Lp), "gpu": np.tile(gpu_P, Lp), "node": np.tile(gpu_P // ranks_per_node, Lp),
-            "expert": phy2log_LP.reshape(-1),
-        }))
+        rows.append(
+            pl.DataFrame(
+                {
+                    "strategy": [s] * (Lp * P),
+                    "layer": np.repeat(np.arange(Lp), P),
+                    "model_layer": np.repeat(model_layers, P),
+                    "slot": np.tile(np.arange(P), Lp),
+                    "gpu": np.tile(gpu_P, Lp),
+                    "node": np.tile(gpu_P // ranks_per_node, Lp),
+                    "expert": phy2log_LP.reshape(-1),
+                }
+            )
+        )
     return [
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_LAYERS, pl.concat(frames)),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_BATCHES, pl.concat(batch_frames)),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_SUMMARY, pl.DataFrame(result.summary_rows())),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_PLACEMENTS, pl.concat(rows)),
-        rf.write_result_json(out, rf.COMPARE, rf.COMPARE_MANIFEST, result.manifest.to_json()),  # last: names a complete directory
+        rf.write_result_json(
+            out, rf.COMPARE, rf.COMPARE_MANIFEST, result.manifest.to_json()
+        ),  # last: names a complete directory
     ]

@@ -42,9 +42,12 @@ class GroupingRecord:
     groups_without_routed_requests: tuple[int, ...]  # nodes no held-out request was routed to
 
     def to_json(self) -> dict[str, Any]:
-        return {"num_clusters": self.num_clusters, "cluster_to_groups": [list(g) for g in self.cluster_to_groups],
-                "router_match_rate": self.router_match_rate,
-                "groups_without_routed_requests": list(self.groups_without_routed_requests)}
+        return {
+            "num_clusters": self.num_clusters,
+            "cluster_to_groups": [list(g) for g in self.cluster_to_groups],
+            "router_match_rate": self.router_match_rate,
+            "groups_without_routed_requests": list(self.groups_without_routed_requests),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +55,9 @@ class CompareManifest:
     """One compare run (fields in the order compare.json holds them; the first eleven are
     ``CompareConfig``'s, the deployment given by its name and sizes)."""
 
-    strategies: tuple[str, ...]  # the strategies asked for, in order, each once (the reference is simulated even when absent)
+    strategies: tuple[
+        str, ...
+    ]  # the strategies asked for, in order, each once (the reference is simulated even when absent)
     num_clusters: int  # K-means clusters of grouped strategies (0: one per node)
     num_redundant: int  # redundant slots per layer
     test_fraction: float  # share of requests held out
@@ -106,16 +111,31 @@ class CompareManifest:
             raise TraceFormatError(f"{where}: {exc}") from None
         floor = r.get("expert_copy_floor", (int, float), optional=True)
         return cls(
-            strategies=r.names("strategies"), num_clusters=r.count("num_clusters"), num_redundant=r.count("num_redundant"),
-            test_fraction=float(r.get("test_fraction", (int, float))), num_batches=r.count("num_batches"),
-            num_batch_requests=r.count("num_batch_requests"), dedup=r.get("dedup", str),
-            replica_policy=r.get("replica_policy", str), bytes_per_value=r.count("bytes_per_value"), seed=r.count("seed"),
-            oracle=r.get("oracle", bool), deployment=r.get("deployment", str), gpus_per_node=r.count("gpus_per_node"),
-            batch_requests=r.count("batch_requests"), num_ep=r.count("num_ep"), num_nodes=r.count("num_nodes"),
-            ranks_per_node=r.count("ranks_per_node"), bounds=r.names("bounds"), trace=r.get("trace", str),
-            num_train_requests=r.count("num_train_requests"), num_test_requests=r.count("num_test_requests"),
+            strategies=r.names("strategies"),
+            num_clusters=r.count("num_clusters"),
+            num_redundant=r.count("num_redundant"),
+            test_fraction=float(r.get("test_fraction", (int, float))),
+            num_batches=r.count("num_batches"),
+            num_batch_requests=r.count("num_batch_requests"),
+            dedup=r.get("dedup", str),
+            replica_policy=r.get("replica_policy", str),
+            bytes_per_value=r.count("bytes_per_value"),
+            seed=r.count("seed"),
+            oracle=r.get("oracle", bool),
+            deployment=r.get("deployment", str),
+            gpus_per_node=r.count("gpus_per_node"),
+            batch_requests=r.count("batch_requests"),
+            num_ep=r.count("num_ep"),
+            num_nodes=r.count("num_nodes"),
+            ranks_per_node=r.count("ranks_per_node"),
+            bounds=r.names("bounds"),
+            trace=r.get("trace", str),
+            num_train_requests=r.count("num_train_requests"),
+            num_test_requests=r.count("num_test_requests"),
             bound_kinds={str(k): (None if v is None else str(v)) for k, v in r.get("bound_kinds", dict).items()},
-            expert_copy_floor=None if floor is None else float(floor), reference=r.get("reference", str), model=model,
+            expert_copy_floor=None if floor is None else float(floor),
+            reference=r.get("reference", str),
+            model=model,
             grouping={str(s): _grouping(g, where, s) for s, g in r.get("grouping", dict).items()},
         )
 
@@ -145,8 +165,10 @@ class _Reader:
         types = typ if isinstance(typ, tuple) else (typ,)
         if (v is None and optional) or (isinstance(v, types) and (bool in types or not isinstance(v, bool))):
             return v
-        raise TraceFormatError(f"{self.where}: `{key}` is {v!r}, expected {' or '.join(t.__name__ for t in types)}; "
-                               f"re-run `{COMPARE.command}`")
+        raise TraceFormatError(
+            f"{self.where}: `{key}` is {v!r}, expected {' or '.join(t.__name__ for t in types)}; "
+            f"re-run `{COMPARE.command}`"
+        )
 
     def count(self, key: str) -> int:
         return int(self.get(key, int))
@@ -165,7 +187,8 @@ def _grouping(g: object, where: str, strategy: str) -> GroupingRecord:
     c2g = r.get("cluster_to_groups", list)
     rate = r.get("router_match_rate", (int, float), optional=True)
     return GroupingRecord(
-        num_clusters=r.count("num_clusters"), cluster_to_groups=tuple(tuple(int(x) for x in gs) for gs in c2g),
+        num_clusters=r.count("num_clusters"),
+        cluster_to_groups=tuple(tuple(int(x) for x in gs) for gs in c2g),
         router_match_rate=None if rate is None else float(rate),
         groups_without_routed_requests=tuple(int(x) for x in r.get("groups_without_routed_requests", list)),
     )

@@ -24,8 +24,15 @@ from moetrace.errors import ConfigError
 from moetrace.placement.eplb import balanced_packing
 from moetrace.placement.maps import Placement, placement_from_phy2log
 
-__all__ = ["data_placement", "two_phase_members", "spread_in_nodes", "expected_slot_load", "place_members", "check_usage",
-           "verify_members"]
+__all__ = [
+    "data_placement",
+    "two_phase_members",
+    "spread_in_nodes",
+    "expected_slot_load",
+    "place_members",
+    "check_usage",
+    "verify_members",
+]
 
 
 def check_usage(usage_GLE: np.ndarray, num_slots: int, ranks_per_group: int) -> tuple[int, int, int, int]:

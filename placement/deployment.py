@@ -37,8 +37,13 @@ class Deployment:
     num_gpus_per_node: int = 8  # GPUs per node (NVLink domain); inter-node traffic leaves it
 
     def __post_init__(self) -> None:
-        for name, what in (("num_dp", "DP"), ("num_tp", "TP"), ("num_ep", "EP"), ("num_ep_tp", "the TP after EP"),
-                           ("num_gpus_per_node", "--gpus-per-node")):
+        for name, what in (
+            ("num_dp", "DP"),
+            ("num_tp", "TP"),
+            ("num_ep", "EP"),
+            ("num_ep_tp", "the TP after EP"),
+            ("num_gpus_per_node", "--gpus-per-node"),
+        ):
             if getattr(self, name) < 1:
                 hint = "" if what.startswith("--") else " (e.g. DP8TP8EP64)"
                 raise ConfigError(f"{self.name}: {what} must be >= 1, got {getattr(self, name)}{hint}")

@@ -208,4 +208,3 @@ def rebalance(load_LE: np.ndarray, *, num_replicas: int, num_groups: int, num_no
     log2phy = np.full((L, E * M), -1, dtype=np.int64)
     _put_rows(log2phy, phy2log * M + phyrank, np.broadcast_to(np.arange(num_replicas), (L, num_replicas)))
     return Placement(phy2log, log2phy.reshape(L, E, M), logcnt)
-

@@ -48,7 +48,9 @@ class PlacementFile:
     deployment: Deployment  # what it was placed for (file: config, gpus_per_node and the derived num_ep, num_nodes, ranks_per_node)
     strategy: str  # a name from placement.strategies.STRATEGIES
     placement: Placement  # over the MoE layers, in model.moe_layers order
-    router: Router = field(default_factory=NoRouter)  # how requests find their node (file: `grouping`, null for NoRouter)
+    router: Router = field(
+        default_factory=NoRouter
+    )  # how requests find their node (file: `grouping`, null for NoRouter)
     source: dict[str, Any] | None = None  # trace path, train requests, seed (provenance)
 
     @property
@@ -79,8 +81,13 @@ def save_placement(pf: PlacementFile, path: str | os.PathLike) -> None:
 
 
 def _deployment_json(dep: Deployment) -> dict[str, Any]:
-    return {"config": dep.name, "gpus_per_node": dep.num_gpus_per_node, "num_ep": dep.num_ep, "num_nodes": dep.num_nodes,
-            "ranks_per_node": dep.ranks_per_node}
+    return {
+        "config": dep.name,
+        "gpus_per_node": dep.num_gpus_per_node,
+        "num_ep": dep.num_ep,
+        "num_nodes": dep.num_nodes,
+        "ranks_per_node": dep.ranks_per_node,
+    }
 
 
 def _read_deployment(d: dict[str, Any], where: str) -> Deployment:
@@ -88,8 +95,10 @@ def _read_deployment(d: dict[str, Any], where: str) -> Deployment:
     also holds must agree."""
     config, gpus = d.get("config"), d.get("gpus_per_node")
     if not isinstance(config, str) or not isinstance(gpus, int) or isinstance(gpus, bool):
-        raise TraceFormatError(f"{where}: `deployment` needs `config` (e.g. \"DP8TP8EP64\") and `gpus_per_node`; "
-                               "re-create the file with `moetrace place`")
+        raise TraceFormatError(
+            f'{where}: `deployment` needs `config` (e.g. "DP8TP8EP64") and `gpus_per_node`; '
+            "re-create the file with `moetrace place`"
+        )
     try:
         dep = parse_deployment(config, num_gpus_per_node=gpus)
     except ConfigError as exc:
@@ -97,8 +106,10 @@ def _read_deployment(d: dict[str, Any], where: str) -> Deployment:
     stated = {k: d[k] for k in ("num_ep", "num_nodes", "ranks_per_node") if k in d}
     derived = {k: v for k, v in _deployment_json(dep).items() if k in stated}
     if stated != derived:
-        raise TraceFormatError(f"{where}: `deployment` {stated} disagrees with {config} on nodes of {gpus} GPUs "
-                               f"({derived}); re-create the file with `moetrace place`")
+        raise TraceFormatError(
+            f"{where}: `deployment` {stated} disagrees with {config} on nodes of {gpus} GPUs "
+            f"({derived}); re-create the file with `moetrace place`"
+        )
     return dep
 
 
@@ -127,9 +138,15 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
     E, H, num_ep = model["num_experts"], model["num_hidden_layers"], deployment.get("num_ep", 1)
     layers = model["moe_layers"]
     if not all(isinstance(x, int) and x >= 1 for x in (E, H, num_ep)):
-        raise TraceFormatError(f"{where}: model `num_experts`, `num_hidden_layers` and deployment `num_ep` must be "
-                               f"positive integers, got {E!r}, {H!r}, {num_ep!r}")
-    if not isinstance(layers, list) or not all(isinstance(x, int) and 0 <= x < H for x in layers) or layers != sorted(set(layers)):
+        raise TraceFormatError(
+            f"{where}: model `num_experts`, `num_hidden_layers` and deployment `num_ep` must be "
+            f"positive integers, got {E!r}, {H!r}, {num_ep!r}"
+        )
+    if (
+        not isinstance(layers, list)
+        or not all(isinstance(x, int) and 0 <= x < H for x in layers)
+        or layers != sorted(set(layers))
+    ):
         raise TraceFormatError(f"{where}: model `moe_layers` must be ascending distinct layer indices in 0..{H - 1}")
     L = len(layers)
     arrays = {}
@@ -139,7 +156,9 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
         except (ValueError, TypeError) as exc:
             raise TraceFormatError(f"{where}: `{key}` must be a rectangular integer array ({exc})") from None
         if arrays[key].size and arrays[key].dtype.kind not in "iu":
-            raise TraceFormatError(f"{where}: `{key}` must be a rectangular array of 64-bit integers, got {arrays[key].dtype} values")
+            raise TraceFormatError(
+                f"{where}: `{key}` must be a rectangular array of 64-bit integers, got {arrays[key].dtype} values"
+            )
         arrays[key] = arrays[key].astype(np.int64)
     phy2log, logcnt, log2phy = arrays["phy2log"], arrays["logcnt"], arrays["log2phy"]
     if phy2log.ndim != 2 or phy2log.shape[0] != L:
@@ -154,8 +173,12 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
         raise TraceFormatError(f"{where}: {exc}") from None
     router = read_router(d.get("grouping"), where=where, num_groups=dep.num_groups, num_features=L * E)
     return PlacementFile(
-        model=info, deployment=dep, strategy=str(d["strategy"]),
-        placement=Placement(phy2log, log2phy, logcnt), router=router, source=d.get("source"),
+        model=info,
+        deployment=dep,
+        strategy=str(d["strategy"]),
+        placement=Placement(phy2log, log2phy, logcnt),
+        router=router,
+        source=d.get("source"),
     )
 
 

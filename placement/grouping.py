@@ -22,7 +22,15 @@ import numpy as np
 from moetrace._deps import require
 from moetrace.errors import ConfigError
 
-__all__ = ["Grouping", "l2_normalize", "normalized_rows", "map_clusters_to_groups", "fit_grouping", "predict_clusters", "groups_of_clusters"]
+__all__ = [
+    "Grouping",
+    "l2_normalize",
+    "normalized_rows",
+    "map_clusters_to_groups",
+    "fit_grouping",
+    "predict_clusters",
+    "groups_of_clusters",
+]
 
 
 #: rows normalized at a time where only a reduction of the normalized rows is needed (bounds memory)
@@ -81,7 +89,9 @@ def map_clusters_to_groups(
         raise ConfigError("more clusters than groups needs the cluster centroids to merge them")
     meta, _ = _kmeans(l2_normalize(centroids_CF), num_groups, seed)
     if len(np.unique(meta)) < num_groups:
-        raise ConfigError(f"the {C} cluster centroids do not form {num_groups} distinct meta-clusters; use fewer clusters")
+        raise ConfigError(
+            f"the {C} cluster centroids do not form {num_groups} distinct meta-clusters; use fewer clusters"
+        )
     return [[int(m)] for m in meta]
 
 
@@ -101,8 +111,14 @@ class Grouping:
 
 
 def fit_grouping(
-    decode_RF: np.ndarray, prefill_RF: np.ndarray, *, num_clusters: int, num_groups: int, seed: int,
-    rows: np.ndarray | None = None, max_fit_requests: int = MAX_FIT_REQUESTS,
+    decode_RF: np.ndarray,
+    prefill_RF: np.ndarray,
+    *,
+    num_clusters: int,
+    num_groups: int,
+    seed: int,
+    rows: np.ndarray | None = None,
+    max_fit_requests: int = MAX_FIT_REQUESTS,
 ) -> Grouping:
     """Cluster training requests on decode vectors and map clusters to groups.
 
@@ -132,7 +148,11 @@ def fit_grouping(
         np.add.at(pre, labels[lo : lo + _CHUNK_ROWS], l2_normalize(prefill_RF[rows[lo : lo + _CHUNK_ROWS]]))
     pre /= np.maximum(sizes, 1)[:, None]
     return Grouping(
-        num_groups=num_groups, cluster_to_groups=c2g, decode_centroids_CF=centroids, prefill_centroids_CF=pre, labels_R=labels
+        num_groups=num_groups,
+        cluster_to_groups=c2g,
+        decode_centroids_CF=centroids,
+        prefill_centroids_CF=pre,
+        labels_R=labels,
     )
 
 

@@ -55,8 +55,19 @@ from moetrace.placement.maps import Placement, placement_from_phy2log
 if TYPE_CHECKING:
     from moetrace.tracer.trace.schema import ModelInfo
 
-__all__ = ["JointPlacement", "joint_placement", "aligned_members", "aligned_router_groups", "require_aligned",
-           "local_share_ceiling", "node_scores", "balanced_assign", "route_requests", "group_usage", "members_of_placement"]
+__all__ = [
+    "JointPlacement",
+    "joint_placement",
+    "aligned_members",
+    "aligned_router_groups",
+    "require_aligned",
+    "local_share_ceiling",
+    "node_scores",
+    "balanced_assign",
+    "route_requests",
+    "group_usage",
+    "members_of_placement",
+]
 
 #: rows converted to float at a time (bounds memory on [R, L, E] count arrays)
 _CHUNK_ROWS = 1024
@@ -113,7 +124,9 @@ def local_share_ceiling(x_RLE: np.ndarray, *, num_node_slots: int, rows: np.ndar
     return total / max(n, 1)
 
 
-def group_usage(x_RLE: np.ndarray, group_N: np.ndarray, *, num_groups: int, rows: np.ndarray | None = None) -> np.ndarray:
+def group_usage(
+    x_RLE: np.ndarray, group_N: np.ndarray, *, num_groups: int, rows: np.ndarray | None = None
+) -> np.ndarray:
     """Per node, the sum of its requests' activation shares, float64 [G, L, E] (each request weighs 1).
 
     ``group_N``: int [len(rows)] node of each selected row.
@@ -150,11 +163,17 @@ def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tup
     cols = np.arange(R * G)
     A_eq = sparse.csr_matrix((np.ones(R * G), (np.repeat(np.arange(R), G), cols)), shape=(R, R * G))
     node = np.tile(np.arange(G), R)
-    A_ub = sparse.csr_matrix((np.concatenate([np.ones(R * G), -np.ones(R * G)]),
-                              (np.concatenate([node, G + node]), np.concatenate([cols, cols]))), shape=(2 * G, R * G))
+    A_ub = sparse.csr_matrix(
+        (
+            np.concatenate([np.ones(R * G), -np.ones(R * G)]),
+            (np.concatenate([node, G + node]), np.concatenate([cols, cols])),
+        ),
+        shape=(2 * G, R * G),
+    )
     b_ub = np.concatenate([np.full(G, hi), np.full(G, -lo)])
-    res = optimize.linprog(-s.reshape(-1), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=np.ones(R), bounds=(0, 1),
-                           method="highs-ipm")  # interior point + crossover: a vertex, 2x faster than simplex here
+    res = optimize.linprog(
+        -s.reshape(-1), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=np.ones(R), bounds=(0, 1), method="highs-ipm"
+    )  # interior point + crossover: a vertex, 2x faster than simplex here
     if res.status != 0:
         raise AssertionError(f"balanced routing LP failed ({res.message})")
     group_R = np.argmax(res.x.reshape(R, G), axis=1).astype(np.int64)
@@ -193,10 +212,14 @@ def require_aligned(model: ModelInfo, *, num_nodes: int) -> int:
     if not model.group_limited:
         why = f"{model.name}'s router is not group-limited (no n_group/topk_group limit in its config)"
     else:
-        why = (f"{model.name}'s {model.n_group} router groups cannot fill {num_nodes} nodes whole "
-               f"(n_group must be a multiple of the node count)")
-    raise ConfigError(f"strategy joint_aligned keeps a group-limited router's expert groups whole on nodes, but {why}; "
-                      "use the strategy `joint` instead")
+        why = (
+            f"{model.name}'s {model.n_group} router groups cannot fill {num_nodes} nodes whole "
+            f"(n_group must be a multiple of the node count)"
+        )
+    raise ConfigError(
+        f"strategy joint_aligned keeps a group-limited router's expert groups whole on nodes, but {why}; "
+        "use the strategy `joint` instead"
+    )
 
 
 def aligned_members(usage_GLE: np.ndarray, *, num_slots: int, router_groups: int) -> np.ndarray:
@@ -215,7 +238,8 @@ def aligned_members(usage_GLE: np.ndarray, *, num_slots: int, router_groups: int
         raise ConfigError(
             f"keeping the router's expert groups whole needs a group-limited router whose groups fill whole nodes: "
             f"{router_groups} group(s) of {E} experts over {G} nodes (n_group must be a multiple of the node count); "
-            "use the strategy `joint` instead")
+            "use the strategy `joint` instead"
+        )
     size = E // router_groups
     group_member = optimal_members(u.reshape(G, L, router_groups, size).sum(3), num_slots=router_groups)  # [L, G, H]
     member = np.repeat(group_member, size, axis=2)  # [L, G, E]
@@ -265,8 +289,11 @@ def joint_placement(
     best = None
     usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows)
     for _ in range(num_iters):
-        member = (optimal_members(usage_GLE, num_slots=num_slots) if router_groups is None
-                  else aligned_members(usage_GLE, num_slots=num_slots, router_groups=router_groups))
+        member = (
+            optimal_members(usage_GLE, num_slots=num_slots)
+            if router_groups is None
+            else aligned_members(usage_GLE, num_slots=num_slots, router_groups=router_groups)
+        )
         routed, price = balanced_assign(node_scores(route_RLE, member, rows=rows), balance_slack=balance_slack)
         routed_usage = group_usage(decode_RLE, routed, num_groups=G, rows=rows)
         # training objective: the decode share a request finds on the node the router sends it to,
@@ -283,6 +310,10 @@ def joint_placement(
     obj, member, usage_GLE, price, group = best
     phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
     return JointPlacement(
-        placement=placement_from_phy2log(phy2log, num_experts=decode_RLE.shape[2]), member_LGE=member,
-        price_G=price, group_R=group, objective_history=history, num_iters=len(history),
+        placement=placement_from_phy2log(phy2log, num_experts=decode_RLE.shape[2]),
+        member_LGE=member,
+        price_G=price,
+        group_R=group,
+        objective_history=history,
+        num_iters=len(history),
     )

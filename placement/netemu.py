@@ -39,8 +39,9 @@ import shutil
 import signal
 import subprocess
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from moetrace.errors import ConfigError, MoetraceError
 
@@ -48,8 +49,17 @@ if TYPE_CHECKING:  # numpy loads when the counters are read, so `moetrace --help
     import numpy as np
 
 __all__ = [
-    "DEFAULT_LINK", "EmulatedNodes", "Link", "NODE_IF", "NetEmuError", "NO_NETNS_ENV", "emulated_nodes", "enter_netns",
-    "parse_link", "probe", "remove_stale",
+    "DEFAULT_LINK",
+    "EmulatedNodes",
+    "Link",
+    "NODE_IF",
+    "NetEmuError",
+    "NO_NETNS_ENV",
+    "emulated_nodes",
+    "enter_netns",
+    "parse_link",
+    "probe",
+    "remove_stale",
 ]
 
 #: the default link of an emulated node: scaled down so that a CPU's loopback (a few GB/s) stays
@@ -94,8 +104,10 @@ def parse_link(spec: str) -> Link:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]+)", parts[0]) if parts[0] else None
     unit = m.group(2).lower() if m else ""
     if len(parts) > 2 or m is None or unit not in _RATE_UNITS:
-        raise ConfigError(f"--link {spec!r} is not RATE[,LATENCY] (e.g. 1Gbit,50us; rate units: "
-                          f"{', '.join(_RATE_UNITS)}; latency units: {', '.join(_TIME_UNITS)})")
+        raise ConfigError(
+            f"--link {spec!r} is not RATE[,LATENCY] (e.g. 1Gbit,50us; rate units: "
+            f"{', '.join(_RATE_UNITS)}; latency units: {', '.join(_TIME_UNITS)})"
+        )
     rate = round(float(m.group(1)) * _RATE_UNITS[unit])
     if rate < 8000:
         raise ConfigError(f"--link {spec!r}: the rate must be at least 8kbit")
@@ -103,14 +115,18 @@ def parse_link(spec: str) -> Link:
     if len(parts) == 2:
         t = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]+)", parts[1])
         if t is None or t.group(2).lower() not in _TIME_UNITS:
-            raise ConfigError(f"--link {spec!r}: latency {parts[1]!r} is not a number with a unit "
-                              f"({', '.join(_TIME_UNITS)}), e.g. 50us")
+            raise ConfigError(
+                f"--link {spec!r}: latency {parts[1]!r} is not a number with a unit "
+                f"({', '.join(_TIME_UNITS)}), e.g. 50us"
+            )
         latency = float(t.group(1)) * _TIME_UNITS[t.group(2).lower()]
     return Link(rate_bit=rate, latency_s=latency, spec=spec)
 
 
 def _tool(name: str) -> str | None:
-    return shutil.which(name) or next((p for p in (f"/usr/sbin/{name}", f"/sbin/{name}") if os.access(p, os.X_OK)), None)
+    return shutil.which(name) or next(
+        (p for p in (f"/usr/sbin/{name}", f"/sbin/{name}") if os.access(p, os.X_OK)), None
+    )
 
 
 def _run(*cmd: str) -> str:
@@ -118,7 +134,9 @@ def _run(*cmd: str) -> str:
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode:
         why = (p.stderr.strip().splitlines() or [f"exit code {p.returncode}"])[0]
-        raise NetEmuError(f"`{' '.join(os.path.basename(c) if i == 0 else c for i, c in enumerate(cmd))}` failed: {why}")
+        raise NetEmuError(
+            f"`{' '.join(os.path.basename(c) if i == 0 else c for i, c in enumerate(cmd))}` failed: {why}"
+        )
     return p.stdout
 
 
@@ -206,13 +224,43 @@ class EmulatedNodes:
 
 def _shape(tc: str, ns: str, dev: str, link: Link, *, netem: bool) -> None:
     if netem:
-        _run(tc, "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "delay", link.tc_delay, "rate", link.tc_rate,
-             "limit", "100000")
+        _run(
+            tc,
+            "-n",
+            ns,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "netem",
+            "delay",
+            link.tc_delay,
+            "rate",
+            link.tc_rate,
+            "limit",
+            "100000",
+        )
         return
     rate_Bps = link.rate_bit / 8
     burst = max(16 * 1024, int(rate_Bps / 1000))  # about 1 ms of traffic: fine-grained shaping, still >= a few MTUs
-    _run(tc, "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", link.tc_rate, "burst", str(burst),
-         "latency", "1s")
+    _run(
+        tc,
+        "-n",
+        ns,
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        link.tc_rate,
+        "burst",
+        str(burst),
+        "latency",
+        "1s",
+    )
 
 
 @contextlib.contextmanager
@@ -232,6 +280,7 @@ def emulated_nodes(num_nodes: int, link: Link) -> Iterator[EmulatedNodes]:
     made: list[str] = []
     on_main = threading.current_thread() is threading.main_thread()
     if on_main:  # SIGTERM unwinds through the cleanup below (signal handlers can only be set on the main thread)
+
         def _term(signum, frame):
             raise SystemExit(128 + signum)
 
@@ -257,14 +306,22 @@ def emulated_nodes(num_nodes: int, link: Link) -> Iterator[EmulatedNodes]:
                     _shape(tc, ns, NODE_IF, link, netem=True)
                 except NetEmuError as exc:
                     netem = False
-                    notes.append(f"latency {link.tc_delay} is not emulated: the netem qdisc is unavailable here "
-                                 f"({str(exc).split(': ', 1)[-1].removeprefix('Error: ').rstrip('.')}); "
-                                 "links are rate-limited only (tbf)")
+                    notes.append(
+                        f"latency {link.tc_delay} is not emulated: the netem qdisc is unavailable here "
+                        f"({str(exc).split(': ', 1)[-1].removeprefix('Error: ').rstrip('.')}); "
+                        "links are rate-limited only (tbf)"
+                    )
             if not netem:
                 _shape(tc, ns, NODE_IF, link, netem=False)
             _shape(tc, hub, f"v{i}", link, netem=False)
-        yield EmulatedNodes(namespaces=names, hub=hub, addrs=tuple(f"{_SUBNET}.{i + 1}" for i in range(num_nodes)),
-                            link=link, node_qdisc="netem" if netem else "tbf", notes=tuple(notes))
+        yield EmulatedNodes(
+            namespaces=names,
+            hub=hub,
+            addrs=tuple(f"{_SUBNET}.{i + 1}" for i in range(num_nodes)),
+            link=link,
+            node_qdisc="netem" if netem else "tbf",
+            notes=tuple(notes),
+        )
     finally:
         failed = []
         for ns in reversed(made):  # nodes first, then the hub (its veth ends and the bridge go with it)
@@ -275,7 +332,9 @@ def emulated_nodes(num_nodes: int, link: Link) -> Iterator[EmulatedNodes]:
         if on_main:
             signal.signal(signal.SIGTERM, restore if restore is not None else signal.SIG_DFL)
         if failed:
-            raise NetEmuError(f"could not remove namespace(s) {', '.join(failed)}; remove them with `ip netns del NAME`")
+            raise NetEmuError(
+                f"could not remove namespace(s) {', '.join(failed)}; remove them with `ip netns del NAME`"
+            )
 
 
 def enter_netns(name: str) -> None:

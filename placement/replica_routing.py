@@ -89,7 +89,9 @@ def _metro(e_TK, valid_TK, phy2log_P, log2phy_EM, logcnt_E, batch_T, B, num_rank
     single = logcnt_E == 1
     rank_of_first = log2phy_EM[:, 0] // per_rank
     act_BW = np.zeros((B, num_ranks), dtype=np.int64)
-    np.add.at(act_BW, (np.nonzero(active_BE[:, single])[0], rank_of_first[single][np.nonzero(active_BE[:, single])[1]]), 1)
+    np.add.at(
+        act_BW, (np.nonzero(active_BE[:, single])[0], rank_of_first[single][np.nonzero(active_BE[:, single])[1]]), 1
+    )
     rows = np.arange(B)
     for ex in np.flatnonzero(~single):
         cand_slots = log2phy_EM[ex, : logcnt_E[ex]]

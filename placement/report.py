@@ -35,20 +35,27 @@ def format_compare_summary(result: CompareResult) -> str:
     for i, r in enumerate(rows):
         if r["is_bound"] and (i == 0 or not rows[i - 1]["is_bound"]):
             kinds = sorted({k for k in c.bound_kinds.values() if k})
-            lines.append("upper bounds (they see the held-out requests' decode; not deployable"
-                         + (f"; from {', '.join(kinds)}" if kinds and kinds != ["joint"] else "") + "):")
+            lines.append(
+                "upper bounds (they see the held-out requests' decode; not deployable"
+                + (f"; from {', '.join(kinds)}" if kinds and kinds != ["joint"] else "")
+                + "):"
+            )
         router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
         load = f"{r['busiest_node_load']:.2f}" if r.get("busiest_node_load") is not None else "-"
         cap = r["oracle_captured"]
         # worse than linear: "<0%" (the ratio explodes when the oracle saves little); no "-0%"
         captured = "-" if cap is None else "<0%" if round(cap, 2) < 0 else f"{round(cap, 2) or 0.0:.0%}"
-        lines.append(f"{r['strategy']:<16} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
-                     f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} "
-                     f"{router:>7} {load:>9} {captured:>9}")
+        lines.append(
+            f"{r['strategy']:<16} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
+            f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} "
+            f"{router:>7} {load:>9} {captured:>9}"
+        )
     if c.expert_copy_floor is not None:  # dedup expert, no redundancy: a proven bound, not a placement
         J = result.model.num_experts // c.num_nodes
-        lines.append(f"{'floor':<16} {c.expert_copy_floor:>26.3f}  proven for any placement with evenly loaded nodes: "
-                     f"each held-out request on a node of its own top {J} experts per layer")
+        lines.append(
+            f"{'floor':<16} {c.expert_copy_floor:>26.3f}  proven for any placement with evenly loaded nodes: "
+            f"each held-out request on a node of its own top {J} experts per layer"
+        )
     return "\n".join(lines)
 
 
@@ -58,7 +65,8 @@ def compare_notes(result: CompareResult) -> list[str]:
     notes = [
         f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
         "to them; their micro-batches drew from all test requests (more requests or fewer clusters avoid this)"
-        for r in result.summary_rows() if r["groups_without_routed_requests"]
+        for r in result.summary_rows()
+        if r["groups_without_routed_requests"]
     ]
     m, c = result.model, result.manifest
     splitters = [s for s in c.strategies if not get_strategy(s).keeps_groups(num_redundant=c.num_redundant)]
@@ -67,7 +75,8 @@ def compare_notes(result: CompareResult) -> list[str]:
         notes.append(
             f"note: {m.name}'s router sends each token to at most {m.topk_group} of its {m.n_group} expert groups; "
             f"placements that keep each group on one node (EPLB's hierarchical policy, joint_aligned) bound the nodes a "
-            f"token reaches, {', '.join(splitters)} place experts one by one and lose that bound (docs/placement.md)")
+            f"token reaches, {', '.join(splitters)} place experts one by one and lose that bound (docs/placement.md)"
+        )
     return notes
 
 

@@ -42,8 +42,17 @@ from moetrace.placement.grouping import Grouping, groups_of_clusters, predict_cl
 if TYPE_CHECKING:
     from moetrace.placement.maps import Placement
 
-__all__ = ["ROUTERS", "CentroidRouter", "NoRouter", "PriceRouter", "Router", "RouterKind", "Routes", "fit_router",
-           "read_router"]
+__all__ = [
+    "ROUTERS",
+    "CentroidRouter",
+    "NoRouter",
+    "PriceRouter",
+    "Router",
+    "RouterKind",
+    "Routes",
+    "fit_router",
+    "read_router",
+]
 
 RouterKind = Literal["none", "centroid", "price"]
 
@@ -55,9 +64,15 @@ _REDO = "re-create the file with `moetrace place`"
 class Routes:
     """Where a router sends requests, and how well their prompt predicts that."""
 
-    group_R: np.ndarray | None  # int64 [R] node of each request, routed from its prefill (held-out rows); None: no router
-    match_rate: float | None = None  # share of held-out requests routed from prefill as their decode would be (needs decode)
-    decode_group_R: np.ndarray | None = None  # int64 [R] price router: the balanced assignment by decode (perfect routing)
+    group_R: (
+        np.ndarray | None
+    )  # int64 [R] node of each request, routed from its prefill (held-out rows); None: no router
+    match_rate: float | None = (
+        None  # share of held-out requests routed from prefill as their decode would be (needs decode)
+    )
+    decode_group_R: np.ndarray | None = (
+        None  # int64 [R] price router: the balanced assignment by decode (perfect routing)
+    )
 
 
 @dataclass(frozen=True)
@@ -79,8 +94,14 @@ class NoRouter:
         del obj, where, num_groups, num_features
         return cls()
 
-    def route(self, prefill_RLE: np.ndarray, *, placement: Placement, is_test_R: np.ndarray,
-              decode_RLE: np.ndarray | None = None) -> Routes:
+    def route(
+        self,
+        prefill_RLE: np.ndarray,
+        *,
+        placement: Placement,
+        is_test_R: np.ndarray,
+        decode_RLE: np.ndarray | None = None,
+    ) -> Routes:
         """No routes: every node serves any request."""
         del prefill_RLE, placement, is_test_R, decode_RLE
         return Routes(group_R=None)
@@ -112,19 +133,27 @@ class CentroidRouter:
         del provenance
         if grouping is None:
             raise ConfigError("a centroid-routed strategy needs the clustering of the training requests")
-        return cls(num_groups=num_groups, cluster_to_groups=tuple(tuple(int(g) for g in gs) for gs in grouping.cluster_to_groups),
-                   prefill_centroids_CF=grouping.prefill_centroids_CF, decode_centroids_CF=grouping.decode_centroids_CF)
+        return cls(
+            num_groups=num_groups,
+            cluster_to_groups=tuple(tuple(int(g) for g in gs) for gs in grouping.cluster_to_groups),
+            prefill_centroids_CF=grouping.prefill_centroids_CF,
+            decode_centroids_CF=grouping.decode_centroids_CF,
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The file section; centroids rounded to 6 decimals, so a file read and written again is the same file."""
         return {
-            "router_kind": self.kind, "num_clusters": self.num_clusters, "num_groups": self.num_groups,
+            "router_kind": self.kind,
+            "num_clusters": self.num_clusters,
+            "num_groups": self.num_groups,
             "cluster_to_groups": [list(gs) for gs in self.cluster_to_groups],
-            "normalization": self.NORMALIZATION, "features": self.FEATURES,
+            "normalization": self.NORMALIZATION,
+            "features": self.FEATURES,
             # float64 first: K-means' float32 centroids would print every digit of their rounded value
             "decode_centroids": np.round(np.asarray(self.decode_centroids_CF, dtype=np.float64), 6).tolist(),
             "prefill_centroids": np.round(np.asarray(self.prefill_centroids_CF, dtype=np.float64), 6).tolist(),
-            "router": self.RULE, "router_match_rate": self.match_rate,
+            "router": self.RULE,
+            "router_match_rate": self.match_rate,
         }
 
     @classmethod
@@ -133,24 +162,40 @@ class CentroidRouter:
         if not isinstance(c2g, list) or not all(
             isinstance(gs, list) and gs and all(_is_int(g) and 0 <= g < num_groups for g in gs) for gs in c2g
         ):
-            raise TraceFormatError(f"{where}: grouping `cluster_to_groups` must be a list of group lists (groups "
-                                   f"0..{num_groups - 1}); {_REDO}")
+            raise TraceFormatError(
+                f"{where}: grouping `cluster_to_groups` must be a list of group lists (groups "
+                f"0..{num_groups - 1}); {_REDO}"
+            )
         C = len(c2g)
         centroids = {}
         for key in ("decode_centroids", "prefill_centroids"):
             try:
                 arr = np.asarray(obj.get(key, []), dtype=np.float64)
             except (ValueError, TypeError) as exc:
-                raise TraceFormatError(f"{where}: grouping `{key}` must be a rectangular array of numbers ({exc})") from None
+                raise TraceFormatError(
+                    f"{where}: grouping `{key}` must be a rectangular array of numbers ({exc})"
+                ) from None
             if arr.shape != (C, num_features):
-                raise TraceFormatError(f"{where}: grouping `{key}` has shape {arr.shape}, expected ({C}, {num_features})")
+                raise TraceFormatError(
+                    f"{where}: grouping `{key}` has shape {arr.shape}, expected ({C}, {num_features})"
+                )
             centroids[key] = arr
-        return cls(num_groups=num_groups, cluster_to_groups=tuple(tuple(int(g) for g in gs) for gs in c2g),
-                   prefill_centroids_CF=centroids["prefill_centroids"], decode_centroids_CF=centroids["decode_centroids"],
-                   match_rate=_match_rate(obj, where))
+        return cls(
+            num_groups=num_groups,
+            cluster_to_groups=tuple(tuple(int(g) for g in gs) for gs in c2g),
+            prefill_centroids_CF=centroids["prefill_centroids"],
+            decode_centroids_CF=centroids["decode_centroids"],
+            match_rate=_match_rate(obj, where),
+        )
 
-    def route(self, prefill_RLE: np.ndarray, *, placement: Placement, is_test_R: np.ndarray,
-              decode_RLE: np.ndarray | None = None) -> Routes:
+    def route(
+        self,
+        prefill_RLE: np.ndarray,
+        *,
+        placement: Placement,
+        is_test_R: np.ndarray,
+        decode_RLE: np.ndarray | None = None,
+    ) -> Routes:
         """Every request's node from its prefill counts ``prefill_RLE`` [R, L, E] (any numeric dtype);
         with ``decode_RLE`` also the match rate: the same cluster from prefill as from decode, over the
         held-out rows (``is_test_R``, bool [R]). All R rows are routed (a cluster's groups take its
@@ -176,7 +221,9 @@ class PriceRouter:
 
     num_groups: int  # G nodes; node g holds slots [g * P / G, (g + 1) * P / G) of the placement
     node_prices_G: tuple[float, ...]  # [G] each node's price (the balancing LP's duals, rounded to 9 decimals)
-    match_rate: float | None = None  # share of held-out requests routed to the node the balanced decode assignment picks
+    match_rate: float | None = (
+        None  # share of held-out requests routed to the node the balanced decode assignment picks
+    )
 
     @classmethod
     def fitted(cls, *, grouping: Grouping | None, provenance: dict[str, Any], num_groups: int) -> PriceRouter:
@@ -187,20 +234,39 @@ class PriceRouter:
         return cls(num_groups=num_groups, node_prices_G=tuple(float(p) for p in provenance["router_price"]))
 
     def to_json(self) -> dict[str, Any]:
-        return {"router_kind": self.kind, "num_groups": self.num_groups, "router": self.RULE, "score": self.SCORE,
-                "node_prices": list(self.node_prices_G), "router_match_rate": self.match_rate}
+        return {
+            "router_kind": self.kind,
+            "num_groups": self.num_groups,
+            "router": self.RULE,
+            "score": self.SCORE,
+            "node_prices": list(self.node_prices_G),
+            "router_match_rate": self.match_rate,
+        }
 
     @classmethod
     def from_json(cls, obj: dict[str, Any], *, where: str, num_groups: int, num_features: int) -> PriceRouter:
         del num_features
         prices = obj.get("node_prices")
-        if (not isinstance(prices, list) or len(prices) != num_groups
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in prices)):
-            raise TraceFormatError(f"{where}: grouping `node_prices` must be {num_groups} finite numbers (one per node); {_REDO}")
-        return cls(num_groups=num_groups, node_prices_G=tuple(float(x) for x in prices), match_rate=_match_rate(obj, where))
+        if (
+            not isinstance(prices, list)
+            or len(prices) != num_groups
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in prices)
+        ):
+            raise TraceFormatError(
+                f"{where}: grouping `node_prices` must be {num_groups} finite numbers (one per node); {_REDO}"
+            )
+        return cls(
+            num_groups=num_groups, node_prices_G=tuple(float(x) for x in prices), match_rate=_match_rate(obj, where)
+        )
 
-    def route(self, prefill_RLE: np.ndarray, *, placement: Placement, is_test_R: np.ndarray,
-              decode_RLE: np.ndarray | None = None) -> Routes:
+    def route(
+        self,
+        prefill_RLE: np.ndarray,
+        *,
+        placement: Placement,
+        is_test_R: np.ndarray,
+        decode_RLE: np.ndarray | None = None,
+    ) -> Routes:
         """The node of every held-out request (``is_test_R``, bool [R]; other rows 0) from its prefill
         counts ``prefill_RLE`` [R, L, E] (any numeric dtype); with ``decode_RLE`` also the balanced
         assignment by decode (``decode_group_R``) and the share of held-out requests routed alike."""
@@ -219,15 +285,15 @@ class PriceRouter:
             return Routes(group_R=routed_R)
         truth_R = np.zeros(len(is_test_R), dtype=np.int64)
         truth_R[test] = balanced_assign(node_scores(decode_RLE, member, rows=test))[0]
-        return Routes(group_R=routed_R, match_rate=float((routed_R[test] == truth_R[test]).mean()), decode_group_R=truth_R)
+        return Routes(
+            group_R=routed_R, match_rate=float((routed_R[test] == truth_R[test]).mean()), decode_group_R=truth_R
+        )
 
 
 #: every router kind; a union, so code that must tell them apart matches on the class
 Router = NoRouter | CentroidRouter | PriceRouter
 #: kind tag -> class, the file's ``router_kind`` and the registry's ``Strategy.router``
-ROUTERS: dict[str, type[Router]] = {
-    c.kind: c for c in (NoRouter, CentroidRouter, PriceRouter)
-}
+ROUTERS: dict[str, type[Router]] = {c.kind: c for c in (NoRouter, CentroidRouter, PriceRouter)}
 
 
 def fit_router(kind: RouterKind, *, grouping: Grouping | None, provenance: dict[str, Any], num_groups: int) -> Router:
@@ -253,8 +319,10 @@ def read_router(obj: object, *, where: str, num_groups: int, num_features: int) 
         kind = PriceRouter.kind if "node_prices" in obj else CentroidRouter.kind
     cls = ROUTERS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise TraceFormatError(f"{where}: grouping `router_kind` {kind!r} is not a router this moetrace knows "
-                               f"({', '.join(ROUTERS)}); it may be from a newer moetrace, or {_REDO}")
+        raise TraceFormatError(
+            f"{where}: grouping `router_kind` {kind!r} is not a router this moetrace knows "
+            f"({', '.join(ROUTERS)}); it may be from a newer moetrace, or {_REDO}"
+        )
     return cls.from_json(obj, where=where, num_groups=num_groups, num_features=num_features)
 
 

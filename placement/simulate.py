@@ -23,7 +23,8 @@ Out of scope: choosing placements or batches (``compare``); per-GPU send matrice
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Literal, NamedTuple
+from collections.abc import Iterator
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -75,7 +76,9 @@ def layer_copies(topk_ids_TLK: np.ndarray, **routing: Any) -> Iterator[LayerCopi
     ids = np.asarray(topk_ids_TLK)
     pl = routing.pop("placement")
     for l in range(ids.shape[1]):
-        yield _dispatch_copies(ids[:, l, :], phy2log_P=pl.phy2log[l], log2phy_EM=pl.log2phy[l], logcnt_E=pl.logcnt[l], **routing)
+        yield _dispatch_copies(
+            ids[:, l, :], phy2log_P=pl.phy2log[l], log2phy_EM=pl.log2phy[l], logcnt_E=pl.logcnt[l], **routing
+        )
 
 
 def _dispatch_copies(
@@ -102,8 +105,16 @@ def _dispatch_copies(
     W = num_ranks
     per_rank = len(phy2log_P) // W
     slot = choose_slots(
-        topk_ids_TK, phy2log_P=phy2log_P, log2phy_EM=log2phy_EM, logcnt_E=logcnt_E, src_node_T=src_node_T,
-        batch_T=batch_T, num_batches=num_batches, num_ranks=W, ranks_per_node=ranks_per_node, policy=policy,
+        topk_ids_TK,
+        phy2log_P=phy2log_P,
+        log2phy_EM=log2phy_EM,
+        logcnt_E=logcnt_E,
+        src_node_T=src_node_T,
+        batch_T=batch_T,
+        num_batches=num_batches,
+        num_ranks=W,
+        ranks_per_node=ranks_per_node,
+        policy=policy,
     )
     valid = slot >= 0
     rank = np.where(valid, slot // per_rank, 0)
@@ -160,8 +171,17 @@ def simulate_volume(
     batch_T = np.asarray(batch_T, dtype=np.int64)
     src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
     out = {m: np.zeros((B, L)) for m in METRICS}
-    copies = layer_copies(ids, placement=placement, batch_T=batch_T, src_rank_T=src_rank_T, num_batches=B, num_ranks=W,
-                          ranks_per_node=ranks_per_node, dedup=dedup, policy=policy)
+    copies = layer_copies(
+        ids,
+        placement=placement,
+        batch_T=batch_T,
+        src_rank_T=src_rank_T,
+        num_batches=B,
+        num_ranks=W,
+        ranks_per_node=ranks_per_node,
+        dedup=dedup,
+        policy=policy,
+    )
     for l, c in enumerate(copies):
         slot, valid, rank, copy, srank = c.slot_TK, c.valid_TK, c.rank_TK, c.copy_TK, c.dst_rank_TK
         inter = c.inter_TK

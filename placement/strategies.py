@@ -25,8 +25,9 @@ a builder only adapts arguments); clustering and routing requests (``grouping``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from moetrace.errors import ConfigError
 
@@ -37,7 +38,17 @@ if TYPE_CHECKING:  # the placers (and numpy) load when a strategy is built, so `
     from moetrace.placement.routers import RouterKind
     from moetrace.tracer.trace.schema import ModelInfo
 
-__all__ = ["PlacementInputs", "Strategy", "Bound", "STRATEGIES", "BOUNDS", "LABELS", "STRATEGY_NAMES", "get_strategy", "check_strategies"]
+__all__ = [
+    "PlacementInputs",
+    "Strategy",
+    "Bound",
+    "STRATEGIES",
+    "BOUNDS",
+    "LABELS",
+    "STRATEGY_NAMES",
+    "get_strategy",
+    "check_strategies",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +64,9 @@ class PlacementInputs:
     router_groups: int  # expert groups of the model's group-limited router (DeepSeek-V3: 8), 1 when it has none
     seed: int  # seeds the random placement
     load_LE: np.ndarray  # float32 [L, E] decode tokens per (layer, expert)
-    usage_GLE: np.ndarray | None = None  # float64 [G, L, E] decode tokens per group; strategies with uses_group_usage only
+    usage_GLE: np.ndarray | None = (
+        None  # float64 [G, L, E] decode tokens per group; strategies with uses_group_usage only
+    )
     decode_RLE: np.ndarray | None = None  # [R, L, E] decode counts of every request (price-routed strategies)
     prefill_RLE: np.ndarray | None = None  # [R, L, E] prefill counts of every request (what the router sees)
     train_rows: np.ndarray | None = None  # int64 rows of the training requests in the [R, ...] arrays
@@ -62,8 +75,9 @@ class PlacementInputs:
     @property
     def shape(self) -> dict[str, int]:
         """The keyword arguments of the data-free placers."""
-        return dict(num_layers=self.num_layers, num_experts=self.num_experts, num_slots=self.num_slots,
-                    num_ranks=self.num_ranks)
+        return dict(
+            num_layers=self.num_layers, num_experts=self.num_experts, num_slots=self.num_slots, num_ranks=self.num_ranks
+        )
 
 
 #: a builder returns the placement and what to record about how it was built (placement file ``source``)
@@ -95,7 +109,9 @@ class Strategy:
 
     def keeps_groups(self, *, num_redundant: int) -> bool:
         """Every router group stays on one node (for a router whose groups fill whole nodes)."""
-        return self.keeps_router_groups == "yes" or (self.keeps_router_groups == "without_redundancy" and not num_redundant)
+        return self.keeps_router_groups == "yes" or (
+            self.keeps_router_groups == "without_redundancy" and not num_redundant
+        )
 
 
 @dataclass(frozen=True)
@@ -128,8 +144,9 @@ def _random(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
 def _eplb(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
     from moetrace.placement.eplb import rebalance
 
-    placement = rebalance(x.load_LE, num_replicas=x.num_slots, num_groups=x.router_groups, num_nodes=x.num_nodes,
-                          num_gpus=x.num_ranks)
+    placement = rebalance(
+        x.load_LE, num_replicas=x.num_slots, num_groups=x.router_groups, num_nodes=x.num_nodes, num_gpus=x.num_ranks
+    )
     policy = "hierarchical" if x.router_groups % x.num_nodes == 0 else "global"
     return placement, {"eplb_num_groups": x.router_groups, "eplb_policy": policy}
 
@@ -157,11 +174,21 @@ def _joint_with(x: PlacementInputs, router_groups: int | None) -> tuple[Placemen
 
     if x.decode_RLE is None or x.prefill_RLE is None or x.train_rows is None or x.init_group_N is None:
         raise ConfigError("the joint placer needs per-request decode and prefill counts and starting groups")
-    jp = joint_placement(x.decode_RLE, x.prefill_RLE, init_group_R=x.init_group_N, num_groups=x.num_nodes,
-                         num_slots=x.num_slots, ranks_per_group=x.ranks_per_node, rows=x.train_rows,
-                         router_groups=router_groups)
-    return jp.placement, {"router_price": [round(float(p), 9) for p in jp.price_G], "joint_iterations": jp.num_iters,
-                          "joint_objective": [round(v, 6) for v in jp.objective_history]}
+    jp = joint_placement(
+        x.decode_RLE,
+        x.prefill_RLE,
+        init_group_R=x.init_group_N,
+        num_groups=x.num_nodes,
+        num_slots=x.num_slots,
+        ranks_per_group=x.ranks_per_node,
+        rows=x.train_rows,
+        router_groups=router_groups,
+    )
+    return jp.placement, {
+        "router_price": [round(float(p), 9) for p in jp.price_G],
+        "joint_iterations": jp.num_iters,
+        "joint_objective": [round(v, 6) for v in jp.objective_history],
+    }
 
 
 def _joint(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
@@ -183,24 +210,68 @@ def _joint_aligned(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
 #: the registry, in the order the CLI and docs list it
 STRATEGIES: tuple[Strategy, ...] = (
     #        name           label                      grouped build         description
-    Strategy("linear",      "linear (vLLM default)",   False, _linear,      "vLLM default: slot p holds expert p mod E",
-             keeps_router_groups="without_redundancy"),
-    Strategy("round_robin", "round robin",             False, _round_robin, "vLLM round robin: expert e on GPU e mod W"),
-    Strategy("random",      "random",                  False, _random,      "every expert once plus random replicas, shuffled per layer (seeded)"),
-    Strategy("eplb",        "EPLB",                    False, _eplb,        "DeepSeek EPLB on the training requests' decode load",
-             keeps_router_groups="yes"),  # its hierarchical policy
-    Strategy("data",        "data-based (core paper)", True,  _data,        "core paper §4.2: each group's most-used experts on its node (greedy)", "centroid",
-             uses_group_usage=True),
-    Strategy("improved",    "improved",                True,  _improved,    "the data placer's objective solved exactly (an integral LP)", "centroid",
-             uses_group_usage=True),
-    Strategy("joint",       "joint (ours)",            True,  _joint,       "ours: request routing and expert membership optimised together (alternating exact LPs), prefill router with node prices", "price"),
-    Strategy("joint_aligned", "joint, groups whole (ours)", True, _joint_aligned, "ours for group-limited routers (DeepSeek-V3): joint with the router's expert groups kept whole on nodes, so a token meets at most topk_group nodes", "price",
-             keeps_router_groups="yes", requires=_aligned_possible),
+    Strategy(
+        "linear",
+        "linear (vLLM default)",
+        False,
+        _linear,
+        "vLLM default: slot p holds expert p mod E",
+        keeps_router_groups="without_redundancy",
+    ),
+    Strategy("round_robin", "round robin", False, _round_robin, "vLLM round robin: expert e on GPU e mod W"),
+    Strategy("random", "random", False, _random, "every expert once plus random replicas, shuffled per layer (seeded)"),
+    Strategy(
+        "eplb", "EPLB", False, _eplb, "DeepSeek EPLB on the training requests' decode load", keeps_router_groups="yes"
+    ),  # its hierarchical policy
+    Strategy(
+        "data",
+        "data-based (core paper)",
+        True,
+        _data,
+        "core paper §4.2: each group's most-used experts on its node (greedy)",
+        "centroid",
+        uses_group_usage=True,
+    ),
+    Strategy(
+        "improved",
+        "improved",
+        True,
+        _improved,
+        "the data placer's objective solved exactly (an integral LP)",
+        "centroid",
+        uses_group_usage=True,
+    ),
+    Strategy(
+        "joint",
+        "joint (ours)",
+        True,
+        _joint,
+        "ours: request routing and expert membership optimised together (alternating exact LPs), prefill router with node prices",
+        "price",
+    ),
+    Strategy(
+        "joint_aligned",
+        "joint, groups whole (ours)",
+        True,
+        _joint_aligned,
+        "ours for group-limited routers (DeepSeek-V3): joint with the router's expert groups kept whole on nodes, so a token meets at most topk_group nodes",
+        "price",
+        keeps_router_groups="yes",
+        requires=_aligned_possible,
+    ),
 )
 #: the bounds compare reports (``compare --no-oracle`` leaves them out)
 BOUNDS: tuple[Bound, ...] = (
-    Bound("perfect_routing", "joint, perfect routing", "the joint placement with held-out requests routed by their own decode (a router that cannot be built)"),
-    Bound("oracle", "oracle", "the joint placer fitted on the held-out requests themselves, routed by their decode: what this trace's structure allows"),
+    Bound(
+        "perfect_routing",
+        "joint, perfect routing",
+        "the joint placement with held-out requests routed by their own decode (a router that cannot be built)",
+    ),
+    Bound(
+        "oracle",
+        "oracle",
+        "the joint placer fitted on the held-out requests themselves, routed by their decode: what this trace's structure allows",
+    ),
     # for a group-limited router whose groups fill whole nodes, each bound is the better of joint and joint_aligned
 )
 #: figure and table label of every strategy and bound name

@@ -30,7 +30,12 @@ def write_small_trace(path, *, num_requests: int = 6, seed: int = 0, model: Mode
         for r in range(num_requests):
             P, O = 3 + r, 2 + r % 3
             ex = np.stack(
-                [np.stack([rng.choice(model.num_experts, model.top_k, replace=False) for _ in range(model.num_moe_layers)]) for _ in range(P + O)]
+                [
+                    np.stack(
+                        [rng.choice(model.num_experts, model.top_k, replace=False) for _ in range(model.num_moe_layers)]
+                    )
+                    for _ in range(P + O)
+                ]
             )
             ex[-1] = -1
             w.add_request(request_id=r, dataset=["a", "b"][r % 2], prompt_tokens=P, topk_ids_TX=ex)

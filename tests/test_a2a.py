@@ -20,7 +20,6 @@ from moetrace.placement.maps import placement_from_phy2log
 from moetrace.placement.simulate import simulate_volume
 from tests.test_placement_compare import _planted_trace
 
-
 DEP = dict(config="DP2TP2EP4", gpus_per_node=2)
 HIDDEN = 16
 
@@ -32,8 +31,13 @@ def trace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cfg():
-    return CompareConfig(deployment=parse_deployment(DEP["config"], num_gpus_per_node=DEP["gpus_per_node"]),
-                         strategies=("linear", "eplb", "data"), num_batches=3, num_batch_requests=16, num_redundant=4)
+    return CompareConfig(
+        deployment=parse_deployment(DEP["config"], num_gpus_per_node=DEP["gpus_per_node"]),
+        strategies=("linear", "eplb", "data"),
+        num_batches=3,
+        num_batch_requests=16,
+        num_redundant=4,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +65,16 @@ def test_send_matrices_equal_simulator_bytes(data, cfg, dedup, policy):
     for s in ("linear", "eplb", "data"):
         ps = make_placement(data, cfg, s)
         rows, batch, src, _ = held_out_batches(data, cfg, ps.group_of_test_R)
-        kw = dict(placement=ps.placement, batch_T=batch, src_rank_T=src, num_batches=cfg.num_batches, num_ranks=dep.num_ep,
-                  ranks_per_node=dep.ranks_per_node, dedup=dedup, policy=policy)
+        kw = dict(
+            placement=ps.placement,
+            batch_T=batch,
+            src_rank_T=src,
+            num_batches=cfg.num_batches,
+            num_ranks=dep.num_ep,
+            ranks_per_node=dep.ranks_per_node,
+            dedup=dedup,
+            policy=policy,
+        )
         ids = data.test_topk_ids_TLK[rows]
         sends = send_matrices(ids, **kw)
         assert sends.shape == (cfg.num_batches, 2, 4, 4) and sends.dtype == np.int64
@@ -72,7 +84,9 @@ def test_send_matrices_equal_simulator_bytes(data, cfg, dedup, policy):
         intra, inter = rank_link_bytes(sends, phase="dispatch", ranks_per_node=dep.ranks_per_node, bytes_per_token=32)
         np.testing.assert_array_equal(inter.sum(-1), sim["dispatch_inter_bytes"])
         np.testing.assert_array_equal((intra + inter).max(-1), sim["max_rank_dispatch_send_bytes"])
-        c_intra, c_inter = rank_link_bytes(sends, phase="combine", ranks_per_node=dep.ranks_per_node, bytes_per_token=32)
+        c_intra, c_inter = rank_link_bytes(
+            sends, phase="combine", ranks_per_node=dep.ranks_per_node, bytes_per_token=32
+        )
         np.testing.assert_array_equal((c_intra + c_inter).max(-1), sim["max_rank_combine_send_bytes"])
 
 
@@ -80,8 +94,14 @@ def test_send_matrix_hand_example():
     """Two nodes of two ranks, one slot per expert per rank: a token on rank 0 routed to experts on ranks 0, 1, 3."""
     pl = placement_from_phy2log(np.array([[0, 1, 2, 3]]), num_experts=4)
     ids = np.array([[[0, 1]], [[1, 3]], [[3, 3]]])  # [T=3, L=1, K=2]; the last repeats an expert (dedup)
-    kw = dict(placement=pl, batch_T=np.array([0, 0, 1]), src_rank_T=np.array([0, 0, 2]), num_batches=2, num_ranks=4,
-              ranks_per_node=2)
+    kw = dict(
+        placement=pl,
+        batch_T=np.array([0, 0, 1]),
+        src_rank_T=np.array([0, 0, 2]),
+        num_batches=2,
+        num_ranks=4,
+        ranks_per_node=2,
+    )
     s = send_matrices(ids, **kw)
     want = np.zeros((2, 1, 4, 4), dtype=np.int64)
     want[0, 0, 0, 1] = 2  # tokens 0 and 1 -> rank 1 (intra); expert 0 is local to token 0
@@ -92,9 +112,17 @@ def test_send_matrix_hand_example():
 
 
 def test_check_against_simulator_names_the_mismatch(plan):
-    sim = {f"{p}_{c}_bytes": np.zeros(plan.sim_inter_VBL.shape[1:]) for p in ("dispatch", "combine") for c in ("intra", "inter")}
-    with pytest.raises(A2AMismatchError, match=r"linear: send matrix gives \d+ dispatch intra-node bytes at batch 0, layer 0"):
-        check_against_simulator(plan.sends_VBLWW[0], sim, ranks_per_node=2, bytes_per_token=plan.bytes_per_token, label="linear")
+    sim = {
+        f"{p}_{c}_bytes": np.zeros(plan.sim_inter_VBL.shape[1:])
+        for p in ("dispatch", "combine")
+        for c in ("intra", "inter")
+    }
+    with pytest.raises(
+        A2AMismatchError, match=r"linear: send matrix gives \d+ dispatch intra-node bytes at batch 0, layer 0"
+    ):
+        check_against_simulator(
+            plan.sends_VBLWW[0], sim, ranks_per_node=2, bytes_per_token=plan.bytes_per_token, label="linear"
+        )
 
 
 def test_gloo_collectives_move_exactly_the_predicted_bytes(plan, records):
@@ -166,9 +194,28 @@ def test_payload_errors_are_reported(plan, records):
 
 def test_cli_a2a_end_to_end(trace, tmp_path, monkeypatch):
     out = tmp_path / "a2a"
-    args = ["a2a", str(trace), "--config", DEP["config"], "--gpus-per-node", str(DEP["gpus_per_node"]), "--strategies",
-            "linear,eplb", "--batches", "2", "--batch-requests", "8", "--hidden-size", str(HIDDEN), "--redundancy", "4",
-            "--backend", "gloo", "-o", str(out)]
+    args = [
+        "a2a",
+        str(trace),
+        "--config",
+        DEP["config"],
+        "--gpus-per-node",
+        str(DEP["gpus_per_node"]),
+        "--strategies",
+        "linear,eplb",
+        "--batches",
+        "2",
+        "--batch-requests",
+        "8",
+        "--hidden-size",
+        str(HIDDEN),
+        "--redundancy",
+        "4",
+        "--backend",
+        "gloo",
+        "-o",
+        str(out),
+    ]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "measured bytes equal the simulator's" in r.output and "linear" in r.output
@@ -179,7 +226,10 @@ def test_cli_a2a_end_to_end(trace, tmp_path, monkeypatch):
     real = ar._predicted
     monkeypatch.setattr(ar, "_predicted", lambda p: (real(p)[0] + 1, real(p)[1]))
     r = CliRunner().invoke(app, [*args, "--overwrite"])
-    assert r.exit_code == 2 and "measured all-to-all bytes differ from the simulator: linear batch 0 layer 0 dispatch rank 0" in r.output
+    assert (
+        r.exit_code == 2
+        and "measured all-to-all bytes differ from the simulator: linear batch 0 layer 0 dispatch rank 0" in r.output
+    )
 
 
 def test_cli_nccl_without_gpus_says_so(trace, tmp_path):
@@ -187,25 +237,54 @@ def test_cli_nccl_without_gpus_says_so(trace, tmp_path):
 
     if torch.cuda.device_count() >= 4:
         pytest.skip("this machine has a GPU per rank")
-    r = CliRunner().invoke(app, ["a2a", str(trace), "--config", DEP["config"], "--gpus-per-node", "2", "--backend", "nccl",
-                                 "-o", str(tmp_path / "x")])
+    r = CliRunner().invoke(
+        app,
+        [
+            "a2a",
+            str(trace),
+            "--config",
+            DEP["config"],
+            "--gpus-per-node",
+            "2",
+            "--backend",
+            "nccl",
+            "-o",
+            str(tmp_path / "x"),
+        ],
+    )
     assert r.exit_code == 2 and "--backend nccl needs one GPU per rank: 4 ranks" in r.output
 
 
 def test_torchrun_flag_without_torchrun_env(trace, tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    r = CliRunner().invoke(app, ["a2a", str(trace), "--config", DEP["config"], "--gpus-per-node", "2", "--backend", "gloo",
-                                 "--torchrun", "--batches", "1", "--redundancy", "4", "-o", str(tmp_path / "x")])
+    r = CliRunner().invoke(
+        app,
+        [
+            "a2a",
+            str(trace),
+            "--config",
+            DEP["config"],
+            "--gpus-per-node",
+            "2",
+            "--backend",
+            "gloo",
+            "--torchrun",
+            "--batches",
+            "1",
+            "--redundancy",
+            "4",
+            "-o",
+            str(tmp_path / "x"),
+        ],
+    )
     assert r.exit_code == 2 and "RANK and WORLD_SIZE are not set" in r.output
 
 
 def test_cli_a2a_from_placement_files(data, cfg, trace, tmp_path):
-    from moetrace.placement.compare import placement_file
-    from moetrace.placement.exports import save_placement
-
     from moetrace.placement.a2a_run import placed_from_file
-    from moetrace.placement.exports import load_placement
+    from moetrace.placement.compare import placement_file
+    from moetrace.placement.exports import load_placement, save_placement
 
     files, made = [], {}
     for s in ("linear", "data", "joint"):
@@ -216,8 +295,21 @@ def test_cli_a2a_from_placement_files(data, cfg, trace, tmp_path):
         got = placed_from_file(data, cfg, load_placement(tmp_path / f"{s}.json"), where=s)
         test = data.is_test_R
         np.testing.assert_array_equal(got.group_of_test_R[test], made[s].group_of_test_R[test])
-    base = ["a2a", str(trace), "--gpus-per-node", "2", "--batches", "2", "--batch-requests", "8", "--hidden-size", "8",
-            "--backend", "gloo", *files]
+    base = [
+        "a2a",
+        str(trace),
+        "--gpus-per-node",
+        "2",
+        "--batches",
+        "2",
+        "--batch-requests",
+        "8",
+        "--hidden-size",
+        "8",
+        "--backend",
+        "gloo",
+        *files,
+    ]
     r = CliRunner().invoke(app, [*base, "--config", "DP2TP2EP4", "-o", str(tmp_path / "out")])
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "out" / rf.A2A_MANIFEST).read_text())
@@ -240,6 +332,9 @@ def test_a2a_refuses_a_router_for_another_number_of_nodes(data, cfg, strategy, t
     save_placement(placement_file(data, cfg, make_placement(data, cfg, strategy)), tmp_path / "p.json")
     pf = load_placement(tmp_path / "p.json")
     one_node = replace(cfg, deployment=parse_deployment(DEP["config"], num_gpus_per_node=4))
-    with pytest.raises(ConfigError, match=rf"{pf.router.kind} router sends requests to 2 nodes; --config DP2TP2EP4 on "
-                                          "nodes of 4 GPUs has 1"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"{pf.router.kind} router sends requests to 2 nodes; --config DP2TP2EP4 on "
+        "nodes of 4 GPUs has 1",
+    ):
         placed_from_file(data, one_node, pf, where="p.json")

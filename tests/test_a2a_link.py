@@ -10,7 +10,6 @@ import pytest
 from moetrace.placement import a2a_run as ar
 from moetrace.placement import netemu
 
-
 CAN_EMULATE, WHY_NOT = netemu.probe()
 
 

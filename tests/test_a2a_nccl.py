@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -14,22 +15,28 @@ from moetrace.placement.compare import CompareConfig, load_trace_data
 from moetrace.placement.deployment import parse_deployment
 from tests.test_placement_compare import _planted_trace
 
-import torch
-
 
 def test_auto_uses_nccl_only_with_a_gpu_per_rank():
     assert ar.choose_backend("auto", world_size=4, torchrun=False, num_gpus=4) == ("nccl", "")
     assert ar.choose_backend("auto", world_size=4, torchrun=False, num_gpus=0) == ("gloo", "")  # no GPU: nothing to say
-    assert ar.choose_backend("auto", world_size=16, torchrun=True, num_gpus=1) == ("nccl", "")  # torchrun: one per process
+    assert ar.choose_backend("auto", world_size=16, torchrun=True, num_gpus=1) == (
+        "nccl",
+        "",
+    )  # torchrun: one per process
     backend, note = ar.choose_backend("auto", world_size=4, torchrun=False, num_gpus=1)
     assert backend == "gloo"
-    assert note == ("note: 4 ranks but 1 GPU(s) here (NCCL needs one per rank): using gloo on CPU; --smoke runs a 1-rank "
-                    "NCCL all_to_all on cuda:0 (a GPU check, not the 4-rank replay)")
+    assert note == (
+        "note: 4 ranks but 1 GPU(s) here (NCCL needs one per rank): using gloo on CPU; --smoke runs a 1-rank "
+        "NCCL all_to_all on cuda:0 (a GPU check, not the 4-rank replay)"
+    )
 
 
 def test_nccl_with_too_few_gpus_is_refused_with_what_to_do():
-    with pytest.raises(ConfigError, match=r"--backend nccl needs one GPU per rank: 4 ranks, 1 GPU\(s\) visible here.*"
-                                          r"--backend gloo.*--smoke runs a 1-rank NCCL all_to_all on cuda:0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--backend nccl needs one GPU per rank: 4 ranks, 1 GPU\(s\) visible here.*"
+        r"--backend gloo.*--smoke runs a 1-rank NCCL all_to_all on cuda:0",
+    ):
         ar.choose_backend("nccl", world_size=4, torchrun=False, num_gpus=1)
     with pytest.raises(ConfigError) as exc:
         ar.choose_backend("nccl", world_size=4, torchrun=False, num_gpus=0)
@@ -64,15 +71,23 @@ def test_cli_smoke_without_gpu_and_out_rules(trace, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the NCCL smoke check runs on cuda:0)")
 def test_smoke_runs_nccl_all_to_all_on_one_gpu(trace):
-    cfg = CompareConfig(deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2), strategies=("linear", "data"),
-                        num_batches=2, num_batch_requests=8, num_redundant=4)
-    plan = ar.build_plan(load_trace_data(trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=64,
-                         backend="nccl")
+    cfg = CompareConfig(
+        deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2),
+        strategies=("linear", "data"),
+        num_batches=2,
+        num_batch_requests=8,
+        num_redundant=4,
+    )
+    plan = ar.build_plan(
+        load_trace_data(trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=64, backend="nccl"
+    )
     rows = ar.run_smoke(plan)
     B, L = plan.sim_inter_VBL.shape[1:]
     assert [r["strategy"] for r in rows] == ["linear", "data"]
     for v, r in enumerate(rows):
         assert r["collectives"] == B * L and r["seconds_median"] > 0
         total_BL = plan.sim_intra_VBL[v] + plan.sim_inter_VBL[v]
-        assert r["bytes_per_collective_median"] == np.median(total_BL)  # the simulator's dispatch bytes (checked per collective)
+        assert r["bytes_per_collective_median"] == np.median(
+            total_BL
+        )  # the simulator's dispatch bytes (checked per collective)
     assert "NCCL smoke check on 1 GPU" in ar.format_smoke(plan, rows)

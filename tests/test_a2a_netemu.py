@@ -4,9 +4,8 @@ test_a2a_link.py); TPd > 1 is replayed per EP rank."""
 
 from __future__ import annotations
 
-import os
-
 import json
+import os
 import subprocess
 
 import numpy as np
@@ -21,7 +20,6 @@ from moetrace.placement import netemu
 from moetrace.placement.compare import CompareConfig, load_trace_data
 from moetrace.placement.deployment import parse_deployment
 from tests.test_placement_compare import _planted_trace
-
 
 CAN_EMULATE, WHY_NOT = netemu.probe()
 needs_netns = pytest.mark.skipif(not CAN_EMULATE, reason=f"network namespaces cannot be made here: {WHY_NOT}")
@@ -40,12 +38,21 @@ def _namespaces() -> set[str]:
 # ---- parsing and the fallback, everywhere -------------------------------------------------------------
 def test_parse_link():
     link = netemu.parse_link("1Gbit,50us")
-    assert (link.rate_bit, link.latency_s, link.tc_rate, link.tc_delay) == (10**9, pytest.approx(50e-6), "1000000000bit", "50us")
+    assert (link.rate_bit, link.latency_s, link.tc_rate, link.tc_delay) == (
+        10**9,
+        pytest.approx(50e-6),
+        "1000000000bit",
+        "50us",
+    )
     assert netemu.parse_link("200mbit").latency_s == 0.0
     assert netemu.parse_link("1.5Gbit,2ms").rate_bit == 1_500_000_000
-    for bad, says in (("fast", "is not RATE[,LATENCY]"), ("1GB,1ms", "is not RATE[,LATENCY]"),
-                      ("1Gbit,soon", "latency 'soon' is not a number with a unit"), ("100bit", "at least 8kbit"),
-                      ("1Gbit,1ms,2", "is not RATE[,LATENCY]")):
+    for bad, says in (
+        ("fast", "is not RATE[,LATENCY]"),
+        ("1GB,1ms", "is not RATE[,LATENCY]"),
+        ("1Gbit,soon", "latency 'soon' is not a number with a unit"),
+        ("100bit", "at least 8kbit"),
+        ("1Gbit,1ms,2", "is not RATE[,LATENCY]"),
+    ):
         with pytest.raises(ConfigError, match=f"--link {bad!r}.*{says}" if "RATE" not in says else "not RATE"):
             netemu.parse_link(bad)
 
@@ -58,10 +65,15 @@ def test_probe_can_be_forced_off(monkeypatch):
 def test_emulate_required_but_impossible_is_one_line(trace, monkeypatch):
     """--emulate-nodes where namespaces cannot be made stops before starting any rank."""
     monkeypatch.setenv(netemu.NO_NETNS_ENV, "1")
-    cfg = CompareConfig(deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2), strategies=("linear",), num_batches=1)
+    cfg = CompareConfig(
+        deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2), strategies=("linear",), num_batches=1
+    )
     plan = ar.build_plan(load_trace_data(trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=4)
-    with pytest.raises(ConfigError, match=r"^--emulate-nodes: network namespaces cannot be made here \(MOETRACE_NO_NETNS "
-                                          r"is set\); run as root, or use --no-emulate-nodes$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--emulate-nodes: network namespaces cannot be made here \(MOETRACE_NO_NETNS "
+        r"is set\); run as root, or use --no-emulate-nodes$",
+    ):
         ar.run_a2a(plan, emulate=True)
 
 
@@ -70,13 +82,35 @@ def test_without_namespaces_says_so_and_still_measures_bytes_tpd2(trace, tmp_pat
     The deployment has TP2 after EP: replayed as one process per EP rank, with a note."""
     monkeypatch.setenv(netemu.NO_NETNS_ENV, "1")
     out = tmp_path / "a2a"
-    r = CliRunner().invoke(app, ["a2a", str(trace), "--config", "DP4TP2EP4TP2", "--gpus-per-node", "4", "--strategies",
-                                 "linear,data", "--batches", "2", "--batch-requests", "8", "--hidden-size", "8",
-                                 "--backend", "gloo", "-o", str(out)])
+    r = CliRunner().invoke(
+        app,
+        [
+            "a2a",
+            str(trace),
+            "--config",
+            "DP4TP2EP4TP2",
+            "--gpus-per-node",
+            "4",
+            "--strategies",
+            "linear,data",
+            "--batches",
+            "2",
+            "--batch-requests",
+            "8",
+            "--hidden-size",
+            "8",
+            "--backend",
+            "gloo",
+            "-o",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     notes = [x for x in r.output.splitlines() if x.startswith("note:")]
-    assert "note: inter-node time is not emulated (MOETRACE_NO_NETNS is set): all links are loopback; bytes are measured " \
-           "exactly" in notes
+    assert (
+        "note: inter-node time is not emulated (MOETRACE_NO_NETNS is set): all links are loopback; bytes are measured "
+        "exactly" in notes
+    )
     assert any("TP2 after EP is replayed as one process per EP rank" in x for x in notes)
     assert "links: all local to this machine" in r.output and "measured bytes equal the simulator's" in r.output
     m = json.loads((out / rf.A2A_MANIFEST).read_text())
@@ -84,8 +118,21 @@ def test_without_namespaces_says_so_and_still_measures_bytes_tpd2(trace, tmp_pat
 
 
 def test_bad_link_fails_before_any_work(trace, tmp_path):
-    r = CliRunner().invoke(app, ["a2a", str(trace), "--config", "DP2TP2EP4", "--gpus-per-node", "2", "--link", "fast",
-                                 "-o", str(tmp_path / "x")])
+    r = CliRunner().invoke(
+        app,
+        [
+            "a2a",
+            str(trace),
+            "--config",
+            "DP2TP2EP4",
+            "--gpus-per-node",
+            "2",
+            "--link",
+            "fast",
+            "-o",
+            str(tmp_path / "x"),
+        ],
+    )
     assert r.exit_code == 2 and "--link 'fast' is not RATE[,LATENCY]" in r.output
 
 
@@ -98,8 +145,12 @@ def test_namespaces_are_unique_and_always_removed():
         made = _namespaces() - before
         assert set(a.namespaces) | {a.hub} | set(b.namespaces) | {b.hub} == made and len(made) == 6
         assert a.addrs == ("10.77.0.1", "10.77.0.2") and a.rank_env()["GLOO_SOCKET_IFNAME"] == netemu.NODE_IF
-        qd = subprocess.run([netemu._tool("tc"), "-n", a.namespaces[1], "qdisc", "show", "dev", netemu.NODE_IF],
-                            capture_output=True, text=True, check=True).stdout
+        qd = subprocess.run(
+            [netemu._tool("tc"), "-n", a.namespaces[1], "qdisc", "show", "dev", netemu.NODE_IF],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert a.node_qdisc in qd and "rate 100Mbit" in qd
     assert _namespaces() == before
     with pytest.raises(RuntimeError, match="boom"), netemu.emulated_nodes(2, link):
@@ -109,10 +160,16 @@ def test_namespaces_are_unique_and_always_removed():
 
 @needs_netns
 def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace, capfd):
-    cfg = CompareConfig(deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2), strategies=("linear", "data"),
-                        num_batches=2, num_batch_requests=8, num_redundant=4)
-    plan = ar.build_plan(load_trace_data(trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=64,
-                         backend="gloo")
+    cfg = CompareConfig(
+        deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2),
+        strategies=("linear", "data"),
+        num_batches=2,
+        num_batch_requests=8,
+        num_redundant=4,
+    )
+    plan = ar.build_plan(
+        load_trace_data(trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=64, backend="gloo"
+    )
     notes: list[str] = []
     records, net = ar.run_a2a(plan, emulate=None, link="500Mbit", log=notes.append)  # auto: root can, so it does
     assert net.mode == "emulated" and net.link == "500Mbit" and net.qdisc in ("netem", "tbf")
@@ -121,7 +178,9 @@ def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace, capfd
     inter_bytes = 2 * plan.sim_inter_VBL.sum()  # dispatch + combine over every strategy, batch and layer
     assert sent_out_G.sum() >= inter_bytes  # the payload crossed the shaped links (plus TCP/gloo headers)
     assert all(n.startswith("note:") for n in notes)
-    assert "links: a network namespace per node, inter-node links shaped to 500Mbit" in ar.format_summary(plan, records, net)
+    assert "links: a network namespace per node, inter-node links shaped to 500Mbit" in ar.format_summary(
+        plan, records, net
+    )
     # the ranks start with c10d's log at ERROR: no per-connection "cannot resolve the hostname" noise
     assert "hostname of the client socket" not in capfd.readouterr().err
 

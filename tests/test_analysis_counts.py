@@ -7,10 +7,10 @@ import polars as pl
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_analysis_planted import stage_mask, tiny_model, write_trace
 
 from moetrace.analysis.counts import count_arrays, count_trace, write_counts_table
 from moetrace.errors import ConfigError, TraceFormatError
-from test_analysis_planted import stage_mask, tiny_model, write_trace
 
 
 def reference_counts(rows_T, dec_T, topk_ids_TLK, R, E):
@@ -74,8 +74,12 @@ def test_dtype_grows_with_request_length(tmp_path):
     T = 300
     ids = np.zeros((T, 1, 1), np.int16)  # every token on expert 0: count = stage length
     path = write_trace(
-        tmp_path / "t", model=tiny_model(num_layers=1, num_experts=2, top_k=1), dataset_R=["a"],
-        prompt_tokens_R=np.array([T - 1]), output_tokens_R=np.array([1]), topk_ids_TLK=ids,
+        tmp_path / "t",
+        model=tiny_model(num_layers=1, num_experts=2, top_k=1),
+        dataset_R=["a"],
+        prompt_tokens_R=np.array([T - 1]),
+        output_tokens_R=np.array([1]),
+        topk_ids_TLK=ids,
     )
     res = count_trace(path)
     assert res.counts_RSLE.dtype == np.uint16
@@ -86,8 +90,12 @@ def test_dtype_grows_with_request_length(tmp_path):
 def test_repeated_id_within_a_token_is_reported(tmp_path):
     ids = np.zeros((256, 1, 2), np.int16)  # 255 prefill tokens -> uint8; 2 per token -> 510 wraps
     path = write_trace(
-        tmp_path / "t", model=tiny_model(num_layers=1, num_experts=2, top_k=2), dataset_R=["a"],
-        prompt_tokens_R=np.array([255]), output_tokens_R=np.array([1]), topk_ids_TLK=ids,
+        tmp_path / "t",
+        model=tiny_model(num_layers=1, num_experts=2, top_k=2),
+        dataset_R=["a"],
+        prompt_tokens_R=np.array([255]),
+        output_tokens_R=np.array([1]),
+        topk_ids_TLK=ids,
     )
     with pytest.raises(TraceFormatError, match="moetrace validate"):
         count_trace(path)
@@ -106,15 +114,16 @@ def test_tidy_table_roundtrip(tmp_path):
     r = int(np.argmax(ref[:, 1, 1].sum(-1)))
     e = int(np.argmax(ref[r, 1, 1]))
     got = df.filter(
-        (pl.col("request_id") == np.sort(rids)[r]) & (pl.col("stage") == "decode") & (pl.col("layer") == 1) & (pl.col("expert") == e)
+        (pl.col("request_id") == np.sort(rids)[r])
+        & (pl.col("stage") == "decode")
+        & (pl.col("layer") == 1)
+        & (pl.col("expert") == e)
     )["count"]
     assert got.to_list() == [ref[r, 1, 1, e]]
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    T=st.integers(0, 60), L=st.integers(1, 4), K=st.integers(1, 3), R=st.integers(1, 5), seed=st.integers(0, 2**16)
-)
+@given(T=st.integers(0, 60), L=st.integers(1, 4), K=st.integers(1, 3), R=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_count_arrays_equals_reference(T, L, K, R, seed):
     rng = np.random.default_rng(seed)
     E = K + 3
@@ -123,14 +132,23 @@ def test_count_arrays_equals_reference(T, L, K, R, seed):
     rows = rng.integers(0, R, size=T)
     dec = rng.random(T) < 0.5
     counts = np.zeros((R, 2, L, E), np.uint16)
-    count_arrays(counts, row_T=rows, stage_T=dec.astype(np.int8), topk_ids_TX=ids.reshape(T, L * K), layers_L=np.arange(L), top_k=K)
+    count_arrays(
+        counts,
+        row_T=rows,
+        stage_T=dec.astype(np.int8),
+        topk_ids_TX=ids.reshape(T, L * K),
+        layers_L=np.arange(L),
+        top_k=K,
+    )
     np.testing.assert_array_equal(counts, reference_counts(rows, dec, ids, R, E))
 
 
 def test_id_out_of_range_is_an_error():
     counts = np.zeros((1, 1, 1, 4), np.uint8)
     with pytest.raises(TraceFormatError, match="num_experts=4"):
-        count_arrays(counts, row_T=np.zeros(1), stage_T=np.zeros(1), topk_ids_TX=np.array([[5]]), layers_L=np.array([0]), top_k=1)
+        count_arrays(
+            counts, row_T=np.zeros(1), stage_T=np.zeros(1), topk_ids_TX=np.array([[5]]), layers_L=np.array([0]), top_k=1
+        )
 
 
 def test_corrupt_part_is_a_clean_error(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pytest
+from test_analysis_planted import profile_trace, stage_mask, tiny_model, write_trace
 
 from moetrace.analysis.affinity import affinity_table, coactivation_lift_LEE, pair_counts
 from moetrace.analysis.classify import classify_layers
@@ -17,7 +18,6 @@ from moetrace.analysis.correlation import (
 from moetrace.analysis.counts import count_trace
 from moetrace.analysis.embedding import cluster_scores, request_features
 from moetrace.analysis.imbalance import batch_imbalance_table, expert_load_table, imbalance_table
-from test_analysis_planted import profile_trace, stage_mask, tiny_model, write_trace
 
 
 # ---------------------------------------------------------------------------------- imbalance
@@ -34,14 +34,20 @@ def skew_counts(tmp_path_factory):
     ids[:, 1, 0] = pos % 4
     ids[pos == P + O - 1] = -1
     path = write_trace(
-        tmp_path_factory.mktemp("skew") / "t", model=tiny_model(num_layers=2, num_experts=E, top_k=1),
-        dataset_R=["a"] * 10 + ["b"] * 10, prompt_tokens_R=np.full(R, P), output_tokens_R=np.full(R, O), topk_ids_TLK=ids,
+        tmp_path_factory.mktemp("skew") / "t",
+        model=tiny_model(num_layers=2, num_experts=E, top_k=1),
+        dataset_R=["a"] * 10 + ["b"] * 10,
+        prompt_tokens_R=np.full(R, P),
+        output_tokens_R=np.full(R, O),
+        topk_ids_TLK=ids,
     )
     return count_trace(path)
 
 
 def _if(df, dataset, stage, layer):
-    return df.filter((pl.col("dataset") == dataset) & (pl.col("stage") == stage) & (pl.col("layer") == layer))["imbalance_factor"].item()
+    return df.filter((pl.col("dataset") == dataset) & (pl.col("stage") == stage) & (pl.col("layer") == layer))[
+        "imbalance_factor"
+    ].item()
 
 
 def test_imbalance_factor_matches_hand_computation(skew_counts):
@@ -60,7 +66,9 @@ def test_expert_load_averages_to_one(skew_counts):
     load = expert_load_table(skew_counts)
     per_scope = load.group_by("dataset", "stage", "layer").agg(pl.col("load").mean())
     np.testing.assert_allclose(per_scope["load"].to_numpy(), 1.0)
-    a0 = load.filter((pl.col("dataset") == "a") & (pl.col("stage") == "prefill") & (pl.col("layer") == 0)).sort("expert")
+    a0 = load.filter((pl.col("dataset") == "a") & (pl.col("stage") == "prefill") & (pl.col("layer") == 0)).sort(
+        "expert"
+    )
     assert a0["load"].to_list() == pytest.approx([4.0, 0, 0, 0])
 
 
@@ -84,7 +92,9 @@ def _mixing_trace(path, alpha, *, seed=0, E=16, L=2):
     q = np.exp(rng.normal(0, 1.2, size=(L, E)))
     p, q = p / p.sum(-1, keepdims=True), q / q.sum(-1, keepdims=True)
     prof = np.stack([p, alpha * p + (1 - alpha) * q])[None]  # [D=1, S, L, E]
-    return profile_trace(path, profiles_DSLE=prof, requests_per_dataset=60, prompt_tokens=40, output_tokens=40, seed=seed)
+    return profile_trace(
+        path, profiles_DSLE=prof, requests_per_dataset=60, prompt_tokens=40, output_tokens=40, seed=seed
+    )
 
 
 def test_prefill_decode_correlation_tracks_the_planted_mixing(tmp_path):
@@ -107,7 +117,12 @@ def test_dataset_correlation_separates_disjoint_from_identical(tmp_path):
     prof[2, :, 0, 8:] = 40
     c = count_trace(profile_trace(tmp_path / "t", profiles_DSLE=prof, requests_per_dataset=30))
     per_layer, mean = dataset_correlation(c)
-    get = lambda a, b: mean.filter((pl.col("stage") == "decode") & (pl.col("dataset_a") == a) & (pl.col("dataset_b") == b))["pearson"].item()
+
+    def get(a: str, b: str) -> float:
+        return mean.filter((pl.col("stage") == "decode") & (pl.col("dataset_a") == a) & (pl.col("dataset_b") == b))[
+            "pearson"
+        ].item()
+
     assert get("ds0", "ds1") > 0.95
     assert get("ds0", "ds2") < 0
     assert get("ds2", "ds2") == pytest.approx(1.0)
@@ -125,8 +140,14 @@ def test_recall_at_k_exact_on_planted_hot_sets(tmp_path):
         is_dec = stage_mask(np.full(R, P), np.full(R, O))
         req_T = np.repeat(np.arange(R), P + O)
         ids = np.where(is_dec[:, None] & (not keep), dec[req_T], hot[req_T])[:, None, :].astype(np.int16)
-        path = write_trace(tmp_path / f"r{keep}", model=tiny_model(num_layers=1, num_experts=E, top_k=K),
-                           dataset_R=["x"] * R, prompt_tokens_R=np.full(R, P), output_tokens_R=np.full(R, O), topk_ids_TLK=ids)
+        path = write_trace(
+            tmp_path / f"r{keep}",
+            model=tiny_model(num_layers=1, num_experts=E, top_k=K),
+            dataset_R=["x"] * R,
+            prompt_tokens_R=np.full(R, P),
+            output_tokens_R=np.full(R, O),
+            topk_ids_TLK=ids,
+        )
         rec = prefill_decode_recall(count_trace(path)).filter(pl.col("dataset") == "all")
         assert rec["recall"].item() == pytest.approx(expected)
         assert rec["num_requests"].item() == R
@@ -141,8 +162,15 @@ def _datasets_trace(path, *, separated, seed=0):
     if separated:
         for d in range(D):
             prof[d, :, :, 5 * d : 5 * d + 5] = 8.0  # each dataset has its own 5 hot experts
-    return profile_trace(path, profiles_DSLE=prof, requests_per_dataset=60, prompt_tokens=30, output_tokens=15,
-                         seed=seed, per_request_noise=0.3)
+    return profile_trace(
+        path,
+        profiles_DSLE=prof,
+        requests_per_dataset=60,
+        prompt_tokens=30,
+        output_tokens=15,
+        seed=seed,
+        per_request_noise=0.3,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -192,9 +220,14 @@ def _affinity_trace(path, p, *, seed=0, E=8, T=6000):
     a = rng.integers(0, E, size=T)
     b = np.where(rng.random(T) < p, perm[a], rng.integers(0, E, size=T))
     R = T // 20
-    return write_trace(path, model=tiny_model(num_layers=2, num_experts=E, top_k=1), dataset_R=["x"] * R,
-                       prompt_tokens_R=np.full(R, 10), output_tokens_R=np.full(R, 10),
-                       topk_ids_TLK=np.stack([a, b], axis=1)[:, :, None].astype(np.int16))
+    return write_trace(
+        path,
+        model=tiny_model(num_layers=2, num_experts=E, top_k=1),
+        dataset_R=["x"] * R,
+        prompt_tokens_R=np.full(R, 10),
+        output_tokens_R=np.full(R, 10),
+        topk_ids_TLK=np.stack([a, b], axis=1)[:, :, None].astype(np.int16),
+    )
 
 
 def test_cross_layer_affinity_tracks_its_knob(tmp_path):
@@ -224,8 +257,14 @@ def test_coactivation_finds_the_planted_pair(tmp_path):
     glued = rng.random(T) < 0.4
     ids[glued] = [2, 5]  # experts 2 and 5 fire together far more often than chance
     R = T // 20
-    path = write_trace(tmp_path / "c", model=tiny_model(num_layers=1, num_experts=E, top_k=2), dataset_R=["x"] * R,
-                       prompt_tokens_R=np.full(R, 10), output_tokens_R=np.full(R, 10), topk_ids_TLK=ids[:, None, :].astype(np.int16))
+    path = write_trace(
+        tmp_path / "c",
+        model=tiny_model(num_layers=1, num_experts=E, top_k=2),
+        dataset_R=["x"] * R,
+        prompt_tokens_R=np.full(R, 10),
+        output_tokens_R=np.full(R, 10),
+        topk_ids_TLK=ids[:, None, :].astype(np.int16),
+    )
     pc = pair_counts(path)
     lift = coactivation_lift_LEE(pc)[0]
     assert np.nanargmax(lift) in (2 * E + 5, 5 * E + 2)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.reader import open_trace
-from moetrace.tracer.trace.writer import TraceWriter
+from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.validate import find_problems
+from moetrace.tracer.trace.writer import TraceWriter
 
 
 def tiny_model(*, num_layers: int = 2, num_experts: int = 8, top_k: int = 2) -> ModelInfo:
@@ -43,7 +43,12 @@ def write_trace(
     R = len(dataset_R)
     rid = np.arange(R, dtype=np.int64) * 7 + 3 if request_id_R is None else request_id_R
     with TraceWriter(
-        path, model=model, backend={"name": "synthetic"}, collection=collection or {}, part_tokens=2000, row_group_tokens=700
+        path,
+        model=model,
+        backend={"name": "synthetic"},
+        collection=collection or {},
+        part_tokens=2000,
+        row_group_tokens=700,
     ) as w:
         w.add_requests(
             request_id_R=rid,

@@ -7,12 +7,12 @@ import json
 import numpy as np
 import polars as pl
 import pytest
+from test_analysis_planted import profile_trace
 from typer.testing import CliRunner
 
 from moetrace.analysis.run import AnalyzeConfig, analyze
 from moetrace.cli import app
 from moetrace.errors import ConfigError
-from test_analysis_planted import profile_trace
 
 runner = CliRunner()
 
@@ -25,16 +25,37 @@ EXPECTED_FILES = {
     "prefill_decode_pooled.parquet": ["dataset", "layer", "model_layer", "pearson"],
     "prefill_decode_per_request_layers.parquet": ["dataset", "layer", "model_layer", "pearson_mean", "num_requests"],
     "prefill_decode_per_request.parquet": ["request_id", "dataset", "pearson_mean", "num_layers"],
-    "prefill_decode_recall.parquet": ["dataset", "layer", "model_layer", "k", "recall", "recall_popularity", "num_requests"],
+    "prefill_decode_recall.parquet": [
+        "dataset",
+        "layer",
+        "model_layer",
+        "k",
+        "recall",
+        "recall_popularity",
+        "num_requests",
+    ],
     "classify_accuracy.parquet": ["layer", "model_layer", "accuracy", "shuffled_accuracy", "chance"],
     "classify_confusion.parquet": ["layer", "model_layer", "true_dataset", "predicted_dataset", "count"],
     "embedding.parquet": ["request_id", "dataset", "stage", "method", "layer", "x", "y"],
     "embedding_scores.parquet": [
-        "stage", "layer", "num_requests", "num_datasets", "silhouette", "adjusted_rand", "silhouette_tsne", "silhouette_umap",
+        "stage",
+        "layer",
+        "num_requests",
+        "num_datasets",
+        "silhouette",
+        "adjusted_rand",
+        "silhouette_tsne",
+        "silhouette_umap",
     ],
     "affinity.parquet": [
-        "layer", "model_layer", "next_model_layer", "mutual_information_bits", "uncertainty_coefficient",
-        "top1_predictability", "top1_marginal", "pairs",
+        "layer",
+        "model_layer",
+        "next_model_layer",
+        "mutual_information_bits",
+        "uncertainty_coefficient",
+        "top1_predictability",
+        "top1_marginal",
+        "pairs",
     ],
     "coactivation.parquet": ["layer", "model_layer", "expert_a", "expert_b", "count", "lift"],
 }
@@ -51,7 +72,9 @@ def planted(tmp_path_factory):
 
 def test_cli_writes_every_result_with_the_documented_columns(planted, tmp_path):
     out = tmp_path / "res"
-    res = runner.invoke(app, ["analyze", str(planted), "-o", str(out), "--batch-size", "8", "--embedding-max-requests", "60"])
+    res = runner.invoke(
+        app, ["analyze", str(planted), "-o", str(out), "--batch-size", "8", "--embedding-max-requests", "60"]
+    )
     assert res.exit_code == 0, res.output
     for name, cols in EXPECTED_FILES.items():
         assert pl.read_parquet(out / name).columns == cols, name
@@ -63,12 +86,21 @@ def test_cli_writes_every_result_with_the_documented_columns(planted, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["classify"]["mean_accuracy"] > 0.9 and summary["classify"]["chance"] == 0.5
     # the printed table carries the paper's headline numbers
-    for text in ("mean imbalance factor", "prefill↔decode correlation", "pooled per dataset", "per request",
-                 "mean accuracy", "chance 0.500", "shuffled control"):
+    for text in (
+        "mean imbalance factor",
+        "prefill↔decode correlation",
+        "pooled per dataset",
+        "per request",
+        "mean accuracy",
+        "chance 0.500",
+        "shuffled control",
+    ):
         assert text in res.output
     emb = pl.read_parquet(out / "embedding.parquet")
     assert emb.filter((pl.col("stage") == "prefill") & (pl.col("method") == "umap")).height == 60  # the cap, stratified
-    assert emb.filter((pl.col("stage") == "decode") & (pl.col("method") == "tsne")).group_by("dataset").len()["len"].to_list() == [30, 30]
+    assert emb.filter((pl.col("stage") == "decode") & (pl.col("method") == "tsne")).group_by("dataset").len()[
+        "len"
+    ].to_list() == [30, 30]
 
 
 def test_subset_layers_and_seeded_reproducibility(planted, tmp_path):
@@ -79,7 +111,9 @@ def test_subset_layers_and_seeded_reproducibility(planted, tmp_path):
     assert not (tmp_path / "a" / "classify_accuracy.parquet").exists()
     imb = pl.read_parquet(tmp_path / "a" / "imbalance.parquet")
     assert sorted(imb["layer"].unique().to_list()) == [0, 2]
-    assert pl.read_parquet(tmp_path / "a" / "batch_imbalance.parquet").equals(pl.read_parquet(tmp_path / "b" / "batch_imbalance.parquet"))
+    assert pl.read_parquet(tmp_path / "a" / "batch_imbalance.parquet").equals(
+        pl.read_parquet(tmp_path / "b" / "batch_imbalance.parquet")
+    )
     assert s1["imbalance"] == s2["imbalance"]
 
 
@@ -102,18 +136,49 @@ def test_cli_errors_are_clean(planted, tmp_path):
     assert ok.exit_code == 0
     again = runner.invoke(app, ["analyze", str(planted), "-o", str(tmp_path / "y"), "--only", "imbalance"])
     assert again.exit_code == 2 and "--overwrite" in again.output
-    assert runner.invoke(app, ["analyze", str(planted), "-o", str(tmp_path / "y"), "--only", "imbalance", "--overwrite"]).exit_code == 0
+    assert (
+        runner.invoke(
+            app, ["analyze", str(planted), "-o", str(tmp_path / "y"), "--only", "imbalance", "--overwrite"]
+        ).exit_code
+        == 0
+    )
     with pytest.raises(ConfigError):
         AnalyzeConfig(batch_size=0)
 
 
 def test_analyze_a_trace_from_the_tiny_model_collector(tmp_path):
     trace = tmp_path / "tiny"
-    res = runner.invoke(app, ["collect", "--model", "olmoe-1b-7b-tiny", "--max-new-tokens", "6", "--dataset", "math-word,code",
-                              "--per-dataset", "6", "-o", str(trace)])
+    res = runner.invoke(
+        app,
+        [
+            "collect",
+            "--model",
+            "olmoe-1b-7b-tiny",
+            "--max-new-tokens",
+            "6",
+            "--dataset",
+            "math-word,code",
+            "--per-dataset",
+            "6",
+            "-o",
+            str(trace),
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = tmp_path / "res"
-    res = runner.invoke(app, ["analyze", str(trace), "-o", str(out), "--batch-size", "4", "--only", "imbalance,correlation,classify,affinity"])
+    res = runner.invoke(
+        app,
+        [
+            "analyze",
+            str(trace),
+            "-o",
+            str(out),
+            "--batch-size",
+            "4",
+            "--only",
+            "imbalance,correlation,classify,affinity",
+        ],
+    )
     assert res.exit_code == 0, res.output
     imb = pl.read_parquet(out / "imbalance.parquet")
     assert imb["layer"].n_unique() == 16 and set(imb["dataset"]) == {"all", "code", "math-word"}
@@ -129,6 +194,10 @@ def test_summary_prints_undefined_scores_as_na():
     """Regression: a one-dataset trace printed `silhouette nan`; an undefined score reads n/a."""
     from moetrace.analysis.run import format_summary
 
-    text = format_summary({"embedding": {"prefill": {"silhouette": float("nan"), "adjusted_rand": 0.25}},
-                           "classify": {"skipped": "needs at least 2 datasets"}})
+    text = format_summary(
+        {
+            "embedding": {"prefill": {"silhouette": float("nan"), "adjusted_rand": 0.25}},
+            "classify": {"skipped": "needs at least 2 datasets"},
+        }
+    )
     assert "silhouette n/a, K-means ARI 0.250" in text and "nan" not in text

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import polars as pl
+from test_analysis_planted import tiny_model
 
 import moetrace.tracer.synth as synth
-
-from moetrace.analysis.affinity import affinity_table, pair_counts  # noqa: E402
-from moetrace.analysis.correlation import prefill_decode_pooled  # noqa: E402
-from moetrace.analysis.counts import count_trace  # noqa: E402
-from test_analysis_planted import tiny_model  # noqa: E402
+from moetrace.analysis.affinity import affinity_table, pair_counts
+from moetrace.analysis.correlation import prefill_decode_pooled
+from moetrace.analysis.counts import count_trace
 
 MODEL = tiny_model(num_layers=3, num_experts=16, top_k=2)
-SHORT = {d: {"prompt_median": 40, "prompt_sigma": 0.2, "output_median": 30, "output_sigma": 0.2} for d in ("gsm8k", "mbpp")}
+SHORT = {
+    d: {"prompt_median": 40, "prompt_sigma": 0.2, "output_median": 30, "output_sigma": 0.2} for d in ("gsm8k", "mbpp")
+}
 
 
 def _synth(path, **knobs):
     plan = synth.SynthPlan(
-        datasets=("gsm8k", "mbpp"), num_requests=120, seed=0,
+        datasets=("gsm8k", "mbpp"),
+        num_requests=120,
+        seed=0,
         knobs=synth.SynthKnobs.from_dict({"lengths": SHORT, "request_spread": 0.0, **knobs}),
     )
     synth.synthesize(path, model=MODEL, plan=plan)

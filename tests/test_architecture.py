@@ -48,7 +48,7 @@ def test_no_import_cycles():
         stack.append(m)
         for n in sorted(edges[m]):
             if state.get(n) == 1:
-                cycles.append(stack[stack.index(n):] + [n])
+                cycles.append(stack[stack.index(n) :] + [n])
             elif n not in state:
                 visit(n, stack)
         stack.pop()
@@ -86,8 +86,16 @@ def test_a_stage_folder_refuses_its_bare_name():
 
 def _clean_copy(dest: Path) -> Path:
     """The files a fresh clone has (tracked and not ignored), symlinks kept as links."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            check=True, capture_output=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, listed):
         src = ROOT / rel
         if not src.exists() and not src.is_symlink():
@@ -128,14 +136,21 @@ def test_wheel_from_a_clean_checkout_holds_exactly_the_packages(clean_checkout, 
     packages = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
     assert packages == _expected_packages(clean_checkout)
     code_files = {n for n in names if n.endswith(".py")}
-    source_files = {p.relative_to(clean_checkout).as_posix() for pkg in packages for p in (clean_checkout / pkg).glob("*.py")}
+    source_files = {
+        p.relative_to(clean_checkout).as_posix() for pkg in packages for p in (clean_checkout / pkg).glob("*.py")
+    }
     assert code_files == source_files, "wheel modules differ from the tracked sources (stale build/ output?)"
     data = {n for n in names if not n.endswith(".py")}
-    bundled = {p.relative_to(clean_checkout).as_posix() for p in (clean_checkout / "moetrace" / "data").rglob("*")
-               if p.is_file() and p.suffix in (".json", ".jsonl")}
+    bundled = {
+        p.relative_to(clean_checkout).as_posix()
+        for p in (clean_checkout / "moetrace" / "data").rglob("*")
+        if p.is_file() and p.suffix in (".json", ".jsonl")
+    }
     assert data == bundled | {"moetrace/py.typed"}  # PEP 561: type checkers use the package's own hints
-    code = (f"import sys; sys.path.insert(0, {str(whl)!r}); {EVIDENCE}; import moetrace.tracer.presets as p; "
-            "assert '.whl' in p.__file__, p.__file__; print(p.model_info_for('deepseek-v3-tiny').num_moe_layers)")
+    code = (
+        f"import sys; sys.path.insert(0, {str(whl)!r}); {EVIDENCE}; import moetrace.tracer.presets as p; "
+        "assert '.whl' in p.__file__, p.__file__; print(p.model_info_for('deepseek-v3-tiny').num_moe_layers)"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path)
     assert out.stdout.strip() == "58"
 
@@ -144,6 +159,8 @@ def test_pip_install_from_a_clean_checkout(clean_checkout, tmp_path):
     target = tmp_path / "site"
     _pip("install", ".", "--target", str(target), cwd=clean_checkout)
     assert not any((target / generic).exists() for generic in STAGES), "a generic top-level package was installed"
-    code = (f"import sys; sys.path.insert(0, {str(target)!r}); {EVIDENCE}; import moetrace.cli, moetrace.tracer.trace as t; "
-            f"assert t.__file__.startswith({str(target)!r}), t.__file__")
+    code = (
+        f"import sys; sys.path.insert(0, {str(target)!r}); {EVIDENCE}; import moetrace.cli, moetrace.tracer.trace as t; "
+        f"assert t.__file__.startswith({str(target)!r}), t.__file__"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)

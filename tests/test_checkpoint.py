@@ -51,7 +51,9 @@ def test_vllm_sized_config_keeps_topology_and_real_head_dims(name):
     p = resolve(name).preset
     full, small = p.hf_config(tiny=False), p.hf_config(tiny=True, engine="vllm")
     topo, want = moe_topology_from_hf_config(small), moe_topology_from_hf_config(full)
-    assert {k: v for k, v in topo.items() if k != "hidden_size"} == {k: v for k, v in want.items() if k != "hidden_size"}
+    assert {k: v for k, v in topo.items() if k != "hidden_size"} == {
+        k: v for k, v in want.items() if k != "hidden_size"
+    }
     heads, kv = small.num_attention_heads, small.num_key_value_heads
     assert heads == 2 and heads % kv == 0 and small.vocab_size == TINY_VOCAB_SIZE
     if p.architecture == "DeepseekV3ForCausalLM":
@@ -88,18 +90,32 @@ def checkpoint(tmp_path_factory):
 def test_the_checkpoint_has_the_real_topology_and_vllm_dims(checkpoint):
     d = checkpoint.path
     assert sorted(f.name for f in d.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "moetrace-checkpoint.json",
-        "tokenizer.json", "tokenizer_config.json",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "moetrace-checkpoint.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
     assert _leftovers(d.parent) == []
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["model_type"] == "mixtral"
     assert (cfg["num_hidden_layers"], cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (32, 8, 2)
-    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (256, 2, 1, 128)
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        256,
+        2,
+        1,
+        128,
+    )
     assert (cfg["intermediate_size"], cfg["vocab_size"], cfg["max_position_embeddings"]) == (32, TINY_VOCAB_SIZE, 4096)
     assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"] == 1e6  # the name transformers 4 (vLLM) reads
     info = resolve(str(d)).model_info()  # a local model name, read as JSON
-    assert (info.architecture, info.moe_layers, info.num_experts, info.top_k) == ("MixtralForCausalLM", tuple(range(32)), 8, 2)
+    assert (info.architecture, info.moe_layers, info.num_experts, info.top_k) == (
+        "MixtralForCausalLM",
+        tuple(range(32)),
+        8,
+        2,
+    )
     assert (checkpoint.preset, checkpoint.architecture) == (PRESET, "MixtralForCausalLM")
     assert checkpoint.bytes_on_disk == sum(f.stat().st_size for f in d.iterdir())
 
@@ -135,7 +151,12 @@ def test_the_tokenizer_loads_with_autotokenizer(checkpoint):
 def test_the_provenance_file(checkpoint):
     prov = json.loads((checkpoint.path / "moetrace-checkpoint.json").read_text())
     assert (prov["format"], prov["version"], prov["preset"], prov["seed"], prov["dtype"]) == (
-        "moetrace-checkpoint", 1, PRESET, 0, "bfloat16")
+        "moetrace-checkpoint",
+        1,
+        PRESET,
+        0,
+        "bfloat16",
+    )
     assert prov["num_parameters"] == checkpoint.num_parameters and prov["moetrace_version"]
     assert prov["dims"]["hidden_size"] == 256 and prov["topology"]["num_experts"] == 8
 
@@ -145,8 +166,25 @@ def test_collect_runs_on_the_checkpoint_through_the_cli(checkpoint, tmp_path):
     from moetrace.tracer.trace.validate import validate
 
     out = tmp_path / "trace"
-    res = runner.invoke(app, ["collect", "--model", str(checkpoint.path), "--backend", "hf", "--dataset", "bundled",
-                              "--per-dataset", "1", "--max-new-tokens", "2", "--no-chat-template", "-o", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "collect",
+            "--model",
+            str(checkpoint.path),
+            "--backend",
+            "hf",
+            "--dataset",
+            "bundled",
+            "--per-dataset",
+            "1",
+            "--max-new-tokens",
+            "2",
+            "--no-chat-template",
+            "-o",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     validate(out)
     t = open_trace(out)
@@ -185,8 +223,11 @@ def test_an_architecture_vllm_does_not_serve_is_refused(monkeypatch, tmp_path):
     from moetrace.tracer import checkpoint as ck
 
     monkeypatch.setattr(ck, "VLLM_ARCHITECTURES", ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM"))
-    with pytest.raises(ModelError, match="vLLM does not serve MixtralForCausalLM; make-checkpoint supports "
-                                         "DeepseekV3ForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(
+        ModelError,
+        match="vLLM does not serve MixtralForCausalLM; make-checkpoint supports "
+        "DeepseekV3ForCausalLM, Qwen3MoeForCausalLM",
+    ):
         ck.make_checkpoint(PRESET, out=tmp_path / "c")
 
 
@@ -197,7 +238,9 @@ def test_an_existing_output_is_one_line_and_kept(tmp_path):
     line = _one_line_error(runner.invoke(app, ["make-checkpoint", PRESET, "-o", str(out)]))
     assert "is not empty; pass --overwrite" in line
     (tmp_path / "f").write_text("")
-    assert "is not a directory" in _one_line_error(runner.invoke(app, ["make-checkpoint", PRESET, "-o", str(tmp_path / "f")]))
+    assert "is not a directory" in _one_line_error(
+        runner.invoke(app, ["make-checkpoint", PRESET, "-o", str(tmp_path / "f")])
+    )
     assert (out / "keep.txt").read_text() == "mine" and _leftovers(tmp_path) == []
 
 

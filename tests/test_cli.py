@@ -15,8 +15,20 @@ COMMANDS = sorted(c.name for c in __import__("typer").main.get_command(app).comm
 
 
 def test_the_design_commands_exist():
-    for name in ("collect", "validate", "info", "models", "synth", "import", "analyze", "place", "compare",
-                 "export", "dashboard", "demo"):
+    for name in (
+        "collect",
+        "validate",
+        "info",
+        "models",
+        "synth",
+        "import",
+        "analyze",
+        "place",
+        "compare",
+        "export",
+        "dashboard",
+        "demo",
+    ):
         assert name in COMMANDS
 
 

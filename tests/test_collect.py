@@ -15,10 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-
-from moetrace.cli import app  # noqa: E402
-from moetrace.tracer.trace.reader import open_trace  # noqa: E402
-from moetrace.tracer.trace.validate import find_problems  # noqa: E402
+from moetrace.cli import app
+from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.validate import find_problems
 
 runner = CliRunner()
 FAST = ["--model", "olmoe-1b-7b-tiny", "--max-new-tokens", "6"]
@@ -55,7 +54,9 @@ def test_collect_writes_a_valid_trace_without_text(tmp_path):
 
 def test_store_text_is_opt_in(tmp_path):
     out = tmp_path / "t"
-    res = runner.invoke(app, ["collect", *FAST, "--dataset", "chat", "--num-requests", "2", "--store-text", "-o", str(out)])
+    res = runner.invoke(
+        app, ["collect", *FAST, "--dataset", "chat", "--num-requests", "2", "--store-text", "-o", str(out)]
+    )
     assert res.exit_code == 0, res.output
     req = open_trace(out).requests().collect()
     assert all(isinstance(x, str) and x for x in req["prompt_text"].to_list())
@@ -64,10 +65,27 @@ def test_store_text_is_opt_in(tmp_path):
 
 def test_refuses_existing_output_and_full_size_model_on_cpu(tmp_path):
     out = tmp_path / "t"
-    assert runner.invoke(app, ["collect", *FAST, "--dataset", "chat", "--num-requests", "1", "-o", str(out)]).exit_code == 0
+    assert (
+        runner.invoke(app, ["collect", *FAST, "--dataset", "chat", "--num-requests", "1", "-o", str(out)]).exit_code
+        == 0
+    )
     res = runner.invoke(app, ["collect", *FAST, "--dataset", "chat", "--num-requests", "1", "-o", str(out)])
     assert res.exit_code == 2 and "--resume" in res.output
-    res = runner.invoke(app, ["collect", "--model", "mixtral-8x7b-tiny", "--dataset", "chat", "--num-requests", "1", "--resume", "-o", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "collect",
+            "--model",
+            "mixtral-8x7b-tiny",
+            "--dataset",
+            "chat",
+            "--num-requests",
+            "1",
+            "--resume",
+            "-o",
+            str(out),
+        ],
+    )
     assert res.exit_code == 2 and "different model" in res.output
     res = runner.invoke(app, ["collect", "--model", "deepseek-v3", "-o", str(tmp_path / "big")])
     assert res.exit_code == 2 and "deepseek-v3-tiny" in res.output and "671B" in res.output
@@ -82,7 +100,9 @@ def test_sigkill_then_resume_loses_nothing_and_duplicates_nothing(tmp_path):
 
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "moetrace", "collect", *args, "-o", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     deadline = time.time() + 120
     while time.time() < deadline and len(list((out / "requests").glob("*.parquet"))) < 2:
         time.sleep(0.05)
@@ -113,8 +133,22 @@ def test_collect_from_a_local_checkpoint_directory(tmp_path):
     model.save_pretrained(ckpt)
     tiny_tokenizer().save_pretrained(ckpt)
     out = tmp_path / "t"
-    res = runner.invoke(app, ["collect", "--model", str(ckpt), "--dataset", "code", "--num-requests", "2",
-                              "--max-new-tokens", "4", "-o", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "collect",
+            "--model",
+            str(ckpt),
+            "--dataset",
+            "code",
+            "--num-requests",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "-o",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     t = open_trace(out)
     assert t.model.source == str(ckpt) and t.model.architecture == "MixtralForCausalLM"
@@ -124,7 +158,12 @@ def test_collect_from_a_local_checkpoint_directory(tmp_path):
 
 def test_info_summarizes(tmp_path):
     out = tmp_path / "t"
-    assert runner.invoke(app, ["collect", *FAST, "--dataset", "chat,code", "--num-requests", "4", "-o", str(out)]).exit_code == 0
+    assert (
+        runner.invoke(
+            app, ["collect", *FAST, "--dataset", "chat,code", "--num-requests", "4", "-o", str(out)]
+        ).exit_code
+        == 0
+    )
     res = runner.invoke(app, ["info", str(out)])
     assert res.exit_code == 0
     assert "olmoe-1b-7b-tiny" in res.output and "16 MoE layers of 16, 64 experts, top-8" in res.output
@@ -136,7 +175,9 @@ def test_vllm_backend_fails_early_without_writing(tmp_path):
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here; this checks the message when it is not")
-    res = runner.invoke(app, ["collect", "--model", "deepseek-v3", "--backend", "vllm", "--dataset", "chat", "-o", str(tmp_path / "v")])
+    res = runner.invoke(
+        app, ["collect", "--model", "deepseek-v3", "--backend", "vllm", "--dataset", "chat", "-o", str(tmp_path / "v")]
+    )
     assert res.exit_code == 2 and "moetrace[vllm]" in res.output
     assert not (tmp_path / "v").exists()
 
@@ -164,8 +205,22 @@ def test_sharded_collection_from_the_cli(tmp_path):
 @pytest.mark.parametrize("flag, value", [("--max-new-tokens", "0"), ("--batch-size", "0"), ("--temperature", "-1")])
 def test_bad_generation_settings_fail_before_anything_is_written(tmp_path, flag, value):
     out = tmp_path / "t"
-    res = runner.invoke(app, ["collect", "--model", "olmoe-1b-7b-tiny", "--dataset", "chat", "--num-requests", "1",
-                              flag, value, "-o", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "collect",
+            "--model",
+            "olmoe-1b-7b-tiny",
+            "--dataset",
+            "chat",
+            "--num-requests",
+            "1",
+            flag,
+            value,
+            "-o",
+            str(out),
+        ],
+    )
     assert res.exit_code == 2 and flag in res.output, res.output
     assert not out.exists()
 
@@ -210,8 +265,13 @@ class _PlantedBackend:
             if p.request_id in writer.completed_request_ids:
                 continue
             num_prompt = 2 + p.request_id % 3
-            rows = _planted_rows(p.request_id, num_prompt + generation.max_new_tokens, num_layers=m.num_moe_layers,
-                                 num_experts=m.num_experts, top_k=m.top_k)
+            rows = _planted_rows(
+                p.request_id,
+                num_prompt + generation.max_new_tokens,
+                num_layers=m.num_moe_layers,
+                num_experts=m.num_experts,
+                top_k=m.top_k,
+            )
             writer.add_request(request_id=p.request_id, dataset=p.dataset, prompt_tokens=num_prompt, topk_ids_TX=rows)
             writer.commit()
             if on_progress is not None:
@@ -232,9 +292,15 @@ def planted(monkeypatch):
         state.built.append(_PlantedBackend(fail_in_run=state.fail_in_run))
         return state.built[-1]
 
-    entry = registry.BackendEntry(name="planted", description="planted rows (test)", build=build,
-                                  auto_here=lambda s: True, auto_when="always", auto_on_ray=False,
-                                  num_gpus=lambda s: 0.0)
+    entry = registry.BackendEntry(
+        name="planted",
+        description="planted rows (test)",
+        build=build,
+        auto_here=lambda s: True,
+        auto_when="always",
+        auto_on_ray=False,
+        num_gpus=lambda s: 0.0,
+    )
     monkeypatch.setattr(registry, "BACKENDS", {"planted": entry, **registry.BACKENDS})
     return state
 
@@ -248,8 +314,9 @@ def test_a_backend_is_one_registry_row_through_collect(planted, tmp_path):
 
     config = CollectConfig(model="mixtral-8x7b", datasets=("math-word", "code"), per_dataset=3, max_new_tokens=4)
     out, started, progress = tmp_path / "t", [], []
-    result = run_collection(config, out=out, on_start=lambda *a: started.append(a),
-                            on_progress=lambda r, t: progress.append(r))
+    result = run_collection(
+        config, out=out, on_start=lambda *a: started.append(a), on_progress=lambda r, t: progress.append(r)
+    )
     assert result.backend == "planted" and result.num_new_requests == 6
     assert planted.built[0].calls == ["check_environment", "load", "describe", "run"]
     assert started == [(6, 6)] and progress == [1, 2, 3, 4, 5, 6]

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from typer.testing import CliRunner
-
 from browser.checks import check_all
 from browser.figjson import figures_from_html
 from browser.fixtures import make_trace, produced
+from typer.testing import CliRunner
+
 from moetrace.cli import app
 from moetrace.dashboards.inputs import detect
 from moetrace.dashboards.report import DashboardConfig, write_dashboard
@@ -151,9 +151,11 @@ def test_scatter_cap_is_applied_and_shown(prod, tmp_path):
     rep = write_dashboard([prod.analysis], out=tmp_path / "r.html", config=DashboardConfig(max_points=25, seed=1))
     figs = figures_from_html(rep.path.read_text())
     fig = figs["clusters-tsne-prefill"]
-    total = pl.read_parquet(prod.analysis / "embedding.parquet").filter(
-        (pl.col("method") == "tsne") & (pl.col("stage") == "prefill")
-    ).height
+    total = (
+        pl.read_parquet(prod.analysis / "embedding.parquet")
+        .filter((pl.col("method") == "tsne") & (pl.col("stage") == "prefill"))
+        .height
+    )
     assert sum(len(t["x"]) for t in fig["data"]) == 25 < total
     notes = [a["text"] for a in fig["layout"].get("annotations", [])]
     assert any(f"25 of {total}" in n for n in notes)
@@ -204,7 +206,9 @@ def test_random_weight_traces_get_a_banner(tmp_path):
     assert random_weights({"model": {"source": "x"}, "backend": {"name": "hf", "weights": "seeded random weights"}})
     text = write_dashboard([t], out=tmp_path / "tiny.html").path.read_text()
     overview = text.split('<section id="overview">', 1)[1].split("</section>", 1)[0]
-    assert overview.split("</h2>", 1)[1].lstrip().startswith(f'<p class="banner" role="alert">{RANDOM_WEIGHTS_BANNER}</p>')
+    assert (
+        overview.split("</h2>", 1)[1].lstrip().startswith(f'<p class="banner" role="alert">{RANDOM_WEIGHTS_BANNER}</p>')
+    )
 
 
 def test_random_weight_banner_on_analysis_sections(prod, tmp_path):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import polars as pl
 import pytest
+from browser.figjson import figures_from_html
 from typer.testing import CliRunner
 
-from browser.figjson import figures_from_html
 from moetrace import results as rf
 from moetrace.cli import app
 from moetrace.dashboards.inputs import detect
@@ -55,7 +55,9 @@ def test_dashboard_draws_a2a_results(runs, tmp_path):
     import json
 
     (eplb,) = [r for r in json.loads((a2a / rf.A2A_MANIFEST).read_text())["summary"] if r["strategy"] == "eplb"]
-    value = f"{eplb['measured_inter_node_normalized_median']:.2f}× / {eplb['simulated_inter_node_normalized_median']:.2f}×"
+    value = (
+        f"{eplb['measured_inter_node_normalized_median']:.2f}× / {eplb['simulated_inter_node_normalized_median']:.2f}×"
+    )
     assert f'<div class="headline" data-key="a2a" data-source="{a2a / rf.A2A_MANIFEST}">' in text
     assert f'<div class="h-value">{value}</div>' in text
     assert f"all {df.height:,} (collective, rank) pairs sent exactly the predicted bytes" in text

@@ -11,10 +11,10 @@ import os
 
 import numpy as np
 import pytest
-
 from browser.checks import check_all
 from browser.fixtures import produced
 from browser.harness import chromium_path
+
 from moetrace.dashboards.report import write_dashboard
 
 _CI = os.environ.get("CI", "").lower() == "true"
@@ -141,11 +141,12 @@ def test_summary_card_comes_first_with_the_results_numbers(loaded):
     import json
 
     import polars as pl
-
     from browser.harness import open_report
 
     rep, _, p = loaded
-    imb = pl.read_parquet(p.analysis / "imbalance.parquet").filter((pl.col("dataset") == "all") & (pl.col("stage") == "prefill"))
+    imb = pl.read_parquet(p.analysis / "imbalance.parquet").filter(
+        (pl.col("dataset") == "all") & (pl.col("stage") == "prefill")
+    )
     mean_if = float(imb["imbalance_factor"].mean())
     # the same number analyze itself reports
     summary = json.loads((p.analysis / "summary.json").read_text())
@@ -204,7 +205,7 @@ def test_matrices_are_square_and_nothing_overlaps(loaded):
                 assert {n for n, _ in named} >= {"title", "xtitle", "xticks", "plot", "slider", "colorbar"}, key
                 for i, (n1, b1) in enumerate(named):
                     assert all(0 <= v for v in b1[:2]) and b1[2] <= parts["div"][2] + 1, (key, width, n1, b1)
-                    for n2, b2 in named[i + 1:]:
+                    for n2, b2 in named[i + 1 :]:
                         assert not _boxes_overlap(b1, b2), (key, width, n1, b1, n2, b2)
                 # the slider sits below the plot, the x-axis title above it
                 (slider,) = parts["slider"]
@@ -215,7 +216,6 @@ def test_expert_load_colour_views_toggle(loaded):
     """The expert-load heatmap opens on the log colour scale; the buttons switch to linear and per-layer
     colours (the exact load stays in the hover data), and the dataset · stage menu still works."""
     import polars as pl
-
     from browser.harness import figure_parts, open_report
 
     rep, _, p = loaded
@@ -248,9 +248,9 @@ def test_expert_load_colour_views_toggle(loaded):
 
 def test_first_figure_near_the_top_for_a_synthetic_trace(tmp_path):
     """A synthetic trace's long settings table is folded: the first figure starts on the first screen."""
+    from browser.harness import open_report
     from typer.testing import CliRunner
 
-    from browser.harness import open_report
     from moetrace.cli import app
 
     _need_browser()
@@ -270,4 +270,7 @@ def test_first_figure_near_the_top_for_a_synthetic_trace(tmp_path):
         assert not got["open"] and got["summary_visible"] and "Provenance:" in got["summary"] and got["rows"] > 13
         page.click('details[data-key="overview-provenance-details"] summary')  # one click shows the table
         assert page.evaluate("() => document.querySelector('details[data-key=\"overview-provenance-details\"]').open")
-        assert page.evaluate("() => document.querySelector('div.figure').getBoundingClientRect().top + window.scrollY") > 900
+        assert (
+            page.evaluate("() => document.querySelector('div.figure').getBoundingClientRect().top + window.scrollY")
+            > 900
+        )

@@ -24,34 +24,88 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 # ---- rows in each hub dataset's real layout (field names and nesting as on the hub) -------------
 GSM8K = [
-    {"question": f"Q{i}: Ann has {i} apples and buys 3 more. How many now?", "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}"}
+    {
+        "question": f"Q{i}: Ann has {i} apples and buys 3 more. How many now?",
+        "answer": f"{i} + 3 = {i + 3}\n#### {i + 3}",
+    }
     for i in range(6)
 ]
-MATH = [{"problem": f"Compute {i}^2.", "solution": f"${i * i}$", "answer": str(i * i), "subject": "Algebra",
-         "level": 1, "unique_id": f"test/algebra/{i}.json"} for i in range(5)]
-MBPP = [{"task_id": 11 + i, "text": f"Write a function to add {i}.", "code": f"def f(x): return x + {i}",
-         "test_list": [f"assert f(1) == {1 + i}", f"assert f(2) == {2 + i}"], "test_setup_code": "",
-         "challenge_test_list": []} for i in range(4)]
-HUMANEVAL = [{"task_id": f"HumanEval/{i}", "prompt": f'def f{i}(x):\n    """Return x times {i}."""\n',
-              "canonical_solution": f"    return x * {i}\n", "test": "def check(c): pass", "entry_point": f"f{i}"}
-             for i in range(4)]
-LMSYS = [
-    {"conversation_id": "a1", "model": "vicuna-13b", "turn": 2, "language": "English", "redacted": False,
-     "openai_moderation": [],
-     "conversation": [{"content": "How do tides work?", "role": "user"},
-                      {"content": "The moon...", "role": "assistant"},
-                      {"content": "And spring tides?", "role": "user"}]},
-    {"conversation_id": "a2", "model": "koala-13b", "turn": 1, "language": "German", "redacted": False,
-     "openai_moderation": [],
-     "conversation": [{"content": "Wie spät ist es?", "role": "user"}, {"content": "...", "role": "assistant"}]},
-    {"conversation_id": "a3", "model": "alpaca-13b", "turn": 1, "language": "English", "redacted": False,
-     "openai_moderation": [],
-     "conversation": [{"content": "Write a haiku about rain.", "role": "user"}, {"content": "...", "role": "assistant"}]},
+MATH = [
+    {
+        "problem": f"Compute {i}^2.",
+        "solution": f"${i * i}$",
+        "answer": str(i * i),
+        "subject": "Algebra",
+        "level": 1,
+        "unique_id": f"test/algebra/{i}.json",
+    }
+    for i in range(5)
 ]
-XSUM = [{"document": f"Article {i}. Something happened in town {i}.", "summary": f"Town {i} news.", "id": str(3000 + i)}
-        for i in range(5)]
-TLDR = [{"prompt": f"SUBREDDIT: r/advice\nTITLE: t{i}\nPOST: my story {i}\nTL;DR:", "completion": f" short {i}"}
-        for i in range(5)]
+MBPP = [
+    {
+        "task_id": 11 + i,
+        "text": f"Write a function to add {i}.",
+        "code": f"def f(x): return x + {i}",
+        "test_list": [f"assert f(1) == {1 + i}", f"assert f(2) == {2 + i}"],
+        "test_setup_code": "",
+        "challenge_test_list": [],
+    }
+    for i in range(4)
+]
+HUMANEVAL = [
+    {
+        "task_id": f"HumanEval/{i}",
+        "prompt": f'def f{i}(x):\n    """Return x times {i}."""\n',
+        "canonical_solution": f"    return x * {i}\n",
+        "test": "def check(c): pass",
+        "entry_point": f"f{i}",
+    }
+    for i in range(4)
+]
+LMSYS = [
+    {
+        "conversation_id": "a1",
+        "model": "vicuna-13b",
+        "turn": 2,
+        "language": "English",
+        "redacted": False,
+        "openai_moderation": [],
+        "conversation": [
+            {"content": "How do tides work?", "role": "user"},
+            {"content": "The moon...", "role": "assistant"},
+            {"content": "And spring tides?", "role": "user"},
+        ],
+    },
+    {
+        "conversation_id": "a2",
+        "model": "koala-13b",
+        "turn": 1,
+        "language": "German",
+        "redacted": False,
+        "openai_moderation": [],
+        "conversation": [{"content": "Wie spät ist es?", "role": "user"}, {"content": "...", "role": "assistant"}],
+    },
+    {
+        "conversation_id": "a3",
+        "model": "alpaca-13b",
+        "turn": 1,
+        "language": "English",
+        "redacted": False,
+        "openai_moderation": [],
+        "conversation": [
+            {"content": "Write a haiku about rain.", "role": "user"},
+            {"content": "...", "role": "assistant"},
+        ],
+    },
+]
+XSUM = [
+    {"document": f"Article {i}. Something happened in town {i}.", "summary": f"Town {i} news.", "id": str(3000 + i)}
+    for i in range(5)
+]
+TLDR = [
+    {"prompt": f"SUBREDDIT: r/advice\nTITLE: t{i}\nPOST: my story {i}\nTL;DR:", "completion": f" short {i}"}
+    for i in range(5)
+]
 
 
 def test_bundled_sets_are_five_domains_of_30_to_40_prompts():
@@ -123,7 +177,11 @@ def test_interleave_keeps_every_item_and_each_group_order(groups):
     [
         ("gsm8k", GSM8K, GSM8K[0]["question"]),
         ("math", MATH, "Compute 0^2."),
-        ("mbpp", MBPP, "Write a function to add 0.\nYour code should pass these tests:\n\nassert f(1) == 1\nassert f(2) == 2"),
+        (
+            "mbpp",
+            MBPP,
+            "Write a function to add 0.\nYour code should pass these tests:\n\nassert f(1) == 1\nassert f(2) == 2",
+        ),
         ("humaneval", HUMANEVAL, HUMANEVAL[0]["prompt"]),
         ("lmsys-chat", LMSYS, "How do tides work?"),
         ("xsum", XSUM, "Summarize the following article in one sentence.\n\nArticle 0. Something happened in town 0."),
@@ -213,6 +271,7 @@ def test_hub_unreachable_says_so_and_shows_the_local_file_way(monkeypatch):
 def test_hub_path_goes_through_datasets_with_the_right_id_config_split(tmp_path, monkeypatch):
     """The hub path with the real ``datasets`` library, the download swapped for a local json file."""
     import datasets
+
     path = write_jsonl(tmp_path / "x.jsonl", XSUM)
     real = datasets.load_dataset
     calls = []

@@ -32,8 +32,19 @@ def demo(tmp_path_factory) -> tuple[Path, str]:
 def test_prints_each_step_as_a_command_to_copy_and_the_dashboard_path(demo):
     out, output = demo
     steps = [line.split("$ ", 1)[1] for line in output.splitlines() if line.startswith("[") and "] $ moetrace " in line]
-    assert [shlex.split(s)[1] for s in steps] == ["collect", "validate", "analyze", "synth", "validate", "analyze",
-                                                  "compare", "place", "export", "export", "dashboard"]
+    assert [shlex.split(s)[1] for s in steps] == [
+        "collect",
+        "validate",
+        "analyze",
+        "synth",
+        "validate",
+        "analyze",
+        "compare",
+        "place",
+        "export",
+        "export",
+        "dashboard",
+    ]
     assert f"dashboard: {(out / 'report.html').resolve()}" in output
 
 

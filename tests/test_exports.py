@@ -43,8 +43,17 @@ EXPECTED_ROUTER = {"linear": NoRouter, "data": CentroidRouter, "joint": PriceRou
 SUFFIX = {"sglang": "sglang.json", "trtllm": "trtllm.yaml", "vllm": "vllm.json"}
 
 E, L, G = 16, 2, 2
-MODEL = ModelInfo(name="m", source="test", architecture="Test", num_hidden_layers=3, moe_layers=(1, 2), num_experts=E,
-                  top_k=2, num_shared_experts=0, hidden_size=8)
+MODEL = ModelInfo(
+    name="m",
+    source="test",
+    architecture="Test",
+    num_hidden_layers=3,
+    moe_layers=(1, 2),
+    num_experts=E,
+    top_k=2,
+    num_shared_experts=0,
+    hidden_size=8,
+)
 DEP = parse_deployment("DP2TP4EP8", num_gpus_per_node=4)
 
 
@@ -53,9 +62,13 @@ def _routers() -> dict[str, Router]:
     rng = np.random.default_rng(0)
     return {
         "none": NoRouter(),
-        "centroid": CentroidRouter(num_groups=G, cluster_to_groups=((0,), (1,), (0, 1)),
-                                   prefill_centroids_CF=rng.random((3, L * E)), decode_centroids_CF=rng.random((3, L * E)),
-                                   match_rate=0.75),
+        "centroid": CentroidRouter(
+            num_groups=G,
+            cluster_to_groups=((0,), (1,), (0, 1)),
+            prefill_centroids_CF=rng.random((3, L * E)),
+            decode_centroids_CF=rng.random((3, L * E)),
+            match_rate=0.75,
+        ),
         "price": PriceRouter(num_groups=G, node_prices_G=(0.0125, -0.003), match_rate=0.5),
     }
 
@@ -73,8 +86,13 @@ def test_every_strategy_names_a_router_kind_and_only_grouped_ones_route():
 @pytest.mark.parametrize("kind", sorted(ROUTERS))
 def test_placement_file_round_trips_every_router_kind(kind, tmp_path):
     router = _routers()[kind]
-    pf = PlacementFile(model=MODEL, deployment=DEP, strategy="s", placement=linear(num_layers=L, num_experts=E, num_slots=E,
-                                                                                    num_ranks=DEP.num_ep), router=router)
+    pf = PlacementFile(
+        model=MODEL,
+        deployment=DEP,
+        strategy="s",
+        placement=linear(num_layers=L, num_experts=E, num_slots=E, num_ranks=DEP.num_ep),
+        router=router,
+    )
     save_placement(pf, tmp_path / "a.json")
     section = json.loads((tmp_path / "a.json").read_text())["grouping"]
     assert section is None if kind == "none" else section["router_kind"] == kind  # the kind is written, first
@@ -93,7 +111,10 @@ def test_files_of_older_moetrace_load_into_their_router_and_export_unchanged(str
     pf = load_placement(old)
     assert type(pf.router) is EXPECTED_ROUTER[strategy]
     if isinstance(pf.router, PriceRouter):
-        assert list(pf.router.node_prices_G) == section["node_prices"] and pf.router.match_rate == section["router_match_rate"]
+        assert (
+            list(pf.router.node_prices_G) == section["node_prices"]
+            and pf.router.match_rate == section["router_match_rate"]
+        )
     if isinstance(pf.router, CentroidRouter):
         assert [list(g) for g in pf.router.cluster_to_groups] == section["cluster_to_groups"]
         np.testing.assert_array_equal(pf.router.prefill_centroids_CF, section["prefill_centroids"])
@@ -118,7 +139,9 @@ def test_unknown_router_kind_is_refused_cleanly(tmp_path):
     d["grouping"]["router_kind"] = "oracle"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(d))
-    with pytest.raises(TraceFormatError, match=r"router_kind` 'oracle' is not a router this moetrace knows \(none, centroid, price\)"):
+    with pytest.raises(
+        TraceFormatError, match=r"router_kind` 'oracle' is not a router this moetrace knows \(none, centroid, price\)"
+    ):
         load_placement(bad)
     r = CliRunner().invoke(app, ["export", str(bad), "--format", "sglang", "-o", str(tmp_path / "o.json")])
     assert r.exit_code == 2 and "router_kind" in r.output and "Traceback" not in r.output
@@ -148,7 +171,9 @@ def test_broken_sections_name_the_problem(corrupt, fragment, tmp_path):
     corrupt(d)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(d))
-    with pytest.raises(TraceFormatError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace(".", r"\.")):
+    with pytest.raises(
+        TraceFormatError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace(".", r"\.")
+    ):
         load_placement(bad)
 
 
@@ -170,7 +195,9 @@ def test_routers_route_held_out_requests_from_their_prefill():
     c = np.zeros((2, L * E))
     c[0] = prefill_RLE[0].reshape(-1)
     c[1] = prefill_RLE[1].reshape(-1)
-    centroid = CentroidRouter(num_groups=G, cluster_to_groups=((1,), (0,)), prefill_centroids_CF=c, decode_centroids_CF=c)
+    centroid = CentroidRouter(
+        num_groups=G, cluster_to_groups=((1,), (0,)), prefill_centroids_CF=c, decode_centroids_CF=c
+    )
     routes = centroid.route(prefill_RLE, placement=placement, is_test_R=is_test_R, decode_RLE=prefill_RLE)
     assert routes.group_R.tolist() == [1, 0, 1, 0] and routes.match_rate == 1.0
     price = PriceRouter(num_groups=G, node_prices_G=(0.0, 0.0))

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import write_small_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -21,25 +22,43 @@ from typer.testing import CliRunner
 from moetrace.cli import app
 from moetrace.tracer.trace.validate import find_problems
 
-from conftest import write_small_trace
-
 runner = CliRunner()
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                        HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
 )
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                                 st.dictionaries(st.text(max_size=6), inner, max_size=4)),
-                           max_leaves=12)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+    max_leaves=12,
+)
 
 MANIFEST_FIELDS = [
-    ("format",), ("version",), ("complete",), ("model",), ("backend",), ("collection",), ("totals",), ("writer",),
-    ("model", "top_k"), ("model", "num_experts"), ("model", "moe_layers"), ("model", "num_hidden_layers"),
-    ("model", "hidden_size"), ("model", "n_group"), ("model", "topk_group"), ("model", "name"),
-    ("totals", "num_requests"), ("backend", "name"),
+    ("format",),
+    ("version",),
+    ("complete",),
+    ("model",),
+    ("backend",),
+    ("collection",),
+    ("totals",),
+    ("writer",),
+    ("model", "top_k"),
+    ("model", "num_experts"),
+    ("model", "moe_layers"),
+    ("model", "num_hidden_layers"),
+    ("model", "hidden_size"),
+    ("model", "n_group"),
+    ("model", "topk_group"),
+    ("model", "name"),
+    ("totals", "num_requests"),
+    ("backend", "name"),
 ]
 
 
@@ -76,7 +95,9 @@ def test_validate_never_tracebacks_on_manifest_fields(valid_trace, field, value,
 
 token_records = st.fixed_dictionaries(
     {
-        "request": st.one_of(st.integers(-3, 5), st.integers(min_value=-(10**30), max_value=10**30), st.text(max_size=3)),
+        "request": st.one_of(
+            st.integers(-3, 5), st.integers(min_value=-(10**30), max_value=10**30), st.text(max_size=3)
+        ),
         "layer": st.one_of(st.integers(-1, 17), json_values),
         "position": st.one_of(st.integers(-1, 6), st.integers(min_value=0, max_value=10**12), json_values),
         "stage": st.one_of(st.sampled_from(["prefill", "decode"]), json_values),
@@ -85,19 +106,30 @@ token_records = st.fixed_dictionaries(
     optional={"dataset": json_values},
 )
 sglang_records = st.fixed_dictionaries(
-    {"meta_info": st.one_of(
-        st.fixed_dictionaries({"prompt_tokens": st.one_of(st.integers(-1, 5), json_values),
-                               "completion_tokens": st.one_of(st.integers(-1, 5), json_values),
-                               "routed_experts": st.one_of(st.text(max_size=40), json_values)},
-                              optional={"routed_experts_start_len": json_values}),
-        json_values)},
+    {
+        "meta_info": st.one_of(
+            st.fixed_dictionaries(
+                {
+                    "prompt_tokens": st.one_of(st.integers(-1, 5), json_values),
+                    "completion_tokens": st.one_of(st.integers(-1, 5), json_values),
+                    "routed_experts": st.one_of(st.text(max_size=40), json_values),
+                },
+                optional={"routed_experts_start_len": json_values},
+            ),
+            json_values,
+        )
+    },
     optional={"request_id": json_values, "dataset": json_values},
 )
 
 
 @FUZZ
-@given(records=st.one_of(st.lists(token_records, min_size=1, max_size=6), st.lists(sglang_records, min_size=1, max_size=3)),
-       garbage=st.one_of(st.none(), st.binary(max_size=30)))
+@given(
+    records=st.one_of(
+        st.lists(token_records, min_size=1, max_size=6), st.lists(sglang_records, min_size=1, max_size=3)
+    ),
+    garbage=st.one_of(st.none(), st.binary(max_size=30)),
+)
 def test_import_never_tracebacks(records, garbage):
     d = Path(tempfile.mkdtemp(prefix="moetrace-fuzz-"))
     try:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import torch
 
-from moetrace.tracer.backends.hf import RoutingRecorder, _iter_routers, build_tiny_model, generate_batch, tiny_tokenizer  # noqa: E402
+from moetrace.tracer.backends.hf import RoutingRecorder, _iter_routers, build_tiny_model, generate_batch, tiny_tokenizer
 
 ARCHS = [
     "deepseek-v3-tiny",
@@ -177,8 +176,15 @@ def test_hf_backend_through_collect_keeps_weights_and_text(tmp_path):
     from moetrace.tracer.trace.reader import open_trace
     from moetrace.tracer.trace.validate import find_problems
 
-    config = CollectConfig(model="mixtral-8x7b-tiny", datasets=("chat",), num_requests=3, max_new_tokens=3,
-                           batch_size=2, record_weights=True, store_text=True)
+    config = CollectConfig(
+        model="mixtral-8x7b-tiny",
+        datasets=("chat",),
+        num_requests=3,
+        max_new_tokens=3,
+        batch_size=2,
+        record_weights=True,
+        store_text=True,
+    )
     result = collect(config, out=tmp_path / "t", backend="hf")
     assert result.backend == "hf" and result.num_new_requests == 3
     assert find_problems(tmp_path / "t") == []

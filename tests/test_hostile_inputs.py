@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import write_small_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app
-
-from conftest import write_small_trace
 
 runner = CliRunner()
 DEPLOY = ["--config", "DP2TP1EP2", "--gpus-per-node", "1", "--batches", "2"]
@@ -83,40 +82,86 @@ def _tokens_line(**over) -> str:
 
 CASES: dict[str, Case] = {
     # ---- validate rejects what later commands would choke on, tolerates what is harmless
-    "float count in the manifest": Case(lambda d: ["validate", str(_manifest(d, model__top_k=2.0))], 1, r"`top_k` must be a whole number"),
-    "negative size": Case(lambda d: ["validate", str(_manifest(d, model__hidden_size=-4))], 1, r"`hidden_size` must be a whole number"),
-    "non-boolean complete": Case(lambda d: ["validate", str(_manifest(d, complete="yes"))], 1, r"`complete` must be true or false"),
-    "string layer list": Case(lambda d: ["validate", str(_manifest(d, model__moe_layers="1,2,3"))], 1, r"`moe_layers` must be a list"),
-    "over-large count": Case(lambda d: ["validate", str(_manifest(d, model__num_experts=10**30))], 1, r"`num_experts` must be a whole number"),
-    "Infinity in the manifest": Case(lambda d: ["validate", str(_raw_manifest(d, json.dumps(
-        json.loads((write_small_trace(d / "src").joinpath("manifest.json")).read_text()) | {"version": float("inf")})))],
-        1, r"version"),
+    "float count in the manifest": Case(
+        lambda d: ["validate", str(_manifest(d, model__top_k=2.0))], 1, r"`top_k` must be a whole number"
+    ),
+    "negative size": Case(
+        lambda d: ["validate", str(_manifest(d, model__hidden_size=-4))], 1, r"`hidden_size` must be a whole number"
+    ),
+    "non-boolean complete": Case(
+        lambda d: ["validate", str(_manifest(d, complete="yes"))], 1, r"`complete` must be true or false"
+    ),
+    "string layer list": Case(
+        lambda d: ["validate", str(_manifest(d, model__moe_layers="1,2,3"))], 1, r"`moe_layers` must be a list"
+    ),
+    "over-large count": Case(
+        lambda d: ["validate", str(_manifest(d, model__num_experts=10**30))], 1, r"`num_experts` must be a whole number"
+    ),
+    "Infinity in the manifest": Case(
+        lambda d: [
+            "validate",
+            str(
+                _raw_manifest(
+                    d,
+                    json.dumps(
+                        json.loads((write_small_trace(d / "src").joinpath("manifest.json")).read_text())
+                        | {"version": float("inf")}
+                    ),
+                )
+            ),
+        ],
+        1,
+        r"version",
+    ),
     "complete but no parts": Case(lambda d: ["validate", str(_empty_complete(d))], 1, r"holds no committed parts"),
     "non-UTF-8 manifest": Case(lambda d: ["info", str(_raw_bytes_manifest(d))], 2, r"manifest\.json.*(UTF-8|JSON)"),
-    "nullable columns, same values": Case(lambda d: ["validate", str(_nullable_requests(d))], 0, r"valid moetrace trace"),
+    "nullable columns, same values": Case(
+        lambda d: ["validate", str(_nullable_requests(d))], 0, r"valid moetrace trace"
+    ),
     # ---- the readers behind analyze / compare / dashboard
-    "analyze a damaged part": Case(lambda d: ["analyze", str(_truncated(d)), "-o", str(d / "a")], 2, r"not readable as Parquet"),
-    "dashboard of a damaged trace": Case(lambda d: ["dashboard", str(_truncated(d)), "-o", str(d / "r.html")], 2,
-                                         r"cannot read|damaged|validate"),
-    "dashboard of a non-UTF-8 manifest": Case(lambda d: ["dashboard", str(_raw_bytes_manifest(d)), "-o", str(d / "r.html")], 2,
-                                              r"manifest\.json"),
+    "analyze a damaged part": Case(
+        lambda d: ["analyze", str(_truncated(d)), "-o", str(d / "a")], 2, r"not readable as Parquet"
+    ),
+    "dashboard of a damaged trace": Case(
+        lambda d: ["dashboard", str(_truncated(d)), "-o", str(d / "r.html")], 2, r"cannot read|damaged|validate"
+    ),
+    "dashboard of a non-UTF-8 manifest": Case(
+        lambda d: ["dashboard", str(_raw_bytes_manifest(d)), "-o", str(d / "r.html")], 2, r"manifest\.json"
+    ),
     # ---- bounded work for bounded input
-    "compare asks for 10^12 batches": Case(lambda d: ["compare", str(write_small_trace(d / "t", num_requests=8)), *DEPLOY[:4],
-                                                      "--batches", str(10**12)], 2, r"--batches"),
-    "import: a 120-byte line asking for gigabytes": Case(lambda d: _import(d, _tokens_line(position=4_000_000_000)), 2, r"position"),
+    "compare asks for 10^12 batches": Case(
+        lambda d: ["compare", str(write_small_trace(d / "t", num_requests=8)), *DEPLOY[:4], "--batches", str(10**12)],
+        2,
+        r"--batches",
+    ),
+    "import: a 120-byte line asking for gigabytes": Case(
+        lambda d: _import(d, _tokens_line(position=4_000_000_000)), 2, r"position"
+    ),
     "import: deeply nested JSON": Case(lambda d: _import(d, "[" * 100_000 + "]" * 100_000 + "\n"), 2, r"in\.jsonl"),
     "import: NaN experts": Case(lambda d: _import(d, _tokens_line(experts=[float("nan")] * 8)), 2, r"in\.jsonl"),
     "import: over-large request id": Case(lambda d: _import(d, _tokens_line(request=10**30)), 2, r"in\.jsonl"),
     "import: non-UTF-8 file": Case(lambda d: _import(d, b"\xff\xfe" + _tokens_line().encode("utf-16-le")), 2, r"UTF-8"),
-    "import: a model directory without config.json": Case(lambda d: ["import", str(_jsonl(d, _tokens_line())), "--model",
-                                                                      str(_mkdir(d / "ckpt")), "-o", str(d / "out")], 2, r"config\.json"),
-    "negative seed": Case(lambda d: ["synth", "--model", "deepseek-v3-tiny", "--requests", "4", "--seed", "-1", "-o", str(d / "s")],
-                          2, r"seed"),
+    "import: a model directory without config.json": Case(
+        lambda d: ["import", str(_jsonl(d, _tokens_line())), "--model", str(_mkdir(d / "ckpt")), "-o", str(d / "out")],
+        2,
+        r"config\.json",
+    ),
+    "negative seed": Case(
+        lambda d: ["synth", "--model", "deepseek-v3-tiny", "--requests", "4", "--seed", "-1", "-o", str(d / "s")],
+        2,
+        r"seed",
+    ),
     # ---- no silent overwrite of results
-    "compare over existing results": Case(lambda d: _twice(d, ["compare", "{t}", *DEPLOY, "-o", str(d / "c")]), 2,
-                                          r"already holds compare results.*--overwrite"),
-    "place over an existing placement": Case(lambda d: _twice(d, ["place", "{t}", *DEPLOY[:4], "-o", str(d / "p.json")]), 2,
-                                             r"already holds placement results.*--overwrite"),
+    "compare over existing results": Case(
+        lambda d: _twice(d, ["compare", "{t}", *DEPLOY, "-o", str(d / "c")]),
+        2,
+        r"already holds compare results.*--overwrite",
+    ),
+    "place over an existing placement": Case(
+        lambda d: _twice(d, ["place", "{t}", *DEPLOY[:4], "-o", str(d / "p.json")]),
+        2,
+        r"already holds placement results.*--overwrite",
+    ),
 }
 
 
@@ -161,7 +206,8 @@ def test_hostile_input(tmp_path, name):
     r = runner.invoke(app, args)
     out = r.output
     assert "Traceback" not in out and (r.exception is None or isinstance(r.exception, SystemExit)), (
-        f"{name}: a traceback ({r.exception!r})\n{out}")
+        f"{name}: a traceback ({r.exception!r})\n{out}"
+    )
     assert r.exit_code == case.exit_code, f"{name}: exit {r.exit_code}\n{out}"
     errors = [line for line in out.splitlines() if line.startswith("Error:")]
     if case.exit_code == 2:

@@ -24,12 +24,22 @@ OLMOE = model_info_for("olmoe-1b-7b-tiny")  # 16 layers all MoE, 64 experts, top
 
 def planted(n: int, info, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    return np.stack([np.stack([rng.choice(info.num_experts, info.top_k, replace=False) for _ in info.moe_layers])
-                     for _ in range(n)]).astype(np.int32)
+    return np.stack(
+        [np.stack([rng.choice(info.num_experts, info.top_k, replace=False) for _ in info.moe_layers]) for _ in range(n)]
+    ).astype(np.int32)
 
 
-def sglang_response(prompt: int, output: int, truth_NLK: np.ndarray, info, *, start: int = 0, all_layers=True,
-                    dtype: str | None = None, **top):
+def sglang_response(
+    prompt: int,
+    output: int,
+    truth_NLK: np.ndarray,
+    info,
+    *,
+    start: int = 0,
+    all_layers=True,
+    dtype: str | None = None,
+    **top,
+):
     """A /generate response as SGLang returns it: base64 of little-endian ids [rows, layers, top_k], rows
     covering [start, prompt+output-1); the layer axis over all decoder layers (dense = 0). The ids are
     int32, or with ``dtype`` the compact encoding named in ``meta_info.routed_experts_dtype``
@@ -40,9 +50,14 @@ def sglang_response(prompt: int, output: int, truth_NLK: np.ndarray, info, *, st
         full[:, list(info.moe_layers)] = rows
         rows = full
     wire = {None: "<i4", "int32": "<i4", "uint16": "<u2", "uint8": "u1"}[dtype]
-    meta = {"id": "a1b2", "prompt_tokens": prompt, "completion_tokens": output, "cached_tokens": 0,
-            "finish_reason": {"type": "length", "length": output},
-            "routed_experts": base64.b64encode(np.ascontiguousarray(rows, dtype=wire).tobytes()).decode()}
+    meta = {
+        "id": "a1b2",
+        "prompt_tokens": prompt,
+        "completion_tokens": output,
+        "cached_tokens": 0,
+        "finish_reason": {"type": "length", "length": output},
+        "routed_experts": base64.b64encode(np.ascontiguousarray(rows, dtype=wire).tobytes()).decode(),
+    }
     if dtype is not None:
         meta["routed_experts_dtype"] = dtype
     if start:
@@ -91,8 +106,11 @@ def test_sglang_wrong_dtype_is_a_clean_error(tmp_path):
         resp["meta_info"]["routed_experts_dtype"] = bad
         src = tmp_path / "r.jsonl"
         src.write_text(json.dumps(resp) + "\n")
-        with pytest.raises(TraceFormatError, match=r"r.jsonl:1: meta_info.routed_experts_dtype must be one of int32, "
-                                                   r"uint16, uint8"):
+        with pytest.raises(
+            TraceFormatError,
+            match=r"r.jsonl:1: meta_info.routed_experts_dtype must be one of int32, "
+            r"uint16, uint8",
+        ):
             import_trace(src, out=tmp_path / "t", model=MAV)
         assert not (tmp_path / "t").exists()
 
@@ -150,9 +168,16 @@ def token_records(truths: dict, prompts: dict, info, *, skip=()):
             for li, layer in enumerate(info.moe_layers):
                 if (rid, pos, layer) in skip:
                     continue
-                out.append({"request": rid, "layer": layer, "position": pos,
-                            "stage": "prefill" if pos < prompts[rid] else "decode",
-                            "experts": t[pos, li].tolist(), "dataset": f"ds-{rid}"})
+                out.append(
+                    {
+                        "request": rid,
+                        "layer": layer,
+                        "position": pos,
+                        "stage": "prefill" if pos < prompts[rid] else "decode",
+                        "experts": t[pos, li].tolist(),
+                        "dataset": f"ds-{rid}",
+                    }
+                )
     return out
 
 
@@ -207,9 +232,19 @@ def test_tokens_errors(tmp_path):
 
 
 def test_model_from_hf_config_file(tmp_path):
-    cfg = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 6,
-           "first_k_dense_replace": 2, "moe_layer_freq": 1, "n_routed_experts": 32, "num_experts_per_tok": 4,
-           "n_shared_experts": 1, "hidden_size": 256, "n_group": 4, "topk_group": 2}
+    cfg = {
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "num_hidden_layers": 6,
+        "first_k_dense_replace": 2,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 32,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 1,
+        "hidden_size": 256,
+        "n_group": 4,
+        "topk_group": 2,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     info = resolve(str(tmp_path)).model_info()
     assert info.moe_layers == (2, 3, 4, 5) and info.num_experts == 32 and info.n_group == 4
@@ -232,18 +267,22 @@ def test_cli_import_and_clean_errors(tmp_path):
     res = runner.invoke(app, ["import", str(src), "--model", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t")])
     assert res.exit_code == 2 and "already holds a trace" in res.output and "Traceback" not in res.output
     assert "--resume" not in res.output and "--overwrite" in res.output  # import has no resume
-    res = runner.invoke(app, ["import", str(src), "--model", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t"),
-                              "--overwrite"])
+    res = runner.invoke(
+        app, ["import", str(src), "--model", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t"), "--overwrite"]
+    )
     assert res.exit_code == 0
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"layer": "x"}, "`layer` must be an integer"),
-    ({"position": 0.5}, "`position` must be an integer"),  # was silently truncated to 0
-    ({"experts": None}, "`experts` must be a list of integers"),
-    ({"experts": [None, *range(1, 8)]}, "lists hold nulls"),
-    ({"position": 3_000_000_000}, "does not fit"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"layer": "x"}, "`layer` must be an integer"),
+        ({"position": 0.5}, "`position` must be an integer"),  # was silently truncated to 0
+        ({"experts": None}, "`experts` must be a list of integers"),
+        ({"experts": [None, *range(1, 8)]}, "lists hold nulls"),
+        ({"position": 3_000_000_000}, "does not fit"),
+    ],
+)
 def test_tokens_wrong_field_types_are_clean_errors_and_leave_nothing(tmp_path, change, match):
     rec = {"request": 1, "layer": 0, "position": 0, "stage": "prefill", "experts": list(range(8)), **change}
     src = tmp_path / "x.jsonl"

@@ -50,8 +50,13 @@ def read_i16(src: Path, *, writer, info, label, stages, progress) -> ReadResult:
         at += 8
         ids_TX = np.frombuffer(data, dtype="<i2", count=(prompt + output) * X, offset=at).reshape(-1, X)
         at += ids_TX.nbytes
-        writer.add_requests(request_id_R=np.array([rid]), dataset_R=[label], prompt_tokens_R=np.array([prompt]),
-                            output_tokens_R=np.array([output]), topk_ids_TX=ids_TX.astype(np.int16))
+        writer.add_requests(
+            request_id_R=np.array([rid]),
+            dataset_R=[label],
+            prompt_tokens_R=np.array([prompt]),
+            output_tokens_R=np.array([output]),
+            topk_ids_TX=ids_TX.astype(np.int16),
+        )
         if progress is not None:
             progress(at, len(data))
     return ReadResult(datasets=frozenset({label}))
@@ -62,8 +67,12 @@ I16 = ImportFormat("i16", "test: magic bytes, then int16 ids", detect_i16, read_
 
 def planted(tokens: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    ids = np.stack([rng.permuted(np.tile(np.arange(OLMOE.num_experts), (OLMOE.num_moe_layers, 1)), axis=1)[:, :8]
-                    for _ in range(tokens)]).astype(np.int16)
+    ids = np.stack(
+        [
+            rng.permuted(np.tile(np.arange(OLMOE.num_experts), (OLMOE.num_moe_layers, 1)), axis=1)[:, :8]
+            for _ in range(tokens)
+        ]
+    ).astype(np.int16)
     ids[-1] = -1  # the last generated token: nothing recorded (int16 0xffff)
     return ids
 
@@ -71,8 +80,11 @@ def planted(tokens: int, seed: int) -> np.ndarray:
 def test_a_binary_format_fits_with_one_registry_row(tmp_path, monkeypatch):
     truths = [(3, 2, planted(5, 0)), (4, 3, planted(7, 1))]
     src = write_i16(tmp_path / "run.i16", truths)
-    with pytest.raises(TraceFormatError, match=r"run\.i16:1: binary data, not UTF-8 text .*none of the formats "
-                                               r"moetrace imports: sglang \(.*\), tokens \(.*\)\. Pass --format"):
+    with pytest.raises(
+        TraceFormatError,
+        match=r"run\.i16:1: binary data, not UTF-8 text .*none of the formats "
+        r"moetrace imports: sglang \(.*\), tokens \(.*\)\. Pass --format",
+    ):
         import_trace(src, out=tmp_path / "t", model=OLMOE)  # before the row: not detected, and no crash
     assert not (tmp_path / "t").exists()
 
@@ -83,9 +95,12 @@ def test_a_binary_format_fits_with_one_registry_row(tmp_path, monkeypatch):
     assert find_problems(tmp_path / "t") == []
     tr = open_trace(tmp_path / "t")
     assert tr.manifest["backend"] == {"name": "import", "source_format": "i16", "source_file": src.name}
-    assert tr.manifest["collection"]["datasets"] == ["run"] and tr.manifest["collection"]["stages"] == ["prefill", "decode"]
+    assert tr.manifest["collection"]["datasets"] == ["run"] and tr.manifest["collection"]["stages"] == [
+        "prefill",
+        "decode",
+    ]
     ta = tr.token_arrays()
-    for rid, (prompt, output, ids) in enumerate(truths):
+    for rid, (_prompt, output, ids) in enumerate(truths):
         sel = ta.request_id_T == rid
         np.testing.assert_array_equal(ta.topk_ids_TLK[sel], ids)
         assert int(ta.is_decode_T[sel].sum()) == output
@@ -96,6 +111,7 @@ def test_a_binary_format_fits_with_one_registry_row(tmp_path, monkeypatch):
 
 def test_a_directory_source_fits(tmp_path, monkeypatch):
     """A format reading a directory (as engine dumps of several files are) is detected and read the same way."""
+
     def detect(head: bytes, src: Path) -> bool:
         return src.is_dir() and (src / "run.i16").is_file()
 
@@ -121,13 +137,22 @@ def _safetensors_like(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("make, what", [
-    (lambda d: _torch_like(d / "x.pt"), r"x\.pt:1: binary data, not UTF-8"),
-    (lambda d: _safetensors_like(d / "m.safetensors"), r"m\.safetensors:1: (binary data|not valid JSON)"),
-    (lambda d: (d / "dir").mkdir() or (d / "dir" / "a.pt").touch() or d / "dir", r"dir: a directory \(1 entries: a\.pt\)"),
-    (lambda d: (d / "t.csv").write_text("a,b\n1,2\n") and d / "t.csv", r"t\.csv:1: not valid JSON"),
-    (lambda d: (d / "r.jsonl").write_text('\n{"foo": 1}\n') and d / "r.jsonl", r"r\.jsonl:2: a record with keys \['foo'\]"),
-])
+@pytest.mark.parametrize(
+    "make, what",
+    [
+        (lambda d: _torch_like(d / "x.pt"), r"x\.pt:1: binary data, not UTF-8"),
+        (lambda d: _safetensors_like(d / "m.safetensors"), r"m\.safetensors:1: (binary data|not valid JSON)"),
+        (
+            lambda d: (d / "dir").mkdir() or (d / "dir" / "a.pt").touch() or d / "dir",
+            r"dir: a directory \(1 entries: a\.pt\)",
+        ),
+        (lambda d: (d / "t.csv").write_text("a,b\n1,2\n") and d / "t.csv", r"t\.csv:1: not valid JSON"),
+        (
+            lambda d: (d / "r.jsonl").write_text('\n{"foo": 1}\n') and d / "r.jsonl",
+            r"r\.jsonl:2: a record with keys \['foo'\]",
+        ),
+    ],
+)
 def test_undetectable_inputs_are_clean_errors_listing_the_formats(tmp_path, make, what):
     src = make(tmp_path)
     with pytest.raises(TraceFormatError) as exc:
@@ -158,7 +183,9 @@ def test_text_formats_check_utf8_after_detection(tmp_path):
     """A JSONL file detected from its first line, with a bad byte further on: the format's reader names the line."""
     src = tmp_path / "r.jsonl"
     src.write_bytes(json.dumps({"meta_info": {}}).encode() + b"\n\xff\n")
-    with pytest.raises(TraceFormatError, match=r"r\.jsonl:2: not UTF-8 text \(invalid start byte\); save the file as UTF-8"):
+    with pytest.raises(
+        TraceFormatError, match=r"r\.jsonl:2: not UTF-8 text \(invalid start byte\); save the file as UTF-8"
+    ):
         import_trace(src, out=tmp_path / "t", model=OLMOE)
     with pytest.raises(TraceFormatError, match=r"dir: a directory, not a JSON-lines file"):
         (tmp_path / "dir").mkdir()
@@ -179,7 +206,9 @@ def test_cli_choices_come_from_the_registry():
     res = CliRunner().invoke(app, ["import", "x.jsonl", "-m", "olmoe-1b-7b-tiny", "-o", "t", "--stages", "bogus"])
     assert "is not one of " + ", ".join(repr(m) for m in STAGES_MODES) in _words(res.output)
     for name in names:  # every registry name is a valid choice: the next error is the missing file
-        res = CliRunner().invoke(app, ["import", "no-such.jsonl", "-m", "olmoe-1b-7b-tiny", "-o", "t", "--format", name])
+        res = CliRunner().invoke(
+            app, ["import", "no-such.jsonl", "-m", "olmoe-1b-7b-tiny", "-o", "t", "--format", name]
+        )
         assert res.exit_code == 2 and "no-such.jsonl: no such file" in res.output, res.output
 
 
@@ -193,8 +222,11 @@ def test_bad_text_input_never_costs_an_existing_trace_under_overwrite(tmp_path: 
 
     info = resolve("mixtral-8x7b").model_info()
     good = tmp_path / "good.jsonl"
-    rows = [{"request": 0, "layer": layer, "position": p, "stage": "prefill" if p == 0 else "decode",
-             "experts": [0, 1]} for p in range(2) for layer in info.moe_layers]
+    rows = [
+        {"request": 0, "layer": layer, "position": p, "stage": "prefill" if p == 0 else "decode", "experts": [0, 1]}
+        for p in range(2)
+        for layer in info.moe_layers
+    ]
     good.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "trace"
     import_trace(good, out=out, model=info, source_format="tokens")

@@ -35,8 +35,16 @@ def capture(stage: str, *, requests: int = 8, tokens: int = 6, start: int = 0, s
         hot = [0, 1, 2, 3] if ds == "gsm8k" else [4, 5, 6, 7]
         for pos in range(start, start + tokens):
             for layer in MIXTRAL.moe_layers:
-                out.append({"request": f"{ds}-{r}", "layer": layer, "position": pos, "stage": stage,
-                            "experts": rng.choice(hot, 2, replace=False).tolist(), "dataset": ds})
+                out.append(
+                    {
+                        "request": f"{ds}-{r}",
+                        "layer": layer,
+                        "position": pos,
+                        "stage": stage,
+                        "experts": rng.choice(hot, 2, replace=False).tolist(),
+                        "dataset": ds,
+                    }
+                )
     return out
 
 
@@ -46,7 +54,9 @@ def write(path, records) -> str:
 
 
 def cli_import(src, out, *extra):
-    return runner.invoke(app, ["import", src, "--model", "mixtral-8x7b-tiny", "--format", "tokens", "-o", str(out), *extra])
+    return runner.invoke(
+        app, ["import", src, "--model", "mixtral-8x7b-tiny", "--format", "tokens", "-o", str(out), *extra]
+    )
 
 
 def test_decode_only_capture_imports_validates_and_analyses_skip_with_reason(tmp_path):
@@ -66,11 +76,24 @@ def test_decode_only_capture_imports_validates_and_analyses_skip_with_reason(tmp
     assert runner.invoke(app, ["validate", str(tmp_path / "t")]).exit_code == 0
 
     out = tmp_path / "res"
-    res = runner.invoke(app, ["analyze", str(tmp_path / "t"), "-o", str(out), "--only", "imbalance,correlation,classify",
-                              "--batch-size", "4"])
+    res = runner.invoke(
+        app,
+        [
+            "analyze",
+            str(tmp_path / "t"),
+            "-o",
+            str(out),
+            "--only",
+            "imbalance,correlation,classify",
+            "--batch-size",
+            "4",
+        ],
+    )
     assert res.exit_code == 0, res.output
-    assert "prefill↔decode correlation: skipped (needs prefill and decode routing; this trace recorded decode only " \
+    assert (
+        "prefill↔decode correlation: skipped (needs prefill and decode routing; this trace recorded decode only "
         "(its manifest's collection.stages); run it on a trace that has prefill routing)" in res.output
+    )
     assert "dataset classification: skipped (needs prefill routing" in res.output
     man = json.loads((out / "manifest.json").read_text())
     assert man["trace"]["stages"] == ["decode"]
@@ -90,8 +113,10 @@ def test_decode_only_capture_imports_validates_and_analyses_skip_with_reason(tmp
     assert res.exit_code == 0, res.output
     page = html.read_text()
     assert "prefill↔decode: skipped (needs prefill and decode routing" in page
-    assert "decode only (the other stage&#x27;s rows hold -1); prompt lengths unknown" in page or \
-        "decode only (the other stage's rows hold -1); prompt lengths unknown" in page
+    assert (
+        "decode only (the other stage&#x27;s rows hold -1); prompt lengths unknown" in page
+        or "decode only (the other stage's rows hold -1); prompt lengths unknown" in page
+    )
 
 
 def test_decode_only_positions_counting_the_prompt_keep_its_length(tmp_path):
@@ -127,8 +152,11 @@ def test_prefill_only_capture(tmp_path):
     req = tr.requests().collect()
     assert req["prompt_tokens"].to_list() == [4] * 6 and req["output_tokens"].to_list() == [0] * 6
     assert find_problems(tmp_path / "t") == []
-    summary = analyze(tmp_path / "t", tmp_path / "res", config=AnalyzeConfig(only=("imbalance", "correlation", "classify"),
-                                                                              batch_size=2))
+    summary = analyze(
+        tmp_path / "t",
+        tmp_path / "res",
+        config=AnalyzeConfig(only=("imbalance", "correlation", "classify"), batch_size=2),
+    )
     assert "recorded prefill only" in summary["correlation"]["prefill_decode_skipped"]
     assert "mean_accuracy" in summary["classify"]  # classification uses prefill counts: it runs
     assert set(summary["imbalance"]["mean_if"]["all"]) == {"prefill"}
@@ -140,8 +168,12 @@ def test_a_record_contradicting_the_declared_stages_is_a_clear_error(tmp_path):
     res = cli_import(src, tmp_path / "t", "--stages", "decode-only")
     assert res.exit_code == 2 and "Traceback" not in res.output
     line = res.output.strip().splitlines()
-    assert any("stage 'prefill'" in ln and "--stages decode-only declares a capture without prefill" in ln
-               and "--stages both" in ln for ln in line)
+    assert any(
+        "stage 'prefill'" in ln
+        and "--stages decode-only declares a capture without prefill" in ln
+        and "--stages both" in ln
+        for ln in line
+    )
     assert not (tmp_path / "t").exists()
     with pytest.raises(TraceFormatError, match=r"record\(s\) have stage 'decode' .*--stages prefill-only"):
         import_trace(src, out=tmp_path / "t", model=MIXTRAL, stages="prefill-only")
@@ -172,21 +204,35 @@ def test_stages_of_old_and_bad_manifests(tmp_path):
 
 
 def test_validate_catches_ids_in_a_stage_the_manifest_says_was_not_recorded(tmp_path):
-    src = write(tmp_path / "both.jsonl", capture("prefill", requests=2, tokens=2) + capture("decode", requests=2, start=2))
+    src = write(
+        tmp_path / "both.jsonl", capture("prefill", requests=2, tokens=2) + capture("decode", requests=2, start=2)
+    )
     import_trace(src, out=tmp_path / "t", model=MIXTRAL)
     man = json.loads((tmp_path / "t" / "manifest.json").read_text())
     man["collection"]["stages"] = ["decode"]  # a false claim: the prefill rows hold ids
     (tmp_path / "t" / "manifest.json").write_text(json.dumps(man))
     probs = find_problems(tmp_path / "t")
-    assert probs == ["routing: 4 prefill rows hold expert ids but the manifest's `collection.stages` ['decode'] says "
-                     "prefill was not recorded (its rows must be -1)"]
+    assert probs == [
+        "routing: 4 prefill rows hold expert ids but the manifest's `collection.stages` ['decode'] says "
+        "prefill was not recorded (its rows must be -1)"
+    ]
 
 
 def test_placement_on_a_decode_only_trace_refuses_grouped_strategies_and_runs_the_rest(tmp_path):
     src = write(tmp_path / "gen.jsonl", capture("decode", requests=16))
     assert cli_import(src, tmp_path / "t", "--stages", "decode-only").exit_code == 0
-    args = ["compare", str(tmp_path / "t"), "--config", "DP2TP2EP4", "--gpus-per-node", "2", "--batches", "5",
-            "--batch-requests", "4"]
+    args = [
+        "compare",
+        str(tmp_path / "t"),
+        "--config",
+        "DP2TP2EP4",
+        "--gpus-per-node",
+        "2",
+        "--batches",
+        "5",
+        "--batch-requests",
+        "4",
+    ]
     res = runner.invoke(app, [*args, "--strategies", "linear,data"])
     assert res.exit_code != 0 and "Traceback" not in res.output
     assert "strategy 'data' groups requests and routes each by its prefill routing" in res.output
@@ -196,6 +242,19 @@ def test_placement_on_a_decode_only_trace_refuses_grouped_strategies_and_runs_th
     assert "upper bounds" not in res.output  # the bounds start from the joint placement, which needs prefill
     src = write(tmp_path / "pre.jsonl", capture("prefill", requests=16))
     assert cli_import(src, tmp_path / "p", "--stages", "prefill-only").exit_code == 0
-    res = runner.invoke(app, ["place", str(tmp_path / "p"), "--config", "DP2TP2EP4", "--gpus-per-node", "2",
-                              "--strategy", "eplb", "-o", str(tmp_path / "x.json")])
+    res = runner.invoke(
+        app,
+        [
+            "place",
+            str(tmp_path / "p"),
+            "--config",
+            "DP2TP2EP4",
+            "--gpus-per-node",
+            "2",
+            "--strategy",
+            "eplb",
+            "-o",
+            str(tmp_path / "x.json"),
+        ],
+    )
     assert res.exit_code != 0 and "recorded prefill routing only" in res.output

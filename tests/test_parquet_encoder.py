@@ -51,8 +51,9 @@ def test_the_encoder_is_fast_unless_the_argument_or_the_environment_says_pyarrow
     assert resolve_encoder() == "fast"
 
 
-@pytest.mark.parametrize("env,arg,match", [("arrow", None, "MOETRACE_PARQUET_ENCODER='arrow'"),
-                                           (None, "numpy", "encoder='numpy'")])
+@pytest.mark.parametrize(
+    "env,arg,match", [("arrow", None, "MOETRACE_PARQUET_ENCODER='arrow'"), (None, "numpy", "encoder='numpy'")]
+)
 def test_an_unknown_encoder_is_a_config_error(tmp_path, monkeypatch, env, arg, match):
     if env is None:
         monkeypatch.delenv(ENCODER_ENV, raising=False)
@@ -91,8 +92,11 @@ def test_cli_synth_with_the_escape_hatch(tmp_path):
 
 
 def test_cli_refuses_an_unknown_encoder_in_one_line(tmp_path):
-    r = CliRunner().invoke(app, ["synth", "--model", "deepseek-v3-tiny", "-n", "2", "--workers", "1", "--quiet",
-                                 "-o", str(tmp_path / "t")], env={ENCODER_ENV: "parquet"})
+    r = CliRunner().invoke(
+        app,
+        ["synth", "--model", "deepseek-v3-tiny", "-n", "2", "--workers", "1", "--quiet", "-o", str(tmp_path / "t")],
+        env={ENCODER_ENV: "parquet"},
+    )
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert "MOETRACE_PARQUET_ENCODER='parquet'" in r.output
 
@@ -121,10 +125,16 @@ PAGE_INDEX = {"write_page_index": True}
 BLOOM = {"bloom_filter_options": {"request_id": True}}
 
 
-@pytest.mark.parametrize("changes", [
-    PAGE_INDEX,
-    pytest.param(BLOOM, marks=pytest.mark.skipif(PYARROW_MAJOR < 24, reason="pyarrow < 24 writes no Bloom filters")),
-], ids=["page index", "bloom filter"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        PAGE_INDEX,
+        pytest.param(
+            BLOOM, marks=pytest.mark.skipif(PYARROW_MAJOR < 24, reason="pyarrow < 24 writes no Bloom filters")
+        ),
+    ],
+    ids=["page index", "bloom filter"],
+)
 def test_a_pyarrow_writing_what_the_fast_encoder_cannot_copy_is_refused_before_writing(tmp_path, monkeypatch, changes):
     monkeypatch.delenv(ENCODER_ENV, raising=False)
     _pyarrow_writes(monkeypatch, **changes)

@@ -188,8 +188,15 @@ def test_same_node_prefers_local_replica_and_metro_concentrates():
     # 2 nodes x 1 GPU, 4 slots: expert 0 on both nodes
     p = placement_from_phy2log(np.array([[0, 1, 0, 2]]), num_experts=3)
     ids = np.array([[0], [0], [0], [0]])
-    kw = dict(phy2log_P=p.phy2log[0], log2phy_EM=p.log2phy[0], logcnt_E=p.logcnt[0], batch_T=np.zeros(4, int),
-              num_batches=1, num_ranks=2, ranks_per_node=1)
+    kw = dict(
+        phy2log_P=p.phy2log[0],
+        log2phy_EM=p.log2phy[0],
+        logcnt_E=p.logcnt[0],
+        batch_T=np.zeros(4, int),
+        num_batches=1,
+        num_ranks=2,
+        ranks_per_node=1,
+    )
     same = choose_slots(ids, src_node_T=np.array([0, 1, 1, 0]), policy="same_node", **kw)
     assert same[:, 0].tolist() == [0, 2, 2, 0]
     even = choose_slots(ids, src_node_T=np.zeros(4, int), policy="even", **kw)
@@ -202,8 +209,15 @@ def test_simulator_counts_by_hand():
     # 2 nodes x 2 GPUs, one expert per GPU; token from GPU 0 to experts {0 (self), 1 (intra), 2, 3 (inter)}
     p = placement_from_phy2log(np.array([[0, 1, 2, 3]]), num_experts=4)
     ids = np.array([[[0, 1, 2, 3]], [[2, 3, -1, -1]]])
-    kw = dict(placement=p, batch_T=np.array([0, 1]), src_rank_T=np.array([0, 0]), num_batches=2, num_ranks=4,
-              ranks_per_node=2, bytes_per_token=10)
+    kw = dict(
+        placement=p,
+        batch_T=np.array([0, 1]),
+        src_rank_T=np.array([0, 0]),
+        num_batches=2,
+        num_ranks=4,
+        ranks_per_node=2,
+        bytes_per_token=10,
+    )
     m = simulate_volume(ids, dedup="rank", **kw)
     assert m["dispatch_intra_bytes"][:, 0].tolist() == [10, 0]
     assert m["dispatch_inter_bytes"][:, 0].tolist() == [20, 20]

@@ -22,10 +22,18 @@ from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.writer import TraceWriter
 
-
 E, K, L = 16, 2, 2
-MODEL = ModelInfo(name="planted", source="test", architecture="Test", num_hidden_layers=3, moe_layers=(1, 2),
-                  num_experts=E, top_k=K, num_shared_experts=0, hidden_size=8)
+MODEL = ModelInfo(
+    name="planted",
+    source="test",
+    architecture="Test",
+    num_hidden_layers=3,
+    moe_layers=(1, 2),
+    num_experts=E,
+    top_k=K,
+    num_shared_experts=0,
+    hidden_size=8,
+)
 
 
 def _planted_trace(path, *, structured: bool, num_requests: int = 80, seed: int = 0):
@@ -42,8 +50,13 @@ def _planted_trace(path, *, structured: bool, num_requests: int = 80, seed: int 
         ptok.append(p)
         otok.append(o)
     with TraceWriter(path, model=MODEL, backend={"name": "synthetic"}, collection={"planted": "parity domains"}) as w:
-        w.add_requests(request_id_R=np.arange(num_requests), dataset_R=[f"d{r % 2}" for r in range(num_requests)],
-                       prompt_tokens_R=np.array(ptok), output_tokens_R=np.array(otok), topk_ids_TX=np.concatenate(rows))
+        w.add_requests(
+            request_id_R=np.arange(num_requests),
+            dataset_R=[f"d{r % 2}" for r in range(num_requests)],
+            prompt_tokens_R=np.array(ptok),
+            output_tokens_R=np.array(otok),
+            topk_ids_TX=np.concatenate(rows),
+        )
     return path
 
 
@@ -59,8 +72,13 @@ def flat(tmp_path_factory):
 
 def _cfg(**kw):
     # 2 nodes x 4 GPUs, 2 experts per GPU: linear puts experts 0..7 on node 0, so each domain is split
-    return CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), num_batches=50,
-                         num_batch_requests=8, strategies=("linear", "round_robin", "eplb", "data", "improved", "joint"), **kw)
+    return CompareConfig(
+        deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4),
+        num_batches=50,
+        num_batch_requests=8,
+        strategies=("linear", "round_robin", "eplb", "data", "improved", "joint"),
+        **kw,
+    )
 
 
 def test_grouped_placers_remove_inter_node_traffic_on_planted_domains(planted):
@@ -68,7 +86,9 @@ def test_grouped_placers_remove_inter_node_traffic_on_planted_domains(planted):
     res = run_compare(data, _cfg())
     norm = {r["strategy"]: r["inter_node_normalized_median"] for r in res.summary_rows()}
     assert norm["linear"] == pytest.approx(1.0)
-    assert norm["data"] == norm["improved"] == norm["joint"] == norm["oracle"] == 0.0  # every token finds its experts on its node
+    assert (
+        norm["data"] == norm["improved"] == norm["joint"] == norm["oracle"] == 0.0
+    )  # every token finds its experts on its node
     assert norm["round_robin"] > 0.5 and norm["eplb"] > 0.5
     assert res.placed["data"].router_match_rate == 1.0
 
@@ -115,7 +135,9 @@ def test_compare_reports_the_floor_with_expert_copies(planted, flat):
             assert floor == pytest.approx(0.0)
         for r in res.summary_rows():
             assert r["inter_node_normalized_median"] >= floor - 0.05, r  # 50 small batches: a little noise
-        assert format_compare_summary(res).splitlines()[-1].startswith(f"floor {floor:>37.3f}  proven for any placement")
+        assert (
+            format_compare_summary(res).splitlines()[-1].startswith(f"floor {floor:>37.3f}  proven for any placement")
+        )
     no_floor = run_compare(load_trace_data(planted, test_fraction=0.25, seed=0), _cfg())  # dedup rank: not proven
     assert no_floor.manifest.expert_copy_floor is None
 
@@ -123,8 +145,23 @@ def test_compare_reports_the_floor_with_expert_copies(planted, flat):
 def test_cli_place_compare_export_roundtrip(planted, tmp_path):
     runner = CliRunner()
     out = tmp_path / "p.json"
-    r = runner.invoke(app, ["place", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4",
-                            "--strategy", "data", "--redundancy", "8", "-o", str(out)])
+    r = runner.invoke(
+        app,
+        [
+            "place",
+            str(planted),
+            "--config",
+            "DP2TP4EP8",
+            "--gpus-per-node",
+            "4",
+            "--strategy",
+            "data",
+            "--redundancy",
+            "8",
+            "-o",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     pf = load_placement(out)
     assert pf.placement.phy2log.shape == (L, E + 8)
@@ -152,8 +189,25 @@ def test_cli_place_compare_export_roundtrip(planted, tmp_path):
     assert len(vl) == L and all(len(row) == E + 8 and set(row) == set(range(E)) for row in vl)
 
     res = tmp_path / "res"
-    r = runner.invoke(app, ["compare", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4",
-                            "--strategies", "linear,data", "--batches", "20", "--batch-requests", "8", "-o", str(res)])
+    r = runner.invoke(
+        app,
+        [
+            "compare",
+            str(planted),
+            "--config",
+            "DP2TP4EP8",
+            "--gpus-per-node",
+            "4",
+            "--strategies",
+            "linear,data",
+            "--batches",
+            "20",
+            "--batch-requests",
+            "8",
+            "-o",
+            str(res),
+        ],
+    )
     assert r.exit_code == 0, r.output
     import polars as pl
 
@@ -167,13 +221,42 @@ def test_bad_inputs_give_clean_errors(planted, tmp_path):
     runner = CliRunner()
     r = runner.invoke(app, ["place", str(planted), "--config", "DP2TP4EP6", "-o", str(tmp_path / "x.json")])
     assert r.exit_code == 2 and "must cover the same GPUs" in r.output
-    r = runner.invoke(app, ["place", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4",
-                            "--redundancy", "3", "-o", str(tmp_path / "x.json")])
+    r = runner.invoke(
+        app,
+        [
+            "place",
+            str(planted),
+            "--config",
+            "DP2TP4EP8",
+            "--gpus-per-node",
+            "4",
+            "--redundancy",
+            "3",
+            "-o",
+            str(tmp_path / "x.json"),
+        ],
+    )
     assert r.exit_code == 2 and "do not divide over EP8" in r.output
     bad = tmp_path / "bad.json"
     good = tmp_path / "good.json"
-    assert runner.invoke(app, ["place", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4",
-                               "--strategy", "linear", "-o", str(good)]).exit_code == 0
+    assert (
+        runner.invoke(
+            app,
+            [
+                "place",
+                str(planted),
+                "--config",
+                "DP2TP4EP8",
+                "--gpus-per-node",
+                "4",
+                "--strategy",
+                "linear",
+                "-o",
+                str(good),
+            ],
+        ).exit_code
+        == 0
+    )
     d = json.loads(good.read_text())
     d["phy2log"][0][0] = d["phy2log"][0][1]  # expert 0 vanishes from layer 0
     bad.write_text(json.dumps(d))
@@ -190,7 +273,10 @@ def test_bad_inputs_give_clean_errors(planted, tmp_path):
         (lambda d: d["deployment"].__setitem__("num_ep", 0), "must be positive integers"),
         (lambda d: d["model"].__setitem__("num_experts", "16"), "must be positive integers"),
         (lambda d: d["model"].__setitem__("moe_layers", [1, 7]), "ascending distinct layer indices in 0..2"),
-        (lambda d: d.__setitem__("phy2log", [[0.5] * 8] * 2), "`phy2log` must be a rectangular array of 64-bit integers"),
+        (
+            lambda d: d.__setitem__("phy2log", [[0.5] * 8] * 2),
+            "`phy2log` must be a rectangular array of 64-bit integers",
+        ),
         (lambda d: d["phy2log"][0].__setitem__(0, 10**30), "`phy2log` must be a rectangular array"),
         (lambda d: d.__setitem__("grouping", [1]), "`grouping` must be a JSON object"),
         (lambda d: d["grouping"].__setitem__("decode_centroids", [[1.0, 2.0], [3.0]]), "rectangular array of numbers"),
@@ -200,7 +286,9 @@ def test_corrupted_placement_files_raise_format_errors(planted, tmp_path, corrup
     """Regression: wrong types in a placement JSON crashed load_placement (TypeError, ZeroDivisionError, ...)
     or were silently truncated (float slot ids) instead of a clean TraceFormatError."""
     good = tmp_path / "good.json"
-    r = CliRunner().invoke(app, ["place", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4", "-o", str(good)])
+    r = CliRunner().invoke(
+        app, ["place", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4", "-o", str(good)]
+    )
     assert r.exit_code == 0, r.output
     d = json.loads(good.read_text())
     corrupt(d)
@@ -229,7 +317,9 @@ def _docs_strategy_rows() -> dict[str, tuple[str, str, str]]:
 def test_every_registered_strategy_is_in_the_docs_table_and_the_cli_help():
     """The registry is the one list: docs/placement.md's table and both commands' help follow it."""
     docs = _docs_strategy_rows()
-    assert list(docs) == list(STRATEGY_NAMES), "docs/placement.md's strategies table differs from placement/strategies.py"
+    assert list(docs) == list(STRATEGY_NAMES), (
+        "docs/placement.md's strategies table differs from placement/strategies.py"
+    )
     for s in STRATEGIES:
         assert docs[s.name] == ("yes" if s.grouped else "no", s.description, s.router), s.name
     for cmd in ("place", "compare"):
@@ -241,32 +331,76 @@ def test_every_registered_strategy_is_in_the_docs_table_and_the_cli_help():
 
 def test_cli_rejects_unknown_strategies_cleanly(planted, tmp_path):
     runner = CliRunner()
-    r = runner.invoke(app, ["place", str(planted), "--config", "DP2TP4EP8", "--strategy", "best", "-o", str(tmp_path / "x.json")])
+    r = runner.invoke(
+        app, ["place", str(planted), "--config", "DP2TP4EP8", "--strategy", "best", "-o", str(tmp_path / "x.json")]
+    )
     assert r.exit_code == 2 and "best" in r.output and "Traceback" not in r.output
-    r = runner.invoke(app, ["compare", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4", "--strategies", "linear,best"])
+    r = runner.invoke(
+        app, ["compare", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4", "--strategies", "linear,best"]
+    )
     assert r.exit_code == 2 and "unknown strategies ['best']; choose from " + ", ".join(STRATEGY_NAMES) in r.output
 
 
 def test_compare_prints_the_library_summary(planted):
     """compare_cmd echoes placement.report's text: header, one aligned row per strategy."""
-    r = CliRunner().invoke(app, ["compare", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4",
-                                 "--strategies", "linear,data", "--batches", "10", "--batch-requests", "8"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "compare",
+            str(planted),
+            "--config",
+            "DP2TP4EP8",
+            "--gpus-per-node",
+            "4",
+            "--strategies",
+            "linear,data",
+            "--batches",
+            "10",
+            "--batch-requests",
+            "8",
+        ],
+    )
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert lines[0].startswith("DP2TP4EP8 (2 nodes), 64 train / 16 test requests, 10 batches of 8 requests, dedup=rank")
-    assert lines[1].split() == ["strategy", "inter-node", "(norm.", "median)", "p10", "p90", "inter/batch", "router", "node",
-                                "load", "of", "oracle"]
-    assert lines[2].split()[:2] == ["linear", "1.000"] and lines[2].split()[-3:] == ["-", "-", "0%"]  # linear routes nothing
+    assert lines[1].split() == [
+        "strategy",
+        "inter-node",
+        "(norm.",
+        "median)",
+        "p10",
+        "p90",
+        "inter/batch",
+        "router",
+        "node",
+        "load",
+        "of",
+        "oracle",
+    ]
+    assert lines[2].split()[:2] == ["linear", "1.000"] and lines[2].split()[-3:] == [
+        "-",
+        "-",
+        "0%",
+    ]  # linear routes nothing
     row = lines[3].split()
     assert row[0] == "data" and row[-3] == "100%" and row[-1] == "100%"  # every token local: all of the oracle's gain
     assert float(row[-2]) >= 1.0  # its busiest node's share of held-out requests over an even one
     assert lines[4] == "upper bounds (they see the held-out requests' decode; not deployable):"
     assert [ln.split()[0] for ln in lines[5:7]] == ["perfect_routing", "oracle"]
     data = load_trace_data(planted, test_fraction=0.2, seed=0)
-    res = run_compare(data, CompareConfig(deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4), num_batches=10,
-                                          num_batch_requests=8, strategies=("linear", "data")))
+    res = run_compare(
+        data,
+        CompareConfig(
+            deployment=parse_deployment("DP2TP4EP8", num_gpus_per_node=4),
+            num_batches=10,
+            num_batch_requests=8,
+            strategies=("linear", "data"),
+        ),
+    )
     assert format_compare_summary(res).splitlines() == lines[:7]
     assert compare_notes(res) == []
     res.placed["data"].extra["groups_without_routed_requests"] = [1]
-    assert compare_notes(res) == ["note: data: 1 group(s) had no held-out request routed to them; their micro-batches drew "
-                                  "from all test requests (more requests or fewer clusters avoid this)"]
+    assert compare_notes(res) == [
+        "note: data: 1 group(s) had no held-out request routed to them; their micro-batches drew "
+        "from all test requests (more requests or fewer clusters avoid this)"
+    ]

@@ -87,7 +87,9 @@ def test_matches_deepseek_but_for_the_order_of_equal_weights(case):
         np.testing.assert_allclose(node[0], node[1], rtol=1e-5)
         return
     np.testing.assert_array_equal(ours.logcnt, theirs.logcnt)
-    gpu = [np.sort(_replica_load_LP(load, p).reshape(load.shape[0], kw["num_gpus"], -1), axis=-1) for p in (ours, theirs)]
+    gpu = [
+        np.sort(_replica_load_LP(load, p).reshape(load.shape[0], kw["num_gpus"], -1), axis=-1) for p in (ours, theirs)
+    ]
     np.testing.assert_array_equal(gpu[0], gpu[1])  # each GPU's multiset of per-replica loads
     if allowed == "equal_experts":
         return
@@ -113,7 +115,9 @@ def test_golden_cases_show_every_documented_difference():
         assert differs[kind] >= 3, (kind, allowed, differs)
     kinds = Counter(c["kind"] for c in CASES)
     assert {"ties", "counts", "gamma", "zeros", "spread"} <= set(kinds) and kinds["gamma"] >= 40
-    policies = Counter("global" if c["num_groups"] % c["num_nodes"] else "hierarchical" for c in CASES if c["num_nodes"] > 1)
+    policies = Counter(
+        "global" if c["num_groups"] % c["num_nodes"] else "hierarchical" for c in CASES if c["num_nodes"] > 1
+    )
     assert min(policies["global"], policies["hierarchical"]) >= 20
 
 
@@ -193,7 +197,12 @@ def rebalance_cases(draw):
     groups = nodes * draw(st.sampled_from([1, 2]))
     E = groups * draw(st.integers(1, 6))
     P = -(-(E + draw(st.integers(0, 2 * gpus))) // gpus) * gpus
-    return _weights(draw, (draw(st.integers(1, 4)), E)), {"num_replicas": P, "num_groups": groups, "num_nodes": nodes, "num_gpus": gpus}
+    return _weights(draw, (draw(st.integers(1, 4)), E)), {
+        "num_replicas": P,
+        "num_groups": groups,
+        "num_nodes": nodes,
+        "num_gpus": gpus,
+    }
 
 
 @settings(max_examples=60, deadline=None)
@@ -208,7 +217,9 @@ def test_hierarchical_policy_keeps_each_group_on_one_node(case):
     for l in range(L):
         nodes_of_group = [set(node_of_slot[group_of_slot[l] == g].tolist()) for g in range(kw["num_groups"])]
         assert all(len(s) == 1 for s in nodes_of_group)
-        assert Counter(n for (n,) in nodes_of_group) == Counter({n: kw["num_groups"] // kw["num_nodes"] for n in range(kw["num_nodes"])})
+        assert Counter(n for (n,) in nodes_of_group) == Counter(
+            {n: kw["num_groups"] // kw["num_nodes"] for n in range(kw["num_nodes"])}
+        )
 
 
 def test_groups_that_do_not_divide_the_experts_fall_back_to_the_global_policy():

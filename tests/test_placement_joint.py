@@ -11,8 +11,14 @@ from hypothesis import strategies as st
 
 from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
 from moetrace.placement.deployment import parse_deployment
-from moetrace.placement.joint import (balanced_assign, group_usage, joint_placement, members_of_placement, node_scores,
-                                      route_requests)
+from moetrace.placement.joint import (
+    balanced_assign,
+    group_usage,
+    joint_placement,
+    members_of_placement,
+    node_scores,
+    route_requests,
+)
 from moetrace.placement.maps import placement_problems
 from moetrace.placement.report import format_compare_summary
 from moetrace.tracer.trace.schema import ModelInfo
@@ -107,12 +113,22 @@ def test_joint_placer_refuses_zero_iterations():
 
     prefill, decode = _block_counts(16, noise=0.15, seed=1)
     with pytest.raises(ConfigError, match="num_iters must be at least 1"):
-        joint_placement(decode, prefill, init_group_R=np.arange(16) % G, num_groups=G, num_slots=E, ranks_per_group=2,
-                        num_iters=0)
+        joint_placement(
+            decode, prefill, init_group_R=np.arange(16) % G, num_groups=G, num_slots=E, ranks_per_group=2, num_iters=0
+        )
 
 
-MODEL = ModelInfo(name="blocks", source="test", architecture="Test", num_hidden_layers=L, moe_layers=tuple(range(L)),
-                  num_experts=E, top_k=K, num_shared_experts=0, hidden_size=8)
+MODEL = ModelInfo(
+    name="blocks",
+    source="test",
+    architecture="Test",
+    num_hidden_layers=L,
+    moe_layers=tuple(range(L)),
+    num_experts=E,
+    top_k=K,
+    num_shared_experts=0,
+    hidden_size=8,
+)
 
 
 def _block_trace(path, *, num_requests: int, noise: float, seed: int = 0):
@@ -131,16 +147,25 @@ def _block_trace(path, *, num_requests: int, noise: float, seed: int = 0):
         ptok.append(6)
         otok.append(10)
     with TraceWriter(path, model=MODEL, backend={"name": "synthetic"}, collection={"planted": "blocks"}) as w:
-        w.add_requests(request_id_R=np.arange(num_requests), dataset_R=[f"d{r % G}" for r in range(num_requests)],
-                       prompt_tokens_R=np.array(ptok), output_tokens_R=np.array(otok), topk_ids_TX=np.concatenate(rows))
+        w.add_requests(
+            request_id_R=np.arange(num_requests),
+            dataset_R=[f"d{r % G}" for r in range(num_requests)],
+            prompt_tokens_R=np.array(ptok),
+            output_tokens_R=np.array(otok),
+            topk_ids_TX=np.concatenate(rows),
+        )
     return path
 
 
 def test_compare_reports_bounds_and_the_joint_placer_meets_the_oracle(tmp_path):
     trace = _block_trace(tmp_path / "blocks", num_requests=160, noise=0.2)
     data = load_trace_data(trace, test_fraction=0.25, seed=0)
-    cfg = CompareConfig(deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), num_batches=60,
-                        num_batch_requests=16, strategies=("linear", "eplb", "data", "joint"))
+    cfg = CompareConfig(
+        deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2),
+        num_batches=60,
+        num_batch_requests=16,
+        strategies=("linear", "eplb", "data", "joint"),
+    )
     res = run_compare(data, cfg)
     rows = {r["strategy"]: r for r in res.summary_rows()}
     assert list(rows) == ["linear", "eplb", "data", "joint", "perfect_routing", "oracle"]
@@ -150,7 +175,9 @@ def test_compare_reports_bounds_and_the_joint_placer_meets_the_oracle(tmp_path):
     assert v["joint"] <= v["oracle"] * 1.02 + 0.02  # and the joint placer gets it (within 2 points)
     assert v["joint"] <= v["data"] + 0.02
     assert rows["joint"]["router_match_rate"] > 0.9
-    assert rows["linear"]["busiest_node_load"] is None and rows["eplb"]["busiest_node_load"] is None  # they route nothing
+    assert (
+        rows["linear"]["busiest_node_load"] is None and rows["eplb"]["busiest_node_load"] is None
+    )  # they route nothing
     test_R = data.is_test_R
     for s in ("data", "joint", "perfect_routing", "oracle"):  # the busiest node's held-out requests over an even share
         n_G = np.bincount(res.placed[s].group_of_test_R[test_R], minlength=4)
@@ -165,8 +192,13 @@ def test_compare_reports_bounds_and_the_joint_placer_meets_the_oracle(tmp_path):
 def test_no_structure_no_gain(tmp_path):
     trace = _block_trace(tmp_path / "flat", num_requests=160, noise=1.0)
     data = load_trace_data(trace, test_fraction=0.25, seed=0)
-    cfg = CompareConfig(deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), num_batches=60,
-                        num_batch_requests=16, strategies=("linear", "data", "joint"), oracle=False)
+    cfg = CompareConfig(
+        deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2),
+        num_batches=60,
+        num_batch_requests=16,
+        strategies=("linear", "data", "joint"),
+        oracle=False,
+    )
     rows = {r["strategy"]: r for r in run_compare(data, cfg).summary_rows()}
     assert set(rows) == {"linear", "data", "joint"}
     for r in rows.values():
@@ -184,13 +216,17 @@ def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
 
     trace = _block_trace(tmp_path / "blocks", num_requests=80, noise=0.1)
     out = tmp_path / "joint.json"
-    r = CliRunner().invoke(app, ["place", str(trace), "--config", "DP4TP2EP8", "--gpus-per-node", "2", "--strategy",
-                                 "joint", "-o", str(out)])
+    r = CliRunner().invoke(
+        app,
+        ["place", str(trace), "--config", "DP4TP2EP8", "--gpus-per-node", "2", "--strategy", "joint", "-o", str(out)],
+    )
     assert r.exit_code == 0, r.output
     pf = load_placement(out)
     assert pf.strategy == "joint" and isinstance(pf.router, PriceRouter) and len(pf.router.node_prices_G) == G
     d = json.loads(out.read_text())
-    assert d["grouping"]["router_kind"] == "price" and "prefill" in d["grouping"]["score"]  # the router sees the prompt only
+    assert (
+        d["grouping"]["router_kind"] == "price" and "prefill" in d["grouping"]["score"]
+    )  # the router sees the prompt only
     assert json.loads(export_placement(pf, fmt="vllm")) == pf.placement.phy2log.tolist()
     d["grouping"]["node_prices"] = [0.0, "x", 0.0, 0.0]
     out.write_text(json.dumps(d))
@@ -199,8 +235,13 @@ def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.sampled_from([(2, 1), (2, 2), (4, 1), (4, 2)]), st.integers(1, 3), st.integers(0, 2), st.integers(0, 2**16),
-       st.booleans())
+@given(
+    st.sampled_from([(2, 1), (2, 2), (4, 1), (4, 2)]),
+    st.integers(1, 3),
+    st.integers(0, 2),
+    st.integers(0, 2**16),
+    st.booleans(),
+)
 def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed, aligned):
     """Coverage, equal slots per GPU, replica consistency, at most one copy per node, determinism;
     ``aligned``: router groups (one per node) kept whole."""
@@ -215,8 +256,9 @@ def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed, aligned):
     decode = rng.poisson(rng.gamma(0.5, 2.0, (R, L, E))).astype(np.uint16)
     prefill = rng.poisson(rng.gamma(0.5, 2.0, (R, L, E))).astype(np.uint16)
     start = np.arange(R) % nodes
-    kw = dict(init_group_R=start, num_groups=nodes, num_slots=P, ranks_per_group=rpn,
-              router_groups=nodes if aligned else None)
+    kw = dict(
+        init_group_R=start, num_groups=nodes, num_slots=P, ranks_per_group=rpn, router_groups=nodes if aligned else None
+    )
     jp = joint_placement(decode, prefill, **kw)
     p = jp.placement
     assert placement_problems(p, num_experts=E, num_ranks=W) == []
@@ -235,9 +277,19 @@ def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed, aligned):
 # ---------------------------------------------------------------- router groups kept whole (joint_aligned)
 
 #: a DeepSeek-V3-like router at test size: 16 experts in 4 groups of 4, a token may use 2 groups
-GL_MODEL = ModelInfo(name="grouped-router", source="test", architecture="Test", num_hidden_layers=L,
-                     moe_layers=tuple(range(L)), num_experts=E, top_k=K, num_shared_experts=0, hidden_size=8,
-                     n_group=4, topk_group=2)
+GL_MODEL = ModelInfo(
+    name="grouped-router",
+    source="test",
+    architecture="Test",
+    num_hidden_layers=L,
+    moe_layers=tuple(range(L)),
+    num_experts=E,
+    top_k=K,
+    num_shared_experts=0,
+    hidden_size=8,
+    n_group=4,
+    topk_group=2,
+)
 
 
 @settings(max_examples=25, deadline=None)
@@ -279,13 +331,19 @@ def _grouped_router_trace(path, *, num_requests: int, seed: int = 0):
     for r in range(num_requests):
         d = r % 4
         pool = np.concatenate([np.arange(4 * d, 4 * d + 4), np.arange(4 * ((d + 1) % 4), 4 * ((d + 1) % 4) + 4)])
-        ids = np.stack([np.stack([rng.choice(pool, K, replace=False) for _ in range(L)]) for _ in range(16)]).astype(np.int16)
+        ids = np.stack([np.stack([rng.choice(pool, K, replace=False) for _ in range(L)]) for _ in range(16)]).astype(
+            np.int16
+        )
         ids[-1] = -1
         rows.append(ids.reshape(16, L * K))
     with TraceWriter(path, model=GL_MODEL, backend={"name": "synthetic"}, collection={"planted": "router groups"}) as w:
-        w.add_requests(request_id_R=np.arange(num_requests), dataset_R=[f"d{r % 4}" for r in range(num_requests)],
-                       prompt_tokens_R=np.full(num_requests, 6), output_tokens_R=np.full(num_requests, 10),
-                       topk_ids_TX=np.concatenate(rows))
+        w.add_requests(
+            request_id_R=np.arange(num_requests),
+            dataset_R=[f"d{r % 4}" for r in range(num_requests)],
+            prompt_tokens_R=np.full(num_requests, 6),
+            output_tokens_R=np.full(num_requests, 10),
+            topk_ids_TX=np.concatenate(rows),
+        )
     return path
 
 
@@ -294,8 +352,13 @@ def test_joint_aligned_keeps_the_node_limit_and_wins_when_copies_go_per_node(tmp
 
     trace = _grouped_router_trace(tmp_path / "gl", num_requests=160)
     data = load_trace_data(trace, test_fraction=0.25, seed=0)
-    cfg = CompareConfig(deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), num_batches=60,
-                        num_batch_requests=16, strategies=("linear", "data", "joint", "joint_aligned"), dedup="node")
+    cfg = CompareConfig(
+        deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2),
+        num_batches=60,
+        num_batch_requests=16,
+        strategies=("linear", "data", "joint", "joint_aligned"),
+        dedup="node",
+    )
     res = run_compare(data, cfg)
     rows = {r["strategy"]: r for r in res.summary_rows()}
     aligned = res.placed["joint_aligned"]
@@ -308,7 +371,9 @@ def test_joint_aligned_keeps_the_node_limit_and_wins_when_copies_go_per_node(tmp
         assert max(len(set(t)) for t in node_of_LE[l][ids[:, l]].tolist()) <= 2
     # each request goes to the node holding one of its two groups: one copy per token leaves the node
     v = {s: r["inter_node_normalized_median"] for s, r in rows.items()}
-    assert v["joint_aligned"] < 0.75 and v["joint_aligned"] < v["joint"] - 0.05 and v["joint_aligned"] < v["data"] - 0.05
+    assert (
+        v["joint_aligned"] < 0.75 and v["joint_aligned"] < v["joint"] - 0.05 and v["joint_aligned"] < v["data"] - 0.05
+    )
     assert res.manifest.bound_kinds["oracle"] == "joint_aligned" and v["oracle"] <= v["joint_aligned"] + 1e-9
     notes = compare_notes(res)
     assert any("at most 2 of its 4 expert groups" in n and "data, joint place experts one by one" in n for n in notes)
@@ -321,8 +386,21 @@ def test_joint_aligned_refuses_a_router_without_groups(tmp_path):
     from moetrace.cli import app
 
     trace = _block_trace(tmp_path / "blocks", num_requests=40, noise=0.1)
-    r = CliRunner().invoke(app, ["place", str(trace), "--config", "DP4TP2EP8", "--gpus-per-node", "2", "--strategy",
-                                 "joint_aligned", "-o", str(tmp_path / "p.json")])
+    r = CliRunner().invoke(
+        app,
+        [
+            "place",
+            str(trace),
+            "--config",
+            "DP4TP2EP8",
+            "--gpus-per-node",
+            "2",
+            "--strategy",
+            "joint_aligned",
+            "-o",
+            str(tmp_path / "p.json"),
+        ],
+    )
     assert r.exit_code != 0 and "not group-limited" in r.output and "use the strategy `joint`" in r.output
     assert "Traceback" not in r.output
     # compare refuses before placing anything else; a router whose groups cannot fill the nodes, likewise
@@ -330,7 +408,9 @@ def test_joint_aligned_refuses_a_router_without_groups(tmp_path):
     from moetrace.placement.compare import place_strategies
 
     data = load_trace_data(trace, test_fraction=0.25, seed=0, held_out_tokens=False)
-    cfg = CompareConfig(deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), strategies=("data", "joint_aligned"))
+    cfg = CompareConfig(
+        deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), strategies=("data", "joint_aligned")
+    )
     with pytest.raises(ConfigError, match="not group-limited"):
         place_strategies(data, cfg, cfg.strategies, on_placed=lambda: pytest.fail("placed before refusing"))
     gl = _grouped_router_trace(tmp_path / "gl", num_requests=40)

@@ -56,7 +56,11 @@ def test_spec_table_facts():
 def test_resolve_a_preset_and_its_tiny_variant():
     full = resolve("deepseek-v3")
     assert (full.kind, full.preset.name, full.source, full.config_path) == (
-        "preset", "deepseek-v3", "deepseek-ai/DeepSeek-V3", None)
+        "preset",
+        "deepseek-v3",
+        "deepseek-ai/DeepSeek-V3",
+        None,
+    )
     assert full.model_info() == model_info_for("deepseek-v3") and full.model_info().source == "deepseek-ai/DeepSeek-V3"
     tiny = resolve("deepseek-v3-tiny")
     assert (tiny.kind, tiny.preset.name, tiny.source) == ("tiny-preset", "deepseek-v3", "moetrace:deepseek-v3-tiny")
@@ -66,9 +70,16 @@ def test_resolve_a_preset_and_its_tiny_variant():
 
 
 def test_resolve_a_local_checkpoint_directory_and_config_file(tmp_path):
-    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4,
-           "hidden_size": 64, "num_experts": 16, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
-           "mlp_only_layers": [0]}
+    cfg = {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     r = resolve(str(tmp_path))
     assert (r.kind, r.preset, r.source, r.config_path) == ("local", None, str(tmp_path), tmp_path / "config.json")
@@ -96,20 +107,28 @@ def test_resolve_a_hub_id_reads_nothing():
         r.model_info()  # without a config loaded by an engine
 
 
-@pytest.mark.parametrize("name, match", [
-    ("deepseek-v4", "neither a preset.*deepseek-v3-tiny"),  # a bare unknown name, with the presets listed
-    ("deepseek-v4-tiny", "unknown model preset 'deepseek-v4-tiny'; did you mean 'deepseek-v3-tiny'.*presets: .*deepseek-v3-tiny"),
-    ("/no/such/checkpoint", "neither a preset, nor an existing checkpoint directory"),
-    ("./ckpt", "neither a preset"),
-])
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("deepseek-v4", "neither a preset.*deepseek-v3-tiny"),  # a bare unknown name, with the presets listed
+        (
+            "deepseek-v4-tiny",
+            "unknown model preset 'deepseek-v4-tiny'; did you mean 'deepseek-v3-tiny'.*presets: .*deepseek-v3-tiny",
+        ),
+        ("/no/such/checkpoint", "neither a preset, nor an existing checkpoint directory"),
+        ("./ckpt", "neither a preset"),
+    ],
+)
 def test_resolve_refuses_an_unknown_name_in_one_line(name, match):
     with pytest.raises(ModelError, match=match) as exc:
         resolve(name)
     assert "\n" not in str(exc.value)
 
 
-@pytest.mark.parametrize("typo, suggestion", [("deepseekv3-tiny", "deepseek-v3-tiny"), ("Qwen3-30B", "qwen3-30b-a3b"),
-                                              ("mixtral-8x7", "mixtral-8x7b")])
+@pytest.mark.parametrize(
+    "typo, suggestion",
+    [("deepseekv3-tiny", "deepseek-v3-tiny"), ("Qwen3-30B", "qwen3-30b-a3b"), ("mixtral-8x7", "mixtral-8x7b")],
+)
 def test_a_mistyped_model_name_is_refused_at_once_with_a_suggestion(typo, suggestion):
     from moetrace.errors import ModelError
     from moetrace.tracer.presets import resolve

@@ -8,8 +8,7 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from moetrace.cli import app
-from moetrace.cli import common
+from moetrace.cli import app, common
 from moetrace.cli.common import ProgressBar, RequestProgress, show_progress
 from tests.conftest import write_small_trace
 
@@ -84,8 +83,12 @@ def test_compare_simulation_progress(tmp_path):
 
     trace = write_small_trace(tmp_path / "t", num_requests=8)
     data = load_trace_data(trace, test_fraction=0.5, seed=0)
-    cfg = CompareConfig(deployment=parse_deployment("DP2TP1EP2", num_gpus_per_node=1), num_batches=4,
-                        num_batch_requests=2, strategies=("round_robin",))
+    cfg = CompareConfig(
+        deployment=parse_deployment("DP2TP1EP2", num_gpus_per_node=1),
+        num_batches=4,
+        num_batch_requests=2,
+        strategies=("round_robin",),
+    )
     calls, cb = _recorder()
     run_compare(data, cfg, progress=cb)
     _assert_monotone_to_total(calls)
@@ -152,8 +155,14 @@ def _run_in_pty(argv: list[str], *, timeout: float = 120.0) -> tuple[int, str]:
     master, slave = pty.openpty()
     env = {**os.environ, "COLUMNS": "120", "TERM": "xterm-256color"}
     env.pop("CI", None)
-    proc = subprocess.Popen([sys.executable, "-m", "moetrace", *argv], stdin=subprocess.DEVNULL, stdout=slave,
-                            stderr=slave, env=env, close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moetrace", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        close_fds=True,
+    )
     os.close(slave)
     out, deadline = bytearray(), time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -23,8 +23,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the writer/reader equivalence tests, run again under the floor
-FLOOR_TESTS = ["tests/test_writer_parquet.py", "tests/test_parquet_encoder.py", "tests/test_store.py",
-               "tests/test_reader_checks.py"]
+FLOOR_TESTS = [
+    "tests/test_writer_parquet.py",
+    "tests/test_parquet_encoder.py",
+    "tests/test_store.py",
+    "tests/test_reader_checks.py",
+]
 #: the first pyarrow release with wheels for a Python the declared floor has none for (checked on PyPI)
 FIRST_WHEELS = {(3, 13): "18.0.0", (3, 14): "22.0.0"}
 
@@ -53,8 +57,19 @@ def _install(version: str) -> Path:
         return target
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-           "--only-binary=:all:", "--target", str(tmp), f"pyarrow=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--target",
+        str(tmp),
+        f"pyarrow=={version}",
+    ]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         failure = r.stderr.strip().splitlines()[-1] if r.returncode else None

@@ -13,14 +13,13 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import SMALL, write_small_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app
 from moetrace.errors import TraceFormatError
 from moetrace.tracer.trace import open_trace
 from moetrace.tracer.trace.validate import find_problems
-
-from conftest import SMALL, write_small_trace
 
 
 def _rewrite_routing(path, fn):
@@ -48,6 +47,7 @@ def _damage_id_range(path):
         flat = t.column("experts").combine_chunks().flatten().to_numpy(zero_copy_only=False).copy()
         flat[4] = SMALL.num_experts  # one past the last expert
         return _experts(t, flat)
+
     _rewrite_routing(path, fn)
 
 
@@ -56,8 +56,9 @@ def _damage_null_list(path):
     (and reads one only from 26 on: before, the reader's refusal is pyarrow's own error)."""
     f = sorted((path / "routing").glob("*.parquet"))[0]
     df = pl.read_parquet(f)
-    df.with_columns(pl.when(pl.int_range(pl.len()) == 1).then(None).otherwise(pl.col("experts")).alias("experts")) \
-        .write_parquet(f)
+    df.with_columns(
+        pl.when(pl.int_range(pl.len()) == 1).then(None).otherwise(pl.col("experts")).alias("experts")
+    ).write_parquet(f)
 
 
 def _damage_duplicate_row(path):
@@ -69,6 +70,7 @@ def _damage_unknown_request(path):
         rid = t.column("request_id").to_numpy().copy()
         rid[0] = 999
         return t.set_column(0, "request_id", pa.array(rid, pa.int64()))
+
     _rewrite_routing(path, fn)
 
 
@@ -77,6 +79,7 @@ def _damage_position(path):
         pos = t.column("position").to_numpy().copy()
         pos[0] = 10_000
         return t.set_column(1, "position", pa.array(pos, pa.int32()))
+
     _rewrite_routing(path, fn)
 
 
@@ -85,17 +88,25 @@ def _damage_claimed_length(path):
     t = pq.read_table(f)
     out = t.column("output_tokens").to_numpy().copy()
     out[0] = 2_000_000_000  # a tiny file asking for gigabytes
-    pq.write_table(t.set_column(t.schema.get_field_index("output_tokens"), "output_tokens", pa.array(out, pa.int32())), f)
+    pq.write_table(
+        t.set_column(t.schema.get_field_index("output_tokens"), "output_tokens", pa.array(out, pa.int32())), f
+    )
 
 
 CASES = {
-    "top_k in the manifest vs the experts list": (_damage_top_k, "ids per token, but the manifest's moe_layers x top_k"),
+    "top_k in the manifest vs the experts list": (
+        _damage_top_k,
+        "ids per token, but the manifest's moe_layers x top_k",
+    ),
     "expert id out of range": (_damage_id_range, "outside -1 and 0..15"),
     "null expert list": (_damage_null_list, "null experts|Expected all lists to be of size"),  # pyarrow < 26
     "duplicate (request_id, position)": (_damage_duplicate_row, "appear twice"),
     "routing row of an unknown request": (_damage_unknown_request, r"request ids \[999\] have no row"),
     "position outside its request": (_damage_position, "lie outside their request"),
-    "lengths that claim more tokens than exist": (_damage_claimed_length, "claims .* tokens but the routing parts hold"),
+    "lengths that claim more tokens than exist": (
+        _damage_claimed_length,
+        "claims .* tokens but the routing parts hold",
+    ),
 }
 
 
@@ -126,8 +137,10 @@ def test_cli_commands_refuse_cleanly(tmp_path, case):
     damage, message = CASES[case]
     path = write_small_trace(tmp_path / "t", num_requests=8)
     damage(path)
-    for args in (["analyze", str(path), "-o", str(tmp_path / "a"), "--only", "imbalance"],
-                 ["compare", str(path), "--config", "DP2TP1EP2", "--gpus-per-node", "1", "--batches", "2"]):
+    for args in (
+        ["analyze", str(path), "-o", str(tmp_path / "a"), "--only", "imbalance"],
+        ["compare", str(path), "--config", "DP2TP1EP2", "--gpus-per-node", "1", "--batches", "2"],
+    ):
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 2, (args, r.output)
         assert "Traceback" not in r.output and "moetrace validate" in r.output, r.output

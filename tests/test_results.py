@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from test_placement_compare import _planted_trace
 from typer.testing import CliRunner
 
 from moetrace import results as rf
 from moetrace.cli import app
 from moetrace.dashboards.inputs import detect
 from moetrace.errors import TraceFormatError
-from test_placement_compare import _planted_trace
-
 
 runner = CliRunner()
 DEPLOY = ["--config", "DP2TP4EP8", "--gpus-per-node", "4"]
@@ -30,7 +29,9 @@ def trace(tmp_path_factory):
 @pytest.fixture(scope="module")
 def analysis_dir(trace, tmp_path_factory):
     out = tmp_path_factory.mktemp("results") / "analysis"
-    r = runner.invoke(app, ["analyze", str(trace), "-o", str(out), "--batch-size", "8", "--embedding-max-requests", "40"])
+    r = runner.invoke(
+        app, ["analyze", str(trace), "-o", str(out), "--batch-size", "8", "--embedding-max-requests", "40"]
+    )
     assert r.exit_code == 0, r.output
     return out
 
@@ -38,8 +39,22 @@ def analysis_dir(trace, tmp_path_factory):
 @pytest.fixture(scope="module")
 def compare_dir(trace, tmp_path_factory):
     out = tmp_path_factory.mktemp("results") / "compare"
-    r = runner.invoke(app, ["compare", str(trace), *DEPLOY, "--strategies", "linear,eplb,data", "--batches", "10",
-                            "--batch-requests", "8", "-o", str(out)])
+    r = runner.invoke(
+        app,
+        [
+            "compare",
+            str(trace),
+            *DEPLOY,
+            "--strategies",
+            "linear,eplb,data",
+            "--batches",
+            "10",
+            "--batch-requests",
+            "8",
+            "-o",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     return out
 
@@ -48,7 +63,9 @@ def _assert_every_file_is_stamped(directory, kind: rf.ResultKind, *, skip: froze
     """Every file in ``directory`` is a file of ``kind`` carrying the format and version of results.py."""
     names = {p.name for p in directory.iterdir()}
     assert not any(n.startswith(".") for n in names), f"temporary files left behind: {names}"
-    assert names <= {kind.manifest, *kind.files}, f"files results.py does not list: {names - {kind.manifest, *kind.files}}"
+    assert names <= {kind.manifest, *kind.files}, (
+        f"files results.py does not list: {names - {kind.manifest, *kind.files}}"
+    )
     for name in sorted(names - skip):
         path = directory / name
         if name.endswith(".json"):
@@ -64,8 +81,15 @@ def _assert_every_file_is_stamped(directory, kind: rf.ResultKind, *, skip: froze
 
 def test_analyze_writes_every_file_with_format_and_version(analysis_dir):
     names = _assert_every_file_is_stamped(analysis_dir, rf.ANALYSIS)
-    assert {"manifest.json", "summary.json", "imbalance.parquet", "embedding.parquet", "classify_accuracy.parquet",
-            "affinity.parquet", "coactivation.parquet"} <= names
+    assert {
+        "manifest.json",
+        "summary.json",
+        "imbalance.parquet",
+        "embedding.parquet",
+        "classify_accuracy.parquet",
+        "affinity.parquet",
+        "coactivation.parquet",
+    } <= names
     assert json.loads((analysis_dir / "summary.json").read_text())["format"] == "moetrace.analysis.summary"
     assert rf.read_table_format(analysis_dir / "imbalance.parquet") == ("moetrace.analysis.imbalance", 1)
     man = json.loads((analysis_dir / "manifest.json").read_text())
@@ -106,7 +130,9 @@ def test_dashboard_detection_dispatches_on_format(analysis_dir, compare_dir, tmp
     d.mkdir()
     obj = json.loads((compare_dir / "compare.json").read_text())
     (d / "compare.json").write_text(json.dumps({**obj, "format": "moetrace.something"}))
-    with pytest.raises(TraceFormatError, match=r"not a trace, analysis or placement result directory.*moetrace.something"):
+    with pytest.raises(
+        TraceFormatError, match=r"not a trace, analysis or placement result directory.*moetrace.something"
+    ):
         detect(d)
     # an analysis manifest is recognised by its format even if it lacks the usual keys
     a = tmp_path / "bare-analysis"
@@ -134,7 +160,9 @@ def test_unsupported_versions_are_refused(compare_dir, tmp_path):
     newer.mkdir()
     obj = json.loads((compare_dir / "compare.json").read_text())
     (newer / "compare.json").write_text(json.dumps({**obj, "version": 99}))
-    with pytest.raises(TraceFormatError, match=r"moetrace.compare version 99 is not supported .*re-run `moetrace compare`"):
+    with pytest.raises(
+        TraceFormatError, match=r"moetrace.compare version 99 is not supported .*re-run `moetrace compare`"
+    ):
         detect(newer)
     with pytest.raises(TraceFormatError, match="no such file or directory"):
         rf.read_result_manifest(tmp_path / "missing")
@@ -172,7 +200,9 @@ def test_compare_json_is_read_and_written_through_its_typed_record(compare_dir, 
     ours = read_compare_manifest(compare_dir)
     assert ours.strategies == ("linear", "eplb", "data") and ours.model.name == "planted"
     assert detect(compare_dir).compare == ours
-    assert CompareManifest.from_json(obj, where="x").to_json() == {k: v for k, v in obj.items() if k not in ("format", "version")}
+    assert CompareManifest.from_json(obj, where="x").to_json() == {
+        k: v for k, v in obj.items() if k not in ("format", "version")
+    }
 
 
 def test_compare_json_of_older_moetrace_gets_the_later_keys_once(tmp_path):
@@ -187,13 +217,16 @@ def test_compare_json_of_older_moetrace_gets_the_later_keys_once(tmp_path):
     assert "expert_copy_floor" not in m.to_json()
 
 
-@pytest.mark.parametrize("corrupt, fragment", [
-    (lambda d: d.pop("num_nodes"), "no `num_nodes`; re-run `moetrace compare`"),
-    (lambda d: d.__setitem__("num_batches", "10"), "`num_batches` is '10', expected int"),
-    (lambda d: d.__setitem__("oracle", 1), "`oracle` is 1, expected bool"),
-    (lambda d: d["model"].pop("top_k"), "lacks ['top_k']"),
-    (lambda d: d["grouping"]["data"].pop("num_clusters"), "grouping 'data': no `num_clusters`"),
-])
+@pytest.mark.parametrize(
+    "corrupt, fragment",
+    [
+        (lambda d: d.pop("num_nodes"), "no `num_nodes`; re-run `moetrace compare`"),
+        (lambda d: d.__setitem__("num_batches", "10"), "`num_batches` is '10', expected int"),
+        (lambda d: d.__setitem__("oracle", 1), "`oracle` is 1, expected bool"),
+        (lambda d: d["model"].pop("top_k"), "lacks ['top_k']"),
+        (lambda d: d["grouping"]["data"].pop("num_clusters"), "grouping 'data': no `num_clusters`"),
+    ],
+)
 def test_broken_compare_json_is_one_clean_line(corrupt, fragment, tmp_path):
     obj = json.loads(GOLDEN_COMPARE.read_text())
     corrupt(obj)

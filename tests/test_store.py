@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from moetrace.errors import OutputExistsError, TraceFormatError
-from moetrace.tracer.trace.schema import ModelInfo, requests_schema, routing_schema
 from moetrace.tracer.trace.reader import open_trace
-from moetrace.tracer.trace.writer import TraceWriter
+from moetrace.tracer.trace.schema import ModelInfo, requests_schema, routing_schema
 from moetrace.tracer.trace.validate import find_problems
+from moetrace.tracer.trace.writer import TraceWriter
 from tests.conftest import SMALL, write_small_trace
 
 
@@ -81,7 +81,9 @@ def test_refuses_existing_and_resumes_same_model(tmp_path):
     other = ModelInfo(**{**SMALL.__dict__, "num_experts": 32, "source": "other"})
     with pytest.raises(OutputExistsError, match="different model"):
         TraceWriter(tmp_path / "t", model=other, backend={"name": "synthetic"}, collection={}, on_existing="resume")
-    with TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={"seed": 0}, on_existing="resume") as w:
+    with TraceWriter(
+        tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={"seed": 0}, on_existing="resume"
+    ) as w:
         assert w.completed_request_ids == {0, 1, 2}
         with pytest.raises(ValueError, match="already written"):
             w.add_request(request_id=1, dataset="d", prompt_tokens=1, topk_ids_TX=np.zeros((1, 3, 2)))
@@ -101,7 +103,9 @@ def test_resume_removes_orphans_and_temporaries(tmp_path):
     (tmp_path / "t" / "routing" / ".part-000002.parquet.tmp").write_bytes(b"PAR1 half")
     w._lock.release()  # what the kernel does when the killed writer's process dies
     assert any("uncommitted part" in p for p in find_problems(tmp_path / "t"))
-    with TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={}, on_existing="resume") as w2:
+    with TraceWriter(
+        tmp_path / "t", model=SMALL, backend={"name": "synthetic"}, collection={}, on_existing="resume"
+    ) as w2:
         assert w2.completed_request_ids == {0}
         w2.add_request(request_id=1, dataset="d", prompt_tokens=2, topk_ids_TX=np.ones((3, 3, 2)))
     assert find_problems(tmp_path / "t") == []
@@ -116,9 +120,18 @@ def test_overwrite_replaces(tmp_path):
 
 
 def test_weights_and_text_columns(tmp_path):
-    with TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "hf"}, collection={}, with_weights=True, with_text=True) as w:
-        w.add_request(request_id=0, dataset="d", prompt_tokens=1, topk_ids_TX=np.zeros((2, 3, 2)),
-                      topk_weights_TX=np.full((2, 6), 0.5), prompt_text="hi", output_text="there")
+    with TraceWriter(
+        tmp_path / "t", model=SMALL, backend={"name": "hf"}, collection={}, with_weights=True, with_text=True
+    ) as w:
+        w.add_request(
+            request_id=0,
+            dataset="d",
+            prompt_tokens=1,
+            topk_ids_TX=np.zeros((2, 3, 2)),
+            topk_weights_TX=np.full((2, 6), 0.5),
+            prompt_text="hi",
+            output_text="there",
+        )
     t = open_trace(tmp_path / "t")
     assert t.requests().collect()["prompt_text"].to_list() == ["hi"]
     assert t.routing().collect()["weights"].to_list()[0] == [0.5] * 6
@@ -135,7 +148,12 @@ def test_bad_shapes_are_refused(tmp_path):
 
 @pytest.mark.parametrize(
     "model, match",
-    [(None, "no `model` section"), ("deepseek-v3", "must be an object"), ({"top_k": "8"}, "lacks"), ("wrong-type", "`top_k` must be a whole number")],
+    [
+        (None, "no `model` section"),
+        ("deepseek-v3", "must be an object"),
+        ({"top_k": "8"}, "lacks"),
+        ("wrong-type", "`top_k` must be a whole number"),
+    ],
 )
 def test_bad_manifest_model_is_a_format_error(small_trace, model, match):
     m = json.loads((small_trace / "manifest.json").read_text())
@@ -177,6 +195,11 @@ def test_resume_refuses_a_different_prompt_selection(tmp_path):
     m["collection"] = coll
     (tmp_path / "t" / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(OutputExistsError, match="per_dataset=3"):
-        TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "hf"}, collection={**coll, "per_dataset": 5},
-                    on_existing="resume")
+        TraceWriter(
+            tmp_path / "t",
+            model=SMALL,
+            backend={"name": "hf"},
+            collection={**coll, "per_dataset": 5},
+            on_existing="resume",
+        )
     TraceWriter(tmp_path / "t", model=SMALL, backend={"name": "hf"}, collection=coll, on_existing="resume").close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -17,8 +17,6 @@ from typer.testing import CliRunner
 from moetrace.cli import app
 from moetrace.errors import ConfigError
 from moetrace.tracer.presets import model_info_for
-from moetrace.tracer.trace.schema import ModelInfo
-from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.synth import (
     DEFAULT_DOMAINS,
     PAPER_DATASETS,
@@ -46,6 +44,8 @@ from moetrace.tracer.synth_stats import (
     request_vectors,
     top_share,
 )
+from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.validate import find_problems
 
 
@@ -84,7 +84,11 @@ def chunks_of(model: ModelInfo, plan: SynthPlan) -> list:
 
 def counts(model: ModelInfo, plan: SynthPlan) -> np.ndarray:
     return counts_from_chunks(
-        chunks_of(model, plan), num_datasets=len(plan.datasets), L=model.num_moe_layers, K=model.top_k, E=model.num_experts
+        chunks_of(model, plan),
+        num_datasets=len(plan.datasets),
+        L=model.num_moe_layers,
+        K=model.top_k,
+        E=model.num_experts,
     )
 
 
@@ -368,9 +372,16 @@ def test_group_limited_topk_law(zipf):
     # zipf 4 leaves little mass outside the head, so many rows go through the exact finish
     model = dataclasses.replace(small_model(L=1, E=6, K=3), n_group=3, topk_group=2)
     plan = SynthPlan(
-        datasets=("a",), num_requests=64, seed=2,
-        knobs=SynthKnobs(zipf_exponent=zipf, layer_skew_spread=0.0, request_spread=0.0, layer_affinity=0.0,
-                         lengths={"a": {"prompt_median": 1200, "prompt_sigma": 0.0, "output_median": 2, "output_sigma": 0.0}}),
+        datasets=("a",),
+        num_requests=64,
+        seed=2,
+        knobs=SynthKnobs(
+            zipf_exponent=zipf,
+            layer_skew_spread=0.0,
+            request_spread=0.0,
+            layer_affinity=0.0,
+            lengths={"a": {"prompt_median": 1200, "prompt_sigma": 0.0, "output_median": 2, "output_sigma": 0.0}},
+        ),
     )
     truth = plant_truth(model, plan)
     ch = generate_chunk(_make_sampler(model, plan, truth), 0)
@@ -407,31 +418,48 @@ def _corr(key: str) -> Callable[[dict], float]:
 def _checks(name: str) -> list[tuple[str, Callable[[dict], float], float, float]]:
     """(statistic, how to read it from ``measure_plan``'s dict, low, high): docs/synth.md's Calibration table."""
     pd = {"deepseek-v3": 0.55, "qwen3-235b-a22b": 0.68, "llama4-maverick": 0.82}[name]
-    common = [("prefill-decode correlation", lambda r: r["pd_correlation"], pd - 0.07, pd + 0.07),
-              ("within - cross domain correlation", lambda r: _corr("within")(r) - _corr("cross")(r), 0.15, 1.0)]
-    return common + {
-        "deepseek-v3": [
-            ("code top-1/8 share", lambda r: (r["top_share"]["mbpp"] + r["top_share"]["humaneval"]) / 2, 0.34, 0.46),
-            ("lmsys-chat IF p90", _imb("lmsys-chat", "p90"), 1.0, 10.0),
-            ("within-domain correlation", _corr("within"), 0.5, 1.0),
-            ("cross-domain correlation", _corr("cross"), -1.0, 0.2),
-        ],
-        "qwen3-235b-a22b": [
-            ("IF p90, every dataset", lambda r: max(v["p90"] for v in r["imbalance"].values()), 1.0, 6.0),
-            ("IF max, every dataset", lambda r: max(v["max"] for v in r["imbalance"].values()), 1.0, 10.0),
-            ("cross-domain correlation", _corr("cross"), 0.4, 1.0),
-        ],
-        "llama4-maverick": [
-            ("gsm8k IF max", _imb("gsm8k", "max"), 70.0, 128.0),
-            ("lmsys-chat IF mean", _imb("lmsys-chat", "mean"), 8.0, 22.0),
-            ("gsm8k IF mean / lmsys-chat IF mean", lambda r: _imb("gsm8k", "mean")(r) / _imb("lmsys-chat", "mean")(r), 2.0, 100.0),
-            ("cross-domain correlation", _corr("cross"), 0.4, 1.0),
-        ],
-    }[name]
+    common = [
+        ("prefill-decode correlation", lambda r: r["pd_correlation"], pd - 0.07, pd + 0.07),
+        ("within - cross domain correlation", lambda r: _corr("within")(r) - _corr("cross")(r), 0.15, 1.0),
+    ]
+    return (
+        common
+        + {
+            "deepseek-v3": [
+                (
+                    "code top-1/8 share",
+                    lambda r: (r["top_share"]["mbpp"] + r["top_share"]["humaneval"]) / 2,
+                    0.34,
+                    0.46,
+                ),
+                ("lmsys-chat IF p90", _imb("lmsys-chat", "p90"), 1.0, 10.0),
+                ("within-domain correlation", _corr("within"), 0.5, 1.0),
+                ("cross-domain correlation", _corr("cross"), -1.0, 0.2),
+            ],
+            "qwen3-235b-a22b": [
+                ("IF p90, every dataset", lambda r: max(v["p90"] for v in r["imbalance"].values()), 1.0, 6.0),
+                ("IF max, every dataset", lambda r: max(v["max"] for v in r["imbalance"].values()), 1.0, 10.0),
+                ("cross-domain correlation", _corr("cross"), 0.4, 1.0),
+            ],
+            "llama4-maverick": [
+                ("gsm8k IF max", _imb("gsm8k", "max"), 70.0, 128.0),
+                ("lmsys-chat IF mean", _imb("lmsys-chat", "mean"), 8.0, 22.0),
+                (
+                    "gsm8k IF mean / lmsys-chat IF mean",
+                    lambda r: _imb("gsm8k", "mean")(r) / _imb("lmsys-chat", "mean")(r),
+                    2.0,
+                    100.0,
+                ),
+                ("cross-domain correlation", _corr("cross"), 0.4, 1.0),
+            ],
+        }[name]
+    )
 
 
-@pytest.mark.parametrize(("model_name", "num_layers", "num_requests"),
-                         [("deepseek-v3", 6, 350), ("qwen3-235b-a22b", 8, 210), ("llama4-maverick", 24, 350)])
+@pytest.mark.parametrize(
+    ("model_name", "num_layers", "num_requests"),
+    [("deepseek-v3", 6, 350), ("qwen3-235b-a22b", 8, 210), ("llama4-maverick", 24, 350)],
+)
 def test_calibration_reproduces_published_figures(model_name, num_layers, num_requests):
     # every statistic is a mean or a quantile over layers: a few layers of the full width estimate it cheaply
     full = model_info_for(model_name)
@@ -476,8 +504,13 @@ def test_structure_none_is_indistinguishable_across_datasets_and_keeps_imbalance
     ratio = imbalance_factor(c_none).mean() / imbalance_factor(c_planted).mean()
     assert 0.7 < ratio < 1.6 and imbalance_factor(c_none).mean() > 1.5, ratio
     # the structure knobs do nothing in the control
-    ignored = dataclasses.replace(none, knobs=SynthKnobs.from_dict(
-        {"request_spread": 0.9, "layer_affinity": 0.9, "dataset_skew": {"gsm8k": 3.0}, "domains": {}}, base=none.knobs))
+    ignored = dataclasses.replace(
+        none,
+        knobs=SynthKnobs.from_dict(
+            {"request_spread": 0.9, "layer_affinity": 0.9, "dataset_skew": {"gsm8k": 3.0}, "domains": {}},
+            base=none.knobs,
+        ),
+    )
     a = np.concatenate([c.topk_ids_TX for c in chunks_of(m, none)])
     b = np.concatenate([c.topk_ids_TX for c in chunks_of(m, ignored)])
     np.testing.assert_array_equal(a, b)

@@ -127,11 +127,22 @@ def _grouped_trace(path, *, E: int, K: int, n_group: int, topk_group: int, break
     from moetrace.tracer.trace.writer import TraceWriter
 
     L, size = 3, E // n_group
-    model = ModelInfo(name="grouped", source="test", architecture="Test", num_hidden_layers=L, moe_layers=tuple(range(L)),
-                      num_experts=E, top_k=K, num_shared_experts=0, hidden_size=8, n_group=n_group, topk_group=topk_group)
+    model = ModelInfo(
+        name="grouped",
+        source="test",
+        architecture="Test",
+        num_hidden_layers=L,
+        moe_layers=tuple(range(L)),
+        num_experts=E,
+        top_k=K,
+        num_shared_experts=0,
+        hidden_size=8,
+        n_group=n_group,
+        topk_group=topk_group,
+    )
     rng = np.random.default_rng(0)
     rows = []
-    for r in range(3):
+    for _ in range(3):
         ids = np.empty((8, L, K), np.int16)
         for t in range(8):
             for layer in range(L):
@@ -143,8 +154,13 @@ def _grouped_trace(path, *, E: int, K: int, n_group: int, topk_group: int, break
     if break_one:
         rows[1][2, 1] = np.arange(K, dtype=np.int16) * size % E  # K experts in K distinct groups
     with TraceWriter(path, model=model, backend={"name": "synthetic"}, collection={}) as w:
-        w.add_requests(request_id_R=np.arange(3), dataset_R=["d"] * 3, prompt_tokens_R=np.full(3, 4),
-                       output_tokens_R=np.full(3, 4), topk_ids_TX=np.concatenate(rows).reshape(24, L * K))
+        w.add_requests(
+            request_id_R=np.arange(3),
+            dataset_R=["d"] * 3,
+            prompt_tokens_R=np.full(3, 4),
+            output_tokens_R=np.full(3, 4),
+            topk_ids_TX=np.concatenate(rows).reshape(24, L * K),
+        )
     return path
 
 
@@ -157,7 +173,10 @@ def test_group_limited_router_ids_are_checked(tmp_path):
         bad = _grouped_trace(tmp_path / f"bad{E}", E=E, K=K, n_group=n_group, topk_group=topk_group, break_one=True)
         probs = find_problems(bad)
         assert len(probs) == 1, probs
-        assert (f"1 (token, MoE layer) rows use experts of more than topk_group={topk_group}" in probs[0]
-                and "request 1 position 2 MoE layer 1" in probs[0] and "logical expert ids" in probs[0]), probs
+        assert (
+            f"1 (token, MoE layer) rows use experts of more than topk_group={topk_group}" in probs[0]
+            and "request 1 position 2 MoE layer 1" in probs[0]
+            and "logical expert ids" in probs[0]
+        ), probs
         res = runner.invoke(app, ["validate", str(bad)])
         assert res.exit_code == 1 and "EPLB remap" in res.output and "Traceback" not in res.output

@@ -22,19 +22,18 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from typer.testing import CliRunner
 
 from moetrace.cli import app
 from moetrace.errors import ConfigError, MissingDependencyError, ModelError
+from moetrace.tracer.backends import vllm as V
+from moetrace.tracer.backends import vllm_convert as VC
 from moetrace.tracer.backends.base import GenerationConfig
 from moetrace.tracer.collect import CollectConfig, collect
 from moetrace.tracer.presets import model_info_for, resolve
 from moetrace.tracer.trace.reader import open_trace
-from moetrace.tracer.trace.writer import TraceWriter
 from moetrace.tracer.trace.validate import find_problems
-from moetrace.tracer.backends import vllm as V
-from moetrace.tracer.backends import vllm_convert as VC
+from moetrace.tracer.trace.writer import TraceWriter
 
 DSV3 = model_info_for("deepseek-v3-tiny")  # 61 layers, MoE 3..60, 256 experts, top-8
 
@@ -88,17 +87,24 @@ def fake_output(rid: int, prompt: int, output: int, *, routed=None, prompt_route
     """A finished ``vllm.RequestOutput`` as far as the converter reads it (``prompt_routed`` given,
     even None: 0.21's split layout, whose ``RequestOutput`` has that attribute)."""
     completion = SimpleNamespace(token_ids=list(range(output)), routed_experts=routed, text=text)
-    out = SimpleNamespace(request_id=str(rid), prompt_token_ids=list(range(prompt)), outputs=[completion],
-                          finished=True)
+    out = SimpleNamespace(
+        request_id=str(rid), prompt_token_ids=list(range(prompt)), outputs=[completion], finished=True
+    )
     if prompt_routed is not _SPLIT:
         out.prompt_routed_experts = prompt_routed
     return out
 
 
 def convert(arr, prompt, output, info=DSV3, layer_axis="decoder"):
-    return VC.routed_experts_to_rows(arr, moe_layers=info.moe_layers, num_hidden_layers=info.num_hidden_layers,
-                                    num_experts=info.num_experts, prompt_tokens=prompt, output_tokens=output,
-                                    layer_axis=layer_axis)
+    return VC.routed_experts_to_rows(
+        arr,
+        moe_layers=info.moe_layers,
+        num_hidden_layers=info.num_hidden_layers,
+        num_experts=info.num_experts,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        layer_axis=layer_axis,
+    )
 
 
 def test_full_layer_axis_keeps_moe_layers_and_marks_final_token():
@@ -168,21 +174,29 @@ def test_base64_npy_payloads_as_str_and_bytes(as_bytes):
     c = VC.convert_output(fake_output(3, prompt, output, routed=payload), info=DSV3)
     np.testing.assert_array_equal(c.topk_ids_TX, rows)
     split = vllm021_layout(truth)  # the same text form works for each part of the split layout
-    out = fake_output(4, prompt, output, prompt_routed=npy_base64(split[:prompt], as_bytes=as_bytes),
-                      routed=npy_base64(split[prompt:], as_bytes=as_bytes))
+    out = fake_output(
+        4,
+        prompt,
+        output,
+        prompt_routed=npy_base64(split[:prompt], as_bytes=as_bytes),
+        routed=npy_base64(split[prompt:], as_bytes=as_bytes),
+    )
     np.testing.assert_array_equal(VC.convert_output(out, info=DSV3, layer_axis="moe").topk_ids_TX, rows)
 
 
-@pytest.mark.parametrize("payload, match", [
-    ("not base64!", "not base64"),
-    (b"\xff\xfe", "not base64"),
-    (base64.b64encode(b"hello, not an npy file").decode(), "not of a .npy array file"),
-    (base64.b64encode(b"").decode(), "not of a .npy array file"),
-    (base64.b64encode(b"PK\x03\x04not a zip either"), "not of a .npy array file"),  # never opened as .npz
-    (base64.b64encode(b"\x93NUMPY\x01\x00truncated header"), "not of a .npy array file"),
-    (npy_base64(np.zeros((3, 61, 8), dtype=np.float32)), "integer expert ids"),
-    ([[[0, 1]], [[2]]], "rectangular|integer"),
-])
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        ("not base64!", "not base64"),
+        (b"\xff\xfe", "not base64"),
+        (base64.b64encode(b"hello, not an npy file").decode(), "not of a .npy array file"),
+        (base64.b64encode(b"").decode(), "not of a .npy array file"),
+        (base64.b64encode(b"PK\x03\x04not a zip either"), "not of a .npy array file"),  # never opened as .npz
+        (base64.b64encode(b"\x93NUMPY\x01\x00truncated header"), "not of a .npy array file"),
+        (npy_base64(np.zeros((3, 61, 8), dtype=np.float32)), "integer expert ids"),
+        ([[[0, 1]], [[2]]], "rectangular|integer"),
+    ],
+)
 def test_garbage_payloads_are_clean_errors(payload, match):
     with pytest.raises(ValueError, match=match):
         VC.routed_experts_array(payload)
@@ -235,8 +249,14 @@ def test_several_requests_through_the_writer_thread_read_back_exactly(tmp_path):
     outputs.append(fake_output(9, 4, 2, routed=vllm_full_layout(planted(2))))  # wrong length: not written
     progress = []
     with TraceWriter(tmp_path / "t", model=DSV3, backend={"name": "vllm"}, collection={}) as w:
-        sink = V._Sink(w, info=DSV3, datasets={0: "a", 1: "b", 2: "a", 3: "b", 9: "a"}, commit_every=2,
-                       on_progress=lambda r, t: progress.append(r), prompt_texts=None)
+        sink = V._Sink(
+            w,
+            info=DSV3,
+            datasets={0: "a", 1: "b", 2: "a", 3: "b", 9: "a"},
+            commit_every=2,
+            on_progress=lambda r, t: progress.append(r),
+            prompt_texts=None,
+        )
         sink.put(outputs[:2])
         sink.put(outputs[2:])
         sink.close()
@@ -282,8 +302,9 @@ def test_engine_loop_keeps_the_window_full_and_emits_every_request():
     fake_vllm = SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw))
     work = iter([(i, [1, 2, i]) for i in range(25)])
     emitted = []
-    V.run_engine_loop(llm, work, vllm=fake_vllm, num_inflight=8, generation=GenerationConfig(max_new_tokens=5),
-                      emit=emitted.extend)
+    V.run_engine_loop(
+        llm, work, vllm=fake_vllm, num_inflight=8, generation=GenerationConfig(max_new_tokens=5), emit=emitted.extend
+    )
     assert sorted(int(o.request_id) for o in emitted) == list(range(25))
     assert engine.peak == 8
     assert engine.added[3] == ("3", [1, 2, 3], 5)
@@ -293,14 +314,16 @@ def test_sampling_params_come_from_the_one_generation_config():
     fake_vllm = SimpleNamespace(SamplingParams=lambda **kw: kw)
     greedy = V._sampling_params(fake_vllm, request_id=7, generation=GenerationConfig(max_new_tokens=9))
     assert greedy == {"n": 1, "max_tokens": 9, "temperature": 0.0, "seed": None, "detokenize": False}
-    sampled = V._sampling_params(fake_vllm, request_id=7,
-                                 generation=GenerationConfig(temperature=0.7, seed=3, store_text=True))
+    sampled = V._sampling_params(
+        fake_vllm, request_id=7, generation=GenerationConfig(temperature=0.7, seed=3, store_text=True)
+    )
     assert sampled["seed"] == 3 * 1_000_003 + 7 and sampled["detokenize"] is True and sampled["temperature"] == 0.7
 
 
 def test_engine_config_checks_and_pass_through():
     kw = V.VllmEngineConfig(tp=8, ep=8, max_model_len=4096, enforce_eager=True).llm_kwargs(
-        capture=V.capture_facts((0, 22, 1)))
+        capture=V.capture_facts((0, 22, 1))
+    )
     assert kw["tensor_parallel_size"] == 8 and kw["enable_expert_parallel"] is True
     assert kw["enable_return_routed_experts"] is True and kw["max_model_len"] == 4096 and kw["enforce_eager"]
     assert "enable_prefix_caching" not in kw  # 0.22: capture works with vLLM's default, either way
@@ -322,15 +345,32 @@ def test_model_resolution(tmp_path):
     assert source == "deepseek-ai/DeepSeek-V3" and info.moe_layers[0] == 3 and len(info.moe_layers) == 58
     with pytest.raises(ModelError, match="--backend hf"):
         V.model_for_vllm(resolve("deepseek-v3-tiny"))
-    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4,
-           "hidden_size": 64, "num_experts": 16, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
-           "mlp_only_layers": [0], "intermediate_size": 64, "moe_intermediate_size": 32,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384}
+    cfg = {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 384,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     source, info = V.model_for_vllm(resolve(str(tmp_path)))
     assert source == str(tmp_path) and info.moe_layers == (1, 2, 3) and info.num_experts == 16 and info.top_k == 4
-    dense = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-             "intermediate_size": 64, "vocab_size": 384}
+    dense = {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "vocab_size": 384,
+    }
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "config.json").write_text(json.dumps(dense))
     with pytest.raises(ModelError, match="not a Mixture-of-Experts"):
@@ -349,20 +389,27 @@ def test_missing_vllm_fails_early_with_install_hint():
 # ---------------------------------------------------------------------------- engine facts by version
 
 
-@pytest.mark.parametrize("version, releases, layer_axis, prefix, v2", [
-    ((0, 14, 0), "0.14-0.20", "decoder", None, False),
-    ((0, 20, 2), "0.14-0.20", "decoder", None, False),
-    ((0, 21, 0), "0.21", "moe", False, False),
-    ((0, 22, 1), "0.22-0.27", "decoder", None, False),
-    ((0, 27, 1), "0.22-0.27", "decoder", None, False),
-    ((0, 28, 0), "0.28-0.30", "decoder", None, None),
-    ((0, 31, 0), ">=0.31", "decoder", True, True),
-    ((0, 33, 0), ">=0.31", "decoder", True, True),
-])
+@pytest.mark.parametrize(
+    "version, releases, layer_axis, prefix, v2",
+    [
+        ((0, 14, 0), "0.14-0.20", "decoder", None, False),
+        ((0, 20, 2), "0.14-0.20", "decoder", None, False),
+        ((0, 21, 0), "0.21", "moe", False, False),
+        ((0, 22, 1), "0.22-0.27", "decoder", None, False),
+        ((0, 27, 1), "0.22-0.27", "decoder", None, False),
+        ((0, 28, 0), "0.28-0.30", "decoder", None, None),
+        ((0, 31, 0), ">=0.31", "decoder", True, True),
+        ((0, 33, 0), ">=0.31", "decoder", True, True),
+    ],
+)
 def test_capture_facts_by_release(version, releases, layer_axis, prefix, v2):
     facts = V.capture_facts(version)
     assert (facts.releases, facts.layer_axis, facts.enable_prefix_caching, facts.model_runner_v2) == (
-        releases, layer_axis, prefix, v2)
+        releases,
+        layer_axis,
+        prefix,
+        v2,
+    )
     kw = V.VllmEngineConfig().llm_kwargs(capture=facts)
     assert kw.get("enable_prefix_caching", "vLLM default") == ("vLLM default" if prefix is None else prefix)
 
@@ -378,15 +425,18 @@ def test_capture_facts_refuse_releases_without_capture_and_versions_parse():
         V.parse_vllm_version("dev")
 
 
-@pytest.mark.parametrize("version, env, match", [
-    ((0, 22, 1), {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "only with the V1 model runner"),
-    ((0, 21, 0), {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "only with the V1 model runner"),
-    ((0, 32, 0), {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "only with Model Runner V2"),
-    ((0, 32, 0), {"VLLM_USE_V2_MODEL_RUNNER": "yes"}, "0 or 1"),
-    ((0, 22, 1), {"VLLM_USE_V2_MODEL_RUNNER": "0"}, None),
-    ((0, 28, 0), {"VLLM_USE_V2_MODEL_RUNNER": "1"}, None),
-    ((0, 32, 0), {}, None),
-])
+@pytest.mark.parametrize(
+    "version, env, match",
+    [
+        ((0, 22, 1), {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "only with the V1 model runner"),
+        ((0, 21, 0), {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "only with the V1 model runner"),
+        ((0, 32, 0), {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "only with Model Runner V2"),
+        ((0, 32, 0), {"VLLM_USE_V2_MODEL_RUNNER": "yes"}, "0 or 1"),
+        ((0, 22, 1), {"VLLM_USE_V2_MODEL_RUNNER": "0"}, None),
+        ((0, 28, 0), {"VLLM_USE_V2_MODEL_RUNNER": "1"}, None),
+        ((0, 32, 0), {}, None),
+    ],
+)
 def test_model_runner_switch_is_checked_against_the_capture(version, env, match):
     problem = V.capture_env_problem(V.capture_facts(version), env)
     if match is None:
@@ -432,8 +482,14 @@ class _FakeVllm:
     def _llm(self, model, **kw):
         import torch
 
-        self.starts.append({"model": model, "kw": kw, "cuda_initialized": torch.cuda.is_initialized(),
-                            "method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")})
+        self.starts.append(
+            {
+                "model": model,
+                "kw": kw,
+                "cuda_initialized": torch.cuda.is_initialized(),
+                "method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"),
+            }
+        )
         if self.fail is not None:
             raise self.fail
         fake = self
@@ -463,7 +519,9 @@ class _FakeVllm:
                 return fake_output(int(rid), P, O, prompt_routed=None, routed=None)
             return fake_output(int(rid), P, O, prompt_routed=full[:P], routed=full[P:] if O > 1 else None)
         dtype = np.int32 if self.nums[:2] <= (0, 20) else np.uint8
-        return fake_output(int(rid), P, O, routed=None if int(rid) in self.drop else vllm_full_layout(truth, dtype=dtype))
+        return fake_output(
+            int(rid), P, O, routed=None if int(rid) in self.drop else vllm_full_layout(truth, dtype=dtype)
+        )
 
 
 @pytest.fixture
@@ -576,16 +634,27 @@ class OutOfMemoryError(RuntimeError):
     """Stands in for ``torch.OutOfMemoryError`` (a RuntimeError)."""
 
 
-@pytest.mark.parametrize("exc, hint", [
-    (RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}"),
-     "engine process's own error is in the log above. Usual causes: no attention backend"),
-    (ValueError("No valid attention backend found for cuda with head_size: 8, dtype: torch.bfloat16"),
-     "head_size: 8"),
-    (OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has a total capacity of 79 GiB"),
-     "Not enough GPU memory: raise --gpu-memory-utilization"),
-    (TypeError("LLM.__init__() got an unexpected keyword argument 'enable_return_routed_experts'"),
-     "unexpected keyword argument"),
-])
+@pytest.mark.parametrize(
+    "exc, hint",
+    [
+        (
+            RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}"),
+            "engine process's own error is in the log above. Usual causes: no attention backend",
+        ),
+        (
+            ValueError("No valid attention backend found for cuda with head_size: 8, dtype: torch.bfloat16"),
+            "head_size: 8",
+        ),
+        (
+            OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has a total capacity of 79 GiB"),
+            "Not enough GPU memory: raise --gpu-memory-utilization",
+        ),
+        (
+            TypeError("LLM.__init__() got an unexpected keyword argument 'enable_return_routed_experts'"),
+            "unexpected keyword argument",
+        ),
+    ],
+)
 def test_engine_start_failure_is_one_model_error_line(fake_vllm_env, tmp_path, exc, hint):
     fake_vllm_env(_FakeVllm("0.22.1", fail=exc))
     with pytest.raises(ModelError) as info:
@@ -597,10 +666,32 @@ def test_engine_start_failure_is_one_model_error_line(fake_vllm_env, tmp_path, e
 
 
 def test_engine_start_failure_from_the_cli_is_one_clean_line(fake_vllm_env, tmp_path):
-    fake_vllm_env(_FakeVllm("0.26.0", fail=RuntimeError(
-        "Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore_DP0': 1}")))
-    res = CliRunner().invoke(app, ["collect", "--backend", "vllm", "--model", "deepseek-v3", "--dataset", "math-word",
-                                   "--per-dataset", "2", "--max-new-tokens", "2", "-o", str(tmp_path / "t")])
+    fake_vllm_env(
+        _FakeVllm(
+            "0.26.0",
+            fail=RuntimeError(
+                "Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore_DP0': 1}"
+            ),
+        )
+    )
+    res = CliRunner().invoke(
+        app,
+        [
+            "collect",
+            "--backend",
+            "vllm",
+            "--model",
+            "deepseek-v3",
+            "--dataset",
+            "math-word",
+            "--per-dataset",
+            "2",
+            "--max-new-tokens",
+            "2",
+            "-o",
+            str(tmp_path / "t"),
+        ],
+    )
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output and "Engine core initialization failed" in res.output
     assert "no attention backend for the model's head dimensions" in res.output

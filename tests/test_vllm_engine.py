@@ -36,12 +36,28 @@ def tiny_moe_dir(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("tiny-qwen3-moe")
     cfg = {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 4,
-        "mlp_only_layers": [0], "decoder_sparse_step": 1, "hidden_size": 128, "intermediate_size": 256,
-        "moe_intermediate_size": 64, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 384,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-        "bos_token_id": 257, "eos_token_id": 258, "tie_word_embeddings": False,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 4,
+        "mlp_only_layers": [0],
+        "decoder_sparse_step": 1,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 384,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 257,
+        "eos_token_id": 258,
+        "tie_word_embeddings": False,
     }
     (d / "config.json").write_text(json.dumps(cfg))
     tiny_tokenizer().save_pretrained(d)
@@ -51,15 +67,17 @@ def tiny_moe_dir(tmp_path_factory):
 def test_vllm_engine_collects_a_valid_resumable_trace(tiny_moe_dir, tmp_path):
     import torch
 
+    from moetrace.tracer.backends.vllm import VllmEngineConfig
     from moetrace.tracer.collect import CollectConfig, collect
     from moetrace.tracer.trace.reader import open_trace
     from moetrace.tracer.trace.validate import find_problems
-    from moetrace.tracer.backends.vllm import VllmEngineConfig
 
-    engine = VllmEngineConfig(load_format="dummy", enforce_eager=True, gpu_memory_utilization=0.3,
-                              max_model_len=1024, commit_every=4)
-    config = CollectConfig(model=str(tiny_moe_dir), datasets=("math-word", "code"), per_dataset=6,
-                           max_new_tokens=12, device="cuda")
+    engine = VllmEngineConfig(
+        load_format="dummy", enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=1024, commit_every=4
+    )
+    config = CollectConfig(
+        model=str(tiny_moe_dir), datasets=("math-word", "code"), per_dataset=6, max_new_tokens=12, device="cuda"
+    )
     out = tmp_path / "trace"
     assert not torch.cuda.is_initialized(), "counting the GPUs must not initialise CUDA in this process"
     result = collect(config, out=out, backend="vllm", engine=engine)

@@ -10,10 +10,10 @@ import pytest
 
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.tracer import sharding as S
-from moetrace.tracer.trace import merge as M
 from moetrace.tracer.backends.registry import BackendSettings, choose_backend
 from moetrace.tracer.collect import CollectConfig, collect, parse_shard, shard_prompts
 from moetrace.tracer.datasets import load_prompts
+from moetrace.tracer.trace import merge as M
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.validate import find_problems
 
@@ -38,7 +38,9 @@ def test_the_backend_is_chosen_once_with_auto_rules(monkeypatch):
     from moetrace.tracer.backends import vllm as V
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
     monkeypatch.setattr(V, "visible_gpu_count", lambda: 2)
     assert choose_backend("auto", settings=gpu) == "vllm" and choose_backend("auto", settings=cpu) == "hf"
     monkeypatch.setattr(V, "visible_gpu_count", lambda: 0)
@@ -102,11 +104,15 @@ def test_merge_refuses_a_missing_shard_then_merges_all(sharded_trace):
 
 
 def _shard_manifest(i: int, n: int, **over):
-    m = {"format": "moetrace.trace", "version": 1, "complete": True,
-         "model": {"name": "x", "moe_layers": [0, 1]},
-         "backend": {"name": "vllm", "versions": {"vllm": "0.32.0", "torch": "2.9.0"}},
-         "collection": {"datasets": ["gsm8k"], "seed": 0, "shard": i, "num_shards": n},
-         "totals": {"num_requests": 5, "num_tokens": 50 + i}}
+    m = {
+        "format": "moetrace.trace",
+        "version": 1,
+        "complete": True,
+        "model": {"name": "x", "moe_layers": [0, 1]},
+        "backend": {"name": "vllm", "versions": {"vllm": "0.32.0", "torch": "2.9.0"}},
+        "collection": {"datasets": ["gsm8k"], "seed": 0, "shard": i, "num_shards": n},
+        "totals": {"num_requests": 5, "num_tokens": 50 + i},
+    }
     for k, v in over.items():
         m[k] = v
     return m
@@ -139,8 +145,10 @@ def test_clashing_request_ids_are_refused(tmp_path):
     (tmp_path / "manifests").mkdir()
     for i in range(2):
         (tmp_path / "manifests" / f"shard-00{i}.json").write_text(json.dumps(_shard_manifest(i, 2)))
-        pq.write_table(pa.table({"request_id": pa.array([3, 4 + i], pa.int64())}),
-                       tmp_path / "requests" / f"shard00{i}-000000.parquet")
+        pq.write_table(
+            pa.table({"request_id": pa.array([3, 4 + i], pa.int64())}),
+            tmp_path / "requests" / f"shard00{i}-000000.parquet",
+        )
     with pytest.raises(TraceFormatError, match="written by two shards .e.g. 3 by shards 0 and 1"):
         M.merge_shards(tmp_path)
 
@@ -153,8 +161,9 @@ def test_ray_runs_the_shards_as_tasks(tmp_path):
 
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        result = S.collect_sharded_with_ray(CONFIG, out=tmp_path / "t", num_shards=2, backend="hf",
-                                            num_gpus_per_shard=0, ray_address=None)
+        result = S.collect_sharded_with_ray(
+            CONFIG, out=tmp_path / "t", num_shards=2, backend="hf", num_gpus_per_shard=0, ray_address=None
+        )
     finally:
         ray.shutdown()
     assert result.num_merged_shards == 2 and result.stats.num_requests == 10

@@ -13,6 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import SMALL
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -20,8 +21,6 @@ from moetrace.errors import TraceBusyError
 from moetrace.tracer.trace import TraceWriter, open_trace
 from moetrace.tracer.trace.layout import shard_manifest_name, shard_prefix
 from moetrace.tracer.trace.validate import find_problems
-
-from conftest import SMALL
 
 HOLDER = textwrap.dedent(
     """
@@ -81,8 +80,9 @@ def test_cli_overwrite_of_a_running_collection_is_refused_cleanly(tmp_path):
     path = tmp_path / "t"
     holder = _start_holder(path)
     try:
-        r = CliRunner().invoke(app, ["synth", "--model", "deepseek-v3-tiny", "--requests", "4", "-o", str(path),
-                                     "--overwrite"])
+        r = CliRunner().invoke(
+            app, ["synth", "--model", "deepseek-v3-tiny", "--requests", "4", "-o", str(path), "--overwrite"]
+        )
     finally:
         _finish(holder)
     assert r.exit_code == 2, r.output
@@ -97,7 +97,9 @@ def test_a_killed_writer_releases_the_lock_and_its_trace_resumes(tmp_path):
     holder.wait(timeout=30)
     with _writer(path, "resume") as w:  # not refused: the kernel dropped the dead holder's lock
         assert w.completed_request_ids == {100}
-        w.add_request(request_id=1, dataset="a", prompt_tokens=2, topk_ids_TX=np.zeros((3, SMALL.ids_per_token), np.int16))
+        w.add_request(
+            request_id=1, dataset="a", prompt_tokens=2, topk_ids_TX=np.zeros((3, SMALL.ids_per_token), np.int16)
+        )
     assert sorted(open_trace(path).requests().collect()["request_id"].to_list()) == [1, 100]
     assert find_problems(path) == []
 

@@ -28,8 +28,17 @@ from moetrace.tracer.trace.writer import TraceWriter
 
 
 def _model(num_experts: int, layers: int, top_k: int) -> ModelInfo:
-    return ModelInfo(name="m", source="m", architecture="A", num_hidden_layers=layers, moe_layers=tuple(range(layers)),
-                     num_experts=num_experts, top_k=top_k, num_shared_experts=0, hidden_size=8)
+    return ModelInfo(
+        name="m",
+        source="m",
+        architecture="A",
+        num_hidden_layers=layers,
+        moe_layers=tuple(range(layers)),
+        num_experts=num_experts,
+        top_k=top_k,
+        num_shared_experts=0,
+        hidden_size=8,
+    )
 
 
 def _ids(rng, T: int, X: int, E: int, *, neg_rows=(), mixed=False) -> np.ndarray:
@@ -62,12 +71,25 @@ def test_parts_match_what_pyarrow_writes(tmp_path, case, compression):
     ids = _ids(rng, T, X, E, neg_rows=neg_rows, mixed=mixed)
     weights = rng.random((T, X)).astype(np.float32)
     out = tmp_path / "t"
-    with TraceWriter(out, model=model, backend={"name": "synthetic"}, collection={}, with_weights=True,
-                     compression=compression, row_group_tokens=40, part_tokens=120) as w:
+    with TraceWriter(
+        out,
+        model=model,
+        backend={"name": "synthetic"},
+        collection={},
+        with_weights=True,
+        compression=compression,
+        row_group_tokens=40,
+        part_tokens=120,
+    ) as w:
         t = 0
         for r, (p, o) in enumerate(lengths):
-            w.add_request(request_id=r, dataset="d", prompt_tokens=p, topk_ids_TX=ids[t:t + p + o],
-                          topk_weights_TX=weights[t:t + p + o])
+            w.add_request(
+                request_id=r,
+                dataset="d",
+                prompt_tokens=p,
+                topk_ids_TX=ids[t : t + p + o],
+                topk_weights_TX=weights[t : t + p + o],
+            )
             t += p + o
     assert find_problems(out) == []
     trace = open_trace(out)
@@ -78,21 +100,28 @@ def test_parts_match_what_pyarrow_writes(tmp_path, case, compression):
     # the same rows written by pyarrow alone, as the writer did before
     ref_path = tmp_path / "ref.parquet"
     codec = None if compression == "none" else compression
-    pq.write_table(got, ref_path, **writer_options(codec, use_dictionary=ROUTING_DICTIONARY,
-                                                   write_statistics=ROUTING_STATISTICS))
+    pq.write_table(
+        got, ref_path, **writer_options(codec, use_dictionary=ROUTING_DICTIONARY, write_statistics=ROUTING_STATISTICS)
+    )
     ref = pq.read_table(ref_path)
     assert got.equals(ref)
     assert np.array_equal(np.asarray(got.column("experts").combine_chunks().flatten()).reshape(T, X), ids)
     assert np.array_equal(np.asarray(got.column("weights").combine_chunks().flatten()).reshape(T, X), weights)
     positions = np.concatenate([np.arange(p + o) for p, o in lengths])
     assert np.array_equal(got.column("position").to_numpy(), positions)
-    assert got.column("stage").to_pylist() == ["prefill" if p_ < p else "decode" for p, o in lengths for p_ in range(p + o)]
+    assert got.column("stage").to_pylist() == [
+        "prefill" if p_ < p else "decode" for p, o in lengths for p_ in range(p + o)
+    ]
     # every reader: pyarrow's Parquet schema and encodings, polars, the trace reader, statistics
     meta, ref_meta = pq.read_metadata(files[0]), pq.read_metadata(ref_path)
     assert meta.schema.equals(ref_meta.schema)
     for i in range(meta.num_columns):
         c, rc = meta.row_group(0).column(i), ref_meta.row_group(0).column(i)
-        assert (c.path_in_schema, c.physical_type, c.compression) == (rc.path_in_schema, rc.physical_type, rc.compression)
+        assert (c.path_in_schema, c.physical_type, c.compression) == (
+            rc.path_in_schema,
+            rc.physical_type,
+            rc.compression,
+        )
         assert set(c.encodings) == set(rc.encodings), c.path_in_schema
     stats = meta.row_group(0).column(0).statistics
     assert stats.has_min_max and stats.min == 0
@@ -102,21 +131,43 @@ def test_parts_match_what_pyarrow_writes(tmp_path, case, compression):
     assert np.array_equal(arr.topk_ids_TLK.reshape(T, X), ids)
 
 
-def _write(path, case, *, compression="lz4", encoder="fast", lengths=((7, 5), (3, 0), (20, 13), (1, 1)) * 4,
-           row_group_tokens=40, part_tokens=120, seed=None):
+def _write(
+    path,
+    case,
+    *,
+    compression="lz4",
+    encoder="fast",
+    lengths=((7, 5), (3, 0), (20, 13), (1, 1)) * 4,
+    row_group_tokens=40,
+    part_tokens=120,
+    seed=None,
+):
     """The rows of ``case`` written by ``encoder``; returns the ids (int16 [T, X])."""
     E, L, K, neg_rows, mixed = CASES[case]
     rng = np.random.default_rng(len(case) if seed is None else seed)
     T, X = sum(p + o for p, o in lengths), L * K
     ids = _ids(rng, T, X, E, neg_rows=neg_rows, mixed=mixed)
     weights = rng.random((T, X)).astype(np.float32)
-    with TraceWriter(path, model=_model(E, L, K), backend={"name": "synthetic"}, collection={}, with_weights=True,
-                     compression=compression, row_group_tokens=row_group_tokens, part_tokens=part_tokens,
-                     encoder=encoder) as w:
+    with TraceWriter(
+        path,
+        model=_model(E, L, K),
+        backend={"name": "synthetic"},
+        collection={},
+        with_weights=True,
+        compression=compression,
+        row_group_tokens=row_group_tokens,
+        part_tokens=part_tokens,
+        encoder=encoder,
+    ) as w:
         t = 0
         for r, (p, o) in enumerate(lengths):
-            w.add_request(request_id=r, dataset="d", prompt_tokens=p, topk_ids_TX=ids[t:t + p + o],
-                          topk_weights_TX=weights[t:t + p + o])
+            w.add_request(
+                request_id=r,
+                dataset="d",
+                prompt_tokens=p,
+                topk_ids_TX=ids[t : t + p + o],
+                topk_weights_TX=weights[t : t + p + o],
+            )
             t += p + o
     return ids
 
@@ -145,8 +196,9 @@ def test_fast_and_pyarrow_encoders_write_equivalent_parts(tmp_path, case, compre
         mf, ms = pq.read_metadata(f), pq.read_metadata(s)
         assert mf.created_by.startswith("moetrace version") and ms.created_by.startswith("parquet-cpp-arrow")
         assert mf.schema.equals(ms.schema) and mf.metadata == ms.metadata
-        assert [mf.row_group(i).num_rows for i in range(mf.num_row_groups)] == \
-            [ms.row_group(i).num_rows for i in range(ms.num_row_groups)]
+        assert [mf.row_group(i).num_rows for i in range(mf.num_row_groups)] == [
+            ms.row_group(i).num_rows for i in range(ms.num_row_groups)
+        ]
         for i in range(mf.num_row_groups):
             for j in range(mf.num_columns):
                 c, sc = mf.row_group(i).column(j), ms.row_group(i).column(j)
@@ -169,8 +221,11 @@ def _metadata_copies(path) -> int:
     """Bytes of ``path`` outside its column chunks and footer: the inline copies of column metadata that
     pyarrow < 18 writes after each chunk."""
     meta = pq.read_metadata(path)
-    chunks = sum(meta.row_group(i).column(j).total_compressed_size
-                 for i in range(meta.num_row_groups) for j in range(meta.num_columns))
+    chunks = sum(
+        meta.row_group(i).column(j).total_compressed_size
+        for i in range(meta.num_row_groups)
+        for j in range(meta.num_columns)
+    )
     return path.stat().st_size - 4 - chunks - meta.serialized_size - 8
 
 
@@ -183,7 +238,9 @@ SHAPES = {  # name: (num_experts, layers, top_k, -1 in each request's last row)
 }
 
 
-@pytest.mark.parametrize("shape,compression", [(s, "lz4") for s in SHAPES] + [(s, "zstd") for s in SHAPES if "tiny" not in s])
+@pytest.mark.parametrize(
+    "shape,compression", [(s, "lz4") for s in SHAPES] + [(s, "zstd") for s in SHAPES if "tiny" not in s]
+)
 def test_file_sizes_match_pyarrow(tmp_path, shape, compression):
     """Skewed routing of real model shapes, requests added one at a time (as a collector does), row groups of
     a few thousand tokens: the fast encoder's parts are within 1 % of pyarrow's. Where id 255 and -1 meet in a
@@ -195,17 +252,28 @@ def test_file_sizes_match_pyarrow(tmp_path, shape, compression):
     rng = np.random.default_rng(0)
     lengths = [(int(rng.integers(20, 200)), int(rng.integers(1, 100))) for _ in range(40)]
     pop = rng.dirichlet(np.full(E, 0.3), size=L)
-    ids = np.concatenate([
-        np.stack([rng.choice(E, size=(p + o, K), p=pop[layer]) for layer in range(L)], axis=1).astype(np.int16)
-        for p, o in lengths])
+    ids = np.concatenate(
+        [
+            np.stack([rng.choice(E, size=(p + o, K), p=pop[layer]) for layer in range(L)], axis=1).astype(np.int16)
+            for p, o in lengths
+        ]
+    )
     if last_unrecorded:
         ids[np.cumsum([p + o for p, o in lengths]) - 1] = -1
     for enc in ("fast", "pyarrow"):
-        with TraceWriter(tmp_path / enc, model=model, backend={"name": "synthetic"}, collection={}, encoder=enc,
-                         compression=compression, row_group_tokens=2048, part_tokens=6000) as w:
+        with TraceWriter(
+            tmp_path / enc,
+            model=model,
+            backend={"name": "synthetic"},
+            collection={},
+            encoder=enc,
+            compression=compression,
+            row_group_tokens=2048,
+            part_tokens=6000,
+        ) as w:
             t = 0
             for r, (p, o) in enumerate(lengths):
-                w.add_request(request_id=r, dataset="d", prompt_tokens=p, topk_ids_TX=ids[t:t + p + o])
+                w.add_request(request_id=r, dataset="d", prompt_tokens=p, topk_ids_TX=ids[t : t + p + o])
                 t += p + o
     fast, slow = open_trace(tmp_path / "fast").routing_files(), open_trace(tmp_path / "pyarrow").routing_files()
     assert len(fast) == len(slow) > 1

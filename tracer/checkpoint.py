@@ -108,8 +108,9 @@ def make_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    return CheckpointInfo(path=out, preset=p.name, architecture=p.architecture, num_parameters=num_parameters,
-                          bytes_on_disk=size)
+    return CheckpointInfo(
+        path=out, preset=p.name, architecture=p.architecture, num_parameters=num_parameters, bytes_on_disk=size
+    )
 
 
 def _vllm_preset(name: str) -> Preset:
@@ -118,15 +119,18 @@ def _vllm_preset(name: str) -> Preset:
     p = resolved.preset
     if resolved.kind == "tiny-preset":
         assert p is not None  # set for every preset name
-        raise ModelError(f"{name}: pass the preset name ({p.name}); make-checkpoint writes its "
-                         "vLLM-sized tiny variant (real head dims), not the -tiny dims")
+        raise ModelError(
+            f"{name}: pass the preset name ({p.name}); make-checkpoint writes its "
+            "vLLM-sized tiny variant (real head dims), not the -tiny dims"
+        )
     if resolved.kind != "preset":
         names = ", ".join(p.name for p in list_presets())
         raise ModelError(f"{name!r} is not a model preset; make-checkpoint takes one of: {names}")
     assert p is not None  # set for every preset name
     if p.architecture not in VLLM_ARCHITECTURES:
-        raise ModelError(f"{p.name}: vLLM does not serve {p.architecture}; make-checkpoint supports "
-                         f"{', '.join(VLLM_ARCHITECTURES)}")
+        raise ModelError(
+            f"{p.name}: vLLM does not serve {p.architecture}; make-checkpoint supports {', '.join(VLLM_ARCHITECTURES)}"
+        )
     p.tiny_overrides(engine="vllm")  # ModelError when the preset has no vLLM-sized config
     return p
 

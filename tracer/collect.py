@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from moetrace.errors import ConfigError, ModelError
 from moetrace.sizes import human_bytes
@@ -65,9 +66,15 @@ class CollectConfig:
     @property
     def generation(self) -> GenerationConfig:
         """The generation settings every backend runs with (one object, not loose keywords)."""
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, seed=self.seed,
-                                chat_template=self.chat_template, batch_size=self.batch_size,
-                                store_text=self.store_text, record_weights=self.record_weights)
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
+            chat_template=self.chat_template,
+            batch_size=self.batch_size,
+            store_text=self.store_text,
+            record_weights=self.record_weights,
+        )
 
     def backend_settings(self, engine: VllmEngineConfig | None = None) -> BackendSettings:
         """What a backend is built from (``backends.registry``): this run's device and dtype, and ``engine``."""
@@ -101,8 +108,9 @@ class CollectResult:
         head = f"collected {out}" + (f" in {self.num_merged_shards} shards (merged)" if self.num_merged_shards else "")
         lines = [head]
         if self.shard is not None:
-            lines.append(f"  shard {self.shard[0]}/{self.shard[1]}: when every shard is done, run: "
-                         f"moetrace merge-shards {out}")
+            lines.append(
+                f"  shard {self.shard[0]}/{self.shard[1]}: when every shard is done, run: moetrace merge-shards {out}"
+            )
         holds = "this shard" if self.shard is not None else "trace"
         lines += [
             f"  backend {self.backend}, model {self.model}",
@@ -217,6 +225,13 @@ def collect(
             shutil.rmtree(out, ignore_errors=True)
         raise
     # the writer counts what this run added; stats() also covers what a resumed run had before
-    return CollectResult(path=Path(out), model=config.model, backend=entry.name, stats=writer.stats(),
-                         num_new_requests=writer.num_requests_written, num_new_tokens=writer.num_tokens_written,
-                         seconds=time.perf_counter() - t0, shard=shard)
+    return CollectResult(
+        path=Path(out),
+        model=config.model,
+        backend=entry.name,
+        stats=writer.stats(),
+        num_new_requests=writer.num_requests_written,
+        num_new_tokens=writer.num_tokens_written,
+        seconds=time.perf_counter() - t0,
+        shard=shard,
+    )

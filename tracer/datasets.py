@@ -29,10 +29,11 @@ from __future__ import annotations
 import json
 import warnings
 import zlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -45,7 +46,17 @@ BUNDLED_ALIAS = "bundled"
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 #: column names tried, in this order, when a local file's prompt field is not given
-KNOWN_PROMPT_FIELDS = ("prompt", "question", "problem", "text", "instruction", "input", "document", "conversation", "messages")
+KNOWN_PROMPT_FIELDS = (
+    "prompt",
+    "question",
+    "problem",
+    "text",
+    "instruction",
+    "input",
+    "document",
+    "conversation",
+    "messages",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,27 +135,77 @@ def _english(row: dict[str, Any]) -> bool:
 HUB: dict[str, HubDataset] = {
     d.name: d
     for d in (
-        HubDataset(name="gsm8k", hub_id="openai/gsm8k", config="main", split="test", field="question",
-                   to_prompt=_field("question"), note="grade-school math word problems"),
-        HubDataset(name="math", hub_id="HuggingFaceH4/MATH-500", config=None, split="test", field="problem",
-                   to_prompt=_field("problem"), note="500-problem subset of MATH (competition math)"),
-        HubDataset(name="mbpp", hub_id="google-research-datasets/mbpp", config="full", split="test", field="text",
-                   to_prompt=_mbpp, note="task text followed by its assert tests"),
-        HubDataset(name="humaneval", hub_id="openai/openai_humaneval", config=None, split="test", field="prompt",
-                   to_prompt=_field("prompt"), note="function signature and docstring"),
-        HubDataset(name="lmsys-chat", hub_id="lmsys/lmsys-chat-1m", config=None, split="train", field="conversation",
-                   to_prompt=_field("conversation"), row_filter=_english,
-                   note="gated: accept the terms on the hub and log in; first user turn of English conversations"),
-        HubDataset(name="xsum", hub_id="EdinburghNLP/xsum", config=None, split="test", field="document",
-                   to_prompt=_xsum, note="article wrapped in a one-sentence summarization instruction"),
-        HubDataset(name="tldr", hub_id="trl-lib/tldr", config=None, split="test", field="prompt",
-                   to_prompt=_field("prompt"), note="Reddit post ending in 'TL;DR:'"),
+        HubDataset(
+            name="gsm8k",
+            hub_id="openai/gsm8k",
+            config="main",
+            split="test",
+            field="question",
+            to_prompt=_field("question"),
+            note="grade-school math word problems",
+        ),
+        HubDataset(
+            name="math",
+            hub_id="HuggingFaceH4/MATH-500",
+            config=None,
+            split="test",
+            field="problem",
+            to_prompt=_field("problem"),
+            note="500-problem subset of MATH (competition math)",
+        ),
+        HubDataset(
+            name="mbpp",
+            hub_id="google-research-datasets/mbpp",
+            config="full",
+            split="test",
+            field="text",
+            to_prompt=_mbpp,
+            note="task text followed by its assert tests",
+        ),
+        HubDataset(
+            name="humaneval",
+            hub_id="openai/openai_humaneval",
+            config=None,
+            split="test",
+            field="prompt",
+            to_prompt=_field("prompt"),
+            note="function signature and docstring",
+        ),
+        HubDataset(
+            name="lmsys-chat",
+            hub_id="lmsys/lmsys-chat-1m",
+            config=None,
+            split="train",
+            field="conversation",
+            to_prompt=_field("conversation"),
+            row_filter=_english,
+            note="gated: accept the terms on the hub and log in; first user turn of English conversations",
+        ),
+        HubDataset(
+            name="xsum",
+            hub_id="EdinburghNLP/xsum",
+            config=None,
+            split="test",
+            field="document",
+            to_prompt=_xsum,
+            note="article wrapped in a one-sentence summarization instruction",
+        ),
+        HubDataset(
+            name="tldr",
+            hub_id="trl-lib/tldr",
+            config=None,
+            split="test",
+            field="prompt",
+            to_prompt=_field("prompt"),
+            note="Reddit post ending in 'TL;DR:'",
+        ),
     )
 }
 
 
-def extract_prompts(rows: Iterable[dict[str, Any]], *, spec: HubDataset | None, field: str | None,
-                    where: str) -> list[str]:
+def extract_prompts(
+    rows: Iterable[dict[str, Any]], *, spec: HubDataset | None, field: str | None, where: str
+) -> list[str]:
     """Prompt texts of ``rows`` (dicts), in row order.
 
     With ``spec`` the hub dataset's filter and ``to_prompt`` apply; else the column ``field``
@@ -237,9 +298,7 @@ def _hub_rows(spec: HubDataset) -> list[dict[str, Any]]:
     except Exception as exc:  # gated repos, missing configs: datasets raises its own classes
         gated = "gated" in str(exc).lower() or "authenticat" in str(exc).lower()
         hint = (
-            " The dataset is gated: accept its terms on huggingface.co and log in (`hf auth login`)."
-            if gated
-            else ""
+            " The dataset is gated: accept its terms on huggingface.co and log in (`hf auth login`)." if gated else ""
         )
         raise DatasetError(f"cannot load {spec.name!r} ({spec.hub_id}): {exc}.{hint}") from exc
     return list(ds)
@@ -267,8 +326,9 @@ def resolve_source(source: str, *, prompt_field: str | None) -> tuple[str, list[
     if source in BUNDLED:
         return source, _bundled_texts(source)
     if source in HUB:
-        return source, extract_prompts(_hub_rows(HUB[source]), spec=HUB[source], field=None,
-                                       where=f"{source} ({HUB[source].hub_id})")
+        return source, extract_prompts(
+            _hub_rows(HUB[source]), spec=HUB[source], field=None, where=f"{source} ({HUB[source].hub_id})"
+        )
     name: str | None
     name, sep, path_str = source.partition("=")
     if sep:

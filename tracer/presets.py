@@ -107,8 +107,13 @@ class Preset:
         if tiny:
             d["max_position_embeddings"] = 4096
             d.update(self.tiny_overrides(engine=engine))
-            d.update(vocab_size=TINY_VOCAB_SIZE, pad_token_id=TINY_PAD_ID, bos_token_id=TINY_BOS_ID,
-                     eos_token_id=TINY_EOS_ID, tie_word_embeddings=False)
+            d.update(
+                vocab_size=TINY_VOCAB_SIZE,
+                pad_token_id=TINY_PAD_ID,
+                bos_token_id=TINY_BOS_ID,
+                eos_token_id=TINY_EOS_ID,
+                tie_word_embeddings=False,
+            )
         return d
 
     def hf_config(self, *, tiny: bool, engine: TinyEngine = "hf") -> Any:
@@ -258,8 +263,9 @@ def resolve(name: str) -> ResolvedModel:
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelError(f"{name}: a directory without config.json; a local checkpoint directory holds the "
-                             "model's config.json")
+            raise ModelError(
+                f"{name}: a directory without config.json; a local checkpoint directory holds the model's config.json"
+            )
         return ResolvedModel(name=name, kind="local", preset=None, source=name, config_path=path / "config.json")
     if path.is_file():
         return ResolvedModel(name=name, kind="local", preset=None, source=name, config_path=path)

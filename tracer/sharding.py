@@ -66,10 +66,24 @@ def run_collection(
         raise ConfigError("--shard and --ray-shards exclude each other")
     chosen = choose_backend(backend, settings=config.backend_settings(engine), on_ray=ray_shards is not None)
     if ray_shards is not None:
-        return collect_sharded_with_ray(config, out=out, num_shards=ray_shards, backend=chosen, engine=engine,
-                                        on_existing="overwrite" if on_existing == "overwrite" else "resume")
-    return collect(config, out=out, backend=chosen, engine=engine, on_existing=on_existing, shard=shard,
-                   on_start=on_start, on_progress=on_progress)
+        return collect_sharded_with_ray(
+            config,
+            out=out,
+            num_shards=ray_shards,
+            backend=chosen,
+            engine=engine,
+            on_existing="overwrite" if on_existing == "overwrite" else "resume",
+        )
+    return collect(
+        config,
+        out=out,
+        backend=chosen,
+        engine=engine,
+        on_existing=on_existing,
+        shard=shard,
+        on_start=on_start,
+        on_progress=on_progress,
+    )
 
 
 def collect_sharded_with_ray(
@@ -106,8 +120,9 @@ def collect_sharded_with_ray(
 
     @ray.remote(num_gpus=num_gpus_per_shard)
     def run_shard(shard: int) -> CollectResult:
-        return collect(config, out=out_abs, backend=entry.name, engine=engine, on_existing=on_existing,
-                       shard=(shard, num_shards))
+        return collect(
+            config, out=out_abs, backend=entry.name, engine=engine, on_existing=on_existing, shard=(shard, num_shards)
+        )
 
     t0 = time.perf_counter()
     results: list[CollectResult] = ray.get([run_shard.remote(s) for s in range(num_shards)])

@@ -48,12 +48,13 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Mapping, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -113,9 +114,15 @@ GENERIC_LENGTH = LengthDist(prompt_median=200, prompt_sigma=0.6, output_median=2
 class SynthKnobs:
     """The generative model's knobs (see the module docstring for how each enters)."""
 
-    zipf_exponent: float = 1.0  # skew of a planted profile: weight of the rank-r expert ∝ (r + zipf_offset)**-skew (0 = uniform)
-    zipf_offset: float = 0.0  # Zipf-Mandelbrot offset q of the rank (0: plain Zipf); q > 0 flattens the head, keeps the tail
-    dataset_skew: Mapping[str, float] = field(default_factory=dict)  # per-dataset multiplier of zipf_exponent (absent: 1)
+    zipf_exponent: float = (
+        1.0  # skew of a planted profile: weight of the rank-r expert ∝ (r + zipf_offset)**-skew (0 = uniform)
+    )
+    zipf_offset: float = (
+        0.0  # Zipf-Mandelbrot offset q of the rank (0: plain Zipf); q > 0 flattens the head, keeps the tail
+    )
+    dataset_skew: Mapping[str, float] = field(
+        default_factory=dict
+    )  # per-dataset multiplier of zipf_exponent (absent: 1)
     layer_skew_spread: float = 0.25  # sd of the log-normal per (dataset, layer) multiplier of the skew
     shared_weight: float = 0.3  # share of the log-profile common to all datasets (de facto shared hot experts)
     domain_weight: float = 0.4  # share common to the datasets of one domain (the rest is per dataset)
@@ -154,7 +161,7 @@ class SynthKnobs:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, base: "SynthKnobs | None" = None) -> "SynthKnobs":
+    def from_dict(cls, d: Mapping[str, Any], *, base: SynthKnobs | None = None) -> SynthKnobs:
         """Knobs from a JSON-like dict; keys absent from ``d`` keep ``base``'s values (default knobs if None)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
@@ -219,8 +226,9 @@ class SynthPlan:
             "dataset_assignment": "round_robin",
             "structure": self.structure,
             # experts per token limited to the first topk_group of n_group groups (None: no limit)
-            "group_limit": ({"n_group": model.n_group, "topk_group": model.topk_group}
-                            if model.group_limited else None),
+            "group_limit": (
+                {"n_group": model.n_group, "topk_group": model.topk_group} if model.group_limited else None
+            ),
             "num_request_experts": _num_fav(k, model),
             "knobs": k.to_dict(),
             "lengths": {d: dataclasses.asdict(k.length_of(d)) for d in self.datasets},
@@ -480,8 +488,9 @@ class _Mix:
     w: tuple[float, float, float]  # (follow, favourite, profile) weights
 
 
-def _draw(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | None, num_draws: int,
-          K: int) -> np.ndarray:
+def _draw(
+    rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray | None, num_draws: int, K: int
+) -> np.ndarray:
     """``[num_draws, n]`` int16 i.i.d. candidates from each token's mixture (rows: the n token indices, None = all).
 
     Per candidate, 32 random bits ``h`` pick the outcome inside a component: the alias column (top
@@ -526,10 +535,10 @@ class _GroupLimit:
     mask_T: np.ndarray  # uint8/16/64 (by n_group), bit g set: the token already chose an expert of group g
     num_T: np.ndarray  # int8 groups the token uses so far
 
-    def take(self, rows: np.ndarray) -> "_GroupLimit":
+    def take(self, rows: np.ndarray) -> _GroupLimit:
         return _GroupLimit(self.size, self.limit, self.mask_T[rows], self.num_T[rows])
 
-    def put(self, rows: np.ndarray, sub: "_GroupLimit") -> None:
+    def put(self, rows: np.ndarray, sub: _GroupLimit) -> None:
         self.mask_T[rows], self.num_T[rows] = sub.mask_T, sub.num_T
 
     def bits(self, c: np.ndarray) -> np.ndarray:
@@ -547,8 +556,15 @@ class _GroupLimit:
         self.mask_T |= np.where(new, bit, self.mask_T.dtype.type(0))
 
 
-def _accept(ch_KT: np.ndarray, nn_T: np.ndarray, candidates: np.ndarray, K: int, *, filled: int,
-            groups: _GroupLimit | None = None) -> None:
+def _accept(
+    ch_KT: np.ndarray,
+    nn_T: np.ndarray,
+    candidates: np.ndarray,
+    K: int,
+    *,
+    filled: int,
+    groups: _GroupLimit | None = None,
+) -> None:
     """Append each token's candidates (``[draws, T]``), in order, that are not yet chosen (and, under a
     group limit, whose group is among the token's first ``limit`` groups), until it holds K.
 
@@ -578,8 +594,10 @@ def _group_limit(model: ModelInfo, T: int) -> _GroupLimit | None:
     assert n_group is not None and topk_group is not None  # group_limited implies both are set
     size = model.num_experts // n_group
     if n_group > 64 or topk_group * size < model.top_k:
-        raise ConfigError(f"model {model.name!r}: n_group={n_group}, topk_group={topk_group} cannot hold "
-                          f"top_k={model.top_k} experts (or more than 64 groups); fix the model's router fields")
+        raise ConfigError(
+            f"model {model.name!r}: n_group={n_group}, topk_group={topk_group} cannot hold "
+            f"top_k={model.top_k} experts (or more than 64 groups); fix the model's router fields"
+        )
     mask_dtype = np.uint8 if n_group <= 8 else np.uint16 if n_group <= 16 else np.uint64
     return _GroupLimit(size, topk_group, np.zeros(T, mask_dtype), np.zeros(T, np.int8))
 
@@ -612,8 +630,18 @@ def _sample_topk(rng: np.random.Generator, s: _Sampler, mix: _Mix, ch: np.ndarra
         _finish_exact(rng, s, mix, rows, ch, nn, K, E, groups=groups.take(rows) if groups is not None else None)
 
 
-def _finish_exact(rng: np.random.Generator, s: _Sampler, mix: _Mix, rows: np.ndarray, ch: np.ndarray, nn: np.ndarray,
-                  K: int, E: int, *, groups: _GroupLimit | None = None) -> None:
+def _finish_exact(
+    rng: np.random.Generator,
+    s: _Sampler,
+    mix: _Mix,
+    rows: np.ndarray,
+    ch: np.ndarray,
+    nn: np.ndarray,
+    K: int,
+    E: int,
+    *,
+    groups: _GroupLimit | None = None,
+) -> None:
     """Complete the remaining slots of ``rows`` by Gumbel-top-k over the dense mixture minus chosen
     experts (``groups``: the rows' group-limit state; experts of groups past the limit are skipped)."""
     n = rows.size
@@ -686,7 +714,9 @@ def iter_chunks(sampler: _Sampler, chunks: list[int], *, workers: int) -> Iterat
     # fork where the platform has it: workers only run numpy on the sampler they inherit, and it
     # needs no `if __name__ == "__main__"` guard in user scripts; spawn elsewhere
     method = "fork" if "fork" in get_all_start_methods() else "spawn"
-    with ProcessPoolExecutor(workers, mp_context=get_context(method), initializer=_init_worker, initargs=(sampler,)) as ex:
+    with ProcessPoolExecutor(
+        workers, mp_context=get_context(method), initializer=_init_worker, initargs=(sampler,)
+    ) as ex:
         pending: list[Future] = []
         it = iter(chunks)
         for c in it:
@@ -735,8 +765,12 @@ def synthesize(
     with TraceWriter(
         out,
         model=model,
-        backend={"name": "synthetic", "generator": "moetrace.synth", "version": 1,
-                 "versions": {"numpy": np.__version__}},
+        backend={
+            "name": "synthetic",
+            "generator": "moetrace.synth",
+            "version": 1,
+            "versions": {"numpy": np.__version__},
+        },
         collection=collection,
         on_existing=on_existing,
         part_prefix="synth",

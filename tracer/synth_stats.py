@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -60,7 +60,9 @@ def counts_from_chunks(chunks: Iterable[Chunk], *, num_datasets: int, L: int, K:
         starts = np.concatenate([[0], np.cumsum(len_R)[:-1]])
         T = int(len_R.sum())
         decode_T = (np.arange(T) - np.repeat(starts, len_R)) >= np.repeat(ch.prompt_tokens_R, len_R)
-        counts += _bincount_DSLE(np.repeat(ch.dataset_R, len_R), decode_T, ch.topk_ids_TX.reshape(T, L, K), num_datasets, E)
+        counts += _bincount_DSLE(
+            np.repeat(ch.dataset_R, len_R), decode_T, ch.topk_ids_TX.reshape(T, L, K), num_datasets, E
+        )
     return counts
 
 

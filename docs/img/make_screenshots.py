@@ -63,7 +63,10 @@ def main() -> None:
         widths = [int(x) for x in args.widths.split(",")]
         pngs = [screenshot_top(work / "report.html", args.out / f"report-{w}.png", width=w, height=args.height)
                 for w in widths]  # fmt: skip
-        figures = {"imbalance-expert-load": "report-expert-load.png", "correlation-datasets-prefill": "report-correlation.png"}
+        figures = {
+            "imbalance-expert-load": "report-expert-load.png",
+            "correlation-datasets-prefill": "report-correlation.png",
+        }
         pngs += screenshot_figures(work / "report.html", {k: args.out / v for k, v in figures.items()}, width=widths[0])
         for png in pngs:
             print(f"wrote {png} ({png.stat().st_size / 1024:.0f} KiB)")

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 import typer
 
 from moetrace.cli.common import AllowIncomplete, Overwrite, Seed, TraceArg, friendly_errors
-from moetrace.errors import ConfigError
-from moetrace.placement.netemu import DEFAULT_LINK, parse_link
 from moetrace.cli.place import (
     BatchRequests,
     Clusters,
@@ -24,6 +22,8 @@ from moetrace.cli.place import (
     ReplicaPolicyOpt,
     TestFraction,
 )
+from moetrace.errors import ConfigError
+from moetrace.placement.netemu import DEFAULT_LINK, parse_link
 
 
 def register(app: typer.Typer) -> None:
@@ -35,20 +35,51 @@ def a2a_cmd(
     trace: TraceArg,
     *,
     config: ConfigOpt,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Results directory (a2a.json, collectives.parquet); not with --smoke.", show_default=False)] = None,
-    placement: Annotated[Optional[list[Path]], typer.Option("--placement", help="Placement JSON (repeat for several); instead of --strategies.")] = None,
-    strategies: Annotated[str, typer.Option(help="Comma-separated strategies to place from the trace (when no --placement).")] = "linear,eplb,data,joint",
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Results directory (a2a.json, collectives.parquet); not with --smoke.",
+            show_default=False,
+        ),
+    ] = None,
+    placement: Annotated[
+        list[Path] | None,
+        typer.Option("--placement", help="Placement JSON (repeat for several); instead of --strategies."),
+    ] = None,
+    strategies: Annotated[
+        str, typer.Option(help="Comma-separated strategies to place from the trace (when no --placement).")
+    ] = "linear,eplb,data,joint",
     gpus_per_node: GpusPerNode = 8,
     batches: Annotated[int, typer.Option(help="Global batches (decode steps) to replay.")] = 8,
     batch_requests: BatchRequests = 0,
     hidden_size: Annotated[int, typer.Option(help="Values per token row (0: the model's hidden size).")] = 0,
-    dtype: Annotated[Literal["bfloat16", "float16", "float32"], typer.Option(help="Dtype of the token rows on the wire.")] = "bfloat16",
-    backend: Annotated[Literal["gloo", "nccl", "auto"], typer.Option(help="gloo (CPU), nccl (one GPU per rank) or auto.")] = "auto",
-    torchrun: Annotated[bool, typer.Option("--torchrun", help="This process is one rank of a torchrun job (RANK/WORLD_SIZE set).")] = False,
-    emulate_nodes: Annotated[Optional[bool], typer.Option("--emulate-nodes/--no-emulate-nodes", show_default="when root and `ip netns` work",
-                                                          help="Local gloo run: one network namespace per node, inter-node links shaped to --link.")] = None,
-    link: Annotated[str, typer.Option(help="Emulated node link RATE[,LATENCY], each direction (tc units: bit/kbit/mbit/gbit; s/ms/us).")] = DEFAULT_LINK,
-    smoke: Annotated[bool, typer.Option("--smoke", help="1-rank NCCL check on cuda:0 (fewer GPUs than ranks); prints, writes nothing.")] = False,
+    dtype: Annotated[
+        Literal["bfloat16", "float16", "float32"], typer.Option(help="Dtype of the token rows on the wire.")
+    ] = "bfloat16",
+    backend: Annotated[
+        Literal["gloo", "nccl", "auto"], typer.Option(help="gloo (CPU), nccl (one GPU per rank) or auto.")
+    ] = "auto",
+    torchrun: Annotated[
+        bool, typer.Option("--torchrun", help="This process is one rank of a torchrun job (RANK/WORLD_SIZE set).")
+    ] = False,
+    emulate_nodes: Annotated[
+        bool | None,
+        typer.Option(
+            "--emulate-nodes/--no-emulate-nodes",
+            show_default="when root and `ip netns` work",
+            help="Local gloo run: one network namespace per node, inter-node links shaped to --link.",
+        ),
+    ] = None,
+    link: Annotated[
+        str,
+        typer.Option(help="Emulated node link RATE[,LATENCY], each direction (tc units: bit/kbit/mbit/gbit; s/ms/us)."),
+    ] = DEFAULT_LINK,
+    smoke: Annotated[
+        bool,
+        typer.Option("--smoke", help="1-rank NCCL check on cuda:0 (fewer GPUs than ranks); prints, writes nothing."),
+    ] = False,
     clusters: Clusters = 0,
     redundancy: Redundancy = 0,
     test_fraction: TestFraction = 0.2,
@@ -80,15 +111,27 @@ def a2a_cmd(
     if torchrun and emulate_nodes:
         raise ConfigError("--emulate-nodes is for a local run; under --torchrun the ranks use the real nodes' links")
     names = tuple(s.strip() for s in strategies.split(",") if s.strip())
-    cfg = CompareConfig(deployment=parse_deployment(config, num_gpus_per_node=gpus_per_node), strategies=names,
-                        num_clusters=clusters, num_redundant=redundancy, test_fraction=test_fraction, num_batches=batches,
-                        num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, seed=seed)
+    cfg = CompareConfig(
+        deployment=parse_deployment(config, num_gpus_per_node=gpus_per_node),
+        strategies=names,
+        num_clusters=clusters,
+        num_redundant=redundancy,
+        test_fraction=test_fraction,
+        num_batches=batches,
+        num_batch_requests=batch_requests,
+        dedup=dedup,
+        replica_policy=replica_policy,
+        seed=seed,
+    )
     resolved, note = ar.choose_backend(backend, world_size=cfg.deployment.num_ep, torchrun=torchrun, smoke=smoke)
     if note:
         typer.echo(note, err=True)
     if cfg.deployment.num_ep_tp > 1 and lead:
-        typer.echo(f"note: {cfg.deployment.name}: TP{cfg.deployment.num_ep_tp} after EP is replayed as one process per EP rank "
-                   "(the EP all-to-all, as the simulator counts it; not the tensor-parallel traffic inside an EP rank)", err=True)
+        typer.echo(
+            f"note: {cfg.deployment.name}: TP{cfg.deployment.num_ep_tp} after EP is replayed as one process per EP rank "
+            "(the EP all-to-all, as the simulator counts it; not the tensor-parallel traffic inside an EP rank)",
+            err=True,
+        )
     data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
     placed = None
     if placement:
@@ -100,8 +143,9 @@ def a2a_cmd(
     if smoke:
         typer.echo(ar.format_smoke(plan, ar.run_smoke(plan)))
         return
-    records, network = ar.run_a2a(plan, torchrun=torchrun, emulate=emulate_nodes, link=link,
-                                  log=lambda msg: typer.echo(msg, err=True))
+    records, network = ar.run_a2a(
+        plan, torchrun=torchrun, emulate=emulate_nodes, link=link, log=lambda msg: typer.echo(msg, err=True)
+    )
     if records is None:  # a torchrun rank other than 0: rank 0 reports
         return
     assert out is not None  # required without --smoke (checked above)

@@ -7,7 +7,15 @@ from typing import Annotated
 import typer
 
 from moetrace.cli.common import (
-    AllowIncomplete, OutDir, Overwrite, Quiet, Seed, TraceArg, friendly_errors, log_lines, progress_bar,
+    AllowIncomplete,
+    OutDir,
+    Overwrite,
+    Quiet,
+    Seed,
+    TraceArg,
+    friendly_errors,
+    log_lines,
+    progress_bar,
 )
 
 
@@ -33,15 +41,22 @@ def analyze_cmd(
     out: OutDir,
     only: Annotated[
         str | None,
-        typer.Option(help="Comma-separated subset of: imbalance, correlation, embedding, classify, affinity, counts "
-                     "(counts = the tidy per-request table, opt-in). Default: all but counts."),
+        typer.Option(
+            help="Comma-separated subset of: imbalance, correlation, embedding, classify, affinity, counts "
+            "(counts = the tidy per-request table, opt-in). Default: all but counts."
+        ),
     ] = None,
-    batch_size: Annotated[int, typer.Option(help="Requests per serving batch for the batch imbalance distribution.")] = 64,
+    batch_size: Annotated[
+        int, typer.Option(help="Requests per serving batch for the batch imbalance distribution.")
+    ] = 64,
     seed: Seed = 0,
     layers: Annotated[
-        str | None, typer.Option(help="Comma-separated MoE-layer ordinals (0-based positions in moe_layers). Default: all.")
+        str | None,
+        typer.Option(help="Comma-separated MoE-layer ordinals (0-based positions in moe_layers). Default: all."),
     ] = None,
-    embedding_max_requests: Annotated[int, typer.Option(help="Subsample cap for t-SNE/UMAP (stratified by dataset).")] = 4000,
+    embedding_max_requests: Annotated[
+        int, typer.Option(help="Subsample cap for t-SNE/UMAP (stratified by dataset).")
+    ] = 4000,
     overwrite: Overwrite = False,
     allow_incomplete: AllowIncomplete = False,
     quiet: Quiet = False,
@@ -76,7 +91,6 @@ def analyze_cmd(
                 last[0] = pct // 10
                 log(f"  counted {done:,} / {total:,} tokens ({pct}%)")
 
-        summary = analyze(trace, out, config=config, overwrite=overwrite, log=log,
-                          progress=None if quiet else progress)
+        summary = analyze(trace, out, config=config, overwrite=overwrite, log=log, progress=None if quiet else progress)
     typer.echo(format_summary(summary))
     typer.echo(f"\nresults in {out} ({summary['seconds']:.1f} s); files are listed in {out / ANALYSIS_MANIFEST}")

@@ -15,10 +15,14 @@ def register(app: typer.Typer) -> None:
 
 @friendly_errors
 def make_checkpoint_cmd(
-    preset: Annotated[str, typer.Argument(help="Model preset (see `moetrace models`), e.g. deepseek-v3.", show_default=False)],
+    preset: Annotated[
+        str, typer.Argument(help="Model preset (see `moetrace models`), e.g. deepseek-v3.", show_default=False)
+    ],
     out: OutDir,
     seed: Seed = 0,
-    dtype: Annotated[Literal["bfloat16", "float16", "float32"], typer.Option(help="Weight dtype on disk.")] = "bfloat16",
+    dtype: Annotated[
+        Literal["bfloat16", "float16", "float32"], typer.Option(help="Weight dtype on disk.")
+    ] = "bfloat16",
     overwrite: Overwrite = False,
 ) -> None:
     """Write a tiny checkpoint of a preset (config.json, tokenizer, safetensors) that both backends run.

@@ -6,7 +6,7 @@ The ``--backend`` choices and their help come from the registry ``moetrace.trace
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 import typer
 
@@ -40,10 +40,10 @@ def collect_cmd(
             "chat, summarize; 'bundled' = all five), a hub dataset (gsm8k, math, mbpp, humaneval, lmsys-chat, "
             "xsum, tldr) or a local .jsonl/.json/.parquet file.",
         ),
-    ] = ["bundled"],
-    per_dataset: Annotated[Optional[int], typer.Option(help="Requests per dataset (equal representation).")] = None,
-    num_requests: Annotated[Optional[int], typer.Option(help="Total requests, split evenly over datasets.")] = None,
-    prompt_field: Annotated[Optional[str], typer.Option(help="Field holding the prompt in local files.")] = None,
+    ] = ["bundled"],  # noqa: B006 (typer needs a list default; it is never mutated)
+    per_dataset: Annotated[int | None, typer.Option(help="Requests per dataset (equal representation).")] = None,
+    num_requests: Annotated[int | None, typer.Option(help="Total requests, split evenly over datasets.")] = None,
+    prompt_field: Annotated[str | None, typer.Option(help="Field holding the prompt in local files.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Generated tokens per request at most.")] = 64,
     batch_size: Annotated[int, typer.Option(help="Requests per generation batch (HF backend).")] = 8,
     seed: Seed = 0,
@@ -60,20 +60,26 @@ def collect_cmd(
     ] = True,
     record_weights: Annotated[bool, typer.Option("--weights", help="Also store routing weights.")] = False,
     tp: Annotated[int, typer.Option(help="vLLM: tensor-parallel size.")] = 1,
-    ep: Annotated[int, typer.Option(help="vLLM: expert-parallel size: 1 (off) or tp*dp (experts sharded over all ranks).")] = 1,
+    ep: Annotated[
+        int, typer.Option(help="vLLM: expert-parallel size: 1 (off) or tp*dp (experts sharded over all ranks).")
+    ] = 1,
     dp: Annotated[int, typer.Option(help="vLLM: data-parallel size.")] = 1,
-    max_model_len: Annotated[Optional[int], typer.Option(help="vLLM: maximum sequence length.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="vLLM: maximum sequence length.")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM: fraction of GPU memory to use.")] = 0.9,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="vLLM: disable CUDA graphs.")] = False,
     shard: Annotated[
-        Optional[str],
-        typer.Option(help="Collect only shard S of N ('S/N', e.g. 3/8) into OUT next to the other shards; "
-                     "then run `moetrace merge-shards OUT`."),
+        str | None,
+        typer.Option(
+            help="Collect only shard S of N ('S/N', e.g. 3/8) into OUT next to the other shards; "
+            "then run `moetrace merge-shards OUT`."
+        ),
     ] = None,
     ray_shards: Annotated[
-        Optional[int],
-        typer.Option(help="Split the run into N shards, one engine each, placed by Ray across the cluster, "
-                     "then merge (OUT must be on a file system every node mounts)."),
+        int | None,
+        typer.Option(
+            help="Split the run into N shards, one engine each, placed by Ray across the cluster, "
+            "then merge (OUT must be on a file system every node mounts)."
+        ),
     ] = None,
     quiet: Quiet = False,
 ) -> None:
@@ -104,14 +110,25 @@ def collect_cmd(
         record_weights=record_weights,
         device=device,
     )
-    engine = VllmEngineConfig(tp=tp, ep=ep, dp=dp, max_model_len=max_model_len,
-                              gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+    engine = VllmEngineConfig(
+        tp=tp,
+        ep=ep,
+        dp=dp,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,
+    )
     with request_progress("collect", quiet=quiet) as bar:
         result = run_collection(
-            config, out=out, backend=backend, engine=engine,
+            config,
+            out=out,
+            backend=backend,
+            engine=engine,
             on_existing="resume" if resume else "overwrite" if overwrite else "refuse",
-            shard=None if shard is None else parse_shard(shard), ray_shards=ray_shards,
-            on_start=bar.start, on_progress=bar.update,
+            shard=None if shard is None else parse_shard(shard),
+            ray_shards=ray_shards,
+            on_start=bar.start,
+            on_progress=bar.update,
         )
     head, *rest = result.summary_lines()
     typer.secho(head, fg=typer.colors.GREEN)
@@ -133,5 +150,8 @@ def merge_shards_cmd(
 
     m = merge_shards(trace, allow_incomplete=allow_incomplete)
     state = "complete" if m["complete"] else "INCOMPLETE"
-    typer.secho(f"{trace}: {len(m['shards'])} shards merged ({state}): {m['totals']['num_requests']} requests, "
-                f"{m['totals']['num_tokens']} tokens", fg=typer.colors.GREEN if m["complete"] else typer.colors.YELLOW)
+    typer.secho(
+        f"{trace}: {len(m['shards'])} shards merged ({state}): {m['totals']['num_requests']} requests, "
+        f"{m['totals']['num_tokens']} tokens",
+        fg=typer.colors.GREEN if m["complete"] else typer.colors.YELLOW,
+    )

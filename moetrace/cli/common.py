@@ -10,8 +10,9 @@ import contextlib
 import errno
 import functools
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
@@ -24,7 +25,9 @@ from moetrace.sizes import human_bytes  # noqa: F401  (re-exported for the comma
 F = TypeVar("F", bound=Callable)
 
 # ---- options shared by several commands (defined once) -------------------------------------
-TraceArg = Annotated[Path, typer.Argument(help="Trace directory (manifest.json, requests/, routing/).", show_default=False)]
+TraceArg = Annotated[
+    Path, typer.Argument(help="Trace directory (manifest.json, requests/, routing/).", show_default=False)
+]
 OutDir = Annotated[Path, typer.Option("--out", "-o", help="Output directory.", show_default=False)]
 Seed = Annotated[int, typer.Option(help="Random seed; the same seed gives the same result.")]
 ModelOpt = Annotated[
@@ -37,11 +40,14 @@ ModelOpt = Annotated[
 ]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace what is already at -o (refused otherwise).")]
 AllowIncomplete = Annotated[
-    bool, typer.Option("--allow-incomplete", help="Read a trace whose collection has not finished (committed parts only).")
+    bool,
+    typer.Option("--allow-incomplete", help="Read a trace whose collection has not finished (committed parts only)."),
 ]
 Quiet = Annotated[
     bool,
-    typer.Option("--quiet", "-q", help="No progress bar and no step log lines on stderr (errors and the result still print)."),
+    typer.Option(
+        "--quiet", "-q", help="No progress bar and no step log lines on stderr (errors and the result still print)."
+    ),
 ]
 
 
@@ -75,7 +81,6 @@ def friendly_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-
 def _describe_os_error(exc: OSError) -> str:
     cause = (exc.strerror or str(exc)).rstrip(".")
     where = f": {exc.filename}" if exc.filename else ""
@@ -100,12 +105,25 @@ def show_progress(quiet: bool = False, *, tty: bool | None = None) -> bool:
 
 def _rich_bar(label: str, unit: str) -> Progress:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(
-        TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
-        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=Console(stderr=True), transient=True,
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(unit),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=True,
     )
 
 

@@ -25,25 +25,91 @@ def register(app: typer.Typer) -> None:
 def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_requests: int, seed: int) -> list[list[str]]:
     """The demo's command lines (without the leading ``moetrace``)."""
     tiny, tiny_an = out / "traces" / "tiny-dsv3", out / "results" / "tiny-dsv3-analysis"
-    syn, syn_an, cmp_ = out / "traces" / "synth-dsv3", out / "results" / "synth-dsv3-analysis", out / "results" / "synth-dsv3-compare"
+    syn, syn_an, cmp_ = (
+        out / "traces" / "synth-dsv3",
+        out / "results" / "synth-dsv3-analysis",
+        out / "results" / "synth-dsv3-compare",
+    )
     placement = out / "placement" / "joint.json"
     return [
-        ["collect", "--model", "deepseek-v3-tiny", "--dataset", "bundled", "--per-dataset", str(per_dataset),
-         "--max-new-tokens", str(max_new_tokens), "--seed", str(seed), "-o", str(tiny), "--overwrite"],
+        [
+            "collect",
+            "--model",
+            "deepseek-v3-tiny",
+            "--dataset",
+            "bundled",
+            "--per-dataset",
+            str(per_dataset),
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--seed",
+            str(seed),
+            "-o",
+            str(tiny),
+            "--overwrite",
+        ],
         ["validate", str(tiny)],
         ["analyze", str(tiny), "-o", str(tiny_an), "--seed", str(seed), "--overwrite"],
-        ["synth", "--model", "deepseek-v3", "--datasets", SYNTH_DATASETS, "--requests", str(synth_requests),
-         "--seed", str(seed), "-o", str(syn), "--overwrite"],
+        [
+            "synth",
+            "--model",
+            "deepseek-v3",
+            "--datasets",
+            SYNTH_DATASETS,
+            "--requests",
+            str(synth_requests),
+            "--seed",
+            str(seed),
+            "-o",
+            str(syn),
+            "--overwrite",
+        ],
         ["validate", str(syn)],
         ["analyze", str(syn), "-o", str(syn_an), "--seed", str(seed), "--overwrite"],
-        ["compare", str(syn), "--config", "DP8TP8EP64", "--strategies", "linear,round_robin,eplb,data,joint",
-         "--seed", str(seed), "-o", str(cmp_), "--overwrite"],
-        ["place", str(syn), "--config", "DP8TP8EP64", "--strategy", "joint", "--seed", str(seed), "-o", str(placement),
-         "--overwrite"],
-        ["export", str(placement), "--format", "sglang", "-o", str(out / "placement" / "sglang-init-expert-location.json"),
-         "--overwrite"],
-        ["export", str(placement), "--format", "trtllm", "-o", str(out / "placement" / "trtllm-moe-load-balancer.yaml"),
-         "--overwrite"],
+        [
+            "compare",
+            str(syn),
+            "--config",
+            "DP8TP8EP64",
+            "--strategies",
+            "linear,round_robin,eplb,data,joint",
+            "--seed",
+            str(seed),
+            "-o",
+            str(cmp_),
+            "--overwrite",
+        ],
+        [
+            "place",
+            str(syn),
+            "--config",
+            "DP8TP8EP64",
+            "--strategy",
+            "joint",
+            "--seed",
+            str(seed),
+            "-o",
+            str(placement),
+            "--overwrite",
+        ],
+        [
+            "export",
+            str(placement),
+            "--format",
+            "sglang",
+            "-o",
+            str(out / "placement" / "sglang-init-expert-location.json"),
+            "--overwrite",
+        ],
+        [
+            "export",
+            str(placement),
+            "--format",
+            "trtllm",
+            "-o",
+            str(out / "placement" / "trtllm-moe-load-balancer.yaml"),
+            "--overwrite",
+        ],
         ["dashboard", str(tiny), str(tiny_an), str(syn), str(syn_an), str(cmp_), "-o", str(out / "report.html")],
     ]
 
@@ -51,7 +117,9 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
 @friendly_errors
 def demo_cmd(
     out: OutDir = Path("demo-out"),
-    per_dataset: Annotated[int, typer.Option(help="Requests per bundled prompt set for the tiny-model collection.")] = 8,
+    per_dataset: Annotated[
+        int, typer.Option(help="Requests per bundled prompt set for the tiny-model collection.")
+    ] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="Generated tokens per request in the collection.")] = 32,
     synth_requests: Annotated[int, typer.Option(help="Requests in the DeepSeek-V3-scale synthetic trace.")] = 2100,
     seed: Seed = 0,
@@ -67,7 +135,9 @@ def demo_cmd(
     from moetrace.cli import app
 
     t_all = time.perf_counter()
-    steps = demo_steps(out, per_dataset=per_dataset, max_new_tokens=max_new_tokens, synth_requests=synth_requests, seed=seed)
+    steps = demo_steps(
+        out, per_dataset=per_dataset, max_new_tokens=max_new_tokens, synth_requests=synth_requests, seed=seed
+    )
     for i, args in enumerate(steps, 1):
         typer.secho(f"\n[{i}/{len(steps)}] $ moetrace {shlex.join(args)}", fg=typer.colors.CYAN, bold=True)
         t0 = time.perf_counter()

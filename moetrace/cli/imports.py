@@ -31,16 +31,26 @@ def register(app: typer.Typer) -> None:
 
 @friendly_errors
 def import_cmd(
-    source: Annotated[Path, typer.Argument(help="The input: a file (or a directory) in one of the --format formats.",
-                                           show_default=False)],
+    source: Annotated[
+        Path,
+        typer.Argument(help="The input: a file (or a directory) in one of the --format formats.", show_default=False),
+    ],
     *,
     out: OutDir,
-    model: Annotated[str, typer.Option("--model", "-m", help="Model preset (see `moetrace models`) or an HF "
-                                       "config.json / checkpoint directory: gives MoE layers, experts, top-k.",
-                                       show_default=False)],
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Model preset (see `moetrace models`) or an HF "
+            "config.json / checkpoint directory: gives MoE layers, experts, top-k.",
+            show_default=False,
+        ),
+    ],
     source_format: Annotated[FormatName, typer.Option("--format", help=_FORMAT_HELP)] = "auto",
-    dataset: Annotated[str | None, typer.Option(help="Dataset label of requests that carry none "
-                                                "(default: the file name).")] = None,
+    dataset: Annotated[
+        str | None, typer.Option(help="Dataset label of requests that carry none (default: the file name).")
+    ] = None,
     stages: Annotated[StagesMode, typer.Option("--stages", help=_STAGES_HELP)] = "both",
     overwrite: Overwrite = False,
     quiet: Quiet = False,
@@ -56,8 +66,18 @@ def import_cmd(
 
     info = resolve(model).model_info()
     with progress_bar("import", "bytes", quiet=quiet) as bar:
-        stats = import_trace(source, out=out, model=info, source_format=source_format,
-                             dataset=dataset, stages=stages, on_existing="overwrite" if overwrite else "refuse", progress=bar)
+        stats = import_trace(
+            source,
+            out=out,
+            model=info,
+            source_format=source_format,
+            dataset=dataset,
+            stages=stages,
+            on_existing="overwrite" if overwrite else "refuse",
+            progress=bar,
+        )
     only = "" if stages == "both" else f" ({stages.replace('-only', '')} stage only)"
-    typer.echo(f"{out}: {stats.num_requests} requests, {stats.num_tokens} tokens{only}, "
-               f"{human_bytes(stats.bytes_on_disk)} on disk")
+    typer.echo(
+        f"{out}: {stats.num_requests} requests, {stats.num_tokens} tokens{only}, "
+        f"{human_bytes(stats.bytes_on_disk)} on disk"
+    )

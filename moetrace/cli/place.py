@@ -16,15 +16,26 @@ from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
 GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (NVLink domain).")]
-Clusters = Annotated[int, typer.Option("--clusters", help="K-means request clusters of the grouped strategies (0: one per node).")]
-Redundancy = Annotated[int, typer.Option("--redundancy", help="Redundant expert slots per layer (E+R must divide over EP ranks).")]
+Clusters = Annotated[
+    int, typer.Option("--clusters", help="K-means request clusters of the grouped strategies (0: one per node).")
+]
+Redundancy = Annotated[
+    int, typer.Option("--redundancy", help="Redundant expert slots per layer (E+R must divide over EP ranks).")
+]
 TestFraction = Annotated[float, typer.Option("--test-fraction", help="Share of requests held out from placement.")]
 BatchRequests = Annotated[int, typer.Option(help="Requests per global batch (0: 32 per node).")]
-DedupOpt = Annotated[Literal["rank", "expert", "node"], typer.Option(help="A token is sent once per distinct destination GPU (rank), expert (DeepEP low-latency decode) or node (DeepEP high-throughput).")]
+DedupOpt = Annotated[
+    Literal["rank", "expert", "node"],
+    typer.Option(
+        help="A token is sent once per distinct destination GPU (rank), expert (DeepEP low-latency decode) or node (DeepEP high-throughput)."
+    ),
+]
 ReplicaPolicyOpt = Annotated[Literal["same_node", "even", "metro"], typer.Option(help="Which replica serves a token.")]
 _GROUPED = ", ".join(s.name for s in STRATEGIES if s.grouped)
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  # the registry's names, built at run time
-StrategyOpt = Annotated[StrategyName, typer.Option(help=f"Placement strategy ({_GROUPED} cluster requests first; see docs/placement.md).")]
+StrategyOpt = Annotated[
+    StrategyName, typer.Option(help=f"Placement strategy ({_GROUPED} cluster requests first; see docs/placement.md).")
+]
 StrategiesOpt = Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(STRATEGY_NAMES)}.")]
 
 
@@ -67,11 +78,24 @@ def place_cmd(
     from moetrace.results import PLACEMENT, check_output
 
     check_output(out, PLACEMENT, overwrite=overwrite)  # before minutes of work
-    cfg = _cfg(config, gpus_per_node, strategies=(strategy,), num_clusters=clusters, num_redundant=redundancy,
-               test_fraction=test_fraction, seed=seed)
+    cfg = _cfg(
+        config,
+        gpus_per_node,
+        strategies=(strategy,),
+        num_clusters=clusters,
+        num_redundant=redundancy,
+        test_fraction=test_fraction,
+        seed=seed,
+    )
     with progress_bar("counting", "tokens", quiet=quiet) as bar:
-        data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete,
-                               progress=bar, held_out_tokens=False)  # placing never reads them
+        data = load_trace_data(
+            trace,
+            test_fraction=test_fraction,
+            seed=seed,
+            allow_incomplete=allow_incomplete,
+            progress=bar,
+            held_out_tokens=False,
+        )  # placing never reads them
     ps = make_placement(data, cfg, strategy)
     save_placement(placement_file(data, cfg, ps), out)
     typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)} -> {out}")
@@ -83,7 +107,9 @@ def compare_cmd(
     *,
     config: ConfigOpt,
     strategies: StrategiesOpt = "linear,eplb,data,joint",
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Results directory (Parquet + JSON for the dashboards).")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Results directory (Parquet + JSON for the dashboards).")
+    ] = None,
     gpus_per_node: GpusPerNode = 8,
     clusters: Clusters = 0,
     redundancy: Redundancy = 0,
@@ -92,7 +118,9 @@ def compare_cmd(
     batch_requests: BatchRequests = 0,
     dedup: DedupOpt = "rank",
     replica_policy: ReplicaPolicyOpt = "same_node",
-    oracle: Annotated[bool, typer.Option(help="Also report the upper bounds: perfect routing and the test-set oracle.")] = True,
+    oracle: Annotated[
+        bool, typer.Option(help="Also report the upper bounds: perfect routing and the test-set oracle.")
+    ] = True,
     seed: Seed = 0,
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,
@@ -110,12 +138,29 @@ def compare_cmd(
 
     if out is not None:
         check_output(out, COMPARE, overwrite=overwrite)  # before minutes of work
-    cfg = _cfg(config, gpus_per_node, strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
-               num_clusters=clusters, num_redundant=redundancy, test_fraction=test_fraction, num_batches=batches,
-               num_batch_requests=batch_requests, dedup=dedup, replica_policy=replica_policy, oracle=oracle, seed=seed)
+    cfg = _cfg(
+        config,
+        gpus_per_node,
+        strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+        num_clusters=clusters,
+        num_redundant=redundancy,
+        test_fraction=test_fraction,
+        num_batches=batches,
+        num_batch_requests=batch_requests,
+        dedup=dedup,
+        replica_policy=replica_policy,
+        oracle=oracle,
+        seed=seed,
+    )
     with progress_bar("counting", "tokens", quiet=quiet) as bar:
-        data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete,
-                               progress=bar, held_out_tokens=False)  # compare reads them after placing
+        data = load_trace_data(
+            trace,
+            test_fraction=test_fraction,
+            seed=seed,
+            allow_incomplete=allow_incomplete,
+            progress=bar,
+            held_out_tokens=False,
+        )  # compare reads them after placing
     with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
         result = run_compare(data, cfg, progress=bar)
     typer.echo(format_compare_summary(result))

@@ -54,11 +54,15 @@ def synth_cmd(
     ] = None,
     knobs: Annotated[
         str | None,
-        typer.Option(help='Knob overrides: a JSON file or inline JSON, e.g. \'{"pd_mix": 0.2, "zipf_exponent": 1.4}\'.'),
+        typer.Option(
+            help='Knob overrides: a JSON file or inline JSON, e.g. \'{"pd_mix": 0.2, "zipf_exponent": 1.4}\'.'
+        ),
     ] = None,
     structure: Annotated[
         Literal["planted", "none"],
-        typer.Option(help="'none': a control with no dataset, domain, request or layer structure (load imbalance kept)."),
+        typer.Option(
+            help="'none': a control with no dataset, domain, request or layer structure (load imbalance kept)."
+        ),
     ] = "planted",
     overwrite: Overwrite = False,
     quiet: Quiet = False,
@@ -83,8 +87,14 @@ def synth_cmd(
     )
     with request_progress("synth", quiet=quiet) as bar:
         bar.start(plan.num_requests, plan.num_requests)
-        summary = synthesize(out, model=info, plan=plan, workers=workers,
-                             on_existing="overwrite" if overwrite else "refuse", progress=bar.update)
+        summary = synthesize(
+            out,
+            model=info,
+            plan=plan,
+            workers=workers,
+            on_existing="overwrite" if overwrite else "refuse",
+            progress=bar.update,
+        )
     typer.echo(
         f"{summary.path}: {summary.num_requests} requests, {summary.num_tokens} tokens, "
         f"{summary.num_ids / 1e6:.1f} M expert ids in {summary.seconds:.1f} s "

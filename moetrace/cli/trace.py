@@ -31,7 +31,9 @@ def validate_cmd(trace: TraceArg, quiet: Quiet = False) -> None:
 @friendly_errors
 def info_cmd(
     trace: TraceArg,
-    allow_incomplete: Annotated[bool, typer.Option("--allow-incomplete", help="Also show an unfinished trace.")] = False,
+    allow_incomplete: Annotated[
+        bool, typer.Option("--allow-incomplete", help="Also show an unfinished trace.")
+    ] = False,
 ) -> None:
     """Summarize a trace: model, backend, requests and tokens per dataset and stage, size on disk.
 
@@ -55,6 +57,7 @@ def models_cmd() -> None:
             f"{p.name:<18} {f'{p.num_hidden_layers} ({len(p.moe_layers)})':<14} {p.num_experts:>7} {p.top_k:>5} "
             f"{p.num_shared_experts:>6} {p.hidden_size:>6}  {p.hub_id}"
         )
-    typer.echo("\nAppend -tiny (e.g. deepseek-v3-tiny) for the same routing topology with small hidden sizes on a CPU.\n"
-               "For a checkpoint vLLM and HF both run (real head dims, small hidden size): moetrace make-checkpoint PRESET -o DIR")
-
+    typer.echo(
+        "\nAppend -tiny (e.g. deepseek-v3-tiny) for the same routing topology with small hidden sizes on a CPU.\n"
+        "For a checkpoint vLLM and HF both run (real head dims, small hidden size): moetrace make-checkpoint PRESET -o DIR"
+    )

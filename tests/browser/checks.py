@@ -63,11 +63,15 @@ def check_imbalance(figs: dict[str, list[dict]], an: Path) -> list[str]:
     assert {t["name"] for t in shown} == {"prefill", "decode"}
     for t in shown:  # the first dropdown entry: mixed batches ("all")
         sub = bt.filter((pl.col("dataset") == "all") & (pl.col("stage") == t["name"]))
-        med = sub.group_by("model_layer").agg(
-            pl.col("imbalance_factor").quantile(0.5, "linear").alias("m"),
-            pl.col("imbalance_factor").min().alias("lo"),
-            pl.col("imbalance_factor").max().alias("hi"),
-        ).sort("model_layer")
+        med = (
+            sub.group_by("model_layer")
+            .agg(
+                pl.col("imbalance_factor").quantile(0.5, "linear").alias("m"),
+                pl.col("imbalance_factor").min().alias("lo"),
+                pl.col("imbalance_factor").max().alias("hi"),
+            )
+            .sort("model_layer")
+        )
         assert [int(v) for v in t["x"]] == med["model_layer"].to_list()
         np.testing.assert_allclose(_arr(t["median"]), med["m"].to_numpy(), rtol=1e-12)
         np.testing.assert_allclose(_arr(t["lowerfence"]), med["lo"].to_numpy(), rtol=1e-12)
@@ -86,8 +90,10 @@ def check_correlation(figs: dict[str, list[dict]], an: Path) -> list[str]:
         layers = sorted(per["model_layer"].unique().to_list())
         assert len(traces) == 1 + len(layers)  # mean, then one per layer
         for i, t in enumerate(traces):
-            src = mean.filter(pl.col("stage") == stage) if i == 0 else per.filter(
-                (pl.col("stage") == stage) & (pl.col("model_layer") == layers[i - 1])
+            src = (
+                mean.filter(pl.col("stage") == stage)
+                if i == 0
+                else per.filter((pl.col("stage") == stage) & (pl.col("model_layer") == layers[i - 1]))
             )
             want = np.array([[src.filter((pl.col("dataset_a") == a) & (pl.col("dataset_b") == b))["pearson"].item()
                               for b in names] for a in names])  # fmt: skip
@@ -101,7 +107,11 @@ def check_correlation(figs: dict[str, list[dict]], an: Path) -> list[str]:
         t = traces[f"pooled: {ds}"]
         assert [int(v) for v in t["x"]] == sub["model_layer"].to_list()
         np.testing.assert_allclose(_arr(t["y"]), sub["pearson"].to_numpy(), rtol=1e-12)
-    pr = pl.read_parquet(an / "prefill_decode_per_request_layers.parquet").filter(pl.col("dataset") == "all").sort("layer")
+    pr = (
+        pl.read_parquet(an / "prefill_decode_per_request_layers.parquet")
+        .filter(pl.col("dataset") == "all")
+        .sort("layer")
+    )
     np.testing.assert_allclose(_arr(traces["per request (mean r over requests)"]["y"]), pr["pearson_mean"].to_numpy())
     checked.append("correlation-prefill-decode")
     return checked
@@ -156,7 +166,10 @@ def check_placement(figs: dict[str, list[dict]], cmp: Path) -> list[str]:
     from moetrace.dashboards.section_placement import STRATEGY_NAMES
 
     labels = {v: k for k, v in STRATEGY_NAMES.items()}
-    name_of = {**{n: n for n in pl.read_parquet(cmp / "summary.parquet")["strategy"]}, **labels}  # rows outside the registry keep their name
+    name_of = {
+        **{n: n for n in pl.read_parquet(cmp / "summary.parquet")["strategy"]},
+        **labels,
+    }  # rows outside the registry keep their name
     bt = pl.read_parquet(cmp / "batches.parquet")
     traces = figs["placement-normalized"]
     assert {name_of[t["name"]] for t in traces} == set(bt["strategy"].unique().to_list())

@@ -16,9 +16,10 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 try:
     from browser.figjson import decode
@@ -79,7 +80,9 @@ class PageLoad:
 
 
 @contextlib.contextmanager
-def open_report(path: str | os.PathLike, *, width: int = 1400, height: int = 900, timeout_s: float = 90) -> Iterator[Any]:
+def open_report(
+    path: str | os.PathLike, *, width: int = 1400, height: int = 900, timeout_s: float = 90
+) -> Iterator[Any]:
     """A playwright page with ``path`` loaded at a ``width`` x ``height`` window and every figure drawn."""
     from playwright.sync_api import sync_playwright
 
@@ -107,7 +110,9 @@ def screenshot_top(path: str | os.PathLike, out: str | os.PathLike, *, width: in
     return Path(out)
 
 
-def screenshot_figures(path: str | os.PathLike, shots: dict[str, str | os.PathLike], *, width: int = 1400) -> list[Path]:
+def screenshot_figures(
+    path: str | os.PathLike, shots: dict[str, str | os.PathLike], *, width: int = 1400
+) -> list[Path]:
     """PNGs of single figures: ``{figure key: PNG path}``, at a ``width`` px wide window."""
     out = []
     with open_report(path, width=width) as page:
@@ -240,8 +245,23 @@ if __name__ == "__main__":
     ap.add_argument("--screenshot", default=None)
     args = ap.parse_args()
     res = load_report(args.report, screenshot=args.screenshot)
-    print(json.dumps({"rendered": res.rendered, "errors": res.console_errors, "requests": res.requests,
-                      "sections": res.sections}, indent=1))
+    print(
+        json.dumps(
+            {
+                "rendered": res.rendered,
+                "errors": res.console_errors,
+                "requests": res.requests,
+                "sections": res.sections,
+            },
+            indent=1,
+        )
+    )
     for f in res.figures:
-        print(f["key"], "plotted" if f["plotted"] else "NOT PLOTTED", f"svg={f['num_svg']} canvas={f['num_canvas']}",
-              f"drawn={f['num_drawn']}", f"traces={len(f['data'])}", f["annotations"])
+        print(
+            f["key"],
+            "plotted" if f["plotted"] else "NOT PLOTTED",
+            f"svg={f['num_svg']} canvas={f['num_canvas']}",
+            f"drawn={f['num_drawn']}",
+            f"traces={len(f['data'])}",
+            f["annotations"],
+        )

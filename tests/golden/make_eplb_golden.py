@@ -30,7 +30,10 @@ import numpy as np
 OUT = Path(__file__).with_name("eplb_deepseek.json")
 NUM_RANDOM = 160  # seeded random cases after the README's example
 KINDS = ("ties", "counts", "gamma", "gamma", "zeros", "spread")  # gamma twice: continuous loads are the common case
-README_LOAD = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86], [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+README_LOAD = [
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+]
 
 
 def _load_module(path: Path) -> ModuleType:
@@ -73,13 +76,29 @@ def _random_case(seed: int) -> dict[str, Any]:
     else:
         groups = int(rng.choice(hier))
     kind = str(rng.choice(KINDS))
-    return {"name": f"seed{seed}", "seed": seed, "kind": kind, "num_replicas": P, "num_groups": groups,
-            "num_nodes": nodes, "num_gpus": gpus, "load": _load(kind, (L, E), rng)}
+    return {
+        "name": f"seed{seed}",
+        "seed": seed,
+        "kind": kind,
+        "num_replicas": P,
+        "num_groups": groups,
+        "num_nodes": nodes,
+        "num_gpus": gpus,
+        "load": _load(kind, (L, E), rng),
+    }
 
 
 def _cases() -> list[dict[str, Any]]:
-    readme = {"name": "readme", "seed": None, "kind": "readme", "num_replicas": 16, "num_groups": 4, "num_nodes": 2,
-              "num_gpus": 8, "load": np.asarray(README_LOAD, dtype=np.float32)}
+    readme = {
+        "name": "readme",
+        "seed": None,
+        "kind": "readme",
+        "num_replicas": 16,
+        "num_groups": 4,
+        "num_nodes": 2,
+        "num_gpus": 8,
+        "load": np.asarray(README_LOAD, dtype=np.float32),
+    }
     return [readme] + [_random_case(seed) for seed in range(NUM_RANDOM)]
 
 
@@ -99,7 +118,9 @@ def _json_load(load_LE: np.ndarray) -> list[list[float | int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--eplb-path", type=Path, required=True, help="DeepSeek's eplb.py (from github.com/deepseek-ai/EPLB)")
+    ap.add_argument(
+        "--eplb-path", type=Path, required=True, help="DeepSeek's eplb.py (from github.com/deepseek-ai/EPLB)"
+    )
     ap.add_argument("--eplb-commit", default="", help="the EPLB commit it came from, recorded in the file")
     ap.add_argument("-o", "--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -109,14 +130,22 @@ def main() -> None:
     lines = []
     for c in _cases():
         load = c.pop("load")
-        phy2log, log2phy, logcnt = eplb.rebalance_experts(torch.from_numpy(load), c["num_replicas"], c["num_groups"],
-                                                          c["num_nodes"], c["num_gpus"])
-        ragged = [[[int(p) for p in l2p[:n]] for l2p, n in zip(l2p_EM, cnt_E)] for l2p_EM, cnt_E in zip(log2phy.tolist(), logcnt.tolist())]
+        phy2log, log2phy, logcnt = eplb.rebalance_experts(
+            torch.from_numpy(load), c["num_replicas"], c["num_groups"], c["num_nodes"], c["num_gpus"]
+        )
+        ragged = [
+            [[int(p) for p in l2p[:n]] for l2p, n in zip(l2p_EM, cnt_E)]
+            for l2p_EM, cnt_E in zip(log2phy.tolist(), logcnt.tolist())
+        ]
         c.update(load=_json_load(load), phy2log=phy2log.tolist(), log2phy=ragged, logcnt=logcnt.tolist())
         lines.append(json.dumps(c, separators=(",", ":")))
-    head = {"source": "github.com/deepseek-ai/EPLB eplb.py, rebalance_experts", "commit": args.eplb_commit,
-            "torch": torch.__version__, "generator": "tests/golden/make_eplb_golden.py",
-            "log2phy": "ragged: each expert's slots in replica-rank order, without -1 padding"}
+    head = {
+        "source": "github.com/deepseek-ai/EPLB eplb.py, rebalance_experts",
+        "commit": args.eplb_commit,
+        "torch": torch.__version__,
+        "generator": "tests/golden/make_eplb_golden.py",
+        "log2phy": "ragged: each expert's slots in replica-rank order, without -1 padding",
+    }
     text = '{"about":' + json.dumps(head, separators=(",", ":")) + ',\n"cases":[\n' + ",\n".join(lines) + "\n]}\n"
     args.out.write_text(text)
     print(f"{len(lines)} cases -> {args.out} ({len(text) / 1e3:.0f} kB)")

@@ -26,8 +26,9 @@ Out of scope: which backends exist and which ``--backend auto`` picks (``registr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from moetrace.errors import ConfigError
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -251,7 +252,7 @@ class RoutingRecorder:
 
         return hook
 
-    def __enter__(self) -> "RoutingRecorder":
+    def __enter__(self) -> RoutingRecorder:
         for slot, router in enumerate(self._routers):
             self._handles.append(router.register_forward_hook(self._hook(slot)))
         return self

@@ -19,8 +19,9 @@ Out of scope: what a backend does (``hf``, ``vllm``), the protocol itself (``bas
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from moetrace.errors import ConfigError
 

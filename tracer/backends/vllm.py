@@ -39,8 +39,9 @@ import queue
 import re
 import threading
 import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -91,16 +92,19 @@ def capture_facts(version: tuple[int, ...]) -> CaptureFacts:
             "Upgrade: pip install -U 'vllm>=0.14'"
         )
     if v <= (0, 20):
-        return CaptureFacts(releases="0.14-0.20", layer_axis="decoder", enable_prefix_caching=None,
-                            model_runner_v2=False)
+        return CaptureFacts(
+            releases="0.14-0.20", layer_axis="decoder", enable_prefix_caching=None, model_runner_v2=False
+        )
     if v == (0, 21):  # cached positions are never written into 0.21's per-request host cache
         return CaptureFacts(releases="0.21", layer_axis="moe", enable_prefix_caching=False, model_runner_v2=False)
     if v <= (0, 27):
-        return CaptureFacts(releases="0.22-0.27", layer_axis="decoder", enable_prefix_caching=None,
-                            model_runner_v2=False)
+        return CaptureFacts(
+            releases="0.22-0.27", layer_axis="decoder", enable_prefix_caching=None, model_runner_v2=False
+        )
     if v <= (0, 30):
-        return CaptureFacts(releases="0.28-0.30", layer_axis="decoder", enable_prefix_caching=None,
-                            model_runner_v2=None)
+        return CaptureFacts(
+            releases="0.28-0.30", layer_axis="decoder", enable_prefix_caching=None, model_runner_v2=None
+        )
     return CaptureFacts(releases=">=0.31", layer_axis="decoder", enable_prefix_caching=True, model_runner_v2=True)
 
 
@@ -117,11 +121,15 @@ def capture_env_problem(facts: CaptureFacts, environ: Mapping[str, str]) -> str 
     except ValueError:
         return f"{V2_RUNNER_ENV}={raw!r}: vLLM reads it as 0 or 1"
     if v2 and facts.model_runner_v2 is False:
-        return (f"vLLM {facts.releases} captures routed experts only with the V1 model runner; unset "
-                f"{V2_RUNNER_ENV} (it is {raw!r})")
+        return (
+            f"vLLM {facts.releases} captures routed experts only with the V1 model runner; unset "
+            f"{V2_RUNNER_ENV} (it is {raw!r})"
+        )
     if not v2 and facts.model_runner_v2 is True:
-        return (f"vLLM {facts.releases} captures routed experts only with Model Runner V2; unset "
-                f"{V2_RUNNER_ENV} (it is {raw!r})")
+        return (
+            f"vLLM {facts.releases} captures routed experts only with Model Runner V2; unset "
+            f"{V2_RUNNER_ENV} (it is {raw!r})"
+        )
     return None
 
 
@@ -275,8 +283,10 @@ def engine_start_error(source: str, exc: BaseException) -> str:
             "what the model or the memory allows"
         )
     elif "out of memory" in msg.lower():
-        line += (". Not enough GPU memory: raise --gpu-memory-utilization, lower --max-model-len, or spread "
-                 "the model over more GPUs (--tp)")
+        line += (
+            ". Not enough GPU memory: raise --gpu-memory-utilization, lower --max-model-len, or spread "
+            "the model over more GPUs (--tp)"
+        )
     return line
 
 
@@ -335,8 +345,15 @@ class VllmBackend:
     ) -> None:
         """:func:`collect_with_vllm` with what :meth:`check_environment` and :meth:`load` found."""
         source, capture = self._ready()
-        collect_with_vllm(prompts, writer=writer, source=source, engine=self.engine, capture=capture,
-                          generation=generation, on_progress=on_progress)
+        collect_with_vllm(
+            prompts,
+            writer=writer,
+            source=source,
+            engine=self.engine,
+            capture=capture,
+            generation=generation,
+            on_progress=on_progress,
+        )
 
     def _ready(self) -> tuple[str, CaptureFacts]:
         if self._source is None or self._capture is None:
@@ -354,9 +371,17 @@ class _Sink:
     encoding and commits happen here. Errors surface on the next :meth:`put` or at :meth:`close`.
     """
 
-    def __init__(self, writer: TraceWriter, *, info: ModelInfo, datasets: dict[int, str], commit_every: int,
-                 on_progress: Callable[[int, int], None] | None, prompt_texts: dict[int, str] | None,
-                 layer_axis: LayerAxis = "decoder") -> None:
+    def __init__(
+        self,
+        writer: TraceWriter,
+        *,
+        info: ModelInfo,
+        datasets: dict[int, str],
+        commit_every: int,
+        on_progress: Callable[[int, int], None] | None,
+        prompt_texts: dict[int, str] | None,
+        layer_axis: LayerAxis = "decoder",
+    ) -> None:
         self.writer, self.info, self.datasets, self.layer_axis = writer, info, datasets, layer_axis
         self.commit_every, self.on_progress, self.prompt_texts = commit_every, on_progress, prompt_texts
         self.failed: list[tuple[int, str]] = []
@@ -401,7 +426,7 @@ class _Sink:
                 done.append(out)
         if not done:
             return
-        self.num_missing_rows += sum(int((c.topk_ids_TX[: -1] == NO_EXPERT).all(axis=1).sum()) for c in done)
+        self.num_missing_rows += sum(int((c.topk_ids_TX[:-1] == NO_EXPERT).all(axis=1).sum()) for c in done)
         texts = self.prompt_texts if self.writer.with_text else None  # given exactly when the writer keeps text
         self.writer.add_requests(
             request_id_R=np.array([c.request_id for c in done], dtype=np.int64),
@@ -434,8 +459,15 @@ def _sampling_params(vllm: Any, *, request_id: int, generation: GenerationConfig
     )
 
 
-def run_engine_loop(llm: Any, work: Iterator[tuple[int, list[int]]], *, vllm: Any, num_inflight: int,
-                    generation: GenerationConfig, emit: Callable[[list[Any]], None]) -> None:
+def run_engine_loop(
+    llm: Any,
+    work: Iterator[tuple[int, list[int]]],
+    *,
+    vllm: Any,
+    num_inflight: int,
+    generation: GenerationConfig,
+    emit: Callable[[list[Any]], None],
+) -> None:
     """Keep ``num_inflight`` requests in the engine, hand every finished batch of outputs to ``emit``.
 
     ``work`` yields ``(request_id, prompt_token_ids)``; each is sampled as ``generation`` says.
@@ -498,8 +530,9 @@ def collect_with_vllm(
         if engine.dp == 1:
             _run_single(pending, sink=sink, source=source, engine=engine, capture=capture, generation=generation)
         else:
-            _run_data_parallel(pending, sink=sink, source=source, info=info, engine=engine, capture=capture,
-                               generation=generation)
+            _run_data_parallel(
+                pending, sink=sink, source=source, info=info, engine=engine, capture=capture, generation=generation
+            )
     finally:
         sink.close()
     writer.update_manifest(
@@ -524,8 +557,9 @@ def collect_with_vllm(
         )
 
 
-def _encode_all(prompts: Sequence[PromptRecord], tokenizer: Any, *, chat_template: bool, max_prompt: int,
-                truncated: list[int]) -> Iterator[tuple[int, list[int]]]:
+def _encode_all(
+    prompts: Sequence[PromptRecord], tokenizer: Any, *, chat_template: bool, max_prompt: int, truncated: list[int]
+) -> Iterator[tuple[int, list[int]]]:
     """Token ids of each prompt; prompts longer than ``max_prompt`` keep their first ``max_prompt``
     tokens (their ids are appended to ``truncated``; ``prompt_tokens`` is the length actually run)."""
     from moetrace.tracer.datasets import render_prompt_ids
@@ -563,15 +597,27 @@ def _max_prompt(llm: Any, max_new_tokens: int) -> int:
     return max_len - max_new_tokens
 
 
-def _run_single(pending: list[PromptRecord], *, sink: _Sink, source: str, engine: VllmEngineConfig, capture: CaptureFacts,
-                generation: GenerationConfig) -> None:
+def _run_single(
+    pending: list[PromptRecord],
+    *,
+    sink: _Sink,
+    source: str,
+    engine: VllmEngineConfig,
+    capture: CaptureFacts,
+    generation: GenerationConfig,
+) -> None:
     import vllm
 
     if not pending:
         return
     llm = _build_llm(source, engine, capture=capture, seed=generation.seed)
-    work = _encode_all(pending, llm.get_tokenizer(), chat_template=generation.chat_template,
-                       max_prompt=_max_prompt(llm, generation.max_new_tokens), truncated=sink.truncated)
+    work = _encode_all(
+        pending,
+        llm.get_tokenizer(),
+        chat_template=generation.chat_template,
+        max_prompt=_max_prompt(llm, generation.max_new_tokens),
+        truncated=sink.truncated,
+    )
     run_engine_loop(llm, work, vllm=vllm, num_inflight=engine.num_inflight, generation=generation, emit=sink.put)
 
 
@@ -587,11 +633,26 @@ def split_evenly(items: Sequence[T], num_parts: int) -> list[list[T]]:
     return out
 
 
-def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[PromptRecord], source: str, info: ModelInfo,
-               engine: VllmEngineConfig, capture: CaptureFacts, generation: GenerationConfig, results: Any) -> None:
+def _dp_worker(
+    rank: int,
+    dp: int,
+    master_port: int,
+    prompts: list[PromptRecord],
+    source: str,
+    info: ModelInfo,
+    engine: VllmEngineConfig,
+    capture: CaptureFacts,
+    generation: GenerationConfig,
+    results: Any,
+) -> None:
     """One DP engine rank (a process): generate its prompts, send converted requests back."""
-    os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(dp),
-                      VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(master_port))
+    os.environ.update(
+        VLLM_DP_RANK=str(rank),
+        VLLM_DP_RANK_LOCAL=str(rank),
+        VLLM_DP_SIZE=str(dp),
+        VLLM_DP_MASTER_IP="127.0.0.1",
+        VLLM_DP_MASTER_PORT=str(master_port),
+    )
     try:
         import vllm
 
@@ -601,12 +662,26 @@ def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[PromptRecord]
         # every rank must run a request, even with an empty shard (vLLM's DP ranks step together)
         todo = prompts or [PromptRecord(request_id=-1, dataset="placeholder", text="placeholder")]
         truncated: list[int] = []
-        work = _encode_all(todo, llm.get_tokenizer(), chat_template=generation.chat_template,
-                           max_prompt=_max_prompt(llm, generation.max_new_tokens), truncated=truncated)
+        work = _encode_all(
+            todo,
+            llm.get_tokenizer(),
+            chat_template=generation.chat_template,
+            max_prompt=_max_prompt(llm, generation.max_new_tokens),
+            truncated=truncated,
+        )
 
         def emit(outputs: list[Any]) -> None:
-            results.put(("rows", rank, [convert_or_fail(o, info=info, layer_axis=capture.layer_axis)
-                                        for o in outputs if int(o.request_id) >= 0]))
+            results.put(
+                (
+                    "rows",
+                    rank,
+                    [
+                        convert_or_fail(o, info=info, layer_axis=capture.layer_axis)
+                        for o in outputs
+                        if int(o.request_id) >= 0
+                    ],
+                )
+            )
 
         run_engine_loop(llm, work, vllm=vllm, num_inflight=engine.num_inflight, generation=generation, emit=emit)
         results.put(("done", rank, truncated))
@@ -614,8 +689,16 @@ def _dp_worker(rank: int, dp: int, master_port: int, prompts: list[PromptRecord]
         results.put(("error", rank, f"{type(exc).__name__}: {exc}"))
 
 
-def _run_data_parallel(pending: list[PromptRecord], *, sink: _Sink, source: str, info: ModelInfo, engine: VllmEngineConfig,
-                       capture: CaptureFacts, generation: GenerationConfig) -> None:
+def _run_data_parallel(
+    pending: list[PromptRecord],
+    *,
+    sink: _Sink,
+    source: str,
+    info: ModelInfo,
+    engine: VllmEngineConfig,
+    capture: CaptureFacts,
+    generation: GenerationConfig,
+) -> None:
     import multiprocessing as mp
 
     if not pending:

@@ -37,8 +37,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -120,7 +121,9 @@ def routed_experts_to_rows(
             f"routed experts have {H} layers; expected {num_hidden_layers} (all layers) or {L} (MoE layers)"
         )
     if N not in (T - 1, T):
-        raise ValueError(f"routed experts cover {N} tokens; a request of {prompt_tokens}+{output_tokens} tokens needs {T - 1}")
+        raise ValueError(
+            f"routed experts cover {N} tokens; a request of {prompt_tokens}+{output_tokens} tokens needs {T - 1}"
+        )
     if np.issubdtype(arr.dtype, np.signedinteger):
         bad = (arr < NO_EXPERT) | (arr >= num_experts)
     else:
@@ -201,8 +204,9 @@ def convert_output(output: Any, *, info: ModelInfo, layer_axis: LayerAxis = "dec
     return ConvertedRequest(int(output.request_id), prompt_tokens, output_tokens, rows, completion.text or None)
 
 
-def convert_or_fail(output: Any, *, info: ModelInfo,
-                    layer_axis: LayerAxis = "decoder") -> ConvertedRequest | FailedRequest:
+def convert_or_fail(
+    output: Any, *, info: ModelInfo, layer_axis: LayerAxis = "decoder"
+) -> ConvertedRequest | FailedRequest:
     """:func:`convert_output`, or a :class:`FailedRequest` naming why not (the run goes on; a resumed
     run retries it)."""
     try:

@@ -30,13 +30,28 @@ from typing import TYPE_CHECKING, Any
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
 from moetrace.tracer.importers import sglang, tokens
 from moetrace.tracer.importers.base import (
-    HEAD_BYTES, RECORDED_STAGES, STAGES_HELP, STAGES_MODES, ImportFormat, Progress, ReadResult, StagesMode,
+    HEAD_BYTES,
+    RECORDED_STAGES,
+    STAGES_HELP,
+    STAGES_MODES,
+    ImportFormat,
+    Progress,
+    ReadResult,
+    StagesMode,
 )
 from moetrace.tracer.importers.jsonl import (
-    MAX_REQUEST_BYTES, MAX_REQUEST_TOKENS, check_utf8, first_line, first_line_utf8_error, first_record,
+    MAX_REQUEST_BYTES,
+    MAX_REQUEST_TOKENS,
+    check_utf8,
+    first_line,
+    first_line_utf8_error,
+    first_record,
 )
 from moetrace.tracer.importers.sglang import (
-    SGLANG_DEFAULT_DTYPE, SGLANG_ROUTED_EXPERTS_DTYPES, decode_sglang_routed_experts, sglang_response_rows,
+    SGLANG_DEFAULT_DTYPE,
+    SGLANG_ROUTED_EXPERTS_DTYPES,
+    decode_sglang_routed_experts,
+    sglang_response_rows,
     sglang_routed_experts_dtype,
 )
 from moetrace.tracer.importers.tokens import decode_only_counts_generated, tokens_to_requests
@@ -46,10 +61,26 @@ if TYPE_CHECKING:  # the writer (pyarrow) loads in import_trace, so `moetrace --
     from moetrace.tracer.trace.writer import OnExisting, WriterStats
 
 __all__ = [
-    "FORMATS", "ImportFormat", "MAX_REQUEST_BYTES", "MAX_REQUEST_TOKENS", "RECORDED_STAGES", "ReadResult",
-    "SGLANG_DEFAULT_DTYPE", "SGLANG_ROUTED_EXPERTS_DTYPES", "STAGES_HELP", "STAGES_MODES", "StagesMode",
-    "check_utf8", "decode_only_counts_generated", "decode_sglang_routed_experts", "detect_format", "get_format",
-    "import_trace", "sglang_response_rows", "sglang_routed_experts_dtype", "tokens_to_requests"
+    "FORMATS",
+    "ImportFormat",
+    "MAX_REQUEST_BYTES",
+    "MAX_REQUEST_TOKENS",
+    "RECORDED_STAGES",
+    "ReadResult",
+    "SGLANG_DEFAULT_DTYPE",
+    "SGLANG_ROUTED_EXPERTS_DTYPES",
+    "STAGES_HELP",
+    "STAGES_MODES",
+    "StagesMode",
+    "check_utf8",
+    "decode_only_counts_generated",
+    "decode_sglang_routed_experts",
+    "detect_format",
+    "get_format",
+    "import_trace",
+    "sglang_response_rows",
+    "sglang_routed_experts_dtype",
+    "tokens_to_requests",
 ]
 
 #: the registry, in the order the CLI lists it and detection asks
@@ -111,11 +142,14 @@ def detect_format(src: Path) -> ImportFormat:
         raise TraceFormatError(f"{src}: empty file")
     found = [f for f in FORMATS if f.detect(head, src)]
     if len(found) > 1:
-        raise TraceFormatError(f"{src}: reads as several formats ({', '.join(f.name for f in found)}); "
-                               "pass --format to say which")
+        raise TraceFormatError(
+            f"{src}: reads as several formats ({', '.join(f.name for f in found)}); pass --format to say which"
+        )
     if not found:
-        raise TraceFormatError(f"{_describe(src, head)}, which is none of the formats moetrace imports: "
-                               f"{_listing()}. Pass --format to say which.")
+        raise TraceFormatError(
+            f"{_describe(src, head)}, which is none of the formats moetrace imports: "
+            f"{_listing()}. Pass --format to say which."
+        )
     return found[0]
 
 
@@ -149,22 +183,26 @@ def import_trace(
     fmt = detect_format(src) if source_format == "auto" else get_format(source_format)
     if stages != "both" and not fmt.stages_modes:
         honour = ", ".join(f.name for f in FORMATS if f.stages_modes)
-        raise ConfigError(f"--stages {stages} applies to --format {honour}; --format {fmt.name} ({fmt.help}) always "
-                          "carries both stages (leave --stages at both)")
+        raise ConfigError(
+            f"--stages {stages} applies to --format {honour}; --format {fmt.name} ({fmt.help}) always "
+            "carries both stages (leave --stages at both)"
+        )
     if fmt.precheck is not None:
         fmt.precheck(src)
     label = dataset or src.stem
     # the file's name only: the user's directories stay out of the trace (privacy)
     backend = {"name": "import", "source_format": fmt.name, "source_file": src.name}
-    collection: dict[str, Any] = {"datasets": [label] if dataset else [], "imported_from": src.name,
-                                  "stages": RECORDED_STAGES[stages]}
+    collection: dict[str, Any] = {
+        "datasets": [label] if dataset else [],
+        "imported_from": src.name,
+        "stages": RECORDED_STAGES[stages],
+    }
     created = not Path(out).exists()
     if on_existing == "refuse" and (Path(out) / MANIFEST).exists():
         raise OutputExistsError(f"{out} already holds a trace; choose another -o, or --overwrite to replace it")
     try:
         with TraceWriter(out, model=model, backend=backend, collection=collection, on_existing=on_existing) as writer:
-            result: ReadResult = fmt.read(src, writer=writer, info=model, label=label, stages=stages,
-                                          progress=progress)
+            result: ReadResult = fmt.read(src, writer=writer, info=model, label=label, stages=stages, progress=progress)
             if not result.prompt_lengths_known:
                 collection["prompt_lengths_known"] = False
             writer.update_manifest(collection={**collection, "datasets": sorted(result.datasets)})

@@ -40,7 +40,9 @@ STAGES_HELP: dict[str, str] = {
 }
 #: ``--stages`` -> the manifest's ``collection.stages`` (``schema.STAGE_PREFILL``, ``STAGE_DECODE``)
 RECORDED_STAGES: dict[str, list[str]] = {
-    "both": ["prefill", "decode"], "decode-only": ["decode"], "prefill-only": ["prefill"],
+    "both": ["prefill", "decode"],
+    "decode-only": ["decode"],
+    "prefill-only": ["prefill"],
 }
 
 #: how many bytes of the input ``detect`` sees (a format may read more from ``src`` itself)
@@ -68,8 +70,17 @@ class Detect(Protocol):
 
 
 class Read(Protocol):
-    def __call__(self, src: Path, /, *, writer: TraceWriter, info: ModelInfo, label: str, stages: StagesMode,
-                 progress: Progress | None) -> ReadResult:
+    def __call__(
+        self,
+        src: Path,
+        /,
+        *,
+        writer: TraceWriter,
+        info: ModelInfo,
+        label: str,
+        stages: StagesMode,
+        progress: Progress | None,
+    ) -> ReadResult:
         """Add every request of ``src`` to ``writer`` (``add_requests``), labelling requests that carry no
         dataset with ``label``; ``stages`` is what the capture recorded (always ``both`` for a format whose
         ``stages_modes`` is False). Raises ``TraceFormatError`` naming the place in ``src``, the problem and

@@ -69,8 +69,9 @@ def sglang_routed_experts_dtype(name: Any) -> np.dtype:
     return np.dtype(SGLANG_ROUTED_EXPERTS_DTYPES[name.strip().lower()])
 
 
-def decode_sglang_routed_experts(payload: str, *, num_rows: int, top_k: int,
-                                 dtype_name: str | None = None) -> np.ndarray:
+def decode_sglang_routed_experts(
+    payload: str, *, num_rows: int, top_k: int, dtype_name: str | None = None
+) -> np.ndarray:
     """SGLang's base64 payload as ``[num_rows, H, top_k]`` ids (H = the layers it recorded: all, or
     only the MoE layers), in the dtype ``dtype_name`` names (a ``meta_info.routed_experts_dtype`` value;
     None: int32)."""
@@ -114,28 +115,48 @@ def sglang_response_rows(resp: dict[str, Any], *, info: ModelInfo) -> tuple[int,
     start = whole(meta.get("routed_experts_start_len") or 0, "meta_info.routed_experts_start_len")
     T = P + O
     if T * info.ids_per_token * 2 > MAX_REQUEST_BYTES:
-        raise TraceFormatError(f"a request of {P}+{O} tokens would take {T * info.ids_per_token * 2:,} bytes of "
-                               f"routing; more than {MAX_REQUEST_BYTES:,} for one request (check the token counts)")
+        raise TraceFormatError(
+            f"a request of {P}+{O} tokens would take {T * info.ids_per_token * 2:,} bytes of "
+            f"routing; more than {MAX_REQUEST_BYTES:,} for one request (check the token counts)"
+        )
     if not 0 <= start <= T - 1:
         raise TraceFormatError(f"routed_experts_start_len {start} outside 0..{T - 1}")
     if not isinstance(payload, str):
         raise TraceFormatError(f"meta_info.routed_experts must be a base64 string, got {type(payload).__name__}")
-    arr = decode_sglang_routed_experts(payload, num_rows=T - 1 - start, top_k=info.top_k,
-                                       dtype_name=meta.get("routed_experts_dtype"))
+    arr = decode_sglang_routed_experts(
+        payload, num_rows=T - 1 - start, top_k=info.top_k, dtype_name=meta.get("routed_experts_dtype")
+    )
     if start:  # positions before the start were not returned: nothing recorded
         H = arr.shape[1] if arr.size else info.num_hidden_layers
-        arr = np.concatenate([np.full((start, H, info.top_k), NO_EXPERT, dtype=np.int32),
-                              arr.reshape(-1, H, info.top_k).astype(np.int32)])
+        arr = np.concatenate(
+            [
+                np.full((start, H, info.top_k), NO_EXPERT, dtype=np.int32),
+                arr.reshape(-1, H, info.top_k).astype(np.int32),
+            ]
+        )
     try:
-        rows = routed_experts_to_rows(arr, moe_layers=info.moe_layers, num_hidden_layers=info.num_hidden_layers,
-                                      num_experts=info.num_experts, prompt_tokens=P, output_tokens=O)
+        rows = routed_experts_to_rows(
+            arr,
+            moe_layers=info.moe_layers,
+            num_hidden_layers=info.num_hidden_layers,
+            num_experts=info.num_experts,
+            prompt_tokens=P,
+            output_tokens=O,
+        )
     except ValueError as exc:
         raise TraceFormatError(str(exc)) from exc
     return P, O, rows
 
 
-def read(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str, stages: StagesMode = "both",
-         progress: Progress | None = None) -> ReadResult:
+def read(
+    src: Path,
+    *,
+    writer: TraceWriter,
+    info: ModelInfo,
+    label: str,
+    stages: StagesMode = "both",
+    progress: Progress | None = None,
+) -> ReadResult:
     """Add every response of ``src`` to ``writer``, ``BATCH_RESPONSES`` at a time; progress in bytes of ``src``."""
     import numpy as np
 

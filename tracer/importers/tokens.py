@@ -131,7 +131,12 @@ def tokens_to_requests(
     if len(np.unique(flat)) != len(flat):
         raise TraceFormatError("a (request, position, layer) appears twice")
     topk_ids_TLK[row, col] = topk_ids_NK
-    return rids.astype(np.int64), prompt_R.astype(np.int32), (len_R - prompt_R).astype(np.int32), topk_ids_TLK.reshape(-1, L * K)
+    return (
+        rids.astype(np.int64),
+        prompt_R.astype(np.int32),
+        (len_R - prompt_R).astype(np.int32),
+        topk_ids_TLK.reshape(-1, L * K),
+    )
 
 
 def decode_only_counts_generated(position_N: np.ndarray) -> bool:
@@ -140,7 +145,9 @@ def decode_only_counts_generated(position_N: np.ndarray) -> bool:
     return bool(position_N.size) and int(position_N.min()) == 0
 
 
-def _check_stages(is_decode_N: np.ndarray, *, request_N: np.ndarray, position_N: np.ndarray, stages: StagesMode) -> None:
+def _check_stages(
+    is_decode_N: np.ndarray, *, request_N: np.ndarray, position_N: np.ndarray, stages: StagesMode
+) -> None:
     """Raise ``TraceFormatError`` when the records' stages contradict the declared ``stages``."""
     import numpy as np
 
@@ -148,9 +155,15 @@ def _check_stages(is_decode_N: np.ndarray, *, request_N: np.ndarray, position_N:
 
     if not is_decode_N.size:
         return
-    fix = {"both": "", "decode-only": "; a capture with prompt records imports with --stages both",
-           "prefill-only": "; a capture with generated-token records imports with --stages both"}[stages]
-    for stage, has_N, mode in ((STAGE_PREFILL, ~is_decode_N, "decode-only"), (STAGE_DECODE, is_decode_N, "prefill-only")):
+    fix = {
+        "both": "",
+        "decode-only": "; a capture with prompt records imports with --stages both",
+        "prefill-only": "; a capture with generated-token records imports with --stages both",
+    }[stages]
+    for stage, has_N, mode in (
+        (STAGE_PREFILL, ~is_decode_N, "decode-only"),
+        (STAGE_DECODE, is_decode_N, "prefill-only"),
+    ):
         n = int(has_N.sum())
         if stages == mode and n:
             i = int(np.flatnonzero(has_N)[0])
@@ -176,8 +189,15 @@ def _int64(column: Any, name: str, src: Path) -> np.ndarray:
         raise TraceFormatError(f"{src}: `{name}` holds whole numbers beyond 64 bits") from None
 
 
-def read(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str, stages: StagesMode = "both",
-         progress: Progress | None = None) -> ReadResult:
+def read(
+    src: Path,
+    *,
+    writer: TraceWriter,
+    info: ModelInfo,
+    label: str,
+    stages: StagesMode = "both",
+    progress: Progress | None = None,
+) -> ReadResult:
     """Add the requests of a ``tokens`` file to ``writer`` in one batch (one progress report: the whole file)."""
     import numpy as np
     import polars as pl
@@ -194,8 +214,10 @@ def read(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str, stages:
         "layer": ("an integer", df["layer"].dtype.is_integer()),
         "position": ("an integer", df["position"].dtype.is_integer()),
         "stage": ("'prefill' or 'decode'", df["stage"].dtype == pl.String),
-        "experts": ("a list of integers",
-                    isinstance(df["experts"].dtype, pl.List) and df["experts"].dtype.inner.is_integer()),
+        "experts": (
+            "a list of integers",
+            isinstance(df["experts"].dtype, pl.List) and df["experts"].dtype.inner.is_integer(),
+        ),
     }
     for col, (kind, ok) in kinds.items():
         if not ok:
@@ -216,32 +238,47 @@ def read(src: Path, *, writer: TraceWriter, info: ModelInfo, label: str, stages:
         request_N = np.array([codes[r] for r in req.cast(pl.String).to_list()], dtype=np.int64)
     lens = df["experts"].list.len().to_numpy()
     if (lens != info.top_k).any():
-        raise TraceFormatError(f"{src}: a record has {int(lens[lens != info.top_k][0])} experts; {info.name} has top_k {info.top_k}")
+        raise TraceFormatError(
+            f"{src}: a record has {int(lens[lens != info.top_k][0])} experts; {info.name} has top_k {info.top_k}"
+        )
     topk_ids_NK = np.asarray(_int64(df["experts"].list.explode(), "experts", src)).reshape(-1, info.top_k)
     position_N = _int64(df["position"], "position", src)
     try:
         rid_R, prompt_R, output_R, topk_ids_TX = tokens_to_requests(
-            request_N, _int64(df["layer"], "layer", src), position_N,
-            (df["stage"] == "decode").to_numpy(), topk_ids_NK, info=info, stages=stages,
+            request_N,
+            _int64(df["layer"], "layer", src),
+            position_N,
+            (df["stage"] == "decode").to_numpy(),
+            topk_ids_NK,
+            info=info,
+            stages=stages,
         )
     except TraceFormatError as exc:
         raise TraceFormatError(f"{src}: {exc}") from exc
     if "dataset" in df.columns and df["dataset"].dtype not in (pl.String, pl.Null):
-        raise TraceFormatError(f"{src}: `dataset` must be a string label in every record; read as {df['dataset'].dtype}")
+        raise TraceFormatError(
+            f"{src}: `dataset` must be a string label in every record; read as {df['dataset'].dtype}"
+        )
     if "dataset" in df.columns:
-        first = (pl.DataFrame({"r": request_N, "d": df["dataset"].cast(pl.String)})
-                 .group_by("r", maintain_order=True).first())
+        first = (
+            pl.DataFrame({"r": request_N, "d": df["dataset"].cast(pl.String)})
+            .group_by("r", maintain_order=True)
+            .first()
+        )
         by_id = dict(zip(first["r"].to_list(), first["d"].to_list()))
         ds_R = [by_id[int(r)] or label for r in rid_R]
     else:
         ds_R = [label] * len(rid_R)
-    writer.add_requests(request_id_R=rid_R, dataset_R=ds_R, prompt_tokens_R=prompt_R, output_tokens_R=output_R,
-                        topk_ids_TX=topk_ids_TX)
+    writer.add_requests(
+        request_id_R=rid_R, dataset_R=ds_R, prompt_tokens_R=prompt_R, output_tokens_R=output_R, topk_ids_TX=topk_ids_TX
+    )
     if progress is not None:  # one batch: the whole file
         size = src.stat().st_size
         progress(size, size)
-    return ReadResult(datasets=frozenset(ds_R),
-                      prompt_lengths_known=not (stages == "decode-only" and decode_only_counts_generated(position_N)))
+    return ReadResult(
+        datasets=frozenset(ds_R),
+        prompt_lengths_known=not (stages == "decode-only" and decode_only_counts_generated(position_N)),
+    )
 
 
 FORMAT = ImportFormat(

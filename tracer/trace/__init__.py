@@ -22,7 +22,20 @@ from moetrace.tracer.trace.schema import FORMAT, NO_EXPERT, STAGE_DECODE, STAGE_
 from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 
 __all__ = [
-    "FORMAT", "VERSION", "NO_EXPERT", "STAGE_PREFILL", "STAGE_DECODE", "ModelInfo",
-    "MANIFEST", "REQUESTS_DIR", "ROUTING_DIR", "read_manifest",
-    "Trace", "TokenArrays", "open_trace", "TraceWriter", "WriterStats", "OnExisting",
+    "FORMAT",
+    "VERSION",
+    "NO_EXPERT",
+    "STAGE_PREFILL",
+    "STAGE_DECODE",
+    "ModelInfo",
+    "MANIFEST",
+    "REQUESTS_DIR",
+    "ROUTING_DIR",
+    "read_manifest",
+    "Trace",
+    "TokenArrays",
+    "open_trace",
+    "TraceWriter",
+    "WriterStats",
+    "OnExisting",
 ]

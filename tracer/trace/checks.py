@@ -105,9 +105,14 @@ def routing_schema_problems(schema: pa.Schema, model: ModelInfo, *, exact: bool)
         return [*problems, f"missing column `experts` ({want})"]
     t = schema.field("experts").type
     is_list = pa.types.is_fixed_size_list(t)
-    if not (is_list and (t.value_type == pa.int16() if exact else pa.types.is_integer(t.value_type)) and t.list_size == X):
-        why = (f": {t.list_size} ids per token, but the manifest's moe_layers x top_k = {L} x {K} = {X}"
-               if is_list and t.list_size != X else "")
+    if not (
+        is_list and (t.value_type == pa.int16() if exact else pa.types.is_integer(t.value_type)) and t.list_size == X
+    ):
+        why = (
+            f": {t.list_size} ids per token, but the manifest's moe_layers x top_k = {L} x {K} = {X}"
+            if is_list and t.list_size != X
+            else ""
+        )
         problems.append(f"column `experts` has type {t}, expected {want} ({L} MoE layers x top-{K}){why}")
     return problems
 
@@ -165,18 +170,26 @@ class RequestIndex(NamedTuple):
 def duplicate_request_ids(request_id_R: np.ndarray) -> list[str]:
     """Request ids that appear more than once in the requests table (the first 20, one line each)."""
     uniq, counts = np.unique(request_id_R, return_counts=True)
-    return [f"requests: request_id {int(r)} appears {int(n)} times"
-            for r, n in zip(uniq[counts > 1][:LISTED_REQUESTS], counts[counts > 1][:LISTED_REQUESTS])]
+    return [
+        f"requests: request_id {int(r)} appears {int(n)} times"
+        for r, n in zip(uniq[counts > 1][:LISTED_REQUESTS], counts[counts > 1][:LISTED_REQUESTS])
+    ]
 
 
 def request_lengths(request_id_R: np.ndarray, prompt_tokens_R: np.ndarray, output_tokens_R: np.ndarray) -> list[str]:
     """``prompt_tokens >= 1``, ``output_tokens >= 0``, both within int32 (the first 20 requests of each kind)."""
     rid, ptok, otok = request_id_R, np.asarray(prompt_tokens_R, np.int64), np.asarray(output_tokens_R, np.int64)
     problems = []
-    for name, v, bad, why in (("prompt_tokens", ptok, ptok < 1, "< 1"), ("output_tokens", otok, otok < 0, "< 0"),
-                              ("prompt_tokens", ptok, ptok > _INT32_MAX, "beyond int32"),
-                              ("output_tokens", otok, otok > _INT32_MAX, "beyond int32")):
-        problems += [f"requests: request {int(rid[i])} has {name}={int(v[i])} ({why})" for i in np.flatnonzero(bad)[:LISTED_REQUESTS]]
+    for name, v, bad, why in (
+        ("prompt_tokens", ptok, ptok < 1, "< 1"),
+        ("output_tokens", otok, otok < 0, "< 0"),
+        ("prompt_tokens", ptok, ptok > _INT32_MAX, "beyond int32"),
+        ("output_tokens", otok, otok > _INT32_MAX, "beyond int32"),
+    ):
+        problems += [
+            f"requests: request {int(rid[i])} has {name}={int(v[i])} ({why})"
+            for i in np.flatnonzero(bad)[:LISTED_REQUESTS]
+        ]
     return problems
 
 
@@ -188,8 +201,12 @@ def claimed_tokens(claimed: int, rows: int, *, limit: int) -> list[str]:
     """
     if claimed <= limit:
         return []
-    return [(f"requests: the requests table claims {claimed:,} tokens but the routing parts hold {rows:,} rows "
-             "(its prompt_tokens + output_tokens add up to more)")]
+    return [
+        (
+            f"requests: the requests table claims {claimed:,} tokens but the routing parts hold {rows:,} rows "
+            "(its prompt_tokens + output_tokens add up to more)"
+        )
+    ]
 
 
 # ---------------------------------------------------------------------------------- routing rows
@@ -217,8 +234,10 @@ class RowBatch:
             raise ValueError("the batch was read without its `stage` column")
         if pa.types.is_dictionary(stage.type):
             stage = stage.cast(pa.string())
-        return (pc.equal(stage, STAGE_PREFILL).to_numpy(zero_copy_only=False),
-                pc.equal(stage, STAGE_DECODE).to_numpy(zero_copy_only=False))
+        return (
+            pc.equal(stage, STAGE_PREFILL).to_numpy(zero_copy_only=False),
+            pc.equal(stage, STAGE_DECODE).to_numpy(zero_copy_only=False),
+        )
 
     @cached_property
     def row_T(self) -> np.ndarray:
@@ -260,7 +279,9 @@ class GroupLimit:
         # bit of the group of every int16 id read as uint16 (-1 -> 65535 and ids >= E: no bit)
         self.dtype = np.uint8 if self.n_group <= 8 else np.uint64
         h = np.arange((1 << 16) // self.size + 1)
-        self.bit_of = np.where(h < self.n_group, np.left_shift(1, np.minimum(h, 63).astype(np.uint64)), 0).astype(self.dtype)
+        self.bit_of = np.where(h < self.n_group, np.left_shift(1, np.minimum(h, 63).astype(np.uint64)), 0).astype(
+            self.dtype
+        )
         self.num_bad = 0
         self.example: tuple[int, int, int, list[int]] | None = None  # request, position, MoE layer, ids
 
@@ -289,17 +310,24 @@ class GroupLimit:
         self.num_bad += len(bad)
         if len(bad) and self.example is None:
             t, layer = divmod(int(bad[0]), self.L)
-            self.example = (int(b.request_id_T[t]), int(b.position_T[t]), layer, ids.reshape(-1, self.K)[bad[0]].tolist())
+            self.example = (
+                int(b.request_id_T[t]),
+                int(b.position_T[t]),
+                layer,
+                ids.reshape(-1, self.K)[bad[0]].tolist(),
+            )
 
     def problem(self) -> str:
         m = self.model
         r, pos, layer, ids = self.example or (-1, -1, -1, [])
-        return (f"routing: {self.num_bad} (token, MoE layer) rows use experts of more than topk_group={m.topk_group} of the "
-                f"router's n_group={m.n_group} groups, e.g. request {r} position {pos} MoE layer {layer}: experts {ids} "
-                f"(groups {sorted({e // self.size for e in ids if e >= 0})}); {m.name}'s router never picks such a set, so "
-                "these are not its logical expert ids (physical slots after an EPLB remap? another model's ids?): "
-                "re-collect or re-import with logical ids, or correct n_group/topk_group in the manifest's model section "
-                "if this model routes without a group limit")
+        return (
+            f"routing: {self.num_bad} (token, MoE layer) rows use experts of more than topk_group={m.topk_group} of the "
+            f"router's n_group={m.n_group} groups, e.g. request {r} position {pos} MoE layer {layer}: experts {ids} "
+            f"(groups {sorted({e // self.size for e in ids if e >= 0})}); {m.name}'s router never picks such a set, so "
+            "these are not its logical expert ids (physical slots after an EPLB remap? another model's ids?): "
+            "re-collect or re-import with logical ids, or correct n_group/topk_group in the manifest's model section "
+            "if this model routes without a group limit"
+        )
 
 
 class RowCheck:
@@ -313,8 +341,15 @@ class RowCheck:
     claim was too large to allocate).
     """
 
-    def __init__(self, model: ModelInfo, requests: RequestIndex, *, recorded: frozenset[str] | None = None,
-                 group_limit: bool = False, track_rows: bool = True) -> None:
+    def __init__(
+        self,
+        model: ModelInfo,
+        requests: RequestIndex,
+        *,
+        recorded: frozenset[str] | None = None,
+        group_limit: bool = False,
+        track_rows: bool = True,
+    ) -> None:
         self.model, self.requests = model, requests
         self.E = model.num_experts
         self.recorded = recorded
@@ -345,13 +380,16 @@ class RowCheck:
         problems = [
             f"routing: {n} {stage} rows hold expert ids but the manifest's `collection.stages` "
             f"{sorted(self.recorded or (), key=STAGES.index)} says {stage} was not recorded (its rows must be -1)"
-            for stage, n in self.unrecorded_rows.items() if n
+            for stage, n in self.unrecorded_rows.items()
+            if n
         ]
         if self.group_limit is not None and self.group_limit.num_bad:
             problems.append(self.group_limit.problem())
         if self.num_duplicates:
-            problems.append(f"routing: {self.num_duplicates} duplicate (request_id, position) rows, e.g. "
-                            f"{self.duplicate_examples[:SHOWN]} (rows that appear twice would be counted twice)")
+            problems.append(
+                f"routing: {self.num_duplicates} duplicate (request_id, position) rows, e.g. "
+                f"{self.duplicate_examples[:SHOWN]} (rows that appear twice would be counted twice)"
+            )
         return problems
 
     def row_counts(self) -> list[str]:
@@ -367,8 +405,12 @@ class RowCheck:
         if not len(short):
             return []
         ex = [(int(req.request_id_R[i]), int(seen_R[i]), int(req.length_R[i])) for i in short[:SHOWN]]
-        return [(f"routing: {len(short)} requests whose row count differs from prompt_tokens+output_tokens "
-                 f"(request, rows, expected): {ex}")]
+        return [
+            (
+                f"routing: {len(short)} requests whose row count differs from prompt_tokens+output_tokens "
+                f"(request, rows, expected): {ex}"
+            )
+        ]
 
 
 # ---- the checks, in the order they run: before the arrays exist (Arrow), then on them (numpy)
@@ -388,8 +430,12 @@ def ids_in_range(b: RowBatch, rc: RowCheck) -> list[str]:
     if not ids.size or (int(ids.min()) >= NO_EXPERT and int(ids.max()) < E):
         return []
     out = (ids != NO_EXPERT) & ((ids < 0) | (ids >= E))
-    return [(f"{int(out.sum())} expert ids out of range (outside -1 and 0..{E - 1}, num_experts = {E}), "
-             f"e.g. {np.unique(ids[out])[:10].tolist()}")]
+    return [
+        (
+            f"{int(out.sum())} expert ids out of range (outside -1 and 0..{E - 1}, num_experts = {E}), "
+            f"e.g. {np.unique(ids[out])[:10].tolist()}"
+        )
+    ]
 
 
 def stage_values(b: RowBatch, rc: RowCheck) -> list[str]:
@@ -429,8 +475,12 @@ def rows_of_known_requests(b: RowBatch, rc: RowCheck) -> list[str]:
     if b.all_known:
         return []
     unknown = ~b.known_T
-    return [(f"{int(unknown.sum())} rows of request ids {np.unique(b.request_id_T[unknown])[:SHOWN].tolist()} have no "
-             f"row in {REQUESTS_DIR}/*.parquet")]
+    return [
+        (
+            f"{int(unknown.sum())} rows of request ids {np.unique(b.request_id_T[unknown])[:SHOWN].tolist()} have no "
+            f"row in {REQUESTS_DIR}/*.parquet"
+        )
+    ]
 
 
 def positions_inside_requests(b: RowBatch, rc: RowCheck) -> list[str]:
@@ -440,9 +490,13 @@ def positions_inside_requests(b: RowBatch, rc: RowCheck) -> list[str]:
         return []
     i = int(np.flatnonzero(~inside)[0])
     rid, pos, row = b.known(b.request_id_T), b.known(b.position_T), b.known(b.row_T)
-    return [(f"{int((~inside).sum())} row(s) lie outside their request (positions 0..prompt_tokens+output_tokens-1) in "
-             f"requests {np.unique(rid[~inside])[:SHOWN].tolist()}, e.g. request {rid[i]} position {pos[i]} (it has "
-             f"{rc.requests.length_R[row[i]]} tokens)")]
+    return [
+        (
+            f"{int((~inside).sum())} row(s) lie outside their request (positions 0..prompt_tokens+output_tokens-1) in "
+            f"requests {np.unique(rid[~inside])[:SHOWN].tolist()}, e.g. request {rid[i]} position {pos[i]} (it has "
+            f"{rc.requests.length_R[row[i]]} tokens)"
+        )
+    ]
 
 
 def stage_matches_position(b: RowBatch, rc: RowCheck) -> list[str]:
@@ -452,8 +506,12 @@ def stage_matches_position(b: RowBatch, rc: RowCheck) -> list[str]:
     wrong = (b.known(b.position_T) >= rc.requests.prompt_tokens_R[b.known(b.row_T)]) != b.known(b.prefill_decode_T[1])
     if not wrong.any():
         return []
-    return [(f"{int(wrong.sum())} rows whose stage disagrees with prompt_tokens (prefill iff position < "
-             f"prompt_tokens), requests {np.unique(b.known(b.request_id_T)[wrong])[:SHOWN].tolist()}")]
+    return [
+        (
+            f"{int(wrong.sum())} rows whose stage disagrees with prompt_tokens (prefill iff position < "
+            f"prompt_tokens), requests {np.unique(b.known(b.request_id_T)[wrong])[:SHOWN].tolist()}"
+        )
+    ]
 
 
 def no_duplicate_rows(b: RowBatch, rc: RowCheck) -> list[str]:

@@ -68,7 +68,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     try:
         manifest = json.loads(mpath.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
-        raise TraceFormatError(f"{mpath}: not UTF-8 text ({exc.reason} at byte {exc.start}); not a moetrace manifest") from None
+        raise TraceFormatError(
+            f"{mpath}: not UTF-8 text ({exc.reason} at byte {exc.start}); not a moetrace manifest"
+        ) from None
     except (json.JSONDecodeError, RecursionError) as exc:
         raise TraceFormatError(f"{mpath}: not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(manifest, dict):

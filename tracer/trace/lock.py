@@ -23,8 +23,9 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Callable, Literal
+from typing import IO, Literal
 
 from moetrace.errors import TraceBusyError
 
@@ -99,19 +100,32 @@ def lock_trace(path: str | os.PathLike, *, shard_lock: str | None = None) -> Wri
     lock = WriterLock()
     trace_lock = p / TRACE_LOCK
     if shard_lock is None:
+
         def whole(holder: str) -> str:
             if not holder.startswith("pid"):  # shared holders write no name: running shards
-                return (f"{p} is being written by running shards of a sharded collection (manifests/.shard-*.lock); "
-                        "wait for them to finish, then `moetrace merge-shards`")
-            return (f"{p} is being written by {holder}; wait for it to finish or stop it "
-                    "(a stopped run is continued with --resume), or choose another -o")
+                return (
+                    f"{p} is being written by running shards of a sharded collection (manifests/.shard-*.lock); "
+                    "wait for them to finish, then `moetrace merge-shards`"
+                )
+            return (
+                f"{p} is being written by {holder}; wait for it to finish or stop it "
+                "(a stopped run is continued with --resume), or choose another -o"
+            )
 
         lock._take(trace_lock, "exclusive", busy=whole)
         return lock
-    lock._take(trace_lock, "shared", busy=lambda holder: f"{p} is being written by {holder} as a whole trace; a shard "
-               "cannot join it. Wait for it to finish, or collect the shards into another -o")
+    lock._take(
+        trace_lock,
+        "shared",
+        busy=lambda holder: (
+            f"{p} is being written by {holder} as a whole trace; a shard "
+            "cannot join it. Wait for it to finish, or collect the shards into another -o"
+        ),
+    )
     try:
-        lock._take(p / shard_lock, "exclusive", busy=lambda holder: f"{p}: this shard is already being collected by {holder}")
+        lock._take(
+            p / shard_lock, "exclusive", busy=lambda holder: f"{p}: this shard is already being collected by {holder}"
+        )
     except TraceBusyError:
         lock.release()
         raise

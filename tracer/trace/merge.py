@@ -76,8 +76,12 @@ def merge_manifests(shards: dict[int, dict[str, Any]], *, allow_incomplete: bool
         return {k: v for k, v in m.get("collection", {}).items() if k not in SHARD_KEYS}
 
     for i, m in sorted(shards.items()):
-        for key, get in (("version", lambda x: x.get("version")), ("model", lambda x: x.get("model")),
-                         ("backend name", lambda x: x.get("backend", {}).get("name")), ("collection", common)):
+        for key, get in (
+            ("version", lambda x: x.get("version")),
+            ("model", lambda x: x.get("model")),
+            ("backend name", lambda x: x.get("backend", {}).get("name")),
+            ("collection", common),
+        ):
             if get(m) != get(first):
                 problems.append(f"shard {i}: {key} differs from shard {min(shards)} ({get(m)!r} vs {get(first)!r})")
         if m.get("collection", {}).get("shard") != i:
@@ -98,8 +102,13 @@ def merge_manifests(shards: dict[int, dict[str, Any]], *, allow_incomplete: bool
         backend=dict(first.get("backend", {})),
         totals=totals,
         shards=[
-            {"shard": i, "manifest": shard_manifest_name(i), "complete": bool(m.get("complete")),
-             "totals": m.get("totals", {}), "backend": m.get("backend", {})}
+            {
+                "shard": i,
+                "manifest": shard_manifest_name(i),
+                "complete": bool(m.get("complete")),
+                "totals": m.get("totals", {}),
+                "backend": m.get("backend", {}),
+            }
             for i, m in sorted(shards.items())
         ],
     )

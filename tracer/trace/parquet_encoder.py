@@ -80,8 +80,9 @@ def resolve_encoder(encoder: str | None = None) -> Encoder:
     raise ConfigError(f"{where} names no Parquet encoder; use one of {', '.join(ENCODERS)}")
 
 
-def writer_options(compression: str | None, *, use_dictionary: bool | Sequence[str],
-                   write_statistics: bool | Sequence[str]) -> dict[str, Any]:
+def writer_options(
+    compression: str | None, *, use_dictionary: bool | Sequence[str], write_statistics: bool | Sequence[str]
+) -> dict[str, Any]:
     """Keyword arguments of ``pq.ParquetWriter``/``pq.write_table``: every option that shapes the file, stated
     explicitly so a new pyarrow release with other defaults writes the same files. ``compression``: a Parquet
     codec name, or None for none."""
@@ -127,15 +128,18 @@ class RoutingPart(Protocol):
         """Close the file, footer or not (the caller removes it)."""
 
 
-def routing_part_opener(schema: pa.Schema, *, compression: str | None,
-                        encoder: Encoder) -> Callable[[Path], RoutingPart]:
+def routing_part_opener(
+    schema: pa.Schema, *, compression: str | None, encoder: Encoder
+) -> Callable[[Path], RoutingPart]:
     """``open(path) -> RoutingPart`` for parts of ``schema`` (the routing schema) written by ``encoder``.
 
     For the fast encoder this checks, once, that it writes what the installed pyarrow writes for a probe
     (``EncoderError`` if not, before any file is opened). ``compression``: a codec pyarrow knows, or None."""
     if compression is not None and not pa.Codec.is_available(compression):
-        raise ConfigError(f"compression {compression!r} is not a Parquet codec this pyarrow has "
-                          "(lz4, zstd, snappy, gzip, brotli or none)")
+        raise ConfigError(
+            f"compression {compression!r} is not a Parquet codec this pyarrow has "
+            "(lz4, zstd, snappy, gzip, brotli or none)"
+        )
     options = writer_options(compression, use_dictionary=ROUTING_DICTIONARY, write_statistics=ROUTING_STATISTICS)
     if encoder == "pyarrow":
         return lambda path: _PyarrowPart(path, schema, options)
@@ -157,8 +161,9 @@ def _experts_array(ids_list: list[np.ndarray], schema: pa.Schema) -> pa.ChunkedA
     """The ``experts`` column of ``schema`` for the rows ``ids_list`` (int16 ``[T_i, X]`` arrays), one chunk per
     array: pyarrow builds a chunk's levels and indices at once, so the chunks as added bound its memory."""
     t = schema.field("experts").type
-    return pa.chunked_array([pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1), type=pa.int16()), type=t)
-                             for a in ids_list], type=t)
+    return pa.chunked_array(
+        [pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1), type=pa.int16()), type=t) for a in ids_list], type=t
+    )
 
 
 def _with_experts(narrow: pa.Table, ids_list: list[np.ndarray], schema: pa.Schema) -> pa.Table:
@@ -204,8 +209,10 @@ class _FastSetup:
         self.leaf_paths = [c.path for c in pq.read_metadata(pa.BufferReader(empty)).schema]
         experts_paths = [p for p in self.leaf_paths if p.split(".")[0] == "experts"]
         if len(experts_paths) != 1:
-            raise EncoderError(f"pyarrow {pa.__version__} lays the experts column out as {experts_paths}, not one "
-                               f"leaf column; {ESCAPE_HATCH}")
+            raise EncoderError(
+                f"pyarrow {pa.__version__} lays the experts column out as {experts_paths}, not one "
+                f"leaf column; {ESCAPE_HATCH}"
+            )
         self.experts_path = experts_paths[0]
         # what pyarrow writes for a small probe: the codec id, and whether column metadata carry size statistics
         self.probe = _probe_table(schema)
@@ -251,13 +258,18 @@ class _FastSetup:
                 if fid in (_CM_ENCODINGS, _CM_ENCODING_STATS):
                     mine, v = sorted(map(repr, mine[1])) if mine else None, sorted(map(repr, v[1]))
                 if mine != v:
-                    problems.append(f"{path}: column-metadata field {fid} is {repr(mine)[:60]}, pyarrow writes "
-                                    f"{repr(v)[:60]}")
-        if not problems and not pq.read_table(pa.BufferReader(data)).equals(pq.read_table(pa.BufferReader(self.reference))):
+                    problems.append(
+                        f"{path}: column-metadata field {fid} is {repr(mine)[:60]}, pyarrow writes {repr(v)[:60]}"
+                    )
+        if not problems and not pq.read_table(pa.BufferReader(data)).equals(
+            pq.read_table(pa.BufferReader(self.reference))
+        ):
             problems.append("the decoded tables differ")
         if problems:
-            raise EncoderError(f"the fast Parquet encoder does not write what pyarrow {pa.__version__} writes for a "
-                               f"routing part ({'; '.join(problems[:3])}); {ESCAPE_HATCH}")
+            raise EncoderError(
+                f"the fast Parquet encoder does not write what pyarrow {pa.__version__} writes for a "
+                f"routing part ({'; '.join(problems[:3])}); {ESCAPE_HATCH}"
+            )
 
 
 def _probe_ids(X: int) -> np.ndarray:
@@ -306,14 +318,16 @@ class _FastPart:
             cm = _get(cc, _CC_META)
             path = ".".join(x.decode() for x in _get(cm, _CM_PATH)[1])
             extra = [f for f, _, _ in cc if f not in (_CC_FILE_OFFSET, _CC_META)] + [
-                f for f in (_CM_INDEX_OFFSET, _CM_BLOOM_OFFSET, _CM_BLOOM_LENGTH) if _get(cm, f) is not None]
+                f for f in (_CM_INDEX_OFFSET, _CM_BLOOM_OFFSET, _CM_BLOOM_LENGTH) if _get(cm, f) is not None
+            ]
             if extra:
                 raise EncoderError(
                     f"pyarrow {pa.__version__} wrote page indexes, Bloom filters or file paths (Thrift fields {extra} "
-                    f"of column {path}) that the fast Parquet encoder does not copy; {ESCAPE_HATCH}")
+                    f"of column {path}) that the fast Parquet encoder does not copy; {ESCAPE_HATCH}"
+                )
             start = min(x for x in (_get(cm, _CM_DICT_OFFSET), _get(cm, _CM_DATA_OFFSET)) if x is not None)
             shift = self.pos - start
-            self._write(data[start:start + _get(cm, _CM_COMPRESSED)])
+            self._write(data[start : start + _get(cm, _CM_COMPRESSED)])
             for fid in (_CM_DICT_OFFSET, _CM_DATA_OFFSET):
                 if _get(cm, fid) is not None:
                     cm = _set(cm, fid, _T_I64, _get(cm, fid) + shift)
@@ -333,8 +347,9 @@ class _FastPart:
         plan = setup.encoder.plan(ids_list) if setup.encoder is not None else None
         if setup.encoder is None or plan is None:
             # not covered by the vectorized encoder: pyarrow encodes the column, copied the same way
-            experts = pa.Table.from_arrays([_experts_array(ids_list, setup.schema)],
-                                           schema=pa.schema([setup.schema.field("experts")]))
+            experts = pa.Table.from_arrays(
+                [_experts_array(ids_list, setup.schema)], schema=pa.schema([setup.schema.field("experts")])
+            )
             chunks.update(self._copy_chunks(setup.pyarrow_file(experts)))
         else:
             start = self.pos
@@ -349,15 +364,27 @@ class _FastPart:
                 (_CM_COMPRESSED, _T_I64, size["compressed"]),
                 (_CM_DATA_OFFSET, _T_I64, start + size["dict_size"]),
                 (_CM_DICT_OFFSET, _T_I64, start),
-                (_CM_ENCODING_STATS, _T_LIST, (_T_STRUCT, [
-                    [(1, _T_I32, _PAGE_DICT), (2, _T_I32, _ENC_PLAIN), (3, _T_I32, 1)],
-                    [(1, _T_I32, _PAGE_DATA), (2, _T_I32, _ENC_RLE_DICT), (3, _T_I32, size["pages"])],
-                ])),
+                (
+                    _CM_ENCODING_STATS,
+                    _T_LIST,
+                    (
+                        _T_STRUCT,
+                        [
+                            [(1, _T_I32, _PAGE_DICT), (2, _T_I32, _ENC_PLAIN), (3, _T_I32, 1)],
+                            [(1, _T_I32, _PAGE_DATA), (2, _T_I32, _ENC_RLE_DICT), (3, _T_I32, size["pages"])],
+                        ],
+                    ),
+                ),
             ]
             if setup.size_statistics:  # level histograms: every row one level-0 and X-1 level-1 repetitions, no nulls
                 X = setup.X
-                cm.append((_CM_SIZE_STATS, _T_STRUCT, [(2, _T_LIST, (_T_I64, [T, T * (X - 1)])),
-                                                       (3, _T_LIST, (_T_I64, [0, T * X]))]))
+                cm.append(
+                    (
+                        _CM_SIZE_STATS,
+                        _T_STRUCT,
+                        [(2, _T_LIST, (_T_I64, [T, T * (X - 1)])), (3, _T_LIST, (_T_I64, [0, T * X]))],
+                    )
+                )
             chunks[setup.experts_path] = [(_CC_FILE_OFFSET, _T_I64, 0), (_CC_META, _T_STRUCT, cm)]
         ordered = [chunks[p] for p in setup.leaf_paths]
         metas = [_get(cc, _CC_META) for cc in ordered]
@@ -380,7 +407,9 @@ class _FastPart:
 
         meta = _set(self.setup.template, 3, _T_I64, self.num_rows)
         meta = _set(meta, 4, _T_LIST, (_T_STRUCT, self.row_groups))
-        meta = _set(meta, 6, _T_BINARY, f"moetrace version {__version__} (build parquet-cpp-arrow {pa.__version__})".encode())
+        meta = _set(
+            meta, 6, _T_BINARY, f"moetrace version {__version__} (build parquet-cpp-arrow {pa.__version__})".encode()
+        )
         footer = _thrift_bytes(meta)
         self._write(footer + len(footer).to_bytes(4, "little") + b"PAR1")
 
@@ -483,7 +512,7 @@ def _pages(blocks: list[np.ndarray], rows_per_page: int) -> list[list[np.ndarray
         s = 0
         while s < a.shape[0]:
             take = min(rows_per_page - n, a.shape[0] - s)
-            page.append(a[s:s + take])
+            page.append(a[s : s + take])
             n, s = n + take, s + take
             if n == rows_per_page:
                 pages.append(page)
@@ -525,8 +554,8 @@ class _ExpertsEncoder:
         if len(head) + groups >= n * self.rep_row.size:
             return None
         levels = np.ones(groups * 8, np.uint8)
-        levels[:n * X:X] = 0
-        levels[n * X:] = 0
+        levels[: n * X : X] = 0
+        levels[n * X :] = 0
         return head + np.packbits(levels, bitorder="little").tobytes()
 
     def plan(self, ids_list: list[np.ndarray]) -> _Plan | None:
@@ -555,13 +584,22 @@ class _ExpertsEncoder:
                         runs.append(([ids_TX[a:b]], bool(neg_T[a])))
         return _Plan(hi, neg, width, runs)
 
-    def _page(self, write: Callable[[_Bytes], None], page_type: int, body: np.ndarray,
-              sub_header: _Struct) -> tuple[int, int]:
+    def _page(
+        self, write: Callable[[_Bytes], None], page_type: int, body: np.ndarray, sub_header: _Struct
+    ) -> tuple[int, int]:
         """Write one page (header, compressed body); returns (uncompressed, compressed) bytes with the header."""
         chunks = self.compress(body)
-        size = sum(c.size if isinstance(c, pa.Buffer) else c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks)
-        header = _thrift_bytes([(1, _T_I32, page_type), (2, _T_I32, body.nbytes), (3, _T_I32, size),
-                                (5 if page_type == _PAGE_DATA else 7, _T_STRUCT, sub_header)])
+        size = sum(
+            c.size if isinstance(c, pa.Buffer) else c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks
+        )
+        header = _thrift_bytes(
+            [
+                (1, _T_I32, page_type),
+                (2, _T_I32, body.nbytes),
+                (3, _T_I32, size),
+                (5 if page_type == _PAGE_DATA else 7, _T_STRUCT, sub_header),
+            ]
+        )
         write(header)
         for c in chunks:
             write(c)
@@ -572,8 +610,9 @@ class _ExpertsEncoder:
         hi, neg, width, runs = plan
         X = self.X
         dictionary = np.concatenate([np.arange(hi + 1, dtype="<i4"), np.array([-1] if neg else [], "<i4")])
-        dict_u, dict_c = self._page(write, _PAGE_DICT, dictionary.view(np.uint8),
-                                    [(1, _T_I32, dictionary.size), (2, _T_I32, _ENC_PLAIN)])
+        dict_u, dict_c = self._page(
+            write, _PAGE_DICT, dictionary.view(np.uint8), [(1, _T_I32, dictionary.size), (2, _T_I32, _ENC_PLAIN)]
+        )
         sizes = {"uncompressed": dict_u, "compressed": dict_c, "dict_size": dict_c, "pages": 0, "num_values": 0}
         for blocks, all_neg in runs:
             for page in _pages(blocks, self.rows_per_page):
@@ -593,33 +632,37 @@ class _ExpertsEncoder:
                 body[:4] = np.frombuffer(rep_size.to_bytes(4, "little"), np.uint8)
                 o = 4
                 if rep is not None:
-                    body[o:o + rep_size] = np.frombuffer(rep, np.uint8)
+                    body[o : o + rep_size] = np.frombuffer(rep, np.uint8)
                 else:
-                    body[o:o + rep_size].reshape(n, -1)[:] = self.rep_row
+                    body[o : o + rep_size].reshape(n, -1)[:] = self.rep_row
                 o += rep_size
-                body[o:o + 4] = np.frombuffer(len(dfn).to_bytes(4, "little"), np.uint8)
-                body[o + 4:o + 4 + len(dfn)] = np.frombuffer(dfn, np.uint8)
+                body[o : o + 4] = np.frombuffer(len(dfn).to_bytes(4, "little"), np.uint8)
+                body[o + 4 : o + 4 + len(dfn)] = np.frombuffer(dfn, np.uint8)
                 o += 4 + len(dfn)
                 if all_neg:
                     body[o:] = values
                 else:
-                    body[o:o + len(vhead)] = np.frombuffer(vhead, np.uint8)
+                    body[o : o + len(vhead)] = np.frombuffer(vhead, np.uint8)
                     o += len(vhead)
                     if bits == 8:
-                        dst = body[o:o + n * X]
-                        body[o + n * X:] = 0
+                        dst = body[o : o + n * X]
+                        body[o + n * X :] = 0
                     else:
                         dst = np.zeros(groups * 8, np.uint8)
                     k = 0
                     for a in page:  # int16 -> uint8: -1 wraps to 255
-                        np.copyto(dst[k:k + a.size], a.reshape(-1), casting="unsafe")
+                        np.copyto(dst[k : k + a.size], a.reshape(-1), casting="unsafe")
                         k += a.size
                     if neg and hi < 254 and min(int(a.min()) for a in page) < 0:
                         dst[dst == 255] = hi + 1  # the index of -1
                     if bits < 8:
                         body[o:] = _pack_bits(dst, bits)
-                u, c = self._page(write, _PAGE_DATA, body, [(1, _T_I32, n * X), (2, _T_I32, _ENC_RLE_DICT),
-                                                            (3, _T_I32, _ENC_RLE), (4, _T_I32, _ENC_RLE)])
+                u, c = self._page(
+                    write,
+                    _PAGE_DATA,
+                    body,
+                    [(1, _T_I32, n * X), (2, _T_I32, _ENC_RLE_DICT), (3, _T_I32, _ENC_RLE), (4, _T_I32, _ENC_RLE)],
+                )
                 sizes["uncompressed"] += u
                 sizes["compressed"] += c
                 sizes["pages"] += 1
@@ -629,7 +672,9 @@ class _ExpertsEncoder:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Thrift compact protocol (the encoding of Parquet footers and page headers): type codes
-_T_TRUE, _T_FALSE, _T_BYTE, _T_I16, _T_I32, _T_I64, _T_DOUBLE, _T_BINARY, _T_LIST, _T_SET, _T_MAP, _T_STRUCT = range(1, 13)
+_T_TRUE, _T_FALSE, _T_BYTE, _T_I16, _T_I32, _T_I64, _T_DOUBLE, _T_BINARY, _T_LIST, _T_SET, _T_MAP, _T_STRUCT = range(
+    1, 13
+)
 # a decoded struct: [(field id, type code, value)], in field order; a list value: (element type, [values])
 _Struct = list
 
@@ -670,7 +715,7 @@ class _ThriftReader:
         if t == _T_BINARY:
             n = self._uvarint()
             self.pos += n
-            return self.data[self.pos - n:self.pos]
+            return self.data[self.pos - n : self.pos]
         if t == _T_STRUCT:
             return self.struct()
         if t in (_T_LIST, _T_SET):
@@ -680,17 +725,21 @@ class _ThriftReader:
             if size == 15:
                 size = self._uvarint()
             if et in (_T_TRUE, _T_FALSE):
-                raise EncoderError(f"pyarrow {pa.__version__} wrote a list of booleans in a Parquet footer, which the "
-                                   f"fast Parquet encoder does not read; {ESCAPE_HATCH}")
+                raise EncoderError(
+                    f"pyarrow {pa.__version__} wrote a list of booleans in a Parquet footer, which the "
+                    f"fast Parquet encoder does not read; {ESCAPE_HATCH}"
+                )
             return (et, [self._value(et) for _ in range(size)])
         if t == _T_BYTE:
             self.pos += 1
-            return int.from_bytes(self.data[self.pos - 1:self.pos], "little", signed=True)
+            return int.from_bytes(self.data[self.pos - 1 : self.pos], "little", signed=True)
         if t == _T_DOUBLE:
             self.pos += 8
-            return self.data[self.pos - 8:self.pos]
-        raise EncoderError(f"pyarrow {pa.__version__} wrote Thrift type {t} in a Parquet footer, which the fast "
-                           f"Parquet encoder does not read; {ESCAPE_HATCH}")
+            return self.data[self.pos - 8 : self.pos]
+        raise EncoderError(
+            f"pyarrow {pa.__version__} wrote Thrift type {t} in a Parquet footer, which the fast "
+            f"Parquet encoder does not read; {ESCAPE_HATCH}"
+        )
 
     def struct(self) -> _Struct:
         fields: _Struct = []

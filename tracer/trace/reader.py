@@ -27,9 +27,10 @@ Out of scope: writing (``writer``), the full list of every problem at once (``va
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -152,16 +153,23 @@ class Trace:
         try:
             table = pa.concat_tables([pq.read_table(f, columns=cols) for f in files], promote_options="permissive")
         except (pa.ArrowException, OSError, KeyError) as exc:
-            raise TraceFormatError(f"{self.path}: a requests part cannot be read ({exc}); run `moetrace validate {self.path}`") from exc
-        self._refuse(self.path, column_problems(table.schema, REQUIRED_REQUESTS, exact=False)
-                     or null_problems({c: table.column(c) for c in cols}))
+            raise TraceFormatError(
+                f"{self.path}: a requests part cannot be read ({exc}); run `moetrace validate {self.path}`"
+            ) from exc
+        self._refuse(
+            self.path,
+            column_problems(table.schema, REQUIRED_REQUESTS, exact=False)
+            or null_problems({c: table.column(c) for c in cols}),
+        )
         rid = table.column("request_id").to_numpy().astype(np.int64)
         ptok = table.column("prompt_tokens").to_numpy()
         otok = table.column("output_tokens").to_numpy()
         self._refuse(self.path, duplicate_request_ids(rid) or request_lengths(rid, ptok, otok))
         claimed = int(ptok.astype(np.int64).sum() + otok.astype(np.int64).sum())
         rows = self.num_tokens()
-        self._refuse(self.path, claimed_tokens(claimed, rows, limit=rows))  # before one byte per claimed token is allocated
+        self._refuse(
+            self.path, claimed_tokens(claimed, rows, limit=rows)
+        )  # before one byte per claimed token is allocated
         order = np.argsort(rid, kind="stable")
         dataset = np.asarray(table.column("dataset").to_pylist(), dtype=str)[order]
         return RequestArrays(rid[order], dataset, ptok[order].astype(np.int32), otok[order].astype(np.int32))
@@ -191,8 +199,13 @@ class Trace:
                     b, problems = rows.batch(rb)
                     self._refuse(f, problems or rows.totals())
                     assert b is not None  # a batch without arrays has problems
-                    yield TokenArrays(b.request_id_T, b.position_T.astype(np.int32), b.position_T >= req.prompt_tokens_R[b.row_T],
-                                      b.ids_N.astype(np.int16, copy=False).reshape(rb.num_rows, L, K), b.row_T)
+                    yield TokenArrays(
+                        b.request_id_T,
+                        b.position_T.astype(np.int32),
+                        b.position_T >= req.prompt_tokens_R[b.row_T],
+                        b.ids_N.astype(np.int16, copy=False).reshape(rb.num_rows, L, K),
+                        b.row_T,
+                    )
             except (pa.ArrowException, OSError, KeyError) as exc:
                 raise TraceFormatError(
                     f"{f}: {unreadable(exc)}; run `moetrace validate {self.path}` for details"
@@ -203,8 +216,13 @@ class Trace:
         parts = list(self.iter_token_arrays())
         if not parts:
             L, K = self.model.num_moe_layers, self.model.top_k
-            return TokenArrays(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, bool),
-                               np.zeros((0, L, K), np.int16), np.zeros(0, np.int64))
+            return TokenArrays(
+                np.zeros(0, np.int64),
+                np.zeros(0, np.int32),
+                np.zeros(0, bool),
+                np.zeros((0, L, K), np.int16),
+                np.zeros(0, np.int64),
+            )
         return TokenArrays(*(np.concatenate(cols) for cols in zip(*parts)))
 
 
@@ -230,8 +248,11 @@ def open_trace(path: str | os.PathLike, *, require_complete: bool = True) -> Tra
             "still running. Resume it by re-running the same command with --resume, or pass "
             "--allow-incomplete to read the committed part."
         )
-    missing = [f"{ROUTING_DIR}/{f.name}" for f in sorted((p / REQUESTS_DIR).glob("*.parquet"))
-               if not (p / ROUTING_DIR / f.name).is_file()]
+    missing = [
+        f"{ROUTING_DIR}/{f.name}"
+        for f in sorted((p / REQUESTS_DIR).glob("*.parquet"))
+        if not (p / ROUTING_DIR / f.name).is_file()
+    ]
     if missing:
         raise TraceFormatError(
             f"{p}: committed part(s) without their routing file: {missing[:3]}; the trace is damaged "

@@ -66,8 +66,15 @@ class ModelInfo:
         for name in ("name", "source", "architecture"):
             if not isinstance(getattr(self, name), str):
                 raise TraceFormatError(f"model `{name}` must be a string, got {getattr(self, name)!r}")
-        for name, low in (("num_hidden_layers", 1), ("num_experts", 1), ("top_k", 1), ("num_shared_experts", 0),
-                          ("hidden_size", 1), ("n_group", 1), ("topk_group", 1)):
+        for name, low in (
+            ("num_hidden_layers", 1),
+            ("num_experts", 1),
+            ("top_k", 1),
+            ("num_shared_experts", 0),
+            ("hidden_size", 1),
+            ("n_group", 1),
+            ("topk_group", 1),
+        ):
             v = getattr(self, name)
             if v is None and name in ("n_group", "topk_group"):
                 continue
@@ -76,12 +83,16 @@ class ModelInfo:
                     f"model {self.name!r}: `{name}` must be a whole number in {low}..{_MAX_COUNT:,}, got {v!r}"
                 )
         if not isinstance(self.moe_layers, (list, tuple)) or not all(is_whole(x) for x in self.moe_layers):
-            raise TraceFormatError(f"model {self.name!r}: `moe_layers` must be a list of layer indices, got {self.moe_layers!r}")
+            raise TraceFormatError(
+                f"model {self.name!r}: `moe_layers` must be a list of layer indices, got {self.moe_layers!r}"
+            )
         if (self.n_group is None) != (self.topk_group is None):
             raise TraceFormatError(f"model {self.name!r}: `n_group` and `topk_group` go together (both or neither)")
         # both set or both None (checked above)
-        if self.n_group is not None and self.topk_group is not None and (
-            self.num_experts % self.n_group or self.topk_group > self.n_group
+        if (
+            self.n_group is not None
+            and self.topk_group is not None
+            and (self.num_experts % self.n_group or self.topk_group > self.n_group)
         ):
             raise TraceFormatError(
                 f"model {self.name!r}: n_group={self.n_group} must divide num_experts={self.num_experts} and "
@@ -97,7 +108,9 @@ class ModelInfo:
                 f"model {self.name!r}: moe_layers {layers[0]}..{layers[-1]} outside 0..{self.num_hidden_layers - 1}"
             )
         if not (1 <= self.top_k <= self.num_experts):
-            raise TraceFormatError(f"model {self.name!r}: top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+            raise TraceFormatError(
+                f"model {self.name!r}: top_k={self.top_k} must be in 1..num_experts={self.num_experts}"
+            )
         if self.num_experts > 32767:
             raise TraceFormatError(f"model {self.name!r}: {self.num_experts} experts do not fit the int16 expert ids")
         object.__setattr__(self, "moe_layers", tuple(int(x) for x in layers))
@@ -123,11 +136,13 @@ class ModelInfo:
         return {k: v for k, v in d.items() if v is not None}
 
     @classmethod
-    def from_dict(cls, d: object) -> "ModelInfo":  # d: a manifest's `model` value, any JSON (checked here)
+    def from_dict(cls, d: object) -> ModelInfo:  # d: a manifest's `model` value, any JSON (checked here)
         if d is None:
             raise TraceFormatError("manifest has no `model` section (name, moe_layers, num_experts, top_k, ...)")
         if not isinstance(d, dict):
-            raise TraceFormatError(f"manifest `model` must be an object with the model's fields, got {type(d).__name__}")
+            raise TraceFormatError(
+                f"manifest `model` must be an object with the model's fields, got {type(d).__name__}"
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         missing = [n for n in names if n not in d and n not in ("n_group", "topk_group")]
         if missing:
@@ -206,15 +221,21 @@ def stages_of(trace_or_manifest: object, /) -> frozenset[str]:
     decode-only``) lists one: its other stage's rows, if any, hold only ``-1`` (nothing recorded).
     Raises ``TraceFormatError`` when the key is present but not a non-empty list of distinct stage names.
     """
-    manifest = trace_or_manifest if isinstance(trace_or_manifest, Mapping) else getattr(trace_or_manifest, "manifest", None)
+    manifest = (
+        trace_or_manifest if isinstance(trace_or_manifest, Mapping) else getattr(trace_or_manifest, "manifest", None)
+    )
     if not isinstance(manifest, Mapping):
         raise TypeError(f"stages_of takes a trace manifest (dict) or a Trace, got {type(trace_or_manifest).__name__}")
     collection = manifest.get("collection")
     stages = collection.get("stages") if isinstance(collection, Mapping) else None
     if stages is None:
         return frozenset(STAGES)
-    if (not isinstance(stages, list) or not stages or len(set(map(str, stages))) != len(stages)
-            or any(s not in STAGES for s in stages)):
+    if (
+        not isinstance(stages, list)
+        or not stages
+        or len(set(map(str, stages))) != len(stages)
+        or any(s not in STAGES for s in stages)
+    ):
         raise TraceFormatError(
             f"manifest `collection.stages` must list the recorded stages out of {list(STAGES)} (distinct, at least one), "
             f"got {stages!r}"
@@ -225,7 +246,9 @@ def stages_of(trace_or_manifest: object, /) -> frozenset[str]:
 def check_manifest_header(manifest: dict[str, Any], *, where: str) -> None:
     """Raise ``TraceFormatError`` unless ``manifest`` is a moetrace trace manifest of a known version."""
     if manifest.get("format") != FORMAT:
-        raise TraceFormatError(f"{where}: `format` is {manifest.get('format')!r}, expected {FORMAT!r}; not a moetrace trace")
+        raise TraceFormatError(
+            f"{where}: `format` is {manifest.get('format')!r}, expected {FORMAT!r}; not a moetrace trace"
+        )
     if manifest.get("version") != VERSION:
         raise TraceFormatError(
             f"{where}: trace format version {manifest.get('version')!r} is not supported (this moetrace reads {VERSION})"
@@ -234,9 +257,12 @@ def check_manifest_header(manifest: dict[str, Any], *, where: str) -> None:
         raise TraceFormatError(f"{where}: `complete` must be true or false, got {manifest.get('complete')!r}")
     totals = manifest.get("totals")
     if totals is not None and (
-        not isinstance(totals, dict) or any(not is_whole(v) or v < 0 for k, v in totals.items() if k in ("num_requests", "num_tokens"))
+        not isinstance(totals, dict)
+        or any(not is_whole(v) or v < 0 for k, v in totals.items() if k in ("num_requests", "num_tokens"))
     ):
-        raise TraceFormatError(f"{where}: `totals` must hold whole, non-negative num_requests and num_tokens, got {totals!r}")
+        raise TraceFormatError(
+            f"{where}: `totals` must hold whole, non-negative num_requests and num_tokens, got {totals!r}"
+        )
     for key in ("backend", "collection", "writer"):
         if key in manifest and not isinstance(manifest[key], dict):
             raise TraceFormatError(f"{where}: `{key}` must be an object, got {type(manifest[key]).__name__}")

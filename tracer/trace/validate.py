@@ -114,7 +114,9 @@ def check_complete(run: _Run) -> list[str]:
 def check_sections(run: _Run) -> list[str]:
     """The manifest has its ``backend`` and ``collection`` sections, and the backend its name."""
     m = run.manifest
-    problems = [f"{MANIFEST}: missing section `{key}`" for key in ("backend", "collection") if not isinstance(m.get(key), dict)]
+    problems = [
+        f"{MANIFEST}: missing section `{key}`" for key in ("backend", "collection") if not isinstance(m.get(key), dict)
+    ]
     if isinstance(m.get("backend"), dict) and "name" not in m["backend"]:
         problems.append(f"{MANIFEST}: `backend.name` is missing")
     return problems
@@ -129,8 +131,11 @@ def check_directories(run: _Run) -> list[str]:
             problems.append(f"missing directory {d.name}/")
             run.stop = True
             continue
-        problems += [f"{d.name}/{f.name}: leftover temporary file (an interrupted write; resume or delete it)"
-                     for f in d.iterdir() if f.name.endswith(".tmp")]
+        problems += [
+            f"{d.name}/{f.name}: leftover temporary file (an interrupted write; resume or delete it)"
+            for f in d.iterdir()
+            if f.name.endswith(".tmp")
+        ]
     return problems
 
 
@@ -139,10 +144,17 @@ def check_part_pairs(run: _Run) -> list[str]:
     rnames = {f.name for f in (run.path / ROUTING_DIR).glob("*.parquet")}
     qnames = {f.name for f in (run.path / REQUESTS_DIR).glob("*.parquet")}
     run.routing_names, run.requests_names = sorted(rnames), sorted(qnames)
-    problems = [f"{ROUTING_DIR}/{n}: no matching {REQUESTS_DIR}/{n} (uncommitted part)" for n in sorted(rnames - qnames)]
-    problems += [f"{REQUESTS_DIR}/{n}: no matching {ROUTING_DIR}/{n} (its routing rows are missing)" for n in sorted(qnames - rnames)]
+    problems = [
+        f"{ROUTING_DIR}/{n}: no matching {REQUESTS_DIR}/{n} (uncommitted part)" for n in sorted(rnames - qnames)
+    ]
+    problems += [
+        f"{REQUESTS_DIR}/{n}: no matching {ROUTING_DIR}/{n} (its routing rows are missing)"
+        for n in sorted(qnames - rnames)
+    ]
     if run.manifest["complete"] and not qnames:
-        problems.append(f"{MANIFEST}: says `complete: true` but the trace holds no committed parts (no requests/*.parquet)")
+        problems.append(
+            f"{MANIFEST}: says `complete: true` but the trace holds no committed parts (no requests/*.parquet)"
+        )
     return problems
 
 
@@ -163,8 +175,11 @@ def check_requests_parts(run: _Run) -> list[str]:
         bad = column_problems(t.schema, REQUIRED_REQUESTS, exact=True)
         problems += [f"{where}: {p}" for p in bad]
         if not text_allowed:
-            problems += [f"{where}: holds `{col}` but the manifest does not record that text was opted in"
-                         for col in ("prompt_text", "output_text") if col in t.column_names and t.column(col).null_count < t.num_rows]
+            problems += [
+                f"{where}: holds `{col}` but the manifest does not record that text was opted in"
+                for col in ("prompt_text", "output_text")
+                if col in t.column_names and t.column(col).null_count < t.num_rows
+            ]
         nulls = [] if bad else null_problems({c: t.column(c) for c in REQUIRED_REQUESTS})
         problems += [f"{where}: {p}" for p in nulls]
         if not bad and not nulls:
@@ -178,7 +193,9 @@ def check_requests_table(run: _Run) -> list[str]:
     """The valid requests parts together: request ids unique, ``prompt_tokens >= 1``, ``output_tokens >= 0``."""
     if run.requests_table is None:
         return []
-    rid, ptok, otok = (run.requests_table.column(c).to_numpy() for c in ("request_id", "prompt_tokens", "output_tokens"))
+    rid, ptok, otok = (
+        run.requests_table.column(c).to_numpy() for c in ("request_id", "prompt_tokens", "output_tokens")
+    )
     run.requests = RequestIndex.of(rid, ptok, otok)
     return duplicate_request_ids(rid) + request_lengths(rid, ptok, otok)
 
@@ -188,7 +205,9 @@ def check_routing_footers(run: _Run) -> list[str]:
     problems = []
     for n in run.routing_names:
         try:
-            run.parts[n] = pq.ParquetFile(run.path / ROUTING_DIR / n, pre_buffer=False)  # column chunks read as batches need them
+            run.parts[n] = pq.ParquetFile(
+                run.path / ROUTING_DIR / n, pre_buffer=False
+            )  # column chunks read as batches need them
         except (pa.ArrowException, OSError) as exc:
             problems.append(f"{ROUTING_DIR}/{n}: {unreadable(exc)}")
     run.rows_on_disk = sum(pf.metadata.num_rows for pf in run.parts.values())
@@ -224,7 +243,9 @@ def check_routing_rows(run: _Run) -> list[str]:
         problems += [f"{where}: {p}" for p in bad + optional_routing_column_problems(pf.schema_arrow, run.model)]
         try:
             if not bad:
-                for rb in pf.iter_batches(batch_size=BATCH_ROWS, columns=["request_id", "position", "stage", "experts"]):
+                for rb in pf.iter_batches(
+                    batch_size=BATCH_ROWS, columns=["request_id", "position", "stage", "experts"]
+                ):
                     problems += [f"{where}: {p}" for p in run.rows.batch(rb)[1]]
                     tick(rb.num_rows)
         except (pa.ArrowException, OSError) as exc:

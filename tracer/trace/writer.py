@@ -27,9 +27,10 @@ import errno
 import json
 import os
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -37,9 +38,15 @@ import pyarrow.parquet as pq
 
 from moetrace.atomic import write_json_atomic
 from moetrace.errors import EncoderError, OutputExistsError, TraceFormatError, WriteError
-from moetrace.tracer.trace.lock import lock_trace
 from moetrace.tracer.trace.layout import MANIFEST, PART_RE, REQUESTS_DIR, ROUTING_DIR, lock_name, part_name
-from moetrace.tracer.trace.parquet_encoder import Encoder, RoutingPart, resolve_encoder, routing_part_opener, writer_options
+from moetrace.tracer.trace.lock import lock_trace
+from moetrace.tracer.trace.parquet_encoder import (
+    Encoder,
+    RoutingPart,
+    resolve_encoder,
+    routing_part_opener,
+    writer_options,
+)
 from moetrace.tracer.trace.schema import (
     STAGE_DECODE,
     STAGE_PREFILL,
@@ -136,8 +143,9 @@ class TraceWriter:
         self.requests_schema = requests_schema(with_text=with_text)
         self.encoder: Encoder = resolve_encoder(encoder)
         # checks the fast encoder against the installed pyarrow once, before the directory is touched
-        self._open_routing_part = routing_part_opener(self.routing_schema, compression=self.compression,
-                                                      encoder=self.encoder)
+        self._open_routing_part = routing_part_opener(
+            self.routing_schema, compression=self.compression, encoder=self.encoder
+        )
         self._closed = False
         self._failed: BaseException | None = None  # the error that stopped this writer, if one did
 
@@ -201,7 +209,9 @@ class TraceWriter:
             d = self.path / sub
             if d.is_dir():
                 for f in d.iterdir():
-                    if self._own_parts_glob != "*.parquet" and not f.name.lstrip(".").startswith(f"{self.part_prefix}-"):
+                    if self._own_parts_glob != "*.parquet" and not f.name.lstrip(".").startswith(
+                        f"{self.part_prefix}-"
+                    ):
                         continue  # another shard's file
                     if f.name.endswith(".parquet") or f.name.endswith(".parquet.tmp"):
                         f.unlink()
@@ -221,7 +231,9 @@ class TraceWriter:
         old = manifest.get("model", {})
         new = self.model.to_dict()
         model_keys = ("source", "architecture", "moe_layers", "num_experts", "top_k")
-        diff = [f"{k}: {old.get(k)!r} (on disk) vs {new.get(k)!r} (now)" for k in model_keys if old.get(k) != new.get(k)]
+        diff = [
+            f"{k}: {old.get(k)!r} (on disk) vs {new.get(k)!r} (now)" for k in model_keys if old.get(k) != new.get(k)
+        ]
         if diff:
             raise OutputExistsError(
                 f"{self.path} holds a trace of a different model ({'; '.join(diff)}). "
@@ -236,10 +248,23 @@ class TraceWriter:
                 )
         # everything that decides which prompt a request id is (or how it is rendered and sampled):
         # resuming with another value would skip or repeat requests under the wrong ids
-        keys = ("datasets", "per_dataset", "num_requests", "prompt_field", "chat_template", "seed", "max_new_tokens",
-                "sampling", "num_shards")
+        keys = (
+            "datasets",
+            "per_dataset",
+            "num_requests",
+            "prompt_field",
+            "chat_template",
+            "seed",
+            "max_new_tokens",
+            "sampling",
+            "num_shards",
+        )
         for key in keys:
-            if key in manifest.get("collection", {}) and key in collection and manifest["collection"][key] != collection[key]:
+            if (
+                key in manifest.get("collection", {})
+                and key in collection
+                and manifest["collection"][key] != collection[key]
+            ):
                 raise OutputExistsError(
                     f"{self.path} was collected with {key}={manifest['collection'][key]!r}, this run asks for "
                     f"{key}={collection[key]!r}; resume with the same settings, or --overwrite"
@@ -263,7 +288,11 @@ class TraceWriter:
             ids = pq.read_table(f, columns=["request_id"]).column(0).to_numpy()
             self.completed_request_ids.update(int(x) for x in ids)
             self._prior_parts += 1
-            meta = pq.read_metadata(self.path / ROUTING_DIR / f.name) if (self.path / ROUTING_DIR / f.name).exists() else None
+            meta = (
+                pq.read_metadata(self.path / ROUTING_DIR / f.name)
+                if (self.path / ROUTING_DIR / f.name).exists()
+                else None
+            )
             self._prior_tokens += meta.num_rows if meta is not None else 0
 
     def _first_free_seq(self) -> int:
@@ -276,7 +305,7 @@ class TraceWriter:
         return max(seqs) + 1 if seqs else 0
 
     # ------------------------------------------------------------------ writing
-    def __enter__(self) -> "TraceWriter":
+    def __enter__(self) -> TraceWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -424,8 +453,11 @@ class TraceWriter:
         with self._on_write_error():
             self._pq.close()
             _fsync_file(rdir / f".{self._part_name}.tmp")
-            pq.write_table(pa.Table.from_pylist(self._req_rows, schema=self.requests_schema), req_tmp,
-                           **writer_options("zstd", use_dictionary=True, write_statistics=True))
+            pq.write_table(
+                pa.Table.from_pylist(self._req_rows, schema=self.requests_schema),
+                req_tmp,
+                **writer_options("zstd", use_dictionary=True, write_statistics=True),
+            )
             _fsync_file(req_tmp)
         os.replace(rdir / f".{self._part_name}.tmp", rdir / self._part_name)  # routing first
         os.replace(req_tmp, qdir / self._part_name)  # then requests: the commit point
@@ -509,8 +541,10 @@ def _describe_write_error(exc: BaseException, path: Path) -> str:
         cause = "disk quota exceeded"
     else:
         cause = str(exc).splitlines()[0]
-    return (f"cannot write the trace {path}: {cause}. The requests committed so far are kept; free space, then run "
-            "the same command again (with --resume where the command has it)")
+    return (
+        f"cannot write the trace {path}: {cause}. The requests committed so far are kept; free space, then run "
+        "the same command again (with --resume where the command has it)"
+    )
 
 
 def _fsync_file(path: Path) -> None:
