@@ -28,10 +28,11 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from moetrace.placement.cost import CostModel, collective_seconds_BW, expert_seconds_BW, gpu_traffic
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy, choose_slots
 
-__all__ = ["DedupUnit", "LayerCopies", "METRICS", "layer_copies", "simulate_volume"]
+__all__ = ["DedupUnit", "LayerCopies", "METRICS", "TIME_METRICS", "layer_copies", "simulate_volume"]
 
 DedupUnit = Literal["rank", "expert", "node"]
 
@@ -49,6 +50,13 @@ METRICS = (
     "activated_experts_per_rank_mean",
 )
 
+#: with a cost model (``cost``): seconds per (batch, layer), the busiest GPU of each phase charged
+TIME_METRICS = (
+    "dispatch_seconds",
+    "combine_seconds",
+    "expert_seconds",  # NaN when the model's expert size is unknown
+    "moe_seconds",  # dispatch + expert + combine (NaN with expert_seconds)
+)
 
 _SENTINEL = np.int64(1 << 40)  # sorts after every real dedup key
 
@@ -157,8 +165,12 @@ def simulate_volume(
     bytes_per_token: int,
     dedup: DedupUnit = "rank",
     policy: ReplicaPolicy = "same_node",
+    cost: CostModel | None = None,
+    time_bytes_per_token: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """Traffic of every (batch, layer); each metric float64 [B, L] (bytes, tokens or experts).
+    """Traffic of every (batch, layer); each metric float64 [B, L] (bytes, tokens or experts), and
+    with ``cost`` the ``TIME_METRICS`` in seconds (``cost``'s formulas; each copy carries
+    ``time_bytes_per_token``, default ``bytes_per_token``).
 
     ``topk_ids_TLK``: int [T, L, K] logical expert ids (-1 ignored); ``batch_T``: batch of each token
     (0..B-1); ``src_rank_T``: GPU (EP rank) the token leaves from.
@@ -170,7 +182,7 @@ def simulate_volume(
     per_rank = P // W
     batch_T = np.asarray(batch_T, dtype=np.int64)
     src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
-    out = {m: np.zeros((B, L)) for m in METRICS}
+    out = {m: np.zeros((B, L)) for m in METRICS + (TIME_METRICS if cost is not None else ())}
     copies = layer_copies(
         ids,
         placement=placement,
@@ -209,4 +221,31 @@ def simulate_volume(
         nact = act.sum(2)
         out["activated_experts_per_rank_max"][:, l] = nact.max(1)
         out["activated_experts_per_rank_mean"][:, l] = nact.mean(1)
+        if cost is not None:
+            traffic = gpu_traffic(
+                rank_TK=rank,
+                valid_TK=valid,
+                batch_T=batch_T,
+                src_rank_T=src_rank_T,
+                num_batches=B,
+                num_ranks=W,
+                ranks_per_node=ranks_per_node,
+                dedup=dedup,
+            )
+            a2a_BW = collective_seconds_BW(
+                traffic,
+                links=cost.links,
+                bytes_per_copy=time_bytes_per_token or bytes_per_token,
+                ranks_per_node=ranks_per_node,
+            )
+            out["dispatch_seconds"][:, l] = a2a_BW.max(1)
+            out["combine_seconds"][:, l] = a2a_BW.max(1)  # the same copies back
+            if cost.expert is None:
+                out["expert_seconds"][:, l] = np.nan
+            else:
+                pairs = np.bincount((bK * W + rank)[valid], minlength=B * W).reshape(B, W)
+                out["expert_seconds"][:, l] = expert_seconds_BW(pairs, nact, expert=cost.expert).max(1)
+            out["moe_seconds"][:, l] = (  # NaN when the expert term is unknown: no partial sum posing as the whole
+                out["dispatch_seconds"][:, l] + out["combine_seconds"][:, l] + out["expert_seconds"][:, l]
+            )
     return out
