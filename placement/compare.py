@@ -28,19 +28,20 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from moetrace import results as rf
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.placement.compare_manifest import CompareManifest, GroupingRecord
+from moetrace.placement.cost import DEFAULT_LINKS, CostModel, Links, expert_compute_for
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.exports import PlacementFile
 from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
-from moetrace.placement.routers import NoRouter, Router, fit_router
+from moetrace.placement.routers import NoRouter, PriceRouter, Router, fit_router
 from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
 from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, check_strategies, get_strategy
 
@@ -65,8 +66,13 @@ __all__ = [
 #: what share of it each strategy reaches
 MIN_ORACLE_GAIN = 0.02
 
+Stage = Literal["decode", "prefill"]
+
 #: the most tokens one comparison simulates (batches x requests per batch), so a typo cannot ask for terabytes
 MAX_SIMULATED_TOKENS = 20_000_000
+
+#: the most held-out prompt tokens kept for the prefill steps (a uniform, seeded sample of them beyond)
+MAX_PREFILL_TOKENS = 1 << 18
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +86,13 @@ class CompareConfig:
     test_fraction: float = 0.2  # share of requests held out for evaluation
     num_batches: int = 500  # global batches simulated
     num_batch_requests: int = 0  # requests per global batch (0: 32 per group)
-    dedup: DedupUnit = "rank"  # a token is sent once per distinct destination of this unit
+    dedup: DedupUnit = "expert"  # decode copy model: a token is sent once per distinct destination of this unit
+    prefill_dedup: DedupUnit = "node"  # prefill copy model (DeepEP's normal kernels: one copy per node)
+    links: Links = DEFAULT_LINKS  # the cost model's link classes (cost.parse_links)
+    max_node_load: float = 1.10  # routers sending the busiest node more than this over an even share are flagged
+    prefill_tokens_per_node: int = (
+        2048  # chunked-prefill tokens per node and prefill step at an even share (0: no prefill)
+    )
     replica_policy: ReplicaPolicy = "same_node"  # which replica serves a token when there are several
     bytes_per_value: int = 2  # bytes per hidden value on the wire (bf16 = 2)
     seed: int = 0  # split, K-means, random placement and batch sampling
@@ -98,10 +110,26 @@ class CompareConfig:
             )
         if self.num_batches < 1 or self.num_batch_requests < 0 or self.num_clusters < 0:
             raise ConfigError("--batches must be >= 1, --batch-requests and --clusters >= 0")
+        if not (1.0 <= self.max_node_load < 100.0):
+            raise ConfigError(
+                f"--max-node-load must be in [1, 100) (1.10: 10% over an even share), got {self.max_node_load}"
+            )
+        if self.prefill_tokens_per_node < 0 or self.prefill_tokens_per_node * self.deployment.num_groups > 1 << 22:
+            raise ConfigError(
+                f"--prefill-tokens must be in 0..{(1 << 22) // self.deployment.num_groups:,} per node, got {self.prefill_tokens_per_node}"
+            )
 
     @property
     def batch_requests(self) -> int:
         return self.num_batch_requests or 32 * self.deployment.num_groups
+
+    @property
+    def num_prefill_batches(self) -> int:
+        """Prefill steps simulated: one per 50 decode steps, at least 4 (and at most ``num_batches``);
+        0 without prefill tokens."""
+        if self.prefill_tokens_per_node == 0:
+            return 0
+        return min(self.num_batches, max(4, self.num_batches // 50))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +147,10 @@ class TraceData:
     test_req_T: (
         np.ndarray | None
     )  # int64 [T] row (0..R-1) of each held-out token's request, ascending (None: not read yet)
+    test_prefill_ids_TLK: np.ndarray | None = (
+        None  # int16 [T', L, K] a seeded sample (MAX_PREFILL_TOKENS) of the held-out prompt tokens
+    )
+    test_prefill_req_T: np.ndarray | None = None  # int64 [T'] row of each one's request, ascending
     stages: frozenset[str] = frozenset({"prefill", "decode"})  # routing stages the trace recorded (schema.stages_of)
     allow_incomplete: bool = False  # read from a trace without its completion mark (for the held-out tokens' pass)
 
@@ -198,15 +230,30 @@ def with_held_out_tokens(data: TraceData) -> TraceData:
     bound = int(req_table.output_tokens_R[is_test].sum(dtype=np.int64))
     ids = np.empty((bound, L, K), dtype=np.int16)
     req_parts, n = [], 0
+    with_prefill = "prefill" in data.stages
+    p_bound = int(req_table.prompt_tokens_R[is_test].sum(dtype=np.int64)) if with_prefill else 0
+    keep_share = min(1.0, MAX_PREFILL_TOKENS / max(p_bound, 1))  # a uniform sample of the prompt tokens
+    p_ids = np.empty((min(p_bound, MAX_PREFILL_TOKENS + (1 << 14)), L, K), dtype=np.int16)
+    p_req_parts: list[np.ndarray] = []
+    pn = 0
+    p_rng = np.random.default_rng([len(is_test), 11])
     for ta in tr.iter_token_arrays(batch_tokens=1 << 14):
         row = np.searchsorted(req_table.request_id_R, ta.request_id_T)
-        keep = ta.is_decode_T & is_test[row] & (ta.topk_ids_TLK >= 0).any(axis=(1, 2))
+        recorded = (ta.topk_ids_TLK >= 0).any(axis=(1, 2))
+        keep = ta.is_decode_T & is_test[row] & recorded
         k = int(keep.sum())
         if n + k > bound:  # the reader checked every row against the requests table, so this cannot happen
             raise AssertionError(f"{data.trace_path}: more held-out decode rows than the requests table claims")
         ids[n : n + k] = ta.topk_ids_TLK[keep]
         req_parts.append(row[keep])
         n += k
+        if with_prefill:
+            pkeep = ~ta.is_decode_T & is_test[row] & recorded & (p_rng.random(len(row)) < keep_share)
+            pk = min(int(pkeep.sum()), len(p_ids) - pn)
+            sel = np.flatnonzero(pkeep)[:pk]
+            p_ids[pn : pn + pk] = ta.topk_ids_TLK[sel]
+            p_req_parts.append(row[sel])
+            pn += pk
     _release_arrow_memory()
     if n == 0:
         raise TraceFormatError(
@@ -217,7 +264,18 @@ def with_held_out_tokens(data: TraceData) -> TraceData:
     if (np.diff(req) < 0).any():  # rows not in request order (e.g. shards interleaved): one reordered copy
         order = np.argsort(req, kind="stable")
         ids, req = ids[order], req[order]
-    return replace(data, test_topk_ids_TLK=ids, test_req_T=req)
+    p_req = np.concatenate(p_req_parts) if p_req_parts else np.zeros(0, dtype=np.int64)
+    p_out = p_ids[:pn]
+    if (np.diff(p_req) < 0).any():
+        order = np.argsort(p_req, kind="stable")
+        p_out, p_req = p_out[order], p_req[order]
+    return replace(
+        data,
+        test_topk_ids_TLK=ids,
+        test_req_T=req,
+        test_prefill_ids_TLK=p_out if pn else None,
+        test_prefill_req_T=p_req if pn else None,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,6 +351,8 @@ def make_placement(
     )
     placement, extra = spec.build(inputs)
     router = fit_router(spec.router, grouping=grouping, provenance=extra, num_groups=G)
+    if isinstance(router, PriceRouter):  # ours keeps nodes within the load limit (the paper's router is as published)
+        router = replace(router, max_node_load=cfg.max_node_load)
     if isinstance(router, NoRouter):
         return PlacedStrategy(strategy=strategy, placement=placement, extra=extra)
     routes = router.route(data.prefill_RLE, placement=placement, is_test_R=data.is_test_R, decode_RLE=data.decode_RLE)
@@ -339,13 +399,37 @@ def _sources(dep: Deployment, per_group: int) -> np.ndarray:
     return out
 
 
+def node_shares(group_of_R: np.ndarray | None, rows: np.ndarray, num_groups: int) -> np.ndarray:
+    """Share of the requests ``rows`` that a router sends each node, float64 [G] summing to 1 (even
+    without a router: ``group_of_R`` None)."""
+    if group_of_R is None or len(rows) == 0:
+        return np.full(num_groups, 1.0 / num_groups)
+    n_G = np.bincount(group_of_R[rows], minlength=num_groups).astype(np.float64)
+    return n_G / n_G.sum()
+
+
+def node_counts(share_G: np.ndarray, total: int) -> np.ndarray:
+    """``total`` split over nodes in proportion to ``share_G`` (largest remainders), int64 [G]."""
+    raw = share_G * total
+    out = np.floor(raw).astype(np.int64)
+    rest = total - int(out.sum())
+    if rest > 0:
+        out[np.argsort(-(raw - out), kind="stable")[:rest]] += 1
+    return out
+
+
 def held_out_batches(
     data: TraceData, cfg: CompareConfig, group_of_R: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
-    """Token rows, batch index and source rank of every simulated token (int64 [T] each), and the
-    groups no held-out request was routed to (their micro-batches draw from all test requests)."""
+    """Token rows, batch index and source rank of every simulated decode token (int64 [T] each), and the
+    groups no held-out request was routed to.
+
+    At a fixed global request rate each node's micro-batch is proportional to the share of requests
+    its router sends it: node g takes ``node_counts(share, batch_requests)[g]`` requests per step
+    (``batch_requests / G`` each without a router), drawn with replacement from the held-out requests
+    routed to it, each at a uniformly drawn decode position.
+    """
     dep, B, G = cfg.deployment, cfg.num_batches, cfg.deployment.num_groups
-    per_group = max(1, cfg.batch_requests // G)
     rng = np.random.default_rng([cfg.seed, 7])
     R = len(data.is_test_R)
     assert data.test_req_T is not None, "read the held-out tokens first (with_held_out_tokens)"
@@ -353,21 +437,62 @@ def held_out_batches(
     start_R = np.zeros(R, dtype=np.int64)
     np.cumsum(ntok_R[:-1], out=start_R[1:])
     usable = np.flatnonzero(data.is_test_R & (ntok_R > 0))
-    src_GR = _sources(dep, per_group)
+    if group_of_R is None:
+        n_G = np.full(G, max(1, cfg.batch_requests // G), dtype=np.int64)
+    else:
+        n_G = node_counts(node_shares(group_of_R, usable, G), max(G, cfg.batch_requests))
+    width = int(n_G.max())
+    src_GR = _sources(dep, width)
     rows, batch, src, empty = [], [], [], []
-    u_pick = rng.random((B, G, per_group))
-    u_pos = rng.random((B, G, per_group))
+    u_pick = rng.random((B, G, width))
+    u_pos = rng.random((B, G, width))
     for g in range(G):
+        n = int(n_G[g])
         pool = usable if group_of_R is None else usable[group_of_R[usable] == g]
         if len(pool) == 0:
             empty.append(g)
-            pool = usable
-        req = pool[(u_pick[:, g] * len(pool)).astype(np.int64)]
-        tok = start_R[req] + (u_pos[:, g] * ntok_R[req]).astype(np.int64)
+            continue  # the router sends this node nothing: it idles
+        req = pool[(u_pick[:, g, :n] * len(pool)).astype(np.int64)]
+        tok = start_R[req] + (u_pos[:, g, :n] * ntok_R[req]).astype(np.int64)
         rows.append(tok.reshape(-1))
-        batch.append(np.repeat(np.arange(B), per_group))
-        src.append(np.broadcast_to(src_GR[g], (B, per_group)).reshape(-1))
+        batch.append(np.repeat(np.arange(B), n))
+        src.append(np.broadcast_to(src_GR[g, :n], (B, n)).reshape(-1))
     return np.concatenate(rows), np.concatenate(batch), np.concatenate(src), empty
+
+
+def prefill_batches(
+    data: TraceData, cfg: CompareConfig, group_of_R: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Rows of ``data.test_prefill_ids_TLK``, prefill step and source rank of every simulated prompt
+    token (int64 [T] each), or None when the trace kept no prompt tokens.
+
+    A prefill step gives the nodes ``prefill_tokens_per_node * G`` prompt tokens in all, split in
+    proportion to the share of requests each node's router sends it (chunked prefill at a fixed
+    global request rate); node g's tokens are drawn uniformly from the prompt tokens of the held-out
+    requests routed to it, and go round robin over its DP replicas and their TP GPUs.
+    """
+    if data.test_prefill_req_T is None or cfg.num_prefill_batches == 0:
+        return None
+    dep, B, G = cfg.deployment, cfg.num_prefill_batches, cfg.deployment.num_groups
+    rng = np.random.default_rng([cfg.seed, 13])
+    req_T = data.test_prefill_req_T
+    usable = np.unique(req_T)
+    n_G = node_counts(node_shares(group_of_R, usable, G), cfg.prefill_tokens_per_node * G)
+    width = int(n_G.max())
+    src_GR = _sources(dep, max(width, 1))
+    u = rng.random((B, G, width))
+    rows, batch, src = [], [], []
+    for g in range(G):
+        n = int(n_G[g])
+        tokens = np.arange(len(req_T)) if group_of_R is None else np.flatnonzero(group_of_R[req_T] == g)
+        if len(tokens) == 0 or n == 0:
+            continue
+        rows.append(tokens[(u[:, g, :n] * len(tokens)).astype(np.int64)].reshape(-1))
+        batch.append(np.repeat(np.arange(B), n))
+        src.append(np.broadcast_to(src_GR[g, :n], (B, n)).reshape(-1))
+    if not rows:
+        return None
+    return np.concatenate(rows), np.concatenate(batch), np.concatenate(src)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -376,8 +501,9 @@ class CompareResult:
 
     config: CompareConfig  # what was asked
     manifest: CompareManifest  # the run's configuration and facts, as written to compare.json
-    metrics: dict[str, dict[str, np.ndarray]]  # strategy -> metric -> float64 [B, L]
+    metrics: dict[str, dict[str, np.ndarray]]  # strategy -> metric -> float64 [B, L] (decode steps)
     placed: dict[str, PlacedStrategy]  # strategy -> its placement
+    prefill_metrics: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # same, prefill steps (empty: none)
 
     @property
     def model(self) -> ModelInfo:
@@ -402,21 +528,55 @@ class CompareResult:
         ref = np.median(self.inter_BL(self.reference).sum(1))
         return self.inter_BL(strategy).sum(1) / ref if ref > 0 else np.full(self.inter_BL(strategy).shape[0], np.nan)
 
+    def time_normalized_B(
+        self, strategy: str, what: Literal["a2a", "moe"] = "a2a", *, stage: Stage = "decode"
+    ) -> np.ndarray:
+        """Per-step predicted seconds (all layers) of ``what`` (``a2a``: dispatch + combine; ``moe``:
+        with the experts) over the reference's median, float [B] (NaN where unknown)."""
+        metrics = self.metrics if stage == "decode" else self.prefill_metrics
+        if strategy not in metrics or self.reference not in metrics:
+            return np.full(1, np.nan)
+
+        def seconds_B(s: str) -> np.ndarray:
+            m = metrics[s]
+            return a2a_seconds_B(m) if what == "a2a" else m["moe_seconds"].sum(1)
+
+        ref = float(np.median(seconds_B(self.reference)))
+        return seconds_B(strategy) / ref if ref > 0 else np.full(len(seconds_B(strategy)), np.nan)
+
     def summary_rows(self) -> list[dict[str, Any]]:
         """One row per strategy and bound. ``oracle_captured``: the share of the oracle's saving over
-        linear that the row reaches, (1 - v) / (1 - v_oracle) of median normalized volumes; None
+        linear that the row reaches, (1 - v) / (1 - v_oracle) of median normalized all-to-all times; None
         without an oracle row, or when the oracle saves less than ``MIN_ORACLE_GAIN`` (a share of
-        noise is noise)."""
-        med = {s: float(np.median(self.normalized_B(s))) for s in self.metrics}
+        noise is noise). Time columns: decode steps unless prefixed ``prefill_``."""
+        med = {s: _q(self.time_normalized_B(s, "a2a"), 0.5) for s in self.metrics}
         gain = 1.0 - med["oracle"] if "oracle" in med else 0.0
         gain = gain if gain >= MIN_ORACLE_GAIN else 0.0
+        limit = self.manifest.max_node_load
         rows = []
         for s, m in self.metrics.items():
             nb = self.normalized_B(s)
+            a2a, moe = self.time_normalized_B(s, "a2a"), self.time_normalized_B(s, "moe")
+            load = self.placed[s].extra.get("busiest_node_load")
+            gpu_load = m["tokens_per_rank_max"] / np.where(
+                m["tokens_per_rank_mean"] > 0, m["tokens_per_rank_mean"], np.nan
+            )
+            pre = self.prefill_metrics.get(s)
             rows.append(
                 {
                     "strategy": s,
                     "is_bound": s in self.bounds,
+                    "a2a_time_normalized_median": _q(a2a, 0.5),
+                    "a2a_time_normalized_p10": _q(a2a, 0.1),
+                    "a2a_time_normalized_p90": _q(a2a, 0.9),
+                    "moe_time_normalized_median": _q(moe, 0.5),
+                    "moe_time_normalized_p10": _q(moe, 0.1),
+                    "moe_time_normalized_p90": _q(moe, 0.9),
+                    "a2a_seconds_per_step_median": a2a_seconds_median(m),
+                    "moe_seconds_per_step_median": float(np.median(m["moe_seconds"].sum(1))),
+                    "busiest_node_load": load,
+                    "over_node_load_limit": bool(load is not None and limit is not None and load > limit + 1e-9),
+                    "busiest_gpu_load": float(np.nanmean(gpu_load)) if np.isfinite(gpu_load).any() else float("nan"),
                     "oracle_captured": (1.0 - med[s]) / gain if gain > 0 else None,
                     "inter_node_normalized_median": float(np.median(nb)),
                     "inter_node_normalized_p10": float(np.quantile(nb, 0.1)),
@@ -432,10 +592,24 @@ class CompareResult:
                     "groups_without_routed_requests": len(
                         self.placed[s].extra.get("groups_without_routed_requests", [])
                     ),
-                    "busiest_node_load": self.placed[s].extra.get("busiest_node_load"),
+                    "prefill_a2a_time_normalized_median": _q(self.time_normalized_B(s, "a2a", stage="prefill"), 0.5),
+                    "prefill_moe_time_normalized_median": _q(self.time_normalized_B(s, "moe", stage="prefill"), 0.5),
+                    "prefill_inter_node_normalized_median": self._prefill_bytes_normalized(s, pre),
                 }
             )
         return rows
+
+    def _prefill_bytes_normalized(self, strategy: str, pre: dict[str, np.ndarray] | None) -> float:
+        ref = self.prefill_metrics.get(self.reference)
+        if pre is None or ref is None:
+            return float("nan")
+        r = float(np.median(_inter_BL(ref).sum(1)))
+        return float(np.median(_inter_BL(pre).sum(1)) / r) if r > 0 else float("nan")
+
+
+def _q(x: np.ndarray, q: float) -> float:
+    """Quantile ``q`` of ``x``, NaN when ``x`` holds any NaN (an unknown term stays unknown)."""
+    return float("nan") if np.isnan(x).any() else float(np.quantile(x, q))
 
 
 def place_strategies(
@@ -483,13 +657,19 @@ def run_compare(
         bounds, steps = [], steps - 2 * len(bounds)
     candidates = bound_placements(data, cfg, placed, on_placed=step) if bounds else {}
 
+    expert = expert_compute_for(m.name) or expert_compute_for(m.source)
+    cost = CostModel(links=cfg.links, expert=expert)
+    # the time of a copy is the full-size model's (a -tiny preset mirrors its routing, not its width)
+    time_bytes = (expert.hidden_size if expert is not None else m.hidden_size) * cfg.bytes_per_value
+    assert data.test_req_T is not None  # read by with_held_out_tokens above
+    usable = np.flatnonzero(data.is_test_R & (np.bincount(data.test_req_T, minlength=len(data.is_test_R)) > 0))
+
     def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
         assert data.test_topk_ids_TLK is not None  # read by with_held_out_tokens above
         rows, batch, src, empty = held_out_batches(data, cfg, ps.group_of_test_R)
         ps.extra["groups_without_routed_requests"] = empty
-        if ps.group_of_test_R is not None:  # held-out requests routed to the busiest node, over an even share
-            n_G = np.bincount(ps.group_of_test_R[data.is_test_R], minlength=G)
-            ps.extra["busiest_node_load"] = round(float(n_G.max() * G / max(n_G.sum(), 1)), 4)
+        # held-out requests routed to the busiest node, over an even share (1: no router, even by construction)
+        ps.extra["busiest_node_load"] = round(float(node_shares(ps.group_of_test_R, usable, G).max() * G), 4)
         return simulate_volume(
             data.test_topk_ids_TLK[rows],
             placement=ps.placement,
@@ -501,15 +681,49 @@ def run_compare(
             bytes_per_token=m.hidden_size * cfg.bytes_per_value,
             dedup=cfg.dedup,
             policy=cfg.replica_policy,
+            cost=cost,
+            time_bytes_per_token=time_bytes,
         )
 
-    metrics = {}
+    def simulate_prefill(ps: PlacedStrategy) -> dict[str, np.ndarray] | None:
+        drawn = prefill_batches(data, cfg, ps.group_of_test_R)
+        if drawn is None:
+            return None
+        assert data.test_prefill_ids_TLK is not None
+        rows, batch, src = drawn
+        return simulate_volume(
+            data.test_prefill_ids_TLK[rows],
+            placement=ps.placement,
+            batch_T=batch,
+            src_rank_T=src,
+            num_batches=cfg.num_prefill_batches,
+            num_ranks=dep.num_ep,
+            ranks_per_node=dep.ranks_per_node,
+            bytes_per_token=m.hidden_size * cfg.bytes_per_value,
+            dedup=cfg.prefill_dedup,
+            policy=cfg.replica_policy,
+            cost=cost,
+            time_bytes_per_token=time_bytes,
+        )
+
+    metrics: dict[str, dict[str, np.ndarray]] = {}
+    prefill: dict[str, dict[str, np.ndarray]] = {}
     for s in todo:
         metrics[s] = simulate(placed[s])
+        if (pm := simulate_prefill(placed[s])) is not None:
+            prefill[s] = pm
         step()
-    for s in bounds:  # a bound is the best of its candidates (one per kind of placement) on the held-out batches
+    # a bound is the best row found with the held-out decode known: its own candidates (one per kind of
+    # placement) and every deployable row within the node-load limit, ranked by predicted all-to-all time
+    # per step; so no deployable row within the limit beats a bound on that figure
+    within = [s for s in todo if placed[s].extra["busiest_node_load"] <= cfg.max_node_load + 1e-9]
+    for s in bounds:
         sims = [(simulate(c), c) for c in candidates[s]]
-        metrics[s], placed[s] = min(sims, key=lambda mc: float(np.median(_inter_BL(mc[0]).sum(1))))
+        sims += [(metrics[d], replace(placed[d], strategy=s, extra={**placed[d].extra, "kind": d})) for d in within]
+        fits = [mc for mc in sims if mc[1].extra["busiest_node_load"] <= cfg.max_node_load + 1e-9] or sims
+        metrics[s], placed[s] = min(fits, key=lambda mc: a2a_seconds_median(mc[0]))
+        if (pm := simulate_prefill(placed[s])) is not None:
+            prefill[s] = pm
         step()
     floor = None
     if cfg.oracle and cfg.dedup == "expert" and cfg.num_redundant == 0:
@@ -552,8 +766,23 @@ def run_compare(
             for s, p in placed.items()
             if p.grouping is not None
         },
+        prefill_dedup=cfg.prefill_dedup,
+        max_node_load=cfg.max_node_load,
+        prefill_tokens_per_node=cfg.prefill_tokens_per_node,
+        num_prefill_batches=cfg.num_prefill_batches if prefill else 0,
+        cost=cost.to_json(),
     )
-    return CompareResult(config=cfg, manifest=manifest, metrics=metrics, placed=placed)
+    return CompareResult(config=cfg, manifest=manifest, metrics=metrics, placed=placed, prefill_metrics=prefill)
+
+
+def a2a_seconds_B(metrics: dict[str, np.ndarray]) -> np.ndarray:
+    """Predicted all-to-all seconds of every step (dispatch + combine, all layers), float64 [B]."""
+    return (metrics["dispatch_seconds"] + metrics["combine_seconds"]).sum(1)
+
+
+def a2a_seconds_median(metrics: dict[str, np.ndarray]) -> float:
+    """Median over steps of ``a2a_seconds_B`` (the figure compare ranks placements by)."""
+    return float(np.median(a2a_seconds_B(metrics)))
 
 
 def _inter_BL(metrics: dict[str, np.ndarray]) -> np.ndarray:
@@ -712,6 +941,8 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
                         )
                     },
                     "inter_node_normalized": result.normalized_B(s),
+                    "a2a_time_normalized": result.time_normalized_B(s, "a2a"),
+                    "moe_time_normalized": result.time_normalized_B(s, "moe"),
                 }
             )
         )

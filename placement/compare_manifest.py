@@ -29,6 +29,12 @@ LATER_KEYS: dict[str, Any] = {
     "bounds": (),
     "bound_kinds": {},
     "expert_copy_floor": None,
+    # the cost model (issue: rank by predicted time per step); older files ranked by bytes alone
+    "prefill_dedup": None,
+    "max_node_load": None,
+    "prefill_tokens_per_node": 0,
+    "num_prefill_batches": 0,
+    "cost": None,
 }
 
 
@@ -83,6 +89,11 @@ class CompareManifest:
     reference: str  # the strategy whose median normalizes inter-node volume
     model: ModelInfo  # the traced model
     grouping: dict[str, GroupingRecord]  # grouped strategy -> its clustering and router
+    prefill_dedup: str | None = None  # copy model of the prefill stage; None: written before the cost model
+    max_node_load: float | None = None  # routers over this load (busiest node / even share) are flagged
+    prefill_tokens_per_node: int = 0  # chunked-prefill tokens per node and step at an even share
+    num_prefill_batches: int = 0  # prefill steps simulated (0: none, e.g. a decode-only trace)
+    cost: dict[str, Any] | None = None  # the cost model: links and expert (cost.CostModel.to_json)
 
     def to_json(self) -> dict[str, Any]:
         """compare.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
@@ -137,7 +148,21 @@ class CompareManifest:
             reference=r.get("reference", str),
             model=model,
             grouping={str(s): _grouping(g, where, s) for s, g in r.get("grouping", dict).items()},
+            prefill_dedup=r.get("prefill_dedup", str, optional=True),
+            max_node_load=_opt_float(r.get("max_node_load", (int, float), optional=True)),
+            prefill_tokens_per_node=r.count("prefill_tokens_per_node"),
+            num_prefill_batches=r.count("num_prefill_batches"),
+            cost=r.get("cost", dict, optional=True),
         )
+
+    @property
+    def has_time(self) -> bool:
+        """The run predicted time per step (written with the cost model)."""
+        return self.cost is not None
+
+
+def _opt_float(v: object) -> float | None:
+    return None if v is None else float(v)  # type: ignore[arg-type]  # checked int or float by the reader
 
 
 def read_compare_manifest(path: str | os.PathLike) -> CompareManifest:

@@ -99,8 +99,9 @@ class Links:
 
 #: DeepEP's normal kernels on H800 measure about 155 GB/s over NVLink inside a node and 43-58 GB/s
 #: per GPU over RDMA between nodes (DeepEP README, "Normal kernels with NVLink and RDMA forwarding");
-#: the latencies are an assumption of the order of one NVLink / RDMA message (docs/placement.md).
-DEFAULT_LINKS = Links(intra=Link(bytes_per_s=155e9, latency_s=1e-6), inter=Link(bytes_per_s=50e9, latency_s=3e-6))
+#: 0.4 us per RDMA message fits its low-latency table (dispatch of 128 tokens, top-8: 155 us at EP32,
+#: 192 us at EP128, i.e. 37 us for 96 more peers); the NVLink message cost is an assumption (docs/placement.md).
+DEFAULT_LINKS = Links(intra=Link(bytes_per_s=155e9, latency_s=0.2e-6), inter=Link(bytes_per_s=50e9, latency_s=0.4e-6))
 #: H100 SXM: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16 (NVIDIA H100 datasheet)
 H100_HBM_BYTES_PER_S = 3.35e12
 H100_BF16_FLOPS = 989e12
@@ -250,16 +251,32 @@ class GpuTraffic(NamedTuple):
     peers_recv_inter: np.ndarray
 
 
-def _count(b: np.ndarray, w: np.ndarray, B: int, W: int) -> np.ndarray:
-    return np.bincount(b * W + w, minlength=B * W).reshape(B, W).astype(np.float64)
+#: largest B * W * W for which the (batch, source, destination) counts are one dense bincount
+_DENSE_PAIRS = 1 << 24
 
 
-def _peers(b: np.ndarray, src: np.ndarray, dst: np.ndarray, B: int, W: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct destinations per (batch, source) and distinct sources per (batch, destination)."""
-    pair = np.unique((b * W + src) * W + dst)
+def _pair_stats(key: np.ndarray, B: int, W: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """From copy keys ``(b * W + src) * W + dst``: copies sent and received and distinct peers sent
+    to / received from, per (batch, GPU), float64 [B, W] each."""
+    if B * W * W <= _DENSE_PAIRS:
+        M = np.bincount(key, minlength=B * W * W).reshape(B, W, W)
+        has = M > 0
+        return (
+            M.sum(2).astype(np.float64),
+            M.sum(1).astype(np.float64),
+            has.sum(2).astype(np.float64),
+            has.sum(1).astype(np.float64),
+        )
+    pair, n = np.unique(key, return_counts=True)
     bs, d = np.divmod(pair, W)
-    bb, s = np.divmod(bs, W)
-    return _count(bb, s, B, W), _count(bb, d, B, W)
+    b = bs // W
+    bd = b * W + d
+    return (
+        np.bincount(bs, weights=n, minlength=B * W).reshape(B, W),
+        np.bincount(bd, weights=n, minlength=B * W).reshape(B, W),
+        np.bincount(bs, minlength=B * W).reshape(B, W).astype(np.float64),
+        np.bincount(bd, minlength=B * W).reshape(B, W).astype(np.float64),
+    )
 
 
 def gpu_traffic(
@@ -272,55 +289,51 @@ def gpu_traffic(
     num_ranks: int,
     ranks_per_node: int,
     dedup: Literal["rank", "expert", "node"],
+    sorted_rank_TK: np.ndarray | None = None,
 ) -> GpuTraffic:
     """Per (batch, GPU) copies sent and received and peers per link class, for one layer's dispatch.
 
     ``rank_TK``: int64 [T, K] GPU serving each (token, routed expert) (the replica the routing
     chose); ``valid_TK``: bool [T, K] the id was recorded; ``batch_T``, ``src_rank_T``: int64 [T].
-    A copy to the token's own GPU moves nothing. ``node``: see the module docstring (landing GPU,
-    NVLink forwarding).
+    ``sorted_rank_TK`` (optional, to save a sort): ``rank_TK`` sorted along K with every invalid
+    entry replaced by a value >= W. A copy to the token's own GPU moves nothing. ``node``: see the
+    module docstring (landing GPU, NVLink forwarding).
     """
     B, W, g = num_batches, num_ranks, ranks_per_node
-    T, K = rank_TK.shape
-    src = np.broadcast_to(src_rank_T[:, None], (T, K))
-    bat = np.broadcast_to(batch_T[:, None], (T, K))
+    src = np.asarray(src_rank_T, dtype=np.int64)[:, None]
+    base = np.asarray(batch_T, dtype=np.int64)[:, None] * W
     if dedup == "expert":
-        keep = valid_TK
-        s, d, b = src[keep], rank_TK[keep], bat[keep]
-    else:  # one entry per distinct (token, GPU)
-        sentinel = np.int64(W)
-        rk = np.sort(np.where(valid_TK, rank_TK, sentinel), axis=1)
-        first = np.ones_like(rk, dtype=bool)
-        first[:, 1:] = rk[:, 1:] != rk[:, :-1]
-        keep = first & (rk != sentinel)
-        s, d, b = src[keep], rk[keep], bat[keep]
-    moving = s != d
-    s, d, b = s[moving], d[moving], b[moving]
-    remote = (s // g) != (d // g)
+        dst = np.asarray(rank_TK, dtype=np.int64)
+        keep = np.asarray(valid_TK, dtype=bool) & (dst != src)
+    else:  # one entry per distinct (token, GPU): runs of equal ranks in the sorted row
+        dst = np.sort(np.where(valid_TK, rank_TK, W), axis=1) if sorted_rank_TK is None else sorted_rank_TK
+        keep = dst < W
+        keep[:, 1:] &= dst[:, 1:] != dst[:, :-1]
+        keep &= dst != src
+    node = dst // g
+    remote = keep & (node != src // g)
+    local = keep & ~remote
     if dedup == "node":  # per remote node one RDMA copy to the sender's peer GPU there, then NVLink forwards
-        land = (d // g) * g + s % g
-        ls, ld, lb = s[remote], land[remote], b[remote]
-        t_idx = np.broadcast_to(np.arange(T)[:, None], (T, K))[keep][moving][remote]
-        _, first_of = np.unique(t_idx * W + ld, return_index=True)  # one copy per (token, landing GPU)
-        inter_s, inter_d, inter_b = ls[first_of], ld[first_of], lb[first_of]
-        fwd = ld != d[remote]
-        intra_s = np.concatenate([s[~remote], ld[fwd]])
-        intra_d = np.concatenate([d[~remote], d[remote][fwd]])
-        intra_b = np.concatenate([b[~remote], lb[fwd]])
+        land = node * g + src % g
+        first = remote.copy()  # the first distinct GPU of each remote node in the (sorted) row
+        first[:, 1:] &= node[:, 1:] != node[:, :-1]
+        inter_key = ((base + src) * W + land)[first]
+        fwd = remote & (land != dst)
+        intra_key = np.concatenate([((base + src) * W + dst)[local], ((base + land) * W + dst)[fwd]])
     else:
-        inter_s, inter_d, inter_b = s[remote], d[remote], b[remote]
-        intra_s, intra_d, intra_b = s[~remote], d[~remote], b[~remote]
-    ps_intra, pr_intra = _peers(intra_b, intra_s, intra_d, B, W)
-    ps_inter, pr_inter = _peers(inter_b, inter_s, inter_d, B, W)
+        inter_key = ((base + src) * W + dst)[remote]
+        intra_key = ((base + src) * W + dst)[local]
+    si, ri, psi, pri = _pair_stats(intra_key, B, W)
+    se, re_, pse, pre = _pair_stats(inter_key, B, W)
     return GpuTraffic(
-        send_intra=_count(intra_b, intra_s, B, W),
-        recv_intra=_count(intra_b, intra_d, B, W),
-        send_inter=_count(inter_b, inter_s, B, W),
-        recv_inter=_count(inter_b, inter_d, B, W),
-        peers_send_intra=ps_intra,
-        peers_recv_intra=pr_intra,
-        peers_send_inter=ps_inter,
-        peers_recv_inter=pr_inter,
+        send_intra=si,
+        recv_intra=ri,
+        send_inter=se,
+        recv_inter=re_,
+        peers_send_intra=psi,
+        peers_recv_intra=pri,
+        peers_send_inter=pse,
+        peers_recv_inter=pre,
     )
 
 

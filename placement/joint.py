@@ -181,9 +181,31 @@ def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tup
     return group_R, marg[:G] - marg[G:]
 
 
-def route_requests(score_RG: np.ndarray, price_G: np.ndarray) -> np.ndarray:
-    """The online router: each request to ``argmax_g score_RG[r, g] - price_G[g]``, int64 [R]."""
-    return np.argmax(np.asarray(score_RG) - np.asarray(price_G)[None, :], axis=1).astype(np.int64)
+def route_requests(score_RG: np.ndarray, price_G: np.ndarray, *, max_node_load: float | None = None) -> np.ndarray:
+    """The online router: each request to ``argmax_g score_RG[r, g] - price_G[g]``, int64 [R].
+
+    With ``max_node_load`` the router also admits by count, as a serving-time router that knows how
+    many requests it sent each node can: requests arrive in row order, and the i-th (from 0) may only
+    go to a node that has taken fewer than ``max(1, floor(max_node_load * (i + 1) / G))`` so far
+    (its best such node), so no node ever takes more than ``max_node_load`` times an even share
+    (up to one request)."""
+    net_RG = np.asarray(score_RG) - np.asarray(price_G)[None, :]
+    if max_node_load is None:
+        return np.argmax(net_RG, axis=1).astype(np.int64)
+    R, G = net_RG.shape
+    out = np.empty(R, dtype=np.int64)
+    taken = np.zeros(G, dtype=np.int64)
+    order_RG = np.argsort(-net_RG, axis=1, kind="stable")
+    for i in range(R):
+        cap = max(1, int(np.floor(max_node_load * (i + 1) / G + 1e-9)))
+        for g in order_RG[i]:
+            if taken[g] < cap:
+                break
+        else:  # every node at its cap (only when the cap is below an even share): the least loaded
+            g = int(np.argmin(taken))
+        out[i] = g
+        taken[g] += 1
+    return out
 
 
 def members_of_placement(placement: Placement, *, num_groups: int, num_experts: int) -> np.ndarray:

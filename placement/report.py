@@ -1,8 +1,9 @@
 """The text ``moetrace place`` and ``moetrace compare`` print, as plain strings.
 
-``format_compare_summary``: a header line (deployment, train/test split, batches, dedup unit) and
-one aligned row per strategy (normalized inter-node median, p10, p90, inter-node bytes per batch,
-router match rate, node load: held-out requests routed to the busiest node over an even share).
+``format_compare_summary``: header lines (deployment, train/test split, steps, the copy model of
+each stage and the links) and one aligned row per strategy: predicted all-to-all and MoE-layer time
+per step first, then inter-node bytes, router match rate, node load (held-out requests routed to the
+busiest node over an even share) and GPU load.
 ``compare_notes``: one line per strategy whose micro-batches had to draw from all test requests
 because no held-out request was routed to some of its groups.
 ``format_placement_summary``: the one line ``place`` prints.
@@ -13,23 +14,65 @@ Out of scope: computing anything (``compare``); colours and streams (the CLI dec
 from __future__ import annotations
 
 from moetrace.placement.compare import CompareResult, PlacedStrategy
+from moetrace.placement.compare_manifest import CompareManifest
 from moetrace.placement.strategies import get_strategy
 from moetrace.sizes import human_bytes
 
 __all__ = ["format_compare_summary", "compare_notes", "format_placement_summary"]
 
 
+_COPIES = {
+    "expert": "one copy per (token, expert), as DeepEP's low-latency kernels send",
+    "node": "one copy per remote node, as DeepEP's normal kernels send",
+    "rank": "one copy per destination GPU",
+}
+
+
+def copy_model_line(c: CompareManifest) -> str:
+    """What the run assumed: each stage's copy model and the links (names the assumption the
+    ranking depends on)."""
+    parts = [f"decode: {_COPIES.get(c.dedup, c.dedup)}"]
+    if c.num_prefill_batches:
+        parts.append(f"prefill: {_COPIES.get(c.prefill_dedup or '', c.prefill_dedup or '?')}")
+    line = "copies: " + "; ".join(parts)
+    if c.cost is not None:
+        lk = c.cost["links"]
+        nic = "per node" if lk["inter_nic"] == "node" else "per GPU"
+        line += (
+            f"\nlinks: NVLink {lk['intra_bytes_per_s'] / 1e9:g} GB/s, {lk['intra_latency_s'] * 1e6:g} us; "
+            f"RDMA {lk['inter_bytes_per_s'] / 1e9:g} GB/s {nic}, {lk['inter_latency_s'] * 1e6:g} us"
+        )
+        ex = c.cost.get("expert")
+        line += (
+            f"; experts {ex['hidden_size']}x{ex['ffn_size']} at {ex['weight_bytes_per_value']:g} B/weight, "
+            f"HBM {ex['hbm_bytes_per_s'] / 1e12:g} TB/s, {ex['peak_flops'] / 1e12:g} TFLOP/s"
+            if ex
+            else f"; expert size of {c.model.name} unknown: no MoE-layer time"
+        )
+    return line
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x != x else f"{x:.3f}"
+
+
 def format_compare_summary(result: CompareResult) -> str:
-    """Header line, column titles, one row per strategy, then the bounds (lower normalized volume is
-    better; ``node load``: held-out requests routed to the busiest node over an even share, for
-    strategies that route requests; ``of oracle``: the share of the oracle's saving over linear a row
-    reaches)."""
+    """Header lines (deployment, split, batches, the copy model and links), then one aligned row per
+    strategy and the bounds: predicted decode all-to-all time per step over linear's median (p10, p90),
+    predicted MoE-layer time, then inter-node bytes (a means, not the verdict), router match rate,
+    node load (held-out requests routed to the busiest node over an even share; ``!`` over the limit),
+    the busiest GPU's tokens over the mean GPU's, and the share of the oracle's byte saving reached;
+    with prefill steps, their all-to-all time too."""
     c = result.manifest
+    pre = bool(result.prefill_metrics)
     lines = [
         f"{c.deployment} ({c.num_nodes} nodes), {c.num_train_requests} train / {c.num_test_requests} "
-        f"test requests, {c.num_batches} batches of {c.batch_requests} requests, dedup={c.dedup}",
-        f"{'strategy':<16} {'inter-node (norm. median)':>26} {'p10':>6} {'p90':>6} {'inter/batch':>12} {'router':>7} "
-        f"{'node load':>9} {'of oracle':>9}",
+        f"test requests, {c.num_batches} decode steps of {c.batch_requests} requests"
+        + (f", {c.num_prefill_batches} prefill steps of {c.prefill_tokens_per_node} tokens per node" if pre else ""),
+        copy_model_line(c),
+        "predicted time per step over linear's median (lower is better); inter-node bytes likewise",
+        f"{'strategy':<16} {'a2a time':>8} {'p10':>6} {'p90':>6} {'MoE time':>8} {'inter bytes':>11} {'/batch':>9} "
+        f"{'router':>7} {'node load':>9} {'GPU load':>8} {'of oracle':>9}" + (f" {'prefill a2a':>11}" if pre else ""),
     ]
     rows = result.summary_rows()
     for i, r in enumerate(rows):
@@ -37,24 +80,33 @@ def format_compare_summary(result: CompareResult) -> str:
             kinds = sorted({k for k in c.bound_kinds.values() if k})
             lines.append(
                 "upper bounds (they see the held-out requests' decode; not deployable"
-                + (f"; from {', '.join(kinds)}" if kinds and kinds != ["joint"] else "")
+                + (f"; best found: from {', '.join(kinds)}" if kinds and kinds != ["joint"] else "")
                 + "):"
             )
         router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
-        load = f"{r['busiest_node_load']:.2f}" if r.get("busiest_node_load") is not None else "-"
+        load = r.get("busiest_node_load")
+        load_s = "-" if load is None else f"{load:.2f}" + ("!" if r["over_node_load_limit"] else "")
         cap = r["oracle_captured"]
         # worse than linear: "<0%" (the ratio explodes when the oracle saves little); no "-0%"
         captured = "-" if cap is None else "<0%" if round(cap, 2) < 0 else f"{round(cap, 2) or 0.0:.0%}"
         lines.append(
-            f"{r['strategy']:<16} {r['inter_node_normalized_median']:>26.3f} {r['inter_node_normalized_p10']:>6.3f} "
-            f"{r['inter_node_normalized_p90']:>6.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>12} "
-            f"{router:>7} {load:>9} {captured:>9}"
+            f"{r['strategy']:<16} {_pct(r['a2a_time_normalized_median']):>8} {_pct(r['a2a_time_normalized_p10']):>6} "
+            f"{_pct(r['a2a_time_normalized_p90']):>6} {_pct(r['moe_time_normalized_median']):>8} "
+            f"{r['inter_node_normalized_median']:>11.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>9} "
+            f"{router:>7} {load_s:>9} {r['busiest_gpu_load']:>8.2f} {captured:>9}"
+            + (f" {_pct(r['prefill_a2a_time_normalized_median']):>11}" if pre else "")
         )
     if c.expert_copy_floor is not None:  # dedup expert, no redundancy: a proven bound, not a placement
         J = result.model.num_experts // c.num_nodes
         lines.append(
-            f"{'floor':<16} {c.expert_copy_floor:>26.3f}  proven for any placement with evenly loaded nodes: "
-            f"each held-out request on a node of its own top {J} experts per layer"
+            f"{'floor':<16} {'':>8} {'':>6} {'':>6} {'':>8} {c.expert_copy_floor:>11.3f}  inter-node bytes, proven for any "
+            f"placement: each held-out request on a node of its own top {J} experts per layer"
+        )
+    over = [r["strategy"] for r in rows if r["over_node_load_limit"] and not r["is_bound"]]
+    if over:
+        lines.append(
+            f"! node load over --max-node-load {c.max_node_load:g}: {', '.join(over)} (that node is every step's "
+            "straggler, or its queue grows; bounds keep within the limit)"
         )
     return "\n".join(lines)
 
@@ -64,7 +116,7 @@ def compare_notes(result: CompareResult) -> list[str]:
     group-limited router's expert groups over nodes when copies are counted per node (empty when none)."""
     notes = [
         f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
-        "to them; their micro-batches drew from all test requests (more requests or fewer clusters avoid this)"
+        "to them; those nodes idled in every step (more requests or fewer clusters avoid this)"
         for r in result.summary_rows()
         if r["groups_without_routed_requests"]
     ]

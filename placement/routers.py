@@ -212,7 +212,8 @@ class CentroidRouter:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class PriceRouter:
-    """Node score minus node price, highest wins (strategies ``joint``, ``joint_aligned``)."""
+    """Node score minus node price, highest wins, among the nodes under the admission cap (strategies
+    ``joint``, ``joint_aligned``): held-out requests arrive in row order (``joint.route_requests``)."""
 
     kind: ClassVar[Literal["price"]] = "price"
     #: what the file says about the rule and the score (for a reader of the JSON)
@@ -224,6 +225,7 @@ class PriceRouter:
     match_rate: float | None = (
         None  # share of held-out requests routed to the node the balanced decode assignment picks
     )
+    max_node_load: float | None = None  # admission cap: no node takes more than this over an even share (None: no cap)
 
     @classmethod
     def fitted(cls, *, grouping: Grouping | None, provenance: dict[str, Any], num_groups: int) -> PriceRouter:
@@ -240,6 +242,7 @@ class PriceRouter:
             "router": self.RULE,
             "score": self.SCORE,
             "node_prices": list(self.node_prices_G),
+            "max_node_load": self.max_node_load,
             "router_match_rate": self.match_rate,
         }
 
@@ -255,8 +258,14 @@ class PriceRouter:
             raise TraceFormatError(
                 f"{where}: grouping `node_prices` must be {num_groups} finite numbers (one per node); {_REDO}"
             )
+        cap = obj.get("max_node_load")  # files written before the admission cap have none
+        if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or not 1.0 <= cap < 100.0):
+            raise TraceFormatError(f"{where}: grouping `max_node_load` must be a number in [1, 100) or null; {_REDO}")
         return cls(
-            num_groups=num_groups, node_prices_G=tuple(float(x) for x in prices), match_rate=_match_rate(obj, where)
+            num_groups=num_groups,
+            node_prices_G=tuple(float(x) for x in prices),
+            match_rate=_match_rate(obj, where),
+            max_node_load=None if cap is None else float(cap),
         )
 
     def route(
@@ -280,7 +289,11 @@ class PriceRouter:
         member = members_of_placement(placement, num_groups=self.num_groups, num_experts=prefill_RLE.shape[2])
         test = np.flatnonzero(is_test_R)
         routed_R = np.zeros(len(is_test_R), dtype=np.int64)
-        routed_R[test] = route_requests(node_scores(prefill_RLE, member, rows=test), np.asarray(self.node_prices_G))
+        routed_R[test] = route_requests(
+            node_scores(prefill_RLE, member, rows=test),
+            np.asarray(self.node_prices_G),
+            max_node_load=self.max_node_load,
+        )
         if decode_RLE is None:
             return Routes(group_R=routed_R)
         truth_R = np.zeros(len(is_test_R), dtype=np.int64)

@@ -231,6 +231,7 @@ def simulate_volume(
                 num_ranks=W,
                 ranks_per_node=ranks_per_node,
                 dedup=dedup,
+                sorted_rank_TK=rkey,
             )
             a2a_BW = collective_seconds_BW(
                 traffic,

@@ -96,7 +96,7 @@ def test_parse_links():
     links = parse_links("intra=300GB/s,2us,inter=400Gbit")
     assert links.intra == Link(bytes_per_s=300e9, latency_s=2e-6)
     assert links.inter == Link(bytes_per_s=50e9, latency_s=DEFAULT_LINKS.inter.latency_s)
-    assert parse_links("inter=25") == Links(intra=DEFAULT_LINKS.intra, inter=Link(bytes_per_s=25e9, latency_s=3e-6))
+    assert parse_links("inter=25") == Links(intra=DEFAULT_LINKS.intra, inter=Link(bytes_per_s=25e9, latency_s=0.4e-6))
     for bad in ("intra=fast", "nvlink=100", "inter=10,2us,3us", "intra=1,intra=2", "inter=10,soon"):
         with pytest.raises(ConfigError, match="--link"):
             parse_links(bad)

@@ -27,8 +27,28 @@ BatchRequests = Annotated[int, typer.Option(help="Requests per global batch (0: 
 DedupOpt = Annotated[
     Literal["rank", "expert", "node"],
     typer.Option(
-        help="A token is sent once per distinct destination GPU (rank), expert (DeepEP low-latency decode) or node (DeepEP high-throughput)."
+        help="Copy model of the decode steps: a token is sent once per distinct destination GPU (rank), expert (DeepEP's low-latency kernels) or node (DeepEP's normal kernels)."
     ),
+]
+PrefillDedupOpt = Annotated[
+    Literal["rank", "expert", "node"],
+    typer.Option(help="Copy model of the prefill steps (node: DeepEP's normal kernels, one copy per remote node)."),
+]
+LinkOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--link",
+        help="Cost model links, intra=BW[,LAT],inter=BW[,LAT] per GPU (default intra=155GB/s,0.2us,inter=50GB/s,0.4us; docs/placement.md).",
+    ),
+]
+MaxNodeLoad = Annotated[
+    float,
+    typer.Option(
+        help="Flag routers that send the busiest node more than this over an even share (bounds stay within it)."
+    ),
+]
+PrefillTokens = Annotated[
+    int, typer.Option(help="Chunked-prefill tokens per node and prefill step at an even share (0: decode only).")
 ]
 ReplicaPolicyOpt = Annotated[Literal["same_node", "even", "metro"], typer.Option(help="Which replica serves a token.")]
 _GROUPED = ", ".join(s.name for s in STRATEGIES if s.grouped)
@@ -116,7 +136,11 @@ def compare_cmd(
     test_fraction: TestFraction = 0.2,
     batches: Annotated[int, typer.Option(help="Global batches (decode steps) to simulate.")] = 500,
     batch_requests: BatchRequests = 0,
-    dedup: DedupOpt = "rank",
+    dedup: DedupOpt = "expert",
+    prefill_dedup: PrefillDedupOpt = "node",
+    link: LinkOpt = None,
+    max_node_load: MaxNodeLoad = 1.10,
+    prefill_tokens: PrefillTokens = 1024,
     replica_policy: ReplicaPolicyOpt = "same_node",
     oracle: Annotated[
         bool, typer.Option(help="Also report the upper bounds: perfect routing and the test-set oracle.")
@@ -133,6 +157,7 @@ def compare_cmd(
     Example: moetrace compare traces/dsv3 --config DP8TP8EP64 --strategies linear,eplb,data,joint -o results/
     """
     from moetrace.placement.compare import load_trace_data, run_compare, write_results
+    from moetrace.placement.cost import parse_links
     from moetrace.placement.report import compare_notes, format_compare_summary
     from moetrace.results import COMPARE, check_output
 
@@ -148,6 +173,10 @@ def compare_cmd(
         num_batches=batches,
         num_batch_requests=batch_requests,
         dedup=dedup,
+        prefill_dedup=prefill_dedup,
+        links=parse_links(link),
+        max_node_load=max_node_load,
+        prefill_tokens_per_node=prefill_tokens,
         replica_policy=replica_policy,
         oracle=oracle,
         seed=seed,
