@@ -87,16 +87,14 @@ class CompareConfig:
     num_batches: int = 500  # global batches simulated
     num_batch_requests: int = 0  # requests per global batch (0: 32 per group)
     dedup: DedupUnit = "expert"  # decode copy model: a token is sent once per distinct destination of this unit
-    prefill_dedup: DedupUnit = "node"  # prefill copy model (DeepEP's normal kernels: one copy per node)
-    links: Links = DEFAULT_LINKS  # the cost model's link classes (cost.parse_links)
-    max_node_load: float = 1.10  # routers sending the busiest node more than this over an even share are flagged
-    prefill_tokens_per_node: int = (
-        2048  # chunked-prefill tokens per node and prefill step at an even share (0: no prefill)
-    )
     replica_policy: ReplicaPolicy = "same_node"  # which replica serves a token when there are several
     bytes_per_value: int = 2  # bytes per hidden value on the wire (bf16 = 2)
     seed: int = 0  # split, K-means, random placement and batch sampling
     oracle: bool = True  # also report the upper bounds (strategies.BOUNDS: perfect routing, test-set oracle)
+    prefill_dedup: DedupUnit = "node"  # prefill copy model (DeepEP's normal kernels: one copy per node)
+    links: Links = DEFAULT_LINKS  # the cost model's link classes (cost.parse_links)
+    max_node_load: float = 1.10  # routers sending the busiest node more than this over an even share are flagged
+    prefill_tokens_per_node: int = 1024  # chunked-prefill tokens per node and step at an even share (0: none)
 
     def __post_init__(self) -> None:
         check_strategies(self.strategies)
@@ -767,10 +765,11 @@ def run_compare(
             if p.grouping is not None
         },
         prefill_dedup=cfg.prefill_dedup,
+        links=cfg.links.to_json(),
         max_node_load=cfg.max_node_load,
         prefill_tokens_per_node=cfg.prefill_tokens_per_node,
         num_prefill_batches=cfg.num_prefill_batches if prefill else 0,
-        cost=cost.to_json(),
+        expert=None if expert is None else expert.to_json(),
     )
     return CompareResult(config=cfg, manifest=manifest, metrics=metrics, placed=placed, prefill_metrics=prefill)
 

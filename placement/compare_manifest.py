@@ -34,8 +34,15 @@ LATER_KEYS: dict[str, Any] = {
     "max_node_load": None,
     "prefill_tokens_per_node": 0,
     "num_prefill_batches": 0,
-    "cost": None,
+    "links": None,
+    "expert": None,
 }
+
+
+#: the keys the cost model added (a manifest without ``links`` predates them all)
+_COST_KEYS = frozenset(
+    {"prefill_dedup", "links", "max_node_load", "prefill_tokens_per_node", "num_prefill_batches", "expert"}
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +65,7 @@ class GroupingRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class CompareManifest:
-    """One compare run (fields in the order compare.json holds them; the first eleven are
+    """One compare run (fields in the order compare.json holds them; the first fifteen are
     ``CompareConfig``'s, the deployment given by its name and sizes)."""
 
     strategies: tuple[
@@ -74,6 +81,10 @@ class CompareManifest:
     bytes_per_value: int  # bytes per hidden value on the wire
     seed: int  # split, K-means, random placement, batch sampling
     oracle: bool  # the upper bounds were asked for
+    prefill_dedup: str | None = None  # copy model of the prefill stage; None: written before the cost model
+    links: dict[str, Any] | None = None  # the cost model's links (cost.Links.to_json); None: written before it
+    max_node_load: float | None = None  # routers over this load (busiest node / even share) are flagged
+    prefill_tokens_per_node: int = 0  # chunked-prefill tokens per node and step at an even share
     deployment: str  # DPaTPbEPc[TPd]
     gpus_per_node: int  # GPUs per node
     batch_requests: int  # requests per global batch used
@@ -89,11 +100,8 @@ class CompareManifest:
     reference: str  # the strategy whose median normalizes inter-node volume
     model: ModelInfo  # the traced model
     grouping: dict[str, GroupingRecord]  # grouped strategy -> its clustering and router
-    prefill_dedup: str | None = None  # copy model of the prefill stage; None: written before the cost model
-    max_node_load: float | None = None  # routers over this load (busiest node / even share) are flagged
-    prefill_tokens_per_node: int = 0  # chunked-prefill tokens per node and step at an even share
     num_prefill_batches: int = 0  # prefill steps simulated (0: none, e.g. a decode-only trace)
-    cost: dict[str, Any] | None = None  # the cost model: links and expert (cost.CostModel.to_json)
+    expert: dict[str, Any] | None = None  # the cost model's expert (cost.ExpertCompute.to_json); None: size unknown
 
     def to_json(self) -> dict[str, Any]:
         """compare.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
@@ -102,6 +110,8 @@ class CompareManifest:
             v = getattr(self, f.name)
             if f.name == "expert_copy_floor" and v is None:
                 continue  # not proven: the key is left out
+            if self.links is None and f.name in _COST_KEYS:
+                continue  # a file written before the cost model: written back as it was
             if isinstance(v, tuple):
                 v = list(v)
             elif f.name == "model":
@@ -152,13 +162,19 @@ class CompareManifest:
             max_node_load=_opt_float(r.get("max_node_load", (int, float), optional=True)),
             prefill_tokens_per_node=r.count("prefill_tokens_per_node"),
             num_prefill_batches=r.count("num_prefill_batches"),
-            cost=r.get("cost", dict, optional=True),
+            links=r.get("links", dict, optional=True),
+            expert=r.get("expert", dict, optional=True),
         )
+
+    @property
+    def cost(self) -> dict[str, Any] | None:
+        """The cost model as ``{"links": ..., "expert": ...}`` (None: written before it)."""
+        return None if self.links is None else {"links": self.links, "expert": self.expert}
 
     @property
     def has_time(self) -> bool:
         """The run predicted time per step (written with the cost model)."""
-        return self.cost is not None
+        return self.links is not None
 
 
 def _opt_float(v: object) -> float | None:

@@ -186,9 +186,9 @@ def route_requests(score_RG: np.ndarray, price_G: np.ndarray, *, max_node_load: 
 
     With ``max_node_load`` the router also admits by count, as a serving-time router that knows how
     many requests it sent each node can: requests arrive in row order, and the i-th (from 0) may only
-    go to a node that has taken fewer than ``max(1, floor(max_node_load * (i + 1) / G))`` so far
-    (its best such node), so no node ever takes more than ``max_node_load`` times an even share
-    (up to one request)."""
+    go to a node that has taken fewer than ``max(ceil((i + 1) / G) + 1, floor(max_node_load * (i + 1) / G))``
+    so far (its best such node): one request over an even share at any time, and no more than
+    ``max_node_load`` times an even share once that allows more."""
     net_RG = np.asarray(score_RG) - np.asarray(price_G)[None, :]
     if max_node_load is None:
         return np.argmax(net_RG, axis=1).astype(np.int64)
@@ -197,11 +197,11 @@ def route_requests(score_RG: np.ndarray, price_G: np.ndarray, *, max_node_load: 
     taken = np.zeros(G, dtype=np.int64)
     order_RG = np.argsort(-net_RG, axis=1, kind="stable")
     for i in range(R):
-        cap = max(1, int(np.floor(max_node_load * (i + 1) / G + 1e-9)))
+        cap = max(-(-(i + 1) // G) + 1, int(np.floor(max_node_load * (i + 1) / G + 1e-9)))
         for g in order_RG[i]:
             if taken[g] < cap:
                 break
-        else:  # every node at its cap (only when the cap is below an even share): the least loaded
+        else:  # cannot happen (the cap is over an even share); kept so the loop always assigns
             g = int(np.argmin(taken))
         out[i] = g
         taken[g] += 1

@@ -236,13 +236,14 @@ class PriceRouter:
         return cls(num_groups=num_groups, node_prices_G=tuple(float(p) for p in provenance["router_price"]))
 
     def to_json(self) -> dict[str, Any]:
+        cap = {} if self.max_node_load is None else {"max_node_load": self.max_node_load}  # older files: no cap
         return {
             "router_kind": self.kind,
             "num_groups": self.num_groups,
             "router": self.RULE,
             "score": self.SCORE,
             "node_prices": list(self.node_prices_G),
-            "max_node_load": self.max_node_load,
+            **cap,
             "router_match_rate": self.match_rate,
         }
 

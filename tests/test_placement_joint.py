@@ -171,13 +171,16 @@ def test_compare_reports_bounds_and_the_joint_placer_meets_the_oracle(tmp_path):
     assert list(rows) == ["linear", "eplb", "data", "joint", "perfect_routing", "oracle"]
     assert [r["is_bound"] for r in rows.values()] == [False] * 4 + [True] * 2
     v = {s: r["inter_node_normalized_median"] for s, r in rows.items()}
+    t = {s: r["a2a_time_normalized_median"] for s, r in rows.items()}
     assert v["oracle"] < 0.6  # the planted structure is there to exploit
-    assert v["joint"] <= v["oracle"] * 1.02 + 0.02  # and the joint placer gets it (within 2 points)
-    assert v["joint"] <= v["data"] + 0.02
-    assert rows["joint"]["router_match_rate"] > 0.9
-    assert (
-        rows["linear"]["busiest_node_load"] is None and rows["eplb"]["busiest_node_load"] is None
-    )  # they route nothing
+    # the joint placer gets most of it while its router keeps every node within the load limit
+    assert v["joint"] < 0.4 and t["joint"] < 0.75 and rows["joint"]["busiest_node_load"] <= cfg.max_node_load
+    assert rows["joint"]["router_match_rate"] > 0.8
+    # a bound is never beaten by a deployable row within the load limit, in what compare ranks by
+    for s, r in rows.items():
+        if not r["is_bound"] and not r["over_node_load_limit"]:
+            assert t["oracle"] <= t[s] + 1e-12 and t["perfect_routing"] <= t[s] + 1e-12, s
+    assert rows["linear"]["busiest_node_load"] == rows["eplb"]["busiest_node_load"] == 1.0  # they route nothing
     test_R = data.is_test_R
     for s in ("data", "joint", "perfect_routing", "oracle"):  # the busiest node's held-out requests over an even share
         n_G = np.bincount(res.placed[s].group_of_test_R[test_R], minlength=4)
