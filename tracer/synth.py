@@ -32,11 +32,11 @@ The generative model, per MoE layer ``l`` (all randomness derived from one seed)
 per-request favourites and the layer affinity, keeping the skew (:func:`plant_truth`).
 
 *Datasets of requests.* Without a mix, requests are assigned to datasets round robin
-(``request_id % D``). With ``SynthPlan.mix`` (one share per dataset) dataset ``d`` gets the
-largest-remainder quota of ``num_requests * share[d]`` requests, exactly, and its ``k``-th request
-sits at the ideal time ``(k + 1/2) / share[d]``: ids follow those times in order (ties to the earlier
-dataset), so every stretch of ids holds about the mix, and equal shares give round robin again
-(:func:`dataset_assignment`). The assignment uses no random draw.
+(``request_id % D``). With ``SynthPlan.mix`` (one share per dataset) every prefix of the ids holds
+the mix: among the first ``n`` ids dataset ``d`` has ``n * share[d]`` requests within less than one
+(Tijdeman's chairman assignment, :func:`dataset_assignment`): the whole run and a run cut short
+are at the mix within one request, any stretch of ids (a chunk) within two. Equal shares give round
+robin again. The assignment uses no random draw.
 
 Requests are generated in chunks of ``chunk_requests`` ids; chunk ``c`` uses
 ``SeedSequence(seed, spawn_key=(1, c))`` and the planted truth ``SeedSequence(seed, spawn_key=(0,))``;
@@ -54,6 +54,7 @@ measuring the statistics (``synth_stats``).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
 import os
@@ -235,8 +236,9 @@ class SynthPlan:
         return self.mix if self.mix is not None else (1.0 / len(self.datasets),) * len(self.datasets)
 
     def requests_per_dataset(self) -> tuple[int, ...]:
-        """Requests each dataset gets, in ``datasets`` order (what :func:`dataset_assignment` realises)."""
-        return tuple(int(n) for n in _quotas(self.shares(), self.num_requests))
+        """Requests each dataset gets, in ``datasets`` order: ``num_requests * share`` rounded up or down
+        (:func:`dataset_assignment`)."""
+        return tuple(int(n) for n in np.bincount(dataset_assignment(self), minlength=len(self.datasets)))
 
     def collection(self, model: ModelInfo) -> dict[str, Any]:
         """The manifest ``collection`` section: every generator parameter (the planted truth's recipe)."""
@@ -248,7 +250,8 @@ class SynthPlan:
             "seed": self.seed,
             "calibration": self.calibration,
             "num_chunk_requests": self.num_chunk_requests,
-            # "round_robin": request i is dataset i % D; "mix": quotas of the shares, spread over the ids
+            # "round_robin": request i is dataset i % D; "mix": every prefix of the ids within one request of
+            # the shares (dataset_assignment)
             "dataset_assignment": "round_robin" if self.mix is None else "mix",
             "mix": dict(zip(self.datasets, self.shares())),
             "requests_per_dataset": dict(zip(self.datasets, self.requests_per_dataset())),
@@ -322,34 +325,37 @@ def parse_mix(text: str, *, datasets: tuple[str, ...] | None = None) -> tuple[tu
     return datasets, tuple(mix[d] for d in datasets)
 
 
-def _quotas(shares: tuple[float, ...], num_requests: int) -> np.ndarray:
-    """int64 ``[D]`` largest-remainder quotas: ``floor(R * share)`` each, the R left over to the largest
-    remainders (ties to the earlier dataset). Equal shares give round robin's counts."""
-    raw_D = num_requests * np.asarray(shares, np.float64)
-    quota_D = np.floor(raw_D).astype(np.int64)
-    left = num_requests - int(quota_D.sum())
-    assert 0 <= left <= len(shares), left  # the shares sum to 1
-    quota_D[np.argsort(quota_D - raw_D, kind="stable")[:left]] += 1
-    return quota_D
-
-
 def dataset_assignment(plan: SynthPlan) -> np.ndarray:
     """int64 ``[R]``: the dataset index (into ``plan.datasets``) of each request id.
 
-    No mix: ``request_id % D``. With a mix: dataset ``d`` gets its quota ``q[d]`` (:meth:`SynthPlan.requests_per_dataset`)
-    and its ``k``-th request the time ``(k + 1/2) / share[d]``; ids go to the ``R`` times in
-    increasing order, ties to the earlier dataset. Equal shares thus give round robin; any mix puts
-    about ``n * share[d]`` of dataset ``d``'s requests among the first ``n`` ids. A pure function of the
-    plan (no random draw), computed once per run: O(R log R).
+    No mix: ``request_id % D``. With a mix: Tijdeman's chairman assignment ("The chairman assignment
+    problem", Discrete Mathematics 32, 1980), which keeps every prefix of the ids at the mix: among
+    the first ``n`` ids, dataset ``d`` has ``n * share[d]`` requests within ``1 - 1/(2D - 2)`` (< 1).
+    Id ``n - 1`` goes, among the datasets that can take one more request within that bound, to the
+    one that would fall behind it first (ties to the earlier dataset); equal shares give round robin.
+    A pure function of the shares and ``R`` (no random draw): O(R log D), about 1 s per million ids.
     """
     R, D = plan.num_requests, len(plan.datasets)
-    if plan.mix is None:
+    if plan.mix is None or D == 1:
         return np.arange(R, dtype=np.int64) % D
-    quota_D = _quotas(plan.mix, R)
-    ds_R = np.repeat(np.arange(D, dtype=np.int64), quota_D)
-    k_R = np.arange(R) - np.repeat(np.cumsum(quota_D) - quota_D, quota_D)  # rank of the request in its dataset
-    time_R = (k_R + 0.5) / np.asarray(plan.mix)[ds_R]
-    return ds_R[np.lexsort((ds_R, time_R))]
+    share = plan.mix
+    bound = 1.0 - 1.0 / (2 * D - 2)
+    count = [0] * D
+    # dataset d may take its next request at id n - 1 once n >= (count + 1 - bound) / share ("release"),
+    # and must take it by n <= (count + bound) / share + 1 ("deadline"): earliest deadline first
+    waiting = [((1.0 - bound) / share[d], d) for d in range(D)]  # (release, dataset), heap
+    ready: list[tuple[float, int]] = []  # (deadline, dataset), heap
+    out: list[int] = []
+    for n in range(1, R + 1):
+        # the theorem keeps `ready` non-empty; a release a rounding error late is taken all the same
+        while waiting and (waiting[0][0] <= n + 1e-9 or not ready):
+            d = heapq.heappop(waiting)[1]
+            heapq.heappush(ready, ((count[d] + bound) / share[d], d))
+        d = heapq.heappop(ready)[1]
+        out.append(d)
+        count[d] += 1
+        heapq.heappush(waiting, ((count[d] + 1.0 - bound) / share[d], d))
+    return np.array(out, dtype=np.int64)
 
 
 def _num_fav(knobs: SynthKnobs, model: ModelInfo) -> int:

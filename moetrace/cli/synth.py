@@ -46,15 +46,15 @@ def synth_cmd(
     datasets: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated dataset names, requests assigned round robin "
-            "[default: gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr; with --mix: the mix's names]."
+            help="Comma-separated dataset names, requests assigned round robin. Default: the paper's seven "
+            "(gsm8k, math, mbpp, humaneval, lmsys-chat, xsum, tldr); with --mix, the mix's names."
         ),
     ] = None,
     mix: Annotated[
         str | None,
         typer.Option(
-            help="Share of the requests per dataset, summing to 1, e.g. gsm8k=0.6,mbpp=0.2,humaneval=0.1,xsum=0.1 "
-            "(names the datasets itself; each gets its exact quota, spread over the request ids)."
+            help="Share of the requests per dataset, summing to 1, e.g. gsm8k=0.6,mbpp=0.4 (names the datasets "
+            "itself; every stretch of request ids from the first holds the mix within one request)."
         ),
     ] = None,
     requests: Annotated[int, typer.Option("--requests", "-n", help="Number of requests to generate.")] = 1000,
