@@ -31,21 +31,32 @@ The generative model, per MoE layer ``l`` (all randomness derived from one seed)
 *Control.* ``SynthPlan.structure == "none"`` gives every dataset the same profiles and drops the
 per-request favourites and the layer affinity, keeping the skew (:func:`plant_truth`).
 
-Requests are assigned to datasets round robin (``request_id % D``), generated in chunks of
-``chunk_requests`` ids; chunk ``c`` uses ``SeedSequence(seed, spawn_key=(1, c))`` and the planted truth
-``SeedSequence(seed, spawn_key=(0,))``, so the output is byte-identical whatever the number of worker
-processes. Chunks are written in request-id order through :class:`~moetrace.tracer.trace.writer.TraceWriter`.
+*Datasets of requests.* Without a mix, requests are assigned to datasets round robin
+(``request_id % D``). With ``SynthPlan.mix`` (one share per dataset) every prefix of the ids holds
+the mix: among the first ``n`` ids dataset ``d`` has ``n * share[d]`` requests within less than one
+(Tijdeman's chairman assignment, :func:`dataset_assignment`): the whole run and a run cut short
+are at the mix within one request, any stretch of ids (a chunk) within two. Equal shares give round
+robin again. The assignment uses no random draw.
+
+Requests are generated in chunks of ``chunk_requests`` ids; chunk ``c`` uses
+``SeedSequence(seed, spawn_key=(1, c))`` and the planted truth ``SeedSequence(seed, spawn_key=(0,))``;
+the dataset of every request is computed once for the run, so the output is byte-identical whatever
+the number of worker processes. Chunks are written in request-id order through
+:class:`~moetrace.tracer.trace.writer.TraceWriter`.
 
 Shape legend: R requests, T tokens, L MoE layers, K top-k, E experts, D datasets, S stages (prefill,
 decode), N alias tables (= D*S*L), X = L*K (legend: docs/architecture.md).
 
-Out of scope: routing weights, token text; measuring the statistics (``synth_stats``).
+Out of scope: routing weights, token text; a mix that changes over the run (one mix for all ids);
+measuring the statistics (``synth_stats``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -78,6 +89,8 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 #: ``planted``: the knobs' structure; ``none``: the control (see :func:`plant_truth`)
 Structure = Literal["planted", "none"]
 STRUCTURES: tuple[str, ...] = ("planted", "none")
+#: how far a mix's shares may sum from 1 (they are then divided by their sum)
+MIX_TOLERANCE = 1e-6
 
 
 # ====================================================================== configuration
@@ -187,13 +200,16 @@ def _length_from(dataset: str, v: object) -> LengthDist:
 class SynthPlan:
     """What to generate: everything that, with the model, determines the trace byte for byte."""
 
-    datasets: tuple[str, ...]  # dataset names, requests assigned round robin (request_id % D)
+    datasets: tuple[str, ...]  # dataset names (the order of the mix, the truth arrays and the profile draws)
     num_requests: int  # requests to generate (ids 0..num_requests-1)
     seed: int  # root seed of every random draw
     knobs: SynthKnobs  # the generative model's parameters
     calibration: str | None = None  # name of the calibration preset the knobs started from (provenance)
     num_chunk_requests: int = 64  # requests per generation chunk (part of the seed derivation)
     structure: Structure = "planted"  # "none": a control with no dataset, domain, request or layer structure
+    # share of the requests per dataset, in `datasets` order, each > 0, summing to 1 within MIX_TOLERANCE
+    # (stored divided by the sum); None: equal shares, round robin (request_id % D)
+    mix: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.datasets:
@@ -212,6 +228,17 @@ class SynthPlan:
         if self.structure not in STRUCTURES:
             raise ConfigError(f"--structure must be one of {', '.join(STRUCTURES)}; got {self.structure!r}")
         object.__setattr__(self, "datasets", tuple(self.datasets))
+        if self.mix is not None:
+            object.__setattr__(self, "mix", _checked_mix(self.datasets, self.mix))
+
+    def shares(self) -> tuple[float, ...]:
+        """Each dataset's share of the requests, in ``datasets`` order (``1/D`` each without a mix)."""
+        return self.mix if self.mix is not None else (1.0 / len(self.datasets),) * len(self.datasets)
+
+    def requests_per_dataset(self) -> tuple[int, ...]:
+        """Requests each dataset gets, in ``datasets`` order: ``num_requests * share`` rounded up or down
+        (:func:`dataset_assignment`)."""
+        return tuple(int(n) for n in np.bincount(dataset_assignment(self), minlength=len(self.datasets)))
 
     def collection(self, model: ModelInfo) -> dict[str, Any]:
         """The manifest ``collection`` section: every generator parameter (the planted truth's recipe)."""
@@ -223,7 +250,11 @@ class SynthPlan:
             "seed": self.seed,
             "calibration": self.calibration,
             "num_chunk_requests": self.num_chunk_requests,
-            "dataset_assignment": "round_robin",
+            # "round_robin": request i is dataset i % D; "mix": every prefix of the ids within one request of
+            # the shares (dataset_assignment)
+            "dataset_assignment": "round_robin" if self.mix is None else "mix",
+            "mix": dict(zip(self.datasets, self.shares())),
+            "requests_per_dataset": dict(zip(self.datasets, self.requests_per_dataset())),
             "structure": self.structure,
             # experts per token limited to the first topk_group of n_group groups (None: no limit)
             "group_limit": (
@@ -235,6 +266,96 @@ class SynthPlan:
             "domains": {d: k.domains.get(d, d) for d in self.datasets},
             "truth": TRUTH_FILE,
         }
+
+
+def _checked_mix(datasets: tuple[str, ...], mix: tuple[float, ...]) -> tuple[float, ...]:
+    """``mix`` as floats divided by their sum, after checking one share > 0 per dataset summing to ~1."""
+    shares = tuple(float(w) for w in mix)
+    if len(shares) != len(datasets):
+        raise ConfigError(
+            f"the mix has {len(shares)} share(s) for {len(datasets)} dataset(s); give one per dataset, "
+            "in the order of the datasets"
+        )
+    bad = [f"{d}={w:g}" for d, w in zip(datasets, shares) if not (math.isfinite(w) and w > 0)]
+    if bad:
+        raise ConfigError(
+            f"mix shares must be numbers > 0, got {', '.join(bad)}; "
+            "to leave a dataset out, drop it from the datasets (and the mix) instead"
+        )
+    total = math.fsum(shares)
+    if abs(total - 1.0) > MIX_TOLERANCE:
+        raise ConfigError(
+            f"mix shares sum to {total:.9g}, not 1; give fractions of the requests that add up to 1 "
+            "(e.g. gsm8k=0.6,mbpp=0.2,humaneval=0.1,xsum=0.1)"
+        )
+    return tuple(w / total for w in shares)
+
+
+def parse_mix(text: str, *, datasets: tuple[str, ...] | None = None) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """``(datasets, shares)`` of a ``--mix`` text ``NAME=SHARE,...`` (e.g. ``gsm8k=0.6,mbpp=0.4``).
+
+    The datasets come in the text's order, or in the order of ``datasets`` (the ``--datasets`` list)
+    when given, which must then name the same datasets. Shares are checked by :class:`SynthPlan`.
+    """
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    if not entries:
+        raise ConfigError("--mix is empty; give NAME=SHARE pairs, e.g. --mix gsm8k=0.6,mbpp=0.4")
+    mix: dict[str, float] = {}
+    for e in entries:
+        name, eq, value = (x.strip() for x in e.partition("="))
+        if not eq or not name:
+            raise ConfigError(f"--mix entry {e!r} is not NAME=SHARE (e.g. gsm8k=0.6)")
+        if name in mix:
+            raise ConfigError(f"--mix names {name} twice; give each dataset once")
+        try:
+            mix[name] = float(value)
+        except ValueError:
+            raise ConfigError(f"--mix {name}={value}: the share is not a number (e.g. {name}=0.25)") from None
+    if datasets is None:
+        return tuple(mix), tuple(mix.values())
+    problems: list[str] = []
+    if missing := [d for d in datasets if d not in mix]:
+        problems.append(f"--datasets names {', '.join(missing)}, --mix does not")
+    if extra := [d for d in mix if d not in datasets]:
+        problems.append(f"--mix names {', '.join(extra)}, --datasets does not")
+    if problems:
+        raise ConfigError(
+            f"{'; '.join(problems)}: --mix names the datasets itself, so drop --datasets or list the same names"
+        )
+    return datasets, tuple(mix[d] for d in datasets)
+
+
+def dataset_assignment(plan: SynthPlan) -> np.ndarray:
+    """int64 ``[R]``: the dataset index (into ``plan.datasets``) of each request id.
+
+    No mix: ``request_id % D``. With a mix: Tijdeman's chairman assignment ("The chairman assignment
+    problem", Discrete Mathematics 32, 1980), which keeps every prefix of the ids at the mix: among
+    the first ``n`` ids, dataset ``d`` has ``n * share[d]`` requests within ``1 - 1/(2D - 2)`` (< 1).
+    Id ``n - 1`` goes, among the datasets that can take one more request within that bound, to the
+    one that would fall behind it first (ties to the earlier dataset); equal shares give round robin.
+    A pure function of the shares and ``R`` (no random draw): O(R log D), about 1 s per million ids.
+    """
+    R, D = plan.num_requests, len(plan.datasets)
+    if plan.mix is None or D == 1:
+        return np.arange(R, dtype=np.int64) % D
+    share = plan.mix
+    bound = 1.0 - 1.0 / (2 * D - 2)
+    count = [0] * D
+    # dataset d may take its next request at id n - 1 once n >= (count + 1 - bound) / share ("release"),
+    # and must take it by n <= (count + bound) / share + 1 ("deadline"): earliest deadline first
+    waiting = [((1.0 - bound) / share[d], d) for d in range(D)]  # (release, dataset), heap
+    ready: list[tuple[float, int]] = []  # (deadline, dataset), heap
+    out: list[int] = []
+    for n in range(1, R + 1):
+        # the theorem keeps `ready` non-empty; a release a rounding error late is taken all the same
+        while waiting and (waiting[0][0] <= n + 1e-9 or not ready):
+            d = heapq.heappop(waiting)[1]
+            heapq.heappush(ready, ((count[d] + bound) / share[d], d))
+        d = heapq.heappop(ready)[1]
+        out.append(d)
+        count[d] += 1
+        heapq.heappush(waiting, ((count[d] + 1.0 - bound) / share[d], d))
+    return np.array(out, dtype=np.int64)
 
 
 def _num_fav(knobs: SynthKnobs, model: ModelInfo) -> int:
@@ -402,12 +523,13 @@ class _Sampler:
     packed: np.ndarray  # uint32 packed alias tables, flat: column c of table n at n * 2**bits + c
     bits: int  # log2 of the padded column count
     affinity_map_LE: np.ndarray  # int16
+    dataset_R: np.ndarray  # int64 [num_requests]: dataset index of every request id (dataset_assignment)
 
 
 def _make_sampler(model: ModelInfo, plan: SynthPlan, truth: PlantedTruth) -> _Sampler:
     p_NE = np.stack([truth.prefill_DLE, truth.decode_DLE], axis=1).reshape(-1, model.num_experts)
     packed, bits = _packed_alias(p_NE)
-    return _Sampler(model, plan, p_NE, packed, bits, truth.affinity_map_LE)
+    return _Sampler(model, plan, p_NE, packed, bits, truth.affinity_map_LE, dataset_assignment(plan))
 
 
 def _chunk_ids(plan: SynthPlan, c: int) -> np.ndarray:
@@ -436,7 +558,7 @@ def generate_chunk(s: _Sampler, c: int) -> Chunk:
     rng = np.random.Generator(np.random.SFC64(np.random.SeedSequence(plan.seed, spawn_key=(1, c))))
     rid_R = _chunk_ids(plan, c)
     R = rid_R.shape[0]
-    ds_R = (rid_R % len(plan.datasets)).astype(np.int64)
+    ds_R = s.dataset_R[rid_R]
     prompt_R, output_R = _lengths(rng, plan, ds_R)
     len_R = prompt_R.astype(np.int64) + output_R
     T = int(len_R.sum())

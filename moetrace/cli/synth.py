@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from moetrace.cli.common import ModelOpt, OutDir, Overwrite, Quiet, Seed, friendly_errors, human_bytes, request_progress
 from moetrace.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moetrace.tracer.synth import SynthPlan
 
 
 def register(app: typer.Typer) -> None:
@@ -41,8 +44,19 @@ def synth_cmd(
     out: OutDir,
     model: ModelOpt = "deepseek-v3",
     datasets: Annotated[
-        str, typer.Option(help="Comma-separated dataset names; requests are assigned round robin.")
-    ] = "gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr",
+        str | None,
+        typer.Option(
+            help="Comma-separated dataset names, requests assigned round robin. Default: the paper's seven "
+            "(gsm8k, math, mbpp, humaneval, lmsys-chat, xsum, tldr); with --mix, the mix's names."
+        ),
+    ] = None,
+    mix: Annotated[
+        str | None,
+        typer.Option(
+            help="Share of the requests per dataset, summing to 1, e.g. gsm8k=0.6,mbpp=0.4 (names the datasets "
+            "itself; every stretch of request ids from the first holds the mix within one request)."
+        ),
+    ] = None,
     requests: Annotated[int, typer.Option("--requests", "-n", help="Number of requests to generate.")] = 1000,
     seed: Seed = 0,
     workers: Annotated[int, typer.Option(help="Generator processes (the output is identical for any value).")] = (
@@ -73,17 +87,30 @@ def synth_cmd(
     Example: moetrace synth --model deepseek-v3 --requests 10000 --seed 0 -o traces/synth-dsv3
     """
     from moetrace.tracer.presets import resolve
-    from moetrace.tracer.synth import SynthKnobs, SynthPlan, default_calibration, load_calibration, synthesize
+    from moetrace.tracer.synth import (
+        PAPER_DATASETS,
+        SynthKnobs,
+        SynthPlan,
+        default_calibration,
+        load_calibration,
+        parse_mix,
+        synthesize,
+    )
 
+    names = tuple(d.strip() for d in datasets.split(",") if d.strip()) if datasets is not None else None
+    shares = None
+    if mix is not None:
+        names, shares = parse_mix(mix, datasets=names)
     info = resolve(model).model_info()
     cal = calibration or default_calibration(model)
     plan = SynthPlan(
-        datasets=tuple(d.strip() for d in datasets.split(",") if d.strip()),
+        datasets=names if names is not None else PAPER_DATASETS,
         num_requests=requests,
         seed=seed,
         knobs=SynthKnobs.from_dict(_read_knobs(knobs), base=load_calibration(cal)),
         calibration=cal,
         structure=structure,
+        mix=shares,
     )
     with request_progress("synth", quiet=quiet) as bar:
         bar.start(plan.num_requests, plan.num_requests)
@@ -99,5 +126,14 @@ def synth_cmd(
         f"{summary.path}: {summary.num_requests} requests, {summary.num_tokens} tokens, "
         f"{summary.num_ids / 1e6:.1f} M expert ids in {summary.seconds:.1f} s "
         f"({summary.num_ids / max(summary.seconds, 1e-9) / 1e6:.1f} M ids/s), {human_bytes(summary.bytes_on_disk)}; "
-        f"model {info.name}, calibration {cal}, structure {structure}, seed {seed}. Planted truth: {summary.path / 'truth.npz'}"
+        f"model {info.name}, calibration {cal}, structure {structure}, seed {seed}"
+        + (f", mix {_mix_text(plan)}" if plan.mix is not None else "")
+        + f". Planted truth: {summary.path / 'truth.npz'}"
+    )
+
+
+def _mix_text(plan: SynthPlan) -> str:
+    """``gsm8k 60 (60%), mbpp 40 (40%)``: each dataset's requests and share."""
+    return ", ".join(
+        f"{d} {n} ({100 * w:.3g}%)" for d, n, w in zip(plan.datasets, plan.requests_per_dataset(), plan.shares())
     )
