@@ -55,6 +55,7 @@ class Table:
     summary: str = (
         ""  # the line shown while a long table (> COLLAPSE_ROWS rows) is folded; default: header and row count
     )
+    nowrap: bool = False  # cells never wrap (a wide table of numbers scrolls sideways instead)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +71,7 @@ class Headline:
     link: str  # the link's text, e.g. "Load imbalance"
     source: str  # the file the number was read from
     warning: bool = False  # drawn as a warning (measured bytes differ from the prediction)
+    note: str = ""  # one more line under the label, drawn as a caution (a faster placement that is not deployable)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +111,7 @@ p.intro { color:var(--muted); margin:4px 0 10px 0; max-width: 70em; }
 .tables > div { max-width: 100%; overflow-x:auto; }
 table { border-collapse: collapse; font-size:13px; margin: 8px 0 14px 0; }
 th, td { border-bottom:1px solid var(--rule); padding:3px 12px 3px 0; text-align:left; vertical-align:top; }
+table.nowrap td { white-space: nowrap; }
 td.num, th.num { text-align:right; font-variant-numeric: tabular-nums; }
 .note { color:var(--muted); font-style: italic; font-size:13px; }
 .error { color:#D55E00; font-weight:bold; }
@@ -122,6 +125,7 @@ footer { color:var(--muted); font-size:12px; padding: 0 28px 30px 28px; }
 .headline .h-title { font-size:13px; color:var(--muted); text-transform:uppercase; letter-spacing:.03em; }
 .headline .h-value { font-size:30px; font-weight:600; font-variant-numeric: tabular-nums; line-height:1.2; margin:2px 0; }
 .headline .h-label { font-size:14px; font-weight:600; }
+.headline .h-note { font-size:13px; color:#A34A00; margin: 2px 0 0 0; }
 .headline .h-detail { font-size:13px; color:var(--muted); margin: 2px 0 4px 0; }
 .headline a { font-size:13px; color:var(--accent); text-decoration:none; }
 .headline a:hover { text-decoration:underline; }
@@ -200,7 +204,8 @@ def _table_html(t: Table) -> str:
     parts = []
     if t.caption:
         parts.append(f'<p class="caption">{html.escape(t.caption)}</p>')
-    parts.append(f'<table data-key="{html.escape(t.key)}"><thead><tr>')
+    cls = ' class="nowrap"' if t.nowrap else ""
+    parts.append(f'<table data-key="{html.escape(t.key)}"{cls}><thead><tr>')
     parts.extend(f"<th>{html.escape(h)}</th>" for h in t.header)
     parts.append("</tr></thead><tbody>")
     for row in t.rows:
@@ -223,7 +228,8 @@ def _summary_html(headlines: Sequence[Headline]) -> str:
             f'<div class="h-title">{html.escape(h.title)}</div>'
             f'<div class="h-value">{html.escape(h.value)}</div>'
             f'<div class="h-label">{html.escape(h.label)}</div>'
-            f'<p class="h-detail">{html.escape(h.detail)}</p>'
+            + (f'<div class="h-note">{html.escape(h.note)}</div>' if h.note else "")
+            + f'<p class="h-detail">{html.escape(h.detail)}</p>'
             f'<a href="#{html.escape(h.href)}">{html.escape(h.link)} \u2192</a></div>'
         )
     out.append("</div></div>")

@@ -5,10 +5,16 @@
   there is), the other stage's mean, and the worst layer; with ``batch_imbalance.parquet`` also the
   median IF of random serving-sized batches (over batches and layers), the number ``analyze``
   prints as ``batch_if``.
-- **Best placement vs linear** (``moetrace compare`` results, ``summary.parquet``): the strategy
-  with the lowest ``inter_node_normalized_median`` (a held-out batch's inter-node bytes / the
-  reference's median, reference = ``compare.json`` ``reference``, i.e. linear). Bounds that no
-  deployment can reach (strategy ``oracle``) are never named best; their value is quoted.
+- **Best deployable placement vs linear** (``moetrace compare`` results, ``summary.parquet``): the
+  registered strategy other than the reference (``compare.json`` ``reference``, i.e. linear) with
+  the lowest ``a2a_time_normalized_median`` (a held-out decode step's predicted all-to-all seconds /
+  the reference's median) among rows not ``over_node_load_limit``, with its
+  ``inter_node_normalized_median`` and ``busiest_node_load``; the copy models and links the time
+  was predicted for are named with it. A row over the node-load limit is never best; when one
+  has the lowest time, one more line names it and its load. Bounds no deployment can reach
+  (``oracle``, ``perfect_routing``) are never named best; their value is quoted. Results written
+  before the cost model (no time columns): the strategy with the lowest
+  ``inter_node_normalized_median`` (bytes), as then.
 - **Measured vs predicted all-to-all** (``moetrace a2a`` results, ``a2a.json`` ``summary`` and
   ``collectives.parquet``): for the strategy with the lowest measured normalized inter-node bytes,
   measured and simulated, and whether every collective sent exactly the predicted bytes.
@@ -70,16 +76,123 @@ def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
     )
 
 
+def _change(v: float) -> str:
+    """A value normalized to the reference as a signed change: 0.88 -> ``−12%``, 1.031 -> ``+3.1%``
+    (one decimal below 10%)."""
+    d = 100.0 * (v - 1.0)
+    text = f"{abs(d):.0f}" if abs(d) >= 9.95 else f"{abs(d):.1f}"
+    if float(text) == 0.0:
+        return "±0%"
+    return f"{'−' if d < 0 else '+'}{text}%"
+
+
 def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> Headline | None:
-    """The best strategy's normalized inter-node volume, from ``summary.parquet`` (None when absent, or
-    when it holds no strategy besides the reference)."""
+    """The best deployable strategy by predicted all-to-all time per step, from ``summary.parquet``;
+    by inter-node bytes for results written before the cost model (None when absent, or when it
+    holds no strategy besides the reference)."""
+    from moetrace.dashboards.section_placement import has_time
+
+    summary = res.table(rf.COMPARE_SUMMARY)
+    if summary is None:
+        return None
+    if has_time(summary):
+        return _time_headline(res, summary, key_prefix=key_prefix, suffix=suffix)
+    return _bytes_headline(res, summary, key_prefix=key_prefix, suffix=suffix)
+
+
+def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suffix: str) -> Headline | None:
+    from moetrace.dashboards.section_placement import STRATEGY_NAMES, copy_models, finite, links_text
+    from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
+
+    m = res.compare
+    ref = m.reference
+    col = "a2a_time_normalized_median"
+    rows = {r["strategy"]: r for r in summary.iter_rows(named=True) if finite(r[col]) is not None}
+    candidates = {s: r for s, r in rows.items() if s != ref and s in REGISTERED}
+    if not candidates:
+        return None
+
+    def name(s: str) -> str:
+        return STRATEGY_NAMES.get(s, s)
+
+    def facts(s: str) -> str:
+        r = candidates[s]
+        load = finite(r.get("busiest_node_load"))
+        inter = finite(r.get("inter_node_normalized_median"))
+        return (
+            f"{_change(r[col])} predicted all-to-all time per step ({'-' if inter is None else _change(inter)} "
+            f"inter-node bytes), node load {'-' if load is None else f'{load:.2f}'}"
+        )
+
+    within = {s: float(r[col]) for s, r in candidates.items() if not r.get("over_node_load_limit")}
+    best_v = min(within.values()) if within else None
+    best = [s for s, v in within.items() if v == best_v]
+    fastest = min(candidates, key=lambda s: float(candidates[s][col]))
+    fv = float(candidates[fastest][col])
+    note = ""
+    if candidates[fastest].get("over_node_load_limit") and fv < min(1.0, best_v if best_v is not None else 1.0):
+        load = finite(candidates[fastest].get("busiest_node_load"))
+        limit = "" if m.max_node_load is None else f" (the limit is {m.max_node_load:.2f}×)"
+        note = (
+            f"{name(fastest)} would be {_change(fv)[1:]} faster but sends "
+            f"{'-' if load is None else f'{load:.2f}'}× an even share to one node{limit}"
+        )
+    if best_v is not None and best_v < 1.0:
+        value = _change(best_v)
+        label = f"{' = '.join(name(s) for s in best)}: {facts(best[0])}"
+    else:
+        value = "none"
+        label = f"no {'deployable ' if note else ''}placement beats {ref} on predicted all-to-all time" + (
+            f"; closest: {name(best[0])}: {facts(best[0])}" if best else ""
+        )
+    r = candidates[best[0]] if best else None
+    moe = None if r is None else finite(r.get("moe_time_normalized_median"))
+    prefill = None if r is None else finite(r.get("prefill_a2a_time_normalized_median"))
+    also = []
+    if r is not None:
+        also.append(
+            f"its MoE layers (dispatch + experts + combine) {_change(moe)}"
+            if moe is not None
+            else "MoE-layer time not predicted: the model's expert size is unknown"
+        )
+        if prefill is not None:
+            also.append(f"its prefill all-to-all {_change(prefill)}")
+    bounds = [f"{name(s)} {_change(float(b[col]))}" for s, b in rows.items() if s != ref and s not in REGISTERED]
+    links = links_text(m)
+    limit = (
+        ""
+        if m.max_node_load is None
+        else f"; deployable: a router sends no node more than {m.max_node_load:.2f}× an even share"
+    )
+    detail = (
+        f"Decode all-to-all (dispatch + combine) predicted per step, all MoE layers, the busiest GPU of each "
+        f"collective charged: median over {m.num_batches} held-out batches vs {ref}'s median (lower is better)"
+        + (f"; {'; '.join(also)}" if also else "")
+        + f". Copies: {copy_models(m)}"
+        + (f". Links: {links}" if links else "")
+        + f". {m.deployment} on {m.num_nodes} node(s){limit}"
+        + (f"; bounds, not deployable: {', '.join(bounds)}" if bounds else "")
+        + "."
+    )
+    return Headline(
+        key=f"{key_prefix}placement",
+        title=f"Best deployable placement vs {ref}" + suffix,
+        value=value,
+        label=label,
+        detail=detail,
+        href=f"{key_prefix}placement",
+        link="Placement and all-to-all volume",
+        source=res.source(rf.COMPARE_SUMMARY),
+        note=note,
+    )
+
+
+def _bytes_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suffix: str) -> Headline | None:
+    """Results written before the cost model: the best strategy's normalized inter-node volume."""
     from moetrace.dashboards.section_placement import STRATEGY_NAMES
     from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
 
     deployable = set(REGISTERED)  # registered strategies; any other row is a bound (strategies.BOUNDS)
-    summary = res.table(rf.COMPARE_SUMMARY)
-    if summary is None:
-        return None
     m = res.compare
     ref = m.reference
     col = "inter_node_normalized_median"

@@ -321,3 +321,242 @@ def test_cli_quiet_and_no_tty_draw_no_bar(trace, tmp_path):
         res = CliRunner().invoke(app, ["dashboard", str(trace), "-o", str(tmp_path / "r.html"), *args])
         assert res.exit_code == 0, res.output
         assert res.output.startswith("wrote ") and "steps/s" not in res.output
+
+
+# ---------------------------------------------------------------- compare results with predicted time per step
+#: strategy -> medians normalized to linear's: (all-to-all time, MoE time, inter-node bytes), its busiest
+#: node's load and whether that is over compare.json's max_node_load (1.10)
+TIMED = {
+    "linear": (1.0, 1.0, 1.0, 1.0, False),
+    "eplb": (0.95, 0.97, 0.98, 1.0, False),
+    "data": (0.80, 0.90, 0.60, 1.04, False),
+    "joint": (0.70, 0.85, 0.50, 1.45, True),  # the fastest, but its router overloads a node
+    "oracle": (0.50, 0.70, 0.30, 1.0, False),  # a bound
+}
+_SPREAD_B = np.array([0.9, 0.95, 1.0, 1.05, 1.1])  # per-batch values around each median (B = 5)
+
+
+def _timed_compare(path: Path, rows=TIMED, *, timed: bool = True, num_prefill_batches: int = 3) -> Path:
+    """A complete ``compare`` results directory written by hand with the columns ``compare`` writes
+    with its cost model (``timed``), or as results written before it have them (bytes alone). The
+    model of tests/golden/compare_v1: 2 MoE layers, 16 experts on 8 GPUs of 2 nodes."""
+    import json
+
+    path.mkdir()
+    L, P, B = 2, 16, len(_SPREAD_B)
+    summary, batches, layers, places = [], [], [], []
+    for s, (a2a, moe, inter, load, over) in rows.items():
+        row = {
+            "strategy": s,
+            "is_bound": s == "oracle",
+            "oracle_captured": None,
+            "inter_node_normalized_median": inter,
+            "inter_node_normalized_p10": inter * 0.9,
+            "inter_node_normalized_p90": inter * 1.1,
+            "inter_node_bytes_per_batch_median": inter * 1e6,
+            "intra_node_bytes_per_batch_median": 2e6,
+            "max_rank_dispatch_send_bytes_mean": 5e4,
+            "tokens_per_rank_max_mean": 12.0,
+            "activated_experts_per_rank_max_mean": 2.0,
+            "router_match_rate": 0.9 if s in ("data", "joint") else None,
+            "groups_without_routed_requests": 0,
+            "busiest_node_load": load if s in ("data", "joint") or timed else None,
+        }
+        if timed:
+            row |= {
+                "a2a_time_normalized_median": a2a,
+                "a2a_time_normalized_p10": a2a * 0.95,
+                "a2a_time_normalized_p90": a2a * 1.05,
+                "moe_time_normalized_median": moe,
+                "moe_time_normalized_p10": moe * 0.95,
+                "moe_time_normalized_p90": moe * 1.05,
+                "a2a_seconds_per_step_median": a2a * 400e-6,
+                "moe_seconds_per_step_median": moe * 1.2e-3,
+                "over_node_load_limit": over,
+                "busiest_gpu_load": 1.3,
+                "prefill_a2a_time_normalized_median": a2a + 0.05 if num_prefill_batches else float("nan"),
+                "prefill_moe_time_normalized_median": moe + 0.05 if num_prefill_batches else float("nan"),
+                "prefill_inter_node_normalized_median": inter + 0.05 if num_prefill_batches else float("nan"),
+            }
+        summary.append(row)
+        batch = {"strategy": [s] * B, "batch": np.arange(B), "inter_node_normalized": inter * _SPREAD_B}
+        if timed:
+            batch |= {"a2a_time_normalized": a2a * _SPREAD_B, "moe_time_normalized": moe * _SPREAD_B}
+        batches.append(pl.DataFrame(batch))
+        layer = {
+            "strategy": [s] * (B * L),
+            "batch": np.repeat(np.arange(B), L),
+            "layer": np.tile(np.arange(L), B),
+            "model_layer": np.tile([1, 2], B),
+            "dispatch_intra_bytes": np.full(B * L, 1e5),
+            "dispatch_inter_bytes": inter * np.repeat(_SPREAD_B, L) * 4e5,
+            "combine_intra_bytes": np.full(B * L, 1e5),
+            "combine_inter_bytes": inter * np.repeat(_SPREAD_B, L) * 4e5,
+            "inter_node_normalized": inter * np.repeat(_SPREAD_B, L),
+        }
+        if timed:
+            d = a2a * np.repeat(_SPREAD_B, L) * np.tile([80e-6, 120e-6], B)
+            layer |= {"dispatch_seconds": d, "combine_seconds": d, "expert_seconds": d / 2, "moe_seconds": 2.5 * d}
+        layers.append(pl.DataFrame(layer))
+        places.append(
+            pl.DataFrame(
+                {
+                    "strategy": [s] * (L * P),
+                    "layer": np.repeat(np.arange(L), P),
+                    "model_layer": np.repeat([1, 2], P),
+                    "slot": np.tile(np.arange(P), L),
+                    "gpu": np.tile(np.arange(P) // 2, L),
+                    "node": np.tile(np.arange(P) // 8, L),
+                    "expert": np.tile(np.arange(P)[::-1] if s != "linear" else np.arange(P), L),
+                }
+            )
+        )
+    pl.DataFrame(summary).write_parquet(path / "summary.parquet")
+    pl.concat(batches).write_parquet(path / "batches.parquet")
+    pl.concat(layers).write_parquet(path / "layers.parquet")
+    pl.concat(places).write_parquet(path / "placements.parquet")
+    golden = json.loads((Path(__file__).parent / "golden" / "compare_v1" / "compare.json").read_text())
+    strategies = [s for s in rows if s != "oracle"]
+    manifest = {**golden, "strategies": strategies, "bounds": ["oracle"] if "oracle" in rows else []}
+    manifest["bound_kinds"] = {"oracle": "joint"} if "oracle" in rows else {}
+    manifest["grouping"] = {s: g for s, g in golden["grouping"].items() if s in strategies}
+    if timed:
+        manifest |= {
+            "max_node_load": 1.10,
+            "prefill_dedup": "node",
+            "cost": {
+                "links": {
+                    "intra_bytes_per_s": 155e9,
+                    "intra_latency_s": 1e-6,
+                    "inter_bytes_per_s": 50e9,
+                    "inter_latency_s": 3e-6,
+                    "inter_nic": "gpu",
+                },
+                "expert": None,
+            },
+            "prefill_tokens_per_node": 8192,
+            "num_prefill_batches": num_prefill_batches,
+        }
+    (path / "compare.json").write_text(json.dumps(manifest))
+    return path
+
+
+def _headline(path: Path):
+    from moetrace.dashboards.results import Results
+    from moetrace.dashboards.summary import placement_headline
+
+    return placement_headline(Results.from_input(detect(path)))
+
+
+def _section(text: str, key: str) -> str:
+    return text.split(f'<section id="{key}">', 1)[1].split("</section>", 1)[0]
+
+
+def test_best_deployable_placement_is_ranked_by_predicted_time(tmp_path):
+    """The card names the fastest strategy within the node-load limit, with its time, bytes and load,
+    the copy models and links; the faster one over the limit gets a line of its own, never "best"."""
+    h = _headline(_timed_compare(tmp_path / "c"))
+    assert h.title == "Best deployable placement vs linear" and h.value == "−20%"
+    assert h.label == (
+        "data-based (core paper): −20% predicted all-to-all time per step (−40% inter-node bytes), node load 1.04"
+    )
+    assert h.note == ("joint (ours) would be 30% faster but sends 1.45× an even share to one node (the limit is 1.10×)")
+    assert "joint" not in h.label and "oracle" not in h.label  # over the limit, a bound: never best
+    for words in (
+        "decode one copy per (token, expert), as DeepEP's low-latency kernels send",
+        "prefill one copy per node, as DeepEP's normal kernels send",
+        "NVLink 155 GB/s, RDMA 50 GB/s per GPU",
+        "its MoE layers (dispatch + experts + combine) −10%",
+        "its prefill all-to-all −15%",
+        "bounds, not deployable: oracle −50%",
+        "median over 10 held-out batches",
+    ):
+        assert words in h.detail, words
+
+
+def test_no_placement_beating_linear_is_said(tmp_path):
+    slower = {"linear": TIMED["linear"], "eplb": (1.02, 1.01, 0.99, 1.0, False), "data": (1.05, 1.0, 0.7, 1.02, False)}
+    h = _headline(_timed_compare(tmp_path / "slower", slower, num_prefill_batches=0))
+    assert h.value == "none" and h.note == ""
+    assert h.label == (
+        "no placement beats linear on predicted all-to-all time; closest: EPLB: +2.0% predicted all-to-all time per "
+        "step (−1.0% inter-node bytes), node load 1.00"
+    )
+    assert "prefill" not in h.detail  # no prefill step simulated: no prefill copy model, no prefill time
+    # the only faster one is over the limit: not deployable, named on its own line
+    over = {"linear": TIMED["linear"], "eplb": slower["eplb"], "joint": TIMED["joint"]}
+    h = _headline(_timed_compare(tmp_path / "over", over))
+    assert h.value == "none" and h.label.startswith("no deployable placement beats linear on predicted all-to-all time")
+    assert h.note.startswith("joint (ours) would be 30% faster but sends 1.45× an even share to one node")
+
+
+def test_placement_section_shows_time_first_and_bounds_apart(tmp_path):
+    d = _timed_compare(tmp_path / "c")
+    rep = write_dashboard([d], out=tmp_path / "r.html")
+    text = rep.path.read_text()
+    assert rep.headlines == ("placement",) and "placement" in rep.sections
+    card = text.split('<div id="summary"', 1)[1].split("</div></div>", 1)[0]
+    assert '<div class="h-note">joint (ours) would be 30% faster' in card
+    sec = _section(text, "placement")
+    table = sec.split('<table data-key="placement-summary" class="nowrap">', 1)[1].split("</table>", 1)[0]
+    header = re.findall(r"<th>(.*?)</th>", table)
+    assert header[:4] == ["strategy", "all-to-all / step", "all-to-all (normalized median)", "p10–p90"]
+    assert header.index("MoE (normalized median)") < header.index("inter-node bytes (normalized median)")
+    assert header.index("inter-node bytes (normalized median)") < header.index(
+        "busiest node&#x27;s requests / even share"
+    )
+    rows = re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>", 1)[1])
+    assert [re.findall(r"<td[^>]*>(.*?)</td>", r)[0] for r in rows] == [
+        "linear (vLLM default)", "EPLB", "data-based (core paper)", "joint (ours)"]  # fmt: skip
+    cells = {re.findall(r"<td[^>]*>(.*?)</td>", r)[0]: re.findall(r"<td[^>]*>(.*?)</td>", r) for r in rows}
+    assert cells["data-based (core paper)"][1:4] == ["320 µs", "0.800", "0.760–0.840"]
+    assert "1.45 ⚠ over 1.10" in cells["joint (ours)"] and "1.04" in cells["data-based (core paper)"]
+    assert header[-3:] == [  # prefill was simulated
+        "prefill all-to-all (normalized median)",
+        "prefill MoE (normalized median)",
+        "prefill inter-node bytes (normalized median)",
+    ]
+    bounds = sec.split('<table data-key="placement-summary-bounds" class="nowrap">', 1)[1].split("</table>", 1)[0]
+    assert "oracle" in bounds and "oracle" not in table
+    assert "links: NVLink 155 GB/s (1 µs per message), RDMA 50 GB/s (3 µs per message) per GPU" in sec
+
+
+def test_time_figures_equal_result_files(tmp_path):
+    from browser.checks import check_placement
+
+    d = _timed_compare(tmp_path / "c")
+    figs = figures_from_html(write_dashboard([d], out=tmp_path / "r.html").path.read_text())
+    checked = check_placement({k: v["data"] for k, v in figs.items()}, d)
+    assert {"placement-time", "placement-moe-time", "placement-layers-time"} <= set(checked)
+    order = list(figs)
+    assert order.index("placement-time") < order.index("placement-normalized")  # time before bytes
+
+
+def test_old_compare_directory_still_shows_bytes(tmp_path):
+    """Results written before the cost model: the bytes headline and table as before, no time figures."""
+    d = _timed_compare(tmp_path / "old", timed=False)
+    h = _headline(d)
+    assert h.title == "Best placement vs linear" and h.value == "0.50×"
+    assert h.label == "joint (ours): 50% fewer inter-node bytes" and h.note == ""
+    rep = write_dashboard([d], out=tmp_path / "r.html")
+    text = rep.path.read_text()
+    figs = figures_from_html(text)
+    assert "placement-normalized" in figs and not {"placement-time", "placement-layers-time"} & set(figs)
+    table = _section(text, "placement").split('<table data-key="placement-summary">', 1)[1]
+    assert re.findall(r"<th>(.*?)</th>", table.split("</thead>", 1)[0])[:4] == [
+        "strategy", "inter-node (normalized median)", "p10", "p90"]  # fmt: skip
+    assert "dedup per expert" in _section(text, "placement") and "predicted" not in text.split("<main", 1)[1]
+
+
+def test_unknown_expert_size_leaves_moe_time_out(tmp_path):
+    """No expert size, no MoE-layer time (NaN columns): the card says so, the table shows -, no MoE figure."""
+    rows = {s: (a2a, float("nan"), inter, load, over) for s, (a2a, _, inter, load, over) in TIMED.items()}
+    d = _timed_compare(tmp_path / "c", rows)
+    h = _headline(d)
+    assert h.value == "−20%" and "MoE-layer time not predicted: the model's expert size is unknown" in h.detail
+    text = write_dashboard([d], out=tmp_path / "r.html").path.read_text()
+    figs = figures_from_html(text)
+    assert "placement-time" in figs and "placement-moe-time" not in figs
+    table = _section(text, "placement").split('data-key="placement-summary"', 1)[1].split("</table>", 1)[0]
+    data_row = [r for r in re.findall(r"<tr>(.*?)</tr>", table) if "data-based" in r][0]
+    assert re.findall(r"<td[^>]*>(.*?)</td>", data_row)[4:7] == ["-", "-", "-"]  # MoE / step, normalized, p10–p90

@@ -179,6 +179,15 @@ def check_placement(figs: dict[str, list[dict]], cmp: Path) -> list[str]:
         np.testing.assert_allclose(_arr(t["y"]), want, rtol=1e-12)
     # the reference's median is exactly 1 (what "normalized" means)
     assert np.median(_arr(traces[0]["y"])) == 1.0
+    checked = ["placement-normalized", "placement-layers-share", "placement-map"]
+    # results written with the cost model: the predicted-time boxes (per batch) and per-layer lines
+    for key, col in (("placement-time", "a2a_time_normalized"), ("placement-moe-time", "moe_time_normalized")):
+        if key in figs:
+            assert [name_of[t["name"]] for t in figs[key]] == [name_of[t["name"]] for t in traces]
+            for t in figs[key]:
+                want = bt.filter(pl.col("strategy") == name_of[t["name"]]).sort("batch")[col].to_numpy()
+                np.testing.assert_allclose(_arr(t["y"]), want, rtol=1e-12)
+            checked.append(key)
 
     lay = pl.read_parquet(cmp / "layers.parquet")
     for t in figs["placement-layers-share"]:
@@ -191,6 +200,21 @@ def check_placement(figs: dict[str, list[dict]], cmp: Path) -> list[str]:
             inter[r["layer"]] += i
             total[r["layer"]] += i + r["dispatch_intra_bytes"] + r["combine_intra_bytes"]
         np.testing.assert_allclose(_arr(t["y"]), inter / total, rtol=1e-12)
+    if "placement-layers-time" in figs:
+        for t in figs["placement-layers-time"]:
+            sub = lay.filter(pl.col("strategy") == name_of[t["name"]])
+            want = [
+                np.median(
+                    [
+                        r["dispatch_seconds"] + r["combine_seconds"]
+                        for r in sub.filter(pl.col("layer") == i).iter_rows(named=True)
+                    ]
+                )
+                * 1e6
+                for i in range(sub["layer"].n_unique())
+            ]
+            np.testing.assert_allclose(_arr(t["y"]), want, rtol=1e-9)
+        checked.append("placement-layers-time")
 
     places = pl.read_parquet(cmp / "placements.parquet")
     for t in figs["placement-map"]:
@@ -200,7 +224,7 @@ def check_placement(figs: dict[str, list[dict]], cmp: Path) -> list[str]:
         gpu_node = _arr(t["customdata"], dtype=np.int64).reshape(L, P, 2)
         np.testing.assert_array_equal(gpu_node[0, :, 0], sub["gpu"].to_numpy()[:P])
         np.testing.assert_array_equal(gpu_node[0, :, 1], sub["node"].to_numpy()[:P])
-    return ["placement-normalized", "placement-layers-share", "placement-map"]
+    return checked
 
 
 def check_all(figs: dict[str, list[dict]], p: Produced) -> list[str]:
