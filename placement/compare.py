@@ -72,7 +72,7 @@ Stage = Literal["decode", "prefill"]
 MAX_SIMULATED_TOKENS = 20_000_000
 
 #: the most held-out prompt tokens kept for the prefill steps (a uniform, seeded sample of them beyond)
-MAX_PREFILL_TOKENS = 1 << 18
+MAX_PREFILL_TOKENS = 1 << 17
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -424,16 +424,14 @@ def _timed_compare(path: Path, rows=TIMED, *, timed: bool = True, num_prefill_ba
         manifest |= {
             "max_node_load": 1.10,
             "prefill_dedup": "node",
-            "cost": {
-                "links": {
-                    "intra_bytes_per_s": 155e9,
-                    "intra_latency_s": 1e-6,
-                    "inter_bytes_per_s": 50e9,
-                    "inter_latency_s": 3e-6,
-                    "inter_nic": "gpu",
-                },
-                "expert": None,
+            "links": {
+                "intra_bytes_per_s": 155e9,
+                "intra_latency_s": 1e-6,
+                "inter_bytes_per_s": 50e9,
+                "inter_latency_s": 3e-6,
+                "inter_nic": "gpu",
             },
+            "expert": None,
             "prefill_tokens_per_node": 8192,
             "num_prefill_batches": num_prefill_batches,
         }

@@ -344,6 +344,7 @@ def dataset_assignment(plan: SynthPlan) -> np.ndarray:
     # dataset d may take its next request at id n - 1 once n >= (count + 1 - bound) / share ("release"),
     # and must take it by n <= (count + bound) / share + 1 ("deadline"): earliest deadline first
     waiting = [((1.0 - bound) / share[d], d) for d in range(D)]  # (release, dataset), heap
+    heapq.heapify(waiting)
     ready: list[tuple[float, int]] = []  # (deadline, dataset), heap
     out: list[int] = []
     for n in range(1, R + 1):
