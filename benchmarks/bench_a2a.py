@@ -116,6 +116,8 @@ def main() -> None:
 
     rows = {r["strategy"]: r for r in ar.summary_rows(plan, records, net)}
     cost = ar.replay_cost(plan, records, net)
+    # the shapers' counters (everything that crossed, barriers and probes included) over the inter-node payload
+    counted = sum(out for out, _ in net.link_bytes_G2) / max(2 * float(plan.sim_inter_VBL.sum()), 1.0)
     best = min(grouped, key=lambda s: rows[s]["simulated_inter_node_bytes_per_batch_median"])
     B, L = plan.sends_VBLWW.shape[1:3]
 
@@ -143,8 +145,8 @@ def main() -> None:
         if cost is None
         else (
             f"cost model as the replay realised it: inter {cost.links.inter.bytes_per_s * 8 / 1e6:.1f} Mbit/s of "
-            f"payload per node link ({net.link} / {cost.wire_overhead:.3f} wire bytes per payload byte, the shapers' "
-            f"counters), shared by the node's ranks; intra (loopback, probed) {cost.links.intra.bytes_per_s / 1e9:.2f} "
+            f"payload per node link ({net.link} / {cost.wire_overhead:.3f} wire bytes per payload byte: TCP/IP headers, "
+            f"ACKs; the shapers counted {counted:.3f}), shared by the node's ranks; intra (loopback, probed) {cost.links.intra.bytes_per_s / 1e9:.2f} "
             f"GB/s; {cost.fixed_seconds * 1e3:.2f} ms fixed per collective (median empty all_to_all)"
         )
     )

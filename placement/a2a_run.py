@@ -760,7 +760,7 @@ class ReplayCost:
 
     links: Links  # inter: the shaped node link's payload rate (inter_nic "node"); intra: loopback's probed rate
     fixed_seconds: float  # median empty all_to_all_single (slowest rank): software, barrier skew, peer messages
-    wire_overhead: float  # link bytes the shapers counted per inter-node payload byte; 1.0 when not counted
+    wire_overhead: float  # link bytes per inter-node payload byte (netemu.WIRE_BYTES_PER_PAYLOAD_BYTE)
     intra_probe_seconds: float | None  # median node-local probe (slowest rank), fixed cost included; None: not run
     intra_probe_bytes: int  # bytes each rank sent (and received) in that probe
     note: str = ""  # what the calibration could not measure (empty when all was)
@@ -781,24 +781,16 @@ def replay_cost(plan: A2APlan, records: list[dict[str, Any]], network: Network |
     torchrun: every link is what the machine has, and the model's link classes mean nothing there).
 
     inter: the emulated link, one per node (``inter_nic="node"``: a node's ranks share its veth), its
-    payload rate ``rate_bit / 8 / wire_overhead`` (``wire_overhead``: the bytes the shapers counted,
-    ``network.link_bytes_G2``, over the inter-node payload the ranks sent: TCP/IP and Ethernet
-    headers, ACKs, gloo's own messages); intra: loopback's rate from the node-local probe, ``bytes /
+    payload rate ``rate_bit / 8 / netemu.WIRE_BYTES_PER_PAYLOAD_BYTE`` (TCP/IP and Ethernet headers,
+    the reverse direction's ACKs); intra: loopback's rate from the node-local probe, ``bytes /
     (probe seconds - fixed seconds)``; both message latencies 0: gloo sends every peer a message in
     every collective (an empty split too), so per-message costs and the link's one-way delay are in
     ``fixed_seconds``, the empty probe's median, which ``predicted_seconds_VBL`` adds to every collective.
     """
     if network is None or network.mode != "emulated":
         return None
-    _, me = _measured(plan, records)
-    payload = float(me.sum())
-    wire = float(sum(out for out, _ in network.link_bytes_G2))
     notes: list[str] = []
-    if wire > 0 and payload > 0:
-        overhead = wire / payload
-    else:
-        overhead = 1.0
-        notes.append("no link counters: headers are not charged")
+    overhead = netemu.WIRE_BYTES_PER_PAYLOAD_BYTE
     inter = Link(bytes_per_s=netemu.parse_link(network.link).rate_bit / 8 / overhead, latency_s=0.0)
     empty = np.stack([r["probe_empty_seconds_BN"] for r in records]).max(0)  # [B, N] slowest rank
     fixed = float(np.median(empty))
@@ -929,7 +921,7 @@ def _cost_line(cost: ReplayCost | None, network: Network | None) -> str:
         )
     return (
         f"cost model: inter {cost.links.inter.bytes_per_s * 8 / 1e6:.4g} Mbit/s of payload per node (the link's rate / "
-        f"{cost.wire_overhead:.3f} wire bytes per payload byte), intra (loopback, probed) "
+        f"{cost.wire_overhead:.3f} wire bytes per payload byte: TCP/IP headers, ACKs), intra (loopback, probed) "
         f"{cost.links.intra.bytes_per_s / 1e9:.2f} GB/s, fixed {cost.fixed_seconds * 1e3:.2f} ms per collective (empty probe)"
         + (f"; {cost.note}" if cost.note else "")
     )

@@ -192,7 +192,7 @@ def test_payload_errors_are_reported(plan, records):
     assert ar.first_mismatch(plan, bad).startswith("rank 3 linear batch 0 layer 0 dispatch")
 
 
-def _fake_records(plan, *, fixed_s, intra_s, wire_overhead=1.0):
+def _fake_records(plan, *, fixed_s, intra_s):
     """Records as ``run_rank`` returns them, without ranks: the plan's bytes, made-up times, probes of
     ``fixed_s`` (empty) and ``intra_s`` (node-local)."""
     V, B, L, W, _ = plan.sends_VBLWW.shape
@@ -215,9 +215,7 @@ def _fake_records(plan, *, fixed_s, intra_s, wire_overhead=1.0):
                 "host": "h",
             }
         )
-    _, me = ar._measured(plan, recs)
-    per_node = int(me.sum() * wire_overhead / 2)
-    network = ar.Network(mode="emulated", link="8Mbit", qdisc="tbf", link_bytes_G2=((per_node, per_node),) * 2)
+    network = ar.Network(mode="emulated", link="8Mbit", qdisc="tbf")
     return recs, network
 
 
@@ -226,12 +224,11 @@ def test_predicted_time_ratios_follow_the_busiest_node_link(plan):
     node link direction (inter-node bytes of the node's ranks at the link's payload rate) and its busiest
     rank's loopback bytes; the summary's ratios to linear are those of the per-batch sums."""
     fixed, rate_intra = 2e-3, 1e9
-    recs, network = _fake_records(
-        plan, fixed_s=fixed, intra_s=fixed + ar.PROBE_INTRA_BYTES / rate_intra, wire_overhead=1.25
-    )
+    recs, network = _fake_records(plan, fixed_s=fixed, intra_s=fixed + ar.PROBE_INTRA_BYTES / rate_intra)
     cost = ar.replay_cost(plan, recs, network)
-    assert cost.fixed_seconds == pytest.approx(fixed) and cost.wire_overhead == pytest.approx(1.25, rel=1e-6)
-    assert cost.links.inter_nic == "node" and cost.links.inter.bytes_per_s == pytest.approx(1e6 / 1.25, rel=1e-6)
+    rate_inter = 1e6 * 1448 / (1514 + 66 / 2)  # 8 Mbit/s of 1514-byte frames carrying 1448 bytes, half an ACK each
+    assert cost.fixed_seconds == pytest.approx(fixed)
+    assert cost.links.inter_nic == "node" and cost.links.inter.bytes_per_s == pytest.approx(rate_inter)
     assert cost.links.intra.bytes_per_s == pytest.approx(rate_intra)
     V, B, L, W, _ = plan.sends_VBLWW.shape
     bpt, g = plan.bytes_per_token, plan.ranks_per_node
@@ -242,7 +239,7 @@ def test_predicted_time_ratios_follow_the_busiest_node_link(plan):
         out_G = [s[node == n][:, node != n].sum() for n in range(W // g)]
         in_G = [s[node != n][:, node == n].sum() for n in range(W // g)]
         local = s * (node[:, None] == node[None, :])
-        t_inter = max(out_G + in_G) / (1e6 / 1.25)
+        t_inter = max(out_G + in_G) / rate_inter
         t_intra = max(local.sum(0).max(), local.sum(1).max()) / rate_intra
         want[v, b] += 2 * (fixed + max(t_inter, t_intra))  # dispatch + combine
     np.testing.assert_allclose(2 * ar.predicted_seconds_VBL(plan, cost).sum(2), want, rtol=1e-9)
@@ -258,7 +255,7 @@ def test_predicted_time_ratios_follow_the_busiest_node_link(plan):
     data_row = rows[plan.strategies.index("data")]
     assert data_row["predicted_time_normalized_median"] < 1.0  # fewer inter-node bytes: less predicted time
     text = ar.format_summary(plan, recs, network)
-    assert "cost model: inter 6.4 Mbit/s of payload per node" in text and "fixed 2.00 ms per collective" in text
+    assert "cost model: inter 7.488 Mbit/s of payload per node" in text and "fixed 2.00 ms per collective" in text
 
 
 @pytest.mark.parametrize("dedup", ["expert", "rank"])
