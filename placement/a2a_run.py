@@ -8,7 +8,14 @@ builds the real dispatch buffer (one row of ``hidden_size`` values of ``dtype`` 
 sends, stamped with its rank), calls ``all_to_all_single`` for dispatch and again for combine
 (the received rows go back, reverse splits), times each (barrier first; ``perf_counter`` on gloo,
 CUDA events on NCCL), checks every received row came from the rank it should, and records the
-bytes of every split it actually sent. Rank 0 gathers the records (``gather_object``).
+bytes of every split it actually sent. Batches are the outer loop (strategies inside), and before
+each batch every rank runs probes: empty collectives (gloo's fixed cost) and node-local ones
+(loopback's rate). Rank 0 gathers the records (``gather_object``).
+
+On emulated nodes the summary also predicts each strategy's time with the cost model
+(``placement/cost.py``) on the replay's send matrices, its links as the run realised them
+(``replay_cost``: the shaped node link, loopback's probed rate, the probed fixed cost per
+collective), next to the measured time (docs/a2a.md, "The cost model against the replay").
 
 Ranks start either from torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the
 environment; ``moetrace a2a --torchrun``) or from ``launch_local``, which spawns them on this
