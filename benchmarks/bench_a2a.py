@@ -1,24 +1,26 @@
-"""Measured all-to-all time of ``linear`` vs the best grouped placer on emulated nodes, next to the
-simulator's inter-node byte ratio.
+"""The cost model against the replay: predicted vs measured all-to-all time per strategy on emulated
+nodes, each as a ratio to ``linear``'s.
 
 One ``moetrace a2a`` replay (library calls, one launch of all ranks for every strategy) of a
 structured synthetic trace on an emulated 2-node CPU cluster: DP2TP2EP4 with 2 GPUs per node, so
 4 gloo ranks, 2 per node; each node in its own network namespace, its link shaped to ``--link``
 (``placement/netemu.py``; intra-node traffic is loopback). ``--link`` defaults to 200Mbit here, below
-the CLI's 1Gbit: on 2 shared cores gloo's own CPU cost is about 20 ms a layer, which would hide the
-few milliseconds a 1Gbit link adds. Per strategy: the median over
-(batch, MoE layer) of dispatch + combine wall time (the slowest rank of each collective), and the
-simulated inter-node bytes per batch (median). The grouped placer reported is the one of
-``--strategies`` (grouped per ``placement/strategies.py``) with the fewest simulated inter-node
-bytes; ratios are grouped / linear from the same run.
+the CLI's 1Gbit: on 2 shared cores gloo's own CPU cost is a few ms a collective, which would hide
+much of what a 1Gbit link adds. Copy model: compare's decode default, one copy per (token, expert).
+
+Per strategy: the simulated inter-node bytes per batch, and the time per batch (dispatch + combine
+of every MoE layer; measured: the slowest rank of each collective), median over batches, predicted
+by the cost model (``a2a_run.replay_cost`` / ``predicted_seconds_VBL``: the shaped node link shared
+by its ranks, loopback's probed rate, gloo's fixed cost per collective from empty probes) and
+measured, each over linear's, and their ratio (docs/a2a.md, "The cost model against the replay").
 
 The trace (generated when ``--trace`` does not exist): ``moetrace synth --model olmoe-1b-7b-tiny``
 (16 MoE layers, 64 experts, top-8), two datasets of different domains, knobs making the domain
 structure dominant (``KNOBS``). The token rows are ``--hidden-size`` values (default 4096 bf16 =
 8 KiB per token copy, scaled from DeepSeek-V3's 7168 so a batch's layer moves about a megabyte).
 
-Needs root (network namespaces); without it the replay runs on loopback and says so, and its times
-do not separate the link classes. Times on a shared 2-core machine carry scheduling noise.
+Needs root (network namespaces); without it the replay runs on loopback and says so, its times
+do not separate the link classes and there is no time prediction. Times on a shared 2-core machine carry scheduling noise.
 
 Run: .venv/bin/python benchmarks/bench_a2a.py [--trace /tmp/bench-a2a/trace] [--strategies linear,eplb,data,joint]
      [--link 200Mbit] [--batches 8] [--hidden-size 4096] [--md /tmp/bench_a2a.md]
@@ -34,8 +36,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 KNOBS = {
     "shared_weight": 0.0,
@@ -68,7 +68,6 @@ def main() -> None:
     from moetrace.placement import a2a_run as ar
     from moetrace.placement.compare import CompareConfig, load_trace_data
     from moetrace.placement.deployment import parse_deployment
-    from moetrace.placement.netemu import parse_link
     from moetrace.placement.strategies import get_strategy
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -115,66 +114,63 @@ def main() -> None:
     wall = time.perf_counter() - t0
     ar.raise_on_mismatch(plan, records)
 
-    rows = {r["strategy"]: r for r in ar.summary_rows(plan, records)}
+    rows = {r["strategy"]: r for r in ar.summary_rows(plan, records, net)}
+    cost = ar.replay_cost(plan, records, net)
+    # the shapers' counters (everything that crossed, barriers and probes included) over the inter-node payload
+    counted = sum(out for out, _ in net.link_bytes_G2) / max(2 * float(plan.sim_inter_VBL.sum()), 1.0)
     best = min(grouped, key=lambda s: rows[s]["simulated_inter_node_bytes_per_batch_median"])
-    secs_VBL = (
-        np.stack([r["seconds_VBL2"] for r in records], axis=-1).max(-1).sum(-1)
-    )  # slowest rank, dispatch + combine
-    lin, grp = names.index("linear"), names.index(best)
-    B, L = secs_VBL.shape[1:]
-    # link-bound prediction: the busiest node link direction of each collective at the link rate, dispatch + combine
-    node_W = np.arange(plan.world_size) // plan.ranks_per_node
-    G = int(node_W.max()) + 1
-    onehot_WG = np.eye(G, dtype=np.int64)[node_W]
-    node_VBLGG = np.einsum("vblsd,sg,dh->vblgh", plan.sends_VBLWW, onehot_WG, onehot_WG) * plan.bytes_per_token
-    off_VBLGG = node_VBLGG * (1 - np.eye(G, dtype=np.int64))
-    busiest_VBL = np.maximum(off_VBLGG.sum(-1).max(-1), off_VBLGG.sum(-2).max(-1))  # out of / into one node
-    link_s_VBL = 2 * busiest_VBL * 8 / parse_link(args.link).rate_bit
+    B, L = plan.sends_VBLWW.shape[1:3]
+
+    def opt(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
 
     def line(s: str) -> str:
         r = rows[s]
         return (
-            f"| {s} | {r['layer_seconds_median'] * 1e3:.2f} | {secs_VBL[names.index(s)].mean() * 1e3:.2f} | "
-            f"{np.median(link_s_VBL[names.index(s)]) * 1e3:.2f} | "
-            f"{r['simulated_inter_node_bytes_per_batch_median'] / 2**20:.2f} | "
-            f"{r['simulated_inter_node_normalized_median']:.3f} |"
+            f"| {s} | {r['simulated_inter_node_bytes_per_batch_median'] / 2**20:.2f} | "
+            f"{r['simulated_inter_node_normalized_median']:.3f} | "
+            f"{opt(r['predicted_seconds_per_batch_median'], '.3f')} | {r['measured_seconds_per_batch_median']:.3f} | "
+            f"{opt(r['predicted_time_normalized_median'], '.3f')} | {r['measured_time_normalized_median']:.3f} | "
+            f"{opt(r['predicted_over_measured'], '.3f')} |"
         )
 
-    t_ratio = rows[best]["layer_seconds_median"] / rows["linear"]["layer_seconds_median"]
-    mean_ratio = secs_VBL[grp].mean() / secs_VBL[lin].mean()
-    b_ratio = (
-        rows[best]["simulated_inter_node_bytes_per_batch_median"]
-        / rows["linear"]["simulated_inter_node_bytes_per_batch_median"]
-    )
-    l_ratio = np.median(link_s_VBL[grp]) / np.median(link_s_VBL[lin])
     links = (
         f"emulated: one network namespace per node, each node link shaped to {net.link} ({net.qdisc})"
         + (f"; {net.note}" if net.note else "")
         if net.mode == "emulated"
-        else f"NOT emulated ({net.note})"
+        else f"NOT emulated ({net.note}): no time prediction"
+    )
+    model = (
+        "no cost model (links not emulated)"
+        if cost is None
+        else (
+            f"cost model as the replay realised it: inter {cost.links.inter.bytes_per_s * 8 / 1e6:.1f} Mbit/s of "
+            f"payload per node link ({net.link} / {cost.wire_overhead:.3f} wire bytes per payload byte: TCP/IP headers, "
+            f"ACKs; the shapers counted {counted:.3f}), shared by the node's ranks; intra (loopback, probed) {cost.links.intra.bytes_per_s / 1e9:.2f} "
+            f"GB/s; {cost.fixed_seconds * 1e3:.2f} ms fixed per collective (median empty all_to_all)"
+        )
     )
     c = plan.config
     out = [
         f"{c['deployment']} on {c['num_nodes']} emulated nodes of {args.gpus_per_node} GPUs: {plan.world_size} gloo ranks "
-        f"(CPU), {B} held-out batches of {c['batch_requests']} requests x {L} MoE layers, token rows of {plan.hidden_size} "
-        f"bf16 ({plan.bytes_per_token} B); links {links}",
+        f"(CPU), {B} held-out batches of {c['batch_requests']} requests x {L} MoE layers, copy model {c['dedup']}, "
+        f"token rows of {plan.hidden_size} bf16 ({plan.bytes_per_token} B); links {links}; {model}",
         "",
-        "| strategy | measured dispatch+combine per layer, median (ms) | mean (ms) | link-bound prediction per layer, "
-        "median (ms) | simulated inter-node MiB per batch (median) | normalized to linear |",
-        "|---|---|---|---|---|---|",
+        "| strategy | simulated inter-node MiB per batch | bytes / linear | predicted s per batch | measured s per batch "
+        "| predicted time / linear | measured time / linear | predicted / measured |",
+        "|---|---|---|---|---|---|---|---|",
         *(line(s) for s in names),
         "",
-        f"**{best} / linear**: measured time per layer (median) **{t_ratio:.3f}** (mean {mean_ratio:.3f}); "
-        f"simulated inter-node bytes **{b_ratio:.3f}**; link-bound time prediction {l_ratio:.3f}. Measured bytes equal "
-        "the simulator's for every collective. Link-bound prediction: the busiest node link direction's bytes / rate, "
-        "dispatch + combine (no CPU or loopback cost, no latency).",
+        f"Time per batch: dispatch + combine of all {L} MoE layers (measured: the slowest rank of each collective), "
+        f"median over batches; ratios to linear from the same run. Best grouped placer by bytes: {best}. "
+        "Measured bytes equal the simulator's for every collective.",
         f"One run, {wall:.0f} s wall for the replay (spawning the ranks included).",
     ]
     text = "\n".join(out)
     print(text)
     cmd = " ".join([".venv/bin/python", "benchmarks/bench_a2a.py", *sys.argv[1:]])
     args.md.write_text(
-        "# All-to-all replay on emulated nodes: linear vs the best grouped placer\n\n"
+        "# The cost model against the all-to-all replay on emulated nodes\n\n"
         f"Machine: {machine}.\n\n{text}\n\n"
         f"Reproduce (as root, from the repository root):\n\n```\n{cmd}\n```\n\n"
         f"The trace it generates when missing:\n\n```\nmoetrace synth {' '.join(SYNTH)} --knobs '{json.dumps(KNOBS)}' "

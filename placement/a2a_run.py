@@ -8,7 +8,14 @@ builds the real dispatch buffer (one row of ``hidden_size`` values of ``dtype`` 
 sends, stamped with its rank), calls ``all_to_all_single`` for dispatch and again for combine
 (the received rows go back, reverse splits), times each (barrier first; ``perf_counter`` on gloo,
 CUDA events on NCCL), checks every received row came from the rank it should, and records the
-bytes of every split it actually sent. Rank 0 gathers the records (``gather_object``).
+bytes of every split it actually sent. Batches are the outer loop (strategies inside), and before
+each batch every rank runs probes: empty collectives (gloo's fixed cost) and node-local ones
+(loopback's rate). Rank 0 gathers the records (``gather_object``).
+
+On emulated nodes the summary also predicts each strategy's time with the cost model
+(``placement/cost.py``) on the replay's send matrices, its links as the run realised them
+(``replay_cost``: the shaped node link, loopback's probed rate, the probed fixed cost per
+collective), next to the measured time (docs/a2a.md, "The cost model against the replay").
 
 Ranks start either from torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the
 environment; ``moetrace a2a --torchrun``) or from ``launch_local``, which spawns them on this
@@ -48,6 +55,7 @@ from moetrace.errors import ConfigError, MoetraceError, TraceFormatError
 from moetrace.placement import netemu
 from moetrace.placement.a2a import A2AMismatchError, Phase, check_against_simulator, rank_link_bytes, send_matrices
 from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, held_out_batches, place_strategies
+from moetrace.placement.cost import GpuTraffic, Link, Links, collective_seconds_BW
 from moetrace.placement.exports import PlacementFile
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
@@ -59,6 +67,7 @@ __all__ = [
     "A2ARunError",
     "Backend",
     "Network",
+    "ReplayCost",
     "build_plan",
     "choose_backend",
     "first_mismatch",
@@ -66,7 +75,10 @@ __all__ = [
     "format_summary",
     "launch_local",
     "placed_from_file",
+    "predicted_seconds_VBL",
     "raise_on_mismatch",
+    "replay_cost",
+    "replay_traffic",
     "result_table",
     "run_a2a",
     "run_rank",
@@ -79,6 +91,10 @@ Backend = Literal["gloo", "nccl", "auto"]
 PHASES: tuple[Phase, Phase] = ("dispatch", "combine")
 #: bytes per value on the wire of each supported dtype
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: probe collectives of each kind (empty; node-local rows only) before every batch's collectives
+PROBE_REPEATS = 4
+#: bytes each rank sends to the other ranks of its node in a node-local probe (loopback's rate)
+PROBE_INTRA_BYTES = 4 << 20
 
 
 class A2ARunError(MoetraceError):
@@ -379,8 +395,21 @@ def _replay(rank: int, plan: A2APlan, device: Any) -> dict[str, Any]:
         collective(
             recv_buf[: int(s[:, rank].sum())], send_buf[: int(s[rank].sum())], s[:, rank].tolist(), s[rank].tolist()
         )
-    for v in range(V):
-        for b in range(B):
+    # the probes: an empty collective (gloo's fixed cost) and one of node-local rows only (loopback's rate)
+    g = plan.ranks_per_node
+    peer_rows = -(-PROBE_INTRA_BYTES // (plan.bytes_per_token * (g - 1))) if g > 1 else 0
+    local_W = [peer_rows if w // g == rank // g and w != rank else 0 for w in range(W)]
+    probe_in = torch.full((max(sum(local_W), 1), plan.hidden_size), float(stamp_W[rank]), dtype=dt, device=device)
+    probe_out = torch.empty_like(probe_in)
+    empty_W = [0] * W
+    empty_s = np.zeros((B, PROBE_REPEATS))
+    intra_s = np.full((B, PROBE_REPEATS), np.nan)
+    for b in range(B):  # batches outer, strategies inner: a drift in the machine's load touches all strategies alike
+        for i in range(PROBE_REPEATS):
+            empty_s[b, i] = collective(probe_out[:0], probe_in[:0], empty_W, empty_W)
+            if g > 1:
+                intra_s[b, i] = collective(probe_out[: sum(local_W)], probe_in[: sum(local_W)], local_W, local_W)
+        for v in range(V):
             for l in range(L):
                 s = plan.sends_VBLWW[v, b, l]
                 to_W, from_W = s[rank].tolist(), s[:, rank].tolist()  # rows sent to / received from each rank
@@ -398,6 +427,9 @@ def _replay(rank: int, plan: A2APlan, device: Any) -> dict[str, Any]:
         "sent_VBL2W": sent,
         "recv_VBL2W": recv,
         "seconds_VBL2": secs,
+        "probe_empty_seconds_BN": empty_s,
+        "probe_intra_seconds_BN": intra_s,
+        "probe_intra_bytes": int(sum(local_W)) * plan.bytes_per_token,
         "payload_errors": errors,
         "device": str(torch.cuda.get_device_name(device) if cuda else "cpu"),
         "host": socket.gethostname(),
@@ -728,35 +760,155 @@ def result_table(plan: A2APlan, records: list[dict[str, Any]]):
     )
 
 
-def summary_rows(plan: A2APlan, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+# ---- the cost model against the replay --------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ReplayCost:
+    """The cost model's links as an emulated run realised them, and gloo's fixed cost per collective."""
+
+    links: Links  # inter: the shaped node link's payload rate (inter_nic "node"); intra: loopback's probed rate
+    fixed_seconds: float  # median empty all_to_all_single (slowest rank): software, barrier skew, peer messages
+    wire_overhead: float  # link bytes per inter-node payload byte (netemu.WIRE_BYTES_PER_PAYLOAD_BYTE)
+    intra_probe_seconds: float | None  # median node-local probe (slowest rank), fixed cost included; None: not run
+    intra_probe_bytes: int  # bytes each rank sent (and received) in that probe
+    note: str = ""  # what the calibration could not measure (empty when all was)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "links": self.links.to_json(),
+            "fixed_seconds": self.fixed_seconds,
+            "wire_overhead": self.wire_overhead,
+            "intra_probe_seconds": self.intra_probe_seconds,
+            "intra_probe_bytes": self.intra_probe_bytes,
+            "note": self.note,
+        }
+
+
+def replay_cost(plan: A2APlan, records: list[dict[str, Any]], network: Network | None) -> ReplayCost | None:
+    """The cost model of an emulated run (``network.mode == "emulated"``), else None (loopback or
+    torchrun: every link is what the machine has, and the model's link classes mean nothing there).
+
+    inter: the emulated link, one per node (``inter_nic="node"``: a node's ranks share its veth), its
+    payload rate ``rate_bit / 8 / netemu.WIRE_BYTES_PER_PAYLOAD_BYTE`` (TCP/IP and Ethernet headers,
+    the reverse direction's ACKs); intra: loopback's rate from the node-local probe, ``bytes /
+    (probe seconds - fixed seconds)``; both message latencies 0: gloo sends every peer a message in
+    every collective (an empty split too), so per-message costs and the link's one-way delay are in
+    ``fixed_seconds``, the empty probe's median, which ``predicted_seconds_VBL`` adds to every collective.
+    """
+    if network is None or network.mode != "emulated":
+        return None
+    notes: list[str] = []
+    overhead = netemu.WIRE_BYTES_PER_PAYLOAD_BYTE
+    inter = Link(bytes_per_s=netemu.parse_link(network.link).rate_bit / 8 / overhead, latency_s=0.0)
+    empty = np.stack([r["probe_empty_seconds_BN"] for r in records]).max(0)  # [B, N] slowest rank
+    fixed = float(np.median(empty))
+    nbytes = int(max(r["probe_intra_bytes"] for r in records))
+    intra_s: float | None = None
+    if plan.ranks_per_node == 1:
+        intra = inter
+        notes.append("one rank per node: no node-local traffic, the intra link is unused")
+    else:
+        intra_s = float(np.median(np.stack([r["probe_intra_seconds_BN"] for r in records]).max(0)))
+        if intra_s > fixed:
+            intra = Link(bytes_per_s=nbytes / (intra_s - fixed), latency_s=0.0)
+        else:
+            intra = Link(bytes_per_s=nbytes / intra_s, latency_s=0.0)
+            notes.append(
+                "the node-local probe was not slower than an empty collective: loopback's rate is its bytes over "
+                "its whole time (the fixed cost not subtracted)"
+            )
+    return ReplayCost(
+        links=Links(intra=intra, inter=inter, inter_nic="node"),
+        fixed_seconds=fixed,
+        wire_overhead=overhead,
+        intra_probe_seconds=intra_s,
+        intra_probe_bytes=nbytes,
+        note="; ".join(notes),
+    )
+
+
+def replay_traffic(sends_NWW: np.ndarray, *, ranks_per_node: int) -> GpuTraffic:
+    """The cost model's per-GPU traffic of the collectives the replay ran: copies sent and received
+    and distinct peers per link class, float64 [N, W] each, from send matrices int [N, W, W]
+    (``[n, src, dst]``, dispatch; combine is the reverse and costs the same). For dedup ``rank``
+    and ``expert`` this is ``cost.gpu_traffic``'s; for ``node`` the replay sends each remote node's
+    copy straight to its first destination GPU, where the cost model lands it on the sender's peer
+    GPU and forwards it over NVLink."""
+    s = np.asarray(sends_NWW, dtype=np.float64)
+    node_W = np.arange(s.shape[-1]) // ranks_per_node
+    inter_WW = node_W[:, None] != node_W[None, :]
+    si, se = s * ~inter_WW, s * inter_WW
+    return GpuTraffic(
+        send_intra=si.sum(-1),
+        recv_intra=si.sum(-2),
+        send_inter=se.sum(-1),
+        recv_inter=se.sum(-2),
+        peers_send_intra=(si > 0).sum(-1).astype(np.float64),
+        peers_recv_intra=(si > 0).sum(-2).astype(np.float64),
+        peers_send_inter=(se > 0).sum(-1).astype(np.float64),
+        peers_recv_inter=(se > 0).sum(-2).astype(np.float64),
+    )
+
+
+def predicted_seconds_VBL(plan: A2APlan, cost: ReplayCost) -> np.ndarray:
+    """The cost model's seconds of each dispatch (= its combine), float64 [V, B, L]: the busiest GPU's
+    ``cost.collective_seconds_BW`` on the replay's send matrices, copies of ``plan.bytes_per_token``,
+    plus ``cost.fixed_seconds``."""
+    V, B, L, W, _ = plan.sends_VBLWW.shape
+    traffic = replay_traffic(plan.sends_VBLWW.reshape(V * B * L, W, W), ranks_per_node=plan.ranks_per_node)
+    t_NW = collective_seconds_BW(
+        traffic, links=cost.links, bytes_per_copy=plan.bytes_per_token, ranks_per_node=plan.ranks_per_node
+    )
+    return t_NW.max(1).reshape(V, B, L) + cost.fixed_seconds
+
+
+def summary_rows(plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None) -> list[dict[str, Any]]:
     """Per strategy: measured and simulated inter-node bytes per batch normalized to the reference's
     median (``linear`` when present, else the first strategy), and the median collective times (the
     slowest rank of each collective): dispatch, combine, and both of one (batch, layer)
-    (``layer_seconds_median``)."""
+    (``layer_seconds_median``).
+
+    Time per batch: dispatch + combine of every layer, summed over layers (seconds; measured: the
+    slowest rank of each collective). ``measured_time_normalized_median``: its median over batches
+    over the reference's; on emulated nodes (``replay_cost``) ``predicted_time_normalized_median``
+    the same of the cost model's seconds (``predicted_seconds_VBL``) and ``predicted_over_measured``
+    their ratio (None elsewhere).
+    """
     _, me = _measured(plan, records)
     meas_VB = me.sum(axis=(2, 3, 4))
     sim_VB = 2 * plan.sim_inter_VBL.sum(2)  # dispatch + combine
     ref = plan.strategies.index("linear") if "linear" in plan.strategies else 0
     secs = np.stack([r["seconds_VBL2"] for r in records], axis=-1).max(-1)  # [V,B,L,2]
+    time_VB = secs.sum(axis=(2, 3))
+    cost = replay_cost(plan, records, network)
+    pred_VB = None if cost is None else 2 * predicted_seconds_VBL(plan, cost).sum(2)
 
     def norm(x_VB, v):
         m = np.median(x_VB[ref])
         return float(np.median(x_VB[v]) / m) if m > 0 else float("nan")
 
-    return [
-        {
-            "strategy": s,
-            "reference": plan.strategies[ref],
-            "measured_inter_node_normalized_median": norm(meas_VB, v),
-            "simulated_inter_node_normalized_median": norm(sim_VB, v),
-            "measured_inter_node_bytes_per_batch_median": float(np.median(meas_VB[v])),
-            "simulated_inter_node_bytes_per_batch_median": float(np.median(sim_VB[v])),
-            "dispatch_seconds_median": float(np.median(secs[v, ..., 0])),
-            "combine_seconds_median": float(np.median(secs[v, ..., 1])),
-            "layer_seconds_median": float(np.median(secs[v].sum(-1))),
-        }
-        for v, s in enumerate(plan.strategies)
-    ]
+    rows = []
+    for v, s in enumerate(plan.strategies):
+        pred = None if pred_VB is None else norm(pred_VB, v)
+        meas = norm(time_VB, v)
+        rows.append(
+            {
+                "strategy": s,
+                "reference": plan.strategies[ref],
+                "measured_inter_node_normalized_median": norm(meas_VB, v),
+                "simulated_inter_node_normalized_median": norm(sim_VB, v),
+                "measured_inter_node_bytes_per_batch_median": float(np.median(meas_VB[v])),
+                "simulated_inter_node_bytes_per_batch_median": float(np.median(sim_VB[v])),
+                "dispatch_seconds_median": float(np.median(secs[v, ..., 0])),
+                "combine_seconds_median": float(np.median(secs[v, ..., 1])),
+                "layer_seconds_median": float(np.median(secs[v].sum(-1))),
+                "measured_seconds_per_batch_median": float(np.median(time_VB[v])),
+                "predicted_seconds_per_batch_median": None if pred_VB is None else float(np.median(pred_VB[v])),
+                "measured_time_normalized_median": meas,
+                "predicted_time_normalized_median": pred,
+                "predicted_over_measured": None if pred is None else pred / meas,
+            }
+        )
+    return rows
 
 
 def _links_line(network: Network | None) -> str:
@@ -767,8 +919,25 @@ def _links_line(network: Network | None) -> str:
     return f"links: a network namespace per node, inter-node links shaped to {network.link} ({network.qdisc})"
 
 
+def _cost_line(cost: ReplayCost | None, network: Network | None) -> str:
+    if cost is None:
+        return "time prediction: none (the cost model's link classes need emulated nodes; " + (
+            "links here are the torchrun job's)"
+            if network is not None and network.mode == "torchrun"
+            else "links here are all local)"
+        )
+    return (
+        f"cost model: inter {cost.links.inter.bytes_per_s * 8 / 1e6:.4g} Mbit/s of payload per node (the link's rate / "
+        f"{cost.wire_overhead:.3f} wire bytes per payload byte: TCP/IP headers, ACKs), intra (loopback, probed) "
+        f"{cost.links.intra.bytes_per_s / 1e9:.2f} GB/s, fixed {cost.fixed_seconds * 1e3:.2f} ms per collective (empty probe)"
+        + (f"; {cost.note}" if cost.note else "")
+    )
+
+
 def format_summary(plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None) -> str:
-    """Header lines, column titles and one row per strategy."""
+    """Header lines, column titles and one row per strategy (the time columns: dispatch + combine
+    summed over layers per batch, median, over the reference's; predicted: the cost model, on
+    emulated nodes only)."""
     from moetrace.sizes import human_bytes
 
     c = plan.config
@@ -776,16 +945,22 @@ def format_summary(plan: A2APlan, records: list[dict[str, Any]], network: Networ
         f"{c.get('deployment')} ({c.get('num_nodes')} nodes), {plan.world_size} ranks on {plan.backend} ({records[0]['device']}), "
         f"{c.get('num_batches')} batches x {plan.sends_VBLWW.shape[2]} layers, hidden {plan.hidden_size} {plan.dtype}",
         _links_line(network),
+        _cost_line(replay_cost(plan, records, network), network),
         f"{'strategy':<12} {'measured inter (norm.)':>23} {'simulated':>10} {'inter/batch':>12} {'dispatch s':>11} {'combine s':>10} "
-        f"{'layer s':>9}",
+        f"{'layer s':>9} {'time (norm.)':>13} {'predicted':>10} {'pred/meas':>10}",
     ]
-    for r in summary_rows(plan, records):
+
+    def opt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    for r in summary_rows(plan, records, network):
         lines.append(
             f"{r['strategy']:<12} {r['measured_inter_node_normalized_median']:>23.3f} "
             f"{r['simulated_inter_node_normalized_median']:>10.3f} "
             f"{human_bytes(r['measured_inter_node_bytes_per_batch_median']):>12} "
             f"{r['dispatch_seconds_median']:>11.2e} {r['combine_seconds_median']:>10.2e} "
-            f"{r['layer_seconds_median']:>9.2e}"
+            f"{r['layer_seconds_median']:>9.2e} {r['measured_time_normalized_median']:>13.3f} "
+            f"{opt(r['predicted_time_normalized_median']):>10} {opt(r['predicted_over_measured']):>10}"
         )
     return "\n".join(lines)
 
@@ -798,6 +973,7 @@ def write_a2a_results(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     mismatch = first_mismatch(plan, records)
+    cost = replay_cost(plan, records, network)
     meta = {
         **plan.config,
         "strategies": list(plan.strategies),
@@ -810,8 +986,9 @@ def write_a2a_results(
         "hosts": sorted({r["host"] for r in records}),
         "bytes_match": mismatch is None,
         "first_mismatch": mismatch,
-        "summary": summary_rows(plan, records),
+        "summary": summary_rows(plan, records, network),
         "network": network.to_dict() if network is not None else None,
+        "cost_model": None if cost is None else cost.to_json(),
     }
     return [
         rf.write_result_table(out, rf.A2A, rf.A2A_COLLECTIVES, result_table(plan, records)),

@@ -55,6 +55,7 @@ __all__ = [
     "NODE_IF",
     "NetEmuError",
     "NO_NETNS_ENV",
+    "WIRE_BYTES_PER_PAYLOAD_BYTE",
     "emulated_nodes",
     "enter_netns",
     "parse_link",
@@ -67,6 +68,10 @@ __all__ = [
 DEFAULT_LINK = "1Gbit,50us"
 #: the name of each node's link inside its namespace (gloo binds it: GLOO_SOCKET_IFNAME)
 NODE_IF = "mt0"
+#: bytes an emulated link carries per byte of TCP payload: each 1448-byte segment (MTU 1500 less the
+#: IP and TCP headers, timestamps on) is a 1514-byte frame, and the reverse direction's data is
+#: acknowledged by one 66-byte frame per two segments (delayed ACKs) on this direction
+WIRE_BYTES_PER_PAYLOAD_BYTE = (1514 + 66 / 2) / 1448
 #: set to 1 to never create namespaces (every link stays loopback)
 NO_NETNS_ENV = "MOETRACE_NO_NETNS"
 _SUBNET = "10.77.0"  # /24, exists only inside a run's own namespaces

@@ -192,6 +192,119 @@ def test_payload_errors_are_reported(plan, records):
     assert ar.first_mismatch(plan, bad).startswith("rank 3 linear batch 0 layer 0 dispatch")
 
 
+def _fake_records(plan, *, fixed_s, intra_s):
+    """Records as ``run_rank`` returns them, without ranks: the plan's bytes, made-up times, probes of
+    ``fixed_s`` (empty) and ``intra_s`` (node-local)."""
+    V, B, L, W, _ = plan.sends_VBLWW.shape
+    rng = np.random.default_rng(0)
+    bpt = plan.bytes_per_token
+    recs = []
+    for w in range(W):
+        sent = np.stack([plan.sends_VBLWW[..., w, :], plan.sends_VBLWW[..., :, w]], axis=3) * bpt  # [V,B,L,2,W]
+        recs.append(
+            {
+                "rank": w,
+                "sent_VBL2W": sent,
+                "recv_VBL2W": sent,
+                "seconds_VBL2": 0.01 + 0.01 * rng.random((V, B, L, 2)),
+                "probe_empty_seconds_BN": np.full((B, ar.PROBE_REPEATS), fixed_s),
+                "probe_intra_seconds_BN": np.full((B, ar.PROBE_REPEATS), intra_s),
+                "probe_intra_bytes": ar.PROBE_INTRA_BYTES,
+                "payload_errors": [],
+                "device": "cpu",
+                "host": "h",
+            }
+        )
+    network = ar.Network(mode="emulated", link="8Mbit", qdisc="tbf")
+    return recs, network
+
+
+def test_predicted_time_ratios_follow_the_busiest_node_link(plan):
+    """On emulated nodes each collective is predicted as the fixed cost plus the slower of its busiest
+    node link direction (inter-node bytes of the node's ranks at the link's payload rate) and its busiest
+    rank's loopback bytes; the summary's ratios to linear are those of the per-batch sums."""
+    fixed, rate_intra = 2e-3, 1e9
+    recs, network = _fake_records(plan, fixed_s=fixed, intra_s=fixed + ar.PROBE_INTRA_BYTES / rate_intra)
+    cost = ar.replay_cost(plan, recs, network)
+    rate_inter = 1e6 * 1448 / (1514 + 66 / 2)  # 8 Mbit/s of 1514-byte frames carrying 1448 bytes, half an ACK each
+    assert cost.fixed_seconds == pytest.approx(fixed)
+    assert cost.links.inter_nic == "node" and cost.links.inter.bytes_per_s == pytest.approx(rate_inter)
+    assert cost.links.intra.bytes_per_s == pytest.approx(rate_intra)
+    V, B, L, W, _ = plan.sends_VBLWW.shape
+    bpt, g = plan.bytes_per_token, plan.ranks_per_node
+    want = np.zeros((V, B))
+    for v, b, l in np.ndindex(V, B, L):
+        s = plan.sends_VBLWW[v, b, l] * bpt
+        node = np.arange(W) // g
+        out_G = [s[node == n][:, node != n].sum() for n in range(W // g)]
+        in_G = [s[node != n][:, node == n].sum() for n in range(W // g)]
+        local = s * (node[:, None] == node[None, :])
+        t_inter = max(out_G + in_G) / rate_inter
+        t_intra = max(local.sum(0).max(), local.sum(1).max()) / rate_intra
+        want[v, b] += 2 * (fixed + max(t_inter, t_intra))  # dispatch + combine
+    np.testing.assert_allclose(2 * ar.predicted_seconds_VBL(plan, cost).sum(2), want, rtol=1e-9)
+    rows = ar.summary_rows(plan, recs, network)
+    secs_VB = np.stack([r["seconds_VBL2"] for r in recs], -1).max(-1).sum(axis=(2, 3))
+    for v, r in enumerate(rows):
+        pred = np.median(want[v]) / np.median(want[0])
+        meas = np.median(secs_VB[v]) / np.median(secs_VB[0])
+        assert r["predicted_time_normalized_median"] == pytest.approx(pred)
+        assert r["measured_time_normalized_median"] == pytest.approx(meas)
+        assert r["predicted_over_measured"] == pytest.approx(pred / meas)
+        assert r["predicted_seconds_per_batch_median"] == pytest.approx(np.median(want[v]))
+    data_row = rows[plan.strategies.index("data")]
+    assert data_row["predicted_time_normalized_median"] < 1.0  # fewer inter-node bytes: less predicted time
+    text = ar.format_summary(plan, recs, network)
+    assert "cost model: inter 7.488 Mbit/s of payload per node" in text and "fixed 2.00 ms per collective" in text
+
+
+@pytest.mark.parametrize("dedup", ["expert", "rank"])
+def test_replay_traffic_is_the_cost_models(data, cfg, dedup):
+    """The time model the replay charges is compare's: from the send matrices, the cost model's seconds equal
+    ``simulate_volume``'s ``dispatch_seconds`` for the same links and copies."""
+    from moetrace.placement.cost import CostModel, Link, Links, collective_seconds_BW
+
+    dep = cfg.deployment
+    links = Links(
+        intra=Link(bytes_per_s=2e9, latency_s=1e-6), inter=Link(bytes_per_s=1e8, latency_s=5e-6), inter_nic="node"
+    )
+    ps = make_placement(data, cfg, "data")
+    rows, batch, src, _ = held_out_batches(data, cfg, ps.group_of_test_R)
+    kw = dict(
+        placement=ps.placement,
+        batch_T=batch,
+        src_rank_T=src,
+        num_batches=cfg.num_batches,
+        num_ranks=dep.num_ep,
+        ranks_per_node=dep.ranks_per_node,
+        dedup=dedup,
+    )
+    ids = data.test_topk_ids_TLK[rows]
+    sim = simulate_volume(ids, bytes_per_token=64, cost=CostModel(links=links), **kw)
+    sends = send_matrices(ids, **kw)
+    B, L, W, _ = sends.shape
+    t = collective_seconds_BW(
+        ar.replay_traffic(sends.reshape(B * L, W, W), ranks_per_node=dep.ranks_per_node),
+        links=links,
+        bytes_per_copy=64,
+        ranks_per_node=dep.ranks_per_node,
+    )
+    np.testing.assert_allclose(t.max(1).reshape(B, L), sim["dispatch_seconds"], rtol=1e-12)
+    assert sim["dispatch_seconds"].max() > 0
+
+
+def test_no_time_prediction_without_emulated_links(plan):
+    """Loopback (or torchrun) links: the model's link classes mean nothing there; no predicted time, and the
+    summary says why."""
+    recs, _ = _fake_records(plan, fixed_s=1e-3, intra_s=2e-3)
+    loop = ar.Network(mode="loopback", note="n")
+    assert ar.replay_cost(plan, recs, loop) is None
+    rows = ar.summary_rows(plan, recs, loop)
+    assert all(r["predicted_time_normalized_median"] is None and r["predicted_over_measured"] is None for r in rows)
+    assert rows[0]["measured_time_normalized_median"] == 1.0
+    assert "time prediction: none" in ar.format_summary(plan, recs, loop)
+
+
 def test_cli_a2a_end_to_end(trace, tmp_path, monkeypatch):
     out = tmp_path / "a2a"
     args = [

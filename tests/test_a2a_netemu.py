@@ -181,6 +181,11 @@ def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace, capfd
     assert "links: a network namespace per node, inter-node links shaped to 500Mbit" in ar.format_summary(
         plan, records, net
     )
+    cost = ar.replay_cost(plan, records, net)  # the cost model as this run realised it
+    assert cost.links.inter.bytes_per_s * netemu.WIRE_BYTES_PER_PAYLOAD_BYTE == pytest.approx(500e6 / 8)
+    assert cost.fixed_seconds > 0 and cost.links.intra.bytes_per_s > 0
+    rows = ar.summary_rows(plan, records, net)
+    assert rows[0]["predicted_time_normalized_median"] == 1.0 and rows[1]["predicted_over_measured"] > 0
     # the ranks start with c10d's log at ERROR: no per-connection "cannot resolve the hostname" noise
     assert "hostname of the client socket" not in capfd.readouterr().err
 

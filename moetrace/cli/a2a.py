@@ -83,7 +83,7 @@ def a2a_cmd(
     clusters: Clusters = 0,
     redundancy: Redundancy = 0,
     test_fraction: TestFraction = 0.2,
-    dedup: DedupOpt = "rank",
+    dedup: DedupOpt = "expert",
     replica_policy: ReplicaPolicyOpt = "same_node",
     seed: Seed = 0,
     allow_incomplete: AllowIncomplete = False,
