@@ -9,8 +9,10 @@ placements (DP2TP4EP8, E=16, 8 redundant slots: 3 slots on each of 8 ranks).
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import numpy as np
 import pytest
@@ -18,10 +20,15 @@ from test_analysis_planted import stage_mask, write_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app
+from moetrace.cli.place import export_cmd
 from moetrace.errors import ConfigError
 from moetrace.placement.baselines import linear
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.exports import (
+    PLACEMENT_EXPORTS,
+    TRACE_EXPORTS,
+    CountStage,
+    ExportFormat,
     PlacementFile,
     export_file,
     export_placement,
@@ -236,3 +243,10 @@ def test_wrong_input_for_the_format_is_one_line(tmp_path, args, fragment):
     r = runner.invoke(app, ["export", *[where.get(a, a) for a in args], "-o", str(out)])
     assert r.exit_code == 2 and fragment in " ".join(r.output.split()) and "Traceback" not in r.output, r.output
     assert not out.exists()
+
+
+def test_cli_offers_exactly_the_librarys_formats_and_stages():
+    hints = get_type_hints(inspect.unwrap(export_cmd), include_extras=True)
+    assert get_args(get_args(hints["fmt"])[0]) == get_args(ExportFormat) == PLACEMENT_EXPORTS + TRACE_EXPORTS
+    stage_literal, none = get_args(get_args(hints["stage"])[0])  # Literal[...] | None
+    assert get_args(stage_literal) == get_args(CountStage) and none is type(None)
