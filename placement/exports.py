@@ -300,8 +300,9 @@ def trace_expert_counts(
     """Tokens routed to each (MoE layer, expert) over a whole trace: int64 ``[L, E]`` and the model.
 
     ``stage``: ``decode`` (what moetrace's placements are built from), ``prefill`` or ``both``
-    (every routed token, as SGLang's own recorder counts them). A stage the trace did not record
-    (manifest ``collection.stages``) is refused. ``progress(tokens_done, tokens_total)`` goes to
+    (every routed token, as SGLang's own recorder counts them; of a single-stage trace, its one
+    stage). ``decode`` or ``prefill`` on a trace that did not record it (manifest
+    ``collection.stages``) is refused. ``progress(tokens_done, tokens_total)`` goes to
     ``count_trace``. Memory: R * L * E counts per stage (``count_trace``).
     """
     tr = open_trace(trace, require_complete=not allow_incomplete)
