@@ -4,40 +4,66 @@
 ``log2phy`` [L, E, M], ``logcnt`` [L, E] over the MoE layers, and (for grouped strategies) the
 serving router in ``grouping``: a ``routers.Router`` written and read by its own class
 (``to_json`` / ``routers.read_router``, which dispatch on the section's ``router_kind``). Engine exports (see docs/exports.md for the source each was checked
-against): SGLang ``--init-expert-location`` JSON, TensorRT-LLM MoE load-balancer YAML, and for
-vLLM the bare JSON list of physical→logical rows, one per MoE layer, that its open initial-placement
-proposal reads (no released vLLM reads a placement file; checked through 0.33).
+against): from a placement, SGLang ``--init-expert-location`` JSON, TensorRT-LLM MoE load-balancer
+YAML, for vLLM the bare JSON list of physical→logical rows, one per MoE layer, that its open
+initial-placement proposal reads (no released vLLM reads a placement file; checked through 0.33),
+and vllm-ascend's static expert map (``eplb_config.expert_map_path``); from a trace, SGLang's
+``{"logical_count": [H, E]}`` (token counts, from which SGLang runs its own EPLB at start-up).
 
 Shape legend (docs/architecture.md): L MoE layers, H all decoder layers, E logical experts,
-P physical slots, M max replicas, C clusters, F features (L*E).
+P physical slots, M max replicas, W EP ranks, J slots of one rank (P / W in this module), C clusters,
+F features (L*E).
 
 Out of scope: computing placements; routing requests (``routers``; the engine files hold no router, so
-every router kind exports the same way); talking to a running engine.
+every router kind exports the same way); talking to a running engine; vllm-ascend's ``mix_placement``
+(shared experts placed as extra logical experts: a moetrace placement holds routed experts only).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from moetrace.analysis.counts import count_trace
 from moetrace.atomic import write_json_atomic
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.placement.deployment import Deployment, parse_deployment
 from moetrace.placement.maps import Placement, placement_problems
 from moetrace.placement.routers import NoRouter, Router, read_router
 from moetrace.results import PLACEMENT, check_result_json, json_header
-from moetrace.tracer.trace.schema import ModelInfo
+from moetrace.tracer.trace.reader import open_trace
+from moetrace.tracer.trace.schema import ModelInfo, Stage, stages_of
 
-__all__ = ["PlacementFile", "save_placement", "load_placement", "export_placement", "ExportFormat"]
+__all__ = [
+    "PlacementFile",
+    "save_placement",
+    "load_placement",
+    "export_placement",
+    "export_file",
+    "trace_expert_counts",
+    "sglang_logical_count",
+    "ExportFormat",
+    "PlacementExportFormat",
+    "TraceExportFormat",
+    "CountStage",
+    "PLACEMENT_EXPORTS",
+    "TRACE_EXPORTS",
+]
 
 FORMAT = PLACEMENT.format  # the placement JSON's "format" (moetrace.results owns it)
 VERSION = PLACEMENT.version  # the version this moetrace writes and reads
-ExportFormat = Literal["sglang", "trtllm", "vllm"]
+PlacementExportFormat = Literal["sglang", "trtllm", "vllm", "vllm-ascend"]  # made from a placement JSON
+TraceExportFormat = Literal["sglang-logical-count"]  # made from a trace (counts, not a placement)
+ExportFormat = Literal["sglang", "trtllm", "vllm", "vllm-ascend", "sglang-logical-count"]  # both kinds
+PLACEMENT_EXPORTS: tuple[PlacementExportFormat, ...] = ("sglang", "trtllm", "vllm", "vllm-ascend")
+TRACE_EXPORTS: tuple[TraceExportFormat, ...] = ("sglang-logical-count",)
+CountStage = Literal["decode", "prefill", "both"]  # which tokens a counts export counts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,8 +217,12 @@ def _full_layer_map(pf: PlacementFile) -> np.ndarray:
     return full
 
 
-def export_placement(pf: PlacementFile, *, fmt: ExportFormat) -> str:
-    """The text of an engine's placement file for ``pf``."""
+def export_placement(pf: PlacementFile, *, fmt: PlacementExportFormat) -> str:
+    """The text of an engine's placement file for ``pf``.
+
+    Raises ``ConfigError`` for a placement the engine cannot take (vllm-ascend: EP size 1, or an
+    expert twice on one rank) and for a format that is not made from a placement.
+    """
     layers = [int(x) for x in pf.model.moe_layers]
     if fmt == "sglang":
         # init_by_mapping(**data) accepts exactly this key; rows = num_hidden_layers
@@ -207,4 +237,137 @@ def export_placement(pf: PlacementFile, *, fmt: ExportFormat) -> str:
         # vLLM PR #49572 (eplb_config.initial_expert_map_path) reads a bare list: one phy2log row shared
         # by all MoE layers, or one row per MoE layer in model order; an object would be refused
         return json.dumps(pf.placement.phy2log.tolist()) + "\n"
-    raise ConfigError(f"unknown export format {fmt!r}; use sglang, trtllm or vllm")
+    if fmt == "vllm-ascend":
+        return json.dumps(_vllm_ascend_map(pf)) + "\n"
+    if fmt in TRACE_EXPORTS:
+        raise ConfigError(
+            f"--format {fmt} exports token counts from a trace, not a placement: pass the trace directory"
+        )
+    raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(PLACEMENT_EXPORTS)}")
+
+
+def _vllm_ascend_map(pf: PlacementFile) -> dict[str, Any]:
+    """vllm-ascend's static expert map: ``layer_list[i]`` is MoE layer i (model order), its
+    ``device_list[w].device_expert`` the logical experts in EP rank w's local slots, in slot order.
+
+    vllm-ascend (``eplb_utils.expert_file_to_tensor`` / ``init_eplb_config``) indexes ``layer_list``
+    by the MoE layer's construction order, numbers a device's physical experts ``w * J + local slot``
+    (as our slots are numbered) and gives each expert one local slot per device, so a rank holding an
+    expert twice cannot be written; with EP size 1 it never reads the file.
+    """
+    phy2log_LP = pf.placement.phy2log
+    L, P = phy2log_LP.shape
+    W = pf.deployment.num_ep
+    if W == 1:
+        raise ConfigError(
+            f"vllm-ascend reads an expert map only with expert parallelism, and {pf.deployment.name} has EP size 1 "
+            "(init_eplb_config returns before reading expert_map_path): place for an EP size above 1"
+        )
+    per_rank_LWJ = phy2log_LP.reshape(L, W, P // W)
+    sorted_LWJ = np.sort(per_rank_LWJ, axis=-1)
+    twice_LWJ = sorted_LWJ[..., 1:] == sorted_LWJ[..., :-1]
+    if twice_LWJ.any():
+        l, w, j = (int(x[0]) for x in np.nonzero(twice_LWJ))
+        n = int(twice_LWJ.any(axis=-1).sum())
+        raise ConfigError(
+            f"vllm-ascend gives each expert at most one slot per device, but EP rank {w} holds expert "
+            f"{int(sorted_LWJ[l, w, j])} twice in model layer {pf.model.moe_layers[l]} ({n} (layer, rank) pairs "
+            f"repeat an expert; strategy {pf.strategy!r}): place again with another strategy or fewer redundant slots"
+        )
+    return {
+        "moe_layer_count": L,
+        "layer_list": [
+            {
+                "layer_id": i,  # the MoE ordinal, as vllm-ascend's own recorder writes it (the loader reads by position)
+                "device_count": W,
+                "device_list": [
+                    {"device_id": w, "device_expert": [int(e) for e in per_rank_LWJ[i, w]]} for w in range(W)
+                ],
+            }
+            for i in range(L)
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------------- from a trace
+def trace_expert_counts(
+    trace: str | os.PathLike,
+    *,
+    stage: CountStage = "decode",
+    allow_incomplete: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[np.ndarray, ModelInfo]:
+    """Tokens routed to each (MoE layer, expert) over a whole trace: int64 ``[L, E]`` and the model.
+
+    ``stage``: ``decode`` (what moetrace's placements are built from), ``prefill`` or ``both``
+    (every routed token, as SGLang's own recorder counts them; of a single-stage trace, its one
+    stage). ``decode`` or ``prefill`` on a trace that did not record it (manifest
+    ``collection.stages``) is refused. ``progress(tokens_done, tokens_total)`` goes to
+    ``count_trace``. Memory: R * L * E counts per stage (``count_trace``).
+    """
+    tr = open_trace(trace, require_complete=not allow_incomplete)
+    recorded = stages_of(tr)
+    wanted: tuple[Stage, ...] = ("prefill", "decode") if stage == "both" else (stage,)
+    missing = [s for s in wanted if s not in recorded]
+    if stage != "both" and missing:
+        raise ConfigError(
+            f"{trace}: recorded {', '.join(sorted(recorded))} routing only (manifest collection.stages), "
+            f"so it holds no {stage} counts: pass --stage {next(iter(sorted(recorded)))}"
+        )
+    counts = count_trace(
+        tr, stages=[s for s in wanted if s in recorded], allow_incomplete=allow_incomplete, progress=progress
+    )
+    return counts.counts_RSLE.sum(axis=(0, 1), dtype=np.int64), tr.model
+
+
+def sglang_logical_count(counts_LE: np.ndarray, *, model: ModelInfo) -> str:
+    """SGLang's ``--init-expert-location`` counts file: ``{"logical_count": [H, E]}``, integers.
+
+    counts_LE: integer ``[L, E]`` tokens per (MoE layer, logical expert), L in ``model.moe_layers``
+    order. Rows are all ``num_hidden_layers`` decoder layers (SGLang's expert-location layer count);
+    dense layers' rows are zero, as in SGLang's own recorder dumps.
+    """
+    L, E = len(model.moe_layers), model.num_experts
+    if counts_LE.shape != (L, E) or counts_LE.dtype.kind not in "iu" or (counts_LE < 0).any():
+        raise ConfigError(
+            f"counts must be non-negative integers of shape ({L} MoE layers, {E} experts), "
+            f"got {counts_LE.dtype} {counts_LE.shape}"
+        )
+    full_HE = np.zeros((model.num_hidden_layers, E), dtype=np.int64)
+    full_HE[np.asarray(model.moe_layers)] = counts_LE
+    return json.dumps({"logical_count": full_HE.tolist()}) + "\n"
+
+
+def export_file(
+    source: str | os.PathLike,
+    *,
+    fmt: ExportFormat,
+    stage: CountStage | None = None,
+    allow_incomplete: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> str:
+    """The text of an engine file made from ``source``: a placement JSON for the placement formats,
+    a trace directory for ``sglang-logical-count`` (``stage`` defaults to decode there).
+
+    Raises ``ConfigError`` when ``source`` is the wrong kind of input for ``fmt``, or trace options
+    (``stage``, ``allow_incomplete``) come with a placement format.
+    """
+    path = Path(source)
+    if fmt == "sglang-logical-count":
+        if not path.is_dir():
+            raise ConfigError(
+                f"{path}: --format {fmt} exports token counts from a trace, not a placement: pass the trace "
+                f"directory (e.g. `moetrace export traces/dsv3 --format {fmt} -o logical_count.json`)"
+            )
+        counts_LE, model = trace_expert_counts(
+            path, stage=stage or "decode", allow_incomplete=allow_incomplete, progress=progress
+        )
+        return sglang_logical_count(counts_LE, model=model)
+    if stage is not None or allow_incomplete:
+        raise ConfigError(f"--stage and --allow-incomplete read a trace; --format {fmt} converts a placement JSON")
+    if path.is_dir():
+        raise ConfigError(
+            f"{path} is a directory; --format {fmt} converts a placement JSON: write one with "
+            "`moetrace place TRACE --config ... -o placement.json`"
+        )
+    return export_placement(load_placement(path), fmt=fmt)

@@ -202,23 +202,46 @@ def compare_cmd(
 
 @friendly_errors
 def export_cmd(
-    placement: Annotated[Path, typer.Argument(help="Placement JSON written by `moetrace place`.", show_default=False)],
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="Placement JSON written by `moetrace place`; for sglang-logical-count, a trace directory.",
+            show_default=False,
+        ),
+    ],
     *,
-    fmt: Annotated[Literal["sglang", "trtllm", "vllm"], typer.Option("--format", "-f", help="Target engine.")],
+    fmt: Annotated[
+        Literal["sglang", "trtllm", "vllm", "vllm-ascend", "sglang-logical-count"],
+        typer.Option(
+            "--format",
+            "-f",
+            help="Target engine file: sglang, trtllm, vllm, vllm-ascend (from a placement JSON); "
+            "sglang-logical-count (token counts from a trace; SGLang runs its own EPLB on them). See docs/exports.md.",
+        ),
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="File to write.")],
+    stage: Annotated[
+        Literal["decode", "prefill", "both"] | None,
+        typer.Option(help="sglang-logical-count only: the tokens counted (default decode).", show_default=False),
+    ] = None,
+    allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,
+    quiet: Quiet = False,
 ) -> None:
-    """Convert a placement JSON to a serving engine's format (SGLang, TensorRT-LLM, vLLM proposal).
+    """Convert a placement JSON to a serving engine's format (SGLang, TensorRT-LLM, vLLM proposal, vllm-ascend),
+    or export a trace's expert token counts for SGLang's start-up EPLB.
 
     Example: moetrace export placement.json --format sglang -o expert_location.json
     """
     from moetrace.atomic import write_text_atomic
     from moetrace.errors import OutputExistsError
-    from moetrace.placement.exports import export_placement, load_placement
+    from moetrace.placement.exports import export_file
 
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} already exists; choose another -o, or pass --overwrite to replace it")
-    text = export_placement(load_placement(placement), fmt=fmt)
+    with progress_bar("counting", "tokens", quiet=quiet) as bar:
+        text = export_file(source, fmt=fmt, stage=stage, allow_incomplete=allow_incomplete, progress=bar)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, text)
-    typer.echo(f"wrote {fmt} placement to {out}")
+    what = "expert counts" if fmt == "sglang-logical-count" else "placement"
+    typer.echo(f"wrote {fmt} {what} to {out}")
