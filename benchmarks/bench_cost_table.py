@@ -4,7 +4,7 @@ For each preset a ``moetrace synth`` trace is generated (if its directory is mis
 model's calibrated knobs and traffic mixed 0.6 gsm8k (math) / 0.2 mbpp (code) / 0.1 xsum
 (summarization) / 0.1 lmsys-chat (chat), never 1/D each. ``run_compare`` then places linear, EPLB,
 the paper's data-based placer, the improved placer and ours (joint) on 80 % of the requests and
-simulates 500 decode steps (and 10 prefill steps) of held-out requests at 2, 4 and 8 nodes, with the
+simulates 500 decode steps (and 5 prefill steps) of held-out requests at 2, 4 and 8 nodes, with the
 two upper bounds, under the default cost model (decode: one copy per (token, expert); prefill: one
 copy per node; H100-class links). Printed per case, one markdown table: predicted decode
 all-to-all time and MoE-layer time per step over linear's median, inter-node bytes over linear's,

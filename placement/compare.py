@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -123,11 +124,11 @@ class CompareConfig:
 
     @property
     def num_prefill_batches(self) -> int:
-        """Prefill steps simulated: one per 50 decode steps, at least 4 (and at most ``num_batches``);
+        """Prefill steps simulated: one per 100 decode steps, at least 4 (and at most ``num_batches``);
         0 without prefill tokens."""
         if self.prefill_tokens_per_node == 0:
             return 0
-        return min(self.num_batches, max(4, self.num_batches // 50))
+        return min(self.num_batches, max(4, self.num_batches // 100))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -706,17 +707,24 @@ def run_compare(
 
     metrics: dict[str, dict[str, np.ndarray]] = {}
     prefill: dict[str, dict[str, np.ndarray]] = {}
-    for s in todo:
-        metrics[s] = simulate(placed[s])
-        if (pm := simulate_prefill(placed[s])) is not None:
-            prefill[s] = pm
-        step()
+
+    def both_stages(s: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+        return simulate(placed[s]), simulate_prefill(placed[s])
+
+    # numpy's sorts and ufuncs release the GIL: two threads keep two cores busy (results do not depend on it)
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        for s, (dm, pm) in zip(todo, pool.map(both_stages, todo)):
+            metrics[s] = dm
+            if pm is not None:
+                prefill[s] = pm
+            step()
     # a bound is the best row found with the held-out decode known: its own candidates (one per kind of
     # placement) and every deployable row within the node-load limit, ranked by predicted all-to-all time
     # per step; so no deployable row within the limit beats a bound on that figure
     within = [s for s in todo if placed[s].extra["busiest_node_load"] <= cfg.max_node_load + 1e-9]
     for s in bounds:
-        sims = [(simulate(c), c) for c in candidates[s]]
+        with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+            sims = list(zip(pool.map(simulate, candidates[s]), candidates[s]))
         sims += [(metrics[d], replace(placed[d], strategy=s, extra={**placed[d].extra, "kind": d})) for d in within]
         fits = [mc for mc in sims if mc[1].extra["busiest_node_load"] <= cfg.max_node_load + 1e-9] or sims
         metrics[s], placed[s] = min(fits, key=lambda mc: a2a_seconds_median(mc[0]))

@@ -310,6 +310,29 @@ def gpu_traffic(
         keep = dst < W
         keep[:, 1:] &= dst[:, 1:] != dst[:, :-1]
         keep &= dst != src
+    if dedup != "node" and B * W * W <= _DENSE_PAIRS:  # one count of (batch, src, dst), split by link class
+        M = np.bincount(((base + src) * W + dst)[keep], minlength=B * W * W).reshape(B, W, W)
+        has = M > 0
+        out = []
+        for x in (M, has):  # totals, then the same over the node's own diagonal blocks (intra-node)
+            Gn = W // g
+            x5 = x.reshape(B, Gn, g, Gn, g)
+            diag = np.diagonal(x5, axis1=1, axis2=3)  # [B, g src, g dst, Gn]
+            send_all, recv_all = x.sum(2, dtype=np.float64), x.sum(1, dtype=np.float64)
+            send_in = diag.sum(2, dtype=np.float64).transpose(0, 2, 1).reshape(B, W)
+            recv_in = diag.sum(1, dtype=np.float64).transpose(0, 2, 1).reshape(B, W)
+            out.append((send_in, recv_in, send_all - send_in, recv_all - recv_in))
+        (si, ri, se, re_), (psi, pri, pse, pre) = out
+        return GpuTraffic(
+            send_intra=si,
+            recv_intra=ri,
+            send_inter=se,
+            recv_inter=re_,
+            peers_send_intra=psi,
+            peers_recv_intra=pri,
+            peers_send_inter=pse,
+            peers_recv_inter=pre,
+        )
     node = dst // g
     remote = keep & (node != src // g)
     local = keep & ~remote
