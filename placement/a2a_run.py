@@ -61,6 +61,7 @@ from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.routers import NoRouter
 from moetrace.placement.simulate import DedupUnit, simulate_volume
+from moetrace.sizes import human_bytes
 
 __all__ = [
     "A2APlan",
@@ -69,12 +70,16 @@ __all__ = [
     "Network",
     "ReplayCost",
     "build_plan",
+    "check_local_capacity",
     "choose_backend",
     "first_mismatch",
     "format_smoke",
     "format_summary",
     "launch_local",
+    "local_capacity_problem",
+    "machine_capacity",
     "placed_from_file",
+    "plan_bytes_per_rank",
     "predicted_seconds_VBL",
     "raise_on_mismatch",
     "replay_cost",
@@ -97,8 +102,79 @@ PROBE_REPEATS = 4
 PROBE_INTRA_BYTES = 4 << 20
 
 
+#: resident memory of one local rank: torch, numpy and moetrace imported and a gloo group up (measured:
+#: ~310 MB each of 4 ranks, 187 MB of it anonymous, torch 2.x CPU on Linux x86-64); its plan and buffers add to it
+RANK_RSS_BYTES = 320 * 2**20
+#: the most local ranks per CPU core: beyond it they queue for cores, and the times measure the scheduler
+MAX_RANKS_PER_CORE = 4
+#: the share of the memory available now that the local ranks may plan to use
+MEMORY_SHARE = 0.8
+
+
 class A2ARunError(MoetraceError):
     "A rank of the collective replay failed (the message carries its last error line)."
+
+
+def machine_capacity() -> tuple[int, int | None]:
+    """CPU cores this process may run on and the memory available now (``MemAvailable`` of
+    /proc/meminfo, bytes; None where there is no such file)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/proc/meminfo") as f:
+            lines = f.readlines()
+    except OSError:  # no /proc (macOS): memory unknown, only the cores are checked
+        return cpus, None
+    kb = [int(x.split()[1]) for x in lines if x.startswith("MemAvailable:")]
+    return cpus, kb[0] * 1024 if kb else None
+
+
+def local_capacity_problem(
+    world_size: int, *, num_cpus: int, mem_available_bytes: int | None, extra_bytes_per_rank: int = 0
+) -> str | None:
+    """Why ``world_size`` local ranks are more than this machine can run (one line), or None when they fit.
+
+    Pure: ``num_cpus`` cores (at most ``MAX_RANKS_PER_CORE`` ranks each), ``mem_available_bytes`` (None:
+    unknown, not checked), of which ``MEMORY_SHARE`` for ``RANK_RSS_BYTES + extra_bytes_per_rank`` per rank.
+    """
+    if world_size > MAX_RANKS_PER_CORE * num_cpus:
+        return (
+            f"{world_size} local ranks on {num_cpus} CPU core(s): at most {MAX_RANKS_PER_CORE} per core run "
+            "without queueing for cores (times then measure the scheduler)"
+        )
+    need = world_size * (RANK_RSS_BYTES + extra_bytes_per_rank)
+    if mem_available_bytes is not None and need > MEMORY_SHARE * mem_available_bytes:
+        return (
+            f"{world_size} local ranks need about {human_bytes(need)} of memory "
+            f"({human_bytes(RANK_RSS_BYTES + extra_bytes_per_rank)} each), {human_bytes(mem_available_bytes)} is "
+            "available"
+        )
+    return None
+
+
+def check_local_capacity(world_size: int, *, extra_bytes_per_rank: int = 0, force: bool = False) -> str | None:
+    """Refuse (``ConfigError``, one line) a local run of more ranks than this machine can run
+    (``local_capacity_problem`` on ``machine_capacity``); with ``force``, return that line as a
+    warning instead. None when they fit."""
+    cpus, mem = machine_capacity()
+    why = local_capacity_problem(
+        world_size, num_cpus=cpus, mem_available_bytes=mem, extra_bytes_per_rank=extra_bytes_per_rank
+    )
+    if why is None:
+        return None
+    if not force:
+        raise ConfigError(
+            f"{why}; run a smaller deployment, start the ranks on several machines with torchrun (--torchrun), "
+            "or pass --force to start them anyway"
+        )
+    return f"warning: {why}; starting them anyway (--force)"
+
+
+def plan_bytes_per_rank(plan: A2APlan) -> int:
+    """Memory each rank needs on top of ``RANK_RSS_BYTES``: its unpickled plan and its send, receive and
+    combine buffers (the most rows any rank sends or receives in one collective)."""
+    s = plan.sends_VBLWW
+    rows = 2 * int(s.sum(-1).max(initial=0)) + int(s.sum(-2).max(initial=0))
+    return int(s.nbytes + plan.sim_intra_VBL.nbytes + plan.sim_inter_VBL.nbytes) + rows * plan.bytes_per_token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,8 +390,13 @@ class Network:
 
 
 # ---- one rank ---------------------------------------------------------------------------------------
-def run_rank(rank: int, world_size: int, plan: A2APlan) -> list[dict[str, Any]] | None:
+def run_rank(
+    rank: int, world_size: int, plan: A2APlan, progress_path: str | None = None
+) -> list[dict[str, Any]] | None:
     """Replay ``plan`` as EP rank ``rank``; rank 0 returns every rank's record (others None).
+
+    ``progress_path``: rank 0 writes there the number of batches it has finished, after each one (the
+    parent of local ranks reads it for its progress bar).
 
     Initializes ``torch.distributed`` from ``env://`` unless a process group already exists (then
     uses and keeps it). A record: ``rank``, ``sent_VBL2W`` / ``recv_VBL2W`` (int64 bytes sent to /
@@ -340,7 +421,7 @@ def run_rank(rank: int, world_size: int, plan: A2APlan) -> list[dict[str, Any]] 
     if own:
         dist.init_process_group(plan.backend, init_method="env://", rank=rank, world_size=world_size)
     try:
-        rec = _replay(rank, plan, device)
+        rec = _replay(rank, plan, device, progress_path if rank == 0 else None)
         gathered: list[Any] | None = [None] * world_size if rank == 0 else None
         dist.gather_object(rec, gathered, dst=0)
         return gathered
@@ -349,7 +430,7 @@ def run_rank(rank: int, world_size: int, plan: A2APlan) -> list[dict[str, Any]] 
             dist.destroy_process_group()
 
 
-def _replay(rank: int, plan: A2APlan, device: Any) -> dict[str, Any]:
+def _replay(rank: int, plan: A2APlan, device: Any, progress_path: str | None = None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -422,6 +503,8 @@ def _replay(rank: int, plan: A2APlan, device: Any) -> dict[str, Any]:
                 where = f"{plan.strategies[v]} batch {b} layer {l}"
                 check(out, from_W, stamp_W, f"{where} dispatch")
                 check(back, to_W, stamp_W[rank].repeat(W), f"{where} combine")
+        if progress_path is not None:
+            Path(progress_path).write_text(str(b + 1))
     return {
         "rank": rank,
         "sent_VBL2W": sent,
@@ -494,11 +577,13 @@ def launch_local(
     *args: Any,
     nodes: netemu.EmulatedNodes | None = None,
     ranks_per_node: int = 1,
+    poll: Callable[[], None] | None = None,
 ) -> Any:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes on this machine (spawned,
     ``env://`` rendezvous on a free local port) and return rank 0's return value. With ``nodes``,
     rank ``r`` runs in emulated node ``r // ranks_per_node``'s namespace (gloo on its link, rendezvous
-    at node 0). A failing rank raises ``A2ARunError`` with its last error line."""
+    at node 0). ``poll()`` is called about twice a second while the ranks run (progress). A failing rank
+    raises ``A2ARunError`` with its last error line."""
     import torch.multiprocessing as mp
 
     netns_W: tuple[str, ...] = ()
@@ -512,9 +597,12 @@ def launch_local(
     with tempfile.TemporaryDirectory(prefix="moetrace-a2a-") as d, _environ(start_env):
         result = str(Path(d) / "rank0.pkl")
         try:
-            mp.spawn(
-                _spawned, args=(world_size, _free_port(), fn, args, result, netns_W, env), nprocs=world_size, join=True
+            ctx = mp.spawn(
+                _spawned, args=(world_size, _free_port(), fn, args, result, netns_W, env), nprocs=world_size, join=False
             )
+            while not ctx.join(timeout=0.5):
+                if poll is not None:
+                    poll()
         except mp.ProcessRaisedException as exc:
             lines = [x for x in str(exc).splitlines() if x.strip()]
             raise A2ARunError(f"a rank failed: {lines[-1].strip() if lines else exc}") from None
@@ -531,6 +619,7 @@ def run_a2a(
     emulate: bool | None = None,
     link: str = netemu.DEFAULT_LINK,
     log: Callable[[str], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[dict[str, Any]] | None, Network]:
     """Run the replay: in this process as one rank of a torchrun job (``torchrun``; the records on
     rank 0, None elsewhere), or as ``plan.world_size`` local processes. Returns ``(records, network)``.
@@ -540,6 +629,7 @@ def run_a2a(
     ``ConfigError`` when namespaces cannot be made here); False keeps every link loopback; None
     emulates when ``netemu.probe`` says it can (root, ``ip``/``tc`` working, ``MOETRACE_NO_NETNS``
     unset), else keeps loopback. ``log`` gets the one-line notes (not emulated, netem missing).
+    ``progress(batches_done, batches_total)``: local runs only, as rank 0 finishes each batch.
     """
     say = log or (lambda _msg: None)
     if torchrun:
@@ -550,6 +640,34 @@ def run_a2a(
             )
         return run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), plan), Network(mode="torchrun")
     spec = netemu.parse_link(link)
+    with tempfile.TemporaryDirectory(prefix="moetrace-a2a-progress-") as d:
+        return _run_local(plan, spec, emulate, say, _BatchProgress(Path(d) / "batches", plan, progress))
+
+
+class _BatchProgress:
+    """The file rank 0 writes its finished batches to, and ``poll()`` passing them on to ``progress``."""
+
+    def __init__(self, path: Path, plan: A2APlan, progress: Callable[[int, int], None] | None) -> None:
+        self.path, self.total, self.progress, self.done = path, int(plan.sends_VBLWW.shape[1]), progress, -1
+
+    def poll(self) -> None:
+        if self.progress is None:
+            return
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:  # rank 0 has not finished a batch yet
+            text = "0"
+        done = int(text) if text.strip().isdigit() else self.done  # a write caught half-way: next poll
+        if done != self.done:
+            self.done = done
+            self.progress(done, self.total)
+
+
+def _run_local(
+    plan: A2APlan, spec: netemu.Link, emulate: bool | None, say: Callable[[str], None], bar: _BatchProgress
+) -> tuple[list[dict[str, Any]] | None, Network]:
+    """``run_a2a`` for local ranks (``plan.world_size`` processes on this machine)."""
+    args = (plan, str(bar.path))
     G = plan.world_size // plan.ranks_per_node
     if plan.backend != "gloo" and emulate:
         raise ConfigError(
@@ -565,7 +683,7 @@ def run_a2a(
         )
         if note:
             say(note)
-        return launch_local(plan.world_size, run_rank, plan), Network(mode="loopback", note=note)
+        return launch_local(plan.world_size, run_rank, *args, poll=bar.poll), Network(mode="loopback", note=note)
 
     if plan.backend != "gloo":
         return unshaped("NCCL", "this machine's GPU links")
@@ -585,7 +703,9 @@ def run_a2a(
     with netemu.emulated_nodes(G, spec) as nodes:
         for n in nodes.notes:
             say(f"note: {n}")
-        records = launch_local(plan.world_size, run_rank, plan, nodes=nodes, ranks_per_node=plan.ranks_per_node)
+        records = launch_local(
+            plan.world_size, run_rank, *args, nodes=nodes, ranks_per_node=plan.ranks_per_node, poll=bar.poll
+        )
         counted = nodes.link_bytes()
     return records, Network(
         mode="emulated",

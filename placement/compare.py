@@ -67,6 +67,9 @@ __all__ = [
 #: what share of it each strategy reaches
 MIN_ORACLE_GAIN = 0.02
 
+#: fewer held-out requests than this and compare warns: its steps draw again and again from the same few
+MIN_HELD_OUT_REQUESTS = 20
+
 Stage = Literal["decode", "prefill"]
 
 #: the most tokens one comparison simulates (batches x requests per batch), so a typo cannot ask for terabytes
@@ -652,7 +655,13 @@ def run_compare(
 
     placed = place_strategies(data, cfg, todo, on_placed=step)
     data = with_held_out_tokens(data)  # after placing: the tokens and the clustering never share memory
+    skipped: dict[str, str] = {}  # bound -> why it has no row (compare.json `skipped`, printed as a note)
     if bounds and "prefill" not in data.stages:  # the bounds start from the joint placement, which needs prefill
+        why = (
+            "the trace recorded decode routing only; the bounds start from the joint placement, whose router "
+            "needs prefill routing"
+        )
+        skipped.update(dict.fromkeys(bounds, why))
         bounds, steps = [], steps - 2 * len(bounds)
     candidates = bound_placements(data, cfg, placed, on_placed=step) if bounds else {}
 
@@ -736,6 +745,11 @@ def run_compare(
         floor = expert_copy_floor(
             data.decode_RLE, rows=np.flatnonzero(data.is_test_R), num_groups=G, num_slots=m.num_experts
         )
+    elif cfg.oracle:
+        skipped["floor"] = (
+            f"proven for --dedup expert without redundant slots only (this run: --dedup {cfg.dedup}, "
+            f"--redundancy {cfg.num_redundant})"
+        )
     manifest = CompareManifest(
         strategies=tuple(strategies),
         num_clusters=cfg.num_clusters,
@@ -778,6 +792,7 @@ def run_compare(
         prefill_tokens_per_node=cfg.prefill_tokens_per_node,
         num_prefill_batches=cfg.num_prefill_batches if prefill else 0,
         expert=None if expert is None else expert.to_json(),
+        skipped=skipped,
     )
     return CompareResult(config=cfg, manifest=manifest, metrics=metrics, placed=placed, prefill_metrics=prefill)
 

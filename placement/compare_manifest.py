@@ -13,7 +13,7 @@ the run itself (``compare.run_compare``); file names, formats, versions (``moetr
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ LATER_KEYS: dict[str, Any] = {
     "num_prefill_batches": 0,
     "links": None,
     "expert": None,
+    "skipped": {},  # bounds left out and why (issue #26); older files did not say
 }
 
 
@@ -102,6 +103,7 @@ class CompareManifest:
     grouping: dict[str, GroupingRecord]  # grouped strategy -> its clustering and router
     num_prefill_batches: int = 0  # prefill steps simulated (0: none, e.g. a decode-only trace)
     expert: dict[str, Any] | None = None  # the cost model's expert (cost.ExpertCompute.to_json); None: size unknown
+    skipped: dict[str, str] = field(default_factory=dict)  # bound (or "floor") -> why it has no row in this run
 
     def to_json(self) -> dict[str, Any]:
         """compare.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
@@ -110,6 +112,8 @@ class CompareManifest:
             v = getattr(self, f.name)
             if f.name == "expert_copy_floor" and v is None:
                 continue  # not proven: the key is left out
+            if f.name == "skipped" and not v:
+                continue  # nothing skipped: the key is left out (LATER_KEYS reads it back as {})
             if self.links is None and f.name in _COST_KEYS:
                 continue  # a file written before the cost model: written back as it was
             if isinstance(v, tuple):
@@ -164,6 +168,7 @@ class CompareManifest:
             num_prefill_batches=r.count("num_prefill_batches"),
             links=r.get("links", dict, optional=True),
             expert=r.get("expert", dict, optional=True),
+            skipped={str(k): str(v) for k, v in r.get("skipped", dict).items()},
         )
 
     @property

@@ -108,9 +108,17 @@ class Deployment:
         return gpus // self.num_ep_tp
 
     def check_slots(self, *, num_experts: int, num_redundant: int) -> int:
-        """Return P = E + R physical slots per layer, or raise if they cannot divide over the ranks."""
+        """Return P = E + R physical slots per layer, or raise ``ConfigError`` if R is negative, R >= E
+        (every expert copied again: nothing left to place, and linear's volume may be 0), or E + R slots
+        cannot divide over the ranks. Needs no trace data: commands call it before reading one."""
         if num_redundant < 0:
             raise ConfigError(f"redundancy must be >= 0, got {num_redundant}")
+        if num_redundant >= num_experts:
+            raise ConfigError(
+                f"--redundancy {num_redundant}: a redundant slot holds one more copy of one of the {num_experts} "
+                f"experts; {num_redundant} >= E copies every expert at least once more, and compare normalizes by "
+                f"linear's inter-node volume, which can then be 0; use fewer than {num_experts}"
+            )
         P = num_experts + num_redundant
         if P % self.num_ep:
             hint = (-num_experts) % self.num_ep

@@ -5,7 +5,9 @@ each stage and the links) and one aligned row per strategy: predicted all-to-all
 per step first, then inter-node bytes, router match rate, node load (held-out requests routed to the
 busiest node over an even share) and GPU load.
 ``compare_notes``: one line per strategy whose micro-batches had to draw from all test requests
-because no held-out request was routed to some of its groups.
+because no held-out request was routed to some of its groups; a caution when the traced model had
+seeded random weights (a ``-tiny`` preset, the dashboard's banner); a warning below
+``MIN_HELD_OUT_REQUESTS`` held-out requests; one line per bound left out, with its reason.
 ``format_placement_summary``: the one line ``place`` prints.
 
 Out of scope: computing anything (``compare``); colours and streams (the CLI decides where notes go).
@@ -13,12 +15,18 @@ Out of scope: computing anything (``compare``); colours and streams (the CLI dec
 
 from __future__ import annotations
 
-from moetrace.placement.compare import CompareResult, PlacedStrategy
+from moetrace.placement.compare import MIN_HELD_OUT_REQUESTS, CompareResult, PlacedStrategy
 from moetrace.placement.compare_manifest import CompareManifest
 from moetrace.placement.strategies import get_strategy
 from moetrace.sizes import human_bytes
 
-__all__ = ["format_compare_summary", "compare_notes", "format_placement_summary"]
+__all__ = ["format_compare_summary", "compare_notes", "format_placement_summary", "RANDOM_WEIGHTS_CAUTION"]
+
+#: printed by compare when the traced model had seeded random weights (the dashboard shows the same banner)
+RANDOM_WEIGHTS_CAUTION = (
+    "caution: {model} has seeded random weights ({source}): its routing says nothing about a real model, "
+    "so neither do these savings; trace a real checkpoint to rank placements"
+)
 
 
 _COPIES = {
@@ -112,15 +120,27 @@ def format_compare_summary(result: CompareResult) -> str:
 
 
 def compare_notes(result: CompareResult) -> list[str]:
-    """``note: ...`` lines: groups that no held-out request was routed to; strategies that split a
-    group-limited router's expert groups over nodes when copies are counted per node (empty when none)."""
-    notes = [
+    """``caution:``, ``warning:`` and ``note: ...`` lines (empty when none): a model with seeded random
+    weights (model source ``moetrace:<preset>-tiny``); fewer than ``MIN_HELD_OUT_REQUESTS`` held-out
+    requests; each bound the run left out (``manifest.skipped``) and why; groups that no held-out
+    request was routed to; strategies that split a group-limited router's expert groups over nodes
+    when copies are counted per node."""
+    m, c = result.model, result.manifest
+    notes: list[str] = []
+    if m.source.startswith("moetrace:"):
+        notes.append(RANDOM_WEIGHTS_CAUTION.format(model=m.name, source=m.source))
+    if c.num_test_requests < MIN_HELD_OUT_REQUESTS:
+        notes.append(
+            f"warning: {c.num_test_requests} held-out request(s) (fewer than {MIN_HELD_OUT_REQUESTS}): every step "
+            "draws from the same few, so the figures are noise; trace more requests or raise --test-fraction"
+        )
+    notes += [f"note: no {b} row: {why}" for b, why in c.skipped.items()]
+    notes += [
         f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
         "to them; those nodes idled in every step (more requests or fewer clusters avoid this)"
         for r in result.summary_rows()
         if r["groups_without_routed_requests"]
     ]
-    m, c = result.model, result.manifest
     splitters = [s for s in c.strategies if not get_strategy(s).keeps_groups(num_redundant=c.num_redundant)]
     per_node = c.dedup == "node" or (c.dedup == "rank" and c.ranks_per_node == 1)  # one GPU a node
     if m.group_limited and per_node and splitters:

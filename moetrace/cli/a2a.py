@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import AllowIncomplete, Overwrite, Seed, TraceArg, friendly_errors
+from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, Seed, TraceArg, friendly_errors, progress_bar
 from moetrace.cli.place import (
     BatchRequests,
     Clusters,
@@ -21,6 +21,7 @@ from moetrace.cli.place import (
     Redundancy,
     ReplicaPolicyOpt,
     TestFraction,
+    check_before_reading,
 )
 from moetrace.errors import ConfigError
 from moetrace.placement.netemu import DEFAULT_LINK, parse_link
@@ -88,6 +89,13 @@ def a2a_cmd(
     seed: Seed = 0,
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Start more local ranks than this machine's cores and memory can run (refused otherwise)."
+        ),
+    ] = False,
+    quiet: Quiet = False,
 ) -> None:
     """Send the traced tokens' all-to-all through real torch.distributed collectives; compare bytes with the simulator.
 
@@ -123,6 +131,10 @@ def a2a_cmd(
         replica_policy=replica_policy,
         seed=seed,
     )
+    local = not torchrun and not smoke  # this process starts the ranks
+    if local and (warning := ar.check_local_capacity(cfg.deployment.num_ep, force=force)):
+        typer.secho(warning, fg=typer.colors.YELLOW, err=True)
+    check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
     resolved, note = ar.choose_backend(backend, world_size=cfg.deployment.num_ep, torchrun=torchrun, smoke=smoke)
     if note:
         typer.echo(note, err=True)
@@ -132,7 +144,10 @@ def a2a_cmd(
             "(the EP all-to-all, as the simulator counts it; not the tensor-parallel traffic inside an EP rank)",
             err=True,
         )
-    data = load_trace_data(trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete)
+    with progress_bar("counting", "tokens", quiet=quiet or not lead) as bar:
+        data = load_trace_data(
+            trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete, progress=bar
+        )
     placed = None
     if placement:
         placed = {}
@@ -143,9 +158,17 @@ def a2a_cmd(
     if smoke:
         typer.echo(ar.format_smoke(plan, ar.run_smoke(plan)))
         return
-    records, network = ar.run_a2a(
-        plan, torchrun=torchrun, emulate=emulate_nodes, link=link, log=lambda msg: typer.echo(msg, err=True)
-    )
+    if local and not force:  # again with the plan each rank holds (send matrices, buffers)
+        ar.check_local_capacity(plan.world_size, extra_bytes_per_rank=ar.plan_bytes_per_rank(plan))
+    with progress_bar("replaying", "batches", quiet=quiet) as bar:
+        records, network = ar.run_a2a(
+            plan,
+            torchrun=torchrun,
+            emulate=emulate_nodes,
+            link=link,
+            log=lambda msg: typer.echo(msg, err=True),
+            progress=bar,
+        )
     if records is None:  # a torchrun rank other than 0: rank 0 reports
         return
     assert out is not None  # required without --smoke (checked above)

@@ -10,7 +10,17 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import ModelOpt, OutDir, Overwrite, Quiet, Seed, friendly_errors, request_progress
+from moetrace.cli.common import (
+    ModelOpt,
+    OutDir,
+    Overwrite,
+    Quiet,
+    Seed,
+    friendly_errors,
+    request_progress,
+    show_progress,
+    third_party_bars,
+)
 from moetrace.tracer.backends.registry import AUTO, BACKENDS, backend_choices
 
 _BACKEND_CHOICES = backend_choices()
@@ -118,7 +128,7 @@ def collect_cmd(
         gpu_memory_utilization=gpu_memory_utilization,
         enforce_eager=enforce_eager,
     )
-    with request_progress("collect", quiet=quiet) as bar:
+    with third_party_bars(show_progress(quiet)), request_progress("collect", quiet=quiet) as bar:
         result = run_collection(
             config,
             out=out,

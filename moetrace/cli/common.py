@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -167,6 +168,39 @@ def progress_bar(label: str, unit: str, *, quiet: bool = False) -> Iterator[Prog
         yield bar
     finally:
         bar.stop()
+
+
+#: what silences other libraries' tqdm bars: huggingface_hub's (and transformers', which follows it), and
+#: tqdm's own default (read when tqdm is imported: engine subprocesses, Ray workers)
+_QUIET_BARS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+
+
+@contextlib.contextmanager
+def third_party_bars(enabled: bool) -> Iterator[None]:
+    """Leave third-party progress bars (transformers, huggingface_hub, tqdm in engine processes) as they
+    are when ``enabled``; else silence them for the block: the environment variables they read (so
+    processes started in it inherit them) and, for libraries this process already imported, their
+    switches. Everything is restored on leaving. Pass ``show_progress(quiet)``: silent under ``--quiet``
+    and when stderr is not a terminal, as moetrace's own bars."""
+    if enabled:
+        yield
+        return
+    before = {k: os.environ.get(k) for k in _QUIET_BARS_ENV}
+    os.environ.update(_QUIET_BARS_ENV)
+    hub = sys.modules.get("huggingface_hub.utils")
+    hub_was_on = hub is not None and not hub.are_progress_bars_disabled()
+    if hub_was_on:
+        hub.disable_progress_bars()
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if hub_was_on:
+            hub.enable_progress_bars()
 
 
 def log_lines(quiet: bool = False) -> Callable[[str], None]:

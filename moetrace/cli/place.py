@@ -7,12 +7,15 @@ printed text from ``moetrace.placement.report``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
 from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, Seed, TraceArg, friendly_errors, progress_bar
 from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
+
+if TYPE_CHECKING:
+    from moetrace.placement.compare import CompareConfig
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
 GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (NVLink domain).")]
@@ -65,11 +68,20 @@ def register(app: typer.Typer) -> None:
     app.command("export")(export_cmd)
 
 
-def _cfg(config: str, gpus_per_node: int, **kw):
+def _cfg(config: str, gpus_per_node: int, **kw: Any) -> CompareConfig:
     from moetrace.placement.compare import CompareConfig
     from moetrace.placement.deployment import parse_deployment
 
     return CompareConfig(deployment=parse_deployment(config, num_gpus_per_node=gpus_per_node), **kw)
+
+
+def check_before_reading(trace: Path, cfg: CompareConfig, *, allow_incomplete: bool) -> None:
+    """The checks that need no trace data, run before the counting pass (which takes minutes at scale):
+    the trace's manifest (its model's E) against ``--redundancy`` and the deployment's EP ranks."""
+    from moetrace.tracer.trace.reader import open_trace
+
+    model = open_trace(trace, require_complete=not allow_incomplete).model  # the manifest only
+    cfg.deployment.check_slots(num_experts=model.num_experts, num_redundant=cfg.num_redundant)
 
 
 @friendly_errors
@@ -107,6 +119,7 @@ def place_cmd(
         test_fraction=test_fraction,
         seed=seed,
     )
+    check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
     with progress_bar("counting", "tokens", quiet=quiet) as bar:
         data = load_trace_data(
             trace,
@@ -181,6 +194,7 @@ def compare_cmd(
         oracle=oracle,
         seed=seed,
     )
+    check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
     with progress_bar("counting", "tokens", quiet=quiet) as bar:
         data = load_trace_data(
             trace,

@@ -27,9 +27,10 @@ the trace, resume and progress bars (``collect``), vLLM (``vllm``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -162,8 +163,9 @@ def load_model(
                 f"{name} has {n / 1e9:.0f}B parameters: too large to run on a CPU. Use the same routing topology "
                 f"at CPU size with --model {tiny}, or collect on GPUs (--backend vllm, or --device cuda)."
             )
-    model = transformers.AutoModelForCausalLM.from_pretrained(resolved.source, dtype=dtype).to(device)
-    tok = transformers.AutoTokenizer.from_pretrained(resolved.source)
+    with _progress_bars_as_environment(transformers):
+        model = transformers.AutoModelForCausalLM.from_pretrained(resolved.source, dtype=dtype).to(device)
+        tok = transformers.AutoTokenizer.from_pretrained(resolved.source)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -171,6 +173,23 @@ def load_model(
 
 
 # -------------------------------------------------------------------------------------- routers
+@contextlib.contextmanager
+def _progress_bars_as_environment(transformers: Any) -> Iterator[None]:
+    """transformers' tqdm bars (weights loading) off for the block when ``HF_HUB_DISABLE_PROGRESS_BARS``
+    is set (``collect -q``, or stderr not a terminal), however early huggingface_hub read that variable;
+    its switch restored after."""
+    log = transformers.utils.logging
+    asked = os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "").upper() in {"1", "ON", "YES", "TRUE"}
+    turn_off = asked and log.is_progress_bar_enabled()
+    if turn_off:
+        log.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if turn_off:
+            log.enable_progress_bar()
+
+
 def count_parameters(cfg) -> int:
     """Parameters of the model a config describes (built on the meta device: no memory, no download)."""
     torch = require("torch", purpose="the HF transformers backend")
