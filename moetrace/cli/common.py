@@ -188,8 +188,9 @@ def third_party_bars(enabled: bool) -> Iterator[None]:
     before = {k: os.environ.get(k) for k in _QUIET_BARS_ENV}
     os.environ.update(_QUIET_BARS_ENV)
     hub = sys.modules.get("huggingface_hub.utils")
-    hub_was_on = hub is not None and not hub.are_progress_bars_disabled()
-    if hub_was_on:
+    if hub is not None and hub.are_progress_bars_disabled():
+        hub = None  # already off: nothing to turn back on
+    if hub is not None:
         hub.disable_progress_bars()
     try:
         yield
@@ -199,7 +200,7 @@ def third_party_bars(enabled: bool) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        if hub_was_on:
+        if hub is not None:
             hub.enable_progress_bars()
 
 
