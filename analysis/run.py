@@ -136,6 +136,11 @@ def analyze(
         summary["num_requests"] = counts.num_requests
         summary["datasets"] = counts.datasets()
         empty = counts.empty_layers()
+        if all(len(ls) == len(counts.layers) for ls in empty.values()):
+            raise ConfigError(
+                f"no recorded routing at the analysed MoE layers {list(counts.layers)} (every id there is -1); "
+                f"`moetrace info {trace_path}` lists the layers that hold routing; pass those to --layers"
+            )
         summary["layers"] = {"num_layers": len(counts.layers), "empty": empty}
         for stage, ls in empty.items():
             if ls:

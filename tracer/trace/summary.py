@@ -77,7 +77,8 @@ def trace_summary(path: str | os.PathLike, *, allow_incomplete: bool = False) ->
     rec = recorded_tokens(t) if t.part_names() else None
     layers = ""
     if rec is not None and not rec.recorded_layers_L.all():
-        layers = f"; routing recorded at {int(rec.recorded_layers_L.sum())} of them"
+        on = np.flatnonzero(rec.recorded_layers_L).tolist()
+        layers = f"; routing recorded at {len(on)} of them (MoE-layer ordinals {on})" if on else "; no routing recorded"
     lines = [
         f"trace      {t.path}  ({'complete' if t.complete else 'INCOMPLETE'})",
         f"model      {m.name}  [{m.architecture}]  source {m.source}",
