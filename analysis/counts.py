@@ -88,7 +88,7 @@ class RequestCounts:
         A partial capture (one layer of 24 recorded) leaves the others empty; their statistics are
         NaN (null for ids) and every mean over layers leaves them out.
         """
-        routed_SL = self.counts_RSLE.any(axis=(0, 3))
+        routed_SL = np.asarray(self.counts_RSLE.any(axis=(0, 3)), dtype=bool)
         return {s: [self.layers[l] for l in np.flatnonzero(~routed_SL[i])] for i, s in enumerate(self.stages)}
 
 

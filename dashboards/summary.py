@@ -42,6 +42,12 @@ def _x(v: float) -> str:
     return f"{v:.2f}×"
 
 
+def _mean_x(if_N: pl.Series) -> str:
+    """The mean of the defined (non-NaN) IFs as ``1.34×``; ``no recorded routing`` when none is."""
+    v = if_N.fill_nan(None).mean()
+    return "no recorded routing" if v is None else _x(float(v))  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
+
+
 def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> Headline | None:
     """Mean IF over layers of the whole trace, from ``imbalance.parquet`` (None when absent or it has no ``all`` rows)."""
     imb = res.table(rf.IMBALANCE)
@@ -58,10 +64,7 @@ def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
         return None
     mean = float(sub["imbalance_factor"].mean())  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
     worst = sub.sort("imbalance_factor", descending=True).row(0, named=True)
-    facts = [
-        f"{s} {_x(float(pooled.filter(pl.col('stage') == s)['imbalance_factor'].fill_nan(None).mean()))}"
-        for s in stages[1:]
-    ]  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
+    facts = [f"{s} {_mean_x(pooled.filter(pl.col('stage') == s)['imbalance_factor'])}" for s in stages[1:]]
     facts.append(f"worst layer {worst['model_layer']}: {_x(worst['imbalance_factor'])}")
     bt = res.table(rf.BATCH_IMBALANCE)
     if bt is not None:

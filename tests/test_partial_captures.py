@@ -182,3 +182,19 @@ def test_cli_analyze_of_layers_without_routing_is_one_clean_message(one_layer, t
     assert res.exit_code != 0
     assert "no recorded routing at the analysed MoE layers [0, 1]" in res.output
     assert "moetrace info" in res.output and "Traceback" not in res.output
+
+
+def test_dashboard_headline_and_notes_of_a_partial_capture(one_layer_results):
+    from moetrace.dashboards.inputs import detect
+    from moetrace.dashboards.results import Results
+    from moetrace.dashboards.summary import analysis_skipped_notes, imbalance_headline
+
+    summary, out = one_layer_results
+    res = Results.from_input(detect(out))
+    h = imbalance_headline(res)
+    assert h is not None
+    assert h.value == f"{summary['imbalance']['mean_if']['all']['prefill']:.2f}×"  # prefill first
+    assert "mean over 1 MoE layers (3 of 4 without recorded routing)" in h.label
+    assert "nan" not in h.detail.lower() and f"worst layer {RECORDED}:" in h.detail
+    notes = analysis_skipped_notes(res)
+    assert len(notes) == 1 and notes[0].startswith("cross_layer_affinity (") and "two consecutive" in notes[0]
