@@ -40,6 +40,7 @@ import polars as pl
 
 from moetrace import results as rf
 from moetrace.errors import ConfigError
+from moetrace.stats import mean_skip_nan
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL, STAGES, stages_of
 
@@ -451,8 +452,9 @@ def _run_affinity(trace, config: AnalyzeConfig, write) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------- helpers
 def _mean(s: pl.Series) -> float | None:
-    v = s.fill_nan(None).mean()
-    return None if v is None else float(v)  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
+    """Mean of the defined values (NaN and null left out); None when there is none."""
+    v, _ = mean_skip_nan(s.cast(pl.Float64).to_numpy())
+    return None if np.isnan(v) else v
 
 
 def _nested(df: pl.DataFrame, col: str) -> dict[str, dict[str, float | None]]:

@@ -29,12 +29,14 @@ one number each), the card's HTML (``page``).
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
 import moetrace.results as rf
 from moetrace.dashboards.page import Headline
 from moetrace.dashboards.results import Results
 from moetrace.dashboards.section_imbalance import _stages
+from moetrace.stats import mean_skip_nan
 
 
 def _x(v: float) -> str:
@@ -44,8 +46,8 @@ def _x(v: float) -> str:
 
 def _mean_x(if_N: pl.Series) -> str:
     """The mean of the defined (non-NaN) IFs as ``1.34×``; ``no recorded routing`` when none is."""
-    v = if_N.fill_nan(None).mean()
-    return "no recorded routing" if v is None else _x(float(v))  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
+    v, _ = mean_skip_nan(if_N.to_numpy())
+    return "no recorded routing" if np.isnan(v) else _x(v)
 
 
 def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> Headline | None:
