@@ -82,6 +82,15 @@ class RequestCounts:
         """Dataset labels present, sorted."""
         return sorted(set(self.dataset_R.tolist()))
 
+    def empty_layers(self) -> dict[str, list[int]]:
+        """Per counted stage, the MoE-layer ordinals (of ``layers``) where no request has a recorded id.
+
+        A partial capture (one layer of 24 recorded) leaves the others empty; their statistics are
+        NaN (null for ids) and every mean over layers leaves them out.
+        """
+        routed_SL = np.asarray(self.counts_RSLE.any(axis=(0, 3)), dtype=bool)
+        return {s: [self.layers[l] for l in np.flatnonzero(~routed_SL[i])] for i, s in enumerate(self.stages)}
+
 
 # ---------------------------------------------------------------------------------- the kernel
 _KERNELS: dict[str, Callable] = {}

@@ -5,7 +5,8 @@ Definitions, for one layer in a scope (a dataset × stage, or a batch of request
             computed as sum_e counts_e / k (each routed token picks k distinct experts)
     load_e  = counts_e / (T * k / E) = counts_e * E / sum_e counts_e     (1 = exactly balanced)
     IF      = max_e load_e                                              (1 = perfectly balanced)
-A scope with no routed token has load and IF NaN. Both are computed by ``moetrace.stats``
+A scope with no routed token (e.g. a MoE layer a partial capture did not record) has load and IF
+NaN and no hottest expert (null, never expert 0). Both are computed by ``moetrace.stats``
 (``expert_load``, ``imbalance_factor``), the one definition the synth calibration uses too.
 
 Shape legend (docs/architecture.md): R requests, S stages (prefill, decode), L MoE layers, E logical experts per layer,
@@ -36,12 +37,14 @@ def imbalance_table(counts: RequestCounts) -> pl.DataFrame:
     """IF per dataset × stage × layer (dataset ``"all"`` = the whole trace).
 
     Columns: dataset str, stage str, layer int (MoE-layer ordinal), model_layer int, tokens int
-    (routed tokens T), imbalance_factor float, hottest_expert int (argmax load).
+    (routed tokens T), imbalance_factor float (NaN: no routed token), hottest_expert int (argmax
+    load; null where no token was routed).
     """
     labels, c_DSLE = scope_counts(counts)
     if_DSL = imbalance_factor(c_DSLE)
     tokens_DSL = c_DSLE.sum(-1) // counts.top_k
     hot_DSL = c_DSLE.argmax(-1)
+    routed_DSL = c_DSLE.any(-1)
     D, S, L = if_DSL.shape
     d, s, l = (a.ravel() for a in np.meshgrid(np.arange(D), np.arange(S), np.arange(L), indexing="ij"))
     return pl.DataFrame(
@@ -52,7 +55,7 @@ def imbalance_table(counts: RequestCounts) -> pl.DataFrame:
             "model_layer": np.asarray(counts.model_layers)[l],
             "tokens": tokens_DSL.ravel(),
             "imbalance_factor": if_DSL.ravel(),
-            "hottest_expert": hot_DSL.ravel(),
+            "hottest_expert": pl.Series(hot_DSL.ravel(), dtype=pl.Int64).scatter(np.flatnonzero(~routed_DSL), None),
         }
     )
 

@@ -5,7 +5,15 @@ name and the version come from ``moetrace.results`` (``ANALYSIS``), and every fi
 (JSON keys, Parquet schema metadata). ``manifest.json`` records what was computed, from which trace
 (path and the trace manifest's model/backend/collection and recorded stages), when, with which
 moetrace version and parameters, and under ``skipped`` each analysis (or part) that did not run with
-its one-line reason; ``summary.json`` holds the headline numbers.
+its one-line reason; ``summary.json`` holds the headline numbers (and the same ``skipped``).
+
+Partial captures (a public capture of one MoE layer of 24; only some layers recorded): a layer
+where no request has a recorded id in a stage is *empty* (``RequestCounts.empty_layers``, listed
+in ``summary.json`` ``layers.empty``); its per-layer numbers are NaN (null for ids), every mean over
+layers leaves it out and the printed table says how many it left out; classification runs on the
+layers with prefill routing; an analysis that cannot run at all (an embedding with fewer than 5
+requests with routing, cross-layer affinity without two consecutive recorded layers) is recorded
+under ``skipped`` with its reason.
 
 Single-stage traces (an imported capture of generated tokens only, ``collection.stages``, read by
 ``schema.stages_of``): only the recorded stage is counted; what needs both stages (prefill↔decode
@@ -32,6 +40,7 @@ import polars as pl
 
 from moetrace import results as rf
 from moetrace.errors import ConfigError
+from moetrace.stats import mean_skip_nan
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL, STAGES, stages_of
 
@@ -127,6 +136,18 @@ def analyze(
         timings["counts"] = time.perf_counter() - t0
         summary["num_requests"] = counts.num_requests
         summary["datasets"] = counts.datasets()
+        empty = counts.empty_layers()
+        if all(len(ls) == len(counts.layers) for ls in empty.values()):
+            raise ConfigError(
+                f"no recorded routing at the analysed MoE layers {list(counts.layers)} (every id there is -1); "
+                f"`moetrace info {trace_path}` lists the layers that hold routing; pass those to --layers"
+            )
+        summary["layers"] = {"num_layers": len(counts.layers), "empty": empty}
+        for stage, ls in empty.items():
+            if ls:
+                say(
+                    f"{stage}: {len(ls)} of {len(counts.layers)} MoE layers have no recorded routing (left out of means)"
+                )
 
     if "counts" in config.only:
         t0 = time.perf_counter()
@@ -169,6 +190,7 @@ def analyze(
                 skipped[part] = why
                 say(f"{part}: skipped ({why})")
 
+    summary["skipped"] = skipped
     summary["seconds"] = round(time.perf_counter() - t_start, 3)
     rf.write_result_json(out, rf.ANALYSIS, rf.ANALYSIS_SUMMARY, _jsonable(summary))
     files[rf.ANALYSIS_SUMMARY] = "headline numbers"
@@ -206,12 +228,14 @@ def missing_stage_reason(stages: tuple[str, ...], *, needs: tuple[str, ...]) -> 
 
 
 def _skips(name: str, result: Any) -> list[tuple[str, str]]:
-    """``(part, reason)`` of what the step ``name`` skipped, from its summary entry."""
+    """``(part, reason)`` of what the step ``name`` skipped, from its summary entry: ``skipped`` (the
+    whole step), ``prefill_decode_skipped`` (correlation) and ``skipped_parts`` (``{part: reason}``)."""
     if not isinstance(result, dict):
         return []
     out = [(name, result["skipped"])] if "skipped" in result else []
     if "prefill_decode_skipped" in result:
         out.append(("prefill_decode", result["prefill_decode_skipped"]))
+    out.extend(result.get("skipped_parts", {}).items())
     return out
 
 
@@ -221,8 +245,10 @@ def _run_imbalance(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     imb = imbalance_table(counts)
     write(rf.IMBALANCE, imb, "imbalance factor per dataset, stage, layer")
     write(rf.EXPERT_LOAD, expert_load_table(counts), "expert load per dataset, stage, layer, expert")
-    out: dict[str, Any] = {
-        "mean_if": _nested(imb.group_by("dataset", "stage").agg(pl.col("imbalance_factor").mean()), "imbalance_factor")
+    out: dict[str, Any] = {  # NaN (layers without routing in the scope) left out of the mean
+        "mean_if": _nested(
+            imb.group_by("dataset", "stage").agg(pl.col("imbalance_factor").fill_nan(None).mean()), "imbalance_factor"
+        )
     }
     batch_size = min(config.batch_size, counts.num_requests)
     if batch_size != config.batch_size:
@@ -233,9 +259,15 @@ def _run_imbalance(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     out["batch_if"] = _nested(
         bt.filter(pl.col("dataset") == "all")
         .group_by("dataset", "stage")
-        .agg(pl.col("imbalance_factor").median().alias("median")),
+        .agg(pl.col("imbalance_factor").fill_nan(None).median().alias("median")),
         "median",
     )
+    small = [d for d in counts.datasets() if int((counts.dataset_R == d).sum()) < batch_size]
+    if small:
+        out["skipped_parts"] = {
+            "batch_imbalance_per_dataset": f"datasets {small} have fewer than {batch_size} requests, so no "
+            f"single-dataset batch of {batch_size}; their requests are in the mixed batches (dataset 'all')"
+        }
     return out
 
 
@@ -266,7 +298,7 @@ def _run_correlation(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
         out["prefill_decode_pooled"] = _mean(ds["pearson"])
         out["prefill_decode_pooled_by_dataset"] = {
             r["dataset"]: r["pearson"]
-            for r in ds.group_by("dataset").agg(pl.col("pearson").mean()).iter_rows(named=True)
+            for r in ds.group_by("dataset").agg(pl.col("pearson").fill_nan(None).mean()).iter_rows(named=True)
         }
         out["prefill_decode_per_request"] = _mean(pr_layers.filter(pl.col("dataset") == "all")["pearson_mean"])
         allrec = rec.filter(pl.col("dataset") == "all")
@@ -291,14 +323,19 @@ def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
         return {
             "skipped": f"the smallest dataset has {smallest} requests; an 80:20 split needs at least 3 each; trace more requests of it"
         }
+    empty = set(counts.empty_layers()[STAGE_PREFILL])
+    keep = [i for i, layer in enumerate(counts.layers) if layer not in empty]  # an empty layer has nothing to learn
+    if not keep:
+        return {"skipped": "no analysed MoE layer has recorded prefill routing"}
+    prefill_RLE = counts.stage("prefill")
     res = classify_layers(
-        counts.stage("prefill"),
+        prefill_RLE if len(keep) == len(counts.layers) else prefill_RLE[:, keep],
         counts.dataset_R,
-        layers=counts.layers,
+        layers=tuple(counts.layers[i] for i in keep),
         seed=config.seed,
         max_requests_per_dataset=config.classify_max_requests_per_dataset,
     )
-    acc, conf = classify_tables(res, model_layers=counts.model_layers)
+    acc, conf = classify_tables(res, model_layers=tuple(counts.model_layers[i] for i in keep))
     write(rf.CLASSIFY_ACCURACY, acc, "test accuracy per layer, shuffled-label control, chance")
     write(rf.CLASSIFY_CONFUSION, conf, "confusion matrix per layer (test split)")
     return {
@@ -308,6 +345,8 @@ def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
         "mean_shuffled_accuracy": res.mean_shuffled_accuracy,
         "num_train": res.num_train,
         "num_test": res.num_test,
+        "num_layers": len(keep),  # layers classified (those with recorded prefill routing)
+        "num_empty_layers": len(empty),  # analysed layers left out: no recorded prefill routing
     }
 
 
@@ -332,6 +371,7 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     layer_pos = None if config.embedding_layer is None else counts.layers.index(config.embedding_layer)
     layer_name = -1 if layer_pos is None else config.embedding_layer
     frames, scores = [], []
+    why: dict[str, str] = {}  # stage -> reason its embedding was skipped
     for stage in counts.stages:
         feats = request_features(counts.stage(stage), layer=layer_pos)
         has = np.flatnonzero(np.abs(feats).sum(1) > 0)
@@ -339,6 +379,11 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
             stratified_subsample(counts.dataset_R[has], max_requests=config.embedding_max_requests, seed=config.seed)
         ]
         if pick.size < 5:
+            where = "" if layer_pos is None else f" at MoE layer {layer_name}"
+            why[stage] = (
+                f"needs at least 5 requests with recorded {stage} routing{where}, the trace has {has.size}; "
+                "trace more requests" + (" or embed another layer (--embedding-layer)" if where else "")
+            )
             continue
         x, lab = reduce_pca(feats[pick], num_components=50, seed=config.seed), counts.dataset_R[pick]
         cs = cluster_scores(x, lab, seed=config.seed)
@@ -371,7 +416,12 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
         write(rf.EMBEDDING, pl.concat(frames), "2-D request embeddings (t-SNE/UMAP) per stage")
     if scores:
         write(rf.EMBEDDING_SCORES, pl.DataFrame(scores), "cluster quality vs dataset labels per stage")
-    return {r["stage"]: {k: v for k, v in r.items() if k != "stage"} for r in scores}
+    out: dict[str, Any] = {r["stage"]: {k: v for k, v in r.items() if k != "stage"} for r in scores}
+    if why and not scores:
+        out["skipped"] = "; ".join(f"{s}: {w}" for s, w in why.items())
+    elif why:
+        out["skipped_parts"] = {f"embedding.{s}": w for s, w in why.items()}
+    return out
 
 
 def _run_affinity(trace, config: AnalyzeConfig, write) -> dict[str, Any]:
@@ -383,18 +433,28 @@ def _run_affinity(trace, config: AnalyzeConfig, write) -> dict[str, Any]:
     aff = affinity_table(pc)
     write(rf.AFFINITY, aff, "cross-layer affinity per consecutive MoE-layer pair")
     write(rf.COACTIVATION, coactivation_table(pc), "expert pairs co-activated within a token, per layer, with lift")
-    return {
+    out: dict[str, Any] = {
         "sampled_tokens": pc.num_sampled,
         "uncertainty_coefficient": _mean(aff["uncertainty_coefficient"]),
         "top1_predictability": _mean(aff["top1_predictability"]),
         "top1_marginal": _mean(aff["top1_marginal"]),
+        "num_pairs": aff.height,  # consecutive MoE-layer pairs
+        "num_empty_pairs": int((aff["pairs"] == 0).sum()),  # pairs without a token routed at both layers
     }
+    if out["num_empty_pairs"] == aff.height:
+        has = "the model has one MoE layer" if aff.height == 0 else f"none of the {aff.height} layer pairs has one"
+        out["skipped_parts"] = {
+            "cross_layer_affinity": f"needs tokens routed at two consecutive MoE layers; {has}; "
+            "co-activation within a layer still ran"
+        }
+    return out
 
 
 # ------------------------------------------------------------------------------------- helpers
 def _mean(s: pl.Series) -> float | None:
-    v = s.fill_nan(None).mean()
-    return None if v is None else float(v)  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
+    """Mean of the defined values (NaN and null left out); None when there is none."""
+    v, _ = mean_skip_nan(s.cast(pl.Float64).to_numpy())
+    return None if np.isnan(v) else v
 
 
 def _nested(df: pl.DataFrame, col: str) -> dict[str, dict[str, float | None]]:
@@ -419,6 +479,14 @@ def _jsonable(x: Any) -> Any:
 def format_summary(summary: dict[str, Any]) -> str:
     """The compact table ``moetrace analyze`` prints."""
     lines = []
+    layers = summary.get("layers") or {}
+    num_layers = layers.get("num_layers", 0)
+    for stage, empty in (layers.get("empty") or {}).items():
+        if empty:
+            lines.append(
+                f"{stage}: {len(empty)} of {num_layers} MoE layers have no recorded routing "
+                f"(left out of every mean over layers): {_layer_list(empty)}"
+            )
     imb = summary.get("imbalance")
     if imb:
         stages = sorted({s for v in imb["mean_if"].values() for s in v})
@@ -449,11 +517,17 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"dataset classification from prefill counts: mean accuracy {_f(cl['mean_accuracy'])} "
             f"(best layer {_f(cl['best_layer_accuracy'])}, chance {_f(cl['chance'])}, "
-            f"shuffled control {_f(cl['mean_shuffled_accuracy'])}; {cl['num_train']} train / {cl['num_test']} test)"
+            f"shuffled control {_f(cl['mean_shuffled_accuracy'])}; {cl['num_train']} train / {cl['num_test']} test"
+            + (
+                f"; over the {cl['num_layers']} of {cl['num_layers'] + cl['num_empty_layers']} layers with prefill routing"
+                if cl.get("num_empty_layers")
+                else ""
+            )
+            + ")"
         )
     elif cl:
         lines.append(f"dataset classification: skipped ({cl['skipped']})")
-    emb = summary.get("embedding")
+    emb = {s: v for s, v in (summary.get("embedding") or {}).items() if s in STAGES}
     if emb:
         lines.append(
             "clustering by dataset: "
@@ -462,13 +536,29 @@ def format_summary(summary: dict[str, Any]) -> str:
             )
         )
     aff = summary.get("affinity")
-    if aff:
+    if aff and aff.get("num_empty_pairs", 0) < aff.get("num_pairs", 1):  # all pairs empty: skipped, said below
         lines.append(
             f"cross-layer affinity: uncertainty coefficient {_f(aff['uncertainty_coefficient'])}, top-1 "
             f"predictability {_f(aff['top1_predictability'])} vs marginal {_f(aff['top1_marginal'])} "
-            f"({aff['sampled_tokens']} tokens)"
+            f"({aff['sampled_tokens']} tokens"
+            + (
+                f"; {aff['num_empty_pairs']} of {aff['num_pairs']} layer pairs without routing left out"
+                if aff.get("num_empty_pairs")
+                else ""
+            )
+            + ")"
         )
+    shown = {"prefill_decode", "classify"}  # printed in place above
+    for part, why in (summary.get("skipped") or {}).items():
+        if part not in shown:
+            lines.append(f"{part}: skipped ({why})")
     return "\n".join(lines)
+
+
+def _layer_list(layers: list[int], *, most: int = 8) -> str:
+    """MoE-layer ordinals as ``layers 0, 1, 3`` (the first ``most``, then how many more)."""
+    head = ", ".join(map(str, layers[:most]))
+    return f"layers {head}" + (f" and {len(layers) - most} more" if len(layers) > most else "")
 
 
 def _f(v: float | None) -> str:

@@ -79,7 +79,7 @@ def build_sections(
     from moetrace.dashboards.section_imbalance import imbalance_section
     from moetrace.dashboards.section_overview import overview_section
     from moetrace.dashboards.section_placement import placement_section
-    from moetrace.dashboards.summary import a2a_headline, imbalance_headline, placement_headline
+    from moetrace.dashboards.summary import a2a_headline, analysis_skipped_notes, imbalance_headline, placement_headline
     from moetrace.tracer.trace.reader import open_trace
 
     traces = [i for i in inputs if i.kind == "trace"]
@@ -124,6 +124,7 @@ def build_sections(
 
     for build in builders:
         _add_sections(sections, omitted, analyses, _with_random_weights_banner(build), "a", step)
+    omitted.extend(note for r in analyses for note in analysis_skipped_notes(r))  # what analyze skipped, and why
     if not analyses:
         omitted.append(
             "load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs"

@@ -4,7 +4,9 @@
   of the whole trace (dataset ``all``), averaged over MoE layers, for prefill (or the first stage
   there is), the other stage's mean, and the worst layer; with ``batch_imbalance.parquet`` also the
   median IF of random serving-sized batches (over batches and layers), the number ``analyze``
-  prints as ``batch_if``.
+  prints as ``batch_if``. Layers without recorded routing (NaN: a partial capture) are left out of
+  every mean, median and the worst layer, and the label says how many of the layers had routing;
+  what ``analyze`` skipped (its manifest's ``skipped``) is listed by ``analysis_skipped_notes``.
 - **Best deployable placement vs linear** (``moetrace compare`` results, ``summary.parquet``): the
   registered strategy other than the reference (``compare.json`` ``reference``, i.e. linear) with
   the lowest ``a2a_time_normalized_median`` (a held-out decode step's predicted all-to-all seconds /
@@ -27,17 +29,25 @@ one number each), the card's HTML (``page``).
 
 from __future__ import annotations
 
+import numpy as np
 import polars as pl
 
 import moetrace.results as rf
 from moetrace.dashboards.page import Headline
 from moetrace.dashboards.results import Results
 from moetrace.dashboards.section_imbalance import _stages
+from moetrace.stats import mean_skip_nan
 
 
 def _x(v: float) -> str:
     """A ratio as shown on the card: ``1.34×``."""
     return f"{v:.2f}×"
+
+
+def _mean_x(if_N: pl.Series) -> str:
+    """The mean of the defined (non-NaN) IFs as ``1.34×``; ``no recorded routing`` when none is."""
+    v, _ = mean_skip_nan(if_N.to_numpy())
+    return "no recorded routing" if np.isnan(v) else _x(v)
 
 
 def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> Headline | None:
@@ -50,14 +60,19 @@ def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
         return None
     stages = _stages(pooled)
     stage = stages[0]
-    sub = pooled.filter(pl.col("stage") == stage)
+    every = pooled.filter(pl.col("stage") == stage)
+    sub = every.filter(pl.col("imbalance_factor").is_not_nan())  # layers with recorded routing
+    if sub.height == 0:
+        return None
     mean = float(sub["imbalance_factor"].mean())  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
     worst = sub.sort("imbalance_factor", descending=True).row(0, named=True)
-    facts = [f"{s} {_x(float(pooled.filter(pl.col('stage') == s)['imbalance_factor'].mean()))}" for s in stages[1:]]  # type: ignore[arg-type]  # polars types Series.mean() as any Python literal
+    facts = [f"{s} {_mean_x(pooled.filter(pl.col('stage') == s)['imbalance_factor'])}" for s in stages[1:]]
     facts.append(f"worst layer {worst['model_layer']}: {_x(worst['imbalance_factor'])}")
     bt = res.table(rf.BATCH_IMBALANCE)
     if bt is not None:
-        bsub = bt.filter((pl.col("dataset") == "all") & (pl.col("stage") == stage))
+        bsub = bt.filter(
+            (pl.col("dataset") == "all") & (pl.col("stage") == stage) & pl.col("imbalance_factor").is_not_nan()
+        )
         if bsub.height:
             size = ((res.json(rf.ANALYSIS_SUMMARY) or {}).get("imbalance") or {}).get("batch_size")
             batches = f"{size}-request batches" if size else "serving-sized batches"
@@ -66,7 +81,12 @@ def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
         key=f"{key_prefix}imbalance",
         title="Routing imbalance" + suffix,
         value=_x(mean),
-        label=f"{stage}, mean over {sub.height} MoE layers",
+        label=f"{stage}, mean over {sub.height} MoE layers"
+        + (
+            f" ({every.height - sub.height} of {every.height} without recorded routing)"
+            if sub.height < every.height
+            else ""
+        ),
         detail="Busiest expert's tokens / the mean expert's (1 = balanced), all datasets pooled; "
         + "; ".join(facts)
         + ".",
@@ -74,6 +94,11 @@ def imbalance_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
         link="Load imbalance",
         source=res.source(rf.IMBALANCE),
     )
+
+
+def analysis_skipped_notes(res: Results) -> list[str]:
+    """One line per analysis (or part) ``moetrace analyze`` skipped, with its reason (its manifest's ``skipped``)."""
+    return [f"{part} ({res.path}): skipped, {why}" for part, why in (res.manifest.get("skipped") or {}).items()]
 
 
 def _change(v: float) -> str:

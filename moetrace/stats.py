@@ -16,6 +16,8 @@ batch of requests, ...; counts are tokens routed to each expert, ids == -1 never
 - dataset correlation of one layer: Pearson r between every pair of datasets' count vectors.
 
 A scope with no recorded id has load and IF NaN; a constant vector (e.g. no tokens) has r NaN.
+Means over layers (``mean_skip_nan``) leave NaN out and say how many they left out: a partial
+capture (one MoE layer of 24 recorded) has numbers for its recorded layers, not NaN.
 
 Shape legend (docs/architecture.md): E experts of one layer, D datasets, L MoE layers, N rows of
 anything else.
@@ -89,3 +91,16 @@ def dataset_correlation_LDD(counts_DLE: np.ndarray) -> np.ndarray:
     for layer in range(L):
         out[layer] = pearson_rows(c[:, layer])
     return out
+
+
+def mean_skip_nan(values_N: np.ndarray) -> tuple[float, int]:
+    """Mean of the defined values of ``values_N`` and how many were NaN (left out).
+
+    values_N: any float array (e.g. one number per MoE layer). Returns ``(mean, num_nan)``: the
+    float64 mean over the non-NaN entries (NaN when there is none, without a warning) and the int
+    count of NaN entries.
+    """
+    v = np.asarray(values_N, dtype=np.float64).ravel()
+    ok = ~np.isnan(v)
+    num_nan = int(v.size - ok.sum())
+    return (float(v[ok].mean()) if ok.any() else float("nan")), num_nan

@@ -35,7 +35,7 @@ def info_cmd(
         bool, typer.Option("--allow-incomplete", help="Also show an unfinished trace.")
     ] = False,
 ) -> None:
-    """Summarize a trace: model, backend, requests and tokens per dataset and stage, size on disk.
+    """Summarize a trace: model, backend, requests and recorded/unrecorded tokens per dataset and stage, size.
 
     Example: moetrace info traces/dsv3-gsm8k
     """
