@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -185,8 +186,13 @@ def test_a2a_reports_progress_as_rank_0_finishes_batches(tmp_path):
 def test_third_party_bars_silenced_for_the_block_and_restored(monkeypatch):
     import huggingface_hub.utils as hub
 
+    hub_tqdm = sys.modules["huggingface_hub.utils.tqdm"]  # the module (the package's `tqdm` name is the class)
+
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    # huggingface_hub reads the variable once, at its import: an earlier quiet run in this process may
+    # have imported it with the variable set; start from "not set" as a fresh process would
+    monkeypatch.setattr(hub_tqdm, "HF_HUB_DISABLE_PROGRESS_BARS", None)
     hub.enable_progress_bars()
     with third_party_bars(True):
         assert "TQDM_DISABLE" not in os.environ and not hub.are_progress_bars_disabled()
