@@ -672,46 +672,46 @@ def run_compare(
     assert data.test_req_T is not None  # read by with_held_out_tokens above
     usable = np.flatnonzero(data.is_test_R & (np.bincount(data.test_req_T, minlength=len(data.is_test_R)) > 0))
 
+    def stage_volume(
+        ids_TLK: np.ndarray,
+        ps: PlacedStrategy,
+        drawn: tuple[np.ndarray, np.ndarray, np.ndarray],
+        *,
+        steps: int,
+        dedup: DedupUnit,
+    ) -> dict[str, np.ndarray]:
+        """One stage's traffic and time: ``drawn`` = (token rows of ``ids_TLK``, step, source rank)."""
+        rows, batch, src = drawn
+        return simulate_volume(
+            ids_TLK[rows],
+            placement=ps.placement,
+            batch_T=batch,
+            src_rank_T=src,
+            num_batches=steps,
+            num_ranks=dep.num_ep,
+            ranks_per_node=dep.ranks_per_node,
+            bytes_per_token=m.hidden_size * cfg.bytes_per_value,
+            dedup=dedup,
+            policy=cfg.replica_policy,
+            cost=cost,
+            time_bytes_per_token=time_bytes,
+        )
+
     def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
         assert data.test_topk_ids_TLK is not None  # read by with_held_out_tokens above
         rows, batch, src, empty = held_out_batches(data, cfg, ps.group_of_test_R)
         ps.extra["groups_without_routed_requests"] = empty
         # held-out requests routed to the busiest node, over an even share (1: no router, even by construction)
         ps.extra["busiest_node_load"] = round(float(node_shares(ps.group_of_test_R, usable, G).max() * G), 4)
-        return simulate_volume(
-            data.test_topk_ids_TLK[rows],
-            placement=ps.placement,
-            batch_T=batch,
-            src_rank_T=src,
-            num_batches=cfg.num_batches,
-            num_ranks=dep.num_ep,
-            ranks_per_node=dep.ranks_per_node,
-            bytes_per_token=m.hidden_size * cfg.bytes_per_value,
-            dedup=cfg.dedup,
-            policy=cfg.replica_policy,
-            cost=cost,
-            time_bytes_per_token=time_bytes,
-        )
+        return stage_volume(data.test_topk_ids_TLK, ps, (rows, batch, src), steps=cfg.num_batches, dedup=cfg.dedup)
 
     def simulate_prefill(ps: PlacedStrategy) -> dict[str, np.ndarray] | None:
         drawn = prefill_batches(data, cfg, ps.group_of_test_R)
         if drawn is None:
             return None
         assert data.test_prefill_ids_TLK is not None
-        rows, batch, src = drawn
-        return simulate_volume(
-            data.test_prefill_ids_TLK[rows],
-            placement=ps.placement,
-            batch_T=batch,
-            src_rank_T=src,
-            num_batches=cfg.num_prefill_batches,
-            num_ranks=dep.num_ep,
-            ranks_per_node=dep.ranks_per_node,
-            bytes_per_token=m.hidden_size * cfg.bytes_per_value,
-            dedup=cfg.prefill_dedup,
-            policy=cfg.replica_policy,
-            cost=cost,
-            time_bytes_per_token=time_bytes,
+        return stage_volume(
+            data.test_prefill_ids_TLK, ps, drawn, steps=cfg.num_prefill_batches, dedup=cfg.prefill_dedup
         )
 
     metrics: dict[str, dict[str, np.ndarray]] = {}

@@ -323,16 +323,7 @@ def gpu_traffic(
             recv_in = diag.sum(1, dtype=np.float64).transpose(0, 2, 1).reshape(B, W)
             out.append((send_in, recv_in, send_all - send_in, recv_all - recv_in))
         (si, ri, se, re_), (psi, pri, pse, pre) = out
-        return GpuTraffic(
-            send_intra=si,
-            recv_intra=ri,
-            send_inter=se,
-            recv_inter=re_,
-            peers_send_intra=psi,
-            peers_recv_intra=pri,
-            peers_send_inter=pse,
-            peers_recv_inter=pre,
-        )
+        return GpuTraffic(si, ri, se, re_, psi, pri, pse, pre)
     node = dst // g
     remote = keep & (node != src // g)
     local = keep & ~remote
@@ -348,16 +339,7 @@ def gpu_traffic(
         intra_key = ((base + src) * W + dst)[local]
     si, ri, psi, pri = _pair_stats(intra_key, B, W)
     se, re_, pse, pre = _pair_stats(inter_key, B, W)
-    return GpuTraffic(
-        send_intra=si,
-        recv_intra=ri,
-        send_inter=se,
-        recv_inter=re_,
-        peers_send_intra=psi,
-        peers_recv_intra=pri,
-        peers_send_inter=pse,
-        peers_recv_inter=pre,
-    )
+    return GpuTraffic(si, ri, se, re_, psi, pri, pse, pre)  # the fields' order
 
 
 def _per_node(x_BW: np.ndarray, g: int) -> np.ndarray:
