@@ -37,13 +37,12 @@ Out of scope: the tensor-parallel traffic inside an EP rank (``TPd``); NVLink-sp
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -51,6 +50,7 @@ from typing import Any, Literal, TypedDict
 import numpy as np
 
 from moetrace import results as rf
+from moetrace.environ import environ
 from moetrace.errors import ConfigError, MoetraceError, TraceFormatError
 from moetrace.placement import netemu
 from moetrace.placement.a2a import A2AMismatchError, Phase, check_against_simulator, rank_link_bytes, send_matrices
@@ -555,22 +555,6 @@ def _spawned(
             pickle.dump(value, f)
 
 
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """Set ``values`` in this process's environment for the block (children started in it inherit
-    them), then restore what was there."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def launch_local(
     world_size: int,
     fn: Callable[..., Any],
@@ -594,7 +578,7 @@ def launch_local(
         netns_W = tuple(nodes.namespaces[r // ranks_per_node] for r in range(world_size))
         env = nodes.rank_env()
     start_env = nodes.spawn_env() if nodes is not None else {}
-    with tempfile.TemporaryDirectory(prefix="moetrace-a2a-") as d, _environ(start_env):
+    with tempfile.TemporaryDirectory(prefix="moetrace-a2a-") as d, environ(start_env):
         result = str(Path(d) / "rank0.pkl")
         try:
             ctx = mp.spawn(

@@ -75,9 +75,6 @@ class Link:
         if not (self.latency_s >= 0 and np.isfinite(self.latency_s)):
             raise ConfigError(f"link latency must be >= 0, got {self.latency_s}")
 
-    def describe(self) -> str:
-        return f"{self.bytes_per_s / 1e9:g} GB/s, {self.latency_s * 1e6:g} us"
-
 
 @dataclass(frozen=True, kw_only=True)
 class Links:
@@ -255,28 +252,35 @@ class GpuTraffic(NamedTuple):
 _DENSE_PAIRS = 1 << 24
 
 
-def _pair_stats(key: np.ndarray, B: int, W: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """From copy keys ``(b * W + src) * W + dst``: copies sent and received and distinct peers sent
-    to / received from, per (batch, GPU), float64 [B, W] each."""
-    if B * W * W <= _DENSE_PAIRS:
+def _traffic_of_copies(key: np.ndarray, B: int, W: int, g: int) -> GpuTraffic:
+    """Per (batch, GPU) copies sent and received and distinct peers, split by link class, from the
+    copy keys ``(b * W + src) * W + dst`` (int64): a copy is intra-node when ``src`` and ``dst`` share
+    a node of ``g`` GPUs."""
+    if B * W * W <= _DENSE_PAIRS:  # one count of (batch, src, dst); the node's diagonal blocks are intra-node
         M = np.bincount(key, minlength=B * W * W).reshape(B, W, W)
-        has = M > 0
-        return (
-            M.sum(2).astype(np.float64),
-            M.sum(1).astype(np.float64),
-            has.sum(2).astype(np.float64),
-            has.sum(1).astype(np.float64),
-        )
-    pair, n = np.unique(key, return_counts=True)
-    bs, d = np.divmod(pair, W)
-    b = bs // W
-    bd = b * W + d
-    return (
-        np.bincount(bs, weights=n, minlength=B * W).reshape(B, W),
-        np.bincount(bd, weights=n, minlength=B * W).reshape(B, W),
-        np.bincount(bs, minlength=B * W).reshape(B, W).astype(np.float64),
-        np.bincount(bd, minlength=B * W).reshape(B, W).astype(np.float64),
-    )
+        out = []
+        for x in (M, M > 0):  # copies, then peers
+            diag = np.diagonal(x.reshape(B, W // g, g, W // g, g), axis1=1, axis2=3)  # [B, g src, g dst, nodes]
+            send_in = diag.sum(2, dtype=np.float64).transpose(0, 2, 1).reshape(B, W)
+            recv_in = diag.sum(1, dtype=np.float64).transpose(0, 2, 1).reshape(B, W)
+            out.append((send_in, recv_in, x.sum(2, dtype=np.float64) - send_in, x.sum(1, dtype=np.float64) - recv_in))
+    else:  # too many (batch, src, dst) cells to hold: the distinct pairs only
+        pair, n = np.unique(key, return_counts=True)
+        bs, d = np.divmod(pair, W)
+        b, s = np.divmod(bs, W)
+        bd = b * W + d
+        intra = s // g == d // g
+
+        def per_gpu(w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            def count(idx: np.ndarray, m: np.ndarray) -> np.ndarray:
+                wm = None if w is None else w[m]
+                return np.bincount(idx[m], weights=wm, minlength=B * W).reshape(B, W).astype(np.float64)
+
+            return count(bs, intra), count(bd, intra), count(bs, ~intra), count(bd, ~intra)
+
+        out = [per_gpu(n), per_gpu(None)]  # copies, then peers
+    (si, ri, se, re_), (psi, pri, pse, pre) = out
+    return GpuTraffic(si, ri, se, re_, psi, pri, pse, pre)
 
 
 def gpu_traffic(
@@ -310,36 +314,18 @@ def gpu_traffic(
         keep = dst < W
         keep[:, 1:] &= dst[:, 1:] != dst[:, :-1]
         keep &= dst != src
-    if dedup != "node" and B * W * W <= _DENSE_PAIRS:  # one count of (batch, src, dst), split by link class
-        M = np.bincount(((base + src) * W + dst)[keep], minlength=B * W * W).reshape(B, W, W)
-        has = M > 0
-        out = []
-        for x in (M, has):  # totals, then the same over the node's own diagonal blocks (intra-node)
-            Gn = W // g
-            x5 = x.reshape(B, Gn, g, Gn, g)
-            diag = np.diagonal(x5, axis1=1, axis2=3)  # [B, g src, g dst, Gn]
-            send_all, recv_all = x.sum(2, dtype=np.float64), x.sum(1, dtype=np.float64)
-            send_in = diag.sum(2, dtype=np.float64).transpose(0, 2, 1).reshape(B, W)
-            recv_in = diag.sum(1, dtype=np.float64).transpose(0, 2, 1).reshape(B, W)
-            out.append((send_in, recv_in, send_all - send_in, recv_all - recv_in))
-        (si, ri, se, re_), (psi, pri, pse, pre) = out
-        return GpuTraffic(si, ri, se, re_, psi, pri, pse, pre)
+    pair_key = (base + src) * W + dst
+    if dedup != "node":
+        return _traffic_of_copies(pair_key[keep], B, W, g)
+    # per remote node one RDMA copy to the sender's peer GPU there, then NVLink forwards
     node = dst // g
     remote = keep & (node != src // g)
-    local = keep & ~remote
-    if dedup == "node":  # per remote node one RDMA copy to the sender's peer GPU there, then NVLink forwards
-        land = node * g + src % g
-        first = remote.copy()  # the first distinct GPU of each remote node in the (sorted) row
-        first[:, 1:] &= node[:, 1:] != node[:, :-1]
-        inter_key = ((base + src) * W + land)[first]
-        fwd = remote & (land != dst)
-        intra_key = np.concatenate([((base + src) * W + dst)[local], ((base + land) * W + dst)[fwd]])
-    else:
-        inter_key = ((base + src) * W + dst)[remote]
-        intra_key = ((base + src) * W + dst)[local]
-    si, ri, psi, pri = _pair_stats(intra_key, B, W)
-    se, re_, pse, pre = _pair_stats(inter_key, B, W)
-    return GpuTraffic(si, ri, se, re_, psi, pri, pse, pre)  # the fields' order
+    land = node * g + src % g
+    first = remote.copy()  # the first distinct GPU of each remote node in the (sorted) row
+    first[:, 1:] &= node[:, 1:] != node[:, :-1]
+    fwd = remote & (land != dst)
+    key = np.concatenate([pair_key[keep & ~remote], ((base + src) * W + land)[first], ((base + land) * W + dst)[fwd]])
+    return _traffic_of_copies(key, B, W, g)
 
 
 def _per_node(x_BW: np.ndarray, g: int) -> np.ndarray:

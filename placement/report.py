@@ -60,7 +60,7 @@ def copy_model_line(c: CompareManifest) -> str:
     return line
 
 
-def _pct(x: float) -> str:
+def _ratio(x: float) -> str:
     return "n/a" if x != x else f"{x:.3f}"
 
 
@@ -98,11 +98,11 @@ def format_compare_summary(result: CompareResult) -> str:
         # worse than linear: "<0%" (the ratio explodes when the oracle saves little); no "-0%"
         captured = "-" if cap is None else "<0%" if round(cap, 2) < 0 else f"{round(cap, 2) or 0.0:.0%}"
         lines.append(
-            f"{r['strategy']:<16} {_pct(r['a2a_time_normalized_median']):>8} {_pct(r['a2a_time_normalized_p10']):>6} "
-            f"{_pct(r['a2a_time_normalized_p90']):>6} {_pct(r['moe_time_normalized_median']):>8} "
+            f"{r['strategy']:<16} {_ratio(r['a2a_time_normalized_median']):>8} {_ratio(r['a2a_time_normalized_p10']):>6} "
+            f"{_ratio(r['a2a_time_normalized_p90']):>6} {_ratio(r['moe_time_normalized_median']):>8} "
             f"{r['inter_node_normalized_median']:>11.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>9} "
             f"{router:>7} {load_s:>9} {r['busiest_gpu_load']:>8.2f} {captured:>9}"
-            + (f" {_pct(r['prefill_a2a_time_normalized_median']):>11}" if pre else "")
+            + (f" {_ratio(r['prefill_a2a_time_normalized_median']):>11}" if pre else "")
         )
     if c.expert_copy_floor is not None:  # dedup expert, no redundancy: a proven bound, not a placement
         J = result.model.num_experts // c.num_nodes

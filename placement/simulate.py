@@ -65,8 +65,7 @@ class LayerCopies(NamedTuple):
     """The dispatch copies of one MoE layer's tokens (every array [T, K]).
 
     ``copy_TK``, ``dst_rank_TK`` and ``inter_TK`` are in dedup-key order along K (not the routing's
-    slot order; for ``expert`` copies, whose keys are all distinct, the routing's order);
-    ``slot_TK``, ``valid_TK`` and ``rank_TK`` are in the routing's order.
+    slot order); ``slot_TK``, ``valid_TK`` and ``rank_TK`` are in the routing's order.
     """
 
     slot_TK: np.ndarray  # int64 physical slot serving each (token, expert); -1 where not recorded
@@ -142,25 +141,14 @@ def _dispatch_copies(
         skey = np.take_along_axis(key, order, axis=1)
         srank = np.take_along_axis(rank, order, axis=1)
         snode = np.take_along_axis(node, order, axis=1)
-    elif dedup == "expert":  # a token's routed experts are distinct, so are their slots: no sort needed
-        skey = key
-        srank = rank
-        snode = srank // ranks_per_node
     else:  # the key determines the GPU (rank, or slot // slots per rank): sort the keys alone
         skey = np.sort(key, axis=1)
         sval = np.where(skey == _SENTINEL, 0, skey)
         srank = sval if dedup == "rank" else sval // per_rank
         snode = srank // ranks_per_node
-    if dedup == "expert":  # a repeated id (malformed routing) is still one copy: pairwise, cheaper than a sort
-        first = valid.copy()
-        for j in range(1, key.shape[1]):
-            for i in range(j):
-                first[:, j] &= key[:, j] != key[:, i]
-        copy = first & (srank != src_rank_T[:, None])
-    else:
-        first = np.ones_like(skey, dtype=bool)
-        first[:, 1:] = skey[:, 1:] != skey[:, :-1]
-        copy = first & (skey != _SENTINEL) & (srank != src_rank_T[:, None])
+    first = np.ones_like(skey, dtype=bool)
+    first[:, 1:] = skey[:, 1:] != skey[:, :-1]
+    copy = first & (skey != _SENTINEL) & (srank != src_rank_T[:, None])
     inter = copy & (snode != src_node_T[:, None])
     return LayerCopies(slot_TK=slot, valid_TK=valid, rank_TK=rank, copy_TK=copy, dst_rank_TK=srank, inter_TK=inter)
 

@@ -193,7 +193,7 @@ def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace, capfd
 def test_rank_processes_start_with_quiet_c10d_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
     assert netemu.EmulatedNodes.spawn_env() == {"TORCH_CPP_LOG_LEVEL": "ERROR"}
-    with ar._environ(netemu.EmulatedNodes.spawn_env()):
+    with ar.environ(netemu.EmulatedNodes.spawn_env()):  # what launch_local wraps the spawn in
         assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
     assert "TORCH_CPP_LOG_LEVEL" not in os.environ  # restored
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")

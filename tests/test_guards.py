@@ -3,9 +3,9 @@ leave out, and stay quiet when asked (exit code, one clean message, no traceback
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -186,7 +186,7 @@ def test_a2a_reports_progress_as_rank_0_finishes_batches(tmp_path):
 def test_third_party_bars_silenced_for_the_block_and_restored(monkeypatch):
     import huggingface_hub.utils as hub
 
-    hub_tqdm = sys.modules["huggingface_hub.utils.tqdm"]  # the module (the package's `tqdm` name is the class)
+    hub_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (`hub.tqdm` is the class)
 
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)

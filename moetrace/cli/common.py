@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import typer
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
+from moetrace.environ import environ
 from moetrace.errors import MoetraceError, TraceValidationError
 from moetrace.sizes import human_bytes  # noqa: F401  (re-exported for the command modules)
 
@@ -185,23 +185,17 @@ def third_party_bars(enabled: bool) -> Iterator[None]:
     if enabled:
         yield
         return
-    before = {k: os.environ.get(k) for k in _QUIET_BARS_ENV}
-    os.environ.update(_QUIET_BARS_ENV)
     hub = sys.modules.get("huggingface_hub.utils")
     if hub is not None and hub.are_progress_bars_disabled():
         hub = None  # already off: nothing to turn back on
-    if hub is not None:
-        hub.disable_progress_bars()
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with environ(_QUIET_BARS_ENV):
         if hub is not None:
-            hub.enable_progress_bars()
+            hub.disable_progress_bars()
+        try:
+            yield
+        finally:
+            if hub is not None:
+                hub.enable_progress_bars()
 
 
 def log_lines(quiet: bool = False) -> Callable[[str], None]:
