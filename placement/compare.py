@@ -350,6 +350,7 @@ def make_placement(
         prefill_RLE=data.prefill_RLE,
         train_rows=train_R,
         init_group_N=init_group_N,
+        links=cfg.links,
     )
     placement, extra = spec.build(inputs)
     router = fit_router(spec.router, grouping=grouping, provenance=extra, num_groups=G)
@@ -871,6 +872,7 @@ def bound_placements(
             ranks_per_group=cfg.deployment.ranks_per_node,
             rows=test,
             router_groups=rg,
+            links=cfg.links,
         )
         group_R = np.zeros(len(data.is_test_R), dtype=np.int64)
         group_R[test] = jo.group_R

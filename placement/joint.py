@@ -48,9 +48,11 @@ import numpy as np
 
 from moetrace._deps import require
 from moetrace.errors import ConfigError
+from moetrace.placement.cost import Links
 from moetrace.placement.data_placement import check_usage, expected_slot_load, spread_in_nodes
 from moetrace.placement.improved import optimal_members
 from moetrace.placement.maps import Placement, placement_from_phy2log
+from moetrace.placement.step_search import expected_step_seconds, improve_layout
 
 if TYPE_CHECKING:
     from moetrace.tracer.trace.schema import ModelInfo
@@ -83,6 +85,9 @@ class JointPlacement:
     group_R: np.ndarray  # int64 [R]: node of each training request (rows order)
     objective_history: list[float]  # training objective per iteration (local decode share, mean per request)
     num_iters: int  # iterations run (the best iterate is returned)
+    # the GPU-balance search's expected busiest-GPU link time after / before it (training requests, re-routed);
+    # None when it did not run (``links`` None)
+    layout_gain: float | None = None
 
 
 def _shares(x_RLE: np.ndarray, rows: np.ndarray, lo: int, dtype: type = np.float32) -> np.ndarray:
@@ -286,6 +291,7 @@ def joint_placement(
     balance_slack: float = 0.05,
     tol: float = 1e-4,
     router_groups: int | None = None,
+    links: Links | None = None,
 ) -> JointPlacement:
     """Alternate exact membership and balanced routing from ``init_group_R``; the best iterate.
 
@@ -331,6 +337,16 @@ def joint_placement(
     assert best is not None  # num_iters >= 1 and the first iterate is always kept
     obj, member, usage_GLE, price, group = best
     phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
+    before = after = None
+    if links is not None:  # the busiest GPU charged: slots moved to lower the expected link time, then re-routed
+        W, E = G * ranks_per_group, decode_RLE.shape[2]
+        before = expected_step_seconds(phy2log, usage_GLE, num_ranks=W, links=links)
+        phy2log = improve_layout(phy2log, usage_GLE, num_ranks=W, links=links, across_nodes=router_groups is None)
+        member = members_of_placement(placement_from_phy2log(phy2log, num_experts=E), num_groups=G, num_experts=E)
+        group, price = balanced_assign(node_scores(route_RLE, member, rows=rows), balance_slack=balance_slack)
+        after = expected_step_seconds(
+            phy2log, group_usage(decode_RLE, group, num_groups=G, rows=rows), num_ranks=W, links=links
+        )
     return JointPlacement(
         placement=placement_from_phy2log(phy2log, num_experts=decode_RLE.shape[2]),
         member_LGE=member,
@@ -338,4 +354,5 @@ def joint_placement(
         group_R=group,
         objective_history=history,
         num_iters=len(history),
+        layout_gain=None if before is None or after is None or before <= 0 else after / before,
     )

@@ -34,6 +34,7 @@ from moetrace.errors import ConfigError
 if TYPE_CHECKING:  # the placers (and numpy) load when a strategy is built, so `moetrace --help` stays light
     import numpy as np
 
+    from moetrace.placement.cost import Links
     from moetrace.placement.maps import Placement
     from moetrace.placement.routers import RouterKind
     from moetrace.tracer.trace.schema import ModelInfo
@@ -71,6 +72,7 @@ class PlacementInputs:
     prefill_RLE: np.ndarray | None = None  # [R, L, E] prefill counts of every request (what the router sees)
     train_rows: np.ndarray | None = None  # int64 rows of the training requests in the [R, ...] arrays
     init_group_N: np.ndarray | None = None  # int64 [len(train_rows)] starting node of each training request
+    links: Links | None = None  # the cost model's links (the joint placer balances GPUs under them); None: defaults
 
     @property
     def shape(self) -> dict[str, int]:
@@ -170,6 +172,7 @@ def _improved(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
 
 
 def _joint_with(x: PlacementInputs, router_groups: int | None) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.cost import DEFAULT_LINKS
     from moetrace.placement.joint import joint_placement
 
     if x.decode_RLE is None or x.prefill_RLE is None or x.train_rows is None or x.init_group_N is None:
@@ -183,11 +186,13 @@ def _joint_with(x: PlacementInputs, router_groups: int | None) -> tuple[Placemen
         ranks_per_group=x.ranks_per_node,
         rows=x.train_rows,
         router_groups=router_groups,
+        links=x.links or DEFAULT_LINKS,
     )
     return jp.placement, {
         "router_price": [round(float(p), 9) for p in jp.price_G],
         "joint_iterations": jp.num_iters,
         "joint_objective": [round(v, 6) for v in jp.objective_history],
+        **({} if jp.layout_gain is None else {"joint_layout_gain": round(jp.layout_gain, 6)}),
     }
 
 

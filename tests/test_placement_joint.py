@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
+from moetrace.placement.cost import DEFAULT_LINKS
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.joint import (
     balanced_assign,
@@ -244,10 +245,11 @@ def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
     st.integers(0, 2),
     st.integers(0, 2**16),
     st.booleans(),
+    st.booleans(),
 )
-def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed, aligned):
+def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed, aligned, timed):
     """Coverage, equal slots per GPU, replica consistency, at most one copy per node, determinism;
-    ``aligned``: router groups (one per node) kept whole."""
+    ``aligned``: router groups (one per node) kept whole; ``timed``: with the GPU-balance search."""
     nodes, rpn = nodes_rpn
     W = nodes * rpn
     E = W * per_rank
@@ -260,7 +262,12 @@ def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed, aligned):
     prefill = rng.poisson(rng.gamma(0.5, 2.0, (R, L, E))).astype(np.uint16)
     start = np.arange(R) % nodes
     kw = dict(
-        init_group_R=start, num_groups=nodes, num_slots=P, ranks_per_group=rpn, router_groups=nodes if aligned else None
+        init_group_R=start,
+        num_groups=nodes,
+        num_slots=P,
+        ranks_per_group=rpn,
+        router_groups=nodes if aligned else None,
+        links=DEFAULT_LINKS if timed else None,
     )
     jp = joint_placement(decode, prefill, **kw)
     p = jp.placement

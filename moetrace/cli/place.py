@@ -96,6 +96,7 @@ def place_cmd(
     redundancy: Redundancy = 0,
     test_fraction: TestFraction = 0.2,
     seed: Seed = 0,
+    link: LinkOpt = None,
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,
     quiet: Quiet = False,
@@ -105,6 +106,7 @@ def place_cmd(
     Example: moetrace place traces/dsv3 --config DP8TP8EP64 --strategy data -o placement.json
     """
     from moetrace.placement.compare import load_trace_data, make_placement, placement_file
+    from moetrace.placement.cost import parse_links
     from moetrace.placement.exports import save_placement
     from moetrace.placement.report import format_placement_summary
     from moetrace.results import PLACEMENT, check_output
@@ -118,6 +120,7 @@ def place_cmd(
         num_redundant=redundancy,
         test_fraction=test_fraction,
         seed=seed,
+        links=parse_links(link),
     )
     check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
     with progress_bar("counting", "tokens", quiet=quiet) as bar:
