@@ -47,10 +47,12 @@ from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
 from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, check_strategies, get_strategy
 
 if TYPE_CHECKING:
+    from moetrace.tracer.trace.reader import Trace
     from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = [
     "CompareConfig",
+    "parse_route_on",
     "TraceData",
     "expert_copy_floor",
     "held_out_batches",
@@ -77,6 +79,8 @@ MAX_SIMULATED_TOKENS = 20_000_000
 
 #: the most held-out prompt tokens kept for the prefill steps (a uniform, seeded sample of them beyond)
 MAX_PREFILL_TOKENS = 1 << 17
+#: the most generated tokens ``--route-on first-decode:N`` lets a router see
+MAX_ROUTE_FIRST_DECODE = 1 << 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,9 +103,16 @@ class CompareConfig:
     links: Links = DEFAULT_LINKS  # the cost model's link classes (cost.parse_links)
     max_node_load: float = 1.10  # routers sending the busiest node more than this over an even share are flagged
     prefill_tokens_per_node: int = 1024  # chunked-prefill tokens per node and step at an even share (0: none)
+    # what-if for decode-only captures: routers see each request's first N generated tokens instead of its
+    # prefill, and only the later ones are placed and simulated (0: routers see the prefill, as deployed)
+    route_first_decode: int = 0
 
     def __post_init__(self) -> None:
         check_strategies(self.strategies)
+        if not (0 <= self.route_first_decode <= MAX_ROUTE_FIRST_DECODE):
+            raise ConfigError(
+                f"--route-on first-decode:N needs N in 1..{MAX_ROUTE_FIRST_DECODE:,}, got {self.route_first_decode}"
+            )
         if not (0.0 < self.test_fraction < 1.0):
             raise ConfigError(f"test fraction must be in (0, 1), got {self.test_fraction}")
         simulated = self.num_batches * self.batch_requests
@@ -155,6 +166,14 @@ class TraceData:
     test_prefill_req_T: np.ndarray | None = None  # int64 [T'] row of each one's request, ascending
     stages: frozenset[str] = frozenset({"prefill", "decode"})  # routing stages the trace recorded (schema.stages_of)
     allow_incomplete: bool = False  # read from a trace without its completion mark (for the held-out tokens' pass)
+    # N > 0: ``prefill_RLE`` holds each request's first N generated tokens (what the routers see, a what-if),
+    # and ``decode_RLE`` and the held-out tokens only the later ones
+    route_first_decode: int = 0
+
+    @property
+    def routable(self) -> bool:
+        """Whether a router has something to route on: prefill routing, or the first generated tokens."""
+        return "prefill" in self.stages or self.route_first_decode > 0
 
 
 def load_trace_data(
@@ -165,12 +184,15 @@ def load_trace_data(
     allow_incomplete: bool = False,
     progress: Callable[[int, int], None] | None = None,
     held_out_tokens: bool = True,
+    route_first_decode: int = 0,
 ) -> TraceData:
     """Count the trace, split train/test and (``held_out_tokens``) keep the held-out requests' decode
     tokens (streamed once more; ``with_held_out_tokens`` reads them later instead, so that placing
     and holding the tokens never add up in memory).
 
     ``progress(tokens_done, tokens_total)`` is passed to the counting pass (``count_trace``).
+    ``route_first_decode`` N > 0: the what-if of ``CompareConfig.route_first_decode`` (one more pass
+    counts each request's first N generated tokens).
     """
     from moetrace.analysis.counts import count_trace
     from moetrace.tracer.trace.reader import open_trace
@@ -193,18 +215,62 @@ def load_trace_data(
     is_test = np.zeros(R, dtype=bool)
     is_test[rng.permutation(R)[:n_test]] = True
     _release_arrow_memory()
+    route_RLE, decode_RLE = counts.stage("prefill"), counts.stage("decode")  # views of one counts array
+    if route_first_decode > 0:
+        route_RLE = _first_decode_counts(tr, route_first_decode, dtype=decode_RLE.dtype)
+        decode_RLE = decode_RLE - route_RLE  # the later tokens (the first ones are a subset: never below 0)
     data = TraceData(
         model=tr.model,
         trace_path=str(trace),
-        prefill_RLE=counts.stage("prefill"),
-        decode_RLE=counts.stage("decode"),  # views of one counts array
+        prefill_RLE=route_RLE,
+        decode_RLE=decode_RLE,
         is_test_R=is_test,
         test_topk_ids_TLK=None,
         test_req_T=None,
         stages=stages,
         allow_incomplete=allow_incomplete,
+        route_first_decode=route_first_decode,
     )
     return with_held_out_tokens(data) if held_out_tokens else data
+
+
+def parse_route_on(text: str) -> int:
+    """``--route-on``: ``prefill`` -> 0, ``first-decode:N`` -> N (``CompareConfig.route_first_decode``)."""
+    t = text.strip()
+    if t == "prefill":
+        return 0
+    head, _, n = t.partition(":")
+    if head == "first-decode" and n.isdigit() and 0 < int(n) <= MAX_ROUTE_FIRST_DECODE:
+        return int(n)
+    raise ConfigError(
+        f"--route-on {text!r}: use `prefill` (as deployed) or `first-decode:N` with N in 1..{MAX_ROUTE_FIRST_DECODE:,} "
+        "(a what-if for decode-only captures: routers see each request's first N generated tokens)"
+    )
+
+
+def _first_decode_counts(tr: Trace, n: int, *, dtype: np.dtype) -> np.ndarray:
+    """Tokens per (request, MoE layer, expert) of each request's first ``n`` generated tokens, ``dtype``
+    [R, L, E] (rows as ``Trace.request_arrays``)."""
+    from moetrace.analysis.counts import count_arrays
+
+    m = tr.model
+    L, K = m.num_moe_layers, m.top_k
+    prompt_R = tr.request_arrays.prompt_tokens_R
+    out = np.zeros((len(prompt_R), 1, L, m.num_experts), dtype=dtype)
+    layers = np.arange(L, dtype=np.int64)
+    for ta in tr.iter_token_arrays(batch_tokens=1 << 14):
+        first = ta.is_decode_T & (ta.position_T - prompt_R[ta.row_T] < n)
+        T = len(first)
+        count_arrays(
+            out,
+            row_T=ta.row_T,
+            stage_T=np.where(first, 0, -1).astype(np.int8),
+            topk_ids_TX=ta.topk_ids_TLK.reshape(T, L * K),
+            layers_L=layers,
+            top_k=K,
+        )
+    _release_arrow_memory()
+    return out[:, 0]
 
 
 def _release_arrow_memory() -> None:
@@ -243,6 +309,8 @@ def with_held_out_tokens(data: TraceData) -> TraceData:
         row = np.searchsorted(req_table.request_id_R, ta.request_id_T)
         recorded = (ta.topk_ids_TLK >= 0).any(axis=(1, 2))
         keep = ta.is_decode_T & is_test[row] & recorded
+        if data.route_first_decode:  # the router saw the first N generated tokens: simulate the later ones
+            keep &= ta.position_T - req_table.prompt_tokens_R[row] >= data.route_first_decode
         k = int(keep.sum())
         if n + k > bound:  # the reader checked every row against the requests table, so this cannot happen
             raise AssertionError(f"{data.trace_path}: more held-out decode rows than the requests table claims")
@@ -316,11 +384,12 @@ def make_placement(
     train_R = np.flatnonzero(~data.is_test_R)
     R = len(data.is_test_R)
     usage_GLE = init_group_N = None
-    if spec.grouped and "prefill" not in data.stages:
+    if spec.grouped and not data.routable:
         raise ConfigError(
             f"strategy {strategy!r} groups requests and routes each by its prefill routing, but {data.trace_path} recorded "
             f"decode only (manifest collection.stages, e.g. import --stages decode-only); choose an ungrouped strategy "
-            f"({', '.join(s.name for s in STRATEGIES if not s.grouped)}) or a trace with both stages"
+            f"({', '.join(s.name for s in STRATEGIES if not s.grouped)}), a trace with both stages, or the what-if "
+            "--route-on first-decode:N (routes on each request's first N generated tokens)"
         )
     if spec.grouped:
         if grouping is None:
@@ -657,10 +726,10 @@ def run_compare(
     placed = place_strategies(data, cfg, todo, on_placed=step)
     data = with_held_out_tokens(data)  # after placing: the tokens and the clustering never share memory
     skipped: dict[str, str] = {}  # bound -> why it has no row (compare.json `skipped`, printed as a note)
-    if bounds and "prefill" not in data.stages:  # the bounds start from the joint placement, which needs prefill
+    if bounds and not data.routable:  # the bounds start from the joint placement, which needs prefill
         why = (
             "the trace recorded decode routing only; the bounds start from the joint placement, whose router "
-            "needs prefill routing"
+            "needs prefill routing (or the what-if --route-on first-decode:N)"
         )
         skipped.update(dict.fromkeys(bounds, why))
         bounds, steps = [], steps - 2 * len(bounds)
@@ -787,6 +856,7 @@ def run_compare(
             for s, p in placed.items()
             if p.grouping is not None
         },
+        route_first_decode=data.route_first_decode,
         prefill_dedup=cfg.prefill_dedup,
         links=cfg.links.to_json(),
         max_node_load=cfg.max_node_load,

@@ -37,6 +37,7 @@ LATER_KEYS: dict[str, Any] = {
     "links": None,
     "expert": None,
     "skipped": {},  # bounds left out and why (issue #26); older files did not say
+    "route_first_decode": 0,  # routers saw the prefill (the what-if --route-on first-decode:N came later)
 }
 
 
@@ -104,6 +105,8 @@ class CompareManifest:
     num_prefill_batches: int = 0  # prefill steps simulated (0: none, e.g. a decode-only trace)
     expert: dict[str, Any] | None = None  # the cost model's expert (cost.ExpertCompute.to_json); None: size unknown
     skipped: dict[str, str] = field(default_factory=dict)  # bound (or "floor") -> why it has no row in this run
+    # N > 0: a what-if, not deployable: routers saw each request's first N generated tokens, not its prefill
+    route_first_decode: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """compare.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
@@ -114,6 +117,8 @@ class CompareManifest:
                 continue  # not proven: the key is left out
             if f.name == "skipped" and not v:
                 continue  # nothing skipped: the key is left out (LATER_KEYS reads it back as {})
+            if f.name == "route_first_decode" and not v:
+                continue  # routed on the prefill, as deployed: the key is left out
             if self.links is None and f.name in _COST_KEYS:
                 continue  # a file written before the cost model: written back as it was
             if isinstance(v, tuple):
@@ -169,6 +174,7 @@ class CompareManifest:
             links=r.get("links", dict, optional=True),
             expert=r.get("expert", dict, optional=True),
             skipped={str(k): str(v) for k, v in r.get("skipped", dict).items()},
+            route_first_decode=r.count("route_first_decode"),
         )
 
     @property

@@ -20,7 +20,13 @@ from moetrace.placement.compare_manifest import CompareManifest
 from moetrace.placement.strategies import get_strategy
 from moetrace.sizes import human_bytes
 
-__all__ = ["format_compare_summary", "compare_notes", "format_placement_summary", "RANDOM_WEIGHTS_CAUTION"]
+__all__ = [
+    "what_if_line",
+    "format_compare_summary",
+    "compare_notes",
+    "format_placement_summary",
+    "RANDOM_WEIGHTS_CAUTION",
+]
 
 #: printed by compare when the traced model had seeded random weights (the dashboard shows the same banner)
 RANDOM_WEIGHTS_CAUTION = (
@@ -64,6 +70,14 @@ def _ratio(x: float) -> str:
     return "n/a" if x != x else f"{x:.3f}"
 
 
+def what_if_line(n: int) -> str:
+    """The line every output of a ``--route-on first-decode:N`` run carries."""
+    return (
+        f"what-if: routes on generated tokens, not deployable: routers saw each request's first {n} generated "
+        "token(s), not its prompt (a serving engine places a request before it generates); the later tokens are simulated"
+    )
+
+
 def format_compare_summary(result: CompareResult) -> str:
     """Header lines (deployment, split, batches, the copy model and links), then one aligned row per
     strategy and the bounds: predicted decode all-to-all time per step over linear's median (p10, p90),
@@ -78,6 +92,7 @@ def format_compare_summary(result: CompareResult) -> str:
         f"test requests, {c.num_batches} decode steps of {c.batch_requests} requests"
         + (f", {c.num_prefill_batches} prefill steps of {c.prefill_tokens_per_node} tokens per node" if pre else ""),
         copy_model_line(c),
+        *([what_if_line(c.route_first_decode)] if c.route_first_decode else []),
         "predicted time per step over linear's median (lower is better); inter-node bytes likewise",
         f"{'strategy':<16} {'a2a time':>8} {'p10':>6} {'p90':>6} {'MoE time':>8} {'inter bytes':>11} {'/batch':>9} "
         f"{'router':>7} {'node load':>9} {'GPU load':>8} {'of oracle':>9}" + (f" {'prefill a2a':>11}" if pre else ""),
@@ -135,6 +150,8 @@ def compare_notes(result: CompareResult) -> list[str]:
             "draws from the same few, so the figures are noise; trace more requests or raise --test-fraction"
         )
     notes += [f"note: no {b} row: {why}" for b, why in c.skipped.items()]
+    if c.route_first_decode:
+        notes.append(f"caution: {what_if_line(c.route_first_decode)}")
     notes += [
         f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
         "to them; those nodes idled in every step (more requests or fewer clusters avoid this)"

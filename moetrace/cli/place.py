@@ -53,6 +53,13 @@ MaxNodeLoad = Annotated[
 PrefillTokens = Annotated[
     int, typer.Option(help="Chunked-prefill tokens per node and prefill step at an even share (0: decode only).")
 ]
+RouteOnOpt = Annotated[
+    str,
+    typer.Option(
+        help="What routers see: prefill (as deployed) or first-decode:N, a what-if for decode-only captures "
+        "(each request's first N generated tokens; not deployable, said in every output)."
+    ),
+]
 ReplicaPolicyOpt = Annotated[Literal["same_node", "even", "metro"], typer.Option(help="Which replica serves a token.")]
 _GROUPED = ", ".join(s.name for s in STRATEGIES if s.grouped)
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  # the registry's names, built at run time
@@ -157,6 +164,7 @@ def compare_cmd(
     link: LinkOpt = None,
     max_node_load: MaxNodeLoad = 1.10,
     prefill_tokens: PrefillTokens = 1024,
+    route_on: RouteOnOpt = "prefill",
     replica_policy: ReplicaPolicyOpt = "same_node",
     oracle: Annotated[
         bool, typer.Option(help="Also report the upper bounds: perfect routing and the test-set oracle.")
@@ -172,7 +180,7 @@ def compare_cmd(
 
     Example: moetrace compare traces/dsv3 --config DP8TP8EP64 --strategies linear,eplb,data,joint -o results/
     """
-    from moetrace.placement.compare import load_trace_data, run_compare, write_results
+    from moetrace.placement.compare import load_trace_data, parse_route_on, run_compare, write_results
     from moetrace.placement.cost import parse_links
     from moetrace.placement.report import compare_notes, format_compare_summary
     from moetrace.results import COMPARE, check_output
@@ -196,6 +204,7 @@ def compare_cmd(
         replica_policy=replica_policy,
         oracle=oracle,
         seed=seed,
+        route_first_decode=parse_route_on(route_on),
     )
     check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
     with progress_bar("counting", "tokens", quiet=quiet) as bar:
@@ -206,6 +215,7 @@ def compare_cmd(
             allow_incomplete=allow_incomplete,
             progress=bar,
             held_out_tokens=False,
+            route_first_decode=cfg.route_first_decode,
         )  # compare reads them after placing
     with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
         result = run_compare(data, cfg, progress=bar)
