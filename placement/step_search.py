@@ -16,7 +16,7 @@ else evenly to all replicas. The node's tokens sit evenly on its ``Wn`` GPUs, so
 - ``t[w] = max(max(send_intra, recv_intra) / bw_intra, max(send_inter, recv_inter) / bw_inter)``;
   the layer waits for ``max_w t[w]``.
 
-``improve_layout`` moves slots between GPUs to lower that layer time: from the busiest GPUs it
+``improve_layout`` moves slots between GPUs to lower that layer time: from the busiest GPU it
 swaps one slot with any other slot, taking the swap that lowers ``sum_w (t[w] / max t) ** 8`` most
 (a smooth maximum, so ties between stragglers do not stall it), until none does. Slots of experts
 with replicas move only inside their node (their copies' routing depends on where the replicas
@@ -42,7 +42,7 @@ from moetrace.placement.cost import DEFAULT_LINKS, Links
 __all__ = ["LinkTimes", "slot_flows_PG", "layer_link_times", "expected_step_seconds", "improve_layout"]
 
 #: GPUs (busiest first) whose slots the search tries to move, per move
-_STRAGGLERS_TRIED = 2
+_STRAGGLERS_TRIED = 1
 
 
 @dataclass(frozen=True)
