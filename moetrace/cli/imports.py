@@ -91,7 +91,7 @@ def import_cmd(
         float | None,
         typer.Option(
             "--max-memory",
-            min=0.001,
+            min=1e-6,
             help="GiB one allocation of the import may take (default: half the memory available now); an input "
             "asking for more is refused before anything is allocated.",
             show_default=False,

@@ -220,7 +220,10 @@ def import_trace(
     wrong = [o for o in options.given() if o not in fmt.options]
     if wrong:
         takes = ", ".join(f"{f.name}: {' '.join(sorted(f.options))}" for f in FORMATS if f.options)
-        raise ConfigError(f"{' and '.join(wrong)} do(es) not apply to --format {fmt.name} (options by format: {takes})")
+        raise ConfigError(
+            f"{' and '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to --format {fmt.name} "
+            f"(options by format: {takes})"
+        )
     if fmt.precheck is not None:
         fmt.precheck(src)
     with_weights = fmt.with_weights is not None and fmt.with_weights(src)

@@ -39,21 +39,25 @@ CHUNK_TOKENS = 1 << 15
 MAX_MAP_BYTES = 1 << 26
 
 
-def _row(describe_row: Callable[[int], str] | None, t: int) -> str:
-    return describe_row(t) if describe_row is not None else f"token {t}"
+#: names row ``t`` of the ids and MoE layer ``l`` (its ordinal) in the input: "in.jsonl:12: request 3, position 7, layer 5"
+DescribeRow = Callable[[int, int], str]
+
+
+def _row(describe_row: DescribeRow | None, t: int, layer: int) -> str:
+    return describe_row(t, layer) if describe_row is not None else f"token {t}, MoE layer {layer}"
 
 
 def check_ids(
     topk_ids_TLK: np.ndarray,
     info: ModelInfo,
     *,
-    describe_row: Callable[[int], str] | None = None,
+    describe_row: DescribeRow | None = None,
 ) -> int:
     """Refuse ids that do not fit ``info`` (module docstring); return the largest id seen (-1: none), for
     ``ids_notes``.
 
-    ``topk_ids_TLK``: integer ids ``[T, L, K]`` (``-1`` = not recorded). ``describe_row(t)`` names row
-    ``t`` in the input ("request 3, position 7 (line 12)") for the error. Raises ``TraceFormatError``.
+    ``topk_ids_TLK``: integer ids ``[T, L, K]`` (``-1`` = not recorded). ``describe_row(t, l)`` names row
+    ``t``, MoE layer ordinal ``l`` in the input for the error. Raises ``TraceFormatError``.
     """
     import numpy as np
 
@@ -72,13 +76,15 @@ def check_ids(
         seen_max = max(seen_max, int(ids.max()))
         low = ids < -1
         if low.any():
-            t = lo + int(np.argwhere(low)[0][0])
-            raise TraceFormatError(f"{_row(describe_row, t)}: expert id {int(ids[low][0])}; ids are 0..{E - 1} or -1")
+            t, layer, _ = (int(x) for x in np.argwhere(low)[0])
+            raise TraceFormatError(
+                f"{_row(describe_row, lo + t, layer)}: expert id {int(ids[low][0])}; ids are 0..{E - 1} or -1"
+            )
         high = ids >= E
         if high.any():
             t, layer, _ = (int(x) for x in np.argwhere(high)[0])
             raise TraceFormatError(
-                f"{_row(describe_row, lo + t)}: expert id {int(ids[high].max())} in MoE layer {info.moe_layers[layer]}, "
+                f"{_row(describe_row, lo + t, layer)}: expert id {int(ids[t, layer].max())}, "
                 f"but {info.name} has {E} experts (0..{E - 1}). Ids >= {E} look like physical slot ids of a capture "
                 "with redundant experts (EPLB): pass --physical-map FILE (SGLang's physical_to_logical_map, or a "
                 "moetrace placement file) to convert them; otherwise --model names another model"
@@ -88,8 +94,8 @@ def check_ids(
         if dup.any():
             t, layer, k = (int(x) for x in np.argwhere(dup)[0])
             raise TraceFormatError(
-                f"{_row(describe_row, lo + t)}: expert {int(s[t, layer, k + 1])} appears twice in one token's top-k "
-                f"(MoE layer {info.moe_layers[layer]}); a router picks {K} distinct experts: the ids are not "
+                f"{_row(describe_row, lo + t, layer)}: expert {int(s[t, layer, k + 1])} appears twice in one token's "
+                "top-k; a router picks {K} distinct experts: the ids are not "
                 f"{info.name}'s logical experts (physical ids of replicas? pass --physical-map)"
             )
         if group and info.topk_group is not None and info.topk_group < (info.n_group or 0):
@@ -99,8 +105,8 @@ def check_ids(
             if over.any():
                 t, layer = (int(x) for x in np.argwhere(over)[0])
                 raise TraceFormatError(
-                    f"{_row(describe_row, lo + t)}: the experts {sorted(int(x) for x in s[t, layer] if x >= 0)} of MoE "
-                    f"layer {info.moe_layers[layer]} span {int(spans[t, layer])} expert groups, but {info.name}'s "
+                    f"{_row(describe_row, lo + t, layer)}: the experts {sorted(int(x) for x in s[t, layer] if x >= 0)} "
+                    "span {int(spans[t, layer])} expert groups, but {info.name}'s "
                     f"router picks from at most {info.topk_group} of its {info.n_group} groups of {group}: these look "
                     "like physical ids of an EPLB-remapped capture (pass --physical-map FILE to convert them), or "
                     "--model names another model"
@@ -190,9 +196,7 @@ def read_physical_map(path: Path, info: ModelInfo) -> np.ndarray:
     )
 
 
-def to_logical(
-    topk_ids_TLK: np.ndarray, map_LP: np.ndarray, *, describe_row: Callable[[int], str] | None = None
-) -> np.ndarray:
+def to_logical(topk_ids_TLK: np.ndarray, map_LP: np.ndarray, *, describe_row: DescribeRow | None = None) -> np.ndarray:
     """Physical slot ids ``[T, L, K]`` → logical ids (int16, same shape; ``-1`` stays ``-1``) through ``map_LP``
     (``[L, P]``). Raises ``TraceFormatError`` for an id outside ``-1..P-1``."""
     import numpy as np
@@ -208,9 +212,9 @@ def to_logical(
         ids = np.asarray(topk_ids_TLK[lo : lo + CHUNK_TOKENS], dtype=np.int64)
         bad = (ids < -1) | (ids >= P)
         if bad.any():
-            t = lo + int(np.argwhere(bad)[0][0])
+            t, layer, _ = (int(x) for x in np.argwhere(bad)[0])
             raise TraceFormatError(
-                f"{_row(describe_row, t)}: physical id {int(ids[bad][0])} outside the map's 0..{P - 1} slots"
+                f"{_row(describe_row, lo + t, layer)}: physical id {int(ids[bad][0])} outside the map's 0..{P - 1} slots"
             )
         rec = ids >= 0
         out[lo : lo + CHUNK_TOKENS] = np.where(rec, flat_map[np.where(rec, ids, 0) + offset_1L1], -1)

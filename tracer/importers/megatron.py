@@ -239,8 +239,8 @@ def read(
             )
         fingerprints[key] = f"rank {rank}"
 
-        def describe(t: int, w: str = where, s: int = step, r: int = rank) -> str:
-            return f"{w} (step {s}, rank {r}), token {t}"
+        def describe(t: int, moe: int, w: str = where, s: int = step, r: int = rank) -> str:
+            return f"{w} (step {s}, rank {r}), token {t}, layer {info.moe_layers[moe]}"
 
         logical = to_logical(ids_NLK, map_LP, describe_row=describe) if map_LP is not None else ids_NLK
         max_id = max(max_id, check_ids(logical, info, describe_row=describe))

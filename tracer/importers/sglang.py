@@ -28,6 +28,7 @@ recorders (the ``per_token`` expert-distribution dumps carry physical ids and no
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +155,11 @@ def sglang_response_rows(
     return P, O, rows
 
 
+def _describe(info: ModelInfo) -> Callable[[int, int], str]:
+    """Names row ``t`` and MoE layer ordinal ``l`` of one response's ids, for an error."""
+    return lambda t, layer: f"position {t}, layer {info.moe_layers[layer]}"
+
+
 def read(
     src: Path,
     *,
@@ -205,9 +211,9 @@ def read(
                 P, O, rows = sglang_response_rows(resp, info=info, physical=map_LP is not None)
                 ids_TLK = rows.reshape(len(rows), info.num_moe_layers, info.top_k)
                 if map_LP is not None:
-                    ids_TLK = to_logical(ids_TLK, map_LP, describe_row=lambda t: f"position {t}")
+                    ids_TLK = to_logical(ids_TLK, map_LP, describe_row=_describe(info))
                     rows = ids_TLK.reshape(len(rows), -1)
-                max_id = max(max_id, check_ids(ids_TLK, info, describe_row=lambda t: f"position {t}"))
+                max_id = max(max_id, check_ids(ids_TLK, info, describe_row=_describe(info)))
                 num_ids += int((ids_TLK >= 0).sum())
             except (TraceFormatError, KeyError, TypeError, ValueError) as exc:
                 raise TraceFormatError(f"{src}:{n}: request {rid}: {exc}") from exc

@@ -275,8 +275,8 @@ def read(
                 continue
             check_allocation(N * info.ids_per_token * 8, f"{where}: {N:,} tokens", options=options)
 
-            def describe(t: int, w: str = where) -> str:
-                return f"{w}, token {t}"
+            def describe(t: int, moe: int, w: str = where) -> str:
+                return f"{w}, token {t}, layer {info.moe_layers[moe]}"
 
             logical = to_logical(ids_NLK, map_LP, describe_row=describe)
             max_id = max(max_id, check_ids(logical, info, describe_row=describe))

@@ -505,12 +505,12 @@ def read(
         request_name=display,
     )
 
-    def describe_row(t: int) -> str:
+    def describe_row(t: int, moe: int) -> str:
         r = int(np.searchsorted(tr.start_R, t, side="right")) - 1
-        pos = t - int(tr.start_R[r])
-        at = np.flatnonzero((request_N == tr.request_id_R[r]) & (tr.position_N == pos))
+        pos, layer = t - int(tr.start_R[r]), info.moe_layers[moe]
+        at = np.flatnonzero((request_N == tr.request_id_R[r]) & (tr.position_N == pos) & (layer_N == layer))
         line = where(int(at[0])) if at.size else f"{src}"
-        return f"{line}: request {display(int(tr.request_id_R[r]))!r}, position {pos}"
+        return f"{line}: request {display(int(tr.request_id_R[r]))!r}, position {pos}, layer {layer}"
 
     notes: list[str] = []
     collection: dict[str, Any] = {}
