@@ -106,7 +106,7 @@ def check_ids(
                 t, layer = (int(x) for x in np.argwhere(over)[0])
                 raise TraceFormatError(
                     f"{_row(describe_row, lo + t, layer)}: the experts {sorted(int(x) for x in s[t, layer] if x >= 0)} "
-                    "span {int(spans[t, layer])} expert groups, but {info.name}'s "
+                    f"span {int(spans[t, layer])} expert groups, but {info.name}'s "
                     f"router picks from at most {info.topk_group} of its {info.n_group} groups of {group}: these look "
                     "like physical ids of an EPLB-remapped capture (pass --physical-map FILE to convert them), or "
                     "--model names another model"
