@@ -276,7 +276,7 @@ def read(
 
 FORMAT = ImportFormat(
     name="megatron-router",
-    help="Megatron-Core router traces (--moe-routing-trace-path): the directory of router_trace_rank*.jsonl",
+    help="Megatron-Core router traces: the directory of router_trace_rank*.jsonl files, or one of them",
     detect=detect,
     precheck=precheck,
     read=read,
