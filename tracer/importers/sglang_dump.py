@@ -1,7 +1,7 @@
 """Import format ``sglang-dump``: SGLang's expert-distribution recorder in ``per_token`` mode (``.pt`` dumps).
 
 Read from ``python/sglang/srt/eplb/expert_distribution.py`` (sgl-project/sglang, commit
-02295fe5ac5c, as of v0.5.x): a server started with ``--expert-distribution-recorder-mode per_token``
+02295fe5ac5c; no release tag pinned): a server started with ``--expert-distribution-recorder-mode per_token``
 records between ``/start_expert_distribution_record`` and ``/stop_expert_distribution_record``;
 ``/dump_expert_distribution_record`` makes every rank write
 ``expert_distribution_recorder_{time}_{rank}.pt`` into ``SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR``
