@@ -108,7 +108,7 @@ def test_sglang_wrong_dtype_is_a_clean_error(tmp_path):
         src.write_text(json.dumps(resp) + "\n")
         with pytest.raises(
             TraceFormatError,
-            match=r"r.jsonl:1: meta_info.routed_experts_dtype must be one of int32, "
+            match=r"r.jsonl:1: request 0: meta_info.routed_experts_dtype must be one of int32, "
             r"uint16, uint8",
         ):
             import_trace(src, out=tmp_path / "t", model=MAV)
@@ -278,8 +278,8 @@ def test_cli_import_and_clean_errors(tmp_path):
     [
         ({"layer": "x"}, "`layer` must be an integer"),
         ({"position": 0.5}, "`position` must be an integer"),  # was silently truncated to 0
-        ({"experts": None}, "`experts` must be a list of integers"),
-        ({"experts": [None, *range(1, 8)]}, "lists hold nulls"),
+        ({"experts": None}, r"x.jsonl:1: no `experts` \(null or missing\)"),
+        ({"experts": [None, *range(1, 8)]}, "x.jsonl:1: `experts` holds null"),
         ({"position": 3_000_000_000}, "does not fit"),
     ],
 )

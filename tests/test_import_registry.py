@@ -41,7 +41,7 @@ def detect_i16(head: bytes, src: Path) -> bool:
     return head.startswith(MAGIC)
 
 
-def read_i16(src: Path, *, writer, info, label, stages, progress) -> ReadResult:
+def read_i16(src: Path, *, writer, info, label, stages, progress, options) -> ReadResult:
     data = src.read_bytes()
     (num,), at = struct.unpack_from("<I", data, len(MAGIC)), len(MAGIC) + 4
     X = info.num_moe_layers * info.top_k

@@ -137,7 +137,9 @@ def test_strict_default_refuses_a_decode_only_capture_naming_the_option(tmp_path
     assert not (tmp_path / "t").exists()
     gen_only = [dict(r, request="no-prompt") for r in capture("decode", requests=1, tokens=2)]
     mixed = capture("prefill", requests=2, tokens=3) + capture("decode", requests=2, start=3) + gen_only
-    with pytest.raises(TraceFormatError, match=r"request 2: no prefill position 0 .*--stages decode-only"):
+    with pytest.raises(
+        TraceFormatError, match=r"m.jsonl:\d+: request 'no-prompt': no prefill record .*--stages decode-only"
+    ):
         import_trace(write(tmp_path / "m.jsonl", mixed), out=tmp_path / "t2", model=MIXTRAL)
 
 

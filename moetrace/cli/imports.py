@@ -13,6 +13,7 @@ import typer
 
 from moetrace.cli.common import OutDir, Overwrite, Quiet, friendly_errors, human_bytes, progress_bar
 from moetrace.tracer.importers import FORMATS, STAGES_HELP, StagesMode
+from moetrace.tracer.importers.options import PHYSICAL_MAP, PROMPT_SPAN
 
 FORMAT_CHOICES: tuple[str, ...] = ("auto", *(f.name for f in FORMATS))
 FormatName = Literal[FORMAT_CHOICES]  # type: ignore[valid-type]  # the registry's names, built at run time
@@ -23,6 +24,10 @@ _STAGES_HELP = (
     + "; ".join(f"{mode} ({what})" for mode, what in STAGES_HELP.items())
     + ". Recorded in the manifest; analyses that need the missing stage are skipped with the reason."
 )
+
+
+def _formats_taking(option: str) -> str:
+    return ", ".join(f.name for f in FORMATS if option in f.options)
 
 
 def register(app: typer.Typer) -> None:
@@ -52,6 +57,46 @@ def import_cmd(
         str | None, typer.Option(help="Dataset label of requests that carry none (default: the file name).")
     ] = None,
     stages: Annotated[StagesMode, typer.Option("--stages", help=_STAGES_HELP)] = "both",
+    physical_map: Annotated[
+        Path | None,
+        typer.Option(
+            "--physical-map",
+            help="The capture holds physical slot ids (EPLB, redundant experts): convert them with this map, "
+            "SGLang's physical_to_logical_map JSON or a moetrace placement file (--format "
+            f"{_formats_taking(PHYSICAL_MAP)}).",
+            show_default=False,
+        ),
+    ] = None,
+    prompt_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--prompt-tokens",
+            min=1,
+            help="Teacher-forced capture (one pass over prompt+response): the first N positions of every request "
+            f"are its prompt, the rest decode (--format {_formats_taking(PROMPT_SPAN)}).",
+            show_default=False,
+        ),
+    ] = None,
+    prompt_fraction: Annotated[
+        float | None,
+        typer.Option(
+            "--prompt-fraction",
+            min=0.0,
+            max=1.0,
+            help="Teacher-forced capture: the first round(F x length) positions of every request are its prompt.",
+            show_default=False,
+        ),
+    ] = None,
+    max_memory: Annotated[
+        float | None,
+        typer.Option(
+            "--max-memory",
+            min=1e-6,
+            help="GiB one allocation of the import may take (default: half the memory available now); an input "
+            "asking for more is refused before anything is allocated.",
+            show_default=False,
+        ),
+    ] = None,
     overwrite: Overwrite = False,
     quiet: Quiet = False,
 ) -> None:
@@ -60,10 +105,18 @@ def import_cmd(
     Example: moetrace import sglang-responses.jsonl --model deepseek-v3 -o traces/dsv3-sglang
 
     A capture of generated tokens only: moetrace import gen.jsonl --format tokens --stages decode-only -m mixtral-8x7b -o t
+
+    A teacher-forced capture: moetrace import tf.jsonl --prompt-tokens 512 -m olmoe-1b-7b -o t
     """
-    from moetrace.tracer.importers import import_trace
+    from moetrace.tracer.importers import ImportOptions, import_trace
     from moetrace.tracer.presets import resolve
 
+    options = ImportOptions(
+        physical_map=physical_map,
+        prompt_tokens=prompt_tokens,
+        prompt_fraction=prompt_fraction,
+        max_memory_bytes=None if max_memory is None else int(max_memory * 2**30),
+    )
     info = resolve(model).model_info()
     with progress_bar("import", "bytes", quiet=quiet) as bar:
         stats = import_trace(
@@ -75,6 +128,8 @@ def import_cmd(
             stages=stages,
             on_existing="overwrite" if overwrite else "refuse",
             progress=bar,
+            options=options,
+            notes=lambda line: typer.echo(f"note: {line}", err=True),
         )
     only = "" if stages == "both" else f" ({stages.replace('-only', '')} stage only)"
     typer.echo(

@@ -4,13 +4,19 @@
 
 - ``sglang`` (``sglang.py``): JSONL of SGLang ``/generate`` responses with ``meta_info.routed_experts``;
 - ``tokens`` (``tokens.py``): JSONL of per-token, per-layer records; the only one honouring ``--stages``
-  decode-only / prefill-only.
+  decode-only / prefill-only, and the prompt span of a teacher-forced capture;
+- ``sglang-dump`` (``sglang_dump.py``): SGLang's expert-distribution recorder ``per_token`` dumps (``.pt``);
+- ``megatron-router`` (``megatron.py``): a directory of Megatron-Core router traces, one JSONL per rank.
+
+The per-token formats check the ids against the model (``ids``) and convert physical ids
+(``--physical-map``); the options only some formats honour are ``options.ImportOptions``.
 
 ``import_trace`` is the one entry point: it finds the format (``--format``, or ``detect_format``:
 each format looks at the input's first bytes, before anything is decoded as text, so a binary
 format or a directory fits), opens the trace writer, lets the format's ``read`` fill it, and
-writes the manifest (``backend.source_format``, ``collection.stages``, the datasets). Bad input
-leaves no partial trace behind.
+writes the manifest (``backend.source_format``, ``collection.stages``, the datasets, the input's
+file name, never its directories, and the format's ``collection`` fields and notes). Only regular
+files and directories are read (a named pipe would block). Bad input leaves no partial trace behind.
 
 Adding a format: a module here with ``detect``, ``read`` and one ``base.ImportFormat`` (name,
 help line, whether it honours ``--stages``), one row in ``FORMATS``, a test. The CLI's
@@ -24,11 +30,12 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
-from moetrace.tracer.importers import sglang, tokens
+from moetrace.tracer.importers import megatron, sglang, sglang_dump, tokens
 from moetrace.tracer.importers.base import (
     HEAD_BYTES,
     RECORDED_STAGES,
@@ -47,6 +54,7 @@ from moetrace.tracer.importers.jsonl import (
     first_line_utf8_error,
     first_record,
 )
+from moetrace.tracer.importers.options import ImportOptions
 from moetrace.tracer.importers.sglang import (
     SGLANG_DEFAULT_DTYPE,
     SGLANG_ROUTED_EXPERTS_DTYPES,
@@ -63,6 +71,7 @@ if TYPE_CHECKING:  # the writer (pyarrow) loads in import_trace, so `moetrace --
 __all__ = [
     "FORMATS",
     "ImportFormat",
+    "ImportOptions",
     "MAX_REQUEST_BYTES",
     "MAX_REQUEST_TOKENS",
     "RECORDED_STAGES",
@@ -87,6 +96,8 @@ __all__ = [
 FORMATS: tuple[ImportFormat, ...] = (
     sglang.FORMAT,
     tokens.FORMAT,
+    sglang_dump.FORMAT,
+    megatron.FORMAT,
 )
 
 
@@ -102,8 +113,25 @@ def get_format(name: str) -> ImportFormat:
     raise ConfigError(f"unknown import format {name!r}; choose from auto, {', '.join(f.name for f in FORMATS)}")
 
 
+def _check_source(src: Path) -> None:
+    """``TraceFormatError`` unless ``src`` is a regular file or a directory (a named pipe or a device would block
+    or never end)."""
+    import stat
+
+    try:
+        mode = src.stat().st_mode
+    except FileNotFoundError:
+        raise TraceFormatError(f"{src}: no such file") from None
+    except OSError as exc:
+        raise TraceFormatError(f"{src}: cannot be read ({exc.strerror})") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise TraceFormatError(f"{src}: {kind}, not a regular file; save the capture to a file and import that")
+
+
 def _head(src: Path) -> bytes:
     """The first ``HEAD_BYTES`` of a file; ``b""`` for a directory."""
+    _check_source(src)
     if src.is_dir():
         return b""
     with open(src, "rb") as f:
@@ -163,6 +191,8 @@ def import_trace(
     stages: StagesMode = "both",
     on_existing: OnExisting = "refuse",
     progress: Progress | None = None,
+    options: ImportOptions | None = None,
+    notes: Callable[[str], None] | None = None,
 ) -> WriterStats:
     """Convert one input (a file, or a directory for a format that reads one) into the trace directory
     ``out``; returns what was written.
@@ -176,8 +206,8 @@ def import_trace(
     from moetrace.tracer.trace.writer import TraceWriter
 
     src = Path(path)
-    if not src.exists():
-        raise TraceFormatError(f"{src}: no such file")
+    options = options or ImportOptions()
+    _check_source(src)
     if stages not in RECORDED_STAGES:
         raise ConfigError(f"stages must be one of {', '.join(RECORDED_STAGES)}, got {stages!r}")
     fmt = detect_format(src) if source_format == "auto" else get_format(source_format)
@@ -187,8 +217,16 @@ def import_trace(
             f"--stages {stages} applies to --format {honour}; --format {fmt.name} ({fmt.help}) always "
             "carries both stages (leave --stages at both)"
         )
+    wrong = [o for o in options.given() if o not in fmt.options]
+    if wrong:
+        takes = ", ".join(f"{f.name}: {' '.join(sorted(f.options))}" for f in FORMATS if f.options)
+        raise ConfigError(
+            f"{' and '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to --format {fmt.name} "
+            f"(options by format: {takes})"
+        )
     if fmt.precheck is not None:
         fmt.precheck(src)
+    with_weights = fmt.with_weights is not None and fmt.with_weights(src)
     label = dataset or src.stem
     # the file's name only: the user's directories stay out of the trace (privacy)
     backend = {"name": "import", "source_format": fmt.name, "source_file": src.name}
@@ -201,13 +239,28 @@ def import_trace(
     if on_existing == "refuse" and (Path(out) / MANIFEST).exists():
         raise OutputExistsError(f"{out} already holds a trace; choose another -o, or --overwrite to replace it")
     try:
-        with TraceWriter(out, model=model, backend=backend, collection=collection, on_existing=on_existing) as writer:
-            result: ReadResult = fmt.read(src, writer=writer, info=model, label=label, stages=stages, progress=progress)
+        with TraceWriter(
+            out,
+            model=model,
+            backend=backend,
+            collection=collection,
+            on_existing=on_existing,
+            with_weights=with_weights,
+        ) as writer:
+            result: ReadResult = fmt.read(
+                src, writer=writer, info=model, label=label, stages=stages, progress=progress, options=options
+            )
             if not result.prompt_lengths_known:
                 collection["prompt_lengths_known"] = False
+            collection.update(result.collection)
+            if result.notes:
+                collection["import_notes"] = list(result.notes)
             writer.update_manifest(collection={**collection, "datasets": sorted(result.datasets)})
-    except TraceFormatError:
-        if created:  # bad input: leave no partial trace behind that would block a corrected re-run
+    except BaseException:
+        if created:  # bad input (or an interrupt): no partial trace behind that would block a corrected re-run
             shutil.rmtree(out, ignore_errors=True)
         raise
+    if notes is not None:
+        for line in result.notes:
+            notes(line)
     return writer.stats()

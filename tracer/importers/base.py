@@ -21,9 +21,11 @@ Out of scope: any one format (its module), detection over all formats and writin
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
+
+from moetrace.tracer.importers.options import ImportOptions
 
 if TYPE_CHECKING:
     from moetrace.tracer.trace.schema import ModelInfo
@@ -59,6 +61,11 @@ class ReadResult:
 
     datasets: frozenset[str]  # the dataset labels of the requests written (``collection.datasets``)
     prompt_lengths_known: bool = True  # False: prompts are placeholders of unknown length (a decode-only capture)
+    # what the import could not check or changed (ids.check_ids, a map applied), one sentence each: printed by
+    # the CLI and kept as the manifest's ``collection.import_notes``
+    notes: tuple[str, ...] = ()
+    # more ``collection`` fields of the manifest (JSON values): how records became requests, a prompt span...
+    collection: dict[str, Any] = field(default_factory=dict)
 
 
 class Detect(Protocol):
@@ -80,11 +87,12 @@ class Read(Protocol):
         label: str,
         stages: StagesMode,
         progress: Progress | None,
+        options: ImportOptions,
     ) -> ReadResult:
         """Add every request of ``src`` to ``writer`` (``add_requests``), labelling requests that carry no
         dataset with ``label``; ``stages`` is what the capture recorded (always ``both`` for a format whose
-        ``stages_modes`` is False). Raises ``TraceFormatError`` naming the place in ``src``, the problem and
-        the fix."""
+        ``stages_modes`` is False); ``options`` the user's options (only those in ``ImportFormat.options`` are
+        set). Raises ``TraceFormatError`` naming the place in ``src``, the problem and the fix."""
         ...
 
 
@@ -100,3 +108,7 @@ class ImportFormat:
     # whole-input checks that need no model or writer (e.g. a text format's UTF-8 check), run before the
     # output directory is touched, so bad input never costs an existing trace under --overwrite; None: none
     precheck: Callable[[Path], None] | None = None
+    # the ``options.ImportOptions`` it honours (``options.PHYSICAL_MAP``, ``options.PROMPT_SPAN``); others are refused
+    options: frozenset[str] = frozenset()
+    # whether the input carries routing weights (the writer's ``with_weights``, decided before ``read``); None: never
+    with_weights: Callable[[Path], bool] | None = None

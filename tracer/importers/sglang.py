@@ -28,12 +28,15 @@ recorders (the ``per_token`` expert-distribution dumps carry physical ids and no
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
+from moetrace.tracer.importers.ids import check_ids, ids_notes, read_physical_map, to_logical
 from moetrace.tracer.importers.jsonl import MAX_REQUEST_BYTES, check_utf8, first_object, iter_json_lines, whole
+from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions
 
 if TYPE_CHECKING:  # numpy and the writer load when a file is read, so `moetrace --help` stays light
     import numpy as np
@@ -45,8 +48,9 @@ if TYPE_CHECKING:  # numpy and the writer load when a file is read, so `moetrace
 SGLANG_ROUTED_EXPERTS_DTYPES: dict[str, str] = {"int32": "<i4", "uint16": "<u2", "uint8": "u1"}
 #: the payload's dtype when a response has no ``routed_experts_dtype`` (every released SGLang)
 SGLANG_DEFAULT_DTYPE = "int32"
-#: responses per ``add_requests`` call (and per progress report)
+#: responses per ``add_requests`` call (and per progress report), and the most bytes of ids a batch holds
 BATCH_RESPONSES = 512
+BATCH_BYTES = 1 << 27
 
 
 def detect(head: bytes, src: Path) -> bool:
@@ -94,8 +98,11 @@ def decode_sglang_routed_experts(
     return flat.reshape(num_rows, -1, top_k)
 
 
-def sglang_response_rows(resp: dict[str, Any], *, info: ModelInfo) -> tuple[int, int, np.ndarray]:
-    """``(prompt_tokens, output_tokens, topk_ids_TX)`` of one SGLang ``/generate`` response."""
+def sglang_response_rows(
+    resp: dict[str, Any], *, info: ModelInfo, physical: bool = False
+) -> tuple[int, int, np.ndarray]:
+    """``(prompt_tokens, output_tokens, topk_ids_TX)`` of one SGLang ``/generate`` response; ``physical``: the ids
+    are physical slots (converted by the caller), so ids of ``E`` and more are kept for the map."""
     import numpy as np
 
     from moetrace.tracer.backends.vllm_convert import routed_experts_to_rows
@@ -139,13 +146,18 @@ def sglang_response_rows(resp: dict[str, Any], *, info: ModelInfo) -> tuple[int,
             arr,
             moe_layers=info.moe_layers,
             num_hidden_layers=info.num_hidden_layers,
-            num_experts=info.num_experts,
+            num_experts=int(np.iinfo(np.int16).max) if physical else info.num_experts,
             prompt_tokens=P,
             output_tokens=O,
         )
     except ValueError as exc:
         raise TraceFormatError(str(exc)) from exc
     return P, O, rows
+
+
+def _describe(info: ModelInfo) -> Callable[[int, int], str]:
+    """Names row ``t`` and MoE layer ordinal ``l`` of one response's ids, for an error."""
+    return lambda t, layer: f"position {t}, layer {info.moe_layers[layer]}"
 
 
 def read(
@@ -156,10 +168,16 @@ def read(
     label: str,
     stages: StagesMode = "both",
     progress: Progress | None = None,
+    options: ImportOptions | None = None,
 ) -> ReadResult:
-    """Add every response of ``src`` to ``writer``, ``BATCH_RESPONSES`` at a time; progress in bytes of ``src``."""
+    """Add every response of ``src`` to ``writer``, ``BATCH_RESPONSES`` (at most ``BATCH_BYTES`` of ids) at a
+    time; progress in bytes of ``src``. Ids are checked against the model (``ids.check_ids``), after
+    ``--physical-map`` converted them when given."""
     import numpy as np
 
+    options = options or ImportOptions()
+    map_LP = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
+    max_id, num_ids = -1, 0
     seen: set[str] = set()
     ids: set[int] = set()
     index = 0
@@ -186,10 +204,19 @@ def read(
             if not isinstance(resp, dict):
                 raise TraceFormatError(f"{src}:{n}: expected a response object, got {type(resp).__name__}")
             try:
-                P, O, rows = sglang_response_rows(resp, info=info)
                 rid = whole(resp["request_id"], "request_id", high=2**63 - 1) if "request_id" in resp else index
-            except (TraceFormatError, KeyError, TypeError, ValueError) as exc:
+            except TraceFormatError as exc:
                 raise TraceFormatError(f"{src}:{n}: {exc}") from exc
+            try:
+                P, O, rows = sglang_response_rows(resp, info=info, physical=map_LP is not None)
+                ids_TLK = rows.reshape(len(rows), info.num_moe_layers, info.top_k)
+                if map_LP is not None:
+                    ids_TLK = to_logical(ids_TLK, map_LP, describe_row=_describe(info))
+                    rows = ids_TLK.reshape(len(rows), -1)
+                max_id = max(max_id, check_ids(ids_TLK, info, describe_row=_describe(info)))
+                num_ids += int((ids_TLK >= 0).sum())
+            except (TraceFormatError, KeyError, TypeError, ValueError) as exc:
+                raise TraceFormatError(f"{src}:{n}: request {rid}: {exc}") from exc
             if rid in ids:
                 raise TraceFormatError(f"{src}:{n}: request_id {rid} appears twice; request ids must be unique")
             ids.add(rid)
@@ -197,12 +224,19 @@ def read(
             seen.add(ds)
             batch.append((rid, ds, P, O, rows))
             index += 1
-            if len(batch) >= BATCH_RESPONSES:
+            if len(batch) >= BATCH_RESPONSES or sum(b[4].nbytes for b in batch) >= BATCH_BYTES:
                 flush()
     flush()
     if progress is not None:
         progress(size, size)
-    return ReadResult(datasets=frozenset(seen))
+    notes = ids_notes(info, max_id=max_id, num_ids=num_ids)
+    if options.physical_map is not None:
+        notes.insert(0, f"physical slot ids converted to logical experts with {options.physical_map.name}")
+    return ReadResult(
+        datasets=frozenset(seen),
+        notes=tuple(notes),
+        collection={"physical_map": options.physical_map.name} if options.physical_map is not None else {},
+    )
 
 
 FORMAT = ImportFormat(
@@ -212,4 +246,5 @@ FORMAT = ImportFormat(
     precheck=check_utf8,
     read=read,
     stages_modes=False,
+    options=frozenset({PHYSICAL_MAP}),
 )

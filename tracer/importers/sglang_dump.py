@@ -1,0 +1,335 @@
+"""Import format ``sglang-dump``: SGLang's expert-distribution recorder in ``per_token`` mode (``.pt`` dumps).
+
+Read from ``python/sglang/srt/eplb/expert_distribution.py`` (sgl-project/sglang, commit
+02295fe5ac5c; no release tag pinned): a server started with ``--expert-distribution-recorder-mode per_token``
+records between ``/start_expert_distribution_record`` and ``/stop_expert_distribution_record``;
+``/dump_expert_distribution_record`` makes every rank write
+``expert_distribution_recorder_{time}_{rank}.pt`` into ``SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR``
+(``torch.save`` of ``{"records": [...], "last_physical_to_logical_map": int [layers, slots]}``).
+Each record is one forward pass of one rank: ``forward_pass_id``, ``rank``, ``input_ids``,
+``positions``, ``extend_seq_lens``, ``forward_mode`` (SGLang's ``ForwardMode``: 1 extend, 2 decode,
+3 mixed, 4 idle) and ``topk_ids_of_layer`` (int32 ``[layers, tokens, 8]``: the physical slot ids each
+token was sent to, ``-1`` where nothing was recorded; SGLang keeps 8 columns, DeepSeek-V3's top-k, so
+a model of smaller top-k leaves the rest ``-1``). The layer axis is SGLang's ``num_layers`` (all
+decoder layers for DeepSeek; dense layers stay ``-1``) or the MoE layers.
+
+Input: one such ``.pt``, or a directory of them (one per rank). Loaded only with
+``torch.load(weights_only=True)`` (tensors, lists, numbers, strings: no code runs), after the sizes
+its zip declares are checked against the memory budget.
+
+Ids: physical slots, converted with the dump's own ``last_physical_to_logical_map`` (the map in
+force when it was dumped: an EPLB rebalance during the recording makes earlier passes convert with
+the later map, said in the notes), or ``--physical-map FILE``, which takes precedence.
+
+Requests: the dump has no request ids (SGLang's ``rids`` field is commented out at that commit), so
+**each forward pass of each rank becomes one request** (``collection.request_unit: "forward
+pass"``): an extend (prefill) pass is a request whose prompt is the pass's tokens; a decode pass is
+a request of one unrecorded prompt row and the pass's tokens as decode (``prompt_lengths_known:
+false``); a mixed pass (chunked prefill with decode) counts as prefill (said in the notes); idle
+passes hold no tokens and are skipped; other modes (speculative decoding) are refused. Loads per
+stage, ``analyze``'s load analyses, ``compare``/``place`` with ungrouped strategies and ``export``
+are meaningful on such a trace; per-request analyses and grouped strategies see passes, not requests.
+Ranks that recorded the same pass (tensor parallelism without DP attention: every rank sees every
+token) are refused in a directory: import one rank's file.
+
+``per_pass`` dumps (counts per pass, no per-token ids) are refused with where their loads go.
+
+Shape legend: H layers of the dump's layer axis, L MoE layers, N tokens of a pass, K top-k,
+P physical slots (legend: docs/architecture.md).
+
+Out of scope: ``stat`` / ``stat_approx`` dumps (loads only: ``sglang-stat``), the ``misc_objects``
+of DeepEP dispatches, ``global_physical_count`` (the ids give it).
+"""
+
+from __future__ import annotations
+
+import re
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moetrace._deps import require
+from moetrace.errors import TraceFormatError
+from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
+from moetrace.tracer.importers.ids import check_ids, ids_notes, physical_map_from_array, read_physical_map, to_logical
+from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions, check_allocation
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from moetrace.tracer.trace.schema import ModelInfo
+    from moetrace.tracer.trace.writer import TraceWriter
+
+#: SGLang's ForwardMode values (IntEnum of auto(): stable for these four across releases)
+EXTEND, DECODE, MIXED, IDLE = 1, 2, 3, 4
+#: the top-k columns SGLang's per-token gatherer keeps (``_DetailSinglePassGatherer._TOP_K_NUM``)
+SGLANG_TOPK_COLUMNS = 8
+#: the dump files a directory holds
+DUMP_NAME = re.compile(r"^expert_distribution_recorder_.*\.pt$")
+#: bytes of the pickle detection reads
+DETECT_BYTES = 1 << 16
+#: passes per ``add_requests`` call
+BATCH_PASSES = 256
+
+
+def _pickle_head(src: Path) -> bytes:
+    """The first ``DETECT_BYTES`` of the ``data.pkl`` inside a torch zip ``src``; ``b""`` when it is not one."""
+    try:
+        with zipfile.ZipFile(src) as z:
+            names = [n for n in z.namelist() if n.endswith("data.pkl")]
+            if not names:
+                return b""
+            with z.open(names[0]) as f:
+                return f.read(DETECT_BYTES)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError):
+        return b""  # not a zip torch could have written: another format's input
+
+
+def _is_dump(head: bytes) -> bool:
+    return b"forward_pass_id" in head and b"gatherer_key" in head
+
+
+def _dump_files(src: Path) -> list[Path]:
+    if src.is_dir():
+        return sorted(p for p in src.iterdir() if DUMP_NAME.match(p.name) and p.is_file())
+    return [src]
+
+
+def detect(head: bytes, src: Path) -> bool:
+    """A torch ``.pt`` (a zip) whose pickle holds detail records (``forward_pass_id``, ``gatherer_key``), or a
+    directory of ``expert_distribution_recorder_*.pt`` files of that kind."""
+    if src.is_dir():
+        files = _dump_files(src)
+        return bool(files) and _is_dump(_pickle_head(files[0]))
+    return head.startswith(b"PK\x03\x04") and _is_dump(_pickle_head(src))
+
+
+def _load(path: Path, options: ImportOptions) -> dict[str, Any]:
+    """``torch.load(weights_only=True)`` of one dump, its declared sizes checked against the budget first."""
+    torch = require("torch", purpose="reading SGLang's .pt dumps")
+    if not path.is_file():
+        raise TraceFormatError(f"{path.name}: not a regular file")
+    try:
+        with zipfile.ZipFile(path) as z:
+            declared = sum(i.file_size for i in z.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise TraceFormatError(f"{path.name}: not a torch .pt file ({exc})") from None
+    check_allocation(2 * declared, f"{path.name} declares {declared:,} bytes of tensors", options=options)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a damaged or hostile file makes the unpickler raise anything; said, never a traceback
+        raise TraceFormatError(
+            f"{path.name}: cannot be read as a torch dump with weights_only=True ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else ''})"
+        ) from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("records"), list):
+        raise TraceFormatError(
+            f"{path.name}: not an expert-distribution per_token dump (a dict with `records`); got "
+            f"{sorted(obj)[:6] if isinstance(obj, dict) else type(obj).__name__}"
+        )
+    return obj
+
+
+def _int(rec: dict[str, Any], key: str, where: str) -> int:
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TraceFormatError(f"{where}: `{key}` must be an integer, got {type(v).__name__}")
+    return v
+
+
+def _pass_ids(rec: dict[str, Any], info: ModelInfo, where: str) -> np.ndarray:
+    """One record's ``topk_ids_of_layer`` as int64 ``[N, L, K]`` physical ids (MoE layers, the model's top-k)."""
+    import numpy as np
+
+    torch = require("torch", purpose="reading SGLang's .pt dumps")
+    t = rec.get("topk_ids_of_layer")
+    if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise TraceFormatError(
+            f"{where}: `topk_ids_of_layer` must be an integer tensor [layers, tokens, top-k], got "
+            f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+        )
+    ids_HNK = t.numpy().astype(np.int64, copy=False)
+    H, N, C = ids_HNK.shape
+    K = info.top_k
+    if C < K:
+        raise TraceFormatError(
+            f"{where}: {C} top-k columns recorded; {info.name} has top-k {K} (SGLang's per_token recorder keeps "
+            f"{SGLANG_TOPK_COLUMNS})"
+        )
+    if (ids_HNK[:, :, K:] != -1).any():
+        raise TraceFormatError(
+            f"{where}: ids beyond the first {K} columns: the capture routed more than {info.name}'s top-k {K} "
+            "(--model names another model)"
+        )
+    if H == info.num_hidden_layers:
+        dense = np.ones(H, dtype=bool)
+        dense[list(info.moe_layers)] = False
+        if (ids_HNK[dense] != -1).any():
+            layer = int(np.flatnonzero((ids_HNK[dense] != -1).any(axis=(1, 2)))[0])
+            raise TraceFormatError(
+                f"{where}: layer {int(np.flatnonzero(dense)[layer])} holds ids but is dense in {info.name} "
+                "(--model names another model)"
+            )
+        ids_HNK = ids_HNK[list(info.moe_layers)]
+    elif H != info.num_moe_layers:
+        raise TraceFormatError(
+            f"{where}: {H} layers recorded; {info.name} has {info.num_hidden_layers} layers, "
+            f"{info.num_moe_layers} of them MoE (either count fits)"
+        )
+    return np.ascontiguousarray(ids_HNK[:, :, :K].transpose(1, 0, 2))
+
+
+def read(
+    src: Path,
+    *,
+    writer: TraceWriter,
+    info: ModelInfo,
+    label: str,
+    stages: StagesMode = "both",
+    progress: Progress | None = None,
+    options: ImportOptions | None = None,
+) -> ReadResult:
+    """Add every forward pass of the dump(s) in ``src`` to ``writer`` as one request each (module docstring)."""
+    import numpy as np
+
+    from moetrace.tracer.trace.schema import NO_EXPERT
+
+    options = options or ImportOptions()
+    files = _dump_files(src)
+    if not files:
+        raise TraceFormatError(f"{src}: no expert_distribution_recorder_*.pt files in the directory")
+    user_map = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
+    notes: list[str] = []
+    passes: dict[int, dict[int, tuple[str, list[int]]]] = {}  # forward_pass_id -> rank -> (where, input_ids)
+    mixed = 0
+    rid = 0
+    max_id, num_ids = -1, 0
+    ranks: set[int] = set()
+    stages_seen: set[str] = set()
+    batch: list[tuple[int, int, int, np.ndarray]] = []
+
+    def flush() -> None:
+        if not batch:
+            return
+        writer.add_requests(
+            request_id_R=np.array([b[0] for b in batch], dtype=np.int64),
+            dataset_R=[label] * len(batch),
+            prompt_tokens_R=np.array([b[1] for b in batch], dtype=np.int32),
+            output_tokens_R=np.array([b[2] for b in batch], dtype=np.int32),
+            topk_ids_TX=np.concatenate([b[3] for b in batch]),
+        )
+        batch.clear()
+
+    for i, path in enumerate(files):
+        obj = _load(path, options)
+        records = obj["records"]
+        if records and all(isinstance(r, dict) and "topk_ids_of_layer" not in r for r in records):
+            raise TraceFormatError(
+                f"{path.name}: a per_pass dump (expert counts per forward pass, no per-token ids): it gives loads, "
+                "not a trace; record with --expert-distribution-recorder-mode per_token for a trace, or stat for a "
+                "load profile (--format sglang-stat)"
+            )
+        if user_map is not None:
+            map_LP = user_map
+        elif obj.get("last_physical_to_logical_map") is not None:
+            m = obj["last_physical_to_logical_map"]
+            map_LP = physical_map_from_array(
+                m.numpy() if hasattr(m, "numpy") else m, info, where=f"{path.name}: last_physical_to_logical_map"
+            )
+        else:
+            raise TraceFormatError(
+                f"{path.name}: no last_physical_to_logical_map; pass --physical-map FILE (the map SGLang served with)"
+            )
+        for j, rec in enumerate(records):
+            where = (
+                f"{path.name}: record {j} (forward pass {rec.get('forward_pass_id') if isinstance(rec, dict) else '?'})"
+            )
+            if not isinstance(rec, dict):
+                raise TraceFormatError(f"{where}: not a record (a dict), got {type(rec).__name__}")
+            fid, rank, mode = (_int(rec, k, where) for k in ("forward_pass_id", "rank", "forward_mode"))
+            if mode == IDLE:
+                continue
+            if mode not in (EXTEND, DECODE, MIXED):
+                raise TraceFormatError(
+                    f"{where}: forward mode {mode} (speculative decoding?) is not imported; moetrace reads extend (1), "
+                    "decode (2) and mixed (3) passes"
+                )
+            input_ids = rec.get("input_ids")
+            if not isinstance(input_ids, list):
+                raise TraceFormatError(f"{where}: `input_ids` must be a list of token ids")
+            same_pass = passes.setdefault(fid, {})
+            if rank in same_pass:
+                raise TraceFormatError(f"{where}: rank {rank} recorded forward pass {fid} twice ({same_pass[rank][0]})")
+            twin = next((w for w, ids2 in same_pass.values() if ids2 == input_ids), None)
+            if twin is not None:
+                raise TraceFormatError(
+                    f"{where}: the same tokens as {twin}: ranks that see every token (tensor parallelism without DP "
+                    "attention) record each pass once per rank; import one rank's file"
+                )
+            same_pass[rank] = (where, input_ids)
+            ids_NLK = _pass_ids(rec, info, where)
+            if len(ids_NLK) != len(input_ids):
+                raise TraceFormatError(f"{where}: {len(ids_NLK)} tokens of ids but {len(input_ids)} input_ids")
+            N = len(ids_NLK)
+            if N == 0:
+                continue
+            check_allocation(N * info.ids_per_token * 8, f"{where}: {N:,} tokens", options=options)
+
+            def describe(t: int, moe: int, w: str = where) -> str:
+                return f"{w}, token {t}, layer {info.moe_layers[moe]}"
+
+            logical = to_logical(ids_NLK, map_LP, describe_row=describe)
+            max_id = max(max_id, check_ids(logical, info, describe_row=describe))
+            num_ids += int((logical >= 0).sum())
+            rows = logical.reshape(N, -1)
+            if mode == DECODE:
+                rows = np.concatenate([np.full((1, rows.shape[1]), NO_EXPERT, dtype=np.int16), rows])
+                batch.append((rid, 1, N, rows))
+                stages_seen.add("decode")
+            else:
+                mixed += mode == MIXED
+                batch.append((rid, N, 0, rows))
+                stages_seen.add("prefill")
+            ranks.add(rank)
+            rid += 1
+            if len(batch) >= BATCH_PASSES:
+                flush()
+        flush()
+        if progress is not None:
+            progress(sum(f.stat().st_size for f in files[: i + 1]), sum(f.stat().st_size for f in files))
+    if rid == 0:
+        raise TraceFormatError(f"{src.name}: the dump holds no forward pass with tokens")
+    if user_map is not None and options.physical_map is not None:
+        notes.append(f"physical slot ids converted to logical experts with {options.physical_map.name}")
+    else:
+        notes.append(
+            "physical slot ids converted with the dump's last_physical_to_logical_map (the map in force at the dump; "
+            "passes recorded before an EPLB rebalance convert with it too)"
+        )
+    if mixed:
+        notes.append(f"{mixed} mixed pass(es) (chunked prefill with decode tokens) counted as prefill")
+    notes.append("no request ids in the dump: each forward pass of each rank is one request")
+    notes.extend(ids_notes(info, max_id=max_id, num_ids=num_ids))
+    collection: dict[str, Any] = {
+        "stages": [s for s in ("prefill", "decode") if s in stages_seen],
+        "request_unit": "forward pass",
+        "source_ranks": sorted(ranks),
+        "source_files": len(files),
+    }
+    if options.physical_map is not None:
+        collection["physical_map"] = options.physical_map.name
+    return ReadResult(
+        datasets=frozenset({label}),
+        prompt_lengths_known="decode" not in stages_seen,
+        notes=tuple(notes),
+        collection=collection,
+    )
+
+
+FORMAT = ImportFormat(
+    name="sglang-dump",
+    help="SGLang expert-distribution per_token dump(s): a .pt, or a directory of one per rank",
+    detect=detect,
+    read=read,
+    options=frozenset({PHYSICAL_MAP}),
+)
