@@ -169,6 +169,7 @@ class TraceData:
     # N > 0: ``prefill_RLE`` holds each request's first N generated tokens (what the routers see, a what-if),
     # and ``decode_RLE`` and the held-out tokens only the later ones
     route_first_decode: int = 0
+    request_unit: str = "request"  # what a trace request is (manifest collection.request_unit; "forward pass": an import without request ids)
 
     @property
     def routable(self) -> bool:
@@ -230,6 +231,7 @@ def load_trace_data(
         stages=stages,
         allow_incomplete=allow_incomplete,
         route_first_decode=route_first_decode,
+        request_unit=str((tr.manifest.get("collection") or {}).get("request_unit") or "request"),
     )
     return with_held_out_tokens(data) if held_out_tokens else data
 
@@ -857,6 +859,7 @@ def run_compare(
             if p.grouping is not None
         },
         route_first_decode=data.route_first_decode,
+        request_unit=data.request_unit,
         prefill_dedup=cfg.prefill_dedup,
         links=cfg.links.to_json(),
         max_node_load=cfg.max_node_load,

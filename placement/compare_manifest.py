@@ -38,6 +38,7 @@ LATER_KEYS: dict[str, Any] = {
     "expert": None,
     "skipped": {},  # bounds left out and why (issue #26); older files did not say
     "route_first_decode": 0,  # routers saw the prefill (the what-if --route-on first-decode:N came later)
+    "request_unit": "request",  # imports of forward passes without request ids came later
 }
 
 
@@ -107,6 +108,8 @@ class CompareManifest:
     skipped: dict[str, str] = field(default_factory=dict)  # bound (or "floor") -> why it has no row in this run
     # N > 0: a what-if, not deployable: routers saw each request's first N generated tokens, not its prefill
     route_first_decode: int = 0
+    # what one trace request is: "request", or "forward pass" (imports that carry no request ids)
+    request_unit: str = "request"
 
     def to_json(self) -> dict[str, Any]:
         """compare.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
@@ -119,6 +122,8 @@ class CompareManifest:
                 continue  # nothing skipped: the key is left out (LATER_KEYS reads it back as {})
             if f.name == "route_first_decode" and not v:
                 continue  # routed on the prefill, as deployed: the key is left out
+            if f.name == "request_unit" and v == "request":
+                continue  # requests are requests: the key is left out
             if self.links is None and f.name in _COST_KEYS:
                 continue  # a file written before the cost model: written back as it was
             if isinstance(v, tuple):
@@ -175,6 +180,7 @@ class CompareManifest:
             expert=r.get("expert", dict, optional=True),
             skipped={str(k): str(v) for k, v in r.get("skipped", dict).items()},
             route_first_decode=r.count("route_first_decode"),
+            request_unit=r.get("request_unit", str),
         )
 
     @property

@@ -152,6 +152,14 @@ def compare_notes(result: CompareResult) -> list[str]:
     notes += [f"note: no {b} row: {why}" for b, why in c.skipped.items()]
     if c.route_first_decode:
         notes.append(f"caution: {what_if_line(c.route_first_decode)}")
+    if c.request_unit != "request":
+        grouped = [s for s in c.strategies if get_strategy(s).grouped]
+        notes.append(
+            f"caution: the trace's requests are {c.request_unit}es of an import without request ids (manifest "
+            f"collection.request_unit): held-out steps batch whole {c.request_unit}es"
+            + (f", and {', '.join(grouped)} cluster and route them as if each were one request" if grouped else "")
+            + "; read the figures as an illustration of the placement, not of a serving engine's requests"
+        )
     notes += [
         f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
         "to them; those nodes idled in every step (more requests or fewer clusters avoid this)"

@@ -78,3 +78,27 @@ def test_compare_route_on_runs_grouped_and_bounds_and_says_what_if(decode_only, 
     assert "perfect_routing" in r.output and "oracle" in r.output  # the bounds ran
     manifest = json.loads((out / "compare.json").read_text())
     assert manifest["route_first_decode"] == N and "skipped" not in manifest
+
+
+def test_compare_on_forward_passes_says_they_are_not_requests(tmp_path):
+    from test_analysis_planted import sample_topk, tiny_model, write_trace
+
+    rng = np.random.default_rng(0)
+    R, n = 40, 12
+    p_TLE = np.ones((R * n, L, 8))
+    ids = sample_topk(rng, p_TLE, 2)
+    t = write_trace(
+        tmp_path / "t",
+        model=tiny_model(num_layers=L, num_experts=8, top_k=2),
+        dataset_R=["passes"] * R,
+        prompt_tokens_R=np.full(R, 6),
+        output_tokens_R=np.full(R, 6),
+        topk_ids_TLK=ids,
+        collection={"stages": ["prefill", "decode"], "request_unit": "forward pass"},
+    )
+    out = tmp_path / "res"
+    r = runner.invoke(app, ["compare", str(t), "-c", "DP2TP1EP2", "--gpus-per-node", "1", "--strategies",
+                            "linear,joint", "--batches", "10", "-q", "-o", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "the trace's requests are forward passes" in r.output and "joint cluster and route them" in r.output
+    assert json.loads((out / "compare.json").read_text())["request_unit"] == "forward pass"
