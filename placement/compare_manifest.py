@@ -88,6 +88,8 @@ class CompareManifest:
     links: dict[str, Any] | None = None  # the cost model's links (cost.Links.to_json); None: written before it
     max_node_load: float | None = None  # routers over this load (busiest node / even share) are flagged
     prefill_tokens_per_node: int = 0  # chunked-prefill tokens per node and step at an even share
+    # N > 0: a what-if, not deployable: routers saw each request's first N generated tokens, not its prefill
+    route_first_decode: int = 0
     deployment: str  # DPaTPbEPc[TPd]
     gpus_per_node: int  # GPUs per node
     batch_requests: int  # requests per global batch used
@@ -106,8 +108,6 @@ class CompareManifest:
     num_prefill_batches: int = 0  # prefill steps simulated (0: none, e.g. a decode-only trace)
     expert: dict[str, Any] | None = None  # the cost model's expert (cost.ExpertCompute.to_json); None: size unknown
     skipped: dict[str, str] = field(default_factory=dict)  # bound (or "floor") -> why it has no row in this run
-    # N > 0: a what-if, not deployable: routers saw each request's first N generated tokens, not its prefill
-    route_first_decode: int = 0
     # what one trace request is: "request", or "forward pass" (imports that carry no request ids)
     request_unit: str = "request"
 
