@@ -37,6 +37,7 @@ LATER_KEYS: dict[str, Any] = {
     "links": None,
     "expert": None,
     "skipped": {},  # bounds left out and why (issue #26); older files did not say
+    "tokens_from": None,  # simulated tokens drawn from a load profile (issue #23); older files: the trace's requests
 }
 
 
@@ -104,6 +105,7 @@ class CompareManifest:
     num_prefill_batches: int = 0  # prefill steps simulated (0: none, e.g. a decode-only trace)
     expert: dict[str, Any] | None = None  # the cost model's expert (cost.ExpertCompute.to_json); None: size unknown
     skipped: dict[str, str] = field(default_factory=dict)  # bound (or "floor") -> why it has no row in this run
+    tokens_from: str | None = None  # None: held-out requests of the trace; else how the tokens were drawn (a profile)
 
     def to_json(self) -> dict[str, Any]:
         """compare.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
@@ -114,6 +116,8 @@ class CompareManifest:
                 continue  # not proven: the key is left out
             if f.name == "skipped" and not v:
                 continue  # nothing skipped: the key is left out (LATER_KEYS reads it back as {})
+            if f.name == "tokens_from" and v is None:
+                continue  # a trace's requests: the key is left out (LATER_KEYS reads it back as None)
             if self.links is None and f.name in _COST_KEYS:
                 continue  # a file written before the cost model: written back as it was
             if isinstance(v, tuple):
@@ -169,6 +173,7 @@ class CompareManifest:
             links=r.get("links", dict, optional=True),
             expert=r.get("expert", dict, optional=True),
             skipped={str(k): str(v) for k, v in r.get("skipped", dict).items()},
+            tokens_from=r.get("tokens_from", str, optional=True),
         )
 
     @property
