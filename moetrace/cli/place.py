@@ -240,7 +240,7 @@ def export_cmd(
     source: Annotated[
         Path,
         typer.Argument(
-            help="Placement JSON written by `moetrace place`; for sglang-logical-count, a trace directory.",
+            help="Placement JSON written by `moetrace place`; for sglang-logical-count, a trace directory or a load profile.",
             show_default=False,
         ),
     ],
