@@ -225,7 +225,9 @@ def _correlation(prof: LoadProfile, layers: tuple[int, ...], write: Callable[...
         c = c_DSLE[:D]
         r_SLDD = np.stack([dataset_correlation_LDD(c[:, j]) for j in range(len(stages))])
         S, L = r_SLDD.shape[:2]
-        s, l, a, b = (x.ravel() for x in np.meshgrid(np.arange(S), np.arange(L), np.arange(D), np.arange(D), indexing="ij"))
+        s, l, a, b = (
+            x.ravel() for x in np.meshgrid(np.arange(S), np.arange(L), np.arange(D), np.arange(D), indexing="ij")
+        )
         per_layer = pl.DataFrame(
             {
                 "stage": [stages[i] for i in s],

@@ -155,7 +155,9 @@ class TraceData:
     test_prefill_req_T: np.ndarray | None = None  # int64 [T'] row of each one's request, ascending
     stages: frozenset[str] = frozenset({"prefill", "decode"})  # routing stages the trace recorded (schema.stages_of)
     allow_incomplete: bool = False  # read from a trace without its completion mark (for the held-out tokens' pass)
-    tokens_from: str | None = None  # None: the trace's held-out requests; else how the tokens were drawn (profile_batches)
+    tokens_from: str | None = (
+        None  # None: the trace's held-out requests; else how the tokens were drawn (profile_batches)
+    )
 
 
 def load_trace_data(

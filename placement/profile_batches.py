@@ -36,7 +36,9 @@ __all__ = ["PROFILE_TOKENS", "TOKENS_FROM", "draw_tokens", "load_profile_data", 
 #: tokens drawn per stage (compare samples its steps from them, with replacement)
 PROFILE_TOKENS = 1 << 16
 #: what compare.json's ``tokens_from`` and the printed note say
-TOKENS_FROM = "load profile: tokens drawn from its expert loads, layers independent (placed and evaluated on the same loads)"
+TOKENS_FROM = (
+    "load profile: tokens drawn from its expert loads, layers independent (placed and evaluated on the same loads)"
+)
 #: random expert orders a batch of drawn tokens shares (each token takes one at random)
 _ORDERS = 64
 
@@ -121,9 +123,7 @@ def _inclusion(c_E: np.ndarray, k: int) -> np.ndarray:
     return pi * (k / pi.sum())
 
 
-def load_profile_data(
-    path: str | os.PathLike, *, seed: int, num_tokens: int = PROFILE_TOKENS
-) -> TraceData:
+def load_profile_data(path: str | os.PathLike, *, seed: int, num_tokens: int = PROFILE_TOKENS) -> TraceData:
     """Compare's input from the load profile at ``path`` (module docstring): 2 rows (train, held out),
     ``num_tokens`` drawn decode tokens (and prefill ones when the profile counted prefill)."""
     prof = open_profile(path)

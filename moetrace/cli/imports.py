@@ -59,12 +59,32 @@ def import_cmd(
 
     Example: moetrace import sglang-responses.jsonl --model deepseek-v3 -o traces/dsv3-sglang
 
+    Aggregate dumps (sglang-stat, trtllm-stats) become a load profile file: moetrace import expert_stats/ -m deepseek-v3 -o dsv3.profile.parquet
+
     A capture of generated tokens only: moetrace import gen.jsonl --format tokens --stages decode-only -m mixtral-8x7b -o t
     """
-    from moetrace.tracer.importers import import_trace
+    from moetrace.tracer.importers import detect_format, get_format, import_profile, import_trace
     from moetrace.tracer.presets import resolve
 
     info = resolve(model).model_info()
+    fmt = detect_format(source) if source_format == "auto" else get_format(source_format)
+    if fmt.produces == "profile":  # aggregate counts: a load profile file, not a trace directory
+        with progress_bar("import", "files", quiet=quiet) as bar:
+            prof = import_profile(
+                source,
+                out=out,
+                model=info,
+                source_format=fmt.name,
+                dataset=dataset,
+                stages=stages,
+                overwrite=overwrite,
+                progress=bar,
+            )
+        typer.echo(
+            f"{out}: load profile ({fmt.name}: expert counts, no requests; stage {', '.join(prof.stages)}, "
+            f"{prof.num_windows} window(s)); `moetrace info {out}` shows it, analyze/compare/place/export read it"
+        )
+        return
     with progress_bar("import", "bytes", quiet=quiet) as bar:
         stats = import_trace(
             source,

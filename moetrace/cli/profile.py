@@ -18,12 +18,12 @@ def register(app: typer.Typer) -> None:
 def profile_cmd(
     trace: TraceArg,
     *,
-    out: Annotated[
-        Path, typer.Option("--out", "-o", help="Load profile file to write (Parquet).", show_default=False)
-    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Load profile file to write (Parquet).", show_default=False)],
     window_tokens: Annotated[
         int | None,
-        typer.Option(help="Also count per window of this many routing rows, in the trace's order (default: one window)."),
+        typer.Option(
+            help="Also count per window of this many routing rows, in the trace's order (default: one window)."
+        ),
     ] = None,
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,

@@ -534,9 +534,7 @@ def profile_from_trace(
             sel = ok_TLK & keep_T[:, None, None]
             base = cell_TLK[sel]
             shape = (T, L, K)
-            win[s] += np.bincount(
-                np.broadcast_to((w_T * L * E)[:, None, None], shape)[sel] + base, minlength=N * L * E
-            )
+            win[s] += np.bincount(np.broadcast_to((w_T * L * E)[:, None, None], shape)[sel] + base, minlength=N * L * E)
             per_ds[s] += np.bincount(
                 np.broadcast_to((d_T * L * E)[:, None, None], shape)[sel] + base, minlength=max(D, 1) * L * E
             )
