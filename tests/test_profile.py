@@ -75,7 +75,10 @@ def test_writes_refuse_to_clobber_and_reads_refuse_other_versions(trace, tmp_pat
         write_profile(prof, out, overwrite=False)
     table = pq.read_table(out)
     header = json.loads(table.schema.metadata[HEADER_KEY])
-    for key, value, msg in [("version", 2, "version 2 is not supported"), ("format", "x", "expected 'moetrace.profile'")]:
+    for key, value, msg in [
+        ("version", 2, "version 2 is not supported"),
+        ("format", "x", "expected 'moetrace.profile'"),
+    ]:
         bad = tmp_path / f"bad-{key}.parquet"
         pq.write_table(table.replace_schema_metadata({HEADER_KEY: json.dumps({**header, key: value})}), bad)
         with pytest.raises(TraceFormatError, match=msg):
