@@ -67,8 +67,8 @@ def import_cmd(
     from moetrace.tracer.presets import resolve
 
     info = resolve(model).model_info()
-    fmt = detect_format(source) if source_format == "auto" else get_format(source_format)
-    if fmt.produces == "profile":  # aggregate counts: a load profile file, not a trace directory
+    fmt = get_format(source_format) if source_format != "auto" else detect_format(source) if source.exists() else None
+    if fmt is not None and fmt.produces == "profile":  # aggregate counts: a load profile file, not a trace directory
         with progress_bar("import", "files", quiet=quiet) as bar:
             prof = import_profile(
                 source,

@@ -191,7 +191,7 @@ def import_trace(
     if fmt.read is None:  # an aggregate dump: import_profile writes its load profile
         raise ConfigError(f"--format {fmt.name} holds expert counts, not tokens: it imports as a load profile")
     if stages != "both" and not fmt.stages_modes:
-        honour = ", ".join(f.name for f in FORMATS if f.stages_modes)
+        honour = ", ".join(f.name for f in FORMATS if f.stages_modes and f.produces == "trace")
         raise ConfigError(
             f"--stages {stages} applies to --format {honour}; --format {fmt.name} ({fmt.help}) always "
             "carries both stages (leave --stages at both)"
