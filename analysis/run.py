@@ -99,7 +99,20 @@ def analyze(
     """
     from moetrace import __version__
     from moetrace.analysis.counts import count_trace, write_counts_table
+    from moetrace.tracer.trace.profile import is_profile
 
+    if is_profile(trace_path):  # expert counts, no requests: the analyses of loads only
+        from moetrace.analysis.profile_analysis import analyze_profile
+
+        return analyze_profile(
+            trace_path,
+            out,
+            only=config.only,
+            layers=config.layers,
+            parameters=dataclasses.asdict(config),
+            overwrite=overwrite,
+            log=log,
+        )
     say = log or (lambda _msg: None)
     trace = open_trace(trace_path, require_complete=not config.allow_incomplete)
     out = Path(out)
@@ -494,10 +507,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  {'dataset':<16}" + "".join(f"{s:>10}" for s in stages))
         for ds, v in imb["mean_if"].items():
             lines.append(f"  {ds:<16}" + "".join(f"{_f(v.get(s)):>10}" for s in stages))
-        lines.append(
-            f"  median IF of random {imb['batch_size']}-request batches: "
-            + ", ".join(f"{s} {_f(v)}" for s, v in imb["batch_if"].get("all", {}).items())
-        )
+        if imb.get("batch_size") is not None:  # None: a load profile (no requests to batch)
+            lines.append(
+                f"  median IF of random {imb['batch_size']}-request batches: "
+                + ", ".join(f"{s} {_f(v)}" for s, v in imb["batch_if"].get("all", {}).items())
+            )
+        for s, v in (imb.get("window_if") or {}).items():
+            lines.append(f"  {s}: median over windows of the mean IF {_f(v['median'])}, worst window {_f(v['max'])}")
     cor = summary.get("correlation")
     if cor and "prefill_decode_skipped" in cor:
         lines.append(f"prefill↔decode correlation: skipped ({cor['prefill_decode_skipped']})")
@@ -507,11 +523,12 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  pooled per dataset   {_f(cor['prefill_decode_pooled'])}   "
             + "  ".join(f"{d} {_f(v)}" for d, v in sorted(cor["prefill_decode_pooled_by_dataset"].items()))
         )
-        lines.append(f"  per request          {_f(cor['prefill_decode_per_request'])}")
-        lines.append(
-            f"  recall@{cor['recall_k']} of decode hot experts from prefill {_f(cor['recall'])} "
-            f"(popularity baseline {_f(cor['recall_popularity'])})"
-        )
+        if "recall_k" in cor:  # absent on a load profile (no requests)
+            lines.append(f"  per request          {_f(cor['prefill_decode_per_request'])}")
+            lines.append(
+                f"  recall@{cor['recall_k']} of decode hot experts from prefill {_f(cor['recall'])} "
+                f"(popularity baseline {_f(cor['recall_popularity'])})"
+            )
     cl = summary.get("classify")
     if cl and "mean_accuracy" in cl:
         lines.append(

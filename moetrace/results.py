@@ -76,6 +76,7 @@ ANALYSIS_SUMMARY = "summary.json"
 IMBALANCE = "imbalance.parquet"
 EXPERT_LOAD = "expert_load.parquet"
 BATCH_IMBALANCE = "batch_imbalance.parquet"
+WINDOW_IMBALANCE = "window_imbalance.parquet"  # a load profile with windows only
 DATASET_CORRELATION = "dataset_correlation.parquet"
 DATASET_CORRELATION_MEAN = "dataset_correlation_mean.parquet"
 PREFILL_DECODE_POOLED = "prefill_decode_pooled.parquet"
@@ -112,6 +113,7 @@ ANALYSIS = ResultKind(
         IMBALANCE,
         EXPERT_LOAD,
         BATCH_IMBALANCE,
+        WINDOW_IMBALANCE,
         DATASET_CORRELATION,
         DATASET_CORRELATION_MEAN,
         PREFILL_DECODE_POOLED,

@@ -176,6 +176,10 @@ class TraceData:
         """Whether a router has something to route on: prefill routing, or the first generated tokens."""
         return "prefill" in self.stages or self.route_first_decode > 0
 
+    tokens_from: str | None = (
+        None  # None: the trace's held-out requests; else how the tokens were drawn (profile_batches)
+    )
+
 
 def load_trace_data(
     trace: str | os.PathLike,
@@ -728,6 +732,9 @@ def run_compare(
     placed = place_strategies(data, cfg, todo, on_placed=step)
     data = with_held_out_tokens(data)  # after placing: the tokens and the clustering never share memory
     skipped: dict[str, str] = {}  # bound -> why it has no row (compare.json `skipped`, printed as a note)
+    if bounds and data.tokens_from is not None:  # a load profile: no requests to route by their own decode
+        skipped.update(dict.fromkeys(bounds, "a load profile has no requests; the bounds route held-out requests"))
+        bounds, steps = [], steps - 2 * len(bounds)
     if bounds and not data.routable:  # the bounds start from the joint placement, which needs prefill
         why = (
             "the trace recorded decode routing only; the bounds start from the joint placement, whose router "
@@ -813,7 +820,9 @@ def run_compare(
             prefill[s] = pm
         step()
     floor = None
-    if cfg.oracle and cfg.dedup == "expert" and cfg.num_redundant == 0:
+    if cfg.oracle and data.tokens_from is not None:
+        skipped["floor"] = "a load profile has no requests; the floor bounds each held-out request's local share"
+    elif cfg.oracle and cfg.dedup == "expert" and cfg.num_redundant == 0:
         floor = expert_copy_floor(
             data.decode_RLE, rows=np.flatnonzero(data.is_test_R), num_groups=G, num_slots=m.num_experts
         )
@@ -867,6 +876,7 @@ def run_compare(
         num_prefill_batches=cfg.num_prefill_batches if prefill else 0,
         expert=None if expert is None else expert.to_json(),
         skipped=skipped,
+        tokens_from=data.tokens_from,
     )
     return CompareResult(config=cfg, manifest=manifest, metrics=metrics, placed=placed, prefill_metrics=prefill)
 

@@ -39,6 +39,7 @@ LATER_KEYS: dict[str, Any] = {
     "skipped": {},  # bounds left out and why (issue #26); older files did not say
     "route_first_decode": 0,  # routers saw the prefill (the what-if --route-on first-decode:N came later)
     "request_unit": "request",  # imports of forward passes without request ids came later
+    "tokens_from": None,  # simulated tokens drawn from a load profile (issue #23); older files: the trace's requests
 }
 
 
@@ -110,6 +111,7 @@ class CompareManifest:
     skipped: dict[str, str] = field(default_factory=dict)  # bound (or "floor") -> why it has no row in this run
     # what one trace request is: "request", or "forward pass" (imports that carry no request ids)
     request_unit: str = "request"
+    tokens_from: str | None = None  # None: held-out requests of the trace; else how the tokens were drawn (a profile)
 
     def to_json(self) -> dict[str, Any]:
         """compare.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
@@ -124,6 +126,8 @@ class CompareManifest:
                 continue  # routed on the prefill, as deployed: the key is left out
             if f.name == "request_unit" and v == "request":
                 continue  # requests are requests: the key is left out
+            if f.name == "tokens_from" and v is None:
+                continue  # a trace's requests: the key is left out (LATER_KEYS reads it back as None)
             if self.links is None and f.name in _COST_KEYS:
                 continue  # a file written before the cost model: written back as it was
             if isinstance(v, tuple):
@@ -181,6 +185,7 @@ class CompareManifest:
             skipped={str(k): str(v) for k, v in r.get("skipped", dict).items()},
             route_first_decode=r.count("route_first_decode"),
             request_unit=r.get("request_unit", str),
+            tokens_from=r.get("tokens_from", str, optional=True),
         )
 
     @property

@@ -37,6 +37,7 @@ from moetrace.placement.deployment import Deployment, parse_deployment
 from moetrace.placement.maps import Placement, placement_problems
 from moetrace.placement.routers import NoRouter, Router, read_router
 from moetrace.results import PLACEMENT, check_result_json, json_header
+from moetrace.tracer.trace.profile import STAGE_MIXED, LoadProfile, is_profile, open_profile
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.schema import ModelInfo, Stage, stages_of
 
@@ -320,6 +321,25 @@ def trace_expert_counts(
     return counts.counts_RSLE.sum(axis=(0, 1), dtype=np.int64), tr.model
 
 
+def profile_counts(prof: LoadProfile, *, stage: CountStage | None) -> np.ndarray:
+    """A load profile's tokens per (MoE layer, expert), int64 ``[L, E]``: ``stage`` as for a trace
+    (default decode); a profile of ``mixed`` counts (prefill and decode not told apart) gives them for
+    ``both`` or no ``stage``, and refuses a single stage."""
+    if STAGE_MIXED in prof.stages:
+        if stage in ("decode", "prefill"):
+            raise ConfigError(
+                f"the profile's counts mix prefill and decode (the recorder does not tell them apart): leave out "
+                f"--stage or pass --stage both, not --stage {stage}"
+            )
+        return prof.total(STAGE_MIXED)
+    wanted = ("prefill", "decode") if stage == "both" else (stage or "decode",)
+    if stage != "both" and wanted[0] not in prof.stages:
+        raise ConfigError(
+            f"the profile holds {', '.join(prof.stages)} counts only: pass --stage {prof.stages[0]} or both"
+        )
+    return sum((prof.total(s) for s in wanted if s in prof.stages), start=np.zeros_like(prof.total(prof.stages[0])))
+
+
 def sglang_logical_count(counts_LE: np.ndarray, *, model: ModelInfo) -> str:
     """SGLang's ``--init-expert-location`` counts file: ``{"logical_count": [H, E]}``, integers.
 
@@ -353,6 +373,10 @@ def export_file(
     (``stage``, ``allow_incomplete``) come with a placement format.
     """
     path = Path(source)
+    if fmt == "sglang-logical-count" and is_profile(path):  # a load profile holds the counts already
+        prof = open_profile(path)
+        counts_LE = profile_counts(prof, stage=stage)
+        return sglang_logical_count(counts_LE, model=prof.model)
     if fmt == "sglang-logical-count":
         if not path.is_dir():
             raise ConfigError(

@@ -88,8 +88,13 @@ def format_compare_summary(result: CompareResult) -> str:
     c = result.manifest
     pre = bool(result.prefill_metrics)
     lines = [
-        f"{c.deployment} ({c.num_nodes} nodes), {c.num_train_requests} train / {c.num_test_requests} "
-        f"test requests, {c.num_batches} decode steps of {c.batch_requests} requests"
+        f"{c.deployment} ({c.num_nodes} nodes), "
+        + (
+            f"{c.num_train_requests} train / {c.num_test_requests} test requests"
+            if c.tokens_from is None
+            else "a load profile (tokens drawn from its loads)"
+        )
+        + f", {c.num_batches} decode steps of {c.batch_requests} requests"
         + (f", {c.num_prefill_batches} prefill steps of {c.prefill_tokens_per_node} tokens per node" if pre else ""),
         copy_model_line(c),
         *([what_if_line(c.route_first_decode)] if c.route_first_decode else []),
@@ -144,7 +149,7 @@ def compare_notes(result: CompareResult) -> list[str]:
     notes: list[str] = []
     if m.source.startswith("moetrace:"):
         notes.append(RANDOM_WEIGHTS_CAUTION.format(model=m.name, source=m.source))
-    if c.num_test_requests < MIN_HELD_OUT_REQUESTS:
+    if c.num_test_requests < MIN_HELD_OUT_REQUESTS and c.tokens_from is None:  # a profile's tokens: said below
         notes.append(
             f"warning: {c.num_test_requests} held-out request(s) (fewer than {MIN_HELD_OUT_REQUESTS}): every step "
             "draws from the same few, so the figures are noise; trace more requests or raise --test-fraction"
@@ -160,6 +165,7 @@ def compare_notes(result: CompareResult) -> list[str]:
             + (f", and {', '.join(grouped)} cluster and route them as if each were one request" if grouped else "")
             + "; read the figures as an illustration of the placement, not of a serving engine's requests"
         )
+    notes += [f"note: {c.tokens_from}"] if c.tokens_from is not None else []
     notes += [
         f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
         "to them; those nodes idled in every step (more requests or fewer clusters avoid this)"

@@ -31,6 +31,7 @@ _COMMAND_MODULES = (
     "moetrace.cli.trace",
     "moetrace.cli.synth",
     "moetrace.cli.imports",
+    "moetrace.cli.profile",
     "moetrace.cli.analyze",
     "moetrace.cli.place",
     "moetrace.cli.a2a",

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import typer
 
 from moetrace.cli.common import OutDir, Overwrite, Quiet, friendly_errors, human_bytes, progress_bar
+from moetrace.errors import ConfigError
 from moetrace.tracer.importers import FORMATS, STAGES_HELP, StagesMode
 from moetrace.tracer.importers.options import PHYSICAL_MAP, PROMPT_SPAN
 
@@ -104,11 +105,13 @@ def import_cmd(
 
     Example: moetrace import sglang-responses.jsonl --model deepseek-v3 -o traces/dsv3-sglang
 
+    Aggregate dumps (sglang-stat, trtllm-stats) become a load profile file: moetrace import expert_stats/ -m deepseek-v3 -o dsv3.profile.parquet
+
     A capture of generated tokens only: moetrace import gen.jsonl --format tokens --stages decode-only -m mixtral-8x7b -o t
 
     A teacher-forced capture: moetrace import tf.jsonl --prompt-tokens 512 -m olmoe-1b-7b -o t
     """
-    from moetrace.tracer.importers import ImportOptions, import_trace
+    from moetrace.tracer.importers import ImportOptions, detect_format, get_format, import_profile, import_trace
     from moetrace.tracer.presets import resolve
 
     options = ImportOptions(
@@ -118,6 +121,29 @@ def import_cmd(
         max_memory_bytes=None if max_memory is None else int(max_memory * 2**30),
     )
     info = resolve(model).model_info()
+    fmt = get_format(source_format) if source_format != "auto" else detect_format(source) if source.exists() else None
+    if fmt is not None and fmt.produces == "profile":  # aggregate counts: a load profile file, not a trace directory
+        if options.given():
+            raise ConfigError(
+                f"{fmt.name} gives a load profile (expert counts per layer); it takes none of "
+                f"{', '.join(options.given())}: drop them"
+            )
+        with progress_bar("import", "files", quiet=quiet) as bar:
+            prof = import_profile(
+                source,
+                out=out,
+                model=info,
+                source_format=fmt.name,
+                dataset=dataset,
+                stages=stages,
+                overwrite=overwrite,
+                progress=bar,
+            )
+        typer.echo(
+            f"{out}: load profile ({fmt.name}: expert counts, no requests; stage {', '.join(prof.stages)}, "
+            f"{prof.num_windows} window(s)); `moetrace info {out}` shows it, analyze/compare/place/export read it"
+        )
+        return
     with progress_bar("import", "bytes", quiet=quiet) as bar:
         stats = import_trace(
             source,

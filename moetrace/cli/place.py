@@ -12,10 +12,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import typer
 
 from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, Seed, TraceArg, friendly_errors, progress_bar
+from moetrace.errors import ConfigError
 from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 
 if TYPE_CHECKING:
-    from moetrace.placement.compare import CompareConfig
+    from moetrace.placement.compare import CompareConfig, TraceData
+
+#: compare's strategies when none are named (on a load profile: its ungrouped ones)
+DEFAULT_STRATEGIES = "linear,eplb,data,joint"
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
 GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (NVLink domain).")]
@@ -85,10 +89,47 @@ def _cfg(config: str, gpus_per_node: int, **kw: Any) -> CompareConfig:
 def check_before_reading(trace: Path, cfg: CompareConfig, *, allow_incomplete: bool) -> None:
     """The checks that need no trace data, run before the counting pass (which takes minutes at scale):
     the trace's manifest (its model's E) against ``--redundancy`` and the deployment's EP ranks."""
+    from moetrace.tracer.trace.profile import is_profile, open_profile
     from moetrace.tracer.trace.reader import open_trace
 
-    model = open_trace(trace, require_complete=not allow_incomplete).model  # the manifest only
+    if is_profile(trace):
+        model = open_profile(trace).model
+    else:
+        model = open_trace(trace, require_complete=not allow_incomplete).model  # the manifest only
     cfg.deployment.check_slots(num_experts=model.num_experts, num_redundant=cfg.num_redundant)
+
+
+def load_data(
+    trace: Path, cfg: CompareConfig, *, asked: bool, allow_incomplete: bool, quiet: bool
+) -> tuple[TraceData, CompareConfig]:
+    """The placement input and the config to run: a trace's counts (a progress bar), or a load
+    profile's loads with tokens drawn from them (``profile_batches``; grouped strategies refused when
+    ``asked`` for, else left out)."""
+    from dataclasses import replace
+
+    from moetrace.placement.compare import load_trace_data
+    from moetrace.tracer.trace.profile import is_profile
+
+    if is_profile(trace):
+        from moetrace.placement.profile_batches import load_profile_data, profile_strategies
+
+        if cfg.route_first_decode:
+            raise ConfigError(
+                f"{trace} is a load profile (expert counts, no requests): --route-on first-decode:N needs a trace"
+            )
+        cfg = replace(cfg, strategies=profile_strategies(cfg.strategies, asked=asked))
+        return load_profile_data(trace, seed=cfg.seed), cfg
+    with progress_bar("counting", "tokens", quiet=quiet) as bar:
+        data = load_trace_data(
+            trace,
+            test_fraction=cfg.test_fraction,
+            seed=cfg.seed,
+            allow_incomplete=allow_incomplete,
+            progress=bar,
+            held_out_tokens=False,
+            route_first_decode=cfg.route_first_decode,
+        )  # placing never reads them; compare reads them after placing
+    return data, cfg
 
 
 @friendly_errors
@@ -112,7 +153,7 @@ def place_cmd(
 
     Example: moetrace place traces/dsv3 --config DP8TP8EP64 --strategy data -o placement.json
     """
-    from moetrace.placement.compare import load_trace_data, make_placement, placement_file
+    from moetrace.placement.compare import make_placement, placement_file
     from moetrace.placement.cost import parse_links
     from moetrace.placement.exports import save_placement
     from moetrace.placement.report import format_placement_summary
@@ -130,15 +171,7 @@ def place_cmd(
         links=parse_links(link),
     )
     check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
-    with progress_bar("counting", "tokens", quiet=quiet) as bar:
-        data = load_trace_data(
-            trace,
-            test_fraction=test_fraction,
-            seed=seed,
-            allow_incomplete=allow_incomplete,
-            progress=bar,
-            held_out_tokens=False,
-        )  # placing never reads them
+    data, cfg = load_data(trace, cfg, asked=True, allow_incomplete=allow_incomplete, quiet=quiet)
     ps = make_placement(data, cfg, strategy)
     save_placement(placement_file(data, cfg, ps), out)
     typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)} -> {out}")
@@ -149,7 +182,7 @@ def compare_cmd(
     trace: TraceArg,
     *,
     config: ConfigOpt,
-    strategies: StrategiesOpt = "linear,eplb,data,joint",
+    strategies: StrategiesOpt = DEFAULT_STRATEGIES,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Results directory (Parquet + JSON for the dashboards).")
     ] = None,
@@ -180,7 +213,7 @@ def compare_cmd(
 
     Example: moetrace compare traces/dsv3 --config DP8TP8EP64 --strategies linear,eplb,data,joint -o results/
     """
-    from moetrace.placement.compare import load_trace_data, parse_route_on, run_compare, write_results
+    from moetrace.placement.compare import parse_route_on, run_compare, write_results
     from moetrace.placement.cost import parse_links
     from moetrace.placement.report import compare_notes, format_compare_summary
     from moetrace.results import COMPARE, check_output
@@ -207,16 +240,9 @@ def compare_cmd(
         route_first_decode=parse_route_on(route_on),
     )
     check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
-    with progress_bar("counting", "tokens", quiet=quiet) as bar:
-        data = load_trace_data(
-            trace,
-            test_fraction=test_fraction,
-            seed=seed,
-            allow_incomplete=allow_incomplete,
-            progress=bar,
-            held_out_tokens=False,
-            route_first_decode=cfg.route_first_decode,
-        )  # compare reads them after placing
+    data, cfg = load_data(
+        trace, cfg, asked=strategies != DEFAULT_STRATEGIES, allow_incomplete=allow_incomplete, quiet=quiet
+    )
     with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
         result = run_compare(data, cfg, progress=bar)
     typer.echo(format_compare_summary(result))
@@ -232,7 +258,7 @@ def export_cmd(
     source: Annotated[
         Path,
         typer.Argument(
-            help="Placement JSON written by `moetrace place`; for sglang-logical-count, a trace directory.",
+            help="Placement JSON written by `moetrace place`; for sglang-logical-count, a trace directory or a load profile.",
             show_default=False,
         ),
     ],

@@ -36,11 +36,16 @@ def info_cmd(
     ] = False,
 ) -> None:
     """Summarize a trace: model, backend, requests and recorded/unrecorded tokens per dataset and stage, size.
+    On a load profile (`moetrace profile`, aggregate imports): model, windows, tokens per stage and dataset.
 
     Example: moetrace info traces/dsv3-gsm8k
     """
+    from moetrace.tracer.trace.profile import is_profile, profile_summary
     from moetrace.tracer.trace.summary import trace_summary
 
+    if is_profile(trace):
+        typer.echo(profile_summary(trace))
+        return
     typer.echo(trace_summary(trace, allow_incomplete=allow_incomplete))
 
 

@@ -3,10 +3,13 @@
 ``FORMATS`` lists the formats, one module each (its docstring describes the input):
 
 - ``sglang`` (``sglang.py``): JSONL of SGLang ``/generate`` responses with ``meta_info.routed_experts``;
-- ``tokens`` (``tokens.py``): JSONL of per-token, per-layer records; the only one honouring ``--stages``
-  decode-only / prefill-only, and the prompt span of a teacher-forced capture;
+- ``tokens`` (``tokens.py``): JSONL of per-token, per-layer records; the only trace format honouring
+  ``--stages`` decode-only / prefill-only, and the prompt span of a teacher-forced capture;
 - ``sglang-dump`` (``sglang_dump.py``): SGLang's expert-distribution recorder ``per_token`` dumps (``.pt``);
-- ``megatron-router`` (``megatron.py``): a directory of Megatron-Core router traces, one JSONL per rank.
+- ``megatron-router`` (``megatron.py``): a directory of Megatron-Core router traces, one JSONL per rank;
+- ``sglang-stat`` (``sglang_stat.py``), ``trtllm-stats`` (``trtllm.py``): aggregate expert counts
+  (SGLang's stat dumps, TensorRT-LLM's expert statistics), imported as a **load profile**
+  (``produces="profile"``, written by ``import_profile``), not a trace.
 
 The per-token formats check the ids against the model (``ids``) and convert physical ids
 (``--physical-map``); the options only some formats honour are ``options.ImportOptions``.
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
-from moetrace.tracer.importers import megatron, sglang, sglang_dump, tokens
+from moetrace.tracer.importers import megatron, sglang, sglang_dump, sglang_stat, tokens, trtllm
 from moetrace.tracer.importers.base import (
     HEAD_BYTES,
     RECORDED_STAGES,
@@ -65,6 +68,7 @@ from moetrace.tracer.importers.sglang import (
 from moetrace.tracer.importers.tokens import decode_only_counts_generated, tokens_to_requests
 
 if TYPE_CHECKING:  # the writer (pyarrow) loads in import_trace, so `moetrace --help` stays light
+    from moetrace.tracer.trace.profile import LoadProfile
     from moetrace.tracer.trace.schema import ModelInfo
     from moetrace.tracer.trace.writer import OnExisting, WriterStats
 
@@ -86,6 +90,7 @@ __all__ = [
     "decode_sglang_routed_experts",
     "detect_format",
     "get_format",
+    "import_profile",
     "import_trace",
     "sglang_response_rows",
     "sglang_routed_experts_dtype",
@@ -98,6 +103,8 @@ FORMATS: tuple[ImportFormat, ...] = (
     tokens.FORMAT,
     sglang_dump.FORMAT,
     megatron.FORMAT,
+    sglang_stat.FORMAT,  # a load profile (aggregate counts)
+    trtllm.FORMAT,  # a load profile (aggregate counts)
 )
 
 
@@ -211,8 +218,10 @@ def import_trace(
     if stages not in RECORDED_STAGES:
         raise ConfigError(f"stages must be one of {', '.join(RECORDED_STAGES)}, got {stages!r}")
     fmt = detect_format(src) if source_format == "auto" else get_format(source_format)
+    if fmt.read is None:  # an aggregate dump: import_profile writes its load profile
+        raise ConfigError(f"--format {fmt.name} holds expert counts, not tokens: it imports as a load profile")
     if stages != "both" and not fmt.stages_modes:
-        honour = ", ".join(f.name for f in FORMATS if f.stages_modes)
+        honour = ", ".join(f.name for f in FORMATS if f.stages_modes and f.produces == "trace")
         raise ConfigError(
             f"--stages {stages} applies to --format {honour}; --format {fmt.name} ({fmt.help}) always "
             "carries both stages (leave --stages at both)"
@@ -264,3 +273,38 @@ def import_trace(
         for line in result.notes:
             notes(line)
     return writer.stats()
+
+
+def import_profile(
+    path: str | os.PathLike,
+    *,
+    out: str | os.PathLike,
+    model: ModelInfo,
+    source_format: str = "auto",
+    dataset: str | None = None,
+    stages: StagesMode = "both",
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> LoadProfile:
+    """Convert one aggregate dump (a format with ``produces="profile"``) into the load profile file
+    ``out``; returns the profile written. ``dataset``: the dataset of the whole dump (None: the
+    profile knows none). ``stages``: what the dump counted (``both``: prefill and
+    decode together, the profile's ``mixed`` stage). Bad input leaves ``out`` as it was.
+    """
+    from moetrace.tracer.trace.profile import write_profile
+
+    src = Path(path)
+    if not src.exists():
+        raise TraceFormatError(f"{src}: no such file")
+    if stages not in RECORDED_STAGES:
+        raise ConfigError(f"stages must be one of {', '.join(RECORDED_STAGES)}, got {stages!r}")
+    fmt = detect_format(src) if source_format == "auto" else get_format(source_format)
+    if fmt.read_profile is None:
+        raise ConfigError(f"--format {fmt.name} holds tokens: it imports as a trace (import_trace)")
+    if fmt.precheck is not None:
+        fmt.precheck(src)
+    if Path(out).exists() and not overwrite:  # before the dump is read
+        raise OutputExistsError(f"{out} already exists; choose another -o, or --overwrite to replace it")
+    profile = fmt.read_profile(src, info=model, label=dataset, stages=stages, progress=progress)
+    write_profile(profile, out, overwrite=overwrite)
+    return profile

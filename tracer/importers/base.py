@@ -2,7 +2,8 @@
 
 A format is one module of this package holding one ``ImportFormat``: its name, a one-line help,
 ``detect`` (does this input look like mine, from its first bytes) and ``read`` (fill the trace
-writer). ``moetrace.tracer.importers`` lists the rows (``FORMATS``), detects, and owns the
+writer), or, for an aggregate dump (expert counts, no tokens), ``produces="profile"`` and
+``read_profile`` (return a ``LoadProfile``, which ``import_profile`` writes). ``moetrace.tracer.importers`` lists the rows (``FORMATS``), detects, and owns the
 output directory, the manifest and the clean-up after bad input.
 
 Stages (``StagesMode``, ``--stages``): which stages a capture recorded. ``both`` (the default):
@@ -28,8 +29,12 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 from moetrace.tracer.importers.options import ImportOptions
 
 if TYPE_CHECKING:
+    from moetrace.tracer.trace.profile import LoadProfile
     from moetrace.tracer.trace.schema import ModelInfo
     from moetrace.tracer.trace.writer import TraceWriter
+
+#: what a format's input becomes: a trace (per-token routing) or a load profile (aggregate expert counts)
+Produces = Literal["trace", "profile"]
 
 #: which stages a capture recorded: the value of ``--stages``
 StagesMode = Literal["both", "decode-only", "prefill-only"]
@@ -96,6 +101,17 @@ class Read(Protocol):
         ...
 
 
+class ReadProfile(Protocol):
+    def __call__(
+        self, src: Path, /, *, info: ModelInfo, label: str | None, stages: StagesMode, progress: Progress | None
+    ) -> LoadProfile:
+        """The load profile of the aggregate dump ``src`` (``label``: the dataset the user named for
+        the whole dump, None: unknown); ``stages`` is what the capture counted (``both``: prefill and decode together, the
+        profile's ``mixed`` stage). Raises ``TraceFormatError`` naming the place in ``src``, the
+        problem and the fix (ids or shapes that do not fit ``info`` included)."""
+        ...
+
+
 @dataclass(frozen=True)
 class ImportFormat:
     """One import format (a row of ``moetrace.tracer.importers.FORMATS``)."""
@@ -103,7 +119,7 @@ class ImportFormat:
     name: str  # the --format value and the manifest's backend.source_format
     help: str  # one line: what the input holds (the CLI's --format help and the error for an unknown input)
     detect: Detect  # recognises the input from its first bytes
-    read: Read  # fills the trace writer
+    read: Read | None  # fills the trace writer (formats that produce a trace)
     stages_modes: bool = False  # honours --stages decode-only / prefill-only; False: the input always carries both
     # whole-input checks that need no model or writer (e.g. a text format's UTF-8 check), run before the
     # output directory is touched, so bad input never costs an existing trace under --overwrite; None: none
@@ -112,3 +128,11 @@ class ImportFormat:
     options: frozenset[str] = frozenset()
     # whether the input carries routing weights (the writer's ``with_weights``, decided before ``read``); None: never
     with_weights: Callable[[Path], bool] | None = None
+    produces: Produces = "trace"  # a trace (``read``) or a load profile (``read_profile``: aggregate dumps)
+    read_profile: ReadProfile | None = None  # the dump's load profile (formats that produce a profile)
+
+    def __post_init__(self) -> None:
+        if (self.produces == "trace") != (self.read is not None) or (self.produces == "profile") != (
+            self.read_profile is not None
+        ):
+            raise TypeError(f"import format {self.name!r}: a trace format has `read`, a profile format `read_profile`")

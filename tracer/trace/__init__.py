@@ -1,4 +1,4 @@
-"""``moetrace.tracer.trace``: the trace format v1 (SPEC §2) and nothing else.
+"""``moetrace.tracer.trace``: the stored formats, trace format v1 (SPEC §2) and the load profile.
 
 - ``schema``: the one explicit Arrow schema, ``ModelInfo``, the manifest header
 - ``layout``: the file names of a trace directory
@@ -9,6 +9,7 @@
 - ``validate``: every invariant of the format, each problem named
 - ``merge``: the manifest of a sharded trace from its shard manifests
 - ``summary``: the text ``moetrace info`` prints
+- ``profile``: the load profile (expert counts per stage, MoE layer, expert; docs/profile.md)
 
 It imports no producer (backends, datasets, synth, import), so the format can be read without any
 collector installed. The common names are re-exported here::
