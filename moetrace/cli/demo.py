@@ -19,7 +19,7 @@ SYNTH_DATASETS = "gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr"
 
 
 def register(app: typer.Typer) -> None:
-    app.command("demo")(demo_cmd)
+    app.command("demo", short_help="Run the whole pipeline on CPU; write a dashboard.")(demo_cmd)
 
 
 def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_requests: int, seed: int) -> list[list[str]]:

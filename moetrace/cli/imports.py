@@ -26,7 +26,7 @@ _STAGES_HELP = (
 
 
 def register(app: typer.Typer) -> None:
-    app.command("import")(import_cmd)
+    app.command("import", short_help="Convert another tool's routing into a trace.")(import_cmd)
 
 
 @friendly_errors
@@ -57,9 +57,13 @@ def import_cmd(
 ) -> None:
     """Convert routing recorded by another tool into a trace (format v1) that every analysis reads.
 
-    Example: moetrace import sglang-responses.jsonl --model deepseek-v3 -o traces/dsv3-sglang
-
-    A capture of generated tokens only: moetrace import gen.jsonl --format tokens --stages decode-only -m mixtral-8x7b -o t
+    \b
+    Example:
+      moetrace import sglang-responses.jsonl --model deepseek-v3 \\
+        -o traces/dsv3-sglang
+    A capture of generated tokens only:
+      moetrace import gen.jsonl --format tokens --stages decode-only \\
+        -m mixtral-8x7b -o traces/gen-only
     """
     from moetrace.tracer.importers import import_trace
     from moetrace.tracer.presets import resolve
