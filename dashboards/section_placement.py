@@ -180,6 +180,11 @@ def _copy_model(dedup: str) -> str:
     return COPY_MODELS.get(dedup, f"one copy per distinct {dedup}")
 
 
+def stage_copy_model(m: CompareManifest, stage: str) -> str:
+    """The copy model a stage (``decode``, ``prefill``) was simulated with, in words."""
+    return _copy_model(m.dedup if stage == "decode" else (m.prefill_dedup or "?"))
+
+
 def copy_models(m: CompareManifest) -> str:
     """The copy model of each simulated stage, e.g. ``decode one copy per (token, expert), ...;
     prefill one copy per node, ...`` (prefill only when prefill steps were simulated)."""
