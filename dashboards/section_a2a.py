@@ -250,7 +250,8 @@ def links_caption(manifest: dict[str, Any]) -> str:
     ``loopback`` (one machine, nothing shaped), ``torchrun`` (the job's own hosts); with the backend."""
     backend = str(manifest.get("backend", "?"))
     device = str(manifest.get("device", "?"))
-    net = manifest.get("network") if isinstance(manifest.get("network"), dict) else {}
+    raw = manifest.get("network")
+    net: dict[str, Any] = raw if isinstance(raw, dict) else {}
     mode = str(net.get("mode", ""))
     run = f"This run: {backend} on {device}"
     if mode == "emulated":
