@@ -1,4 +1,4 @@
-"""Placement section, from ``moetrace compare`` results (SPEC §5–6, core paper Fig. 9).
+"""Placement section, from ``moetrace compare`` results (docs/placement.md, core paper Fig. 9).
 
 Figures (files and columns as written by ``moetrace.placement.compare.write_results``):
 
