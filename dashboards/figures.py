@@ -128,22 +128,46 @@ def lines_by_layer(
     colours: dict[str, str] | None = None,
     dash: dict[str, str] | None = None,
     height: int = 420,
+    emphasis: str | None = None,
+    groups: dict[str, str] | None = None,
 ) -> Any:
     """One line per named series over layers (x axis: the model's layer index), plus horizontal
-    reference lines (``{"chance": 0.5}``) drawn in grey and labelled."""
+    reference lines (``{"chance": 0.5}``) drawn in grey and labelled.
+
+    ``emphasis``: the series drawn last (on top of the others), thicker, and listed first in the
+    legend. ``groups``: series -> a legend group title (series without one stay ungrouped, listed
+    before the groups), e.g. ``{"oracle": "bounds, not deployable"}``; grouped lines are thinner."""
     go = plotly_go()
     colours = colours or category_colours(list(series))
+    groups = groups or {}
     fig = go.Figure()
     xs = [int(v) if isinstance(v, (int, np.integer)) else v for v in layers]
-    for name, y_L in series.items():
+    names = list(series)
+    rank = {n: (0 if n == emphasis else 1 + (1000 if n in groups else 0) + i) for i, n in enumerate(names)}
+    titled: set[str] = set()
+    for name in [n for n in names if n != emphasis] + [n for n in names if n == emphasis]:
+        group = groups.get(name)
+        extra: dict[str, Any] = {}
+        if group is not None:
+            extra["legendgroup"] = group
+            if group not in titled:  # the group's title is drawn once, over its first entry
+                extra["legendgrouptitle"] = {"text": group}
+                titled.add(group)
         fig.add_trace(
             go.Scatter(
                 x=xs,
-                y=np.asarray(y_L, dtype=np.float64),
+                y=np.asarray(series[name], dtype=np.float64),
                 mode="lines+markers",
                 name=name,
-                line={"color": colours.get(name), "dash": (dash or {}).get(name, "solid")},
+                legendrank=rank[name],
+                line={
+                    "color": colours.get(name),
+                    "dash": (dash or {}).get(name, "solid"),
+                    "width": 4.5 if name == emphasis else 1.5 if group is not None else 2,
+                },
+                marker={"size": 8 if name == emphasis else 5},
                 hovertemplate=f"{name}<br>layer %{{x}}<br>{y_title} %{{y:.3f}}<extra></extra>",
+                **extra,
             )
         )
     _reference_lines(fig, reference)

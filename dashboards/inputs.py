@@ -2,7 +2,7 @@
 
 A directory is one of:
 
-- a **trace** (``manifest.json`` with ``format: "moetrace.trace"``, SPEC §2);
+- a **trace** (``manifest.json`` with ``format: "moetrace.trace"``, docs/trace-format.md);
 - an **analysis** result (``manifest.json`` with ``format: "moetrace.analysis"``, written by
   ``moetrace analyze``);
 - a **placement** result (``compare.json`` with ``format: "moetrace.compare"``, written by

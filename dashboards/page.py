@@ -102,15 +102,19 @@ nav a:hover { text-decoration:underline; }
 main { padding: 8px 28px 40px 28px; max-width: 1400px; }
 section { scroll-margin-top: 44px; background:#fff; border:1px solid var(--rule); border-radius:6px; margin:20px 0; padding:8px 20px 16px 20px; }
 section h2 { font-size:19px; margin:10px 0 4px 0; }
-p.intro { color:var(--muted); margin:4px 0 10px 0; max-width: 70em; }
+p.intro { color:var(--muted); font-size:14px; margin:4px 0 10px 0; max-width: 70em; }
 .figure { margin: 14px 0 6px 0; width: 100%; min-width: 0; }
 .caption { color:var(--muted); font-size:13px; margin: 0 0 14px 0; max-width: 70em; }
 .caption code, .source code { font-size:12px; }
 .source { color:#777; font-size:12px; }
 .tables { display:flex; flex-wrap:wrap; gap: 0 36px; align-items:flex-start; }
-.tables > div { max-width: 100%; overflow-x:auto; }
+.tables > div { min-width: 0; max-width: 100%; overflow-x:auto; }
+.tables > details { min-width: 0; max-width: 100%; overflow-x:auto; }
 table { border-collapse: collapse; font-size:13px; margin: 8px 0 14px 0; }
 th, td { border-bottom:1px solid var(--rule); padding:3px 12px 3px 0; text-align:left; vertical-align:top; }
+th { font-weight:600; max-width: 11em; }
+table.nowrap td:first-child { white-space: normal; min-width: 7em; }
+td:first-child, th:first-child { position: sticky; left: 0; background:#fff; }
 table.nowrap td { white-space: nowrap; }
 td.num, th.num { text-align:right; font-variant-numeric: tabular-nums; }
 .note { color:var(--muted); font-style: italic; font-size:13px; }

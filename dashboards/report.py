@@ -1,7 +1,9 @@
 """``write_dashboard``: turn any mix of traces and result directories into one HTML report.
 
 Each input directory is recognised by its manifest (``inputs``); every section whose results are
-present is rendered, every section whose results are absent is listed in
+present is rendered, the decision first: the summary card, placement (``compare``) and measured
+all-to-all (``a2a``), then load (imbalance), then structure (correlations, clusters, classifiers),
+then the trace overview. Every section whose results are absent is listed in
 ``DashboardReport.omitted`` with the reason (and in the page's footer), never an error. A summary
 card of headline numbers (``summary``) opens the page when any of their results are present.
 Progress is reported as ``progress(done, total)`` over the report's steps: one per section built
@@ -112,31 +114,44 @@ def build_sections(
         progress(done, total)
 
     progress(0, total)
-    sections: list[Section] = []
+    overview: list[Section] = []
     for n, t in enumerate(traces):
         trace = open_trace(t.path, require_complete=False)
         if trace.part_names():
             _ = trace.request_arrays  # checks the requests table and every routing part's footer, like analyze does
-        sections.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))
+        overview.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))
         step()
     if not traces:
         omitted.append("overview: no trace directory among the inputs (and the results name none that exists)")
 
-    for build in builders:
-        _add_sections(sections, omitted, analyses, _with_random_weights_banner(build), "a", step)
+    load: list[Section] = []  # imbalance
+    structure: list[Section] = []  # correlations, clusters, classifiers
+    for i, build in enumerate(builders):
+        _add_sections(load if i == 0 else structure, omitted, analyses, _with_random_weights_banner(build), "a", step)
     omitted.extend(note for r in analyses for note in analysis_skipped_notes(r))  # what analyze skipped, and why
     if not analyses:
         omitted.append(
             "load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs"
         )
-    _add_sections(sections, omitted, placements, lambda r, kp: placement_section(r, key_prefix=kp), "p", step)
+    decision: list[Section] = []  # placement, then measured all-to-all
+    _add_sections(
+        decision,
+        omitted,
+        placements,
+        _with_random_weights_banner(lambda r, kp: placement_section(r, key_prefix=kp, analyses=analyses)),
+        "p",
+        step,
+    )
     if not placements:
         omitted.append("placement: no `moetrace compare` results among the inputs")
-    _add_sections(sections, omitted, a2as, lambda r, kp: a2a_section(r, key_prefix=kp), "m", step)
+    _add_sections(decision, omitted, a2as, lambda r, kp: a2a_section(r, key_prefix=kp), "m", step)
     if not a2as:
         omitted.append(
             "all-to-all measurements vs predictions: no measured all-to-all results among the inputs (run `moetrace a2a`)"
         )
+    # the decision first: (summary card), advice, placement and measured all-to-all, load, structure, the trace.
+    # Advice (section_advice, from `moetrace advise` results) goes first in this list when present.
+    sections = [*decision, *load, *structure, *overview]
     headlines: list[Headline] = []
     for results, prefix, headline in ((analyses, "a", imbalance_headline), (placements, "p", placement_headline),
                                       (a2as, "m", a2a_headline)):  # fmt: skip

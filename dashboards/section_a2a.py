@@ -20,6 +20,8 @@ Out of scope: running collectives (``moetrace.placement.a2a_run``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import polars as pl
 
@@ -235,13 +237,34 @@ def _time_figure(df: pl.DataFrame, res: Results, *, key: str) -> Figure:
         dash=dash,
     )
     fig.update_yaxes(rangemode="tozero")
-    backend = str(res.manifest.get("backend", "?"))
-    device = str(res.manifest.get("device", "?"))
-    local = backend == "gloo" or device == "cpu"
     return res.figure(
         key, fig, file=rf.A2A_COLLECTIVES,
         caption="Per layer: the median over batches and EP ranks of each rank's all_to_all_single wall time (barrier "
-        "first); dispatch solid, combine dotted. On CPU / gloo these timings are indicative only: every link is local "
-        "loopback, so they do not separate intra- from inter-node traffic"
-        + (f" (this run: {backend} on {device})." if local else f"; this run used {backend} on {device}."),
+        f"first); dispatch solid, combine dotted. {links_caption(res.manifest)}",
     )  # fmt: skip
+
+
+def links_caption(manifest: dict[str, Any]) -> str:
+    """How the run's links between nodes were realized, from ``a2a.json``'s ``network.mode``:
+    ``emulated`` (a network namespace per node, inter-node links shaped to ``network.link``),
+    ``loopback`` (one machine, nothing shaped), ``torchrun`` (the job's own hosts); with the backend."""
+    backend = str(manifest.get("backend", "?"))
+    device = str(manifest.get("device", "?"))
+    raw = manifest.get("network")
+    net: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    mode = str(net.get("mode", ""))
+    run = f"This run: {backend} on {device}"
+    if mode == "emulated":
+        shaped = f"{net.get('link') or '?'}" + (f", {net['qdisc']}" if net.get("qdisc") else "")
+        return (
+            f"{run}, each node a network namespace behind an emulated, shaped inter-node link ({shaped}); "
+            "intra-node traffic stays inside a namespace (loopback), so only inter-node time is emulated."
+        )
+    if mode == "torchrun":
+        return f"{run}, ranks of a torchrun job: the timings are those of its hosts' real links."
+    if mode == "loopback" or backend == "gloo" or device == "cpu":
+        return (
+            f"{run}, every link local loopback: the timings are indicative only and do not separate intra- from "
+            "inter-node traffic."
+        )
+    return f"{run}."

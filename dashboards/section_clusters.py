@@ -108,7 +108,7 @@ def clusters_section(
         Section(
             key=kp,
             title="Request clusters",
-            intro="Do requests of one dataset activate similar experts? Each point is a request (SPEC §3, request embedding).",
+            intro="Do requests of one dataset activate similar experts? Each point is a request (docs/analysis.md, request embeddings).",
             figures=tuple(figures),
             notes=tuple(notes),
         ),

@@ -98,7 +98,7 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
         Section(
             key=kp,
             title="Correlations",
-            intro="Which datasets use the same experts, and how well a request's prefill predicts its decode (SPEC §3).",
+            intro="Which datasets use the same experts, and how well a request's prefill predicts its decode (docs/analysis.md).",
             figures=tuple(figures),
             notes=tuple(notes),
         ),

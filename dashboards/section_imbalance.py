@@ -111,7 +111,7 @@ def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
         return None, ["load imbalance: no imbalance results in " + str(res.path)]
     summary = res.json(rf.ANALYSIS_SUMMARY) or {}
     bs = (summary.get("imbalance") or {}).get("batch_size")
-    intro = "How unevenly tokens spread over experts, per layer, dataset and stage (SPEC §3). " + (
+    intro = "How unevenly tokens spread over experts, per layer, dataset and stage (docs/analysis.md). " + (
         f"Batches hold {bs} requests each. " if bs else ""
     )
     return Section(key=kp, title="Load imbalance", intro=intro, figures=tuple(figures), notes=tuple(notes)), []

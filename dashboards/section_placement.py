@@ -1,4 +1,4 @@
-"""Placement section, from ``moetrace compare`` results (SPEC §5–6, core paper Fig. 9).
+"""Placement section, from ``moetrace compare`` results (docs/placement.md, core paper Fig. 9).
 
 Figures (files and columns as written by ``moetrace.placement.compare.write_results``):
 
@@ -36,7 +36,7 @@ Out of scope: placing or simulating (``moetrace.placement``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,42 +47,84 @@ from moetrace.dashboards.figures import lines_by_layer
 from moetrace.dashboards.page import Figure, Section, Table
 from moetrace.dashboards.results import Results, layer_order
 from moetrace.dashboards.theme import (
+    DIVERGING,
     REFERENCE_LINE,
-    SEQUENTIAL_ALT,
     category_colour,
     dropdown,
     finish,
-    height_for_rows,
     plotly_go,
 )
 from moetrace.placement.compare_manifest import CompareManifest
-from moetrace.placement.strategies import BOUNDS, LABELS
+from moetrace.placement.strategies import BOUNDS, LABELS, RECOMMENDED
 from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
 from moetrace.results import (
     COMPARE_BATCHES,
     COMPARE_LAYERS,
     COMPARE_PLACEMENTS,
     COMPARE_SUMMARY,
+    EXPERT_LOAD,
 )
 
 #: strategy -> its label in figures, in registry order (which also fixes each strategy's colour)
 STRATEGY_NAMES = LABELS  # strategies and the bounds compare reports
 
 
+#: the legend group and table caption of the rows that are bounds, not strategies
+BOUNDS_GROUP = "bounds, not deployable"
+#: the recommended strategy's colour: black, which no other strategy has (categories skip it)
+RECOMMENDED_COLOUR = "#000000"
+#: bounds are drawn in greys (dotted lines), apart from the strategies' colours
+_BOUND_COLOURS = ("#7a7a7a", "#a9a9a9", "#5a5a5a")
+
+
+def is_bound(name: str) -> bool:
+    """A row of compare's results that no deployment reaches (any name outside the strategy registry)."""
+    return name not in REGISTERED
+
+
 def strategy_colours(strategies: list[str]) -> dict[str, str]:
-    """Fixed colours per known strategy so every figure and report agrees; unknown ones after."""
-    known = list(STRATEGY_NAMES)
-    return {s: category_colour(known.index(s) if s in known else len(known) + i) for i, s in enumerate(strategies)}
+    """Fixed colours per known strategy so every figure and report agrees; unknown ones after;
+    the recommended strategy black; bounds in greys."""
+    known = list(REGISTERED)
+    bounds = [s for s in strategies if is_bound(s)]
+    return {
+        s: _BOUND_COLOURS[bounds.index(s) % len(_BOUND_COLOURS)]
+        if is_bound(s)
+        else RECOMMENDED_COLOUR
+        if s == RECOMMENDED
+        else category_colour(known.index(s) if s in known else len(known) + i)
+        for i, s in enumerate(strategies)
+    }
 
 
 def _strategies(res: Results, df: pl.DataFrame) -> list[str]:
+    """The rows of ``df`` in page order: the reference, the recommended strategy, the other strategies
+    as compare.json lists them, then the bounds."""
     order, ref = res.compare.strategies, res.compare.reference
     have = df["strategy"].unique().to_list()
-    out = ([ref] if ref in have else []) + [s for s in order if s in have and s != ref]
-    return out + sorted(s for s in have if s not in out)
+    out = ([ref] if ref in have else []) + ([RECOMMENDED] if RECOMMENDED in have and RECOMMENDED != ref else [])
+    out += [s for s in order if s in have and s not in out and not is_bound(s)]
+    out += sorted(s for s in have if s not in out and not is_bound(s))
+    return out + [s for s in dict.fromkeys([*res.compare.bounds, *sorted(have)]) if s in have and is_bound(s)]
 
 
-def placement_section(res: Results, *, key_prefix: str = "") -> tuple[Section | None, list[str]]:
+def _line_style(res: Results, strategies: list[str]) -> dict[str, Any]:
+    """``lines_by_layer``'s keyword arguments for these strategies: colours, the recommended strategy
+    emphasised (on top, thicker, first in the legend), bounds dotted in their own legend group."""
+    label = {s: STRATEGY_NAMES.get(s, s) for s in strategies}
+    return {
+        "colours": {label[s]: c for s, c in strategy_colours(strategies).items()},
+        "emphasis": label[RECOMMENDED] if RECOMMENDED in strategies else None,
+        "groups": {label[s]: BOUNDS_GROUP for s in strategies if is_bound(s)},
+        "dash": {label[s]: "dot" for s in strategies if is_bound(s)},
+    }
+
+
+def placement_section(
+    res: Results, *, key_prefix: str = "", analyses: Sequence[Results] = ()
+) -> tuple[Section | None, list[str]]:
+    """The placement section of one compare results directory; ``analyses``: analyze results, of which
+    one of the same trace (if any) tells which datasets each node serves."""
     kp = f"{key_prefix}placement"
     figures: list[Figure] = []
     notes: list[str] = []
@@ -131,9 +173,12 @@ def placement_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
 
     places = res.table(COMPARE_PLACEMENTS)
     if places is not None:
-        figures.append(_placement_map(places, res, key=f"{kp}-map"))
+        node_tables, node_figures, node_notes = _holdings_section(places, res, analyses, key=kp)
+        tables.extend(node_tables)
+        figures[1:1] = node_figures  # after the time per step: what the winner's nodes hold
+        notes.extend(node_notes)
     else:
-        notes.append("placements.parquet absent: no placement map")
+        notes.append("placements.parquet absent: no table of what each node holds")
 
     if not figures and not tables:
         return None, [f"placement: no compare results in {res.path}"]
@@ -178,6 +223,11 @@ def has_time(summary: pl.DataFrame) -> bool:
 
 def _copy_model(dedup: str) -> str:
     return COPY_MODELS.get(dedup, f"one copy per distinct {dedup}")
+
+
+def stage_copy_model(m: CompareManifest, stage: str) -> str:
+    """The copy model a stage (``decode``, ``prefill``) was simulated with, in words."""
+    return _copy_model(m.dedup if stage == "decode" else (m.prefill_dedup or "?"))
 
 
 def copy_models(m: CompareManifest) -> str:
@@ -275,13 +325,10 @@ def _time_columns(m: CompareManifest, summary: pl.DataFrame) -> list[_Column]:
     cols: list[_Column] = [
         ("strategy", lambda r: STRATEGY_NAMES.get(r["strategy"], r["strategy"])),
         ("all-to-all / step", lambda r: _seconds(r["a2a_seconds_per_step_median"])),
-        ("all-to-all (normalized median)", lambda r: _ratio(r["a2a_time_normalized_median"])),
-        ("p10–p90", lambda r: _span(r["a2a_time_normalized_p10"], r["a2a_time_normalized_p90"])),
+        ("all-to-all vs median (p10–p90)", _with_span("a2a_time_normalized")),
         ("MoE layers / step", lambda r: _seconds(r["moe_seconds_per_step_median"])),
-        ("MoE (normalized median)", lambda r: _ratio(r["moe_time_normalized_median"])),
-        ("p10–p90", lambda r: _span(r["moe_time_normalized_p10"], r["moe_time_normalized_p90"])),
-        ("inter-node bytes (normalized median)", lambda r: _ratio(r["inter_node_normalized_median"])),
-        ("p10–p90", lambda r: _span(r["inter_node_normalized_p10"], r["inter_node_normalized_p90"])),
+        ("MoE vs median (p10–p90)", _with_span("moe_time_normalized")),
+        ("inter-node bytes vs median (p10–p90)", _with_span("inter_node_normalized")),
         ("inter-node / batch", lambda r: _kib(r["inter_node_bytes_per_batch_median"])),
         ("intra-node / batch", lambda r: _kib(r["intra_node_bytes_per_batch_median"])),
         ("largest rank send / layer", lambda r: _kib(r["max_rank_dispatch_send_bytes_mean"])),
@@ -299,6 +346,16 @@ def _time_columns(m: CompareManifest, summary: pl.DataFrame) -> list[_Column]:
         if col in summary.columns and _any_finite(summary[col]):
             cols.append((header, _ratio_of(col)))
     return cols
+
+
+def _with_span(column: str) -> Callable[[dict[str, Any]], str]:
+    """A normalized column's cell: its median and p10–p90 in one, ``0.912 (0.880–0.950)``."""
+
+    def cell(r: dict[str, Any]) -> str:
+        med, span = _ratio(r[f"{column}_median"]), _span(r[f"{column}_p10"], r[f"{column}_p90"])
+        return med if span == "-" else f"{med} ({span})"
+
+    return cell
 
 
 def _router_match(r: dict[str, Any]) -> str:
@@ -319,12 +376,11 @@ def _summary_tables(res: Results, summary: pl.DataFrame, *, key: str) -> list[Ta
     columns = _time_columns(m, summary) if timed else _bytes_columns()
     by = {r["strategy"]: r for r in summary.iter_rows(named=True)}
     strategies = _strategies(res, summary)
-    deployable = [s for s in strategies if s in REGISTERED]
-    bounds = [s for s in strategies if s not in REGISTERED]
-    header = tuple(h for h, _ in columns)
+    deployable = [s for s in strategies if not is_bound(s)]
+    bounds = [s for s in strategies if is_bound(s)]
 
-    def rows(names: list[str]) -> tuple[tuple[object, ...], ...]:
-        return tuple(tuple(f(by[s]) for _, f in columns) for s in names)
+    def rows(names: list[str], cols: list[_Column]) -> tuple[tuple[object, ...], ...]:
+        return tuple(tuple(f(by[s]) for _, f in cols) for s in names)
 
     if timed:
         limit = (
@@ -333,8 +389,8 @@ def _summary_tables(res: Results, summary: pl.DataFrame, *, key: str) -> list[Ta
         caption = (
             f"Predicted per decode step, all MoE layers: all-to-all = dispatch + combine, the busiest GPU of each "
             f"collective charged; MoE = dispatch + experts + combine (- when the model's expert size is unknown). "
-            f"Medians over {m.num_batches} held-out batches; normalized = / {ref}'s median, lower is better; p10–p90 "
-            f"over batches. Inter-node bytes are what the time comes from, not the verdict. Busiest node: held-out "
+            f"Medians over {m.num_batches} held-out batches; vs median = / {ref}'s median, lower is better, with "
+            f"p10–p90 over batches in brackets. Inter-node bytes are what the time comes from, not the verdict. Busiest node: held-out "
             f"requests its router sends the busiest node / an even share{limit}. Busiest GPU: its tokens / the mean "
             f"GPU's, mean over batches and layers."
         )
@@ -343,7 +399,11 @@ def _summary_tables(res: Results, summary: pl.DataFrame, *, key: str) -> list[Ta
             f"Normalized to the median of {ref}; lower is better. Byte columns are medians (per batch) or means "
             "(per layer and batch)."
         )
-    tables = [Table(key=key, header=header, rows=rows(deployable), caption=caption, nowrap=timed)]
+    shown, dropped = _varying_columns(columns, [by[s] for s in strategies])
+    header = tuple(h for h, _ in shown)
+    if dropped:
+        caption += " The same in every row, so not a column: " + "; ".join(f"{h} {v}" for h, v in dropped) + "."
+    tables = [Table(key=key, header=header, rows=rows(deployable, shown), caption=caption, nowrap=timed)]
     if bounds:
         described = {b.name: b.description for b in BOUNDS}
         what = "; ".join(f"{STRATEGY_NAMES.get(s, s)}: {described[s]}" for s in bounds if s in described)
@@ -351,12 +411,30 @@ def _summary_tables(res: Results, summary: pl.DataFrame, *, key: str) -> list[Ta
             Table(
                 key=f"{key}-bounds",
                 header=header,
-                rows=rows(bounds),
-                caption="Bounds, not deployable (same columns): " + (what or ", ".join(bounds)) + ".",
+                rows=rows(bounds, shown),
+                caption=f"{BOUNDS_GROUP.capitalize()} (same columns): " + (what or ", ".join(bounds)) + ".",
                 nowrap=timed,
             )
         )
     return tables
+
+
+def _varying_columns(
+    columns: list[_Column], rows: list[dict[str, Any]]
+) -> tuple[list[_Column], list[tuple[str, object]]]:
+    """The columns whose cells differ between ``rows`` (the first, the row's name, always), and the
+    (header, value) of each column that holds one value in every row (none dropped for one row)."""
+    if len(rows) < 2:
+        return columns, []
+    shown: list[_Column] = [columns[0]]
+    dropped: list[tuple[str, object]] = []
+    for header, f in columns[1:]:
+        cells = [f(r) for r in rows]
+        if all(c == cells[0] for c in cells):
+            dropped.append((header, cells[0]))
+        else:
+            shown.append((header, f))
+    return shown, dropped
 
 
 def _kib(v: float | None) -> str:
@@ -391,14 +469,14 @@ class _BoxView:
 
 _BYTES_BOX = _BoxView(
     column="inter_node_normalized",
-    y_title="inter-node all-to-all bytes / reference median",
+    y_title="inter-node bytes / reference median",
     what="Normalized inter-node all-to-all volume per strategy (lower is better)",
     hover="normalized inter-node volume",
     definition="inter-node bytes of dispatch and combine summed over MoE layers",
 )
 _A2A_TIME_BOX = _BoxView(
     column="a2a_time_normalized",
-    y_title="predicted all-to-all time per step / reference median",
+    y_title="all-to-all time / reference median",
     what="Predicted all-to-all time per decode step, per strategy (lower is better)",
     hover="normalized all-to-all time",
     definition="predicted seconds of dispatch and combine summed over MoE layers, the busiest GPU of each "
@@ -406,7 +484,7 @@ _A2A_TIME_BOX = _BoxView(
 )
 _MOE_TIME_BOX = _BoxView(
     column="moe_time_normalized",
-    y_title="predicted MoE-layer time per step / reference median",
+    y_title="MoE-layer time / reference median",
     what="Predicted MoE-layer time per decode step, per strategy (lower is better)",
     hover="normalized MoE-layer time",
     definition="predicted seconds of dispatch, expert computation and combine summed over MoE layers",
@@ -430,11 +508,19 @@ def _box_by_strategy(batches: pl.DataFrame, res: Results, *, view: _BoxView, ref
                 y=y,
                 name=STRATEGY_NAMES.get(s, s),
                 marker_color=colours[s],
+                line={"width": 3.5 if s == RECOMMENDED else 1.5},
                 boxpoints="outliers",
                 boxmean=True,
                 hovertemplate=f"{STRATEGY_NAMES.get(s, s)}<br>{view.hover} %{{y:.3f}}<extra></extra>",
             )
         )
+    first_bound = next((i for i, s in enumerate(strategies) if is_bound(s)), None)
+    if first_bound:  # bounds to the right of a line, under their own label
+        fig.add_vline(x=first_bound - 0.5, line={"color": REFERENCE_LINE, "width": 1.5})
+        fig.add_annotation(
+            x=first_bound - 0.5, y=1.0, xref="x", yref="paper", xanchor="left", yanchor="bottom", showarrow=False,
+            text=f" {BOUNDS_GROUP}", font={"size": 11, "color": REFERENCE_LINE},
+        )  # fmt: skip
     fig.add_hline(
         y=1.0,
         line={"color": REFERENCE_LINE, "dash": "dot", "width": 1.5},
@@ -452,7 +538,9 @@ def _box_by_strategy(batches: pl.DataFrame, res: Results, *, view: _BoxView, ref
         fig,
         file=COMPARE_BATCHES,
         caption=f"One value per simulated global batch (a decode step of every node's micro-batch): {view.definition}, "
-        f"divided by the median of {STRATEGY_NAMES.get(ref, ref)}. Box = quartiles, whiskers = 1.5 IQR, dashed = mean. "
+        f"divided by the median of {STRATEGY_NAMES.get(ref, ref)}. Box = quartiles, whiskers = 1.5 IQR, dashed = mean; "
+        f"{STRATEGY_NAMES.get(RECOMMENDED, RECOMMENDED)}, the recommended strategy, drawn thick; bounds (grey, right of "
+        "the line) are not deployable. "
         "The y axis spans the 1st to 99th percentile of the values (and 1), not 0: the differences are a few percent. "
         "Evaluated on held-out requests.",
     )
@@ -461,7 +549,6 @@ def _box_by_strategy(batches: pl.DataFrame, res: Results, *, view: _BoxView, ref
 def _time_per_layer(layers: pl.DataFrame, res: Results, *, key: str) -> Figure:
     """Median over batches of each layer's predicted all-to-all seconds (dispatch + combine), in µs."""
     strategies = _strategies(res, layers)
-    colours = {STRATEGY_NAMES.get(s, s): c for s, c in strategy_colours(strategies).items()}
     agg = layers.group_by("strategy", "layer").agg(
         ((pl.col("dispatch_seconds") + pl.col("combine_seconds")) * 1e6).median().alias("us")
     )
@@ -475,7 +562,7 @@ def _time_per_layer(layers: pl.DataFrame, res: Results, *, key: str) -> Figure:
         y_title="predicted all-to-all time per layer (µs)",
         what="Predicted all-to-all time per layer and strategy (median over batches)",
         source=res.label,
-        colours=colours,
+        **_line_style(res, strategies),
     )
     fig.update_yaxes(rangemode="tozero")
     return Figure(
@@ -490,7 +577,7 @@ def _time_per_layer(layers: pl.DataFrame, res: Results, *, key: str) -> Figure:
 
 def _per_layer(layers: pl.DataFrame, res: Results, *, ref: str, key: str) -> list[Figure]:
     strategies = _strategies(res, layers)
-    colours = {STRATEGY_NAMES.get(s, s): c for s, c in strategy_colours(strategies).items()}
+    style = _line_style(res, strategies)
     agg = (
         layers.group_by("strategy", "layer", "model_layer")
         .agg(
@@ -521,7 +608,7 @@ def _per_layer(layers: pl.DataFrame, res: Results, *, ref: str, key: str) -> lis
         y_range=(0.0, 1.02),
         what="Share of all-to-all bytes that cross nodes, per layer and strategy",
         source=res.label,
-        colours=colours,
+        **style,
     )
     f2 = lines_by_layer(
         norm,
@@ -530,7 +617,7 @@ def _per_layer(layers: pl.DataFrame, res: Results, *, ref: str, key: str) -> lis
         reference={f"median of {STRATEGY_NAMES.get(ref, ref)}": 1.0},
         what="Normalized inter-node volume per layer (median over batches)",
         source=res.label,
-        colours=colours,
+        **style,
     )
     f2.update_yaxes(rangemode="tozero")
     return [
@@ -551,62 +638,236 @@ def _per_layer(layers: pl.DataFrame, res: Results, *, ref: str, key: str) -> lis
     ]
 
 
-def _placement_map(places: pl.DataFrame, res: Results, *, key: str) -> Figure:
+@dataclass(frozen=True, kw_only=True)
+class NodeHoldings:
+    """What each node of one strategy's placement holds (``node_holdings``). Shape legend: G nodes,
+    W GPUs, D datasets."""
+
+    strategy: str  # compare's name of the strategy
+    gpus_G: tuple[tuple[int, ...], ...]  # [G] the GPUs (EP ranks) of each node
+    moved_G: (
+        np.ndarray
+    )  # float64 [G] experts per layer on the node that linear places on another node (mean over layers)
+    tokens_W: np.ndarray | None  # float64 [W] expected decode tokens per GPU / an even share (None: no analysis)
+    datasets: tuple[str, ...]  # [D] the datasets of the analysis (empty: no analysis)
+    share_GD: np.ndarray | None  # float64 [G, D] share of dataset d's decode expert activations on node g's experts
+
+
+def node_holdings(places: pl.DataFrame, strategy: str, *, load: pl.DataFrame | None) -> NodeHoldings:
+    """What each node of ``strategy``'s placement holds, from ``placements.parquet`` (one row per
+    strategy, layer and physical slot: its GPU, node and logical expert) and, when given, the
+    analysis's ``expert_load.parquet`` rows of one stage (dataset, layer, expert, tokens).
+
+    - moved: per layer, the experts on the node that linear's placement (``p mod E``) keeps on
+      another node, mean over layers;
+    - tokens per GPU: Σ over the GPU's slots of the slot's expert's tokens (dataset ``all``) split
+      evenly over that expert's replicas, summed over layers, / an even share (all tokens / W): what
+      the placement would give each GPU if traffic were the analysed trace's;
+    - share: for each dataset, the tokens of its requests whose expert is on the node (replicas
+      split evenly) / all its tokens, over every layer."""
+    sub = places.filter(pl.col("strategy") == strategy).sort("layer", "slot")
+    L = sub["layer"].n_unique()
+    P = sub.height // L
+    expert_LP = sub["expert"].to_numpy().reshape(L, P).astype(np.int64)
+    gpu_P = sub["gpu"].to_numpy()[:P].astype(np.int64)
+    node_P = sub["node"].to_numpy()[:P].astype(np.int64)
+    G, W = int(node_P.max()) + 1, int(gpu_P.max()) + 1
+    E = int(places["expert"].max()) + 1  # type: ignore[arg-type]  # polars types Series.max() as any Python literal
+    # linear: slot p holds expert p mod E, on the same slots' nodes
+    linear_nodes_E = [set(node_P[np.arange(P) % E == e].tolist()) for e in range(E)]
+    moved_G = np.zeros(G)
+    for g in range(G):
+        on_g = expert_LP[:, node_P == g]
+        moved_G[g] = np.mean([len({int(e) for e in row if g not in linear_nodes_E[int(e)]}) for row in on_g])
+    tokens_W = share_GD = None
+    datasets: tuple[str, ...] = ()
+    if load is not None:
+        replicas_LE = np.zeros((L, E))
+        np.add.at(replicas_LE, (np.repeat(np.arange(L), P), expert_LP.ravel()), 1.0)
+        names = sorted(set(load["dataset"].unique().to_list()) - {"all"})
+
+        def tokens_LE(ds: str) -> np.ndarray:
+            rows = load.filter(pl.col("dataset") == ds)
+            out = np.zeros((L, E))
+            np.add.at(out, (rows["layer"].to_numpy(), rows["expert"].to_numpy()), rows["tokens"].to_numpy())
+            return out
+
+        def per_slot(t_LE: np.ndarray) -> np.ndarray:  # [L, P] the slot's expert's tokens / its replicas
+            return np.take_along_axis(t_LE / np.maximum(replicas_LE, 1.0), expert_LP, axis=1)
+
+        every = per_slot(tokens_LE("all")).sum(axis=0)
+        tokens_W = np.bincount(gpu_P, weights=every, minlength=W) / max(every.sum() / W, 1e-12)
+        share_GD = np.zeros((G, len(names)))
+        for d, ds in enumerate(names):
+            s_P = per_slot(tokens_LE(ds)).sum(axis=0)
+            share_GD[:, d] = np.bincount(node_P, weights=s_P, minlength=G) / max(s_P.sum(), 1e-12)
+        datasets = tuple(names)
+    gpus_G = tuple(tuple(sorted(set(gpu_P[node_P == g].tolist()))) for g in range(G))
+    return NodeHoldings(
+        strategy=strategy, gpus_G=gpus_G, moved_G=moved_G, tokens_W=tokens_W, datasets=datasets, share_GD=share_GD
+    )
+
+
+def _stage_load(res: Results, analyses: Sequence[Results]) -> tuple[pl.DataFrame | None, str]:
+    """The decode rows (else prefill) of ``expert_load.parquet`` of an analysis of the same trace as
+    these compare results, and the stage; (None, why) when none is given or matches."""
+    tp = res.trace_path
+    same = [
+        a for a in analyses if tp is not None and a.trace_path is not None and a.trace_path.resolve() == tp.resolve()
+    ]
+    for a in same:
+        load = a.table(EXPERT_LOAD)
+        if load is None:
+            continue
+        for stage in ("decode", "prefill"):
+            rows = load.filter(pl.col("stage") == stage)
+            if rows.height and int(rows["expert"].max()) + 1 == res.compare.model.num_experts:  # type: ignore[arg-type]
+                return rows, stage
+    return (
+        None,
+        "give `moetrace analyze` results of the same trace to see the datasets each node serves and its tokens per GPU",
+    )
+
+
+def _holdings_section(
+    places: pl.DataFrame, res: Results, analyses: Sequence[Results], *, key: str
+) -> tuple[list[Table], list[Figure], list[str]]:
+    """A table of what each node of the recommended strategy holds, and, with an analysis of the same
+    trace, two figures over every deployable strategy (a dropdown): the datasets each node serves
+    and the expected tokens per GPU."""
+    strategies = [s for s in _strategies(res, places) if not is_bound(s)]
+    if not strategies:
+        return [], [], []
+    load, stage_or_why = _stage_load(res, analyses)
+    notes = [] if load is not None else [f"What each node holds: {stage_or_why}."]
+    first = [s for s in strategies if s == RECOMMENDED] + [s for s in strategies if s != RECOMMENDED]
+    held = {s: node_holdings(places, s, load=load) for s in first}  # the recommended first: the dropdowns open on it
+    shown = first[0]
+    h = held[shown]
+    header = ["node", "GPUs", "experts moved from linear (per layer)"]
+    if h.share_GD is not None:
+        header[2:2] = ["datasets it serves (share of each one's activations)", "tokens per GPU / even share"]
+
+    def serves(g: int) -> str:
+        assert h.share_GD is not None
+        order = np.argsort(-h.share_GD[g])
+        return ", ".join(f"{h.datasets[d]} {100 * h.share_GD[g, d]:.0f}%" for d in order[:3])
+
+    rows = []
+    for g, gpus in enumerate(h.gpus_G):
+        row: list[object] = [g, f"{gpus[0]}–{gpus[-1]}" if len(gpus) > 1 else str(gpus[0])]
+        if h.share_GD is not None and h.tokens_W is not None:
+            t = h.tokens_W[list(gpus)]
+            row += [serves(g), f"{t.mean():.2f} (busiest {t.max():.2f})"]
+        row.append(f"{h.moved_G[g]:.1f} of {res.compare.model.num_experts}")
+        rows.append(tuple(row))
+    name = STRATEGY_NAMES.get(shown, shown)
+    even = 100 / len(h.gpus_G)
+    caption = (
+        f"What each node of {name} holds. Experts moved: per layer, the experts on the node that linear keeps on "
+        "another node (mean over layers)."
+        + (
+            f" From the analysis's {stage_or_why} expert load: a dataset's share is the part of its tokens' expert "
+            f"activations whose expert sits on the node (top three; {even:.0f}% each is no specialisation); tokens per "
+            "GPU: the tokens its experts would receive / an even share (mean over the node's GPUs, and its busiest)."
+            if load is not None
+            else ""
+        )
+    )
+    tables = [Table(key=f"{key}-nodes", header=tuple(header), rows=tuple(rows), caption=caption)]
+    figures = (
+        []
+        if load is None
+        else [_share_figure(held, res, key=f"{key}-serves"), _tokens_figure(held, res, key=f"{key}-tokens")]
+    )
+    return tables, figures, notes
+
+
+def _share_figure(held: dict[str, NodeHoldings], res: Results, *, key: str) -> Figure:
+    """Node × dataset heatmap of the share of each dataset's activations on the node's experts, a
+    strategy per dropdown entry (the recommended one first)."""
     go = plotly_go()
-    strategies = _strategies(res, places)
-    layers_L, model_L = layer_order(places)
-    P = int(places["slot"].max()) + 1  # type: ignore[arg-type]  # polars types Series.max() as any Python literal
-    num_experts = int(places["expert"].max()) + 1  # type: ignore[arg-type]  # polars types Series.max() as any Python literal
+    names = list(held)
+    first = held[names[0]]
+    assert first.share_GD is not None
+    G = len(first.gpus_G)
     fig = go.Figure()
-    gpu_of_P = node_of_P = None
-    for i, s in enumerate(strategies):
-        sub = places.filter(pl.col("strategy") == s).sort("layer", "slot")
-        z_LP = sub["expert"].to_numpy().reshape(len(layers_L), P)
-        gpu_of_P = sub["gpu"].to_numpy()[:P]
-        node_of_P = sub["node"].to_numpy()[:P]
-        custom = np.broadcast_to(np.stack([gpu_of_P, node_of_P], axis=1), (len(layers_L), P, 2))
+    for i, s in enumerate(names):
+        share = held[s].share_GD
+        assert share is not None
         fig.add_trace(
             go.Heatmap(
-                z=z_LP.astype(np.int32),
-                x=np.arange(P),
-                y=[str(v) for v in model_L],
-                customdata=custom,
-                colorscale=SEQUENTIAL_ALT,
-                zmin=0,
-                zmax=num_experts - 1,
+                z=share,
+                x=list(first.datasets),
+                y=[f"node {g}" for g in range(G)],
+                zmin=0.0,
+                zmax=min(1.0, 2.0 / G),  # white at an even share (1/G), red above, blue below
+                colorscale=DIVERGING,
+                reversescale=True,
+                texttemplate="%{z:.0%}",
                 visible=i == 0,
                 name=STRATEGY_NAMES.get(s, s),
-                colorbar={"title": {"text": "logical expert id", "side": "right"}, "thickness": 14},
-                hovertemplate=f"{STRATEGY_NAMES.get(s, s)}<br>layer %{{y}}<br>slot %{{x}} on GPU %{{customdata[0]}} "
-                "(node %{customdata[1]})<br>expert %{z}<extra></extra>",
+                colorbar={"title": {"text": f"share (even: {100 / G:.0f}%)", "side": "right"}, "thickness": 14},
+                hovertemplate=f"{STRATEGY_NAMES.get(s, s)}<br>%{{y}} holds the experts of %{{z:.1%}} of %{{x}}'s "
+                "activations<extra></extra>",
             )
         )
-    vis = [[j == i for j in range(len(strategies))] for i in range(len(strategies))]
-    # GPU tick at the middle of its slots; a line at every node boundary
-    assert gpu_of_P is not None and node_of_P is not None
-    gpus = np.unique(gpu_of_P)
-    mids = [float(np.flatnonzero(gpu_of_P == g).mean()) for g in gpus]
-    every = max(1, len(gpus) // 32)
-    for p in range(1, P):
-        if node_of_P[p] != node_of_P[p - 1]:
-            fig.add_vline(x=p - 0.5, line={"color": "black", "width": 2.5})
-        elif gpu_of_P[p] != gpu_of_P[p - 1] and len(gpus) <= 128:
-            fig.add_vline(x=p - 0.5, line={"color": "white", "width": 1})
+    vis = [[j == i for j in range(len(names))] for i in range(len(names))]
     fig.update_layout(
-        updatemenus=dropdown([STRATEGY_NAMES.get(s, s) for s in strategies], vis, prefix=""),
-        xaxis={
-            "title": {"text": "GPU (EP rank): its physical slots, white lines between GPUs, black between nodes"},
-            "tickvals": mids[::every],
-            "ticktext": [str(int(g)) for g in gpus[::every]],
-        },
-        yaxis={"title": {"text": "layer"}, "type": "category", "autorange": "reversed"},
+        updatemenus=dropdown([STRATEGY_NAMES.get(s, s) for s in names], vis, prefix=""),
+        xaxis={"title": {"text": "dataset"}, "type": "category"},
+        yaxis={"title": {"text": "node"}, "type": "category", "autorange": "reversed"},
     )
-    finish(fig, what="Placement map: the expert in every slot, by layer and GPU (pick a strategy)", source=res.label,
-           height=height_for_rows(len(model_L)))  # fmt: skip
+    finish(fig, what="Datasets each node serves", source=res.label,
+           height=max(380, 160 + 40 * G))  # fmt: skip
     return res.figure(
         key,
         fig,
         file=COMPARE_PLACEMENTS,
-        caption="Each cell is one physical expert slot; its colour is the logical expert it holds (hover for the id, GPU "
-        "and node). A linear placement reads as a smooth gradient; a data-based one gathers each node's experts.",
+        caption=f"Each cell: the share of a dataset's expert activations (analysis of the same trace) whose expert "
+        f"this node holds, replicas split evenly; a column sums to 100%. An even spread ({100 / G:.0f}% each) "
+        "means the node serves no dataset in particular; a data-based placement gathers a dataset's experts on its "
+        "node, so its requests stay there.",
+    )
+
+
+def _tokens_figure(held: dict[str, NodeHoldings], res: Results, *, key: str) -> Figure:
+    """Expected tokens per GPU / an even share, bars coloured by node, a strategy per dropdown entry."""
+    go = plotly_go()
+    names = list(held)
+    fig = go.Figure()
+    for i, s in enumerate(names):
+        h = held[s]
+        assert h.tokens_W is not None
+        node_W = np.zeros(h.tokens_W.size, dtype=np.int64)
+        for g, gpus in enumerate(h.gpus_G):
+            node_W[list(gpus)] = g
+        fig.add_trace(
+            go.Bar(
+                x=np.arange(h.tokens_W.size),
+                y=h.tokens_W,
+                marker_color=[category_colour(int(g)) for g in node_W],
+                customdata=node_W,
+                visible=i == 0,
+                name=STRATEGY_NAMES.get(s, s),
+                hovertemplate=f"{STRATEGY_NAMES.get(s, s)}<br>GPU %{{x}} (node %{{customdata}})<br>"
+                "tokens / even share %{y:.2f}<extra></extra>",
+            )
+        )
+    vis = [[j == i for j in range(len(names))] for i in range(len(names))]
+    fig.add_hline(y=1.0, line={"color": REFERENCE_LINE, "dash": "dot", "width": 1.5})
+    fig.update_layout(
+        updatemenus=dropdown([STRATEGY_NAMES.get(s, s) for s in names], vis, prefix=""),
+        showlegend=False,
+        xaxis={"title": {"text": "GPU (EP rank), coloured by node"}},
+        yaxis={"title": {"text": "expected tokens / even share"}, "rangemode": "tozero"},
+    )
+    finish(fig, what="Expected tokens per GPU", source=res.label, height=400)
+    return res.figure(
+        key,
+        fig,
+        file=COMPARE_PLACEMENTS,
+        caption="Per GPU: the tokens its experts would receive if traffic were the analysed trace's (each expert's "
+        "tokens split evenly over its replicas, summed over layers) / an even share; 1 (dotted) is balanced. The "
+        "busiest GPU sets the step's expert time.",
     )

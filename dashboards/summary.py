@@ -29,6 +29,8 @@ one number each), the card's HTML (``page``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import polars as pl
 
@@ -210,6 +212,70 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
         source=res.source(rf.COMPARE_SUMMARY),
         note=note,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageWinner:
+    """The fastest deployable strategy of one simulated stage (``stage_winners``)."""
+
+    stage: str  # "decode" or "prefill"
+    copies: str  # the stage's copy model in words (``section_placement.COPY_MODELS``)
+    strategy: str | None  # registry name of the fastest deployable strategy; None when none has a time
+    ratio: float | None  # its predicted all-to-all time per step / the reference's median (< 1: faster)
+    reference: str  # the strategy it is compared with (``compare.json`` ``reference``)
+
+    def text(self) -> str:
+        """``decode (one copy per ...): joint (ours) −12% predicted all-to-all time per step vs linear``;
+        says so when no deployable strategy beats the reference."""
+        from moetrace.dashboards.section_placement import STRATEGY_NAMES
+
+        head = f"{self.stage} ({self.copies})"
+        if self.strategy is None or self.ratio is None:
+            return f"{head}: no strategy with a predicted time"
+        name = STRATEGY_NAMES.get(self.strategy, self.strategy)
+        if self.ratio >= 1.0:
+            return f"{head}: none beats {self.reference} (closest: {name} {_change(self.ratio)})"
+        return f"{head}: {name} {_change(self.ratio)} predicted all-to-all time per step vs {self.reference}"
+
+
+#: (stage, its summary.parquet column) in the order the stages are named
+_STAGE_COLUMNS = (("decode", "a2a_time_normalized_median"), ("prefill", "prefill_a2a_time_normalized_median"))
+
+
+def stage_winners(res: Results) -> list[StageWinner]:
+    """Per simulated stage (decode, then prefill when prefill steps were simulated), the deployable
+    strategy with the lowest predicted all-to-all time per step, from ``summary.parquet``: registered
+    strategies other than the reference and within ``max_node_load`` (bounds are never winners).
+    Each stage names the copy model it was simulated with (decode: ``dedup``, prefill:
+    ``prefill_dedup``). Empty for results written before the cost model."""
+    from moetrace.dashboards.section_placement import finite, has_time, stage_copy_model
+    from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
+
+    summary = res.table(rf.COMPARE_SUMMARY)
+    if summary is None or not has_time(summary):
+        return []
+    m = res.compare
+    out = []
+    for stage, col in _STAGE_COLUMNS:
+        if col not in summary.columns or (stage == "prefill" and not m.num_prefill_batches):
+            continue
+        times = {
+            str(r["strategy"]): v
+            for r in summary.iter_rows(named=True)
+            if r["strategy"] in REGISTERED and r["strategy"] != m.reference and not r.get("over_node_load_limit")
+            and (v := finite(r[col])) is not None
+        }  # fmt: skip
+        best = min(times, key=lambda s: times[s]) if times else None
+        out.append(
+            StageWinner(
+                stage=stage,
+                copies=stage_copy_model(m, stage),
+                strategy=best,
+                ratio=None if best is None else times[best],
+                reference=m.reference,
+            )
+        )
+    return out
 
 
 def _bytes_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suffix: str) -> Headline | None:

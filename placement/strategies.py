@@ -47,6 +47,7 @@ __all__ = [
     "BOUNDS",
     "LABELS",
     "STRATEGY_NAMES",
+    "RECOMMENDED",
     "get_strategy",
     "check_strategies",
 ]
@@ -282,6 +283,8 @@ BOUNDS: tuple[Bound, ...] = (
 #: figure and table label of every strategy and bound name
 LABELS: dict[str, str] = {**{s.name: s.label for s in STRATEGIES}, **{b.name: b.label for b in BOUNDS}}
 STRATEGY_NAMES: tuple[str, ...] = tuple(s.name for s in STRATEGIES)
+#: the strategy moetrace recommends: ``place``'s default, drawn first and on top in the dashboard
+RECOMMENDED: str = "joint"
 
 
 def get_strategy(name: str) -> Strategy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,36 @@ def test_every_command_has_help_with_an_example(name):
     res = runner.invoke(app, [name, "--help"])
     assert res.exit_code == 0, res.output
     assert "Example" in res.output and "moetrace " + name in res.output
+
+
+@pytest.mark.parametrize("name", ["", *COMMANDS])
+def test_help_is_readable_at_80_columns(name):
+    """`COLUMNS=80 moetrace <cmd> --help`: no line overflows, nothing is cut with an ellipsis, every
+    option name and command is shown whole, and none is split over two lines."""
+    import typer
+
+    res = runner.invoke(app, [*([name] if name else []), "--help"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
+    assert "\u2026" not in res.output  # rich's cut
+    assert not [line for line in lines if re.search(r"\w\.\.\.$", line) and not line.startswith("Usage:")]  # click's
+    group = typer.main.get_command(app)
+    cmd = group.commands[name] if name else group
+    names = [o for p in cmd.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+    names += list(getattr(cmd, "commands", {}))
+    for n in names:
+        assert re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", res.output), n
+    assert not [line for line in lines if re.search(r"(^|\s)--?[\w-]*-$", line)]  # "--per-" + "dataset"
+
+
+def test_place_defaults_to_the_recommended_strategy():
+    import typer
+
+    from moetrace.placement.strategies import RECOMMENDED, STRATEGY_NAMES
+
+    (opt,) = [p for p in typer.main.get_command(app).commands["place"].params if p.name == "strategy"]
+    assert opt.default == RECOMMENDED == "joint" and RECOMMENDED in STRATEGY_NAMES
 
 
 def test_help_imports_nothing_heavy():

@@ -115,13 +115,14 @@ def test_html_figures_equal_result_files(prod, tmp_path):
     for key in checked:  # each figure names the file it was drawn from, and the trace
         assert Path(figs[key]["source"]).is_file(), key
         assert "trace trace" in figs[key]["layout"]["title"]["text"], key
-    assert rep.sections == ("overview", "imbalance", "correlation", "clusters", "classifiers", "placement")
+    # the decision first: placement, then load, structure, and the trace last
+    assert rep.sections == ("placement", "imbalance", "correlation", "clusters", "classifiers", "overview")
     assert any("all-to-all measurements" in o for o in rep.omitted)
 
 
 def test_results_alone_find_their_trace(prod, tmp_path):
     rep = write_dashboard([prod.compare], out=tmp_path / "r.html")
-    assert rep.sections == ("overview", "placement")  # overview from the trace compare.json names
+    assert rep.sections == ("placement", "overview")  # overview from the trace compare.json names
     assert any("no `moetrace analyze` results" in o for o in rep.omitted)
 
 
@@ -498,16 +499,17 @@ def test_placement_section_shows_time_first_and_bounds_apart(tmp_path):
     sec = _section(text, "placement")
     table = sec.split('<table data-key="placement-summary" class="nowrap">', 1)[1].split("</table>", 1)[0]
     header = re.findall(r"<th>(.*?)</th>", table)
-    assert header[:4] == ["strategy", "all-to-all / step", "all-to-all (normalized median)", "p10–p90"]
-    assert header.index("MoE (normalized median)") < header.index("inter-node bytes (normalized median)")
-    assert header.index("inter-node bytes (normalized median)") < header.index(
+    assert header[:3] == ["strategy", "all-to-all / step", "all-to-all vs median (p10–p90)"]
+    assert header.index("MoE vs median (p10–p90)") < header.index("inter-node bytes vs median (p10–p90)")
+    assert header.index("inter-node bytes vs median (p10–p90)") < header.index(
         "busiest node&#x27;s requests / even share"
     )
+    assert len(set(header)) == len(header)  # one column per quantity: the spread sits in the median's cell
     rows = re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>", 1)[1])
     assert [re.findall(r"<td[^>]*>(.*?)</td>", r)[0] for r in rows] == [
-        "linear (vLLM default)", "EPLB", "data-based (core paper)", "joint (ours)"]  # fmt: skip
+        "linear (vLLM default)", "joint (ours)", "EPLB", "data-based (core paper)"]  # fmt: skip  # the recommended second
     cells = {re.findall(r"<td[^>]*>(.*?)</td>", r)[0]: re.findall(r"<td[^>]*>(.*?)</td>", r) for r in rows}
-    assert cells["data-based (core paper)"][1:4] == ["320 µs", "0.800", "0.760–0.840"]
+    assert cells["data-based (core paper)"][1:3] == ["320 µs", "0.800 (0.760–0.840)"]
     assert "1.45 ⚠ over 1.10" in cells["joint (ours)"] and "1.04" in cells["data-based (core paper)"]
     assert header[-3:] == [  # prefill was simulated
         "prefill all-to-all (normalized median)",
@@ -557,4 +559,47 @@ def test_unknown_expert_size_leaves_moe_time_out(tmp_path):
     assert "placement-time" in figs and "placement-moe-time" not in figs
     table = _section(text, "placement").split('data-key="placement-summary"', 1)[1].split("</table>", 1)[0]
     data_row = [r for r in re.findall(r"<tr>(.*?)</tr>", table) if "data-based" in r][0]
-    assert re.findall(r"<td[^>]*>(.*?)</td>", data_row)[4:7] == ["-", "-", "-"]  # MoE / step, normalized, p10–p90
+    header = re.findall(r"<th>(.*?)</th>", table)
+    # "-" in every row: no column, the caption says so once
+    assert "MoE layers / step" not in header and "MoE vs median (p10–p90)" not in header
+    assert "The same in every row, so not a column: MoE layers / step -; MoE vs median (p10–p90) -" in text
+    assert len(re.findall(r"<td[^>]*>(.*?)</td>", data_row)) == len(header)
+
+
+def test_recommended_on_top_and_bounds_apart_in_the_per_layer_lines(prod, tmp_path):
+    """joint (the recommended strategy) is drawn last (on top), thickest and first in the legend; bounds
+    are dotted, in their own legend group; strategies and bounds never share a group."""
+    from moetrace.dashboards.section_placement import BOUNDS_GROUP, STRATEGY_NAMES
+
+    figs = figures_from_html(write_dashboard([prod.compare], out=tmp_path / "r.html").path.read_text())
+    lines = figs["placement-layers-share"]["data"]
+    assert lines[-1]["name"] == STRATEGY_NAMES["joint"] and lines[-1]["legendrank"] == 0
+    assert lines[-1]["line"]["width"] > max(t["line"]["width"] for t in lines[:-1])
+    bounds = [t for t in lines if t.get("legendgroup") == BOUNDS_GROUP]
+    assert {t["name"] for t in bounds} == {STRATEGY_NAMES["oracle"], STRATEGY_NAMES["perfect_routing"]}
+    assert all(t["line"]["dash"] == "dot" and t["legendrank"] > 1000 for t in bounds)
+    boxes = [t["name"] for t in figs["placement-normalized"]["data"]]
+    assert boxes[:2] == [STRATEGY_NAMES["linear"], STRATEGY_NAMES["joint"]]  # reference, then the recommended
+    assert set(boxes[-2:]) == {t["name"] for t in bounds}  # bounds last, right of the separator
+
+
+def test_node_holdings_of_a_hand_made_placement():
+    """Two nodes of one GPU, 4 experts, one layer: linear holds 0,1 | 2,3; the other swaps 1 and 2."""
+    from moetrace.dashboards.section_placement import node_holdings
+
+    rows = []
+    for s, experts in (("linear", [0, 1, 2, 3]), ("data", [0, 2, 1, 3])):
+        rows += [dict(strategy=s, layer=0, model_layer=1, slot=p, gpu=p // 2, node=p // 2, expert=e)
+                 for p, e in enumerate(experts)]  # fmt: skip
+    places = pl.DataFrame(rows)
+    tokens = {"a": [6, 0, 2, 0], "b": [0, 1, 1, 6]}  # dataset a mostly expert 0 and 2, b mostly 3
+    load = pl.DataFrame(
+        [dict(dataset=d, layer=0, expert=e, tokens=v) for d, vs in tokens.items() for e, v in enumerate(vs)]
+        + [dict(dataset="all", layer=0, expert=e, tokens=tokens["a"][e] + tokens["b"][e]) for e in range(4)]
+    )
+    lin, data = node_holdings(places, "linear", load=load), node_holdings(places, "data", load=load)
+    np.testing.assert_allclose(lin.moved_G, [0, 0])
+    np.testing.assert_allclose(data.moved_G, [1, 1])  # expert 2 on node 0, expert 1 on node 1
+    assert data.datasets == ("a", "b")
+    np.testing.assert_allclose(data.share_GD, [[1.0, 1 / 8], [0.0, 7 / 8]])  # node 0 serves a, node 1 serves b
+    np.testing.assert_allclose(data.tokens_W, [9 / 8, 7 / 8])  # 9 and 7 of 16 tokens, even share 8

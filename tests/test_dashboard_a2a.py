@@ -80,3 +80,17 @@ def test_a2a_mismatch_is_a_visible_warning(runs, tmp_path):
     assert f"WARNING: 1 of {df.height:,} (collective, rank) pairs sent other bytes than predicted" in text
     ann = figures_from_html(text)["a2a-bytes"]["layout"].get("annotations", [])
     assert any("measured ≠ predicted in 1" in a.get("text", "") for a in ann)
+
+
+def test_links_caption_reads_the_network_mode():
+    """The time figure's caption says how the run's links were realized (a2a.json ``network.mode``),
+    never "loopback" for a run on emulated, shaped links."""
+    from moetrace.dashboards.section_a2a import links_caption
+
+    emulated = links_caption(
+        {"backend": "gloo", "device": "cpu", "network": {"mode": "emulated", "link": "1Gbit,50us", "qdisc": "netem"}}
+    )
+    assert "emulated, shaped inter-node link (1Gbit,50us, netem)" in emulated and "indicative only" not in emulated
+    loop = links_caption({"backend": "gloo", "device": "cpu", "network": {"mode": "loopback"}})
+    assert "every link local loopback" in loop and "emulated" not in loop
+    assert "torchrun job" in links_caption({"backend": "nccl", "device": "cuda", "network": {"mode": "torchrun"}})

@@ -31,7 +31,8 @@ def _need_browser() -> None:
         pytest.skip(msg)
 
 
-SECTIONS = ("overview", "imbalance", "correlation", "clusters", "classifiers", "placement")
+#: the decision first: placement, then load, structure, and the trace
+SECTIONS = ("placement", "imbalance", "correlation", "clusters", "classifiers", "overview")
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,50 @@ def test_figures_reflow_on_window_resize(loaded, tmp_path):
     assert all(n < w - 200 for w, n, ok in zip(widths[0], widths[1], wide) if ok)
     np.testing.assert_allclose(widths[2], widths[0], atol=2)
     np.testing.assert_allclose(widths[3], widths[0], atol=2)
+
+
+def test_the_decision_comes_first(loaded):
+    """Below the card, the placement section starts the page: its table on the first screens, before
+    any load or structure figure; the trace overview comes last."""
+    from browser.harness import open_report
+
+    rep, _, _ = loaded
+    with open_report(rep.path, width=1400, height=900) as page:
+        tops = page.evaluate("""() => Array.from(document.querySelectorAll('main > section')).map(
+            s => [s.id, s.getBoundingClientRect().top + window.scrollY])""")
+        table_top = page.evaluate("""() => document.querySelector('table[data-key="placement-summary"]')
+            .getBoundingClientRect().top + window.scrollY""")
+    assert [k for k, _ in tops] == list(SECTIONS)
+    assert [y for _, y in tops] == sorted(y for _, y in tops)
+    assert table_top < 2 * 900  # the placement table within two screens of the top
+
+
+def test_placement_table_fits_800_px(loaded):
+    """At an 800 px window nothing is cut off: the page does not scroll sideways, the placement tables
+    stay inside their section (a wide one scrolls in its own box, its strategy column stays in view),
+    and the bounds are a table of their own."""
+    from browser.harness import open_report
+
+    rep, _, _ = loaded
+    with open_report(rep.path, width=800, height=900) as page:
+        got = page.evaluate("""() => {
+          const sec = document.getElementById('placement').getBoundingClientRect();
+          const boxes = Array.from(document.querySelectorAll('#placement table')).map(t => {
+            const box = t.parentElement.getBoundingClientRect();
+            const first = t.querySelector('tbody td').getBoundingClientRect();
+            return {key: t.dataset.key, left: box.left, right: box.right, first_right: first.right,
+                    scroll: t.parentElement.scrollWidth, client: t.parentElement.clientWidth,
+                    overflow: getComputedStyle(t.parentElement).overflowX};
+          });
+          return {page: document.documentElement.scrollWidth, sec_left: sec.left, sec_right: sec.right, boxes};
+        }""")
+    assert got["page"] <= 800, got
+    keys = [b["key"] for b in got["boxes"]]
+    assert {"placement-summary", "placement-summary-bounds", "placement-nodes"} <= set(keys)
+    for b in got["boxes"]:
+        assert got["sec_left"] <= b["left"] and b["right"] <= got["sec_right"], b
+        assert b["first_right"] <= b["right"], b  # the strategy (node) column is in view
+        assert b["scroll"] <= b["client"] or b["overflow"] == "auto", b  # wider than its box: it scrolls there
 
 
 # ---------------------------------------------------------------- summary card, layout

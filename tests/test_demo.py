@@ -71,3 +71,21 @@ def test_report_opens_offline(demo):
     out, _ = demo
     html = (out / "report.html").read_text()
     assert len(html) > 1_000_000 and "<script src=" not in html  # plotly.js is embedded, nothing fetched
+
+
+def test_closes_with_the_winner_of_each_stage_and_its_copy_model(demo):
+    """The last lines name the fastest deployable placement of decode and of prefill, each with the
+    copies its kernel sends, as the compare results hold them."""
+    import polars as pl
+
+    from moetrace.dashboards.section_placement import STRATEGY_NAMES
+
+    out, output = demo
+    tail = output.split("winner per stage", 1)[1].splitlines()[1:3]
+    assert tail[0].startswith("  decode (one copy per (token, expert)")
+    assert tail[1].startswith("  prefill (one copy per node")
+    summary = pl.read_parquet(out / "results" / "synth-dsv3-compare" / "summary.parquet")
+    ok = summary.filter(~pl.col("is_bound") & ~pl.col("over_node_load_limit") & (pl.col("strategy") != "linear"))
+    for line, col in zip(tail, ("a2a_time_normalized_median", "prefill_a2a_time_normalized_median")):
+        best = ok.sort(col).row(0, named=True)
+        assert STRATEGY_NAMES[best["strategy"]] in line

@@ -288,7 +288,8 @@ def test_corrupted_placement_files_raise_format_errors(planted, tmp_path, corrup
     or were silently truncated (float slot ids) instead of a clean TraceFormatError."""
     good = tmp_path / "good.json"
     r = CliRunner().invoke(
-        app, ["place", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4", "-o", str(good)]
+        app,  # data: a centroid router, whose decode_centroids the last case corrupts
+        ["place", str(planted), "--config", "DP2TP4EP8", "--gpus-per-node", "4", "--strategy", "data", "-o", str(good)],
     )
     assert r.exit_code == 0, r.output
     d = json.loads(good.read_text())

@@ -22,7 +22,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
-    rich_markup_mode="markdown",
+    rich_markup_mode=None,
 )
 
 _COMMAND_MODULES = (

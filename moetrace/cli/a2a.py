@@ -28,7 +28,7 @@ from moetrace.placement.netemu import DEFAULT_LINK, parse_link
 
 
 def register(app: typer.Typer) -> None:
-    app.command("a2a")(a2a_cmd)
+    app.command("a2a", short_help="Replay all-to-all through real collectives.")(a2a_cmd)
 
 
 @friendly_errors
@@ -99,8 +99,12 @@ def a2a_cmd(
 ) -> None:
     """Send the traced tokens' all-to-all through real torch.distributed collectives; compare bytes with the simulator.
 
-    Example: moetrace a2a traces/dsv3 --config DP2TP2EP4 --gpus-per-node 2 --strategies linear,eplb,data,joint -o a2a-out
-    (as root, the 2 nodes are emulated: --link 1Gbit,50us; 8 GPUs: torchrun --nproc-per-node 8 -m moetrace a2a ... --torchrun)
+    \b
+    Example (as root, the 2 nodes are emulated: --link 1Gbit,50us):
+      moetrace a2a traces/dsv3 --config DP2TP2EP4 --gpus-per-node 2 \\
+        --strategies linear,eplb,data,joint -o a2a-out
+    On 8 GPUs:
+      torchrun --nproc-per-node 8 -m moetrace a2a ... --torchrun
     """
     from moetrace.placement import a2a_run as ar
     from moetrace.placement.compare import CompareConfig, load_trace_data

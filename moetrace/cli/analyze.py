@@ -20,7 +20,7 @@ from moetrace.cli.common import (
 
 
 def register(app: typer.Typer) -> None:
-    app.command("analyze")(analyze_cmd)
+    app.command("analyze", short_help="Imbalance, correlations, embeddings, classifiers.")(analyze_cmd)
 
 
 def _int_list(text: str | None, what: str) -> tuple[int, ...] | None:
@@ -65,7 +65,10 @@ def analyze_cmd(
 
     Writes one Parquet/JSON file per result plus manifest.json into -o and prints a summary.
 
-    Example: moetrace analyze traces/dsv3 -o results/dsv3 --only imbalance,correlation --batch-size 128
+    \b
+    Example:
+      moetrace analyze traces/dsv3 -o results/dsv3 \\
+        --only imbalance,correlation --batch-size 128
     """
     from moetrace.analysis.run import DEFAULT_ANALYSES, AnalyzeConfig, analyze, format_summary
     from moetrace.results import ANALYSIS_MANIFEST

@@ -10,7 +10,7 @@ from moetrace.cli.common import OutDir, Overwrite, Seed, friendly_errors, human_
 
 
 def register(app: typer.Typer) -> None:
-    app.command("make-checkpoint")(make_checkpoint_cmd)
+    app.command("make-checkpoint", short_help="Write a tiny checkpoint both backends run.")(make_checkpoint_cmd)
 
 
 @friendly_errors
@@ -31,10 +31,12 @@ def make_checkpoint_cmd(
     attention head dims, with small widths and seeded random weights: vLLM's kernels accept it, and it
     builds on a CPU. Collect from the directory like any local checkpoint.
 
-    Example: moetrace make-checkpoint deepseek-v3 -o ckpt/dsv3-tiny
-
-    Then: moetrace collect --model ckpt/dsv3-tiny --backend hf --no-chat-template -o traces/dsv3-hf
-    (on a GPU node: --backend vllm)
+    \b
+    Example:
+      moetrace make-checkpoint deepseek-v3 -o ckpt/dsv3-tiny
+    Then (on a GPU node: --backend vllm):
+      moetrace collect --model ckpt/dsv3-tiny --backend hf \\
+        --no-chat-template -o traces/dsv3-hf
     """
     from moetrace.tracer.checkpoint import make_checkpoint
 

@@ -28,13 +28,13 @@ BackendChoice = Literal[_BACKEND_CHOICES]  # type: ignore[valid-type]  # the reg
 _AUTO_HELP = ", ".join(f"{e.name} ({e.auto_when})" for e in BACKENDS.values())
 BackendOpt = Annotated[
     BackendChoice,
-    typer.Option(help=f"Collection backend: {', '.join(BACKENDS)}, or {AUTO}: {_AUTO_HELP}."),
+    typer.Option(help=f"Collection backend, {', '.join(BACKENDS)} or {AUTO}, which picks {_AUTO_HELP}."),
 ]
 
 
 def register(app: typer.Typer) -> None:
-    app.command("collect")(collect_cmd)
-    app.command("merge-shards")(merge_shards_cmd)
+    app.command("collect", short_help="Collect a routing trace (Parquet) from a model.")(collect_cmd)
+    app.command("merge-shards", short_help="Check a sharded collection and write its manifest.")(merge_shards_cmd)
 
 
 @friendly_errors
@@ -95,9 +95,13 @@ def collect_cmd(
 ) -> None:
     """Collect a trace: the experts every token of every request is routed to, as Parquet.
 
-    Example: moetrace collect --model deepseek-v3-tiny --dataset bundled --per-dataset 8 -o traces/tiny
-
-    On GPU nodes with vLLM: moetrace collect --backend vllm --model deepseek-v3 --dataset gsm8k --tp 8 --ep 8 -o traces/dsv3
+    \b
+    Example:
+      moetrace collect --model deepseek-v3-tiny --dataset bundled \\
+        --per-dataset 8 -o traces/tiny
+    On GPU nodes with vLLM:
+      moetrace collect --backend vllm --model deepseek-v3 --dataset gsm8k \\
+        --tp 8 --ep 8 -o traces/dsv3
     """
     from moetrace.tracer.backends.vllm import VllmEngineConfig
     from moetrace.tracer.collect import CollectConfig, parse_shard
@@ -154,7 +158,9 @@ def merge_shards_cmd(
 ) -> None:
     """Check the shard manifests of a sharded collection agree, and write the trace's manifest.
 
-    Example: moetrace merge-shards /shared/traces/dsv3
+    \b
+    Example:
+      moetrace merge-shards /shared/traces/dsv3
     """
     from moetrace.tracer.trace.merge import merge_shards
 

@@ -11,7 +11,7 @@ from moetrace.cli.common import Quiet, Seed, friendly_errors, human_bytes, progr
 
 
 def register(app: typer.Typer) -> None:
-    app.command("dashboard")(dashboard_cmd)
+    app.command("dashboard", short_help="Write the interactive offline HTML report.")(dashboard_cmd)
 
 
 @friendly_errors
@@ -34,7 +34,10 @@ def dashboard_cmd(
     """Write an interactive, offline HTML report: overview, load imbalance, correlations, clusters,
     classifiers, placements, all-to-all volume and measured all-to-all, for whatever results are given.
 
-    Example: moetrace dashboard traces/dsv3 results/dsv3-analysis results/dsv3-compare -o report.html
+    \b
+    Example:
+      moetrace dashboard traces/dsv3 results/dsv3-analysis \\
+        results/dsv3-compare -o report.html
     """
     from moetrace.dashboards.report import DashboardConfig, write_dashboard
 

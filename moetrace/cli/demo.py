@@ -14,12 +14,18 @@ from typing import Annotated
 import typer
 
 from moetrace.cli.common import OutDir, Seed, err, friendly_errors
+from moetrace.placement.strategies import RECOMMENDED
 
 SYNTH_DATASETS = "gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr"
 
 
 def register(app: typer.Typer) -> None:
-    app.command("demo")(demo_cmd)
+    app.command("demo", short_help="Run the whole pipeline on CPU; write a dashboard.")(demo_cmd)
+
+
+def compare_dir(out: Path) -> Path:
+    """Where the demo's ``compare`` step writes its results."""
+    return out / "results" / "synth-dsv3-compare"
 
 
 def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_requests: int, seed: int) -> list[list[str]]:
@@ -28,9 +34,9 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
     syn, syn_an, cmp_ = (
         out / "traces" / "synth-dsv3",
         out / "results" / "synth-dsv3-analysis",
-        out / "results" / "synth-dsv3-compare",
+        compare_dir(out),
     )
-    placement = out / "placement" / "joint.json"
+    placement = out / "placement" / f"{RECOMMENDED}.json"
     return [
         [
             "collect",
@@ -85,7 +91,7 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
             "--config",
             "DP8TP8EP64",
             "--strategy",
-            "joint",
+            RECOMMENDED,
             "--seed",
             str(seed),
             "-o",
@@ -114,6 +120,18 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
     ]
 
 
+def winners_text(results: Path) -> str:
+    """The closing lines: the fastest deployable placement of each simulated stage, with the copy
+    model (kernel) that stage was simulated with, read from the ``compare`` results."""
+    from moetrace.dashboards.inputs import detect
+    from moetrace.dashboards.results import Results
+    from moetrace.dashboards.summary import stage_winners
+
+    winners = stage_winners(Results.from_input(detect(results)))
+    head = "winner per stage (held-out requests; each stage with the copies its kernel sends):"
+    return "\n".join([head, *(f"  {w.text()}" for w in winners)])
+
+
 @friendly_errors
 def demo_cmd(
     out: OutDir = Path("demo-out"),
@@ -128,7 +146,8 @@ def demo_cmd(
 
     Collects a trace with the tiny DeepSeek-V3 on the bundled prompts, validates and analyzes it,
     synthesizes a DeepSeek-V3-scale trace with planted domain structure, compares expert placements
-    at DP8TP8EP64 on held-out requests, exports the best one, and writes report.html.
+    at DP8TP8EP64 on held-out requests, exports the recommended one, writes report.html and names
+    the fastest placement of each stage (decode, prefill).
 
     Example: moetrace demo -o demo-out
     """
@@ -148,5 +167,6 @@ def demo_cmd(
         typer.echo(f"  ({time.perf_counter() - t0:.1f}s)")
     report = (out / "report.html").resolve()
     typer.secho(f"\ndemo finished in {time.perf_counter() - t_all:.0f}s", fg=typer.colors.GREEN, bold=True)
+    typer.echo(winners_text(compare_dir(out)))
     typer.echo(f"dashboard: {report}")
     typer.echo(f"open it in a browser: file://{report}")

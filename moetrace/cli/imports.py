@@ -32,7 +32,7 @@ def _formats_taking(option: str) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("import")(import_cmd)
+    app.command("import", short_help="Convert another tool's routing into a trace.")(import_cmd)
 
 
 @friendly_errors
@@ -103,13 +103,19 @@ def import_cmd(
 ) -> None:
     """Convert routing recorded by another tool into a trace (format v1) that every analysis reads.
 
-    Example: moetrace import sglang-responses.jsonl --model deepseek-v3 -o traces/dsv3-sglang
-
-    Aggregate dumps (sglang-stat, trtllm-stats) become a load profile file: moetrace import expert_stats/ -m deepseek-v3 -o dsv3.profile.parquet
-
-    A capture of generated tokens only: moetrace import gen.jsonl --format tokens --stages decode-only -m mixtral-8x7b -o t
-
-    A teacher-forced capture: moetrace import tf.jsonl --prompt-tokens 512 -m olmoe-1b-7b -o t
+    \b
+    Example:
+      moetrace import sglang-responses.jsonl --model deepseek-v3 \\
+        -o traces/dsv3-sglang
+    A capture of generated tokens only:
+      moetrace import gen.jsonl --format tokens --stages decode-only \\
+        -m mixtral-8x7b -o traces/gen-only
+    A teacher-forced capture (the first 512 tokens of each are the prompt):
+      moetrace import tf.jsonl --prompt-tokens 512 -m olmoe-1b-7b \\
+        -o traces/tf
+    Aggregate dumps (sglang-stat, trtllm-stats) become a load profile:
+      moetrace import expert_stats/ -m deepseek-v3 \\
+        -o dsv3.profile.parquet
     """
     from moetrace.tracer.importers import ImportOptions, detect_format, get_format, import_profile, import_trace
     from moetrace.tracer.presets import resolve

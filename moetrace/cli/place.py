@@ -13,7 +13,7 @@ import typer
 
 from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, Seed, TraceArg, friendly_errors, progress_bar
 from moetrace.errors import ConfigError
-from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
+from moetrace.placement.strategies import RECOMMENDED, STRATEGIES, STRATEGY_NAMES
 
 if TYPE_CHECKING:
     from moetrace.placement.compare import CompareConfig, TraceData
@@ -68,15 +68,16 @@ ReplicaPolicyOpt = Annotated[Literal["same_node", "even", "metro"], typer.Option
 _GROUPED = ", ".join(s.name for s in STRATEGIES if s.grouped)
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  # the registry's names, built at run time
 StrategyOpt = Annotated[
-    StrategyName, typer.Option(help=f"Placement strategy ({_GROUPED} cluster requests first; see docs/placement.md).")
+    StrategyName,
+    typer.Option(help=f"Placement strategy (default: the recommended one; {_GROUPED} cluster requests first)."),
 ]
 StrategiesOpt = Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(STRATEGY_NAMES)}.")]
 
 
 def register(app: typer.Typer) -> None:
-    app.command("place")(place_cmd)
-    app.command("compare")(compare_cmd)
-    app.command("export")(export_cmd)
+    app.command("place", short_help="Compute one expert placement (placement JSON).")(place_cmd)
+    app.command("compare", short_help="Rank placement strategies on held-out requests.")(compare_cmd)
+    app.command("export", short_help="Convert a placement to a serving engine's format.")(export_cmd)
 
 
 def _cfg(config: str, gpus_per_node: int, **kw: Any) -> CompareConfig:
@@ -138,7 +139,7 @@ def place_cmd(
     *,
     config: ConfigOpt,
     out: Annotated[Path, typer.Option("--out", "-o", help="Placement JSON to write.")],
-    strategy: StrategyOpt = "data",
+    strategy: StrategyOpt = RECOMMENDED,
     gpus_per_node: GpusPerNode = 8,
     clusters: Clusters = 0,
     redundancy: Redundancy = 0,
@@ -151,7 +152,9 @@ def place_cmd(
 ) -> None:
     """Compute an expert placement from a trace's training requests and write moetrace's placement JSON.
 
-    Example: moetrace place traces/dsv3 --config DP8TP8EP64 --strategy data -o placement.json
+    \b
+    Example:
+      moetrace place traces/dsv3 --config DP8TP8EP64 -o placement.json
     """
     from moetrace.placement.compare import make_placement, placement_file
     from moetrace.placement.cost import parse_links
@@ -209,9 +212,13 @@ def compare_cmd(
 ) -> None:
     """Place experts with several strategies on training requests; simulate all-to-all volume on held-out ones.
 
-    Prints inter-node volume normalized to the linear baseline's median (lower is better).
+    Prints each strategy's predicted all-to-all and MoE-layer time per step and its inter-node
+    bytes, normalized to the linear baseline's median (lower is better).
 
-    Example: moetrace compare traces/dsv3 --config DP8TP8EP64 --strategies linear,eplb,data,joint -o results/
+    \b
+    Example:
+      moetrace compare traces/dsv3 --config DP8TP8EP64 \\
+        --strategies linear,eplb,data,joint -o results/dsv3-compare
     """
     from moetrace.placement.compare import parse_route_on, run_compare, write_results
     from moetrace.placement.cost import parse_links
@@ -258,7 +265,7 @@ def export_cmd(
     source: Annotated[
         Path,
         typer.Argument(
-            help="Placement JSON written by `moetrace place`; for sglang-logical-count, a trace directory or a load profile.",
+            help="Placement JSON written by `moetrace place` (a trace directory or load profile for the trace formats).",
             show_default=False,
         ),
     ],
@@ -268,8 +275,8 @@ def export_cmd(
         typer.Option(
             "--format",
             "-f",
-            help="Target engine file: sglang, trtllm, vllm, vllm-ascend (from a placement JSON); "
-            "sglang-logical-count (token counts from a trace; SGLang runs its own EPLB on them). See docs/exports.md.",
+            help="Engine file. From a placement JSON: sglang, trtllm, vllm, vllm-ascend. From a trace: "
+            "sglang-logical-count (token counts; SGLang runs its own EPLB on them). See docs/exports.md.",
         ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="File to write.")],
@@ -284,7 +291,9 @@ def export_cmd(
     """Convert a placement JSON to a serving engine's format (SGLang, TensorRT-LLM, vLLM proposal, vllm-ascend),
     or export a trace's expert token counts for SGLang's start-up EPLB.
 
-    Example: moetrace export placement.json --format sglang -o expert_location.json
+    \b
+    Example:
+      moetrace export placement.json --format sglang -o expert_location.json
     """
     from moetrace.atomic import write_text_atomic
     from moetrace.errors import OutputExistsError

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("synth")(synth_cmd)
+    app.command("synth", short_help="Generate a synthetic trace with planted structure.")(synth_cmd)
 
 
 def _read_knobs(text: str | None) -> dict:
@@ -84,7 +84,10 @@ def synth_cmd(
     """Generate a synthetic trace with known, planted structure (skew, domains, request clusters,
     prefill->decode relation, cross-layer affinity), written like a collected one.
 
-    Example: moetrace synth --model deepseek-v3 --requests 10000 --seed 0 -o traces/synth-dsv3
+    \b
+    Example:
+      moetrace synth --model deepseek-v3 --requests 10000 --seed 0 \\
+        -o traces/synth-dsv3
     """
     from moetrace.tracer.presets import resolve
     from moetrace.tracer.synth import (

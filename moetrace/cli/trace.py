@@ -10,9 +10,9 @@ from moetrace.cli.common import Quiet, TraceArg, friendly_errors, progress_bar
 
 
 def register(app: typer.Typer) -> None:
-    app.command("validate")(validate_cmd)
-    app.command("info")(info_cmd)
-    app.command("models")(models_cmd)
+    app.command("validate", short_help="Check a trace against format v1; exit 1 on a problem.")(validate_cmd)
+    app.command("info", short_help="Summarize a trace: model, requests, tokens, size.")(info_cmd)
+    app.command("models", short_help="List the model presets (each has a -tiny variant).")(models_cmd)
 
 
 @friendly_errors
@@ -50,7 +50,7 @@ def info_cmd(
 
 
 def models_cmd() -> None:
-    """List the model presets (each also has a CPU-sized ``-tiny`` variant).
+    """List the model presets (each also has a CPU-sized -tiny variant).
 
     Example: moetrace models
     """

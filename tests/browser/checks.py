@@ -162,7 +162,34 @@ def check_classifiers(figs: dict[str, list[dict]], an: Path) -> list[str]:
     return ["classifiers-accuracy", "classifiers-confusion"]
 
 
-def check_placement(figs: dict[str, list[dict]], cmp: Path) -> list[str]:
+def _check_node_holdings(figs: dict[str, list[dict]], cmp: Path, analysis: Path, name_of: dict) -> list[str]:
+    """The datasets-per-node heatmap and the tokens-per-GPU bars, recomputed with joins: each slot
+    carries its expert's decode tokens / the expert's replicas, summed by node (per dataset) or GPU."""
+    places = pl.read_parquet(cmp / "placements.parquet")
+    load = pl.read_parquet(analysis / "expert_load.parquet").filter(pl.col("stage") == "decode")
+    for t_serves, t_tokens in zip(figs["placement-serves"], figs["placement-tokens"]):
+        s = name_of[t_serves["name"]]
+        assert name_of[t_tokens["name"]] == s
+        sub = places.filter(pl.col("strategy") == s)
+        reps = sub.group_by("layer", "expert").agg(pl.len().alias("replicas"))
+        slots = sub.join(reps, on=["layer", "expert"])
+        per = slots.join(load.select("dataset", "layer", "expert", "tokens"), on=["layer", "expert"]).with_columns(
+            (pl.col("tokens") / pl.col("replicas")).alias("w")
+        )
+        datasets = list(t_serves["x"])
+        by_node = per.group_by("dataset", "node").agg(pl.col("w").sum())
+        z = _arr(t_serves["z"])
+        for d, ds in enumerate(datasets):
+            rows = by_node.filter(pl.col("dataset") == ds).sort("node")
+            np.testing.assert_allclose(z[:, d], rows["w"].to_numpy() / rows["w"].sum(), rtol=1e-9)
+        every = per.filter(pl.col("dataset") == "all").group_by("gpu").agg(pl.col("w").sum()).sort("gpu")
+        w = every["w"].to_numpy()
+        np.testing.assert_allclose(_arr(t_tokens["y"]), w / w.mean(), rtol=1e-9)
+    assert name_of[figs["placement-serves"][0]["name"]] == "joint"  # the dropdown opens on the recommended one
+    return ["placement-serves", "placement-tokens"]
+
+
+def check_placement(figs: dict[str, list[dict]], cmp: Path, analysis: Path | None = None) -> list[str]:
     from moetrace.dashboards.section_placement import STRATEGY_NAMES
 
     labels = {v: k for k, v in STRATEGY_NAMES.items()}
@@ -179,7 +206,7 @@ def check_placement(figs: dict[str, list[dict]], cmp: Path) -> list[str]:
         np.testing.assert_allclose(_arr(t["y"]), want, rtol=1e-12)
     # the reference's median is exactly 1 (what "normalized" means)
     assert np.median(_arr(traces[0]["y"])) == 1.0
-    checked = ["placement-normalized", "placement-layers-share", "placement-map"]
+    checked = ["placement-normalized", "placement-layers-share"]
     # results written with the cost model: the predicted-time boxes (per batch) and per-layer lines
     for key, col in (("placement-time", "a2a_time_normalized"), ("placement-moe-time", "moe_time_normalized")):
         if key in figs:
@@ -216,14 +243,8 @@ def check_placement(figs: dict[str, list[dict]], cmp: Path) -> list[str]:
             np.testing.assert_allclose(_arr(t["y"]), want, rtol=1e-9)
         checked.append("placement-layers-time")
 
-    places = pl.read_parquet(cmp / "placements.parquet")
-    for t in figs["placement-map"]:
-        sub = places.filter(pl.col("strategy") == name_of[t["name"]]).sort("layer", "slot")
-        L, P = sub["layer"].n_unique(), sub["slot"].n_unique()
-        np.testing.assert_array_equal(_arr(t["z"], dtype=np.int64), sub["expert"].to_numpy().reshape(L, P))
-        gpu_node = _arr(t["customdata"], dtype=np.int64).reshape(L, P, 2)
-        np.testing.assert_array_equal(gpu_node[0, :, 0], sub["gpu"].to_numpy()[:P])
-        np.testing.assert_array_equal(gpu_node[0, :, 1], sub["node"].to_numpy()[:P])
+    if analysis is not None and "placement-serves" in figs:
+        checked += _check_node_holdings(figs, cmp, analysis, name_of)
     return checked
 
 
@@ -235,5 +256,5 @@ def check_all(figs: dict[str, list[dict]], p: Produced) -> list[str]:
         checked += check_clusters(figs, p.analysis, p.trace)
         checked += check_classifiers(figs, p.analysis)
     if p.compare is not None:
-        checked += check_placement(figs, p.compare)
+        checked += check_placement(figs, p.compare, p.analysis)
     return checked
