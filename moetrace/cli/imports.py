@@ -53,7 +53,7 @@ def import_cmd(
             show_default=False,
         ),
     ],
-    source_format: Annotated[FormatName, typer.Option("--format", help=_FORMAT_HELP)] = "auto",
+    source_format: Annotated[FormatName, typer.Option("--format", metavar="FORMAT", help=_FORMAT_HELP)] = "auto",
     dataset: Annotated[
         str | None, typer.Option(help="Dataset label of requests that carry none (default: the file name).")
     ] = None,

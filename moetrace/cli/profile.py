@@ -11,7 +11,7 @@ from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, TraceArg, fri
 
 
 def register(app: typer.Typer) -> None:
-    app.command("profile")(profile_cmd)
+    app.command("profile", short_help="Reduce a trace to a load profile (expert counts).")(profile_cmd)
 
 
 @friendly_errors
