@@ -28,7 +28,9 @@ P physical slots, W EP ranks (GPUs).
 
 Out of scope: per-message latency and the batch-to-batch noise of small steps (the expectation
 leaves both out; ``simulate`` charges them), the prefill stage (its copies are per node), choosing
-which experts get replicas (the membership LP's), expert compute time.
+which experts get replicas (the membership LP's), expert compute time, one shared network link per
+node (``Links.inter_nic == "node"``, the replay's emulation: the terms here are per-GPU links, as
+every GPU of an H100-class node has its own NIC).
 """
 
 from __future__ import annotations
