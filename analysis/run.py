@@ -376,6 +376,9 @@ def _run_embedding_one_thread(counts, config: AnalyzeConfig, write) -> dict[str,
     (107 s against 12 s measured under load 11); see classify for BLAS."""
     from moetrace._deps import require
 
+    # threadpoolctl limits only the libraries already loaded: load scikit-learn's (its OpenMP) first
+    for module in ("sklearn.decomposition", "sklearn.manifold", "sklearn.cluster", "sklearn.neighbors"):
+        require(module, purpose="embeddings")
     with require("threadpoolctl", purpose="embeddings").threadpool_limits(limits=1):
         return _run_embedding(counts, config, write)
 
