@@ -79,7 +79,7 @@ def analyze_cmd(
         layers=_int_list(layers, "--layers"),
         batch_size=batch_size,
         embedding_max_requests=embedding_max_requests,
-        embedding_methods=tuple(m.strip() for m in embedding_methods.split(",") if m.strip()),  # type: ignore[arg-type]
+        embedding_methods=tuple(m.strip() for m in embedding_methods.split(",") if m.strip()),  # type: ignore[misc]
         allow_incomplete=allow_incomplete,
     )
     log = log_lines(quiet)
