@@ -13,6 +13,9 @@ its dataset. Protocol:
    datasets (exact, as the test split is balanced); a shuffled-label control trains on permuted
    training labels and scores on the true test labels (it must land near chance; if it does not,
    the split leaks); confusion matrices (rows true, columns predicted, test counts) per layer.
+   The control's solver stops after ``control_max_iter`` (50) iterations: permuted labels carry no
+   signal, so it never converges; at the classifier's 300 it took ~95 % of the step's time
+   (126 s of the README trace's analysis) for the same chance-level accuracy.
 
 Shape legend (docs/architecture.md): R requests, L MoE layers, E logical experts per layer, D datasets.
 
@@ -85,6 +88,7 @@ def classify_layers(
     test_fraction: float = 0.2,
     max_requests_per_dataset: int | None = 5000,
     max_iter: int = 300,
+    control_max_iter: int = 50,
 ) -> ClassifyResult:
     """Train and score one classifier per layer (see the module docstring for the protocol).
 
@@ -106,10 +110,11 @@ def classify_layers(
     conf = np.zeros((L, len(datasets), len(datasets)), dtype=np.int64)
     import warnings
 
-    # one BLAS thread: these are small dense problems, and OpenBLAS's spinning worker threads made
-    # one fit ~80x slower on the busy 2-core machine (1.4 s -> 112 s measured)
+    # one thread in every native pool (BLAS, and the OpenMP of scikit-learn's loss): these are small
+    # dense problems, and OpenBLAS's spinning worker threads made one fit ~80x slower on the busy
+    # 2-core machine (1.4 s -> 112 s measured)
     threadpoolctl = require("threadpoolctl", purpose="request-type classification")
-    with threadpoolctl.threadpool_limits(limits=1, user_api="blas"):
+    with threadpoolctl.threadpool_limits(limits=1):
         for l in range(L):
             x_tr = prefill_RLE[train, l].astype(np.float64)
             x_te = prefill_RLE[test, l].astype(np.float64)
@@ -123,7 +128,7 @@ def classify_layers(
                 warnings.filterwarnings("ignore", message=".*converge.*")
                 clf = sklearn_lm.LogisticRegression(max_iter=max_iter).fit(x_tr, y_tr)
                 pred = clf.predict(x_te)
-                ctl = sklearn_lm.LogisticRegression(max_iter=max_iter).fit(x_tr, y_shuf)
+                ctl = sklearn_lm.LogisticRegression(max_iter=control_max_iter).fit(x_tr, y_shuf)
             acc[l] = float((pred == y_te).mean())
             acc_shuf[l] = float((ctl.predict(x_te) == y_te).mean())
             conf[l] = metrics.confusion_matrix(y_te, pred, labels=list(datasets))

@@ -4,12 +4,16 @@ Features of request r for one stage: its counts per expert at one layer (``[E]``
 selected layer concatenated (``[L*E]``), divided by their L2 norm (the whole concatenated vector
 is normalized once). Requests with an all-zero vector (e.g. no decode token) are left out.
 
-Subsample cap: t-SNE and UMAP are quadratic-ish; at most ``max_requests`` requests are embedded,
-drawn per dataset in proportion to its size (at least one each, seeded). ``analyze`` reduces the
-unit vectors to their first 50 principal components (``reduce_pca``, seeded) once, and runs
-t-SNE, UMAP, K-means and the silhouette on those (standard practice; with DeepSeek-V3's 14 848
-concatenated features it makes the step ~10x cheaper). ``project`` applies the same reduction
-before t-SNE when called on wider features.
+Bounded fit: t-SNE and UMAP cost grows faster than linearly and UMAP compiles numba kernels on its
+first call in a process (~10 s, more on a busy machine). ``analyze`` draws at most ``max_requests``
+requests to embed and, among those, a fit sample of at most ``fit_requests`` (both per dataset in
+proportion to its size, at least one each, seeded: ``stratified_subsample``). It reduces the unit
+vectors to their first 50 principal components with a PCA fitted on the fit sample (``fit_pca``,
+seeded; the other requests are transformed in chunks), runs t-SNE / UMAP on the fit sample only,
+and places every other request at the mean 2-D position of its ``PLACE_NEIGHBOURS`` nearest fitted
+requests in the 50-D space (``place_by_neighbours``), so the cost past the fit sample is linear.
+K-means and the silhouette run on the 50-D projection of every embedded request. ``project``
+applies the same reduction before t-SNE when called on wider features.
 
 Cluster quality against the dataset labels: silhouette (Euclidean on the unit vectors, i.e. a
 monotone function of cosine distance, or on their PCA projection; -1..1, higher = datasets
@@ -17,13 +21,15 @@ separate) and the adjusted Rand index between the labels and K-means clusters wi
 datasets (0 = chance, 1 = identical). Silhouette of each 2-D embedding is reported too.
 
 Shape legend (docs/architecture.md): R requests, L MoE layers, E logical experts per layer, F features (L*E, or E for one
-layer), N rows of anything else (here the embedded requests subsample), C clusters (K-means).
+layer), N rows of anything else (here the embedded requests, or the fit sample), M the embedded requests placed
+by their neighbours, C clusters (K-means).
 
 Out of scope: choosing clusters for placement (``placement``), drawing (``dashboards``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -60,6 +66,41 @@ def stratified_subsample(label_R: np.ndarray, *, max_requests: int, seed: int) -
         rng.choice(np.flatnonzero(inv == d), size=min(take[d], sizes[d]), replace=False) for d in range(len(labels))
     ]
     return np.sort(np.concatenate(picks))
+
+
+#: how many fitted requests place one that was not fitted (mean of their 2-D positions)
+PLACE_NEIGHBOURS = 5
+#: how ``place_by_neighbours`` places a request, as the results record it
+PLACEMENT = f"mean 2-D position of its {PLACE_NEIGHBOURS} nearest fitted requests (Euclidean, 50 principal components)"
+
+
+def fit_pca(features_NF: np.ndarray, *, num_components: int = 50, seed: int = 0) -> Callable[[np.ndarray], np.ndarray]:
+    """A projection onto the first ``num_components`` principal components of ``features_NF``:
+    a function of float32 ``[M, F]`` to float32 ``[M, min(num_components, N, F)]`` (the identity if F
+    is already that small)."""
+    N, F = features_NF.shape
+    if F <= num_components:
+        return lambda x_MF: np.asarray(x_MF, np.float32)
+    decomposition = require("sklearn.decomposition", purpose="embeddings")
+    pca = decomposition.PCA(n_components=min(num_components, N), random_state=seed).fit(features_NF)
+    return lambda x_MF: pca.transform(x_MF).astype(np.float32)
+
+
+def place_by_neighbours(
+    fitted_NF: np.ndarray, xy_N2: np.ndarray, rest_MF: np.ndarray, *, chunk: int = 4096
+) -> np.ndarray:
+    """2-D positions float32 ``[M, 2]`` of requests that were not fitted: the mean of the positions
+    ``xy_N2`` of their ``PLACE_NEIGHBOURS`` nearest fitted requests ``fitted_NF`` (fewer if N is
+    smaller), queried in chunks of ``chunk`` requests."""
+    out = np.empty((rest_MF.shape[0], 2), np.float32)
+    if rest_MF.shape[0] == 0:
+        return out
+    neighbors = require("sklearn.neighbors", purpose="embeddings")
+    nn = neighbors.NearestNeighbors(n_neighbors=min(PLACE_NEIGHBOURS, fitted_NF.shape[0])).fit(fitted_NF)
+    for lo in range(0, rest_MF.shape[0], chunk):
+        nearest_MN = nn.kneighbors(rest_MF[lo : lo + chunk], return_distance=False)
+        out[lo : lo + chunk] = xy_N2[nearest_MN].mean(axis=1)
+    return out
 
 
 def reduce_pca(features_NF: np.ndarray, *, num_components: int = 50, seed: int = 0) -> np.ndarray:

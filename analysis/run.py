@@ -62,9 +62,10 @@ class AnalyzeConfig:
     layers: tuple[int, ...] | None = None  # MoE-layer ordinals to analyse (default all); affinity always uses all
     batch_size: int = 64  # requests per serving batch for the batch IF distribution
     num_batches: int = 1000  # at most this many batches per scope
-    embedding_max_requests: int = 4000  # subsample cap for t-SNE/UMAP (stratified by dataset)
+    embedding_max_requests: int | None = 4000  # requests embedded per stage (stratified by dataset); None = all
+    embedding_fit_requests: int = 1000  # of those, the sample t-SNE/UMAP fit (the rest placed by neighbours)
     embedding_layer: int | None = None  # MoE-layer ordinal to embed; None = all analysed layers concatenated
-    embedding_methods: tuple[Method, ...] = ("tsne", "umap")  # projections to compute
+    embedding_methods: tuple[Method, ...] = ("tsne",)  # projections to compute (umap: compiles numba first)
     classify_max_requests_per_dataset: int = 5000  # cap per dataset before the 80:20 split
     affinity_max_tokens: int = 500_000  # token sample for cross-layer affinity and co-activation
     recall_k: int | None = None  # k of prefill→decode recall@k (default the model's top-k)
@@ -81,6 +82,11 @@ class AnalyzeConfig:
         for m in self.embedding_methods:
             if m not in ("tsne", "umap"):
                 raise ConfigError(f"unknown embedding method {m!r}; use tsne and/or umap")
+        if self.embedding_fit_requests < 5 or (self.embedding_max_requests or 5) < 5:
+            raise ConfigError(
+                f"an embedding fits at least 5 requests; got fit {self.embedding_fit_requests}, "
+                f"max {self.embedding_max_requests}"
+            )
 
 
 def analyze(
@@ -184,8 +190,8 @@ def analyze(
         ),
         (
             "embedding",
-            "t-SNE / UMAP of normalized per-request vectors",
-            lambda: _run_embedding_one_blas(counts, config, write),
+            _embedding_line(config),
+            lambda: _run_embedding_one_thread(counts, config, write),
         ),
         (
             "affinity",
@@ -363,19 +369,40 @@ def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     }
 
 
-def _run_embedding_one_blas(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
-    """Embeddings with one BLAS thread for PCA/K-means/silhouette (spinning threads on a busy box, see classify)."""
+def _embedding_line(config: AnalyzeConfig) -> str:
+    """The progress line of the embedding step: what it fits, what it places, what it compiles."""
+    names = {"tsne": "t-SNE", "umap": "UMAP"}
+    methods = " and ".join(names[m] for m in config.embedding_methods)
+    cap = "every request" if config.embedding_max_requests is None else f"up to {config.embedding_max_requests}"
+    line = (
+        f"{methods} of normalized per-request vectors ({cap} per stage; fitted on up to "
+        f"{config.embedding_fit_requests}, the rest placed by their nearest fitted requests)"
+    )
+    if "umap" in config.embedding_methods:
+        line += "; UMAP compiles its numba kernels first (about 10 s once per process, longer on a busy machine)"
+    return line
+
+
+def _run_embedding_one_thread(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
+    """Embeddings with one thread in every native pool (BLAS and OpenMP: PCA, t-SNE, K-means,
+    silhouette). Spinning worker threads on a busy box made t-SNE of 1000 requests 9x slower
+    (107 s against 12 s measured under load 11); see classify for BLAS."""
     from moetrace._deps import require
 
-    with require("threadpoolctl", purpose="embeddings").threadpool_limits(limits=1, user_api="blas"):
+    # threadpoolctl limits only the libraries already loaded: load scikit-learn's (its OpenMP) first
+    for module in ("sklearn.decomposition", "sklearn.manifold", "sklearn.cluster", "sklearn.neighbors"):
+        require(module, purpose="embeddings")
+    with require("threadpoolctl", purpose="embeddings").threadpool_limits(limits=1):
         return _run_embedding(counts, config, write)
 
 
 def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     from moetrace.analysis.embedding import (
+        PLACEMENT,
         cluster_scores,
+        fit_pca,
+        place_by_neighbours,
         project,
-        reduce_pca,
         request_features,
         silhouette_2d,
         stratified_subsample,
@@ -383,14 +410,19 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
 
     layer_pos = None if config.embedding_layer is None else counts.layers.index(config.embedding_layer)
     layer_name = -1 if layer_pos is None else config.embedding_layer
+    chunk = 4096  # requests whose float32 features are built at once (DeepSeek-V3: 4096 x 14848 x 4 B = 243 MB)
     frames, scores = [], []
     why: dict[str, str] = {}  # stage -> reason its embedding was skipped
     for stage in counts.stages:
-        feats = request_features(counts.stage(stage), layer=layer_pos)
-        has = np.flatnonzero(np.abs(feats).sum(1) > 0)
-        pick = has[
-            stratified_subsample(counts.dataset_R[has], max_requests=config.embedding_max_requests, seed=config.seed)
-        ]
+        counts_RLE = counts.stage(stage)
+        sel_RLE = counts_RLE[:, layer_pos : layer_pos + 1] if layer_pos is not None else counts_RLE
+        has = np.flatnonzero(
+            np.concatenate([sel_RLE[lo : lo + chunk].any(axis=(1, 2)) for lo in range(0, counts.num_requests, chunk)])
+            if counts.num_requests
+            else np.zeros(0, bool)
+        )
+        cap = has.size if config.embedding_max_requests is None else config.embedding_max_requests
+        pick = has[stratified_subsample(counts.dataset_R[has], max_requests=cap, seed=config.seed)]
         if pick.size < 5:
             where = "" if layer_pos is None else f" at MoE layer {layer_name}"
             why[stage] = (
@@ -398,7 +430,19 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
                 "trace more requests" + (" or embed another layer (--embedding-layer)" if where else "")
             )
             continue
-        x, lab = reduce_pca(feats[pick], num_components=50, seed=config.seed), counts.dataset_R[pick]
+        lab = counts.dataset_R[pick]
+        fit_pos = stratified_subsample(lab, max_requests=config.embedding_fit_requests, seed=config.seed)
+        fitted = np.zeros(pick.size, bool)
+        fitted[fit_pos] = True
+        reduce = fit_pca(
+            request_features(counts_RLE[pick[fit_pos]], layer=layer_pos), num_components=50, seed=config.seed
+        )
+        x = np.concatenate(
+            [
+                reduce(request_features(counts_RLE[pick[lo : lo + chunk]], layer=layer_pos))
+                for lo in range(0, pick.size, chunk)
+            ]
+        )
         cs = cluster_scores(x, lab, seed=config.seed)
         row: dict[str, Any] = {
             "stage": stage,
@@ -407,9 +451,12 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
             "num_datasets": cs.num_datasets,
             "silhouette": cs.silhouette,
             "adjusted_rand": cs.adjusted_rand,
+            "num_fitted": int(fit_pos.size),
         }
         for method in config.embedding_methods:
-            xy = project(x, method=method, seed=config.seed)
+            xy = np.empty((pick.size, 2), np.float32)
+            xy[fitted] = project(x[fitted], method=method, seed=config.seed)
+            xy[~fitted] = place_by_neighbours(x[fitted], xy[fitted], x[~fitted])
             row[f"silhouette_{method}"] = silhouette_2d(xy, lab, seed=config.seed)
             frames.append(
                 pl.DataFrame(
@@ -421,6 +468,7 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
                         "layer": np.full(pick.size, layer_name, np.int32),
                         "x": xy[:, 0],
                         "y": xy[:, 1],
+                        "fitted": fitted,
                     }
                 )
             )
@@ -429,7 +477,9 @@ def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
         write(rf.EMBEDDING, pl.concat(frames), "2-D request embeddings (t-SNE/UMAP) per stage")
     if scores:
         write(rf.EMBEDDING_SCORES, pl.DataFrame(scores), "cluster quality vs dataset labels per stage")
-    out: dict[str, Any] = {r["stage"]: {k: v for k, v in r.items() if k != "stage"} for r in scores}
+    out: dict[str, Any] = {  # placement: how the requests outside the fit sample got their position
+        r["stage"]: {**{k: v for k, v in r.items() if k != "stage"}, "placement": PLACEMENT} for r in scores
+    }
     if why and not scores:
         out["skipped"] = "; ".join(f"{s}: {w}" for s, w in why.items())
     elif why:

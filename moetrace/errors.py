@@ -40,6 +40,10 @@ class ModelError(MoetraceError):
     "A model preset, path or configuration cannot be used as asked."
 
 
+class CollectionError(MoetraceError):
+    "A collection's engines failed where retrying did not help (Ray shards); the message says what to re-run."
+
+
 class DatasetError(MoetraceError):
     "A prompt set or dataset cannot be loaded."
 

@@ -52,7 +52,7 @@ def small_trace(tmp_path):
 # (pyproject's addopts: -m "not slow"); `pytest -m slow` runs this tier (also for one file:
 # `pytest -m slow tests/test_demo.py`); the README's test command and CI run both. Module file
 # name -> the test functions of it in the tier (every parametrization), or None for the whole file.
-# A test may also carry @pytest.mark.slow itself (the Ray shards test does).
+# A test may also carry @pytest.mark.slow itself.
 SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
     "test_demo.py": None,  # the whole pipeline as `moetrace demo` runs it
     "test_dashboard_browser.py": None,  # a real headless Chromium
@@ -74,6 +74,7 @@ SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
     "test_progress.py": ("test_synth_draws_a_bar_with_rate_and_eta_on_a_terminal",),  # `moetrace synth` in a terminal
     "test_collect.py": ("test_sigkill_then_resume_loses_nothing_and_duplicates_nothing",),  # a collector killed mid-run
     "test_reliability.py": ("test_disk_full",),  # writes until a tmpfs is full
+    "test_ray_cluster.py": None,  # a two-node Ray cluster (`ray start` x2) running collection shards
 }
 
 

@@ -36,7 +36,7 @@ EXPECTED_FILES = {
     ],
     "classify_accuracy.parquet": ["layer", "model_layer", "accuracy", "shuffled_accuracy", "chance"],
     "classify_confusion.parquet": ["layer", "model_layer", "true_dataset", "predicted_dataset", "count"],
-    "embedding.parquet": ["request_id", "dataset", "stage", "method", "layer", "x", "y"],
+    "embedding.parquet": ["request_id", "dataset", "stage", "method", "layer", "x", "y", "fitted"],
     "embedding_scores.parquet": [
         "stage",
         "layer",
@@ -44,6 +44,7 @@ EXPECTED_FILES = {
         "num_datasets",
         "silhouette",
         "adjusted_rand",
+        "num_fitted",
         "silhouette_tsne",
         "silhouette_umap",
     ],
@@ -73,7 +74,19 @@ def planted(tmp_path_factory):
 def test_cli_writes_every_result_with_the_documented_columns(planted, tmp_path):
     out = tmp_path / "res"
     res = runner.invoke(
-        app, ["analyze", str(planted), "-o", str(out), "--batch-size", "8", "--embedding-max-requests", "60"]
+        app,
+        [
+            "analyze",
+            str(planted),
+            "-o",
+            str(out),
+            "--batch-size",
+            "8",
+            "--embedding-max-requests",
+            "60",
+            "--embedding-methods",
+            "tsne,umap",
+        ],
     )
     assert res.exit_code == 0, res.output
     for name, cols in EXPECTED_FILES.items():
@@ -101,6 +114,22 @@ def test_cli_writes_every_result_with_the_documented_columns(planted, tmp_path):
     assert emb.filter((pl.col("stage") == "decode") & (pl.col("method") == "tsne")).group_by("dataset").len()[
         "len"
     ].to_list() == [30, 30]
+
+
+def test_embedding_fits_a_bounded_sample_and_places_the_rest_by_neighbours(planted, tmp_path):
+    """t-SNE fits 20 of the 80 requests per stage; the other 60 land among their own dataset's fitted points."""
+    cfg = AnalyzeConfig(only=("embedding",), embedding_fit_requests=20, embedding_max_requests=None)
+    summary = analyze(planted, tmp_path / "e", config=cfg)
+    assert summary["embedding"]["prefill"]["num_fitted"] == 20 and summary["embedding"]["prefill"]["num_requests"] == 80
+    assert "nearest fitted requests" in summary["embedding"]["prefill"]["placement"]
+    emb = pl.read_parquet(tmp_path / "e" / "embedding.parquet").filter(pl.col("stage") == "prefill")
+    assert emb.height == 80 and emb["fitted"].sum() == 20
+    assert emb.filter(pl.col("fitted")).group_by("dataset").len()["len"].to_list() == [10, 10]  # stratified
+    fit, rest = emb.filter(pl.col("fitted")), emb.filter(~pl.col("fitted"))
+    centre = {d: fit.filter(pl.col("dataset") == d).select("x", "y").mean().row(0) for d in ("ds0", "ds1")}
+    for r in rest.iter_rows(named=True):
+        dist = {d: (r["x"] - c[0]) ** 2 + (r["y"] - c[1]) ** 2 for d, c in centre.items()}
+        assert min(dist, key=dist.__getitem__) == r["dataset"]
 
 
 def test_subset_layers_and_seeded_reproducibility(planted, tmp_path):

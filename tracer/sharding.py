@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moetrace.errors import ConfigError
+from moetrace.errors import CollectionError, ConfigError
 from moetrace.tracer.backends.base import OnProgress
 from moetrace.tracer.backends.registry import AUTO, choose_backend, get_backend
 from moetrace.tracer.collect import CollectConfig, CollectResult, OnStart, collect
@@ -38,6 +38,9 @@ from moetrace.tracer.trace.writer import OnExisting, WriterStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from moetrace.tracer.backends.vllm import VllmEngineConfig
+
+#: how many times Ray runs a shard again after its worker process or node died (Ray's own default)
+DEFAULT_SHARD_RETRIES = 3
 
 
 def run_collection(
@@ -96,6 +99,7 @@ def collect_sharded_with_ray(
     num_gpus_per_shard: float | None = None,
     ray_address: str | None = "auto",
     on_existing: OnExisting = "resume",
+    max_retries: int = DEFAULT_SHARD_RETRIES,
 ) -> CollectResult:
     """Run every shard as a Ray task (one engine each, ``num_gpus_per_shard`` GPUs reserved), then
     merge. ``out`` must be a path every Ray node can write (shared file system). Re-running resumes
@@ -104,11 +108,24 @@ def collect_sharded_with_ray(
 
     ``num_gpus_per_shard`` defaults to what the backend's registry row asks for one engine: the
     engine's ``tp*dp`` for vLLM; for HF 1 on a GPU device (``config.device`` not ``cpu``), else 0.
+    A shard task also takes Ray's default 1 CPU. ``ray_address``: what ``ray.init(address=...)``
+    takes (``"auto"``: the cluster ``ray start`` started on this machine, or ``RAY_ADDRESS``);
+    ignored when Ray is already initialised in this process.
+
+    Failures: a shard whose worker process or node dies is run again by Ray, up to ``max_retries``
+    times (on any node with the resources free), and the new run resumes from the shard's committed
+    parts (at most one batch per failure is collected twice, never written twice). Each task is
+    named ``moetrace-shard-S-of-N`` (``ray list tasks``; the worker's process title is
+    ``ray::moetrace-shard-S-of-N``). When a shard still fails, the other shards run to the end and
+    ``CollectionError`` names the failed shards; re-running the same command resumes them, and
+    nothing is merged until every shard is complete.
     """
     from moetrace._deps import require
 
     if num_shards < 1:
         raise ConfigError(f"--ray-shards must be at least 1, got {num_shards}")
+    if max_retries < 0:
+        raise ConfigError(f"max_retries must be at least 0, got {max_retries}")
     settings = config.backend_settings(engine)
     entry = get_backend(choose_backend(backend, settings=settings, on_ray=True))
     ray = require("ray", purpose="sharded collection over several nodes")
@@ -118,14 +135,26 @@ def collect_sharded_with_ray(
         ray.init(address=ray_address)
     out_abs = str(Path(out).resolve())
 
-    @ray.remote(num_gpus=num_gpus_per_shard)
+    @ray.remote(num_gpus=num_gpus_per_shard, max_retries=max_retries)
     def run_shard(shard: int) -> CollectResult:
         return collect(
             config, out=out_abs, backend=entry.name, engine=engine, on_existing=on_existing, shard=(shard, num_shards)
         )
 
     t0 = time.perf_counter()
-    results: list[CollectResult] = ray.get([run_shard.remote(s) for s in range(num_shards)])
+    refs = [run_shard.options(name=shard_task_name(s, num_shards)).remote(s) for s in range(num_shards)]
+    results: list[CollectResult] = []
+    failed: list[str] = []
+    for s, ref in enumerate(refs):  # every shard runs to its end before a failure is reported
+        try:
+            results.append(ray.get(ref))
+        except ray.exceptions.RayError as exc:
+            failed.append(f"shard {s}: {_first_line(exc)}")
+    if failed:
+        raise CollectionError(
+            f"{len(failed)} of {num_shards} shards failed after {max_retries} retries each ({'; '.join(failed)}); "
+            f"the other shards are complete in {out_abs}; re-run the same command to resume the failed ones"
+        )
     merge_shards(out_abs)
     return CollectResult(
         path=Path(out),
@@ -142,3 +171,14 @@ def collect_sharded_with_ray(
         seconds=time.perf_counter() - t0,
         num_merged_shards=num_shards,
     )
+
+
+def shard_task_name(shard: int, num_shards: int) -> str:
+    """The Ray task name of shard ``shard`` of ``num_shards`` (also its worker's process title after ``ray::``)."""
+    return f"moetrace-shard-{shard}-of-{num_shards}"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of a Ray error's message (the rest is the remote traceback)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__

@@ -55,8 +55,11 @@ def analyze_cmd(
         typer.Option(help="Comma-separated MoE-layer ordinals (0-based positions in moe_layers). Default: all."),
     ] = None,
     embedding_max_requests: Annotated[
-        int, typer.Option(help="Subsample cap for t-SNE/UMAP (stratified by dataset).")
+        int, typer.Option(help="Requests embedded per stage (stratified by dataset).")
     ] = 4000,
+    embedding_methods: Annotated[
+        str, typer.Option(help="Comma-separated projections: tsne, umap (UMAP compiles numba kernels first, ~10 s).")
+    ] = "tsne",
     overwrite: Overwrite = False,
     allow_incomplete: AllowIncomplete = False,
     quiet: Quiet = False,
@@ -79,6 +82,7 @@ def analyze_cmd(
         layers=_int_list(layers, "--layers"),
         batch_size=batch_size,
         embedding_max_requests=embedding_max_requests,
+        embedding_methods=tuple(m.strip() for m in embedding_methods.split(",") if m.strip()),  # type: ignore[misc]
         allow_incomplete=allow_incomplete,
     )
     log = log_lines(quiet)
