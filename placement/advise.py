@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -61,10 +62,17 @@ from moetrace.placement.advise_metrics import (
     send_ranks_per_token,
     vllm_balancedness,
 )
-from moetrace.placement.cost import DEFAULT_LINKS, CostModel, Links, collective_seconds_BW, expert_seconds_BW
+from moetrace.placement.cost import (
+    DEFAULT_LINKS,
+    CostModel,
+    Links,
+    collective_seconds_BW,
+    expert_seconds_BW,
+    gpu_traffic,
+)
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.maps import Placement
-from moetrace.placement.simulate import DedupUnit, layer_copies, simulate_volume
+from moetrace.placement.simulate import DedupUnit, layer_copies
 
 if TYPE_CHECKING:
     from moetrace.placement.compare import TraceData
@@ -204,7 +212,7 @@ class StageInput:
     windows_NLE: np.ndarray  # float64 [N, L, E] the load per window in arrival order (drift check)
     tokens: StepTokens | None = None  # a trace's simulated steps (None: evaluate on counts)
     counts_NLE: np.ndarray | None = None  # a profile's evaluation windows (float64 [N, L, E])
-    pairs_per_step: float = 0.0  # (token, expert) pairs of one step (a profile's windows scaled to a step)
+    pairs_per_step: float = 0.0  # (token, expert) pairs of one step (a profile's windows are scaled to it)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,39 +255,73 @@ def evaluate_tokens(
     bytes_per_token: int,
     time_bytes_per_token: int,
 ) -> StepMetrics:
-    """One placement on a trace's simulated steps: the cost model through ``simulate_volume`` and the
-    rank loads and destination ranks of the same routing (``layer_copies``, replica policy same_node)."""
+    """One placement on a trace's simulated steps, one pass over the layers: the routing and copies of
+    ``simulate.layer_copies`` (replica policy ``same_node``), priced as ``simulate_volume`` prices them
+    (``cost.gpu_traffic``, ``collective_seconds_BW``, ``expert_seconds_BW``), and from the same routing
+    each rank's (token, expert) pairs and each token's destination ranks."""
     W, g, B = deployment.num_ep, deployment.ranks_per_node, tokens.num_steps
-    routing: dict[str, Any] = dict(
+    ids = tokens.topk_ids_TLK
+    L = ids.shape[1]
+    step_T = np.asarray(tokens.step_T, dtype=np.int64)
+    src_T = np.asarray(tokens.src_rank_T, dtype=np.int64)
+    P = placement.phy2log.shape[1]
+    out = {k: np.zeros((B, L)) for k in ("bal", "busy", "mean", "amax", "amean", "inter", "a2a", "moe")}
+    vllm_mean, vllm_max = np.zeros(B), np.zeros(B)
+    send_L = np.full(L, np.nan)
+    copies = layer_copies(
+        ids,
         placement=placement,
-        batch_T=tokens.step_T,
-        src_rank_T=tokens.src_rank_T,
+        batch_T=step_T,
+        src_rank_T=src_T,
         num_batches=B,
         num_ranks=W,
         ranks_per_node=g,
         dedup=dedup,
     )
-    m = simulate_volume(
-        tokens.topk_ids_TLK, **routing, bytes_per_token=bytes_per_token, cost=cost, time_bytes_per_token=time_bytes_per_token
-    )
-    L = tokens.topk_ids_TLK.shape[1]
-    load_BLW = np.zeros((B, L, W))
-    send_L = np.full(L, np.nan)
-    for l, c in enumerate(layer_copies(tokens.topk_ids_TLK, **routing)):
-        load_BLW[:, l] = rank_load_from_ranks(c.rank_TK, c.valid_TK, tokens.step_T, num_batches=B, num_ranks=W)
-        n = send_ranks_per_token(c.rank_TK, c.valid_TK)
-        send_L[l] = float(n[n > 0].mean()) if (n > 0).any() else np.nan
+    bK = step_T[:, None]
+    for l, c in enumerate(copies):
+        load_BW = rank_load_from_ranks(c.rank_TK, c.valid_TK, step_T, num_batches=B, num_ranks=W)
+        out["bal"][:, l] = balancedness(load_BW)
+        out["busy"][:, l], out["mean"][:, l] = load_BW.max(axis=1), load_BW.mean(axis=1)
+        vllm_mean += load_BW.mean(axis=1)
+        vllm_max += load_BW.max(axis=1)
+        srank = np.sort(np.where(c.valid_TK, c.rank_TK, W), axis=1)  # invalid entries sort last (>= W)
+        n_T = send_ranks_per_token(srank, srank < W, presorted=True)
+        send_L[l] = float(n_T[n_T > 0].mean()) if (n_T > 0).any() else np.nan
+        out["inter"][:, l] = np.bincount(step_T, weights=c.inter_TK.sum(axis=1), minlength=B) * 2 * bytes_per_token
+        traffic = gpu_traffic(
+            rank_TK=c.rank_TK,
+            valid_TK=c.valid_TK,
+            batch_T=step_T,
+            src_rank_T=src_T,
+            num_batches=B,
+            num_ranks=W,
+            ranks_per_node=g,
+            dedup=dedup,
+            sorted_rank_TK=srank,
+        )
+        a2a_BW = collective_seconds_BW(traffic, links=cost.links, bytes_per_copy=time_bytes_per_token, ranks_per_node=g)
+        out["a2a"][:, l] = 2.0 * a2a_BW.max(axis=1)  # combine sends the same copies back
+        act = np.bincount((bK * P + c.slot_TK)[c.valid_TK], minlength=B * P).reshape(B, W, P // W) > 0
+        nact = act.sum(axis=2)
+        out["amax"][:, l], out["amean"][:, l] = nact.max(axis=1), nact.mean(axis=1)
+        if cost.expert is None:
+            out["moe"][:, l] = np.nan
+        else:
+            out["moe"][:, l] = out["a2a"][:, l] + expert_seconds_BW(load_BW, nact, expert=cost.expert).max(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        vllm_B = np.where(vllm_max > 0, vllm_mean / np.where(vllm_max > 0, vllm_max, 1.0), np.nan)
     return StepMetrics(
-        balancedness_BL=balancedness(load_BLW),
-        vllm_balancedness_B=vllm_balancedness(load_BLW),
-        busiest_BL=load_BLW.max(axis=2),
-        mean_rank_BL=load_BLW.mean(axis=2),
-        active_max_BL=m["activated_experts_per_rank_max"],
-        active_mean_BL=m["activated_experts_per_rank_mean"],
+        balancedness_BL=out["bal"],
+        vllm_balancedness_B=vllm_B,
+        busiest_BL=out["busy"],
+        mean_rank_BL=out["mean"],
+        active_max_BL=out["amax"],
+        active_mean_BL=out["amean"],
         send_ranks_L=send_L,
-        inter_bytes_BL=m["dispatch_inter_bytes"] + m["combine_inter_bytes"],
-        a2a_seconds_BL=m["dispatch_seconds"] + m["combine_seconds"],
-        moe_seconds_BL=m["moe_seconds"],
+        inter_bytes_BL=out["inter"],
+        a2a_seconds_BL=out["a2a"],
+        moe_seconds_BL=out["moe"],
     )
 
 
@@ -443,14 +485,16 @@ def advise_arrays(
     from moetrace.placement.cost import expert_compute_for
 
     m, dep = inputs.model, cfg.deployment
-    E, L = m.num_experts, m.num_moe_layers
+    E = m.num_experts
     sweep = cfg.sweep(E)
     expert = expert_compute_for(m.name) or expert_compute_for(m.source)
     cost = CostModel(links=cfg.links, expert=expert)
     bytes_per_token = m.hidden_size * 2
     time_bytes = (expert.hidden_size if expert is not None else m.hidden_size) * 2
     recorded: list[Steps] = [s for s in ("prefill", "decode") if s in inputs.stages]
-    stages: list[Stage] = [*recorded, *(["both"] if len(recorded) == 2 else [])]
+    stages: list[Stage] = list(recorded)
+    if len(recorded) == 2:
+        stages.append("both")
 
     ref_opt = (
         Option(name="current", num_redundant=inputs.current.phy2log.shape[1] - E, placement=inputs.current)
@@ -487,42 +531,47 @@ def advise_arrays(
         ]
         options[st] = [*fixed, *eplbs, *([inputs.joint] if inputs.joint is not None and st != "both" else [])]
 
-    evals: dict[tuple[str, str, Steps], StepMetrics] = {}  # (fitted_on, option key, steps) -> metrics
-    total = sum(len(options[st]) * (2 if st == "both" else 1) for st in stages)
-    done = 0
+    def job_key(opt: Option, steps: Steps) -> tuple[str, str, Steps]:
+        return (opt.fitted_on, opt.key, steps)
 
-    def evaluate(opt: Option, steps: Steps) -> StepMetrics:
-        nonlocal done
-        k = (opt.fitted_on, opt.key, steps)
-        if k not in evals:
-            si = inputs.stages[steps]
-            dedup = cfg.decode_dedup if steps == "decode" else cfg.prefill_dedup
-            toks = inputs.joint_tokens.get(steps) if opt.name == "joint" else si.tokens
-            if toks is not None:
-                evals[k] = evaluate_tokens(
-                    toks,
-                    opt.placement,
-                    deployment=dep,
-                    dedup=dedup,
-                    cost=cost,
-                    bytes_per_token=bytes_per_token,
-                    time_bytes_per_token=time_bytes,
-                )
-            else:
-                assert si.counts_NLE is not None  # a profile stage
-                evals[k] = evaluate_counts(
-                    si.counts_NLE,
-                    opt.placement,
-                    deployment=dep,
-                    cost=cost,
-                    pairs_per_step=si.pairs_per_step,
-                    bytes_per_token=bytes_per_token,
-                    time_bytes_per_token=time_bytes,
-                )
-        done += 1
-        if progress is not None:
-            progress(done, total)
-        return evals[k]
+    def evaluate(job: tuple[Option, Steps]) -> StepMetrics:
+        opt, steps = job
+        si = inputs.stages[steps]
+        toks = inputs.joint_tokens.get(steps) if opt.name == "joint" else si.tokens
+        if toks is not None:
+            return evaluate_tokens(
+                toks,
+                opt.placement,
+                deployment=dep,
+                dedup=cfg.decode_dedup if steps == "decode" else cfg.prefill_dedup,
+                cost=cost,
+                bytes_per_token=bytes_per_token,
+                time_bytes_per_token=time_bytes,
+            )
+        assert si.counts_NLE is not None  # a profile stage
+        return evaluate_counts(
+            si.counts_NLE,
+            opt.placement,
+            deployment=dep,
+            cost=cost,
+            pairs_per_step=si.pairs_per_step,
+            bytes_per_token=bytes_per_token,
+            time_bytes_per_token=time_bytes,
+        )
+
+    plan = [(st, steps) for st in stages for steps in (recorded if st == "both" else [st])]
+    jobs: dict[tuple[str, str, Steps], tuple[Option, Steps]] = {}
+    for st, steps in plan:
+        for opt in [ref_opt, *options[st]]:
+            jobs.setdefault(job_key(opt, steps), (opt, steps))
+    evals: dict[tuple[str, str, Steps], StepMetrics] = {}
+    # numpy's sorts and bincounts release the GIL: two threads keep two cores busy (results do not depend on it)
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        for n, (k, em) in enumerate(zip(jobs, pool.map(evaluate, jobs.values())), start=1):
+            evals[k] = em
+            if progress is not None:
+                progress(n, len(jobs))
+    moved: dict[tuple[str, str], dict[str, Any]] = {}
 
     rows: list[dict[str, Any]] = []
     layer_cols: dict[str, list[Any]] = {
@@ -541,20 +590,23 @@ def advise_arrays(
             "moe_seconds",
         )
     }
-    for st in stages:
-        for steps in recorded if st == "both" else [st]:
-            ref = evaluate(ref_opt, steps)
-            for opt in options[st]:
-                em = evaluate(opt, steps)
-                row = _summary(em, ref, option=opt, stage=st, steps=steps, model=m)
-                row.update(_migration_row(ref_opt, opt, dep=dep, model=m, weight_bytes=_weight_bytes(cost)))
-                rows.append(row)
-                _add_layers(layer_cols, em, stage=st, steps=steps, option=opt.key, model=m)
+    for st, steps in plan:
+        ref = evals[job_key(ref_opt, steps)]
+        for opt in options[st]:
+            em = evals[job_key(opt, steps)]
+            row = _summary(em, ref, option=opt, stage=st, steps=steps, model=m)
+            if (opt.fitted_on, opt.key) not in moved:
+                moved[(opt.fitted_on, opt.key)] = _migration_row(
+                    ref_opt, opt, dep=dep, model=m, weight_bytes=_weight_bytes(cost)
+                )
+            row.update(moved[(opt.fitted_on, opt.key)])
+            rows.append(row)
+            _add_layers(layer_cols, em, stage=st, steps=steps, option=opt.key, model=m)
 
     correlation = _stage_correlation(inputs)
     drift = {st: _drift(inputs, st, cfg=cfg, rows=rows) for st in stages}
     verdicts, recommended = _verdicts(
-        rows, stages=stages, ref=ref_opt, drift=drift, correlation=correlation, inputs=inputs, cfg=cfg
+        rows, stages=stages, ref=ref_opt, drift=drift, correlation=correlation, inputs=inputs
     )
     placements = {
         f"{st}-{key}": next(o for o in options[st] if o.key == key) for st, key in recommended if st in options
@@ -584,7 +636,9 @@ def advise_arrays(
         "prefill_decode_correlation": correlation,
         "drift": drift,
         "verdicts": verdicts,
-        "recommended": [{"stage": st, "option": key, "placement": f"placements/{st}-{key}.json"} for st, key in recommended],
+        "recommended": [
+            {"stage": st, "option": key, "placement": f"placements/{st}-{key}.json"} for st, key in recommended
+        ],
     }
     return Advice(manifest=manifest, rows=rows, layer_rows=_layer_arrays(layer_cols), placements=placements)
 
@@ -620,7 +674,9 @@ def _migration_row(
     }
 
 
-def _add_layers(cols: dict[str, list[Any]], em: StepMetrics, *, stage: str, steps: str, option: str, model: ModelInfo) -> None:
+def _add_layers(
+    cols: dict[str, list[Any]], em: StepMetrics, *, stage: str, steps: str, option: str, model: ModelInfo
+) -> None:
     L = em.balancedness_BL.shape[1]
     with np.errstate(invalid="ignore"):
         per = {
@@ -666,7 +722,8 @@ def _drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: list[
     if N < 4:
         return {"num_windows": N, "skipped": "fewer than 4 windows"}
     half = N // 2
-    cand = [r for r in rows if r["stage"] == stage and r["strategy"] == "eplb"]
+    own: Steps = "decode" if stage == "both" else stage
+    cand = [r for r in rows if r["stage"] == stage and r["strategy"] == "eplb" and r["steps"] == own]
     best = _best_eplb(cand)
     R = int(best["num_redundant"]) if best is not None else max(int(r["num_redundant"]) for r in cand)
     W = dep.num_ep
@@ -727,6 +784,35 @@ def _gb(x: float | None) -> str:
     return "n/a (expert size unknown)" if x is None else f"{x / 1e9:.1f} GB"
 
 
+def _time_key(r0: dict[str, Any]) -> tuple[str, str]:
+    """The time a verdict ranks by: MoE-layer time, or all-to-all time when the expert size is unknown."""
+    if np.isfinite(r0["moe_vs_ref"]):
+        return "moe", "predicted MoE-layer time"
+    return "a2a", "predicted all-to-all time"
+
+
+def _enable_text(who: str, best: dict[str, Any], b0: float, change: str) -> str:
+    red = (
+        f"with {best['num_redundant']} redundant experts"
+        if best["num_redundant"]
+        else "without redundant experts (a rearrangement only)"
+    )
+    return (
+        f"{who}: enable EPLB {red}: balancedness {b0:.2f} → {best['balancedness_vllm']:.2f}, {change}, "
+        f"{_gb(best['bytes_moved'])} of weights move once ({best['experts_moved']} expert copies), "
+        f"{_gb(best['extra_bytes_per_gpu'])} more per GPU for the redundant slots."
+    )
+
+
+def _stage_weights(inputs: AdviseInputs) -> dict[str, float]:
+    """Steps each stage's traffic takes (its routed pairs over the pairs of one step): how a placement
+    serving both stages weighs their step times."""
+    return {
+        st: float(si.fit_LE.sum() / max(si.fit_LE.shape[0], 1)) / si.pairs_per_step if si.pairs_per_step > 0 else 0.0
+        for st, si in inputs.stages.items()
+    }
+
+
 def _verdicts(
     rows: list[dict[str, Any]],
     *,
@@ -735,73 +821,87 @@ def _verdicts(
     drift: dict[Stage, dict[str, Any]],
     correlation: float | None,
     inputs: AdviseInputs,
-    cfg: AdviseConfig,
 ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
-    """One verdict per (stage, steps) in plain words, with the numbers behind it; and the recommended
-    (stage, option key) pairs (their placement files and commands)."""
+    """One verdict per stage in plain words, with the numbers behind it; and the recommended (stage,
+    option key) pairs (their placement files and commands). The placement of ``both`` serves prefill
+    and decode steps, weighed by the steps each stage's traffic takes (``_stage_weights``)."""
     out: list[dict[str, Any]] = []
     recommended: list[tuple[str, str]] = []
+    weights = _stage_weights(inputs)
     for st in stages:
-        for steps in sorted({r["steps"] for r in rows if r["stage"] == st}, reverse=True):
-            here = [r for r in rows if r["stage"] == st and r["steps"] == steps]
-            r0 = next(r for r in here if r["option"] == ref.key)
-            best = _best_eplb([r for r in here if r["strategy"] == "eplb"])
-            joint = next((r for r in here if r["strategy"] == "joint"), None)
-            who = {"prefill": "Prefill", "decode": "Decode", "both": "Both stages with one placement"}[st]
-            where = f" ({steps} steps)" if st == "both" else ""
-            time_key = "moe_vs_ref" if np.isfinite(r0["moe_vs_ref"]) else "a2a_vs_ref"
-            what = "predicted MoE-layer time" if time_key == "moe_vs_ref" else "predicted all-to-all time"
-            b0 = r0["balancedness_vllm"]
-            text, verdict, option = "", "no gain", None
+        here = [r for r in rows if r["stage"] == st]
+        r0_by = {r["steps"]: r for r in here if r["option"] == ref.key}
+        tk, what = _time_key(next(iter(r0_by.values())))
+        if st == "both":
+            # one row per option: its step time weighed over both stages, over the reference's
+            def weighed(key: str, here: list[dict[str, Any]] = here, tk: str = tk) -> float:
+                return sum(weights[r["steps"]] * r[f"{tk}_seconds_per_step"] for r in here if r["option"] == key)
+
+            total0 = weighed(ref.key)
+            cand = []
+            for r in (r for r in here if r["strategy"] == "eplb" and r["steps"] == "decode"):
+                cand.append({**r, f"{tk}_vs_ref": weighed(r["option"]) / total0 if total0 > 0 else float("nan")})
+            best = _best_eplb(cand)
             assert best is not None
-            gain = 1.0 - best[time_key]
-            d = drift.get(st, {})
-            if gain >= MIN_GAIN:
-                verdict, option = "enable", best["option"]
-                spread = f"p10–p90 {_pct(best[time_key + '_p10'])}…{_pct(best[time_key + '_p90'])}"
-                text = (
-                    f"{who}{where}: enable EPLB with {best['num_redundant']} redundant experts: balancedness "
-                    f"{b0:.2f} → {best['balancedness_vllm']:.2f}, {what} {_pct(best[time_key])} ({spread}), "
-                    f"{_gb(best['bytes_moved'])} of weights move once ({best['experts_moved']} expert copies), "
-                    f"{_gb(best['extra_bytes_per_gpu'])} more per GPU for the redundant slots."
+            per = {r["steps"]: r for r in here if r["option"] == best["option"]}
+            change = (
+                f"{what} weighed over both stages {_pct(best[f'{tk}_vs_ref'])} ("
+                + ", ".join(f"{s} steps {_pct(per[s][f'{tk}_vs_ref'])}" for s in ("decode", "prefill") if s in per)
+                + ")"
+            )
+            b0 = r0_by["decode"]["balancedness_vllm"]
+            who = "Both stages with one placement"
+        else:
+            r0 = r0_by[st]
+            best = _best_eplb([r for r in here if r["strategy"] == "eplb"])
+            assert best is not None
+            spread = f"p10–p90 {_pct(best[f'{tk}_vs_ref_p10'])}…{_pct(best[f'{tk}_vs_ref_p90'])}"
+            change = f"{what} {_pct(best[f'{tk}_vs_ref'])} ({spread})"
+            b0 = r0["balancedness_vllm"]
+            who = st.capitalize()
+        gain = 1.0 - best[f"{tk}_vs_ref"]
+        if gain >= MIN_GAIN:
+            verdict, option = "enable", best["option"]
+            text = _enable_text(who, best, b0, change)
+            recommended.append((st, best["option"]))
+        else:
+            verdict, option = "no gain", None
+            text = (
+                f"{who}: no gain from EPLB: the best sweep point ({best['num_redundant']} redundant) gives {change} "
+                f"(balancedness {b0:.2f} → {best['balancedness_vllm']:.2f}); "
+                f"{_no_gain_reason(b0, best, drift.get(st, {}))}."
+            )
+        joint = next((r for r in here if r["strategy"] == "joint"), None)
+        if joint is not None:
+            jt = joint[f"{tk}_vs_ref"]
+            base = best if verdict == "enable" else r0_by[st]
+            ib = base["inter_node_bytes_per_step"]
+            dbytes = joint["inter_node_bytes_per_step"] / ib if ib else float("nan")
+            vs = f"that EPLB's {_pct(best[f'{tk}_vs_ref'])}" if verdict == "enable" else f"{ref.label}"
+            if np.isfinite(jt) and 1.0 - jt >= MIN_GAIN and jt < best[f"{tk}_vs_ref"]:
+                text += (
+                    f" Ours (joint) reaches {what} {_pct(jt)} (against {vs}) with {_pct(dbytes)} inter-node bytes, "
+                    f"but needs the prefill router (placement file: placements/{st}-joint.json)."
                 )
-                recommended.append((st, best["option"]))
+                recommended.append((st, "joint"))
             else:
-                reason = _no_gain_reason(b0, best, d, time_key)
-                text = (
-                    f"{who}{where}: no gain from EPLB: the best sweep point ({best['num_redundant']} redundant) "
-                    f"changes the {what} by {_pct(best[time_key])} (balancedness {b0:.2f} → "
-                    f"{best['balancedness_vllm']:.2f}); {reason}."
-                )
-            if joint is not None:
-                jt = joint[time_key]
-                base = best if verdict == "enable" else r0
-                dbytes = joint["inter_node_bytes_per_step"] / base["inter_node_bytes_per_step"] if base[
-                    "inter_node_bytes_per_step"
-                ] else float("nan")
-                if np.isfinite(jt) and 1.0 - jt >= MIN_GAIN and jt < best[time_key]:
-                    text += (
-                        f" Ours (joint) gives {what} {_pct(jt)} and {_pct(dbytes)} inter-node bytes against "
-                        f"{'that EPLB' if verdict == 'enable' else ref.label}, but needs the prefill router "
-                        f"(placement file: placements/{st}-joint.json)."
-                    )
-                    recommended.append((st, "joint"))
-                else:
-                    text += f" Ours (joint): {what} {_pct(jt)}, inter-node bytes {_pct(dbytes)}: not worth its router here."
-            out.append({"stage": st, "steps": steps, "verdict": verdict, "option": option, "text": text})
+                text += f" Ours (joint): {what} {_pct(jt)}, inter-node bytes {_pct(dbytes)}: not worth its router here."
+        out.append({"stage": st, "verdict": verdict, "option": option, "text": text})
     if correlation is not None and "both" in stages:
         sep = correlation < SEPARATE_BELOW
-        text = (
-            f"Prefill and decode loads correlate {correlation:.2f}: "
-            + ("balance them separately (one placement per stage, e.g. prefill/decode disaggregation)." if sep else "one placement can serve both.")
+        advice = (
+            "balance them separately (one placement per stage, as with prefill/decode disaggregation)."
+            if sep
+            else "one placement can serve both."
         )
-        out.append({"stage": "both", "steps": None, "verdict": "separate" if sep else "together", "option": None, "text": text})
+        text = f"Prefill and decode loads correlate {correlation:.2f}: {advice}"
+        out.append({"stage": "both", "verdict": "separate" if sep else "together", "option": None, "text": text})
     for miss in inputs.missing:
-        out.append({"stage": None, "steps": None, "verdict": "missing", "option": None, "text": miss})
+        out.append({"stage": None, "verdict": "missing", "option": None, "text": miss})
     return out, list(dict.fromkeys(recommended))
 
 
-def _no_gain_reason(b0: float, best: dict[str, Any], drift: dict[str, Any], time_key: str) -> str:
+def _no_gain_reason(b0: float, best: dict[str, Any], drift: dict[str, Any]) -> str:
     follow, static = drift.get("following", float("nan")), drift.get("static", float("nan"))
     dref = drift.get("reference", float("nan"))
     if np.isfinite(b0) and b0 >= BALANCED:
@@ -838,7 +938,7 @@ def commands(advice: Advice, *, out: str | os.PathLike) -> list[dict[str, Any]]:
                 f"moetrace place {input_path} --config {config}{gpn} --strategy {opt.name}{red} "
                 f"--test-fraction {man['test_fraction']} --seed {man['seed']} -o {st}-{key}.json"
             )
-        exports = {
+        exports: dict[str, str] = {
             fmt: f"moetrace export {path} --format {fmt} -o {st}-{key}.{fmt}.{suffix[fmt]}" for fmt in PLACEMENT_EXPORTS
         }
         if man["input_kind"] == "trace" and opt.name == "eplb":
@@ -864,7 +964,9 @@ def _sum_rows(counts_RLE: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _load_trace(trace: str | os.PathLike, cfg: AdviseConfig, *, progress: Callable[[int, int], None] | None) -> TraceData:
+def _load_trace(
+    trace: str | os.PathLike, cfg: AdviseConfig, *, progress: Callable[[int, int], None] | None
+) -> TraceData:
     """Counts, the compare split and the held-out tokens of a trace, whatever stages it recorded."""
     from moetrace.analysis.counts import count_trace
     from moetrace.placement.compare import load_trace_data
@@ -874,7 +976,9 @@ def _load_trace(trace: str | os.PathLike, cfg: AdviseConfig, *, progress: Callab
     tr = open_trace(trace)
     stages = stages_of(tr)
     if "decode" in stages:
-        return load_trace_data(trace, test_fraction=cfg.test_fraction, seed=cfg.seed, progress=progress, held_out_tokens=False)
+        return load_trace_data(
+            trace, test_fraction=cfg.test_fraction, seed=cfg.seed, progress=progress, held_out_tokens=False
+        )
     from moetrace.placement.compare import TraceData
 
     counts = count_trace(tr, progress=progress)
@@ -994,6 +1098,7 @@ def advise_trace(
             fit_LE=_sum_rows(data.decode_RLE, train),
             windows_NLE=_windows(data.decode_RLE, order, cfg.num_windows),
             tokens=StepTokens(data.test_topk_ids_TLK[rows], step, src, cfg.num_steps),
+            pairs_per_step=float(cfg.step_requests * data.model.top_k),
         )
         if group is not None:
             jr, js, jsrc, _ = held_out_batches(data, ccfg, group)
@@ -1009,9 +1114,12 @@ def advise_trace(
                 fit_LE=_sum_rows(data.prefill_RLE, train),
                 windows_NLE=_windows(data.prefill_RLE, order, cfg.num_windows),
                 tokens=StepTokens(data.test_prefill_ids_TLK[prow], pstep, psrc, pcfg.num_prefill_batches),
+                pairs_per_step=float(cfg.prefill_tokens_per_node * dep.num_groups * data.model.top_k),
             )
             if group is not None and (jd := prefill_batches(data, pcfg, group)) is not None:
-                joint_tokens["prefill"] = StepTokens(data.test_prefill_ids_TLK[jd[0]], jd[1], jd[2], pcfg.num_prefill_batches)
+                joint_tokens["prefill"] = StepTokens(
+                    data.test_prefill_ids_TLK[jd[0]], jd[1], jd[2], pcfg.num_prefill_batches
+                )
     inputs = AdviseInputs(
         model=data.model,
         source=str(trace),
@@ -1055,7 +1163,7 @@ def advise_profile_counts(
             )
         half = len(c) // 2
         step_tokens = cfg.step_requests if st == "decode" else cfg.prefill_tokens_per_node * cfg.deployment.num_groups
-        stages[st] = StageInput(  # type: ignore[index]  # st is one of the Steps literals
+        stages[st] = StageInput(
             fit_LE=c[:half].sum(axis=0), windows_NLE=c, counts_NLE=c[half:], pairs_per_step=float(step_tokens * K)
         )
     if not stages:
@@ -1066,7 +1174,9 @@ def advise_profile_counts(
     ]
     if len(stages) == 1:
         have = next(iter(stages))
-        missing.append(f"The profile has {have} counts only: no advice on the other stage, no prefill/decode correlation.")
+        missing.append(
+            f"The profile has {have} counts only: no advice on the other stage, no prefill/decode correlation."
+        )
     inputs = AdviseInputs(
         model=model,
         source=source,
@@ -1084,7 +1194,9 @@ def advise_profile(path: str | os.PathLike, cfg: AdviseConfig, *, current: str |
     try:
         from moetrace.tracer.trace import profile as prof  # type: ignore[attr-defined]
     except ImportError:
-        raise ConfigError(f"{path}: reading load profiles needs moetrace.tracer.trace.profile, not in this build") from None
+        raise ConfigError(
+            f"{path}: reading load profiles needs moetrace.tracer.trace.profile, not in this build"
+        ) from None
     p = prof.open_profile(path)
     cur = None
     if current is not None:
@@ -1161,7 +1273,9 @@ def _plain(x: Any) -> Any:
 def format_advice(advice: Advice, *, out: str | os.PathLike) -> str:
     """The verdicts, a table of the options per stage and the commands, as ``moetrace advise`` prints them."""
     man = advice.manifest
-    lines = [f"moetrace advise: {man['input']} ({man['input_kind']}), {man['deployment']}, reference {man['reference']}"]
+    lines = [
+        f"moetrace advise: {man['input']} ({man['input_kind']}), {man['deployment']}, reference {man['reference']}"
+    ]
     for st in man["stages"]:
         for steps in dict.fromkeys(r["steps"] for r in advice.rows if r["stage"] == st):
             lines.append(f"\n{st} placement, {steps} steps:")

@@ -90,7 +90,9 @@ def read_current(path: str | os.PathLike, *, model: ModelInfo, num_ranks: int) -
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
-        raise TraceFormatError(f"{where}: no such file (--current takes a placement or an engine's expert map)") from None
+        raise TraceFormatError(
+            f"{where}: no such file (--current takes a placement or an engine's expert map)"
+        ) from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:

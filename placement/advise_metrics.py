@@ -72,12 +72,16 @@ def vllm_balancedness(load_BLW: np.ndarray) -> np.ndarray:
         return np.where(mx > 0, mean / np.where(mx > 0, mx, 1.0), np.nan)
 
 
-def send_ranks_per_token(rank_TK: np.ndarray, valid_TK: np.ndarray) -> np.ndarray:
+def send_ranks_per_token(rank_TK: np.ndarray, valid_TK: np.ndarray, *, presorted: bool = False) -> np.ndarray:
     """Distinct EP ranks among each token's valid routed entries (its own rank included), int64 [T];
-    0 for a token with no recorded id."""
-    r = np.where(np.asarray(valid_TK, dtype=bool), np.asarray(rank_TK, dtype=np.int64), -1)
-    s = np.sort(r, axis=1)
-    new = s >= 0
+    0 for a token with no recorded id. ``presorted``: each row of ``rank_TK`` is sorted with the
+    invalid entries last (saves the sort)."""
+    valid = np.asarray(valid_TK, dtype=bool)
+    if presorted:
+        s, new = np.asarray(rank_TK), valid.copy()
+    else:
+        s = np.sort(np.where(valid, np.asarray(rank_TK, dtype=np.int64), -1), axis=1)
+        new = s >= 0
     new[:, 1:] &= s[:, 1:] != s[:, :-1]
     return new.sum(axis=1).astype(np.int64)
 
@@ -89,11 +93,7 @@ def rank_load_from_ranks(
     every routed entry (``simulate.layer_copies``' ``rank_TK``)."""
     valid = np.asarray(valid_TK, dtype=bool)
     key = np.asarray(batch_T, dtype=np.int64)[:, None] * num_ranks + np.asarray(rank_TK, dtype=np.int64)
-    return (
-        np.bincount(key[valid], minlength=num_batches * num_ranks)
-        .reshape(num_batches, num_ranks)
-        .astype(np.float64)
-    )
+    return np.bincount(key[valid], minlength=num_batches * num_ranks).reshape(num_batches, num_ranks).astype(np.float64)
 
 
 def _slot_load(counts_NLE: np.ndarray, placement: Placement) -> np.ndarray:

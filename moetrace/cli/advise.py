@@ -57,7 +57,10 @@ def advise_cmd(
     cfg = AdviseConfig(
         deployment=dep, max_slots_per_gpu=max_slots_per_gpu, num_steps=steps, seed=seed, links=parse_links(link)
     )
-    with progress_bar("counting", "tokens", quiet=quiet) as count_bar, progress_bar("options", "runs", quiet=quiet) as bar:
+    with (
+        progress_bar("counting", "tokens", quiet=quiet) as count_bar,
+        progress_bar("options", "runs", quiet=quiet) as bar,
+    ):
         advice = advise_input(source, cfg, current=current, progress=bar, count_progress=count_bar)
     write_advice(advice, out, deployment=dep)
     typer.echo(format_advice(advice, out=out))
