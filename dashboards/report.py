@@ -74,6 +74,7 @@ def build_sections(
     """
     from moetrace.dashboards.results import Results
     from moetrace.dashboards.section_a2a import a2a_section
+    from moetrace.dashboards.section_advice import advice_section
     from moetrace.dashboards.section_clusters import classifiers_section, clusters_section
     from moetrace.dashboards.section_correlation import correlation_section
     from moetrace.dashboards.section_imbalance import imbalance_section
@@ -86,6 +87,7 @@ def build_sections(
     analyses = [Results.from_input(i) for i in inputs if i.kind == "analysis"]
     placements = [Results.from_input(i) for i in inputs if i.kind == "placement"]
     a2as = [Results.from_input(i) for i in inputs if i.kind == "a2a"]
+    advices = [Results.from_input(i) for i in inputs if i.kind == "advice"]
     # a results directory names its trace: show that trace's overview too when it is at hand
     given = {t.path.resolve() for t in traces}
     omitted: list[str] = []
@@ -103,7 +105,7 @@ def build_sections(
         lambda r, kp: clusters_section(r, max_points=config.max_points, seed=config.seed, key_prefix=kp),
         lambda r, kp: classifiers_section(r, key_prefix=kp),
     )
-    total = len(traces) + len(builders) * len(analyses) + len(placements) + len(a2as) + extra_steps
+    total = len(traces) + len(builders) * len(analyses) + len(placements) + len(a2as) + len(advices) + extra_steps
     done = 0
 
     def step() -> None:
@@ -113,6 +115,7 @@ def build_sections(
 
     progress(0, total)
     sections: list[Section] = []
+    _add_sections(sections, omitted, advices, lambda r, kp: advice_section(r, key_prefix=kp), "v", step)  # first
     for n, t in enumerate(traces):
         trace = open_trace(t.path, require_complete=False)
         if trace.part_names():

@@ -110,6 +110,8 @@ MIN_GAIN = 0.03
 BALANCED = 0.90
 #: EPLB sweep points within this share of the best predicted time count as equally good (the fewest slots win)
 WITHIN_BEST = 0.01
+#: balancedness a placement refitted on the window before must gain over a static one to call the load moving
+DRIFT_GAP = 0.02
 #: prefill and decode loads correlating below this are better balanced separately
 SEPARATE_BELOW = 0.80
 
@@ -614,6 +616,7 @@ def advise_arrays(
     manifest = {
         "input": inputs.source,
         "input_kind": inputs.kind,
+        "trace": inputs.source if inputs.kind == "trace" else None,  # the dashboard shows its overview too
         "model": m.to_dict(),
         "deployment": dep.name,
         "gpus_per_node": dep.num_gpus_per_node,
@@ -712,10 +715,13 @@ def _stage_correlation(inputs: AdviseInputs) -> float | None:
 
 
 def _drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Does the imbalance move faster than a static placement follows? On the windows in arrival order:
-    the reference, EPLB fitted on the first half of the windows, and EPLB refitted on every later window
-    itself (a placement that follows perfectly), each at the recommended sweep point (else the largest),
-    balancedness (vLLM's figure) over the later windows."""
+    """Does the imbalance move faster than a static placement follows? On the windows in arrival order,
+    balancedness (vLLM's figure, mean over the later half of the windows) of: the reference; EPLB fitted
+    on the first half (``static``); EPLB refitted on the window before each one (``lagged``: a placement
+    that follows one window late, as a periodic rearrangement does); EPLB fitted on each window itself
+    (``own``: a ceiling no deployed placement reaches, since it knows the window's load in advance). All
+    at the recommended sweep point (else the largest). Moving load: ``lagged`` beats ``static``; load
+    that changes faster than any placement follows: ``own`` far above both."""
     m, dep = inputs.model, cfg.deployment
     w_NLE = _stage_windows(inputs, stage)
     N = len(w_NLE)
@@ -727,25 +733,22 @@ def _drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: list[
     best = _best_eplb(cand)
     R = int(best["num_redundant"]) if best is not None else max(int(r["num_redundant"]) for r in cand)
     W = dep.num_ep
-    later = w_NLE[half:]
-    ref = _ref_placement(inputs, m=m, dep=dep)
-    static = _eplb(w_NLE[:half].sum(0), model=m, deployment=dep, num_redundant=R)
-    b_ref = vllm_balancedness(expected_rank_load(later, ref, num_ranks=W))
-    b_static = vllm_balancedness(expected_rank_load(later, static, num_ranks=W))
-    b_follow = np.array(
-        [
-            vllm_balancedness(
-                expected_rank_load(w[None], _eplb(w, model=m, deployment=dep, num_redundant=R), num_ranks=W)
-            )[0]
-            for w in later
-        ]
-    )
+
+    def fitted(load_LE: np.ndarray) -> Placement:
+        return _eplb(load_LE, model=m, deployment=dep, num_redundant=R)
+
+    def b(w_LE: np.ndarray, placement: Placement) -> float:
+        return float(vllm_balancedness(expected_rank_load(w_LE[None], placement, num_ranks=W))[0])
+
+    ref, static = _ref_placement(inputs, m=m, dep=dep), fitted(w_NLE[:half].sum(0))
+    later = range(half, N)
     return {
         "num_windows": N,
         "num_redundant": R,
-        "reference": _mean_or_nan(b_ref),
-        "static": _mean_or_nan(b_static),
-        "following": _mean_or_nan(b_follow),
+        "reference": _mean_or_nan(np.array([b(w_NLE[i], ref) for i in later])),
+        "static": _mean_or_nan(np.array([b(w_NLE[i], static) for i in later])),
+        "lagged": _mean_or_nan(np.array([b(w_NLE[i], fitted(w_NLE[i - 1])) for i in later])),
+        "own": _mean_or_nan(np.array([b(w_NLE[i], fitted(w_NLE[i])) for i in later])),
     }
 
 
@@ -864,6 +867,13 @@ def _verdicts(
             verdict, option = "enable", best["option"]
             text = _enable_text(who, best, b0, change)
             recommended.append((st, best["option"]))
+            d = drift.get(st, {})
+            if d.get("lagged", float("nan")) - d.get("static", float("nan")) > DRIFT_GAP:
+                text += (
+                    f" The load also moves between windows: refitted on the window before, EPLB keeps balancedness "
+                    f"{d['lagged']:.2f} against {d['static']:.2f} fitted once: rebalance periodically (vLLM's "
+                    "--eplb-config step_interval)."
+                )
         else:
             verdict, option = "no gain", None
             text = (
@@ -889,11 +899,15 @@ def _verdicts(
         out.append({"stage": st, "verdict": verdict, "option": option, "text": text})
     if correlation is not None and "both" in stages:
         sep = correlation < SEPARATE_BELOW
+        gains = any(v["verdict"] == "enable" for v in out)
         advice = (
             "balance them separately (one placement per stage, as with prefill/decode disaggregation)."
-            if sep
+            if sep and gains
             else "one placement can serve both."
+            if gains
+            else "neither stage gains from a placement, so there is nothing to balance separately."
         )
+        sep = sep and gains
         text = f"Prefill and decode loads correlate {correlation:.2f}: {advice}"
         out.append({"stage": "both", "verdict": "separate" if sep else "together", "option": None, "text": text})
     for miss in inputs.missing:
@@ -902,15 +916,18 @@ def _verdicts(
 
 
 def _no_gain_reason(b0: float, best: dict[str, Any], drift: dict[str, Any]) -> str:
-    follow, static = drift.get("following", float("nan")), drift.get("static", float("nan"))
-    dref = drift.get("reference", float("nan"))
+    static, lagged, own = (drift.get(k, float("nan")) for k in ("static", "lagged", "own"))
     if np.isfinite(b0) and b0 >= BALANCED:
         return f"already balanced (balancedness {b0:.2f} ≥ {BALANCED:.2f})"
-    if all(np.isfinite(x) for x in (follow, static, dref)) and follow - dref > 2 * max(static - dref, 0.0) + 0.02:
-        return (
-            f"the imbalance moves from window to window faster than a static placement follows (on later windows "
-            f"balancedness {dref:.2f} now, {static:.2f} fitted on earlier windows, {follow:.2f} refitted on each window)"
+    if all(np.isfinite(x) for x in (static, lagged, own)):
+        seen = (
+            f"on the later windows EPLB fitted on the first half reaches balancedness {static:.2f}, refitted on "
+            f"the window before {lagged:.2f}, fitted on each window itself {own:.2f}"
         )
+        if lagged - static > DRIFT_GAP:
+            return f"the imbalance moves from window to window: a static placement cannot follow it ({seen}); rebalance periodically instead"
+        if own - max(static, lagged) > 2 * DRIFT_GAP + 0.05:
+            return f"the imbalance moves from window to window faster than any placement can follow ({seen})"
     if best["balancedness_vllm"] - b0 < 0.05:
         return "the step-to-step imbalance is noise of small batches that no static placement removes"
     return "better balance does not shorten the step here (the all-to-all or the activated experts decide it)"
