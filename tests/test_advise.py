@@ -375,3 +375,14 @@ def test_cli_writes_the_advice_and_prints_verdicts(tmp_path):
         app, ["advise", str(t), "--config", "DP2TP2EP4", "--gpus-per-node", "2", "-o", str(tmp_path / "a")]
     )
     assert again.exit_code == 2 and "--overwrite" in again.output and "Traceback" not in again.output
+
+
+def test_the_dashboard_shows_the_advice_first(tmp_path):
+    from moetrace.dashboards.report import write_dashboard
+
+    t = _trace(tmp_path / "t")
+    write_advice(advise_trace(t, CFG), tmp_path / "a", deployment=DEP)
+    rep = write_dashboard([t, tmp_path / "a"], out=tmp_path / "r.html")
+    assert rep.sections[0] == "advice" and "overview" in rep.sections
+    html = (tmp_path / "r.html").read_text()
+    assert "Decode: " in html and "advice-balancedness-decode" in html and "advice-balancedness-prefill" in html
