@@ -780,7 +780,9 @@ def _best_eplb(cand: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 # ------------------------------------------------------------------------------ verdicts
 def _pct(x: float) -> str:
-    return f"{(x - 1.0) * 100:+.0f} %".replace("-", "−")
+    """A ratio as a signed change: ``0.83`` -> ``−17 %``, ``1.004`` -> ``+0.4 %``."""
+    v = (x - 1.0) * 100
+    return (f"{v:+.1f} %" if abs(v) < 9.95 else f"{v:+.0f} %").replace("-", "−")
 
 
 def _gb(x: float | None) -> str:
