@@ -7,7 +7,8 @@ A directory is one of:
   ``moetrace analyze``);
 - a **placement** result (``compare.json`` with ``format: "moetrace.compare"``, written by
   ``moetrace compare``);
-- an **a2a** result (``a2a.json`` with ``format: "moetrace.a2a"``, written by ``moetrace a2a``).
+- an **a2a** result (``a2a.json`` with ``format: "moetrace.a2a"``, written by ``moetrace a2a``);
+- an **advice** result (``advice.json`` with ``format: "moetrace.advice"``, written by ``moetrace advise``).
 
 Result manifests are read and checked by ``moetrace.results.read_result_manifest`` (format name and
 version; a ``compare.json`` without a format was written by an older moetrace and says so); a
@@ -29,14 +30,19 @@ from typing import Any, Literal
 
 from moetrace.errors import TraceFormatError
 from moetrace.placement.compare_manifest import CompareManifest
-from moetrace.results import A2A, ANALYSIS, COMPARE, KINDS, read_result_manifest
+from moetrace.results import A2A, ADVICE, ANALYSIS, COMPARE, KINDS, read_result_manifest
 from moetrace.tracer.trace.layout import MANIFEST as TRACE_MANIFEST
 from moetrace.tracer.trace.schema import FORMAT as TRACE_FORMAT
 
-InputKind = Literal["trace", "analysis", "placement", "a2a"]
+InputKind = Literal["trace", "analysis", "placement", "a2a", "advice"]
 
 #: result kind (moetrace.results) -> the input kind the dashboard draws it as
-DRAWN: dict[str, InputKind] = {ANALYSIS.name: "analysis", COMPARE.name: "placement", A2A.name: "a2a"}
+DRAWN: dict[str, InputKind] = {
+    ANALYSIS.name: "analysis",
+    COMPARE.name: "placement",
+    A2A.name: "a2a",
+    ADVICE.name: "advice",
+}
 
 
 @dataclass(frozen=True, kw_only=True)

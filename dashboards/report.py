@@ -76,6 +76,7 @@ def build_sections(
     """
     from moetrace.dashboards.results import Results
     from moetrace.dashboards.section_a2a import a2a_section
+    from moetrace.dashboards.section_advice import advice_section
     from moetrace.dashboards.section_clusters import classifiers_section, clusters_section
     from moetrace.dashboards.section_correlation import correlation_section
     from moetrace.dashboards.section_imbalance import imbalance_section
@@ -88,10 +89,11 @@ def build_sections(
     analyses = [Results.from_input(i) for i in inputs if i.kind == "analysis"]
     placements = [Results.from_input(i) for i in inputs if i.kind == "placement"]
     a2as = [Results.from_input(i) for i in inputs if i.kind == "a2a"]
+    advices = [Results.from_input(i) for i in inputs if i.kind == "advice"]
     # a results directory names its trace: show that trace's overview too when it is at hand
     given = {t.path.resolve() for t in traces}
     omitted: list[str] = []
-    for r in [*analyses, *placements, *a2as]:
+    for r in [*analyses, *placements, *a2as, *advices]:
         tp = r.trace_path
         if tp is not None and tp.resolve() not in given and (tp / "manifest.json").is_file():
             try:
@@ -105,7 +107,7 @@ def build_sections(
         lambda r, kp: clusters_section(r, max_points=config.max_points, seed=config.seed, key_prefix=kp),
         lambda r, kp: classifiers_section(r, key_prefix=kp),
     )
-    total = len(traces) + len(builders) * len(analyses) + len(placements) + len(a2as) + extra_steps
+    total = len(traces) + len(builders) * len(analyses) + len(placements) + len(a2as) + len(advices) + extra_steps
     done = 0
 
     def step() -> None:
@@ -115,6 +117,8 @@ def build_sections(
 
     progress(0, total)
     overview: list[Section] = []
+    advice: list[Section] = []  # `moetrace advise` results: first when present
+    _add_sections(advice, omitted, advices, lambda r, kp: advice_section(r, key_prefix=kp), "v", step)
     for n, t in enumerate(traces):
         trace = open_trace(t.path, require_complete=False)
         if trace.part_names():
@@ -150,8 +154,7 @@ def build_sections(
             "all-to-all measurements vs predictions: no measured all-to-all results among the inputs (run `moetrace a2a`)"
         )
     # the decision first: (summary card), advice, placement and measured all-to-all, load, structure, the trace.
-    # Advice (section_advice, from `moetrace advise` results) goes first in this list when present.
-    sections = [*decision, *load, *structure, *overview]
+    sections = [*advice, *decision, *load, *structure, *overview]
     headlines: list[Headline] = []
     for results, prefix, headline in ((analyses, "a", imbalance_headline), (placements, "p", placement_headline),
                                       (a2as, "m", a2a_headline)):  # fmt: skip

@@ -1,11 +1,12 @@
 """Result files: the one owner of their names, format names and versions.
 
-Four kinds of result, one entry each in ``KINDS``:
+Five kinds of result, one entry each in ``KINDS``:
 
 - ``analysis``: the directory ``moetrace analyze -o`` writes (docs/analysis.md);
 - ``compare``: the directory ``moetrace compare -o`` writes (docs/placement.md);
 - ``placement``: the JSON file ``moetrace place -o`` writes (docs/placement.md);
-- ``a2a``: the directory ``moetrace a2a -o`` writes (docs/a2a.md).
+- ``a2a``: the directory ``moetrace a2a -o`` writes (docs/a2a.md);
+- ``advice``: the directory ``moetrace advise -o`` writes (docs/advise.md).
 
 Every result file says what it is. A JSON file carries top-level ``"format"`` and ``"version"``
 keys; a Parquet table carries them as Arrow schema metadata (``b"moetrace.format"``,
@@ -41,6 +42,7 @@ __all__ = [
     "COMPARE",
     "PLACEMENT",
     "A2A",
+    "ADVICE",
     "file_format",
     "json_header",
     "check_output",
@@ -102,6 +104,11 @@ COMPARE_PLACEMENTS = "placements.parquet"
 A2A_MANIFEST = "a2a.json"
 A2A_COLLECTIVES = "collectives.parquet"
 
+# ---- advice: `moetrace advise -o DIR` (docs/advise.md, "Output files") --------------------------
+ADVICE_MANIFEST = "advice.json"
+ADVICE_OPTIONS = "options.parquet"
+ADVICE_LAYERS = "layers.parquet"
+
 ANALYSIS = ResultKind(
     name="analysis",
     format="moetrace.analysis",
@@ -150,8 +157,17 @@ A2A = ResultKind(
     files=(A2A_COLLECTIVES,),
 )
 
+ADVICE = ResultKind(
+    name="advice",
+    format="moetrace.advice",
+    version=1,
+    command="moetrace advise",
+    manifest=ADVICE_MANIFEST,
+    files=(ADVICE_OPTIONS, ADVICE_LAYERS),
+)
+
 #: every result kind; a new kind is one more entry
-KINDS: tuple[ResultKind, ...] = (ANALYSIS, COMPARE, PLACEMENT, A2A)
+KINDS: tuple[ResultKind, ...] = (ANALYSIS, COMPARE, PLACEMENT, A2A, ADVICE)
 
 
 def kind_of_format(fmt: object) -> ResultKind | None:

@@ -171,7 +171,7 @@ def test_unsupported_versions_are_refused(compare_dir, tmp_path):
 
 
 def test_every_kind_is_one_consistent_entry():
-    assert [k.name for k in rf.KINDS] == ["analysis", "compare", "placement", "a2a"]
+    assert [k.name for k in rf.KINDS] == ["analysis", "compare", "placement", "a2a", "advice"]
     assert len({k.format for k in rf.KINDS}) == len(rf.KINDS)
     for k in rf.KINDS:
         assert rf.kind_of_format(k.format) is k

@@ -35,6 +35,7 @@ _COMMAND_MODULES = (
     "moetrace.cli.analyze",
     "moetrace.cli.place",
     "moetrace.cli.a2a",
+    "moetrace.cli.advise",
     "moetrace.cli.dashboard",
     "moetrace.cli.demo",
 )
