@@ -1171,6 +1171,9 @@ def advise_profile_counts(
     del window_tokens  # the windows' counts are what is evaluated; steps are the config's
     stages: dict[Steps, StageInput] = {}
     K = model.top_k
+    mixed = "mixed" in counts and "prefill" not in counts and "decode" not in counts
+    if mixed:  # the engine's recorder counted both stages together (SGLang stat, TensorRT-LLM): one stage
+        counts = {"decode": counts["mixed"]}
     for st in ("prefill", "decode"):
         if st not in counts:
             continue
@@ -1191,7 +1194,12 @@ def advise_profile_counts(
         "A load profile holds counts, not tokens: distinct destination ranks per token are n/a, the copy model "
         "is one copy per (token, expert) whatever --dedup says, and ours (joint) needs per-request routing."
     ]
-    if len(stages) == 1:
+    if mixed:
+        missing.append(
+            "The profile's counts mix prefill and decode (the engine's recorder does not tell them apart): advised "
+            "as one stage under the decode step model; the verdict labelled decode is for that mixed traffic."
+        )
+    elif len(stages) == 1:
         have = next(iter(stages))
         missing.append(
             f"The profile has {have} counts only: no advice on the other stage, no prefill/decode correlation."
@@ -1209,13 +1217,9 @@ def advise_profile_counts(
 
 
 def advise_profile(path: str | os.PathLike, cfg: AdviseConfig, *, current: str | os.PathLike | None = None) -> Advice:
-    """The advice on a load profile file (``moetrace.tracer.trace.profile``; the reader lands with it)."""
-    try:
-        from moetrace.tracer.trace import profile as prof  # type: ignore[attr-defined]
-    except ImportError:
-        raise ConfigError(
-            f"{path}: reading load profiles needs moetrace.tracer.trace.profile, not in this build"
-        ) from None
+    """The advice on a load profile file (``moetrace.tracer.trace.profile``, docs/profile.md)."""
+    from moetrace.tracer.trace import profile as prof
+
     p = prof.open_profile(path)
     cur = None
     if current is not None:
@@ -1234,11 +1238,9 @@ def advise_profile(path: str | os.PathLike, cfg: AdviseConfig, *, current: str |
 
 
 def is_profile(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a load profile (False when this build cannot read profiles)."""
-    try:
-        from moetrace.tracer.trace import profile as prof  # type: ignore[attr-defined]
-    except ImportError:
-        return False
+    """Whether ``path`` is a load profile."""
+    from moetrace.tracer.trace import profile as prof
+
     return bool(prof.is_profile(path))
 
 
