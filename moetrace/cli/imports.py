@@ -61,7 +61,7 @@ def import_cmd(
         Path | None,
         typer.Option(
             "--physical-map",
-            help="The capture holds physical slot ids (EPLB, redundant experts): convert them with this map, "
+            help="The capture holds physical slot ids or counts (EPLB, redundant experts): convert them with this map, "
             "SGLang's physical_to_logical_map JSON or a moetrace placement file (--format "
             f"{_formats_taking(PHYSICAL_MAP)}).",
             show_default=False,
@@ -112,7 +112,7 @@ def import_cmd(
     A teacher-forced capture (the first 512 tokens of each are the prompt):
       moetrace import tf.jsonl --prompt-tokens 512 -m olmoe-1b-7b \\
         -o traces/tf
-    Aggregate dumps (sglang-stat, sglang-pass, trtllm-stats) become a load profile:
+    Expert counts (sglang-stat, sglang-pass, trtllm-stats) become a load profile:
       moetrace import expert_stats/ -m deepseek-v3 \\
         -o dsv3.profile.parquet
     """
