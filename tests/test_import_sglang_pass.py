@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -153,6 +153,15 @@ def test_tensor_parallel_ranks_counting_the_same_tokens_are_refused(tmp_path):
     assert not (tmp_path / "p.parquet").exists()
 
 
+def test_more_passes_than_a_profile_holds_are_refused_while_reading(tmp_path, monkeypatch):
+    from moetrace.tracer.trace import profile
+
+    two_rank_dumps(tmp_path / "dumps")
+    monkeypatch.setattr(profile, "MAX_CELLS", 2 * SMALL.num_moe_layers * E)  # room for two passes
+    with pytest.raises(TraceFormatError, match="more than 2 forward passes x 3 layers x 16 experts"):
+        import_profile(tmp_path / "dumps", out=tmp_path / "p.parquet", model=SMALL)
+
+
 def _bad(tmp_path: Path, change) -> Path:
     _, phys = route(3, seed=2)
     r = rec(0, 0, gpc(phys))
@@ -263,34 +272,59 @@ def test_cli_imports_a_directory_and_info_reads_the_profile(tmp_path):
     assert res.exit_code == 2 and "--physical-map does not apply to --format sglang-stat" in res.output, res.output
 
 
-FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+#: ways to break a valid dump (applied to its first record or the whole object): each must be one clean refusal
+BREAKS = {
+    "a negative count": lambda o, r: r.update(global_physical_count=torch.full((H, P), -1, dtype=torch.int32)),
+    "counts at the dense layer": lambda o, r: r.update(global_physical_count=torch.ones((H, P), dtype=torch.int32)),
+    "more layers": lambda o, r: r.update(global_physical_count=torch.ones((H + 5, P), dtype=torch.int32)),
+    "another slot count": lambda o, r: r.update(global_physical_count=torch.ones((H, P + 1), dtype=torch.int32)),
+    "float counts": lambda o, r: r.update(global_physical_count=r["global_physical_count"].float()),
+    "bool counts": lambda o, r: r.update(global_physical_count=r["global_physical_count"] > 0),
+    "1-d counts": lambda o, r: r.update(global_physical_count=r["global_physical_count"].reshape(-1)),
+    "a text pass id": lambda o, r: r.update(forward_pass_id="0"),
+    "no pass id": lambda o, r: r.pop("forward_pass_id"),
+    "a bool rank": lambda o, r: r.update(rank=True),
+    "a negative rank": lambda o, r: r.update(rank=-1),
+    "no map": lambda o, r: o.pop("last_physical_to_logical_map"),
+    "a short map": lambda o, r: o.update(last_physical_to_logical_map=torch.zeros((H, E - 1), dtype=torch.int64)),
+    "a float map": lambda o, r: o.update(last_physical_to_logical_map=torch.from_numpy(MAP_HP).float()),
+    "records not a list": lambda o, r: o.update(records={"0": r}),
+    "a record not a dict": lambda o, r: o["records"].append([1, 2]),
+    "not a dict": lambda o, r: o.update(records=None),
+}
 
 
 @FUZZ
 @given(
-    values=st.lists(st.integers(-3, 50), min_size=1, max_size=4 * 20),
-    layers=st.sampled_from([H, H - 1, 1, 0]),
-    slots=st.sampled_from([P, E, P + 1]),
-    fid=st.one_of(st.integers(-1, 3), st.just("x"), st.none()),
-    rank=st.one_of(st.integers(-1, 2), st.booleans()),
-    dtype=st.sampled_from([torch.int32, torch.int64, torch.float32, torch.bool, torch.uint8]),
-    with_map=st.booleans(),
-    records=st.integers(0, 3),
+    values=st.lists(st.integers(0, 50), min_size=1, max_size=4 * 20),
+    dtype=st.sampled_from([torch.int32, torch.int64, torch.uint8]),
+    moe_rows_only=st.booleans(),
+    records=st.integers(1, 3),
+    breaks=st.sets(st.sampled_from(sorted(BREAKS)), max_size=2),
 )
-def test_fuzz_dumps_never_a_traceback(tmp_path, values, layers, slots, fid, rank, dtype, with_map, records):
+def test_fuzz_dumps_import_or_are_refused_never_a_traceback(tmp_path, values, dtype, moe_rows_only, records, breaks):
     d = Path(tempfile.mkdtemp(dir=tmp_path))
     try:
-        arr = np.resize(np.array(values), layers * slots).reshape(layers, slots)
-        count = torch.from_numpy(arr).to(dtype) if dtype != torch.uint8 else torch.from_numpy(np.abs(arr)).to(dtype)
-        recs = [rec(fid, rank, count) for _ in range(records)]  # type: ignore[arg-type]
-        src = save(d / "expert_distribution_recorder_1.0_0.pt", recs, MAP_HP if with_map else None)
+        arr = np.resize(np.array(values), H * P).reshape(H, P)
+        arr[0] = 0  # the dense layer
+        count = torch.from_numpy(arr[1:] if moe_rows_only else arr).to(dtype)
+        recs = [rec(fid, 0, count.clone()) for fid in range(records)]
+        obj: dict = {"records": recs, "last_physical_to_logical_map": torch.from_numpy(MAP_HP)}
+        for b in sorted(breaks):
+            BREAKS[b](obj, recs[0])
+        src = d / "expert_distribution_recorder_1.0_0.pt"
+        torch.save(obj, src)
         try:
             prof = import_profile(src, out=d / "p.parquet", model=SMALL, source_format="sglang-pass")
-        except MoetraceError:
+        except MoetraceError as exc:
             assert not (d / "p.parquet").exists()
+            assert breaks or not arr.any(), exc
+            event("refused")
         else:
-            moe = count if layers == SMALL.num_moe_layers else count[list(SMALL.moe_layers)]
-            assert int(prof.total("mixed").sum()) == int(moe.to(torch.int64).sum())
+            assert not breaks
+            assert int(prof.total("mixed").sum()) == records * int(arr.sum())
             assert open_profile(d / "p.parquet") == prof
+            event("imported")
     finally:
         shutil.rmtree(d)

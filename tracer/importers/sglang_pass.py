@@ -48,6 +48,7 @@ Out of scope: ``per_token`` dumps (``sglang-dump``: a trace), ``stat`` / ``stat_
 
 from __future__ import annotations
 
+import hashlib
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -200,7 +201,7 @@ def read_profile(
     """The load profile of the per_pass dump(s) in ``src`` (module docstring)."""
     import numpy as np
 
-    from moetrace.tracer.trace.profile import LoadProfile, Window
+    from moetrace.tracer.trace.profile import MAX_CELLS, LoadProfile, Window
 
     options = options or ImportOptions()
     files = _dump_files(src)
@@ -208,7 +209,9 @@ def read_profile(
         raise TraceFormatError(f"{src}: no expert_distribution_recorder_*.pt files in the directory")
     user_map = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
     L, E = info.num_moe_layers, info.num_experts
-    per_pass: dict[int, dict[int, tuple[str, np.ndarray]]] = {}  # forward_pass_id -> rank -> (where, int64 [L, E])
+    pass_LE: dict[int, np.ndarray] = {}  # forward_pass_id -> int64 [L, E], summed over ranks
+    rank_LE: dict[int, np.ndarray] = {}  # rank -> int64 [L, E], summed over passes
+    seen: dict[tuple[int, int], tuple[str, bytes]] = {}  # (pass, rank) -> (where, digest of its counts)
     for i, path in enumerate(files):
         obj = _load(path, options)
         records = obj["records"]
@@ -225,25 +228,34 @@ def read_profile(
             fid, rank = _int(rec, "forward_pass_id", where), _int(rec, "rank", where)
             if rank >= MAX_RANKS:
                 raise TraceFormatError(f"{where}: rank {rank}; moetrace reads at most {MAX_RANKS} ranks")
-            same_pass = per_pass.setdefault(fid, {})
-            if rank in same_pass:
-                raise TraceFormatError(f"{where}: rank {rank} recorded forward pass {fid} twice ({same_pass[rank][0]})")
-            c_LP = _pass_counts(rec, info, map_LP.shape[1], where)
-            same_pass[rank] = (where, physical_to_logical_counts(c_LP, map_LP, E))
+            if (fid, rank) in seen:
+                raise TraceFormatError(
+                    f"{where}: rank {rank} recorded forward pass {fid} twice ({seen[(fid, rank)][0]})"
+                )
+            if fid not in pass_LE and (len(pass_LE) + 1) * L * E > MAX_CELLS:
+                raise TraceFormatError(
+                    f"{where}: more than {len(pass_LE):,} forward passes x {L} layers x {E} experts, over the "
+                    f"{MAX_CELLS:,} counts one profile holds; import fewer passes (one dump per recording window)"
+                )
+            c_LE = physical_to_logical_counts(_pass_counts(rec, info, map_LP.shape[1], where), map_LP, E)
+            seen[(fid, rank)] = (where, hashlib.blake2b(c_LE.tobytes(), digest_size=16).digest() if c_LE.any() else b"")
+            pass_LE[fid] = pass_LE[fid] + c_LE if fid in pass_LE else c_LE
+            rank_LE[rank] = rank_LE[rank] + c_LE if rank in rank_LE else c_LE
         if progress is not None:
             progress(i + 1, len(files))
-    if not per_pass:
+    if not pass_LE:
         raise TraceFormatError(f"{src.name}: the dump holds no forward pass (was the recorder started?)")
-    ranks = sorted({r for by_rank in per_pass.values() for r in by_rank})
-    fids = sorted(fid for fid, by_rank in per_pass.items() if any(c.any() for _, c in by_rank.values()))
+    ranks = sorted(rank_LE)
+    fids = sorted(fid for fid, c in pass_LE.items() if c.any())
     if not fids:
         raise TraceFormatError(f"{src.name}: every count is zero; record while requests run, then dump")
     if len(ranks) > 1:
-        shared = [fid for fid in fids if len(per_pass[fid]) > 1]
-        if shared and all(
-            all(np.array_equal(c, next(iter(per_pass[fid].values()))[1]) for _, c in per_pass[fid].values())
-            for fid in shared
-        ):
+        digests: dict[int, list[bytes]] = {}  # pass -> the digests of the ranks that counted something in it
+        for (fid, _), (_, digest) in seen.items():
+            if digest:
+                digests.setdefault(fid, []).append(digest)
+        shared = [d for d in digests.values() if len(d) > 1]
+        if shared and all(len(set(d)) == 1 for d in shared):
             raise TraceFormatError(
                 f"{src.name}: ranks {ranks[:4]} counted the same tokens in every forward pass (tensor parallelism "
                 "without DP attention: every rank counts every token); import one rank's file"
@@ -251,20 +263,14 @@ def read_profile(
     W = ranks[-1] + 1
     dense_ranks = ranks == list(range(W))
     N = len(fids)
-    counts_NLE = np.zeros((N, L, E), dtype=np.int64)
-    ranks_WLE = np.zeros((W if dense_ranks else 1, L, E), dtype=np.int64)
-    for n, fid in enumerate(fids):
-        for r, (_, c_LE) in per_pass[fid].items():
-            counts_NLE[n] += c_LE
-            if dense_ranks:
-                ranks_WLE[r] += c_LE
+    counts_NLE = np.stack([pass_LE[fid] for fid in fids])
     stage = _STAGE[stages]
     source: dict[str, Any] = {
         "source_format": "sglang-pass",
         "source_file": src.name,  # the name only: the user's directories stay out
         "source_files": len(files),
         "source_ranks": ranks,
-        "forward_passes": len(per_pass),
+        "forward_passes": len(pass_LE),
         "forward_passes_with_counts": N,
         "forward_pass_ids": [fids[0], fids[-1]],
         "physical_map": options.physical_map.name
@@ -276,7 +282,7 @@ def read_profile(
         counts={stage: counts_NLE},
         window_tokens=Window(unit="forward_passes", size=1) if N > 1 else None,
         datasets=None if label is None else {stage: {label: counts_NLE.sum(axis=0)}},
-        ranks={stage: ranks_WLE} if dense_ranks else None,
+        ranks={stage: np.stack([rank_LE[r] for r in ranks])} if dense_ranks else None,
         source=source,
     )
 
