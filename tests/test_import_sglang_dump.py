@@ -148,7 +148,7 @@ def _bad_dump(tmp_path: Path, change) -> Path:
 HOSTILE = {
     "a per_pass dump": (
         lambda o, r: o.update(records=[{k: v for k, v in r.items() if k != "topk_ids_of_layer"}]),
-        "a per_pass dump.*--format sglang-stat",
+        "a per_pass dump.*--format sglang-pass",
     ),
     "ids from a model with more layers": (
         lambda o, r: r.update(topk_ids_of_layer=torch.zeros((40, 3, 8), dtype=torch.int32)),
@@ -195,7 +195,9 @@ def test_a_pickle_with_code_is_never_run(tmp_path):
         for item in zin.infolist():
             data = zin.read(item.filename)
             if item.filename.endswith("data.pkl"):
-                data = pickle.dumps({"records": [{"forward_pass_id": 0, "gatherer_key": "p", "x": Boom()}]}, protocol=2)
+                data = pickle.dumps(
+                    {"records": [{"forward_pass_id": 0, "gatherer_key": "p", "input_ids": Boom()}]}, protocol=2
+                )
             zout.writestr(item, data)
     res = runner.invoke(app, ["import", str(src), "-m", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t")])
     assert res.exit_code == 2 and "weights_only=True" in res.output and "Traceback" not in res.output

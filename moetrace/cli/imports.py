@@ -12,7 +12,6 @@ from typing import Annotated, Literal
 import typer
 
 from moetrace.cli.common import OutDir, Overwrite, Quiet, friendly_errors, human_bytes, progress_bar
-from moetrace.errors import ConfigError
 from moetrace.tracer.importers import FORMATS, STAGES_HELP, StagesMode
 from moetrace.tracer.importers.options import PHYSICAL_MAP, PROMPT_SPAN
 
@@ -62,7 +61,7 @@ def import_cmd(
         Path | None,
         typer.Option(
             "--physical-map",
-            help="The capture holds physical slot ids (EPLB, redundant experts): convert them with this map, "
+            help="The capture holds physical slot ids or counts (EPLB, redundant experts): convert them with this map, "
             "SGLang's physical_to_logical_map JSON or a moetrace placement file (--format "
             f"{_formats_taking(PHYSICAL_MAP)}).",
             show_default=False,
@@ -113,7 +112,7 @@ def import_cmd(
     A teacher-forced capture (the first 512 tokens of each are the prompt):
       moetrace import tf.jsonl --prompt-tokens 512 -m olmoe-1b-7b \\
         -o traces/tf
-    Aggregate dumps (sglang-stat, trtllm-stats) become a load profile:
+    Expert counts (sglang-stat, sglang-pass, trtllm-stats) become a load profile:
       moetrace import expert_stats/ -m deepseek-v3 \\
         -o dsv3.profile.parquet
     """
@@ -129,11 +128,6 @@ def import_cmd(
     info = resolve(model).model_info()
     fmt = get_format(source_format) if source_format != "auto" else detect_format(source) if source.exists() else None
     if fmt is not None and fmt.produces == "profile":  # aggregate counts: a load profile file, not a trace directory
-        if options.given():
-            raise ConfigError(
-                f"{fmt.name} gives a load profile (expert counts per layer); it takes none of "
-                f"{', '.join(options.given())}: drop them"
-            )
         with progress_bar("import", "files", quiet=quiet) as bar:
             prof = import_profile(
                 source,
@@ -144,6 +138,7 @@ def import_cmd(
                 stages=stages,
                 overwrite=overwrite,
                 progress=bar,
+                options=options,
             )
         typer.echo(
             f"{out}: load profile ({fmt.name}: expert counts, no requests; stage {', '.join(prof.stages)}, "

@@ -7,12 +7,13 @@
   ``--stages`` decode-only / prefill-only, and the prompt span of a teacher-forced capture;
 - ``sglang-dump`` (``sglang_dump.py``): SGLang's expert-distribution recorder ``per_token`` dumps (``.pt``);
 - ``megatron-router`` (``megatron.py``): a directory of Megatron-Core router traces, one JSONL per rank;
-- ``sglang-stat`` (``sglang_stat.py``), ``trtllm-stats`` (``trtllm.py``): aggregate expert counts
-  (SGLang's stat dumps, TensorRT-LLM's expert statistics), imported as a **load profile**
-  (``produces="profile"``, written by ``import_profile``), not a trace.
+- ``sglang-stat`` (``sglang_stat.py``), ``sglang-pass`` (``sglang_pass.py``), ``trtllm-stats``
+  (``trtllm.py``): aggregate expert counts (SGLang's stat and per_pass dumps, TensorRT-LLM's expert
+  statistics), imported as a **load profile** (``produces="profile"``, written by ``import_profile``),
+  not a trace.
 
 The per-token formats check the ids against the model (``ids``) and convert physical ids
-(``--physical-map``); the options only some formats honour are ``options.ImportOptions``.
+(``--physical-map``, also taken by ``sglang-pass``, whose counts are of physical slots); the options only some formats honour are ``options.ImportOptions``.
 
 ``import_trace`` is the one entry point: it finds the format (``--format``, or ``detect_format``:
 each format looks at the input's first bytes, before anything is decoded as text, so a binary
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
-from moetrace.tracer.importers import megatron, sglang, sglang_dump, sglang_stat, tokens, trtllm
+from moetrace.tracer.importers import megatron, sglang, sglang_dump, sglang_pass, sglang_stat, tokens, trtllm
 from moetrace.tracer.importers.base import (
     HEAD_BYTES,
     RECORDED_STAGES,
@@ -104,6 +105,7 @@ FORMATS: tuple[ImportFormat, ...] = (
     sglang_dump.FORMAT,
     megatron.FORMAT,
     sglang_stat.FORMAT,  # a load profile (aggregate counts)
+    sglang_pass.FORMAT,  # a load profile (counts per forward pass and rank)
     trtllm.FORMAT,  # a load profile (aggregate counts)
 )
 
@@ -188,6 +190,17 @@ def detect_format(src: Path) -> ImportFormat:
     return found[0]
 
 
+def _refuse_options(fmt: ImportFormat, options: ImportOptions) -> None:
+    """``ConfigError`` naming the options given that ``fmt`` does not honour, and which formats take which."""
+    wrong = [o for o in options.given() if o not in fmt.options]
+    if wrong:
+        takes = ", ".join(f"{f.name}: {' '.join(sorted(f.options))}" for f in FORMATS if f.options)
+        raise ConfigError(
+            f"{' and '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to --format {fmt.name} "
+            f"(options by format: {takes})"
+        )
+
+
 def import_trace(
     path: str | os.PathLike,
     *,
@@ -226,13 +239,7 @@ def import_trace(
             f"--stages {stages} applies to --format {honour}; --format {fmt.name} ({fmt.help}) always "
             "carries both stages (leave --stages at both)"
         )
-    wrong = [o for o in options.given() if o not in fmt.options]
-    if wrong:
-        takes = ", ".join(f"{f.name}: {' '.join(sorted(f.options))}" for f in FORMATS if f.options)
-        raise ConfigError(
-            f"{' and '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to --format {fmt.name} "
-            f"(options by format: {takes})"
-        )
+    _refuse_options(fmt, options)
     if fmt.precheck is not None:
         fmt.precheck(src)
     with_weights = fmt.with_weights is not None and fmt.with_weights(src)
@@ -285,15 +292,18 @@ def import_profile(
     stages: StagesMode = "both",
     overwrite: bool = False,
     progress: Progress | None = None,
+    options: ImportOptions | None = None,
 ) -> LoadProfile:
     """Convert one aggregate dump (a format with ``produces="profile"``) into the load profile file
     ``out``; returns the profile written. ``dataset``: the dataset of the whole dump (None: the
     profile knows none). ``stages``: what the dump counted (``both``: prefill and
-    decode together, the profile's ``mixed`` stage). Bad input leaves ``out`` as it was.
+    decode together, the profile's ``mixed`` stage). ``options``: those the format honours
+    (``ImportFormat.options``; others are refused). Bad input leaves ``out`` as it was.
     """
     from moetrace.tracer.trace.profile import write_profile
 
     src = Path(path)
+    options = options or ImportOptions()
     if not src.exists():
         raise TraceFormatError(f"{src}: no such file")
     if stages not in RECORDED_STAGES:
@@ -301,10 +311,11 @@ def import_profile(
     fmt = detect_format(src) if source_format == "auto" else get_format(source_format)
     if fmt.read_profile is None:
         raise ConfigError(f"--format {fmt.name} holds tokens: it imports as a trace (import_trace)")
+    _refuse_options(fmt, options)
     if fmt.precheck is not None:
         fmt.precheck(src)
     if Path(out).exists() and not overwrite:  # before the dump is read
         raise OutputExistsError(f"{out} already exists; choose another -o, or --overwrite to replace it")
-    profile = fmt.read_profile(src, info=model, label=dataset, stages=stages, progress=progress)
+    profile = fmt.read_profile(src, info=model, label=dataset, stages=stages, progress=progress, options=options)
     write_profile(profile, out, overwrite=overwrite)
     return profile

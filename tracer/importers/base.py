@@ -103,11 +103,20 @@ class Read(Protocol):
 
 class ReadProfile(Protocol):
     def __call__(
-        self, src: Path, /, *, info: ModelInfo, label: str | None, stages: StagesMode, progress: Progress | None
+        self,
+        src: Path,
+        /,
+        *,
+        info: ModelInfo,
+        label: str | None,
+        stages: StagesMode,
+        progress: Progress | None,
+        options: ImportOptions,
     ) -> LoadProfile:
         """The load profile of the aggregate dump ``src`` (``label``: the dataset the user named for
         the whole dump, None: unknown); ``stages`` is what the capture counted (``both``: prefill and decode together, the
-        profile's ``mixed`` stage). Raises ``TraceFormatError`` naming the place in ``src``, the
+        profile's ``mixed`` stage); ``options`` the user's options (only those in
+        ``ImportFormat.options`` are set). Raises ``TraceFormatError`` naming the place in ``src``, the
         problem and the fix (ids or shapes that do not fit ``info`` included)."""
         ...
 

@@ -32,7 +32,8 @@ are meaningful on such a trace; per-request analyses and grouped strategies see 
 Ranks that recorded the same pass (tensor parallelism without DP attention: every rank sees every
 token) are refused in a directory: import one rank's file.
 
-``per_pass`` dumps (counts per pass, no per-token ids) are refused with where their loads go.
+``per_pass`` dumps (counts per pass, no per-token ids) are not detected as this format and, named with
+``--format sglang-dump``, refused with where their loads go (``sglang-pass``, a load profile).
 
 Shape legend: H layers of the dump's layer axis, L MoE layers, N tokens of a pass, K top-k,
 P physical slots (legend: docs/architecture.md).
@@ -86,7 +87,8 @@ def _pickle_head(src: Path) -> bytes:
 
 
 def _is_dump(head: bytes) -> bool:
-    return b"forward_pass_id" in head and b"gatherer_key" in head
+    # ``input_ids``: the per-token record's fourth key, which per_pass records (``sglang-pass``) do not hold
+    return b"forward_pass_id" in head and b"gatherer_key" in head and b"input_ids" in head
 
 
 def _dump_files(src: Path) -> list[Path]:
@@ -96,8 +98,8 @@ def _dump_files(src: Path) -> list[Path]:
 
 
 def detect(head: bytes, src: Path) -> bool:
-    """A torch ``.pt`` (a zip) whose pickle holds detail records (``forward_pass_id``, ``gatherer_key``), or a
-    directory of ``expert_distribution_recorder_*.pt`` files of that kind."""
+    """A torch ``.pt`` (a zip) whose pickle holds per-token records (``forward_pass_id``, ``gatherer_key``,
+    ``input_ids``), or a directory of ``expert_distribution_recorder_*.pt`` files of that kind."""
     if src.is_dir():
         files = _dump_files(src)
         return bool(files) and _is_dump(_pickle_head(files[0]))
@@ -226,8 +228,8 @@ def read(
         if records and all(isinstance(r, dict) and "topk_ids_of_layer" not in r for r in records):
             raise TraceFormatError(
                 f"{path.name}: a per_pass dump (expert counts per forward pass, no per-token ids): it gives loads, "
-                "not a trace; record with --expert-distribution-recorder-mode per_token for a trace, or stat for a "
-                "load profile (--format sglang-stat)"
+                "not a trace: import it as a load profile with --format sglang-pass (-o NAME.parquet), or record "
+                "with --expert-distribution-recorder-mode per_token for a trace"
             )
         if user_map is not None:
             map_LP = user_map

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Progress, StagesMode
+from moetrace.tracer.importers.options import ImportOptions
 
 if TYPE_CHECKING:
     import numpy as np
@@ -159,7 +160,13 @@ def logical_count_to_NLE(counts: np.ndarray, *, info: ModelInfo, where: str) -> 
 
 
 def read_profile(
-    src: Path, *, info: ModelInfo, label: str | None, stages: StagesMode, progress: Progress | None
+    src: Path,
+    *,
+    info: ModelInfo,
+    label: str | None,
+    stages: StagesMode,
+    progress: Progress | None,
+    options: ImportOptions | None = None,
 ) -> LoadProfile:
     """The load profile of one SGLang stat dump (``.pt``) or logical_count JSON (module docstring)."""
     from moetrace.tracer.trace.profile import LoadProfile, Window

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Progress, StagesMode
+from moetrace.tracer.importers.options import ImportOptions
 
 if TYPE_CHECKING:
     from moetrace.tracer.trace.profile import LoadProfile
@@ -90,7 +91,13 @@ def _meta(src: Path, info: ModelInfo) -> None:
 
 
 def read_profile(
-    src: Path, *, info: ModelInfo, label: str | None, stages: StagesMode, progress: Progress | None
+    src: Path,
+    *,
+    info: ModelInfo,
+    label: str | None,
+    stages: StagesMode,
+    progress: Progress | None,
+    options: ImportOptions | None = None,
 ) -> LoadProfile:
     """The load profile of one TensorRT-LLM expert statistics directory (module docstring)."""
     import numpy as np
