@@ -15,7 +15,7 @@ from moetrace.cli.place import ConfigOpt, GpusPerNode, LinkOpt
 
 
 def register(app: typer.Typer) -> None:
-    app.command("advise")(advise_cmd)
+    app.command("advise", short_help="Should I enable EPLB? With how many redundant experts?")(advise_cmd)
 
 
 @friendly_errors
