@@ -16,7 +16,9 @@
   has the lowest time, one more line names it and its load. Bounds no deployment can reach
   (``oracle``, ``perfect_routing``) are never named best; their value is quoted. Results written
   before the cost model (no time columns): the strategy with the lowest
-  ``inter_node_normalized_median`` (bytes), as then.
+  ``inter_node_normalized_median`` (bytes), as then. Under it, one line per simulated stage
+  (decode, then prefill) names that stage's fastest deployable strategy with the copy model the
+  stage was simulated with (``stage_winners``): the winner depends on it.
 - **Measured vs predicted all-to-all** (``moetrace a2a`` results, ``a2a.json`` ``summary`` and
   ``collectives.parquet``): for the strategy with the lowest measured normalized inter-node bytes,
   measured and simulated, and whether every collective sent exactly the predicted bytes.
@@ -211,6 +213,7 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
         link="Placement and all-to-all volume",
         source=res.source(rf.COMPARE_SUMMARY),
         note=note,
+        lines=tuple(w.text() for w in stage_winners(res)),
     )
 
 

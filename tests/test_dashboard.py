@@ -489,6 +489,32 @@ def test_no_placement_beating_linear_is_said(tmp_path):
     assert h.note.startswith("joint (ours) would be 30% faster but sends 1.45× an even share to one node")
 
 
+def test_summary_card_names_each_stages_winner_with_its_copy_model(tmp_path):
+    """One line per simulated stage on the card: decode and prefill can have different winners, and
+    each names the copy model it was simulated with (the over-limit joint and the bound never win)."""
+    d = _timed_compare(tmp_path / "c")
+    summary = pl.read_parquet(d / "summary.parquet")
+    prefill = {"linear": 1.0, "eplb": 0.9, "data": 1.02, "joint": 0.6, "oracle": 0.5}
+    summary.with_columns(
+        pl.col("strategy").replace_strict(prefill, return_dtype=pl.Float64).alias("prefill_a2a_time_normalized_median")
+    ).write_parquet(d / "summary.parquet")
+    decode = (
+        "decode (one copy per (token, expert), as DeepEP's low-latency kernels send): data-based (core paper) −20% "
+        "predicted all-to-all time per step vs linear"
+    )
+    assert _headline(d).lines == (
+        decode,
+        "prefill (one copy per node, as DeepEP's normal kernels send): EPLB −10% predicted all-to-all time per step "
+        "vs linear",
+    )
+    text = write_dashboard([d], out=tmp_path / "r.html").path.read_text()
+    card = text.split('<div id="summary"', 1)[1].split("</div></div>", 1)[0]
+    assert card.count('<div class="h-line">') == 2
+    assert "prefill (one copy per node, as DeepEP&#x27;s normal kernels send): EPLB −10%" in card
+    # no prefill step simulated: the decode line alone
+    assert _headline(_timed_compare(tmp_path / "d", num_prefill_batches=0)).lines == (decode,)
+
+
 def test_placement_section_shows_time_first_and_bounds_apart(tmp_path):
     d = _timed_compare(tmp_path / "c")
     rep = write_dashboard([d], out=tmp_path / "r.html")
