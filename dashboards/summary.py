@@ -130,7 +130,7 @@ def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
 
 
 def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suffix: str) -> Headline | None:
-    from moetrace.dashboards.section_placement import STRATEGY_NAMES, copy_models, finite, links_text
+    from moetrace.dashboards.section_placement import STRATEGY_NAMES, copy_models, finite, held_out, links_text
     from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
 
     m = res.compare
@@ -195,7 +195,7 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
     )
     detail = (
         f"Decode all-to-all (dispatch + combine) predicted per step, all MoE layers, the busiest GPU of each "
-        f"collective charged: median over {m.num_batches} held-out batches vs {ref}'s median (lower is better)"
+        f"collective charged: median over {m.num_batches} {held_out(m)} batches vs {ref}'s median (lower is better)"
         + (f"; {'; '.join(also)}" if also else "")
         + f". Copies: {copy_models(m)}"
         + (f". Links: {links}" if links else "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 import shutil
 from pathlib import Path
@@ -629,3 +630,41 @@ def test_node_holdings_of_a_hand_made_placement():
     assert data.datasets == ("a", "b")
     np.testing.assert_allclose(data.share_GD, [[1.0, 1 / 8], [0.0, 7 / 8]])  # node 0 serves a, node 1 serves b
     np.testing.assert_allclose(data.tokens_W, [9 / 8, 7 / 8])  # 9 and 7 of 16 tokens, even share 8
+
+
+# ---------------------------------------------------------------- a load profile's results (docs/profile.md)
+def test_dashboard_on_a_load_profiles_results(trace, tmp_path, monkeypatch):
+    """profile → analyze → compare → dashboard, as docs/profile.md runs them: every section drawn has
+    data; what needs requests says why in one line; nothing claims held-out requests or a trace."""
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
+    runner = CliRunner()
+    for argv in (
+        ["profile", str(trace), "-o", "p.parquet"],
+        ["analyze", "p.parquet", "-o", "an"],
+        ["compare", "p.parquet", "--config", "DP2TP4EP8", "--gpus-per-node", "4", "--batches", "30", "-o", "cmp"],
+        ["dashboard", "an", "cmp", "-o", "d.html"],
+    ):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 0, (argv, res.output)
+    text = (tmp_path / "d.html").read_text()
+    assert "Traceback" not in res.output
+    assert "not shown: overview: the results are of a load profile (p.parquet): it holds no requests" in res.output
+    figs = figures_from_html(text)
+    assert {"placement-time", "imbalance-if-decode", "correlation-prefill-decode"} <= set(figs)
+    for key, fig in figs.items():  # no empty figure: every one has a trace with values
+        assert fig["data"], key
+        assert "profile p.parquet" in fig["layout"]["title"]["text"], key
+    # the node holdings read the analysis of the same profile: the datasets each node serves
+    assert "placement-serves" in figs and "placement-tokens" in figs
+    text = html.unescape(text)
+    assert "give `moetrace analyze` results" not in text
+    # one line each for what needs requests
+    assert "IF distribution over random batches: skipped, needs requests to form random batches" in text
+    assert "prefill↔decode per request: skipped, needs each request" in text
+    placement = _section(text, "placement")
+    assert "held out for evaluation" not in placement and "requests it never saw" not in placement
+    assert "load profile: tokens drawn from its expert loads" in placement
+    assert "Evaluated on tokens drawn from the load profile's loads" in placement
+    assert "the recommended strategy" not in placement  # joint needs requests: not in these results
+    card = text.split('<div id="summary"', 1)[1].split("</div></div>", 1)[0]
+    assert "in-sample batches" in card and "held-out" not in card
