@@ -1,4 +1,4 @@
-"""Request-type classification from prefill expert counts (core paper §5.1, SPEC §3).
+"""Request-type classification from prefill expert counts (core paper §5.1, docs/analysis.md).
 
 Per layer, a multinomial logistic regression maps a request's raw prefill count vector ``[E]`` to
 its dataset. Protocol:

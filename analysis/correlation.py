@@ -1,4 +1,4 @@
-"""Correlations of expert-count vectors (core paper §3.3, SPEC §3) and prefill→decode predictability.
+"""Correlations of expert-count vectors (core paper §3.3, docs/analysis.md) and prefill→decode predictability.
 
 Definitions (Pearson r over the E experts of one layer, ``moetrace.stats``: the one definition the
 synth calibration uses too; NaN when either vector is constant, e.g. a scope without tokens, and

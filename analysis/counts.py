@@ -8,7 +8,7 @@ only) for polars/DuckDB.
 Definition: ``counts_RSLE[r, s, l, e]`` = number of tokens of request r in stage s whose routed
 top-k set at MoE layer l contains expert e. Stage is decided by position: positions below the
 request's ``prompt_tokens`` are prefill (s = 0), the rest decode (s = 1), which is exactly the
-``stage`` column of a valid trace (SPEC §2), so the string column is never read. Ids == -1
+``stage`` column of a valid trace (docs/trace-format.md), so the string column is never read. Ids == -1
 (nothing recorded: the final generated token, prefix-cache hits) are skipped.
 
 Shape legend (docs/architecture.md): T tokens, R requests, S stages (0 prefill, 1 decode), L MoE layers, K top-k slots

@@ -1,4 +1,4 @@
-"""Expert load and imbalance factor (core paper §3.2, SPEC §3).
+"""Expert load and imbalance factor (core paper §3.2, docs/analysis.md).
 
 Definitions, for one layer in a scope (a dataset × stage, or a batch of requests × stage):
     T       tokens routed at that layer in the scope (tokens whose ids are -1 there do not count),

@@ -72,6 +72,7 @@ class Headline:
     source: str  # the file the number was read from
     warning: bool = False  # drawn as a warning (measured bytes differ from the prediction)
     note: str = ""  # one more line under the label, drawn as a caution (a faster placement that is not deployable)
+    lines: tuple[str, ...] = ()  # one line each under the label (the winner of each simulated stage)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +131,7 @@ footer { color:var(--muted); font-size:12px; padding: 0 28px 30px 28px; }
 .headline .h-value { font-size:30px; font-weight:600; font-variant-numeric: tabular-nums; line-height:1.2; margin:2px 0; }
 .headline .h-label { font-size:14px; font-weight:600; }
 .headline .h-note { font-size:13px; color:#A34A00; margin: 2px 0 0 0; }
+.headline .h-line { font-size:13px; margin: 2px 0 0 0; }
 .headline .h-detail { font-size:13px; color:var(--muted); margin: 2px 0 4px 0; }
 .headline a { font-size:13px; color:var(--accent); text-decoration:none; }
 .headline a:hover { text-decoration:underline; }
@@ -233,6 +235,7 @@ def _summary_html(headlines: Sequence[Headline]) -> str:
             f'<div class="h-value">{html.escape(h.value)}</div>'
             f'<div class="h-label">{html.escape(h.label)}</div>'
             + (f'<div class="h-note">{html.escape(h.note)}</div>' if h.note else "")
+            + "".join(f'<div class="h-line">{html.escape(line)}</div>' for line in h.lines)
             + f'<p class="h-detail">{html.escape(h.detail)}</p>'
             f'<a href="#{html.escape(h.href)}">{html.escape(h.link)} \u2192</a></div>'
         )

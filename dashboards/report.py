@@ -125,7 +125,10 @@ def build_sections(
             _ = trace.request_arrays  # checks the requests table and every routing part's footer, like analyze does
         overview.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))
         step()
-    if not traces:
+    profiles = sorted({p.name for r in [*analyses, *placements] if (p := r.profile_path) is not None})
+    if not traces and profiles:
+        omitted.append(f"overview: the results are of a load profile ({', '.join(profiles)}): it holds no requests")
+    elif not traces:
         omitted.append("overview: no trace directory among the inputs (and the results name none that exists)")
 
     load: list[Section] = []  # imbalance

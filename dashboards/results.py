@@ -64,9 +64,21 @@ class Results:
 
     @property
     def trace_path(self) -> Path | None:
+        """The trace, or the load profile, the results were computed from (as the producer recorded it)."""
         t = self.manifest.get("trace")
         p = t.get("path") if isinstance(t, dict) else t if isinstance(t, str) else None
-        return Path(p) if p else None
+        return Path(p) if p else self.profile_path
+
+    @property
+    def profile_path(self) -> Path | None:
+        """The load profile the results were computed from: ``analyze``'s manifest ``profile.path``, or
+        ``compare.json``'s ``trace`` when its tokens were drawn from a profile (``tokens_from``); None for
+        the results of a trace. A profile has no requests: what needs them is not in these results."""
+        prof = self.manifest.get("profile")
+        if isinstance(prof, dict) and isinstance(prof.get("path"), str):
+            return Path(prof["path"])
+        m = self.compare_manifest
+        return Path(m.trace) if m is not None and m.tokens_from is not None and m.trace else None
 
     @property
     def model_name(self) -> str:
@@ -82,9 +94,10 @@ class Results:
 
     @property
     def label(self) -> str:
-        """``trace <name> (<model>), results <dir>``: the provenance line of every figure."""
+        """``trace <name> (<model>), results <dir>`` (``profile <name>`` for a load profile's results): the
+        provenance line of every figure."""
         tp = self.trace_path
-        trace = f"trace {tp.name}" if tp else "trace unknown"
+        trace = f"{'profile' if self.profile_path else 'trace'} {tp.name}" if tp else "trace unknown"
         return f"{trace} ({self.model_name}), {self.kind} results {self.path.name}"
 
 

@@ -61,6 +61,8 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
             if why
             else "prefill_decode_*.parquet absent (trace without both stages?): no prefill↔decode figure"
         )
+    if per_req is None and (why := (res.manifest.get("skipped") or {}).get("prefill_decode_per_request")):
+        notes.append(f"prefill↔decode per request: skipped, {why}")  # a load profile: pooled r only
 
     rec = res.table(rf.PREFILL_DECODE_RECALL)
     if rec is not None:
@@ -98,7 +100,13 @@ def correlation_section(res: Results, *, key_prefix: str = "") -> tuple[Section 
         Section(
             key=kp,
             title="Correlations",
-            intro="Which datasets use the same experts, and how well a request's prefill predicts its decode (docs/analysis.md).",
+            intro="Which datasets use the same experts"
+            + (
+                ", and how well a request's prefill predicts its decode"
+                if per_req is not None or rec is not None
+                else ""
+            )
+            + " (docs/analysis.md).",
             figures=tuple(figures),
             notes=tuple(notes),
         ),
@@ -201,5 +209,10 @@ def _prefill_decode_figure(
         fig,
         file=rf.PREFILL_DECODE_POOLED if pooled is not None else rf.PREFILL_DECODE_PER_REQUEST_LAYERS,
         caption="Pooled: per dataset, Pearson r between the layer's prefill and decode per-expert count vectors ('all' pools "
-        "every dataset). Per request: r of each request's own prefill and decode vectors, averaged over requests (dashed).",
+        "every dataset)."
+        + (
+            " Per request: r of each request's own prefill and decode vectors, averaged over requests (dashed)."
+            if per_req is not None
+            else ""
+        ),
     )

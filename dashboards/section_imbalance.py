@@ -104,6 +104,8 @@ def imbalance_section(res: Results, *, key_prefix: str = "") -> tuple[Section | 
     bt = res.table(rf.BATCH_IMBALANCE)
     if bt is not None:
         figures.append(_batch_figure(bt, res, key=f"{kp}-batches"))
+    elif why := (res.manifest.get("skipped") or {}).get("batch_imbalance"):  # analyze says why (a load profile)
+        notes.append(f"IF distribution over random batches: skipped, {why}")
     else:
         notes.append("batch_imbalance.parquet absent: no IF distribution over batches")
 

@@ -133,14 +133,16 @@ def placement_section(
     ref = m.reference
     summary = res.table(COMPARE_SUMMARY)
     timed = summary is not None and has_time(summary)
-    placed = (
-        f"{m.deployment} on {m.num_nodes} node(s) of {m.gpus_per_node} GPUs; "
+    placed = f"{m.deployment} on {m.num_nodes} node(s) of {m.gpus_per_node} GPUs; " + (
         f"{m.num_train_requests} requests placed, {m.num_test_requests} held out for evaluation; "
+        if m.tokens_from is None
+        else f"{m.tokens_from}; "
     )
+    steps = "" if m.tokens_from is not None else f" (global batches of {m.batch_requests} requests)"
     if timed:
         prefill = f" and {m.num_prefill_batches} prefill steps" if m.num_prefill_batches else ""
         setup = (
-            f"{placed}{m.num_batches} decode steps (global batches of {m.batch_requests} requests){prefill}; "
+            f"{placed}{m.num_batches} decode steps{steps}{prefill}; "
             f"copies: {copy_models(m)}; links: {links_text(m, latency=True)}; "
             f"replica policy {m.replica_policy}, {m.num_redundant} redundant slot(s) per layer."
         )
@@ -186,7 +188,11 @@ def placement_section(
         Section(
             key=kp,
             title="Placement and all-to-all volume",
-            intro=(_TIMED_INTRO if timed else _BYTES_INTRO) + setup,
+            intro=(_TIMED_INTRO if timed else _BYTES_INTRO).replace(
+                "on requests it never saw",
+                "on the load profile's tokens" if m.tokens_from is not None else "on requests it never saw",
+            )
+            + setup,
             tables=tuple(tables),
             figures=tuple(figures),
             notes=tuple(notes),
@@ -228,6 +234,12 @@ def _copy_model(dedup: str) -> str:
 def stage_copy_model(m: CompareManifest, stage: str) -> str:
     """The copy model a stage (``decode``, ``prefill``) was simulated with, in words."""
     return _copy_model(m.dedup if stage == "decode" else (m.prefill_dedup or "?"))
+
+
+def held_out(m: CompareManifest) -> str:
+    """What the simulated batches were drawn from, as an adjective: ``held-out`` (a trace's requests the
+    placement never saw), ``in-sample`` (tokens drawn from the load profile the placement was made on)."""
+    return "held-out" if m.tokens_from is None else "in-sample"
 
 
 def copy_models(m: CompareManifest) -> str:
@@ -389,7 +401,7 @@ def _summary_tables(res: Results, summary: pl.DataFrame, *, key: str) -> list[Ta
         caption = (
             f"Predicted per decode step, all MoE layers: all-to-all = dispatch + combine, the busiest GPU of each "
             f"collective charged; MoE = dispatch + experts + combine (- when the model's expert size is unknown). "
-            f"Medians over {m.num_batches} held-out batches; vs median = / {ref}'s median, lower is better, with "
+            f"Medians over {m.num_batches} {held_out(m)} batches; vs median = / {ref}'s median, lower is better, with "
             f"p10–p90 over batches in brackets. Inter-node bytes are what the time comes from, not the verdict. Busiest node: held-out "
             f"requests its router sends the busiest node / an even share{limit}. Busiest GPU: its tokens / the mean "
             f"GPU's, mean over batches and layers."
@@ -538,11 +550,19 @@ def _box_by_strategy(batches: pl.DataFrame, res: Results, *, view: _BoxView, ref
         fig,
         file=COMPARE_BATCHES,
         caption=f"One value per simulated global batch (a decode step of every node's micro-batch): {view.definition}, "
-        f"divided by the median of {STRATEGY_NAMES.get(ref, ref)}. Box = quartiles, whiskers = 1.5 IQR, dashed = mean; "
-        f"{STRATEGY_NAMES.get(RECOMMENDED, RECOMMENDED)}, the recommended strategy, drawn thick; bounds (grey, right of "
-        "the line) are not deployable. "
-        "The y axis spans the 1st to 99th percentile of the values (and 1), not 0: the differences are a few percent. "
-        "Evaluated on held-out requests.",
+        f"divided by the median of {STRATEGY_NAMES.get(ref, ref)}. Box = quartiles, whiskers = 1.5 IQR, dashed = mean. "
+        + (
+            f"{STRATEGY_NAMES.get(RECOMMENDED, RECOMMENDED)}, the recommended strategy, is drawn thick. "
+            if RECOMMENDED in strategies
+            else ""
+        )
+        + ("Bounds (grey, right of the line) are not deployable. " if first_bound else "")
+        + "The y axis spans the 1st to 99th percentile of the values (and 1), not 0: the differences are a few percent. "
+        + (
+            "Evaluated on held-out requests."
+            if res.compare.tokens_from is None
+            else "Evaluated on tokens drawn from the load profile's loads, the ones it was placed on (in-sample)."
+        ),
     )
 
 
@@ -723,9 +743,10 @@ def _stage_load(res: Results, analyses: Sequence[Results]) -> tuple[pl.DataFrame
             rows = load.filter(pl.col("stage") == stage)
             if rows.height and int(rows["expert"].max()) + 1 == res.compare.model.num_experts:  # type: ignore[arg-type]
                 return rows, stage
+    what = "load profile" if res.profile_path is not None else "trace"
     return (
         None,
-        "give `moetrace analyze` results of the same trace to see the datasets each node serves and its tokens per GPU",
+        f"give `moetrace analyze` results of the same {what} to see the datasets each node serves and its tokens per GPU",
     )
 
 
@@ -824,7 +845,7 @@ def _share_figure(held: dict[str, NodeHoldings], res: Results, *, key: str) -> F
         key,
         fig,
         file=COMPARE_PLACEMENTS,
-        caption=f"Each cell: the share of a dataset's expert activations (analysis of the same trace) whose expert "
+        caption=f"Each cell: the share of a dataset's expert activations (analysis of the same trace or profile) whose expert "
         f"this node holds, replicas split evenly; a column sums to 100%. An even spread ({100 / G:.0f}% each) "
         "means the node serves no dataset in particular; a data-based placement gathers a dataset's experts on its "
         "node, so its requests stay there.",
@@ -867,7 +888,7 @@ def _tokens_figure(held: dict[str, NodeHoldings], res: Results, *, key: str) -> 
         key,
         fig,
         file=COMPARE_PLACEMENTS,
-        caption="Per GPU: the tokens its experts would receive if traffic were the analysed trace's (each expert's "
+        caption="Per GPU: the tokens its experts would receive if traffic were the analysed input's (each expert's "
         "tokens split evenly over its replicas, summed over layers) / an even share; 1 (dotted) is balanced. The "
         "busiest GPU sets the step's expert time.",
     )

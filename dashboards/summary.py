@@ -16,7 +16,9 @@
   has the lowest time, one more line names it and its load. Bounds no deployment can reach
   (``oracle``, ``perfect_routing``) are never named best; their value is quoted. Results written
   before the cost model (no time columns): the strategy with the lowest
-  ``inter_node_normalized_median`` (bytes), as then.
+  ``inter_node_normalized_median`` (bytes), as then. Under it, one line per simulated stage
+  (decode, then prefill) names that stage's fastest deployable strategy with the copy model the
+  stage was simulated with (``stage_winners``): the winner depends on it.
 - **Measured vs predicted all-to-all** (``moetrace a2a`` results, ``a2a.json`` ``summary`` and
   ``collectives.parquet``): for the strategy with the lowest measured normalized inter-node bytes,
   measured and simulated, and whether every collective sent exactly the predicted bytes.
@@ -128,7 +130,7 @@ def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
 
 
 def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suffix: str) -> Headline | None:
-    from moetrace.dashboards.section_placement import STRATEGY_NAMES, copy_models, finite, links_text
+    from moetrace.dashboards.section_placement import STRATEGY_NAMES, copy_models, finite, held_out, links_text
     from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
 
     m = res.compare
@@ -193,7 +195,7 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
     )
     detail = (
         f"Decode all-to-all (dispatch + combine) predicted per step, all MoE layers, the busiest GPU of each "
-        f"collective charged: median over {m.num_batches} held-out batches vs {ref}'s median (lower is better)"
+        f"collective charged: median over {m.num_batches} {held_out(m)} batches vs {ref}'s median (lower is better)"
         + (f"; {'; '.join(also)}" if also else "")
         + f". Copies: {copy_models(m)}"
         + (f". Links: {links}" if links else "")
@@ -211,6 +213,7 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
         link="Placement and all-to-all volume",
         source=res.source(rf.COMPARE_SUMMARY),
         note=note,
+        lines=tuple(w.text() for w in stage_winners(res)),
     )
 
 

@@ -1,4 +1,4 @@
-"""Statistics of expert-count vectors, defined once for the whole package (core paper §3, SPEC §3).
+"""Statistics of expert-count vectors, defined once for the whole package (core paper §3, docs/analysis.md).
 
 Pure numpy functions of count arrays. The analysis stage (``moetrace.analysis``: ``imbalance``,
 ``correlation``) and the synthetic generator's calibration (``moetrace.tracer.synth_stats``) both

@@ -1,4 +1,4 @@
-"""Deployment notation ``DPaTPbEPcTPd`` and the topology it implies (SPEC §4, core paper §2.3).
+"""Deployment notation ``DPaTPbEPcTPd`` and the topology it implies (docs/placement.md, core paper §2.3).
 
 Non-expert parts run as ``a`` data-parallel replicas of ``b``-way tensor parallelism; routed experts
 are spread over ``c`` expert-parallel ranks, each split ``d`` ways (``TPd`` optional, default 1).

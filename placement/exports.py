@@ -1,4 +1,4 @@
-"""Placement files: moetrace's own versioned JSON (validated on load) and engine exports (SPEC §7).
+"""Placement files: moetrace's own versioned JSON (validated on load) and engine exports (docs/exports.md).
 
 ``moetrace.placement`` v1 JSON: model facts, deployment, strategy, ``phy2log`` [L, P],
 ``log2phy`` [L, E, M], ``logcnt`` [L, E] over the MoE layers, and (for grouped strategies) the

@@ -1,6 +1,6 @@
 """Which replica (physical slot) serves each (token, expert) when an expert has several.
 
-Policies (SPEC §5): ``same_node`` — a replica on the token's own node if there is one (several:
+Policies (docs/placement.md): ``same_node`` — a replica on the token's own node if there is one (several:
 token index modulo their count), else any replica (token index modulo the replica count);
 ``even`` — EPLB's even token split over all replicas (token index modulo the replica count);
 ``metro`` — METRO's greedy minimum activated experts (METRO paper, Algorithm 1): per batch, every

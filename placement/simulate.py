@@ -1,4 +1,4 @@
-"""All-to-all volume model of expert-parallel decode (SPEC §6), vectorized over tokens.
+"""All-to-all volume model of expert-parallel decode (docs/placement.md), vectorized over tokens.
 
 A global batch is one decode step of held-out requests: each contributes one token, dispatched
 at every MoE layer from its source GPU to the GPUs holding its k experts (replica chosen by a

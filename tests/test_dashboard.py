@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import re
 import shutil
 from pathlib import Path
@@ -489,6 +490,32 @@ def test_no_placement_beating_linear_is_said(tmp_path):
     assert h.note.startswith("joint (ours) would be 30% faster but sends 1.45× an even share to one node")
 
 
+def test_summary_card_names_each_stages_winner_with_its_copy_model(tmp_path):
+    """One line per simulated stage on the card: decode and prefill can have different winners, and
+    each names the copy model it was simulated with (the over-limit joint and the bound never win)."""
+    d = _timed_compare(tmp_path / "c")
+    summary = pl.read_parquet(d / "summary.parquet")
+    prefill = {"linear": 1.0, "eplb": 0.9, "data": 1.02, "joint": 0.6, "oracle": 0.5}
+    summary.with_columns(
+        pl.col("strategy").replace_strict(prefill, return_dtype=pl.Float64).alias("prefill_a2a_time_normalized_median")
+    ).write_parquet(d / "summary.parquet")
+    decode = (
+        "decode (one copy per (token, expert), as DeepEP's low-latency kernels send): data-based (core paper) −20% "
+        "predicted all-to-all time per step vs linear"
+    )
+    assert _headline(d).lines == (
+        decode,
+        "prefill (one copy per node, as DeepEP's normal kernels send): EPLB −10% predicted all-to-all time per step "
+        "vs linear",
+    )
+    text = write_dashboard([d], out=tmp_path / "r.html").path.read_text()
+    card = text.split('<div id="summary"', 1)[1].split("</div></div>", 1)[0]
+    assert card.count('<div class="h-line">') == 2
+    assert "prefill (one copy per node, as DeepEP&#x27;s normal kernels send): EPLB −10%" in card
+    # no prefill step simulated: the decode line alone
+    assert _headline(_timed_compare(tmp_path / "d", num_prefill_batches=0)).lines == (decode,)
+
+
 def test_placement_section_shows_time_first_and_bounds_apart(tmp_path):
     d = _timed_compare(tmp_path / "c")
     rep = write_dashboard([d], out=tmp_path / "r.html")
@@ -603,3 +630,41 @@ def test_node_holdings_of_a_hand_made_placement():
     assert data.datasets == ("a", "b")
     np.testing.assert_allclose(data.share_GD, [[1.0, 1 / 8], [0.0, 7 / 8]])  # node 0 serves a, node 1 serves b
     np.testing.assert_allclose(data.tokens_W, [9 / 8, 7 / 8])  # 9 and 7 of 16 tokens, even share 8
+
+
+# ---------------------------------------------------------------- a load profile's results (docs/profile.md)
+def test_dashboard_on_a_load_profiles_results(trace, tmp_path, monkeypatch):
+    """profile → analyze → compare → dashboard, as docs/profile.md runs them: every section drawn has
+    data; what needs requests says why in one line; nothing claims held-out requests or a trace."""
+    monkeypatch.chdir(tmp_path)  # relative paths, as a user types them
+    runner = CliRunner()
+    for argv in (
+        ["profile", str(trace), "-o", "p.parquet"],
+        ["analyze", "p.parquet", "-o", "an"],
+        ["compare", "p.parquet", "--config", "DP2TP4EP8", "--gpus-per-node", "4", "--batches", "30", "-o", "cmp"],
+        ["dashboard", "an", "cmp", "-o", "d.html"],
+    ):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 0, (argv, res.output)
+    text = (tmp_path / "d.html").read_text()
+    assert "Traceback" not in res.output
+    assert "not shown: overview: the results are of a load profile (p.parquet): it holds no requests" in res.output
+    figs = figures_from_html(text)
+    assert {"placement-time", "imbalance-if-decode", "correlation-prefill-decode"} <= set(figs)
+    for key, fig in figs.items():  # no empty figure: every one has a trace with values
+        assert fig["data"], key
+        assert "profile p.parquet" in fig["layout"]["title"]["text"], key
+    # the node holdings read the analysis of the same profile: the datasets each node serves
+    assert "placement-serves" in figs and "placement-tokens" in figs
+    text = html.unescape(text)
+    assert "give `moetrace analyze` results" not in text
+    # one line each for what needs requests
+    assert "IF distribution over random batches: skipped, needs requests to form random batches" in text
+    assert "prefill↔decode per request: skipped, needs each request" in text
+    placement = _section(text, "placement")
+    assert "held out for evaluation" not in placement and "requests it never saw" not in placement
+    assert "load profile: tokens drawn from its expert loads" in placement
+    assert "Evaluated on tokens drawn from the load profile's loads" in placement
+    assert "the recommended strategy" not in placement  # joint needs requests: not in these results
+    card = text.split('<div id="summary"', 1)[1].split("</div></div>", 1)[0]
+    assert "in-sample batches" in card and "held-out" not in card

@@ -1,6 +1,6 @@
 """The statistics the synth knobs move, measured from routing (for calibration, tests and docs).
 
-Definitions (SPEC §3). Expert load, the imbalance factor, Pearson correlation and the dataset
+Definitions (docs/analysis.md). Expert load, the imbalance factor, Pearson correlation and the dataset
 correlation are ``moetrace.stats``, the functions the analysis stage calls too:
 - expert load of e in a scope = tokens routed to e / (T*K/E), where T*K counts the recorded ids of
   the scope (ids == -1 are ignored);

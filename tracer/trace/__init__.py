@@ -1,4 +1,4 @@
-"""``moetrace.tracer.trace``: the stored formats, trace format v1 (SPEC §2) and the load profile.
+"""``moetrace.tracer.trace``: the stored formats, trace format v1 (docs/trace-format.md) and the load profile.
 
 - ``schema``: the one explicit Arrow schema, ``ModelInfo``, the manifest header
 - ``layout``: the file names of a trace directory

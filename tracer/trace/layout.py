@@ -2,7 +2,7 @@
 
 A trace directory::
 
-    manifest.json                 the manifest (SPEC §2); ``complete: true`` once finished
+    manifest.json                 the manifest (docs/trace-format.md); ``complete: true`` once finished
     requests/<prefix>-NNNNNN.parquet   one row per request of a committed part
     routing/<prefix>-NNNNNN.parquet    one row per token of the same part
     manifests/shard-SSS.json      only in sharded collections: one manifest per shard

@@ -1,4 +1,4 @@
-"""Trace format v1: the explicit Arrow schemas and the manifest (SPEC §2).
+"""Trace format v1: the explicit Arrow schemas and the manifest (docs/trace-format.md).
 
 A trace is a directory::
 

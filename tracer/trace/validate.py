@@ -1,4 +1,4 @@
-"""Check a trace directory against format v1 (SPEC §2) and name every problem found.
+"""Check a trace directory against format v1 (docs/trace-format.md) and name every problem found.
 
 ``find_problems`` runs the checks of :data:`CHECKS` in order, each a small function that returns
 the problems it finds; adding a check is adding one function to that list. They cover:

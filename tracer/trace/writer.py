@@ -82,7 +82,7 @@ class TraceWriter:
     path
         Trace directory (created if missing).
     model, backend, collection
-        Manifest sections (SPEC §2).
+        Manifest sections (docs/trace-format.md).
     on_existing
         ``refuse`` (default): error if ``path`` already holds a trace; ``resume``: keep its committed
         requests (``completed_request_ids``) and append, after checking it is the same model and
