@@ -110,7 +110,7 @@ def analyze_profile(
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "moetrace_version": __version__,
         "profile": {
-            "path": str(Path(profile_path).resolve()),
+            "path": rf.recorded_path(profile_path, results_dir=out),  # relative to the results
             "model": prof.model.to_dict(),
             "source": prof.source,
             "stages": list(prof.stages),

@@ -217,7 +217,7 @@ def analyze(
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "moetrace_version": __version__,
         "trace": {
-            "path": str(Path(trace_path).resolve()),
+            "path": rf.recorded_path(trace_path, results_dir=out),  # relative to the results
             "complete": trace.complete,
             "model": trace.manifest.get("model"),
             "backend": trace.manifest.get("backend"),

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from moetrace import results as rf
 from moetrace.dashboards.inputs import Input
 from moetrace.dashboards.page import Figure
 from moetrace.placement.compare_manifest import CompareManifest
@@ -67,7 +68,7 @@ class Results:
         """The trace, or the load profile, the results were computed from (as the producer recorded it)."""
         t = self.manifest.get("trace")
         p = t.get("path") if isinstance(t, dict) else t if isinstance(t, str) else None
-        return Path(p) if p else self.profile_path
+        return rf.resolve_recorded(p, results_dir=self.path) if p else self.profile_path
 
     @property
     def profile_path(self) -> Path | None:
@@ -76,9 +77,11 @@ class Results:
         the results of a trace. A profile has no requests: what needs them is not in these results."""
         prof = self.manifest.get("profile")
         if isinstance(prof, dict) and isinstance(prof.get("path"), str):
-            return Path(prof["path"])
+            return rf.resolve_recorded(prof["path"], results_dir=self.path)
         m = self.compare_manifest
-        return Path(m.trace) if m is not None and m.tokens_from is not None and m.trace else None
+        if m is not None and m.tokens_from is not None and m.trace:
+            return rf.resolve_recorded(m.trace, results_dir=self.path)
+        return None
 
     @property
     def model_name(self) -> str:

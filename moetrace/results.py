@@ -36,6 +36,8 @@ from moetrace.atomic import atomic_path, write_json_atomic
 from moetrace.errors import OutputExistsError, TraceFormatError
 
 __all__ = [
+    "recorded_path",
+    "resolve_recorded",
     "ResultKind",
     "KINDS",
     "ANALYSIS",
@@ -300,3 +302,17 @@ def read_table_format(path: str | os.PathLike) -> tuple[str, int]:
             f"{path}: no moetrace format in the table's schema metadata (written by an older moetrace?)"
         )
     return meta[FORMAT_KEY].decode(), int(meta[VERSION_KEY])
+
+
+def recorded_path(source: str | os.PathLike, *, results_dir: str | os.PathLike) -> str:
+    """How a result records the trace (or load profile) it was computed from: the path relative to the
+    directory the result is written in (``..`` steps allowed), so that no absolute path of the user's
+    machine is stored and results and trace can move together. ``resolve_recorded`` reads it back."""
+    return os.path.relpath(os.path.abspath(source), os.path.abspath(results_dir))
+
+
+def resolve_recorded(recorded: str, *, results_dir: str | os.PathLike) -> Path:
+    """The path a result recorded (``recorded_path``), as a path from here: relative ones are taken from
+    ``results_dir``; absolute ones (files written by an older moetrace) as they are."""
+    p = Path(recorded)
+    return p if p.is_absolute() else Path(os.path.normpath(Path(results_dir) / p))

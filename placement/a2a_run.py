@@ -1080,6 +1080,7 @@ def write_a2a_results(
     cost = replay_cost(plan, records, network)
     meta = {
         **plan.config,
+        "trace": rf.recorded_path(plan.config["trace"], results_dir=out),  # relative to the results
         "strategies": list(plan.strategies),
         "backend": plan.backend,
         "world_size": plan.world_size,

@@ -1267,13 +1267,20 @@ def write_advice(advice: Advice, out: str | os.PathLike, *, deployment: Deployme
             strategy=opt.name,
             placement=opt.placement,
             router=opt.router if opt.router is not None else NoRouter(),
-            source={"advise": advice.manifest["input"], "fitted_on": opt.fitted_on or None, "option": opt.key},
+            source={
+                "advise": rf.recorded_path(advice.manifest["input"], results_dir=p.parent),
+                "fitted_on": opt.fitted_on or None,
+                "option": opt.key,
+            },
         )
         save_placement(pf, p)
         written.append(p)
     written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_OPTIONS, pl.DataFrame(advice.rows)))
     written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_LAYERS, pl.DataFrame(advice.layer_rows)))
     body = {**advice.manifest, "commands": commands(advice, out=out)}
+    for key in ("input", "trace"):  # relative to the results: no absolute path of the user's machine
+        if isinstance(body.get(key), str):
+            body[key] = rf.recorded_path(body[key], results_dir=out)
     written.append(rf.write_result_json(out, rf.ADVICE, rf.ADVICE_MANIFEST, _plain(body)))
     return written
 

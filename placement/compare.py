@@ -993,8 +993,11 @@ def expert_copy_floor(decode_RLE: np.ndarray, *, rows: np.ndarray, num_groups: i
     return (1.0 - ceiling) / (1.0 - 1.0 / num_groups)
 
 
-def placement_file(data: TraceData, cfg: CompareConfig, ps: PlacedStrategy) -> PlacementFile:
-    """What ``moetrace place`` writes for ``ps``: the placement, its router, and where they came from."""
+def placement_file(
+    data: TraceData, cfg: CompareConfig, ps: PlacedStrategy, *, out: str | os.PathLike | None = None
+) -> PlacementFile:
+    """What ``moetrace place`` writes for ``ps``: the placement, its router, and where they came from
+    (``out``: the file it is written to; the trace is recorded relative to its folder)."""
     return PlacementFile(
         model=data.model,
         deployment=cfg.deployment,
@@ -1002,7 +1005,9 @@ def placement_file(data: TraceData, cfg: CompareConfig, ps: PlacedStrategy) -> P
         placement=ps.placement,
         router=ps.router,
         source={
-            "trace": data.trace_path,
+            "trace": data.trace_path
+            if out is None
+            else rf.recorded_path(data.trace_path, results_dir=Path(out).parent),
             "seed": cfg.seed,
             "test_fraction": cfg.test_fraction,
             "num_train_requests": int((~data.is_test_R).sum()),
@@ -1078,6 +1083,9 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_SUMMARY, pl.DataFrame(result.summary_rows())),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_PLACEMENTS, pl.concat(rows)),
         rf.write_result_json(
-            out, rf.COMPARE, rf.COMPARE_MANIFEST, result.manifest.to_json()
+            out,
+            rf.COMPARE,
+            rf.COMPARE_MANIFEST,
+            {**result.manifest.to_json(), "trace": rf.recorded_path(result.manifest.trace, results_dir=out)},
         ),  # last: names a complete directory
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 from moetrace.analysis.run import AnalyzeConfig, analyze
 from moetrace.cli import app
 from moetrace.errors import ConfigError
+from moetrace.results import resolve_recorded
 
 runner = CliRunner()
 
@@ -92,7 +94,9 @@ def test_cli_writes_every_result_with_the_documented_columns(planted, tmp_path):
     for name, cols in EXPECTED_FILES.items():
         assert pl.read_parquet(out / name).columns == cols, name
     man = json.loads((out / "manifest.json").read_text())
-    assert man["format"] == "moetrace.analysis" and man["trace"]["path"] == str(planted.resolve())
+    assert man["format"] == "moetrace.analysis" and not Path(man["trace"]["path"]).is_absolute()
+    # the trace is recorded relative to the results (no absolute path of the user's machine)
+    assert resolve_recorded(man["trace"]["path"], results_dir=out).resolve() == planted.resolve()
     assert man["trace"]["model"]["num_experts"] == 16 and man["trace"]["backend"]["name"] == "synthetic"
     assert man["parameters"]["batch_size"] == 8 and man["parameters"]["seed"] == 0
     assert set(man["files"]) == set(EXPECTED_FILES) | {"summary.json"}

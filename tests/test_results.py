@@ -247,3 +247,30 @@ def test_compare_json_holds_every_compare_config_field():
     manifest = [f.name for f in fields(CompareManifest)]
     config = [f.name for f in fields(CompareConfig) if f.name != "deployment"]
     assert manifest[: len(config)] == config
+
+
+def test_results_record_their_trace_relative_never_absolute(tmp_path):
+    """No absolute path of the user's machine in result files (issue #26): compare.json and the
+    placement file record the trace relative to where they are written, and read back to it."""
+    from typer.testing import CliRunner
+
+    from moetrace.cli import app
+    from moetrace.placement.compare_manifest import read_compare_manifest
+    from moetrace.results import resolve_recorded
+
+    runner = CliRunner()
+    trace = tmp_path / "traces" / "t"
+    r = runner.invoke(app, ["synth", "--model", "olmoe-1b-7b-tiny", "--requests", "40", "-o", str(trace), "-q"])
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "results" / "cmp"
+    common = ["--config", "DP2TP1EP2", "--gpus-per-node", "1", "-q"]
+    r = runner.invoke(app, ["compare", str(trace), *common, "--strategies", "linear,eplb", "--batches", "5",
+                            "--no-oracle", "-o", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["place", str(trace), *common, "--strategy", "eplb", "-o", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    for f in (out / "compare.json", tmp_path / "p.json"):
+        assert str(tmp_path) not in f.read_text(), f
+    recorded = read_compare_manifest(out).trace
+    assert recorded == "../../traces/t" and resolve_recorded(recorded, results_dir=out) == trace
+    assert json.loads((tmp_path / "p.json").read_text())["source"]["trace"] == "traces/t"

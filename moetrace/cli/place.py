@@ -176,7 +176,7 @@ def place_cmd(
     check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
     data, cfg = load_data(trace, cfg, asked=True, allow_incomplete=allow_incomplete, quiet=quiet)
     ps = make_placement(data, cfg, strategy)
-    save_placement(placement_file(data, cfg, ps), out)
+    save_placement(placement_file(data, cfg, ps, out=out), out)
     typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)} -> {out}")
 
 
