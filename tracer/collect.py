@@ -25,11 +25,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from moetrace.errors import ConfigError, ModelError
+from moetrace.errors import ConfigError, ModelError, TraceBusyError
 from moetrace.sizes import human_bytes
 from moetrace.tracer.backends.base import GenerationConfig, OnProgress
 from moetrace.tracer.backends.registry import BackendSettings, get_backend
 from moetrace.tracer.trace.layout import REQUESTS_DIR, shard_manifest_name, shard_prefix
+from moetrace.tracer.trace.lock import probe_lock
 from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -197,6 +198,7 @@ def collect(
         collection.update(shard=s, num_shards=n, num_requests_in_run=len(prompts))
         prompts = shard_prompts(prompts, shard=s, num_shards=n)
         writer_kw = {"part_prefix": shard_prefix(s), "manifest_name": shard_manifest_name(s)}
+    probe_lock(out, shared=shard is not None)  # a trace being written is refused before the model loads
     t0 = time.perf_counter()
     info = runner.load(resolved, generation)
     backend_section = runner.describe().manifest_section(entry.name)
@@ -218,6 +220,8 @@ def collect(
             if on_start is not None:
                 on_start(pending, len(prompts))
             runner.run(prompts, writer=writer, generation=generation, on_progress=on_progress)
+    except TraceBusyError:
+        raise  # refused in a lock race: the directory is the other writer's, never ours to remove
     except BaseException:
         # a run that created the directory and committed nothing (the engine did not start, the
         # model did not load, Ctrl-C at once) leaves nothing behind that would need --overwrite

@@ -132,14 +132,14 @@ def _owned_directory(start: Path) -> tuple[Path, bool] | None:
 
 @contextlib.contextmanager
 def claim_output(
-    path: Path,
+    path: Path | None,
     *,
     kind: OutputKind,
     overwrite: bool,
     command: str,
     result: ResultKind | None = None,
     shard: bool = False,
-) -> Iterator[Path]:
+) -> Iterator[Path | None]:
     """Check that ``command`` may write ``path`` (its -o) and hold what keeps others out while it does.
 
     The one rule, before any work:
@@ -154,12 +154,17 @@ def claim_output(
     - a results folder is locked for the block (``lock.lock_results``): two runs never mix their files;
       a trace output's lock is probed now (``collect`` then loads no model for a trace being written).
 
-    Yields ``path``. Raises ``OutputExistsError`` / ``TraceBusyError`` with one line naming the fix.
+    Yields ``path``; ``path=None`` (a command writing nothing) checks nothing. A results folder this
+    created and left holding nothing but its lock is removed again. Raises ``OutputExistsError`` /
+    ``TraceBusyError`` with one line naming the fix.
     """
     from moetrace.atomic import check_regular_target
     from moetrace.results import check_output
-    from moetrace.tracer.trace.lock import WriterLock, lock_results, lock_trace, probe_lock
+    from moetrace.tracer.trace.lock import TRACE_LOCK, WriterLock, lock_results, lock_trace, probe_lock
 
+    if path is None:
+        yield None
+        return
     p = Path(path)
     st = os.lstat(p) if os.path.lexists(p) else None
     if st is not None and stat.S_ISLNK(st.st_mode):
@@ -184,12 +189,12 @@ def claim_output(
             probe_lock(d)
             if is_trace and d != here:
                 held.append(lock_trace(d))
+        if result is not None:  # first: its message names what is there
+            check_output(p, result, overwrite=overwrite)
         if kind == "file" and st is not None and not overwrite:
             raise OutputExistsError(f"{p} already exists; choose another -o, or pass --overwrite to replace it")
-        if result is not None:
-            check_output(p, result, overwrite=overwrite)
         if kind == "directory" and st is not None and any(p.iterdir()) and not overwrite:
-            raise OutputExistsError(f"{p} is not empty; choose another -o, or pass --overwrite to replace it")
+            raise OutputExistsError(f"{p} is not empty; pass --overwrite to replace it, or choose another -o")
         if kind == "results":
             held.append(lock_results(p, what=command))
         elif kind == "directory" and owner is not None and owner[0] == here and owner[1]:
@@ -202,6 +207,9 @@ def claim_output(
     finally:
         for lock in reversed(held):
             lock.release()
+        if kind == "results" and st is None and p.is_dir() and [f.name for f in p.iterdir()] == [TRACE_LOCK]:
+            (p / TRACE_LOCK).unlink()  # the run failed before writing anything: leave no empty folder
+            p.rmdir()
 
 
 def stderr_is_tty() -> bool:

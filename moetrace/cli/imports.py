@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import OutDir, Overwrite, Quiet, friendly_errors, human_bytes, progress_bar
+from moetrace.cli.common import OutDir, Overwrite, Quiet, claim_output, friendly_errors, human_bytes, progress_bar
 from moetrace.tracer.importers import FORMATS, STAGES_HELP, StagesMode
 
 FORMAT_CHOICES: tuple[str, ...] = ("auto", *(f.name for f in FORMATS))
@@ -63,12 +63,17 @@ def import_cmd(
     """
     from moetrace.tracer.importers import import_trace
     from moetrace.tracer.presets import resolve
+    from moetrace.tracer.trace.writer import replacing_trace
 
     info = resolve(model).model_info()
-    with progress_bar("import", "bytes", quiet=quiet) as bar:
+    with (
+        claim_output(out, kind="trace", overwrite=overwrite, command="moetrace import"),
+        replacing_trace(out, overwrite=overwrite) as target,  # a failed import leaves the old trace whole
+        progress_bar("import", "bytes", quiet=quiet) as bar,
+    ):
         stats = import_trace(
             source,
-            out=out,
+            out=target,
             model=info,
             source_format=source_format,
             dataset=dataset,

@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, Seed, TraceArg, friendly_errors, progress_bar
+from moetrace.cli.common import (
+    AllowIncomplete,
+    Overwrite,
+    Quiet,
+    Seed,
+    TraceArg,
+    claim_output,
+    friendly_errors,
+    progress_bar,
+)
 from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
 
 if TYPE_CHECKING:
@@ -107,9 +116,8 @@ def place_cmd(
     from moetrace.placement.compare import load_trace_data, make_placement, placement_file
     from moetrace.placement.exports import save_placement
     from moetrace.placement.report import format_placement_summary
-    from moetrace.results import PLACEMENT, check_output
+    from moetrace.results import PLACEMENT
 
-    check_output(out, PLACEMENT, overwrite=overwrite)  # before minutes of work
     cfg = _cfg(
         config,
         gpus_per_node,
@@ -119,18 +127,20 @@ def place_cmd(
         test_fraction=test_fraction,
         seed=seed,
     )
-    check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
-    with progress_bar("counting", "tokens", quiet=quiet) as bar:
-        data = load_trace_data(
-            trace,
-            test_fraction=test_fraction,
-            seed=seed,
-            allow_incomplete=allow_incomplete,
-            progress=bar,
-            held_out_tokens=False,
-        )  # placing never reads them
-    ps = make_placement(data, cfg, strategy)
-    save_placement(placement_file(data, cfg, ps), out)
+    # before minutes of work
+    with claim_output(out, kind="file", overwrite=overwrite, command="moetrace place", result=PLACEMENT):
+        check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
+        with progress_bar("counting", "tokens", quiet=quiet) as bar:
+            data = load_trace_data(
+                trace,
+                test_fraction=test_fraction,
+                seed=seed,
+                allow_incomplete=allow_incomplete,
+                progress=bar,
+                held_out_tokens=False,
+            )  # placing never reads them
+        ps = make_placement(data, cfg, strategy)
+        save_placement(placement_file(data, cfg, ps), out)
     typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)} -> {out}")
 
 
@@ -172,10 +182,8 @@ def compare_cmd(
     from moetrace.placement.compare import load_trace_data, run_compare, write_results
     from moetrace.placement.cost import parse_links
     from moetrace.placement.report import compare_notes, format_compare_summary
-    from moetrace.results import COMPARE, check_output
+    from moetrace.results import COMPARE
 
-    if out is not None:
-        check_output(out, COMPARE, overwrite=overwrite)  # before minutes of work
     cfg = _cfg(
         config,
         gpus_per_node,
@@ -194,24 +202,26 @@ def compare_cmd(
         oracle=oracle,
         seed=seed,
     )
-    check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
-    with progress_bar("counting", "tokens", quiet=quiet) as bar:
-        data = load_trace_data(
-            trace,
-            test_fraction=test_fraction,
-            seed=seed,
-            allow_incomplete=allow_incomplete,
-            progress=bar,
-            held_out_tokens=False,
-        )  # compare reads them after placing
-    with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
-        result = run_compare(data, cfg, progress=bar)
-    typer.echo(format_compare_summary(result))
-    for note in compare_notes(result):
-        typer.secho(note, fg=typer.colors.YELLOW, err=True)
-    if out is not None:
-        files = write_results(result, out)
-        typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
+    # before minutes of work
+    with claim_output(out, kind="results", overwrite=overwrite, command="moetrace compare", result=COMPARE):
+        check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
+        with progress_bar("counting", "tokens", quiet=quiet) as bar:
+            data = load_trace_data(
+                trace,
+                test_fraction=test_fraction,
+                seed=seed,
+                allow_incomplete=allow_incomplete,
+                progress=bar,
+                held_out_tokens=False,
+            )  # compare reads them after placing
+        with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
+            result = run_compare(data, cfg, progress=bar)
+        typer.echo(format_compare_summary(result))
+        for note in compare_notes(result):
+            typer.secho(note, fg=typer.colors.YELLOW, err=True)
+        if out is not None:
+            files = write_results(result, out)
+            typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
 
 
 @friendly_errors
@@ -248,14 +258,11 @@ def export_cmd(
     Example: moetrace export placement.json --format sglang -o expert_location.json
     """
     from moetrace.atomic import write_text_atomic
-    from moetrace.errors import OutputExistsError
     from moetrace.placement.exports import export_file
 
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out} already exists; choose another -o, or pass --overwrite to replace it")
-    with progress_bar("counting", "tokens", quiet=quiet) as bar:
-        text = export_file(source, fmt=fmt, stage=stage, allow_incomplete=allow_incomplete, progress=bar)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, text)
+    with claim_output(out, kind="file", overwrite=overwrite, command="moetrace export"):
+        with progress_bar("counting", "tokens", quiet=quiet) as bar:
+            text = export_file(source, fmt=fmt, stage=stage, allow_incomplete=allow_incomplete, progress=bar)
+        write_text_atomic(out, text)
     what = "expert counts" if fmt == "sglang-logical-count" else "placement"
     typer.echo(f"wrote {fmt} {what} to {out}")
