@@ -71,6 +71,7 @@ import numpy as np
 
 from moetrace.atomic import atomic_path
 from moetrace.errors import ConfigError, OutputExistsError
+from moetrace.lifetime import die_with_parent
 from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
 TRUTH_FILE = "truth.npz"
@@ -820,6 +821,7 @@ _WORKER: _Sampler | None = None
 
 def _init_worker(sampler: _Sampler) -> None:
     global _WORKER
+    die_with_parent()  # never outlives a killed `synth`
     _WORKER = sampler
 
 
