@@ -87,10 +87,17 @@ def _cfg(config: str, gpus_per_node: int, **kw: Any) -> CompareConfig:
 def check_before_reading(trace: Path, cfg: CompareConfig, *, allow_incomplete: bool) -> None:
     """The checks that need no trace data, run before the counting pass (which takes minutes at scale):
     the trace's manifest (its model's E) against ``--redundancy`` and the deployment's EP ranks."""
+    from moetrace.sizes import check_memory
     from moetrace.tracer.trace.reader import open_trace
 
     model = open_trace(trace, require_complete=not allow_incomplete).model  # the manifest only
     cfg.deployment.check_slots(num_experts=model.num_experts, num_redundant=cfg.num_redundant)
+    simulated = cfg.num_batches * cfg.batch_requests  # the simulated tokens' routed ids, int16 [T, L, K]
+    check_memory(
+        simulated * model.ids_per_token * 2,
+        what=f"simulating {simulated:,} tokens of {model.num_moe_layers} layers x top-{model.top_k}",
+        knob="lower --batches or --batch-requests",
+    )
 
 
 @friendly_errors
