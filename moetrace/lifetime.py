@@ -162,7 +162,8 @@ def _supervise(spec: dict) -> None:
         seen = {}  # the block ended in its own process: whatever still runs is its business
     if seen:
         table = _proc_table()
-        alive = [p for p, t in seen.items() if p in table and table[p][1] == t]
+        # another guard's supervisor (a nested block) is left to clean up after its own block
+        alive = [p for p, t in seen.items() if p in table and table[p][1] == t and not _is_supervisor(p)]
         for pid in alive:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -175,6 +176,13 @@ def _supervise(spec: dict) -> None:
             subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
     for p in spec["paths"]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def _is_supervisor(pid: int) -> bool:
+    try:
+        return b"moetrace.lifetime" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _zombie(pid: int) -> bool:

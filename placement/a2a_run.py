@@ -630,7 +630,7 @@ def run_a2a(
             )
         return run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), plan), Network(mode="torchrun")
     spec = netemu.parse_link(link)
-    with tempfile.TemporaryDirectory(prefix="moetrace-a2a-progress-") as d:
+    with tempfile.TemporaryDirectory(prefix="moetrace-a2a-progress-") as d, lifetime.guard(paths=[d]):
         return _run_local(plan, spec, emulate, say, _BatchProgress(Path(d) / "batches", plan, progress))
 
 
