@@ -155,7 +155,8 @@ def check_manifest_fields(run: _Run) -> list[str]:
 
 
 def _json_type(t: type) -> str:
-    return {str: "string", dict: "object", list: "array"}.get(t, t.__name__)
+    names: dict[type, str] = {str: "string", dict: "object", list: "array"}
+    return names.get(t, t.__name__)
 
 
 def check_complete(run: _Run) -> list[str]:

@@ -39,6 +39,7 @@ import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -164,8 +165,11 @@ class TraceWriter:
         self._failed: BaseException | None = None  # the error that stopped this writer, if one did
 
         self.completed_request_ids: set[int] = set()
-        #: the manifest's ``parts``: committed part name -> its requests, tokens and files' SHA-256
+        #: the manifest's ``parts``: committed part name -> its requests, tokens and files' SHA-256 (this
+        #: run's parts are hashed on a background thread while the next part is produced; complete at close)
         self.parts: dict[str, dict[str, Any]] = {}
+        self._hashing: dict[str, Future[dict[str, Any]]] = {}
+        self._hasher: ThreadPoolExecutor | None = None
         self._prior_tokens = 0
         self._prior_parts = 0
         # one writer per trace (shards: one per shard), taken before anything on disk is touched
@@ -312,7 +316,8 @@ class TraceWriter:
         """Read the committed parts of a trace being resumed: their request ids, tokens and checksums
         (kept from the manifest where it lists them, else computed now). Refuses a trace that lost a
         part its manifest lists, or a requests part without its routing part."""
-        listed = self._manifest.get("parts") if isinstance(self._manifest.get("parts"), dict) else {}
+        parts = self._manifest.get("parts")
+        listed: dict[str, Any] = parts if isinstance(parts, dict) else {}
         on_disk = {f.name for f in (self.path / REQUESTS_DIR).glob(self._own_parts_glob)}
         lost = sorted(n for n in listed if n not in on_disk)
         no_routing = sorted(n for n in on_disk if not (self.path / ROUTING_DIR / n).is_file())
@@ -509,11 +514,15 @@ class TraceWriter:
                 **writer_options("zstd", use_dictionary=True, write_statistics=True),
             )
             _fsync_file(req_tmp)
-            # the checksums of the bytes just written (from the page cache), recorded in the manifest at close
-            entry = _part_entry(len(self._req_rows), self._part_tokens, routing_tmp, req_tmp)
         os.replace(routing_tmp, rdir / self._part_name)  # routing first
         os.replace(req_tmp, qdir / self._part_name)  # then requests: the commit point
-        self.parts[self._part_name] = entry
+        # the checksums of the bytes just written (read back from the page cache on a background thread:
+        # sha256 releases the GIL, so it overlaps the next part's production), recorded at close
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrace-part-sha256")
+        self._hashing[self._part_name] = self._hasher.submit(
+            _part_entry, len(self._req_rows), self._part_tokens, rdir / self._part_name, qdir / self._part_name
+        )
         self.completed_request_ids.update(r["request_id"] for r in self._req_rows)
         self._pq = None
         self._part_name = None
@@ -546,12 +555,15 @@ class TraceWriter:
             return self.stats()
         if self._failed is not None:  # nothing more can be written; the manifest on disk says incomplete
             self._closed = True
+            self._stop_hashing()
             self._lock.release()
             return self.stats()
         try:
             self.commit()
             self._closed = True
             stats = self.stats()
+            self.parts.update({name: f.result() for name, f in self._hashing.items()})
+            self._hashing = {}
             self._manifest["complete"] = bool(complete)
             self._manifest["totals"] = {"num_requests": stats.num_requests, "num_tokens": stats.num_tokens}
             self._manifest["parts"] = dict(sorted(self.parts.items()))
@@ -559,8 +571,14 @@ class TraceWriter:
                 self._manifest.update(extra_manifest)
             write_json_atomic(self._manifest_path, self._manifest)
         finally:
+            self._stop_hashing()
             self._lock.release()  # also when the last commit failed (disk full): the trace stays resumable
         return stats
+
+    def _stop_hashing(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True, cancel_futures=True)
+            self._hasher = None
 
     def update_manifest(self, **sections: Any) -> None:
         """Merge keys into the manifest (written at ``close``)."""
