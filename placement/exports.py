@@ -177,7 +177,7 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
     if not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_COUNT for x in (E, H, num_ep)):
         raise TraceFormatError(
             f"{where}: model `num_experts`, `num_hidden_layers` and deployment `num_ep` must be "
-            f"whole numbers from 1 to {_MAX_COUNT:,}, got {E!r:.40}, {H!r:.40}, {num_ep!r:.40}"
+            f"positive integers (at most {_MAX_COUNT:,}), got {E!r:.40}, {H!r:.40}, {num_ep!r:.40}"
         )
     if (
         not isinstance(layers, list)

@@ -486,7 +486,7 @@ CASES: dict[str, Case] = {
     "export: a billion layers": Case(
         lambda d: _export(_placement(d, lambda p: p["model"].update(num_hidden_layers=10**9)), d),
         2,
-        r"whole numbers from 1 to",
+        r"positive integers \(at most 1,048,576\)",
     ),
     # ---- memory: estimated before it is allocated, refused with the figure and the knob
     "synth: 10^12 requests": Case(

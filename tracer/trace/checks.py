@@ -93,7 +93,7 @@ def parts_entry_problems(parts: object) -> list[str]:
     for name, entry in parts.items():
         if PART_RE.match(name) is None:
             problems.append(f"`parts` names {name[:80]!r}, which is not a part file name (<prefix>-NNNNNN.parquet)")
-        elif not isinstance(entry, dict) or set(entry) < set(PART_KEYS):
+        elif not isinstance(entry, dict) or not set(PART_KEYS) <= set(entry):
             problems.append(f"`parts.{name}` must hold {', '.join(PART_KEYS)}")
         elif not all(is_whole(entry[k]) and 0 <= entry[k] < _LIMIT for k in PART_KEYS[:2]):
             problems.append(f"`parts.{name}`: num_requests and num_tokens must be whole, non-negative numbers")
