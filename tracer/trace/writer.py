@@ -48,6 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from moetrace import lifetime
 from moetrace.atomic import write_json_atomic
 from moetrace.errors import EncoderError, OutputExistsError, TraceFormatError, WriteError
 from moetrace.tracer.trace.layout import MANIFEST, PART_RE, REQUESTS_DIR, ROUTING_DIR, lock_name, part_name
@@ -338,8 +339,8 @@ class TraceWriter:
             old = listed.get(name)
             if isinstance(old, dict) and {"routing_sha256", "requests_sha256"} <= old.keys():
                 self.parts[name] = old
-            else:
-                self.parts[name] = _part_entry(len(ids), tokens, self.path / ROUTING_DIR / name, f)
+            else:  # committed by a run that was killed: hashed now, on the background thread
+                self._hash_part(name, len(ids), tokens)
 
     def _first_free_seq(self) -> int:
         seqs = [
@@ -516,13 +517,7 @@ class TraceWriter:
             _fsync_file(req_tmp)
         os.replace(routing_tmp, rdir / self._part_name)  # routing first
         os.replace(req_tmp, qdir / self._part_name)  # then requests: the commit point
-        # the checksums of the bytes just written (read back from the page cache on a background thread:
-        # sha256 releases the GIL, so it overlaps the next part's production), recorded at close
-        if self._hasher is None:
-            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrace-part-sha256")
-        self._hashing[self._part_name] = self._hasher.submit(
-            _part_entry, len(self._req_rows), self._part_tokens, rdir / self._part_name, qdir / self._part_name
-        )
+        self._hash_part(self._part_name, len(self._req_rows), self._part_tokens)
         self.completed_request_ids.update(r["request_id"] for r in self._req_rows)
         self._pq = None
         self._part_name = None
@@ -575,6 +570,16 @@ class TraceWriter:
             self._lock.release()  # also when the last commit failed (disk full): the trace stays resumable
         return stats
 
+    def _hash_part(self, name: str, num_requests: int, num_tokens: int) -> None:
+        """Compute part ``name``'s manifest entry (its files' SHA-256: the bytes just written, read back from
+        the page cache) on a background thread: sha256 releases the GIL, so it overlaps the next part's
+        production; :meth:`close` collects the entries."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrace-part-sha256")
+        self._hashing[name] = self._hasher.submit(
+            _part_entry, num_requests, num_tokens, self.path / ROUTING_DIR / name, self.path / REQUESTS_DIR / name
+        )
+
     def _stop_hashing(self) -> None:
         if self._hasher is not None:
             self._hasher.shutdown(wait=True, cancel_futures=True)
@@ -614,20 +619,21 @@ def replacing_trace(path: str | os.PathLike, *, overwrite: bool) -> Iterator[Pat
     lock = lock_trace(p)
     try:
         new = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".new", dir=p.parent))
-        try:
-            os.chmod(new, p.stat().st_mode & 0o7777)  # mkdtemp's is private; keep the old trace's mode
-            yield new
-            aside = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".old", dir=p.parent))
-            os.rename(p, aside / p.name)
+        # the new directory goes however this ends, a SIGKILL included (lifetime.guard's supervisor)
+        with lifetime.guard(paths=[new], kill_descendants=False):
             try:
-                os.rename(new, p)
-            except BaseException:
-                os.rename(aside / p.name, p)  # put the old trace back
-                raise
-            shutil.rmtree(aside, ignore_errors=True)
-        finally:
-            if new.exists():
-                shutil.rmtree(new, ignore_errors=True)
+                os.chmod(new, p.stat().st_mode & 0o7777)  # mkdtemp's is private; keep the old trace's mode
+                yield new
+                aside = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".old", dir=p.parent))
+                os.rename(p, aside / p.name)
+                try:
+                    os.rename(new, p)
+                except BaseException:
+                    os.rename(aside / p.name, p)  # put the old trace back
+                    raise
+                shutil.rmtree(aside, ignore_errors=True)
+            finally:
+                shutil.rmtree(new, ignore_errors=True)  # a failed block's new trace (gone already on success)
     finally:
         lock.release()
 
