@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from moetrace.atomic import write_text_atomic
 from moetrace.dashboards.inputs import Input, detect
 from moetrace.dashboards.page import Headline, Section, render_page
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
@@ -244,9 +245,7 @@ def write_dashboard(
         headlines=built.headlines,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, out)
+    write_text_atomic(out, text)  # an unpredictable temporary name, never through a link
     progress(built.steps + 1, built.steps + 1)
     return DashboardReport(
         path=out,

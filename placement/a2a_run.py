@@ -49,6 +49,7 @@ from typing import Any, Literal, TypedDict
 
 import numpy as np
 
+from moetrace import lifetime
 from moetrace import results as rf
 from moetrace.environ import environ
 from moetrace.errors import ConfigError, MoetraceError, TraceFormatError
@@ -536,6 +537,7 @@ def _spawned(
     netns_W: tuple[str, ...],
     env: dict[str, str],
 ) -> None:
+    lifetime.die_with_parent()  # a rank never outlives the run that started it (SIGKILL of the parent too)
     if netns_W:
         netemu.enter_netns(
             netns_W[rank]
@@ -578,7 +580,11 @@ def launch_local(
         netns_W = tuple(nodes.namespaces[r // ranks_per_node] for r in range(world_size))
         env = nodes.rank_env()
     start_env = nodes.spawn_env() if nodes is not None else {}
-    with tempfile.TemporaryDirectory(prefix="moetrace-a2a-") as d, environ(start_env):
+    with (
+        tempfile.TemporaryDirectory(prefix="moetrace-a2a-") as d,
+        lifetime.guard(paths=[d]),  # ranks and temp dir go with this process, however it ends
+        environ(start_env),
+    ):
         result = str(Path(d) / "rank0.pkl")
         try:
             ctx = mp.spawn(
@@ -624,7 +630,7 @@ def run_a2a(
             )
         return run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), plan), Network(mode="torchrun")
     spec = netemu.parse_link(link)
-    with tempfile.TemporaryDirectory(prefix="moetrace-a2a-progress-") as d:
+    with tempfile.TemporaryDirectory(prefix="moetrace-a2a-progress-") as d, lifetime.guard(paths=[d]):
         return _run_local(plan, spec, emulate, say, _BatchProgress(Path(d) / "batches", plan, progress))
 
 

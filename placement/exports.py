@@ -14,6 +14,15 @@ Shape legend (docs/architecture.md): L MoE layers, H all decoder layers, E logic
 P physical slots, M max replicas, W EP ranks, J slots of one rank (P / W in this module), C clusters,
 F features (L*E).
 
+Every placement file is checked by one function, :func:`check_placement_file` (``load_placement``
+runs it; ``export_placement`` and ``a2a``'s replay of a file never see a file it refuses): the
+JSON reads (UTF-8, bounded nesting, an object), shapes agree with the model (``moe_layers`` x slots),
+ids are in range, every expert has a slot, the slots divide evenly over the EP ranks and agree
+with the stated ``num_slots`` / ``num_redundant`` (``E + R``), ``logcnt`` / ``log2phy`` describe
+``phy2log``, a grouped placement (one with a router) holds each expert at most once per node (its
+router's model of a node), and the router's numbers are finite. Sizes are bounded before anything
+is allocated: a file may not make ``export`` build more than :data:`MAX_EXPORT_IDS` ids.
+
 Out of scope: computing placements; routing requests (``routers``; the engine files hold no router, so
 every router kind exports the same way); talking to a running engine; vllm-ascend's ``mix_placement``
 (shared experts placed as extra logical experts: a moetrace placement holds routed experts only).
@@ -57,6 +66,13 @@ __all__ = [
     "TRACE_EXPORTS",
 ]
 
+#: the most ids (decoder layers x slots) one engine file may hold: far above any model (DeepSeek-V3:
+#: 61 x 288), far below what would exhaust memory (8 bytes per id, plus its text)
+MAX_EXPORT_IDS = 1 << 24
+#: the largest placement JSON read (DeepSeek-V3 with 32 redundant slots: about 0.3 MB)
+MAX_PLACEMENT_BYTES = 256 << 20
+#: the largest count (experts, layers, EP ranks) a placement file may state, as a trace manifest (schema)
+_MAX_COUNT = 1 << 20
 FORMAT = PLACEMENT.format  # the placement JSON's "format" (moetrace.results owns it)
 VERSION = PLACEMENT.version  # the version this moetrace writes and reads
 PlacementExportFormat = Literal["sglang", "trtllm", "vllm", "vllm-ascend"]  # made from a placement JSON
@@ -145,12 +161,7 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
 
     The router comes from ``routers.read_router`` (files of every moetrace version included)."""
     where = str(path)
-    try:
-        d = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise TraceFormatError(f"{where}: no such placement file (write one with `moetrace place`)") from None
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{where}: not valid JSON ({exc})") from exc
+    d = _read_json(Path(path), where)
     check_result_json(where, d, PLACEMENT)
     for key in ("model", "deployment", "strategy", "phy2log", "logcnt", "log2phy"):
         if key not in d:
@@ -164,10 +175,10 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
             raise TraceFormatError(f"{where}: `model` lacks `{key}`")
     E, H, num_ep = model["num_experts"], model["num_hidden_layers"], deployment.get("num_ep", 1)
     layers = model["moe_layers"]
-    if not all(isinstance(x, int) and x >= 1 for x in (E, H, num_ep)):
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= _MAX_COUNT for x in (E, H, num_ep)):
         raise TraceFormatError(
             f"{where}: model `num_experts`, `num_hidden_layers` and deployment `num_ep` must be "
-            f"positive integers, got {E!r}, {H!r}, {num_ep!r}"
+            f"positive integers (at most {_MAX_COUNT:,}), got {E!r:.40}, {H!r:.40}, {num_ep!r:.40}"
         )
     if (
         not isinstance(layers, list)
@@ -190,23 +201,101 @@ def load_placement(path: str | os.PathLike) -> PlacementFile:
     phy2log, logcnt, log2phy = arrays["phy2log"], arrays["logcnt"], arrays["log2phy"]
     if phy2log.ndim != 2 or phy2log.shape[0] != L:
         raise TraceFormatError(f"{where}: phy2log has shape {phy2log.shape}, expected ({L} MoE layers, slots)")
-    problems = placement_problems(Placement(phy2log, log2phy, logcnt), num_experts=E, num_ranks=num_ep)
-    if problems:
-        raise TraceFormatError(f"{where}: invalid placement: " + "; ".join(problems))
+    if phy2log.size > MAX_EXPORT_IDS or log2phy.size > 4 * MAX_EXPORT_IDS:
+        raise TraceFormatError(f"{where}: a placement of {phy2log.size:,} slots is larger than any model's")
+    for key in ("num_slots", "num_redundant"):
+        stated = d.get(key)
+        if stated is not None and (not isinstance(stated, int) or isinstance(stated, bool)):
+            raise TraceFormatError(f"{where}: `{key}` must be a whole number, got {stated!r:.40}")
+    P = phy2log.shape[1]
+    if d.get("num_slots") not in (None, P):
+        raise TraceFormatError(f"{where}: `num_slots` is {d['num_slots']} but phy2log holds {P} slots per layer")
+    if d.get("num_redundant") not in (None, P - E):
+        raise TraceFormatError(
+            f"{where}: `num_redundant` is {d['num_redundant']} but phy2log holds {P} slots for {E} experts "
+            f"({P - E} redundant)"
+        )
     dep = _read_deployment(deployment, where)
     try:
         info = ModelInfo.from_dict(model)
     except TraceFormatError as exc:
         raise TraceFormatError(f"{where}: {exc}") from None
     router = read_router(d.get("grouping"), where=where, num_groups=dep.num_groups, num_features=L * E)
-    return PlacementFile(
+    if not isinstance(d["strategy"], str):
+        raise TraceFormatError(f"{where}: `strategy` must be a string, got {d['strategy']!r:.40}")
+    pf = PlacementFile(
         model=info,
         deployment=dep,
-        strategy=str(d["strategy"]),
+        strategy=d["strategy"],
         placement=Placement(phy2log, log2phy, logcnt),
         router=router,
-        source=d.get("source"),
+        source=d.get("source") if isinstance(d.get("source"), dict) else None,
     )
+    check_placement_file(pf, where=where)
+    return pf
+
+
+def placement_file_problems(pf: PlacementFile) -> list[str]:
+    """Every way ``pf`` cannot be served (empty: valid): shapes against the model, ids, coverage, slots
+    dividing evenly over the EP ranks (``maps.placement_problems``), at least one slot per expert, and,
+    for a grouped placement (one with a router), no expert twice on one node."""
+    m, dep = pf.model, pf.deployment
+    phy2log = np.asarray(pf.placement.phy2log)
+    if phy2log.ndim != 2 or phy2log.shape[0] != m.num_moe_layers:
+        return [f"phy2log has shape {phy2log.shape}, expected ({m.num_moe_layers} MoE layers, slots)"]
+    L, P = phy2log.shape
+    if P < m.num_experts:
+        return [f"{P} slots per layer cannot hold {m.num_experts} experts"]
+    problems = placement_problems(pf.placement, num_experts=m.num_experts, num_ranks=dep.num_ep)
+    if problems or isinstance(pf.router, NoRouter):
+        return problems
+    G = dep.num_groups
+    if P % G:
+        return [f"{P} slots do not divide over {G} nodes"]
+    per_node = np.sort(phy2log.reshape(L, G, P // G), axis=-1)
+    twice_LGJ = per_node[..., 1:] == per_node[..., :-1]
+    if twice_LGJ.any():
+        l, g, j = (int(x[0]) for x in np.nonzero(twice_LGJ))
+        problems.append(
+            f"node {g} holds expert {int(per_node[l, g, j])} twice in MoE layer {l} ({int(twice_LGJ.sum())} repeats); "
+            f"a {pf.router.kind} router sends each request to one node, which holds each expert once"
+        )
+    return problems
+
+
+def check_placement_file(pf: PlacementFile, *, where: str) -> None:
+    """Raise ``TraceFormatError`` naming the problems of ``pf`` (:func:`placement_file_problems`): the one
+    check every placement passes before ``export`` writes it or ``a2a`` replays it."""
+    problems = placement_file_problems(pf)
+    if problems:
+        raise TraceFormatError(
+            f"{where}: invalid placement: " + "; ".join(problems) + "; re-create it with `moetrace place`"
+        )
+
+
+def _read_json(path: Path, where: str) -> Any:
+    """The JSON of a placement file: UTF-8 text of a bounded size, nested no deeper than Python parses."""
+    try:
+        size = path.stat().st_size
+        if not path.is_file():
+            raise TraceFormatError(f"{where}: not a regular file; pass a placement JSON written by `moetrace place`")
+        if size > MAX_PLACEMENT_BYTES:
+            raise TraceFormatError(
+                f"{where}: {size:,} bytes is larger than any placement file ({MAX_PLACEMENT_BYTES >> 20} MiB at most)"
+            )
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise TraceFormatError(f"{where}: no such placement file (write one with `moetrace place`)") from None
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(
+            f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start}); a placement file is UTF-8 JSON"
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise TraceFormatError(f"{where}: JSON nested too deeply to be a placement file") from None
 
 
 def _full_layer_map(pf: PlacementFile) -> np.ndarray:
@@ -224,7 +313,15 @@ def export_placement(pf: PlacementFile, *, fmt: PlacementExportFormat) -> str:
     Raises ``ConfigError`` for a placement the engine cannot take (vllm-ascend: EP size 1, or an
     expert twice on one rank) and for a format that is not made from a placement.
     """
+    check_placement_file(pf, where=f"placement ({pf.strategy})")
     layers = [int(x) for x in pf.model.moe_layers]
+    if pf.model.num_hidden_layers * pf.num_slots > MAX_EXPORT_IDS:
+        raise ConfigError(
+            f"an engine file of {pf.model.num_hidden_layers:,} layers x {pf.num_slots:,} slots "
+            f"({pf.model.num_hidden_layers * pf.num_slots:,} ids, about "
+            f"{pf.model.num_hidden_layers * pf.num_slots * 16 >> 20:,} MiB) is larger than any model's "
+            f"({MAX_EXPORT_IDS:,} ids at most); check the placement file's model section"
+        )
     if fmt == "sglang":
         # init_by_mapping(**data) accepts exactly this key; rows = num_hidden_layers
         return json.dumps({"physical_to_logical_map": _full_layer_map(pf).tolist()}) + "\n"

@@ -17,8 +17,9 @@ A process joins node ``i`` with ``enter_netns(namespaces[i])`` (``setns``, befor
 socket); gloo then binds ``GLOO_SOCKET_IFNAME=NODE_IF`` and rendezvous at ``addrs[0]``
 (``rank_env``). ``link_bytes`` reads the shaping qdiscs' byte counters, which count exactly the
 inter-node traffic. Leaving the context deletes every namespace (their veths, bridge and qdiscs go
-with them), also on an exception, Ctrl-C or SIGTERM; ``remove_stale`` deletes namespaces left by a
-run that was killed (SIGKILL) whose process no longer exists.
+with them), also on an exception, Ctrl-C or SIGTERM, and, through a supervisor process
+(``moetrace.lifetime.guard``) started before the first namespace, when this process is killed by
+SIGKILL; ``remove_stale`` (a fallback) deletes namespaces left by a run whose process no longer exists.
 
 Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN), ``ip`` and ``tc``; ``probe`` says whether they work here.
 
@@ -43,6 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from moetrace import lifetime
 from moetrace.errors import ConfigError, MoetraceError
 
 if TYPE_CHECKING:  # numpy loads when the counters are read, so `moetrace --help` stays light
@@ -290,6 +292,9 @@ def emulated_nodes(num_nodes: int, link: Link) -> Iterator[EmulatedNodes]:
             raise SystemExit(128 + signum)
 
         restore = signal.signal(signal.SIGTERM, _term)
+    # deletes them if this process dies without reaching the `finally` below (SIGKILL)
+    supervisor = lifetime.guard(commands=[(ip, "netns", "del", ns) for ns in (*names, hub)])
+    supervisor.__enter__()
     try:
         _run(ip, "netns", "add", hub)
         made.append(hub)
@@ -336,6 +341,7 @@ def emulated_nodes(num_nodes: int, link: Link) -> Iterator[EmulatedNodes]:
                 failed.append(f"{ns} ({exc})")
         if on_main:
             signal.signal(signal.SIGTERM, restore if restore is not None else signal.SIG_DFL)
+        supervisor.__exit__(None, None, None)
         if failed:
             raise NetEmuError(
                 f"could not remove namespace(s) {', '.join(failed)}; remove them with `ip netns del NAME`"

@@ -320,7 +320,7 @@ def test_progress_counts_sections_and_the_page(prod, tmp_path):
 
 def test_cli_quiet_and_no_tty_draw_no_bar(trace, tmp_path):
     for args in ([], ["--quiet"]):
-        res = CliRunner().invoke(app, ["dashboard", str(trace), "-o", str(tmp_path / "r.html"), *args])
+        res = CliRunner().invoke(app, ["dashboard", str(trace), "-o", str(tmp_path / "r.html"), "--overwrite", *args])
         assert res.exit_code == 0, res.output
         assert res.output.startswith("wrote ") and "steps/s" not in res.output
 

@@ -25,11 +25,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from moetrace.errors import ConfigError, ModelError
+from moetrace import lifetime
+from moetrace.errors import ConfigError, ModelError, TraceBusyError
 from moetrace.sizes import human_bytes
 from moetrace.tracer.backends.base import GenerationConfig, OnProgress
 from moetrace.tracer.backends.registry import BackendSettings, get_backend
 from moetrace.tracer.trace.layout import REQUESTS_DIR, shard_manifest_name, shard_prefix
+from moetrace.tracer.trace.lock import probe_lock
 from moetrace.tracer.trace.writer import OnExisting, TraceWriter, WriterStats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -197,33 +199,38 @@ def collect(
         collection.update(shard=s, num_shards=n, num_requests_in_run=len(prompts))
         prompts = shard_prompts(prompts, shard=s, num_shards=n)
         writer_kw = {"part_prefix": shard_prefix(s), "manifest_name": shard_manifest_name(s)}
-    t0 = time.perf_counter()
-    info = runner.load(resolved, generation)
-    backend_section = runner.describe().manifest_section(entry.name)
+    probe_lock(out, shared=shard is not None)  # a trace being written is refused before the model loads
+    # the engine's processes (vLLM's, its data-parallel ranks) die with this one, even by SIGKILL
+    with lifetime.guard():
+        t0 = time.perf_counter()
+        info = runner.load(resolved, generation)
+        backend_section = runner.describe().manifest_section(entry.name)
 
-    fresh = shard is None and not Path(out).exists()
-    try:
-        with TraceWriter(
-            out,
-            model=info,
-            backend=backend_section,
-            collection=collection,
-            on_existing=on_existing,
-            with_weights=generation.record_weights,
-            with_text=generation.store_text,
-            **writer_kw,
-        ) as writer:
-            writer.update_manifest(backend=backend_section)  # a resumed trace records what ran last
-            pending = sum(p.request_id not in writer.completed_request_ids for p in prompts)
-            if on_start is not None:
-                on_start(pending, len(prompts))
-            runner.run(prompts, writer=writer, generation=generation, on_progress=on_progress)
-    except BaseException:
-        # a run that created the directory and committed nothing (the engine did not start, the
-        # model did not load, Ctrl-C at once) leaves nothing behind that would need --overwrite
-        if fresh and writer_committed_nothing(out):
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+        fresh = shard is None and not Path(out).exists()
+        try:
+            with TraceWriter(
+                out,
+                model=info,
+                backend=backend_section,
+                collection=collection,
+                on_existing=on_existing,
+                with_weights=generation.record_weights,
+                with_text=generation.store_text,
+                **writer_kw,
+            ) as writer:
+                writer.update_manifest(backend=backend_section)  # a resumed trace records what ran last
+                pending = sum(p.request_id not in writer.completed_request_ids for p in prompts)
+                if on_start is not None:
+                    on_start(pending, len(prompts))
+                runner.run(prompts, writer=writer, generation=generation, on_progress=on_progress)
+        except TraceBusyError:
+            raise  # refused in a lock race: the directory is the other writer's, never ours to remove
+        except BaseException:
+            # a run that created the directory and committed nothing (the engine did not start, the
+            # model did not load, Ctrl-C at once) leaves nothing behind that would need --overwrite
+            if fresh and writer_committed_nothing(out):
+                shutil.rmtree(out, ignore_errors=True)
+            raise
     # the writer counts what this run added; stats() also covers what a resumed run had before
     return CollectResult(
         path=Path(out),

@@ -71,6 +71,8 @@ import numpy as np
 
 from moetrace.atomic import atomic_path
 from moetrace.errors import ConfigError, OutputExistsError
+from moetrace.lifetime import die_with_parent
+from moetrace.sizes import check_memory
 from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
 
 TRUTH_FILE = "truth.npz"
@@ -194,6 +196,10 @@ def _length_from(dataset: str, v: object) -> LengthDist:
         return LengthDist(**v)
     except TypeError as exc:
         raise ConfigError(f"knob `lengths.{dataset}`: {exc}") from exc
+
+
+#: memory one synthetic request keeps for the whole run (ids, dataset index, the writer's sets), bytes
+SYNTH_BYTES_PER_REQUEST = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -820,6 +826,7 @@ _WORKER: _Sampler | None = None
 
 def _init_worker(sampler: _Sampler) -> None:
     global _WORKER
+    die_with_parent()  # never outlives a killed `synth`
     _WORKER = sampler
 
 
@@ -880,6 +887,12 @@ def synthesize(
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     if on_existing == "refuse" and (Path(out) / "manifest.json").exists():
         raise OutputExistsError(f"{out} already holds a trace; pass --overwrite to replace it, or choose another -o")
+    # what lives for the whole run per request: its dataset index, its id in the writer's sets of done ids
+    check_memory(
+        plan.num_requests * SYNTH_BYTES_PER_REQUEST,
+        what=f"synth of {plan.num_requests:,} requests",
+        knob="lower --requests (or write several traces)",
+    )
     t0 = time.perf_counter()
     collection = plan.collection(model)
     truth = plant_truth(model, plan)

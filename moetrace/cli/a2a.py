@@ -11,7 +11,16 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, Seed, TraceArg, friendly_errors, progress_bar
+from moetrace.cli.common import (
+    AllowIncomplete,
+    Overwrite,
+    Quiet,
+    Seed,
+    TraceArg,
+    claim_output,
+    friendly_errors,
+    progress_bar,
+)
 from moetrace.cli.place import (
     BatchRequests,
     Clusters,
@@ -110,74 +119,74 @@ def a2a_cmd(
     from moetrace.placement.compare import CompareConfig, load_trace_data
     from moetrace.placement.deployment import parse_deployment
     from moetrace.placement.exports import load_placement
-    from moetrace.results import A2A, check_output
+    from moetrace.results import A2A
 
     lead = not torchrun or os.environ.get("RANK", "0") == "0"
     if smoke and out is not None:
         raise ConfigError("--smoke prints its check and writes no results; drop -o")
     if not smoke and out is None:
         raise ConfigError("-o/--out RESULTS is required (except with --smoke)")
-    if lead and out is not None:
-        check_output(out, A2A, overwrite=overwrite)  # before any work
     parse_link(link)  # a bad --link fails before any work
     if torchrun and emulate_nodes:
         raise ConfigError("--emulate-nodes is for a local run; under --torchrun the ranks use the real nodes' links")
-    names = tuple(s.strip() for s in strategies.split(",") if s.strip())
-    cfg = CompareConfig(
-        deployment=parse_deployment(config, num_gpus_per_node=gpus_per_node),
-        strategies=names,
-        num_clusters=clusters,
-        num_redundant=redundancy,
-        test_fraction=test_fraction,
-        num_batches=batches,
-        num_batch_requests=batch_requests,
-        dedup=dedup,
-        replica_policy=replica_policy,
-        seed=seed,
-    )
-    local = not torchrun and not smoke  # this process starts the ranks
-    if local and (warning := ar.check_local_capacity(cfg.deployment.num_ep, force=force)):
-        typer.secho(warning, fg=typer.colors.YELLOW, err=True)
-    check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
-    resolved, note = ar.choose_backend(backend, world_size=cfg.deployment.num_ep, torchrun=torchrun, smoke=smoke)
-    if note:
-        typer.echo(note, err=True)
-    if cfg.deployment.num_ep_tp > 1 and lead:
-        typer.echo(
-            f"note: {cfg.deployment.name}: TP{cfg.deployment.num_ep_tp} after EP is replayed as one process per EP rank "
-            "(the EP all-to-all, as the simulator counts it; not the tensor-parallel traffic inside an EP rank)",
-            err=True,
+    # before any work; held while the ranks run: no second run writes into the same folder
+    with claim_output(out if lead else None, kind="results", overwrite=overwrite, command="moetrace a2a", result=A2A):
+        names = tuple(s.strip() for s in strategies.split(",") if s.strip())
+        cfg = CompareConfig(
+            deployment=parse_deployment(config, num_gpus_per_node=gpus_per_node),
+            strategies=names,
+            num_clusters=clusters,
+            num_redundant=redundancy,
+            test_fraction=test_fraction,
+            num_batches=batches,
+            num_batch_requests=batch_requests,
+            dedup=dedup,
+            replica_policy=replica_policy,
+            seed=seed,
         )
-    with progress_bar("counting", "tokens", quiet=quiet or not lead) as bar:
-        data = load_trace_data(
-            trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete, progress=bar
-        )
-    placed = None
-    if placement:
-        placed = {}
-        for f in placement:
-            ps = ar.placed_from_file(data, cfg, load_placement(f), where=str(f))
-            placed[ps.strategy if ps.strategy not in placed else f"{ps.strategy}:{f.stem}"] = ps
-    plan = ar.build_plan(data, cfg=cfg, placed=placed, hidden_size=hidden_size, dtype=dtype, backend=resolved)
-    if smoke:
-        typer.echo(ar.format_smoke(plan, ar.run_smoke(plan)))
-        return
-    if local and not force:  # again with the plan each rank holds (send matrices, buffers)
-        ar.check_local_capacity(plan.world_size, extra_bytes_per_rank=ar.plan_bytes_per_rank(plan))
-    with progress_bar("replaying", "batches", quiet=quiet) as bar:
-        records, network = ar.run_a2a(
-            plan,
-            torchrun=torchrun,
-            emulate=emulate_nodes,
-            link=link,
-            log=lambda msg: typer.echo(msg, err=True),
-            progress=bar,
-        )
-    if records is None:  # a torchrun rank other than 0: rank 0 reports
-        return
-    assert out is not None  # required without --smoke (checked above)
-    files = ar.write_a2a_results(out, plan, records, network)
-    typer.echo(ar.format_summary(plan, records, network))
-    typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
-    ar.raise_on_mismatch(plan, records)
-    typer.echo("measured bytes equal the simulator's for every collective, rank and link class")
+        local = not torchrun and not smoke  # this process starts the ranks
+        if local and (warning := ar.check_local_capacity(cfg.deployment.num_ep, force=force)):
+            typer.secho(warning, fg=typer.colors.YELLOW, err=True)
+        check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
+        resolved, note = ar.choose_backend(backend, world_size=cfg.deployment.num_ep, torchrun=torchrun, smoke=smoke)
+        if note:
+            typer.echo(note, err=True)
+        if cfg.deployment.num_ep_tp > 1 and lead:
+            typer.echo(
+                f"note: {cfg.deployment.name}: TP{cfg.deployment.num_ep_tp} after EP is replayed as one process per EP rank "
+                "(the EP all-to-all, as the simulator counts it; not the tensor-parallel traffic inside an EP rank)",
+                err=True,
+            )
+        with progress_bar("counting", "tokens", quiet=quiet or not lead) as bar:
+            data = load_trace_data(
+                trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete, progress=bar
+            )
+        placed = None
+        if placement:
+            placed = {}
+            for f in placement:
+                ps = ar.placed_from_file(data, cfg, load_placement(f), where=str(f))
+                placed[ps.strategy if ps.strategy not in placed else f"{ps.strategy}:{f.stem}"] = ps
+        plan = ar.build_plan(data, cfg=cfg, placed=placed, hidden_size=hidden_size, dtype=dtype, backend=resolved)
+        if smoke:
+            typer.echo(ar.format_smoke(plan, ar.run_smoke(plan)))
+            return
+        if local and not force:  # again with the plan each rank holds (send matrices, buffers)
+            ar.check_local_capacity(plan.world_size, extra_bytes_per_rank=ar.plan_bytes_per_rank(plan))
+        with progress_bar("replaying", "batches", quiet=quiet) as bar:
+            records, network = ar.run_a2a(
+                plan,
+                torchrun=torchrun,
+                emulate=emulate_nodes,
+                link=link,
+                log=lambda msg: typer.echo(msg, err=True),
+                progress=bar,
+            )
+        if records is None:  # a torchrun rank other than 0: rank 0 reports
+            return
+        assert out is not None  # required without --smoke (checked above)
+        files = ar.write_a2a_results(out, plan, records, network)
+        typer.echo(ar.format_summary(plan, records, network))
+        typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
+        ar.raise_on_mismatch(plan, records)
+        typer.echo("measured bytes equal the simulator's for every collective, rank and link class")

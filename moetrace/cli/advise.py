@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli.common import Overwrite, Quiet, Seed, friendly_errors, progress_bar
+from moetrace.cli.common import Overwrite, Quiet, Seed, claim_output, friendly_errors, progress_bar
 from moetrace.cli.place import ConfigOpt, GpusPerNode, LinkOpt
 
 
@@ -50,18 +50,18 @@ def advise_cmd(
     from moetrace.placement.advise import AdviseConfig, advise_input, format_advice, write_advice
     from moetrace.placement.cost import parse_links
     from moetrace.placement.deployment import parse_deployment
-    from moetrace.results import ADVICE, check_output
+    from moetrace.results import ADVICE
 
-    check_output(out, ADVICE, overwrite=overwrite)  # before minutes of work
     dep = parse_deployment(config, num_gpus_per_node=gpus_per_node)
     cfg = AdviseConfig(
         deployment=dep, max_slots_per_gpu=max_slots_per_gpu, num_steps=steps, seed=seed, links=parse_links(link)
     )
-    with (
-        progress_bar("counting", "tokens", quiet=quiet) as count_bar,
-        progress_bar("options", "runs", quiet=quiet) as bar,
-    ):
-        advice = advise_input(source, cfg, current=current, progress=bar, count_progress=count_bar)
-    write_advice(advice, out, deployment=dep)
+    with claim_output(out, kind="results", overwrite=overwrite, command="moetrace advise", result=ADVICE):
+        with (
+            progress_bar("counting", "tokens", quiet=quiet) as count_bar,
+            progress_bar("options", "runs", quiet=quiet) as bar,
+        ):
+            advice = advise_input(source, cfg, current=current, progress=bar, count_progress=count_bar)
+        write_advice(advice, out, deployment=dep)
     typer.echo(format_advice(advice, out=out))
     typer.echo(f"\nwrote {out}")

@@ -13,6 +13,7 @@ from moetrace.cli.common import (
     Quiet,
     Seed,
     TraceArg,
+    claim_output,
     friendly_errors,
     log_lines,
     progress_bar,
@@ -74,7 +75,7 @@ def analyze_cmd(
         --only imbalance,correlation --batch-size 128
     """
     from moetrace.analysis.run import DEFAULT_ANALYSES, AnalyzeConfig, analyze, format_summary
-    from moetrace.results import ANALYSIS_MANIFEST
+    from moetrace.results import ANALYSIS, ANALYSIS_MANIFEST
 
     config = AnalyzeConfig(
         only=tuple(x.strip() for x in only.split(",") if x.strip()) if only else DEFAULT_ANALYSES,
@@ -86,7 +87,10 @@ def analyze_cmd(
         allow_incomplete=allow_incomplete,
     )
     log = log_lines(quiet)
-    with progress_bar("counting", "tokens", quiet=quiet) as bar:
+    with (
+        claim_output(out, kind="results", overwrite=overwrite, command="moetrace analyze", result=ANALYSIS),
+        progress_bar("counting", "tokens", quiet=quiet) as bar,
+    ):
         last = [-1]
 
         def progress(done: int, total: int) -> None:

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import OutDir, Overwrite, Seed, friendly_errors, human_bytes
+from moetrace.cli.common import OutDir, Overwrite, Seed, claim_output, friendly_errors, human_bytes
 
 
 def register(app: typer.Typer) -> None:
@@ -40,7 +40,8 @@ def make_checkpoint_cmd(
     """
     from moetrace.tracer.checkpoint import make_checkpoint
 
-    info = make_checkpoint(preset, out=out, seed=seed, dtype=dtype, overwrite=overwrite)
+    with claim_output(out, kind="directory", overwrite=overwrite, command="moetrace make-checkpoint"):
+        info = make_checkpoint(preset, out=out, seed=seed, dtype=dtype, overwrite=overwrite)
     typer.echo(
         f"{info.path}: {info.preset} ({info.architecture}), {info.num_parameters / 1e6:.1f}M parameters, "
         f"{human_bytes(info.bytes_on_disk)} ({dtype})"

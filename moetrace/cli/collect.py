@@ -16,6 +16,7 @@ from moetrace.cli.common import (
     Overwrite,
     Quiet,
     Seed,
+    claim_output,
     friendly_errors,
     request_progress,
     show_progress,
@@ -132,7 +133,12 @@ def collect_cmd(
         gpu_memory_utilization=gpu_memory_utilization,
         enforce_eager=enforce_eager,
     )
-    with third_party_bars(show_progress(quiet)), request_progress("collect", quiet=quiet) as bar:
+    with (
+        # before any model is loaded: a trace being written is refused in a second, not after minutes
+        claim_output(out, kind="trace", overwrite=overwrite, command="moetrace collect", shard=shard is not None),
+        third_party_bars(show_progress(quiet)),
+        request_progress("collect", quiet=quiet) as bar,
+    ):
         result = run_collection(
             config,
             out=out,

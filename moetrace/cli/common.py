@@ -1,4 +1,5 @@
-"""Pieces shared by every CLI command: options defined once, clean domain errors, the one progress bar.
+"""Pieces shared by every CLI command: options defined once, clean domain errors, the one progress bar,
+and the one rule for output paths (:func:`claim_output`).
 
 Each command module registers its commands on the root app with ``register(app)``; a command is a
 few lines over one library call.
@@ -9,18 +10,22 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import os
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, Literal, TypeVar
 
 import typer
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
+    from moetrace.results import ResultKind
+
 from moetrace.environ import environ
-from moetrace.errors import MoetraceError, TraceValidationError
+from moetrace.errors import MoetraceError, OutputExistsError, TraceValidationError
 from moetrace.sizes import human_bytes  # noqa: F401  (re-exported for the command modules)
 
 F = TypeVar("F", bound=Callable)
@@ -30,7 +35,21 @@ TraceArg = Annotated[
     Path, typer.Argument(help="Trace directory (manifest.json, requests/, routing/).", show_default=False)
 ]
 OutDir = Annotated[Path, typer.Option("--out", "-o", help="Output directory.", show_default=False)]
-Seed = Annotated[int, typer.Option(help="Random seed; the same seed gives the same result.")]
+#: the largest seed every generator moetrace seeds takes (numpy's legacy and torch's: 2**32 - 1)
+MAX_SEED = 2**32 - 1
+
+
+def _check_seed(value: int) -> int:
+    """The ``--seed`` of every command: 0 .. MAX_SEED, else one error line and exit 2 (before any work)."""
+    if not 0 <= value <= MAX_SEED:
+        err(f"--seed must be a whole number from 0 to {MAX_SEED}, got {value}")
+        raise typer.Exit(2)
+    return value
+
+
+Seed = Annotated[
+    int, typer.Option(help="Random seed (0 to 2**32-1); the same seed gives the same result.", callback=_check_seed)
+]
 ModelOpt = Annotated[
     str,
     typer.Option(
@@ -88,6 +107,109 @@ def _describe_os_error(exc: OSError) -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"{cause.lower()}{where}; free space, then run the command again (with --resume where it has one)"
     return f"{cause}{where}"
+
+
+# ---- the one rule for every output path ----------------------------------------------------------
+#: what a command writes at -o: ``file`` (one file: export, place, dashboard), ``results`` (a results
+#: folder: analyze, compare, a2a), ``directory`` (a directory replaced whole: make-checkpoint),
+#: ``trace`` (a trace directory, by its writer: collect, import, synth)
+OutputKind = Literal["file", "results", "directory", "trace"]
+
+
+def _owned_directory(start: Path) -> tuple[Path, bool] | None:
+    """The nearest directory at or above ``start`` that a writer owns: ``(dir, True)`` for a trace
+    directory, ``(dir, False)`` for a results folder with a writer lock; None when there is none."""
+    from moetrace.tracer.trace.layout import is_trace_directory
+    from moetrace.tracer.trace.lock import TRACE_LOCK
+
+    for d in (start, *start.parents):
+        if is_trace_directory(d):
+            return d, True
+        if os.path.lexists(d / TRACE_LOCK):
+            return d, False
+    return None
+
+
+@contextlib.contextmanager
+def claim_output(
+    path: Path | None,
+    *,
+    kind: OutputKind,
+    overwrite: bool,
+    command: str,
+    result: ResultKind | None = None,
+    shard: bool = False,
+) -> Iterator[Path | None]:
+    """Check that ``command`` may write ``path`` (its -o) and hold what keeps others out while it does.
+
+    The one rule, before any work:
+
+    - a symbolic link at ``path`` is refused (no write ever follows one), and so is what is not of
+      ``kind`` (a file output that is a directory, a device node or a pipe; a directory output that is a file);
+    - ``path`` inside a trace directory (or ``path`` holding one, except for ``kind="trace"``, whose
+      writer decides) is refused without ``overwrite``, and always while that trace's writer lock is
+      held; with ``overwrite`` the trace's lock is held for the block, so no collector starts under it;
+    - an existing file, a non-empty directory, or results of ``result`` (a ``moetrace.results`` kind)
+      are refused without ``overwrite``;
+    - a results folder is locked for the block (``lock.lock_results``): two runs never mix their files;
+      a trace output's lock is probed now (``collect`` then loads no model for a trace being written).
+
+    Yields ``path``; ``path=None`` (a command writing nothing) checks nothing. A results folder this
+    created and left holding nothing but its lock is removed again. Raises ``OutputExistsError`` /
+    ``TraceBusyError`` with one line naming the fix.
+    """
+    from moetrace.atomic import check_regular_target
+    from moetrace.results import check_output
+    from moetrace.tracer.trace.lock import TRACE_LOCK, WriterLock, lock_results, lock_trace, probe_lock
+
+    if path is None:
+        yield None
+        return
+    p = Path(path)
+    st = os.lstat(p) if os.path.lexists(p) else None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise OutputExistsError(f"{p} is a symbolic link; moetrace never writes through one: choose another -o")
+    if kind == "file":
+        check_regular_target(p)
+    elif st is not None and not stat.S_ISDIR(st.st_mode):
+        raise OutputExistsError(f"{p} exists and is not a directory; -o of `{command}` names a directory")
+    here = Path(os.path.abspath(p))
+    start = here.parent if kind in ("file", "trace") else here
+    owner = _owned_directory(start)
+    held: list[WriterLock] = []
+    try:
+        if owner is not None:
+            d, is_trace = owner
+            if is_trace and not overwrite:
+                where = "holds a trace" if d == here else f"is inside the trace {d}"
+                raise OutputExistsError(
+                    f"{p} {where}; only the trace's own writer (collect, import, synth) writes there. "
+                    "Choose another -o, or pass --overwrite to write there anyway"
+                )
+            probe_lock(d)
+            if is_trace and d != here:
+                held.append(lock_trace(d))
+        if result is not None:  # first: its message names what is there
+            check_output(p, result, overwrite=overwrite)
+        if kind == "file" and st is not None and not overwrite:
+            raise OutputExistsError(f"{p} already exists; choose another -o, or pass --overwrite to replace it")
+        if kind == "directory" and st is not None and any(p.iterdir()) and not overwrite:
+            raise OutputExistsError(f"{p} is not empty; pass --overwrite to replace it, or choose another -o")
+        if kind == "results":
+            held.append(lock_results(p, what=command))
+        elif kind == "directory" and owner is not None and owner[0] == here and owner[1]:
+            held.append(lock_trace(p))  # a trace replaced whole: no collector starts in it meanwhile
+        elif kind == "trace":
+            probe_lock(p, shared=shard)
+        if kind == "file" and not p.parent.is_dir():
+            p.parent.mkdir(parents=True, exist_ok=True)
+        yield p
+    finally:
+        for lock in reversed(held):
+            lock.release()
+        if kind == "results" and st is None and p.is_dir() and [f.name for f in p.iterdir()] == [TRACE_LOCK]:
+            (p / TRACE_LOCK).unlink()  # the run failed before writing anything: leave no empty folder
+            p.rmdir()
 
 
 def stderr_is_tty() -> bool:

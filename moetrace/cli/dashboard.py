@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli.common import Quiet, Seed, friendly_errors, human_bytes, progress_bar
+from moetrace.cli.common import Overwrite, Quiet, Seed, claim_output, friendly_errors, human_bytes, progress_bar
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +29,7 @@ def dashboard_cmd(
     ] = 20_000,
     seed: Seed = 0,
     title: Annotated[str | None, typer.Option(help="Page title (default: names the model).")] = None,
+    overwrite: Overwrite = False,
     quiet: Quiet = False,
 ) -> None:
     """Write an interactive, offline HTML report: overview, load imbalance, correlations, clusters,
@@ -41,7 +42,10 @@ def dashboard_cmd(
     """
     from moetrace.dashboards.report import DashboardConfig, write_dashboard
 
-    with progress_bar("dashboard", "steps", quiet=quiet) as bar:
+    with (
+        claim_output(out, kind="file", overwrite=overwrite, command="moetrace dashboard"),
+        progress_bar("dashboard", "steps", quiet=quiet) as bar,
+    ):
         rep = write_dashboard(
             inputs, out=out, config=DashboardConfig(max_points=max_points, seed=seed, title=title), progress=bar
         )

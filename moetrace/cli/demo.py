@@ -116,7 +116,17 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
             str(out / "placement" / "trtllm-moe-load-balancer.yaml"),
             "--overwrite",
         ],
-        ["dashboard", str(tiny), str(tiny_an), str(syn), str(syn_an), str(cmp_), "-o", str(out / "report.html")],
+        [
+            "dashboard",
+            str(tiny),
+            str(tiny_an),
+            str(syn),
+            str(syn_an),
+            str(cmp_),
+            "-o",
+            str(out / "report.html"),
+            "--overwrite",
+        ],
     ]
 
 

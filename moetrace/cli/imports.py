@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import OutDir, Overwrite, Quiet, friendly_errors, human_bytes, progress_bar
+from moetrace.cli.common import OutDir, Overwrite, Quiet, claim_output, friendly_errors, human_bytes, progress_bar
 from moetrace.tracer.importers import FORMATS, STAGES_HELP, StagesMode
 from moetrace.tracer.importers.options import PHYSICAL_MAP, PROMPT_SPAN
 
@@ -118,6 +118,7 @@ def import_cmd(
     """
     from moetrace.tracer.importers import ImportOptions, detect_format, get_format, import_profile, import_trace
     from moetrace.tracer.presets import resolve
+    from moetrace.tracer.trace.writer import replacing_trace
 
     options = ImportOptions(
         physical_map=physical_map,
@@ -128,7 +129,10 @@ def import_cmd(
     info = resolve(model).model_info()
     fmt = get_format(source_format) if source_format != "auto" else detect_format(source) if source.exists() else None
     if fmt is not None and fmt.produces == "profile":  # aggregate counts: a load profile file, not a trace directory
-        with progress_bar("import", "files", quiet=quiet) as bar:
+        with (
+            claim_output(out, kind="file", overwrite=overwrite, command="moetrace import"),
+            progress_bar("import", "files", quiet=quiet) as bar,
+        ):
             prof = import_profile(
                 source,
                 out=out,
@@ -145,10 +149,14 @@ def import_cmd(
             f"{prof.num_windows} window(s)); `moetrace info {out}` shows it, analyze/compare/place/export read it"
         )
         return
-    with progress_bar("import", "bytes", quiet=quiet) as bar:
+    with (
+        claim_output(out, kind="trace", overwrite=overwrite, command="moetrace import"),
+        replacing_trace(out, overwrite=overwrite) as target,  # a failed import leaves the old trace whole
+        progress_bar("import", "bytes", quiet=quiet) as bar,
+    ):
         stats = import_trace(
             source,
-            out=out,
+            out=target,
             model=info,
             source_format=source_format,
             dataset=dataset,

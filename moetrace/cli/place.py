@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, Seed, TraceArg, friendly_errors, progress_bar
+from moetrace.cli.common import (
+    AllowIncomplete,
+    Overwrite,
+    Quiet,
+    Seed,
+    TraceArg,
+    claim_output,
+    friendly_errors,
+    progress_bar,
+)
 from moetrace.errors import ConfigError
 from moetrace.placement.strategies import RECOMMENDED, STRATEGIES, STRATEGY_NAMES
 
@@ -90,6 +99,7 @@ def _cfg(config: str, gpus_per_node: int, **kw: Any) -> CompareConfig:
 def check_before_reading(trace: Path, cfg: CompareConfig, *, allow_incomplete: bool) -> None:
     """The checks that need no trace data, run before the counting pass (which takes minutes at scale):
     the trace's manifest (its model's E) against ``--redundancy`` and the deployment's EP ranks."""
+    from moetrace.sizes import check_memory
     from moetrace.tracer.trace.profile import is_profile, open_profile
     from moetrace.tracer.trace.reader import open_trace
 
@@ -98,6 +108,12 @@ def check_before_reading(trace: Path, cfg: CompareConfig, *, allow_incomplete: b
     else:
         model = open_trace(trace, require_complete=not allow_incomplete).model  # the manifest only
     cfg.deployment.check_slots(num_experts=model.num_experts, num_redundant=cfg.num_redundant)
+    simulated = cfg.num_batches * cfg.batch_requests  # the simulated tokens' routed ids, int16 [T, L, K]
+    check_memory(
+        simulated * model.ids_per_token * 2,
+        what=f"simulating {simulated:,} tokens of {model.num_moe_layers} layers x top-{model.top_k}",
+        knob="lower --batches or --batch-requests",
+    )
 
 
 def load_data(
@@ -160,9 +176,8 @@ def place_cmd(
     from moetrace.placement.cost import parse_links
     from moetrace.placement.exports import save_placement
     from moetrace.placement.report import format_placement_summary
-    from moetrace.results import PLACEMENT, check_output
+    from moetrace.results import PLACEMENT
 
-    check_output(out, PLACEMENT, overwrite=overwrite)  # before minutes of work
     cfg = _cfg(
         config,
         gpus_per_node,
@@ -173,10 +188,12 @@ def place_cmd(
         seed=seed,
         links=parse_links(link),
     )
-    check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
-    data, cfg = load_data(trace, cfg, asked=True, allow_incomplete=allow_incomplete, quiet=quiet)
-    ps = make_placement(data, cfg, strategy)
-    save_placement(placement_file(data, cfg, ps, out=out), out)
+    # before minutes of work
+    with claim_output(out, kind="file", overwrite=overwrite, command="moetrace place", result=PLACEMENT):
+        check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
+        data, cfg = load_data(trace, cfg, asked=True, allow_incomplete=allow_incomplete, quiet=quiet)
+        ps = make_placement(data, cfg, strategy)
+        save_placement(placement_file(data, cfg, ps, out=out), out)
     typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)} -> {out}")
 
 
@@ -223,10 +240,8 @@ def compare_cmd(
     from moetrace.placement.compare import parse_route_on, run_compare, write_results
     from moetrace.placement.cost import parse_links
     from moetrace.placement.report import compare_notes, format_compare_summary
-    from moetrace.results import COMPARE, check_output
+    from moetrace.results import COMPARE
 
-    if out is not None:
-        check_output(out, COMPARE, overwrite=overwrite)  # before minutes of work
     cfg = _cfg(
         config,
         gpus_per_node,
@@ -246,18 +261,20 @@ def compare_cmd(
         seed=seed,
         route_first_decode=parse_route_on(route_on),
     )
-    check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
-    data, cfg = load_data(
-        trace, cfg, asked=strategies != DEFAULT_STRATEGIES, allow_incomplete=allow_incomplete, quiet=quiet
-    )
-    with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
-        result = run_compare(data, cfg, progress=bar)
-    typer.echo(format_compare_summary(result))
-    for note in compare_notes(result):
-        typer.secho(note, fg=typer.colors.YELLOW, err=True)
-    if out is not None:
-        files = write_results(result, out)
-        typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
+    # before minutes of work
+    with claim_output(out, kind="results", overwrite=overwrite, command="moetrace compare", result=COMPARE):
+        check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
+        data, cfg = load_data(
+            trace, cfg, asked=strategies != DEFAULT_STRATEGIES, allow_incomplete=allow_incomplete, quiet=quiet
+        )
+        with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
+            result = run_compare(data, cfg, progress=bar)
+        typer.echo(format_compare_summary(result))
+        for note in compare_notes(result):
+            typer.secho(note, fg=typer.colors.YELLOW, err=True)
+        if out is not None:
+            files = write_results(result, out)
+            typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
 
 
 @friendly_errors
@@ -296,14 +313,11 @@ def export_cmd(
       moetrace export placement.json --format sglang -o expert_location.json
     """
     from moetrace.atomic import write_text_atomic
-    from moetrace.errors import OutputExistsError
     from moetrace.placement.exports import export_file
 
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out} already exists; choose another -o, or pass --overwrite to replace it")
-    with progress_bar("counting", "tokens", quiet=quiet) as bar:
-        text = export_file(source, fmt=fmt, stage=stage, allow_incomplete=allow_incomplete, progress=bar)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out, text)
+    with claim_output(out, kind="file", overwrite=overwrite, command="moetrace export"):
+        with progress_bar("counting", "tokens", quiet=quiet) as bar:
+            text = export_file(source, fmt=fmt, stage=stage, allow_incomplete=allow_incomplete, progress=bar)
+        write_text_atomic(out, text)
     what = "expert counts" if fmt == "sglang-logical-count" else "placement"
     typer.echo(f"wrote {fmt} {what} to {out}")

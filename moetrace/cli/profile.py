@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, TraceArg, friendly_errors, progress_bar
+from moetrace.cli.common import AllowIncomplete, Overwrite, Quiet, TraceArg, claim_output, friendly_errors, progress_bar
 
 
 def register(app: typer.Typer) -> None:
@@ -36,14 +36,14 @@ def profile_cmd(
 
     Example: moetrace profile traces/dsv3 -o dsv3.profile.parquet
     """
-    from moetrace.errors import OutputExistsError
     from moetrace.tracer.trace.profile import profile_from_trace, write_profile
 
-    if out.exists() and not overwrite:  # before the pass over the trace
-        raise OutputExistsError(f"{out} already exists; choose another -o, or --overwrite to replace it")
-    with progress_bar("profile", "tokens", quiet=quiet) as bar:
+    with (
+        claim_output(out, kind="file", overwrite=overwrite, command="moetrace profile"),  # before the pass
+        progress_bar("profile", "tokens", quiet=quiet) as bar,
+    ):
         prof = profile_from_trace(trace, window_tokens=window_tokens, allow_incomplete=allow_incomplete, progress=bar)
-    write_profile(prof, out, overwrite=overwrite)
+        write_profile(prof, out, overwrite=overwrite)
     totals = ", ".join(f"{s} {int(prof.tokens_L(s).mean()):,}" for s in prof.stages)
     typer.echo(
         f"{out}: load profile of {prof.model.name} ({prof.num_windows} window(s), "

@@ -9,7 +9,17 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import ModelOpt, OutDir, Overwrite, Quiet, Seed, friendly_errors, human_bytes, request_progress
+from moetrace.cli.common import (
+    ModelOpt,
+    OutDir,
+    Overwrite,
+    Quiet,
+    Seed,
+    claim_output,
+    friendly_errors,
+    human_bytes,
+    request_progress,
+)
 from moetrace.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -115,7 +125,10 @@ def synth_cmd(
         structure=structure,
         mix=shares,
     )
-    with request_progress("synth", quiet=quiet) as bar:
+    with (
+        claim_output(out, kind="trace", overwrite=overwrite, command="moetrace synth"),
+        request_progress("synth", quiet=quiet) as bar,
+    ):
         bar.start(plan.num_requests, plan.num_requests)
         summary = synthesize(
             out,

@@ -24,8 +24,10 @@ def validate_cmd(trace: TraceArg, quiet: Quiet = False) -> None:
     from moetrace.tracer.trace.validate import validate
 
     with progress_bar("validate", "rows", quiet=quiet) as bar:
-        validate(trace, progress=bar)
+        notes = validate(trace, progress=bar)
     typer.secho(f"{trace}: valid moetrace trace (format v1)", fg=typer.colors.GREEN)
+    for note in notes:
+        typer.echo(f"note: {note}")
 
 
 @friendly_errors

@@ -646,6 +646,9 @@ def _dp_worker(
     results: Any,
 ) -> None:
     """One DP engine rank (a process): generate its prompts, send converted requests back."""
+    from moetrace.lifetime import die_with_parent
+
+    die_with_parent()  # never outlives a killed `collect`
     os.environ.update(
         VLLM_DP_RANK=str(rank),
         VLLM_DP_RANK_LOCAL=str(rank),

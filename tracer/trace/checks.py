@@ -10,6 +10,10 @@ Two callers run the same checks on the same arrays and get the same messages:
 
 What is checked:
 
+- the manifest against the files (:func:`parts_entry_problems`, :func:`part_list_problems`,
+  :func:`totals_problems`): the ``parts`` it lists (each with its requests, tokens and SHA-256s)
+  are all on disk, a complete trace holds no part it does not list, and its ``totals`` are what
+  the parts hold;
 - columns (one part's schema): :func:`column_problems`, :func:`routing_schema_problems`,
   :func:`optional_routing_column_problems` (``exact``: the types of format v1, as ``validate``
   demands; lenient: any integer width, any string kind, what the reader can still read right);
@@ -41,15 +45,16 @@ Out of scope: reading files and directories, the manifest (``schema.check_manife
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from moetrace.tracer.trace.layout import REQUESTS_DIR
+from moetrace.tracer.trace.layout import PART_RE, REQUESTS_DIR, ROUTING_DIR
 from moetrace.tracer.trace.schema import (
     NO_EXPERT,
     REQUIRED_ROUTING,
@@ -57,6 +62,7 @@ from moetrace.tracer.trace.schema import (
     STAGE_PREFILL,
     STAGES,
     ModelInfo,
+    is_whole,
 )
 
 #: offending values quoted in a message
@@ -69,6 +75,73 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 # ---------------------------------------------------------------------------------- columns
+# ---------------------------------------------------------------------------------- manifest vs. files
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+#: the keys of one entry of the manifest's ``parts`` and what each holds
+PART_KEYS = ("num_requests", "num_tokens", "routing_sha256", "requests_sha256")
+_LIMIT = 1 << 62  # counts a manifest may state (the int64 a reader sums them in)
+
+
+def parts_entry_problems(parts: object) -> list[str]:
+    """The manifest's ``parts`` (None: an older trace, which has none) is an object of committed part
+    names -> ``{num_requests, num_tokens: whole numbers, routing_sha256, requests_sha256: 64 hex digits}``."""
+    if parts is None:
+        return []
+    if not isinstance(parts, dict):
+        return [f"`parts` must be an object of part name -> entry, got {type(parts).__name__}"]
+    problems = []
+    for name, entry in parts.items():
+        if PART_RE.match(name) is None:
+            problems.append(f"`parts` names {name[:80]!r}, which is not a part file name (<prefix>-NNNNNN.parquet)")
+        elif not isinstance(entry, dict) or not set(PART_KEYS) <= set(entry):
+            problems.append(f"`parts.{name}` must hold {', '.join(PART_KEYS)}")
+        elif not all(is_whole(entry[k]) and 0 <= entry[k] < _LIMIT for k in PART_KEYS[:2]):
+            problems.append(f"`parts.{name}`: num_requests and num_tokens must be whole, non-negative numbers")
+        elif not all(isinstance(entry[k], str) and _SHA256_RE.match(entry[k]) for k in PART_KEYS[2:]):
+            problems.append(f"`parts.{name}`: routing_sha256 and requests_sha256 must be 64 lowercase hex digits")
+        if len(problems) >= 5:
+            break
+    return problems
+
+
+def part_list_problems(
+    parts: Mapping[str, Any] | None, *, requests: set[str], routing: set[str], complete: bool
+) -> list[str]:
+    """The manifest's part list against the committed files on disk (``requests``/``routing``: the file
+    names under each): every listed part has both files; a complete trace has no unlisted part."""
+    if parts is None:
+        return []
+    missing = [f"{REQUESTS_DIR}/{n}" for n in sorted(parts) if n not in requests]
+    missing += [f"{ROUTING_DIR}/{n}" for n in sorted(parts) if n not in routing]
+    problems = []
+    if missing:
+        problems.append(
+            f"{len(missing)} file(s) of parts the manifest lists are missing: {', '.join(missing[:4])}"
+            + (" ..." if len(missing) > 4 else "")
+        )
+    extra = sorted(n for n in requests if n not in parts) if complete else []
+    if extra:
+        problems.append(
+            f"{len(extra)} committed part(s) the manifest does not list: {', '.join(extra[:4])}"
+            + (" ..." if len(extra) > 4 else "")
+            + " (added after the trace was finished)"
+        )
+    return problems
+
+
+def totals_problems(totals: object, *, num_requests: int, num_tokens: int) -> list[str]:
+    """The manifest's ``totals`` (None: not written yet) against the requests and routing rows the
+    committed parts hold."""
+    if not isinstance(totals, dict):
+        return []
+    problems = []
+    for key, have, what in (("num_requests", num_requests, "requests"), ("num_tokens", num_tokens, "routing rows")):
+        want = totals.get(key)
+        if want is not None and want != have:
+            problems.append(f"the manifest's totals.{key} is {want} but the committed parts hold {have} {what}")
+    return problems
+
+
 def _type_ok(got: pa.DataType, want: pa.DataType, *, exact: bool) -> bool:
     if pa.types.is_string(want):
         strings = (pa.string(), pa.large_string())

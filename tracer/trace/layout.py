@@ -56,6 +56,29 @@ def shard_manifest_name(shard: int) -> str:
     return f"{MANIFESTS_DIR}/shard-{shard:03d}.json"
 
 
+#: how much of a manifest :func:`is_trace_directory` reads to find its format
+_HEAD_BYTES = 4096
+_TRACE_FORMAT_RE = re.compile(rb'"format"\s*:\s*"moetrace\.trace"')
+
+
+def is_trace_directory(path: str | os.PathLike) -> bool:
+    """True when directory ``path`` holds a trace (or the start of one): a ``manifest.json`` whose
+    format is ``moetrace.trace``, or both ``routing/`` and ``requests/``. Reads at most 4 KiB;
+    follows no symbolic link to a manifest."""
+    p = Path(path)
+    if (p / ROUTING_DIR).is_dir() and (p / REQUESTS_DIR).is_dir():
+        return True
+    m = p / MANIFEST
+    if m.is_symlink() or not m.is_file():
+        return False
+    try:
+        with open(m, "rb") as f:
+            head = f.read(_HEAD_BYTES)
+    except OSError:
+        return False
+    return _TRACE_FORMAT_RE.search(head) is not None
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """Read ``manifest.json`` of the trace directory ``path``."""
     mpath = Path(path) / MANIFEST

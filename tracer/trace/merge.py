@@ -95,7 +95,9 @@ def merge_manifests(shards: dict[int, dict[str, Any]], *, allow_incomplete: bool
         "num_requests": sum(int(m.get("totals", {}).get("num_requests", 0)) for m in shards.values()),
         "num_tokens": sum(int(m.get("totals", {}).get("num_tokens", 0)) for m in shards.values()),
     }
-    merged = {k: v for k, v in first.items() if k not in ("complete", "totals", "collection", "backend")}
+    merged = {k: v for k, v in first.items() if k not in ("complete", "totals", "collection", "backend", "parts")}
+    if all(isinstance(m.get("parts"), dict) for m in shards.values()):  # each shard's parts carry their own prefix
+        merged["parts"] = dict(sorted(kv for m in shards.values() for kv in m["parts"].items()))
     merged.update(
         complete=not incomplete and len(shards) == num_shards,
         collection={**common(first), "num_shards": num_shards},

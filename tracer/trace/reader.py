@@ -12,6 +12,14 @@ batch by batch:
 - the requests table holds no duplicate ids, prompt lengths >= 1, output lengths >= 0, and no more
   tokens than the routing parts hold rows (checked before anything is allocated).
 
+Before any row, the trace is checked against its own manifest: :func:`open_trace` refuses a trace
+whose manifest lists parts that are not on disk (naming them), or, when complete, holds parts it
+does not list; :attr:`Trace.request_arrays` refuses a complete trace whose ``totals`` (requests,
+tokens) are not what its parts hold (older traces carry no part list; their totals still catch a
+lost part). ``require_complete=False`` (the CLI's ``--allow-incomplete``) reads what is there
+instead. :meth:`Trace.verify_checksums` compares every part with the SHA-256 its writer recorded
+(``validate`` always does).
+
 Any violation raises :class:`~moetrace.errors.TraceFormatError` naming the file, the first
 problem and ``moetrace validate``, so nothing is ever counted twice, as expert 0, or at a position
 that does not exist. ``is_decode_T`` is derived from the position and the request's prompt length
@@ -44,8 +52,11 @@ from moetrace.tracer.trace.checks import (
     column_problems,
     duplicate_request_ids,
     null_problems,
+    part_list_problems,
+    parts_entry_problems,
     request_lengths,
     routing_schema_problems,
+    totals_problems,
     unreadable,
 )
 from moetrace.tracer.trace.layout import (
@@ -95,10 +106,12 @@ class TokenArrays(NamedTuple):
 class Trace:
     """A trace directory opened for reading. Use :func:`open_trace`."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any], *, strict: bool = True) -> None:
         self.path = path
         self.manifest = manifest
         self.model = ModelInfo.from_dict(manifest.get("model"))
+        #: refuse data that disagrees with the manifest's totals (False: read what is there)
+        self.strict = strict
 
     def __repr__(self) -> str:
         return f"Trace({str(self.path)!r}, model={self.model.name!r}, complete={self.manifest.get('complete')})"
@@ -170,9 +183,43 @@ class Trace:
         self._refuse(
             self.path, claimed_tokens(claimed, rows, limit=rows)
         )  # before one byte per claimed token is allocated
+        self._check_totals(num_requests=len(rid), num_tokens=None)
         order = np.argsort(rid, kind="stable")
         dataset = np.asarray(table.column("dataset").to_pylist(), dtype=str)[order]
         return RequestArrays(rid[order], dataset, ptok[order].astype(np.int32), otok[order].astype(np.int32))
+
+    def _check_totals(self, *, num_requests: int | None, num_tokens: int | None) -> None:
+        """Refuse a complete trace whose manifest ``totals`` differ from what was read (unless not strict)."""
+        if not (self.strict and self.complete):
+            return
+        totals = self.manifest.get("totals")
+        if isinstance(totals, dict):
+            totals = {
+                k: v
+                for k, v in totals.items()
+                if (k == "num_requests" and num_requests is not None) or (k == "num_tokens" and num_tokens is not None)
+            }
+        self._refuse(
+            self.path,
+            [
+                f"{p}; parts were lost or added after it was written (pass --allow-incomplete to read what is there)"
+                for p in totals_problems(totals, num_requests=num_requests or 0, num_tokens=num_tokens or 0)
+            ],
+        )
+
+    def verify_checksums(self) -> list[str]:
+        """Compare every part the manifest lists with the SHA-256 its writer recorded at commit; returns
+        the parts that differ (empty: all match, or an older trace that recorded none). Reads every byte."""
+        from moetrace.tracer.trace.writer import file_sha256
+
+        parts = self.manifest.get("parts")
+        bad = []
+        for name, entry in (parts or {}).items() if isinstance(parts, dict) else ():
+            for sub, key in ((ROUTING_DIR, "routing_sha256"), (REQUESTS_DIR, "requests_sha256")):
+                f = self.path / sub / name
+                if f.is_file() and isinstance(entry, dict) and file_sha256(f) != entry.get(key):
+                    bad.append(f"{sub}/{name}")
+        return bad
 
     def _refuse(self, where: Path, problems: list[str]) -> None:
         """Raise ``TraceFormatError`` for the first of ``problems`` (found in ``where``), if any."""
@@ -188,6 +235,7 @@ class Trace:
         req = self.request_arrays
         rows = RowCheck(self.model, RequestIndex.of(req.request_id_R, req.prompt_tokens_R, req.output_tokens_R))
         L, K = self.model.num_moe_layers, self.model.top_k
+        num_read = 0
         for f in self.routing_files():
             try:
                 # pre_buffer=False: read a column chunk when its batch needs it, not a whole row group's
@@ -199,6 +247,7 @@ class Trace:
                     b, problems = rows.batch(rb)
                     self._refuse(f, problems or rows.totals())
                     assert b is not None  # a batch without arrays has problems
+                    num_read += rb.num_rows
                     yield TokenArrays(
                         b.request_id_T,
                         b.position_T.astype(np.int32),
@@ -210,6 +259,7 @@ class Trace:
                 raise TraceFormatError(
                     f"{f}: {unreadable(exc)}; run `moetrace validate {self.path}` for details"
                 ) from exc
+        self._check_totals(num_requests=None, num_tokens=num_read)
 
     def token_arrays(self) -> TokenArrays:
         """All routing rows as numpy arrays ``[T, L, K]`` (loads the whole trace into memory)."""
@@ -248,14 +298,22 @@ def open_trace(path: str | os.PathLike, *, require_complete: bool = True) -> Tra
             "still running. Resume it by re-running the same command with --resume, or pass "
             "--allow-incomplete to read the committed part."
         )
-    missing = [
-        f"{ROUTING_DIR}/{f.name}"
-        for f in sorted((p / REQUESTS_DIR).glob("*.parquet"))
-        if not (p / ROUTING_DIR / f.name).is_file()
-    ]
+    requests = {f.name for f in (p / REQUESTS_DIR).glob("*.parquet")}
+    routing = {f.name for f in (p / ROUTING_DIR).glob("*.parquet")}
+    missing = [f"{ROUTING_DIR}/{n}" for n in sorted(requests - routing)]
     if missing:
         raise TraceFormatError(
             f"{p}: committed part(s) without their routing file: {missing[:3]}; the trace is damaged "
             f"(run `moetrace validate {p}`)"
         )
-    return Trace(p, manifest)
+    parts = manifest.get("parts")
+    problems = parts_entry_problems(parts)
+    if problems:
+        raise TraceFormatError(f"{p / MANIFEST}: {problems[0]}; run `moetrace validate {p}`")
+    problems = part_list_problems(parts, requests=requests, routing=routing, complete=bool(manifest.get("complete")))
+    if problems and require_complete:
+        raise TraceFormatError(
+            f"{p}: {problems[0]}; the trace is damaged (run `moetrace validate {p}`). Pass --allow-incomplete "
+            "to read what is there"
+        )
+    return Trace(p, manifest, strict=require_complete)

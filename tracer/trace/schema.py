@@ -249,7 +249,7 @@ def check_manifest_header(manifest: dict[str, Any], *, where: str) -> None:
         raise TraceFormatError(
             f"{where}: `format` is {manifest.get('format')!r}, expected {FORMAT!r}; not a moetrace trace"
         )
-    if manifest.get("version") != VERSION:
+    if not is_whole(manifest.get("version")) or manifest.get("version") != VERSION:  # not `true`, not 1.0
         raise TraceFormatError(
             f"{where}: trace format version {manifest.get('version')!r} is not supported (this moetrace reads {VERSION})"
         )

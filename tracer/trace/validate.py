@@ -4,9 +4,13 @@
 the problems it finds; adding a check is adding one function to that list. They cover:
 
 - the manifest: format, version, model section (``check_manifest``; nothing else is checked
-  without it), ``complete``, the ``backend`` and ``collection`` sections, ``totals``;
+  without it), the type of every field (``version: true`` or ``1.0`` is not ``1``), ``complete``,
+  the ``backend`` and ``collection`` sections, ``totals`` against the parts' rows, and the part
+  list (``parts``) against the files, each part's row counts and SHA-256 against what its writer
+  recorded at commit (an older trace without ``parts`` validates, with a note that it carries none);
 - the files: both directories exist (nothing else is checked without them), no leftover
-  temporary files, every routing part has its requests part and vice versa, a complete trace holds
+  temporary files, each Parquet footer's row count equal to its row groups' and to the rows its
+  pages hold, every routing part has its requests part and vice versa, a complete trace holds
   parts, every part is readable Parquet with the required columns and types, no prompt/output text
   unless the manifest says it was asked for;
 - the requests table: no nulls, ``request_id`` unique, ``prompt_tokens >= 1``, ``output_tokens >= 0``;
@@ -40,6 +44,7 @@ import pyarrow.parquet as pq
 
 from moetrace.errors import TraceFormatError, TraceValidationError
 from moetrace.tracer.trace.checks import (
+    PART_KEYS,
     RequestIndex,
     RowCheck,
     claimed_tokens,
@@ -47,8 +52,11 @@ from moetrace.tracer.trace.checks import (
     duplicate_request_ids,
     null_problems,
     optional_routing_column_problems,
+    part_list_problems,
+    parts_entry_problems,
     request_lengths,
     routing_schema_problems,
+    totals_problems,
     unreadable,
 )
 from moetrace.tracer.trace.layout import (
@@ -59,10 +67,13 @@ from moetrace.tracer.trace.layout import (
 )
 from moetrace.tracer.trace.schema import (
     REQUIRED_REQUESTS,
+    VERSION,
     ModelInfo,
     check_manifest_header,
+    is_whole,
     stages_of,
 )
+from moetrace.tracer.trace.writer import file_sha256
 
 #: stop reading routing parts once this many problems are listed
 MAX_REPORTED = 200
@@ -77,6 +88,7 @@ class _Run:
     path: Path
     progress: Callable[[int, int], None] | None
     problems: list[str] = field(default_factory=list)  # every problem so far, in check order
+    notes: list[str] = field(default_factory=list)  # what is worth saying of a valid trace (no checksums)
     stop: bool = False  # a check found what makes the later ones meaningless
     manifest: dict[str, Any] = field(default_factory=dict)
     model: ModelInfo | None = None
@@ -87,6 +99,8 @@ class _Run:
     requests: RequestIndex | None = None  # the same, sorted by id
     parts: dict[str, pq.ParquetFile] = field(default_factory=dict)  # routing parts whose footer reads
     rows_on_disk: int = 0  # rows in those footers
+    rows_read: dict[str, int] = field(default_factory=dict)  # routing part -> rows its pages held
+    requests_rows: dict[str, int] = field(default_factory=dict)  # requests part -> rows read
     rows: RowCheck | None = None  # the pass over the routing rows
 
 
@@ -102,6 +116,47 @@ def check_manifest(run: _Run) -> list[str]:
         run.stop = True
         return [str(exc)]
     return []
+
+
+#: the manifest's top-level fields and the JSON type each must have (``model``: ``ModelInfo`` checks it)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "format": (str,),
+    "moetrace_version": (str,),
+    "backend": (dict,),
+    "collection": (dict,),
+    "writer": (dict,),
+    "totals": (dict,),
+    "parts": (dict,),
+    "shards": (list,),
+}
+
+
+def check_manifest_fields(run: _Run) -> list[str]:
+    """Every manifest field has its type: ``version`` the whole number 1 (not ``true`` or ``1.0``), the
+    sections objects, the ``writer`` flags booleans, ``parts`` entries whole counts and SHA-256s."""
+    m = run.manifest
+    problems = []
+    if not is_whole(m.get("version")) or m.get("version") != VERSION:
+        problems.append(f"{MANIFEST}: `version` must be the whole number {VERSION}, got {m.get('version')!r}")
+    for key, types in _FIELD_TYPES.items():
+        if key in m and not isinstance(m[key], types):
+            problems.append(f"{MANIFEST}: `{key}` must be a JSON {_json_type(types[0])}, got {m[key]!r:.80}")
+    writer = m.get("writer")
+    if isinstance(writer, dict):
+        problems += [
+            f"{MANIFEST}: `writer.{k}` must be true or false, got {writer[k]!r:.40}"
+            for k in ("with_weights", "with_text")
+            if k in writer and not isinstance(writer[k], bool)
+        ]
+        if "compression" in writer and not isinstance(writer["compression"], str):
+            problems.append(f"{MANIFEST}: `writer.compression` must be a string, got {writer['compression']!r:.40}")
+    problems += [f"{MANIFEST}: {p}" for p in parts_entry_problems(m.get("parts"))]
+    return problems
+
+
+def _json_type(t: type) -> str:
+    names: dict[type, str] = {str: "string", dict: "object", list: "array"}
+    return names.get(t, t.__name__)
 
 
 def check_complete(run: _Run) -> list[str]:
@@ -155,6 +210,41 @@ def check_part_pairs(run: _Run) -> list[str]:
         problems.append(
             f"{MANIFEST}: says `complete: true` but the trace holds no committed parts (no requests/*.parquet)"
         )
+    parts = run.manifest.get("parts")
+    if not isinstance(parts, dict):
+        run.notes.append(
+            f"{MANIFEST} lists no parts and no checksums (written by an older moetrace): lost or changed parts "
+            "are caught only through the totals"
+        )
+    elif not parts_entry_problems(parts):
+        problems += [
+            f"{MANIFEST}: {p}"
+            for p in part_list_problems(parts, requests=qnames, routing=rnames, complete=run.manifest["complete"])
+        ]
+    return problems
+
+
+def check_checksums(run: _Run) -> list[str]:
+    """Each part the manifest lists has the SHA-256 its writer recorded at commit (both files)."""
+    parts = run.manifest.get("parts")
+    if not isinstance(parts, dict) or parts_entry_problems(parts):
+        return []
+    problems = []
+    for name, entry in sorted(parts.items()):
+        for sub, key in ((ROUTING_DIR, "routing_sha256"), (REQUESTS_DIR, "requests_sha256")):
+            f = run.path / sub / name
+            if not f.is_file():
+                continue  # check_part_pairs names it
+            try:
+                digest = file_sha256(f)
+            except OSError as exc:
+                problems.append(f"{sub}/{name}: {unreadable(exc)}")
+                continue
+            if digest != entry[key]:
+                problems.append(
+                    f"{sub}/{name}: its SHA-256 differs from the one recorded when it was committed (the file "
+                    "changed since: a bit flip, an edit, or a damaged copy)"
+                )
     return problems
 
 
@@ -169,9 +259,14 @@ def check_requests_parts(run: _Run) -> list[str]:
         where = f"{REQUESTS_DIR}/{n}"
         try:
             t = pq.read_table(run.path / REQUESTS_DIR / n)
+            problems += [f"{where}: {p}" for p in _row_count_problems(pq.read_metadata(run.path / REQUESTS_DIR / n))]
         except (pa.ArrowException, OSError) as exc:
             problems.append(f"{where}: {unreadable(exc)}")
             continue
+        run.requests_rows[n] = t.num_rows
+        meta_rows = pq.read_metadata(run.path / REQUESTS_DIR / n).num_rows
+        if t.num_rows != meta_rows:
+            problems.append(f"{where}: the footer says {meta_rows} rows but its pages hold {t.num_rows}")
         bad = column_problems(t.schema, REQUIRED_REQUESTS, exact=True)
         problems += [f"{where}: {p}" for p in bad]
         if not text_allowed:
@@ -210,7 +305,30 @@ def check_routing_footers(run: _Run) -> list[str]:
             )  # column chunks read as batches need them
         except (pa.ArrowException, OSError) as exc:
             problems.append(f"{ROUTING_DIR}/{n}: {unreadable(exc)}")
+            continue
+        problems += [f"{ROUTING_DIR}/{n}: {p}" for p in _row_count_problems(run.parts[n].metadata)]
     run.rows_on_disk = sum(pf.metadata.num_rows for pf in run.parts.values())
+    return problems
+
+
+def _row_count_problems(meta: pq.FileMetaData) -> list[str]:
+    """The footer's row count against its row groups', and each row group's against its column chunks'
+    value counts (a flat column: one value per row; a list column: at least one)."""
+    groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+    problems = []
+    in_groups = sum(rg.num_rows for rg in groups)
+    if in_groups != meta.num_rows:
+        problems.append(f"the footer says {meta.num_rows} rows but its row groups hold {in_groups}")
+    for i, rg in enumerate(groups):
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            flat = "." not in col.path_in_schema
+            if (flat and col.num_values != rg.num_rows) or (not flat and col.num_values < rg.num_rows):
+                problems.append(
+                    f"row group {i} says {rg.num_rows} rows but column `{col.path_in_schema}` holds "
+                    f"{col.num_values} values"
+                )
+                break
     return problems
 
 
@@ -241,13 +359,18 @@ def check_routing_rows(run: _Run) -> list[str]:
         where = f"{ROUTING_DIR}/{n}"
         bad = routing_schema_problems(pf.schema_arrow, run.model, exact=True)
         problems += [f"{where}: {p}" for p in bad + optional_routing_column_problems(pf.schema_arrow, run.model)]
+        read = 0
         try:
             if not bad:
                 for rb in pf.iter_batches(
                     batch_size=BATCH_ROWS, columns=["request_id", "position", "stage", "experts"]
                 ):
                     problems += [f"{where}: {p}" for p in run.rows.batch(rb)[1]]
+                    read += rb.num_rows
                     tick(rb.num_rows)
+                run.rows_read[n] = read
+                if read != pf.metadata.num_rows:
+                    problems.append(f"{where}: the footer says {pf.metadata.num_rows} rows but its pages hold {read}")
         except (pa.ArrowException, OSError) as exc:
             problems.append(f"{where}: {unreadable(exc)}")
         finally:
@@ -266,23 +389,36 @@ def check_row_totals(run: _Run) -> list[str]:
 
 
 def check_manifest_totals(run: _Run) -> list[str]:
-    """The manifest's ``totals.num_requests`` matches the requests table."""
-    totals = run.manifest.get("totals")
-    if not isinstance(totals, dict) or run.requests is None:
-        return []
-    n = len(run.requests.request_id_R)
-    if totals.get("num_requests") in (None, n):
-        return []
-    return [f"{MANIFEST}: totals.num_requests={totals['num_requests']} but the requests table has {n}"]
+    """The manifest's ``totals`` (requests, tokens) match the parts of a complete trace, and each part's
+    entry in ``parts`` its rows."""
+    problems = []
+    if run.manifest["complete"] and run.requests is not None and len(run.rows_read) == len(run.routing_names):
+        problems += [
+            f"{MANIFEST}: {p}"
+            for p in totals_problems(
+                run.manifest.get("totals"),
+                num_requests=len(run.requests.request_id_R),
+                num_tokens=sum(run.rows_read.values()),
+            )
+        ]
+    parts = run.manifest.get("parts")
+    if isinstance(parts, dict) and not parts_entry_problems(parts):
+        for name, entry in sorted(parts.items()):
+            for key, have in ((PART_KEYS[0], run.requests_rows.get(name)), (PART_KEYS[1], run.rows_read.get(name))):
+                if have is not None and have != entry[key]:
+                    problems.append(f"{MANIFEST}: parts.{name}.{key} is {entry[key]} but the part holds {have} rows")
+    return problems
 
 
 #: every check, in the order it runs (and its problems are listed)
 CHECKS: tuple[Callable[[_Run], list[str]], ...] = (
     check_manifest,
+    check_manifest_fields,
     check_complete,
     check_sections,
     check_directories,
     check_part_pairs,
+    check_checksums,
     check_requests_parts,
     check_requests_table,
     check_routing_footers,
@@ -299,7 +435,11 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
     ``progress(rows_done, rows_total)`` is called after each batch of routing rows read (and once at
     the end with ``rows_done == rows_total``); the total is the row count in the parts' footers.
     """
-    run = _Run(Path(path), progress)
+    return _run_checks(Path(path), progress).problems
+
+
+def _run_checks(path: Path, progress: Callable[[int, int], None] | None) -> _Run:
+    run = _Run(path, progress)
     try:
         for check in CHECKS:
             run.problems += check(run)
@@ -308,11 +448,13 @@ def find_problems(path: str | os.PathLike, *, progress: Callable[[int, int], Non
     finally:
         for pf in run.parts.values():  # parts left open when the run stopped early
             pf.close()
-    return run.problems
+    return run
 
 
-def validate(path: str | os.PathLike, *, progress: Callable[[int, int], None] | None = None) -> None:
-    """Raise ``TraceValidationError`` listing every problem, or return if the trace is valid."""
-    problems = find_problems(path, progress=progress)
-    if problems:
-        raise TraceValidationError(problems)
+def validate(path: str | os.PathLike, *, progress: Callable[[int, int], None] | None = None) -> list[str]:
+    """Raise ``TraceValidationError`` listing every problem; if the trace is valid, return the notes
+    worth printing with it (an older trace that records no checksums says so)."""
+    run = _run_checks(Path(path), progress)
+    if run.problems:
+        raise TraceValidationError(run.problems)
+    return run.notes

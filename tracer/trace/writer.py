@@ -6,7 +6,14 @@ to its final name first, then the matching requests file. A request is *committe
 row is in a final ``requests/*.parquet``; a routing part without its requests part (a kill between
 the two renames) is an orphan and is removed on resume. Readers only ever look at final names.
 ``manifest.json`` is written (atomically) with ``complete: false`` at start and finalized by
-``close()``.
+``close()``, which records every committed part in ``parts`` (its requests, its tokens and the SHA-256
+of both files, computed at commit from the bytes just written) next to the ``totals``, so readers and
+``validate`` can tell a part that went missing or changed. Temporary files get unpredictable names
+(``.<part>.<random>.tmp``), created exclusively, so a symbolic link planted in a shared directory is
+never followed. ``--overwrite`` removes the manifest first, then the requests parts (the commit
+points), then the routing parts: an overwrite killed half-way leaves a directory that ``--resume``
+refuses (no manifest) rather than a trace that looks complete with rows missing; a resume that
+finds a part its manifest lists missing, or a requests part without its routing, refuses too.
 
 Speed. Routing parts are encoded by ``parquet_encoder``: by default its fast encoder (pyarrow encodes the
 narrow columns, numpy the ``experts`` ids in pyarrow's own encoding), about 1 M tokens/s of the DeepSeek-V3
@@ -24,10 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
+import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from moetrace import lifetime
 from moetrace.atomic import write_json_atomic
 from moetrace.errors import EncoderError, OutputExistsError, TraceFormatError, WriteError
 from moetrace.tracer.trace.layout import MANIFEST, PART_RE, REQUESTS_DIR, ROUTING_DIR, lock_name, part_name
@@ -58,6 +71,9 @@ from moetrace.tracer.trace.schema import (
 )
 
 OnExisting = Literal["refuse", "resume", "overwrite"]
+
+#: bytes read at a time when a part's checksum is computed
+_HASH_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -150,6 +166,11 @@ class TraceWriter:
         self._failed: BaseException | None = None  # the error that stopped this writer, if one did
 
         self.completed_request_ids: set[int] = set()
+        #: the manifest's ``parts``: committed part name -> its requests, tokens and files' SHA-256 (this
+        #: run's parts are hashed on a background thread while the next part is produced; complete at close)
+        self.parts: dict[str, dict[str, Any]] = {}
+        self._hashing: dict[str, Future[dict[str, Any]]] = {}
+        self._hasher: ThreadPoolExecutor | None = None
         self._prior_tokens = 0
         self._prior_parts = 0
         # one writer per trace (shards: one per shard), taken before anything on disk is touched
@@ -161,9 +182,10 @@ class TraceWriter:
             raise
         self._next_seq = self._first_free_seq()
 
-        # the open part
+        # the open part and its temporary files (unpredictable names: see the module docstring)
         self._pq: RoutingPart | None = None
         self._part_name: str | None = None
+        self._tmp_token = ""
         self._part_tokens = 0
         # buffered rows of the next row group: every column but `experts`, and the `experts` ids (int16 [T_i, X])
         self._buf: list[tuple[pa.RecordBatch, np.ndarray]] = []
@@ -195,6 +217,7 @@ class TraceWriter:
             self._cleanup_uncommitted()
             self._load_committed()
             self._manifest["complete"] = False
+            self._manifest["parts"] = self.parts
         else:
             self._manifest = new_manifest(model=self.model, backend=backend, collection=collection)
         self._manifest["writer"] = {
@@ -205,7 +228,12 @@ class TraceWriter:
         write_json_atomic(self._manifest_path, self._manifest)
 
     def _remove_trace_files(self) -> None:
-        for sub in (ROUTING_DIR, REQUESTS_DIR):
+        """Delete this writer's trace: the manifest first (a directory without one is never resumed),
+        then the requests parts (the commit points), then the routing parts and temporaries."""
+        if os.path.lexists(self._manifest_path):
+            self._manifest_path.unlink()
+            _fsync_dir(self._manifest_path.parent)
+        for sub in (REQUESTS_DIR, ROUTING_DIR):
             d = self.path / sub
             if d.is_dir():
                 for f in d.iterdir():
@@ -213,21 +241,23 @@ class TraceWriter:
                         f"{self.part_prefix}-"
                     ):
                         continue  # another shard's file
-                    if f.name.endswith(".parquet") or f.name.endswith(".parquet.tmp"):
+                    if f.name.endswith(".parquet") or f.name.endswith(".tmp"):
                         f.unlink()
-        if self._manifest_path.exists():
-            self._manifest_path.unlink()
+                _fsync_dir(d)
 
     def _check_resumable(self, *, backend: dict, collection: dict) -> dict[str, Any]:
         if not self._manifest_path.exists():
             raise OutputExistsError(
-                f"{self.path} has part files but no {self._manifest_path.name}; use --overwrite to start afresh"
+                f"{self.path} has no {self._manifest_path.name} (a damaged trace, or an --overwrite that was "
+                "interrupted); use --overwrite to start afresh"
             )
-        manifest = json.loads(self._manifest_path.read_text())
         try:
+            manifest = json.loads(self._manifest_path.read_text(encoding="utf-8"))
+            if not isinstance(manifest, dict):
+                raise TraceFormatError(f"{self._manifest_path}: expected a JSON object")
             check_manifest_header(manifest, where=str(self._manifest_path))
-        except TraceFormatError as exc:
-            raise OutputExistsError(f"{exc}. Use --overwrite to replace it.") from exc
+        except (TraceFormatError, ValueError, RecursionError) as exc:
+            raise OutputExistsError(f"{str(exc)[:300]}. Use --overwrite to replace it.") from None
         old = manifest.get("model", {})
         new = self.model.to_dict()
         model_keys = ("source", "architecture", "moe_layers", "num_experts", "top_k")
@@ -284,16 +314,33 @@ class TraceWriter:
                 f.unlink()
 
     def _load_committed(self) -> None:
-        for f in sorted((self.path / REQUESTS_DIR).glob(self._own_parts_glob)):
+        """Read the committed parts of a trace being resumed: their request ids, tokens and checksums
+        (kept from the manifest where it lists them, else computed now). Refuses a trace that lost a
+        part its manifest lists, or a requests part without its routing part."""
+        parts = self._manifest.get("parts")
+        listed: dict[str, Any] = parts if isinstance(parts, dict) else {}
+        on_disk = {f.name for f in (self.path / REQUESTS_DIR).glob(self._own_parts_glob)}
+        lost = sorted(n for n in listed if n not in on_disk)
+        no_routing = sorted(n for n in on_disk if not (self.path / ROUTING_DIR / n).is_file())
+        if lost or no_routing:
+            what = [f"requests/{n} (listed in the manifest)" for n in lost]
+            what += [f"routing/{n} (its requests part is committed)" for n in no_routing]
+            raise OutputExistsError(
+                f"{self.path} is missing {len(what)} committed file(s): {', '.join(what[:3])}; resuming would "
+                "mark requests done whose rows are gone. Use --overwrite to start afresh (or another -o)"
+            )
+        for name in sorted(on_disk):
+            f = self.path / REQUESTS_DIR / name
             ids = pq.read_table(f, columns=["request_id"]).column(0).to_numpy()
             self.completed_request_ids.update(int(x) for x in ids)
             self._prior_parts += 1
-            meta = (
-                pq.read_metadata(self.path / ROUTING_DIR / f.name)
-                if (self.path / ROUTING_DIR / f.name).exists()
-                else None
-            )
-            self._prior_tokens += meta.num_rows if meta is not None else 0
+            tokens = pq.read_metadata(self.path / ROUTING_DIR / name).num_rows
+            self._prior_tokens += tokens
+            old = listed.get(name)
+            if isinstance(old, dict) and {"routing_sha256", "requests_sha256"} <= old.keys():
+                self.parts[name] = old
+            else:  # committed by a run that was killed: hashed now, on the background thread
+                self._hash_part(name, len(ids), tokens)
 
     def _first_free_seq(self) -> int:
         seqs = [
@@ -422,10 +469,18 @@ class TraceWriter:
         if self._part_tokens >= self.part_tokens:
             self.commit()
 
+    def _tmp(self, sub: str) -> Path:
+        """The temporary file of the open part under ``sub``: ``.<part>.<random>.tmp``."""
+        assert self._part_name is not None
+        return self.path / sub / f".{self._part_name}.{self._tmp_token}.tmp"
+
     def _open_part(self) -> None:
         self._part_name = part_name(self.part_prefix, self._next_seq)
         self._next_seq += 1
-        tmp = self.path / ROUTING_DIR / f".{self._part_name}.tmp"
+        self._tmp_token = secrets.token_hex(8)
+        tmp = self._tmp(ROUTING_DIR)
+        # created exclusively and never through a link; the encoder then opens this very file
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
         self._pq = self._open_routing_part(tmp)
 
     def _flush_row_group(self) -> None:
@@ -449,18 +504,20 @@ class TraceWriter:
         self._flush_row_group()
         assert self._pq is not None and self._part_name is not None
         rdir, qdir = self.path / ROUTING_DIR, self.path / REQUESTS_DIR
-        req_tmp = qdir / f".{self._part_name}.tmp"
+        routing_tmp, req_tmp = self._tmp(ROUTING_DIR), self._tmp(REQUESTS_DIR)
         with self._on_write_error():
             self._pq.close()
-            _fsync_file(rdir / f".{self._part_name}.tmp")
+            _fsync_file(routing_tmp)
+            os.close(os.open(req_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
             pq.write_table(
                 pa.Table.from_pylist(self._req_rows, schema=self.requests_schema),
                 req_tmp,
                 **writer_options("zstd", use_dictionary=True, write_statistics=True),
             )
             _fsync_file(req_tmp)
-        os.replace(rdir / f".{self._part_name}.tmp", rdir / self._part_name)  # routing first
+        os.replace(routing_tmp, rdir / self._part_name)  # routing first
         os.replace(req_tmp, qdir / self._part_name)  # then requests: the commit point
+        self._hash_part(self._part_name, len(self._req_rows), self._part_tokens)
         self.completed_request_ids.update(r["request_id"] for r in self._req_rows)
         self._pq = None
         self._part_name = None
@@ -476,13 +533,12 @@ class TraceWriter:
             yield
         except (OSError, pa.ArrowException, EncoderError) as exc:
             self._failed = exc
-            name = self._part_name
             if self._pq is not None:
                 with contextlib.suppress(OSError):  # the part is being discarded anyway
                     self._pq.abort()
             for sub in (ROUTING_DIR, REQUESTS_DIR):
-                if name is not None:
-                    (self.path / sub / f".{name}.tmp").unlink(missing_ok=True)
+                if self._part_name is not None:
+                    self._tmp(sub).unlink(missing_ok=True)
             self._pq, self._part_name, self._buf, self._req_rows = None, None, [], []
             if isinstance(exc, EncoderError):
                 raise
@@ -494,20 +550,40 @@ class TraceWriter:
             return self.stats()
         if self._failed is not None:  # nothing more can be written; the manifest on disk says incomplete
             self._closed = True
+            self._stop_hashing()
             self._lock.release()
             return self.stats()
         try:
             self.commit()
             self._closed = True
             stats = self.stats()
+            self.parts.update({name: f.result() for name, f in self._hashing.items()})
+            self._hashing = {}
             self._manifest["complete"] = bool(complete)
             self._manifest["totals"] = {"num_requests": stats.num_requests, "num_tokens": stats.num_tokens}
+            self._manifest["parts"] = dict(sorted(self.parts.items()))
             if extra_manifest:
                 self._manifest.update(extra_manifest)
             write_json_atomic(self._manifest_path, self._manifest)
         finally:
+            self._stop_hashing()
             self._lock.release()  # also when the last commit failed (disk full): the trace stays resumable
         return stats
+
+    def _hash_part(self, name: str, num_requests: int, num_tokens: int) -> None:
+        """Compute part ``name``'s manifest entry (its files' SHA-256: the bytes just written, read back from
+        the page cache) on a background thread: sha256 releases the GIL, so it overlaps the next part's
+        production; :meth:`close` collects the entries."""
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrace-part-sha256")
+        self._hashing[name] = self._hasher.submit(
+            _part_entry, num_requests, num_tokens, self.path / ROUTING_DIR / name, self.path / REQUESTS_DIR / name
+        )
+
+    def _stop_hashing(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True, cancel_futures=True)
+            self._hasher = None
 
     def update_manifest(self, **sections: Any) -> None:
         """Merge keys into the manifest (written at ``close``)."""
@@ -522,6 +598,44 @@ class TraceWriter:
             num_parts=len(list((self.path / REQUESTS_DIR).glob(own))),
             bytes_on_disk=sum(f.stat().st_size for f in files),
         )
+
+
+@contextlib.contextmanager
+def replacing_trace(path: str | os.PathLike, *, overwrite: bool) -> Iterator[Path]:
+    """Where to write a trace that replaces the one at ``path`` only once it is whole.
+
+    Without ``overwrite``, or when ``path`` holds no trace, yields ``path`` itself. Otherwise takes
+    ``path``'s writer lock (refused while another writer holds it), yields a fresh hidden directory
+    beside it (``.<name>.<random>.new``) to write the new trace into and, when the block succeeds,
+    swaps it in (the old directory is renamed aside, then removed); when the block fails, the new
+    directory is removed and the old trace is untouched. For producers that cannot resume (``import``).
+    """
+    from moetrace.tracer.trace.layout import is_trace_directory
+
+    p = Path(path)
+    if not overwrite or not p.is_dir() or not is_trace_directory(p):
+        yield p
+        return
+    lock = lock_trace(p)
+    try:
+        new = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".new", dir=p.parent))
+        # the new directory goes however this ends, a SIGKILL included (lifetime.guard's supervisor)
+        with lifetime.guard(paths=[new], kill_descendants=False):
+            try:
+                os.chmod(new, p.stat().st_mode & 0o7777)  # mkdtemp's is private; keep the old trace's mode
+                yield new
+                aside = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".old", dir=p.parent))
+                os.rename(p, aside / p.name)
+                try:
+                    os.rename(new, p)
+                except BaseException:
+                    os.rename(aside / p.name, p)  # put the old trace back
+                    raise
+                shutil.rmtree(aside, ignore_errors=True)
+            finally:
+                shutil.rmtree(new, ignore_errors=True)  # a failed block's new trace (gone already on success)
+    finally:
+        lock.release()
 
 
 #: the ``stage`` column's two words; ``take`` by ``is_decode`` builds the column
@@ -545,6 +659,33 @@ def _describe_write_error(exc: BaseException, path: Path) -> str:
         f"cannot write the trace {path}: {cause}. The requests committed so far are kept; free space, then run "
         "the same command again (with --resume where the command has it)"
     )
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of file ``path``'s bytes, as 64 hex digits (read in 8 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _part_entry(num_requests: int, num_tokens: int, routing: Path, requests: Path) -> dict[str, Any]:
+    """A part's entry in the manifest's ``parts``: its requests, tokens and both files' SHA-256."""
+    return {
+        "num_requests": int(num_requests),
+        "num_tokens": int(num_tokens),
+        "routing_sha256": file_sha256(routing),
+        "requests_sha256": file_sha256(requests),
+    }
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_file(path: Path) -> None:
