@@ -121,7 +121,15 @@ def build_sections(
     advice: list[Section] = []  # `moetrace advise` results: first when present
     _add_sections(advice, omitted, advices, lambda r, kp: advice_section(r, key_prefix=kp), "v", step)
     for n, t in enumerate(traces):
-        trace = open_trace(t.path, require_complete=False)
+        if t.manifest.get("complete"):  # a finished trace is checked against its manifest (parts, totals)
+            try:
+                trace = open_trace(t.path)
+            except TraceFormatError as exc:  # damaged since it was written: say so, never show the rest as whole
+                omitted.append(f"overview of {t.path}: {exc}")
+                step()
+                continue
+        else:  # a collection still running: what it committed so far (the overview says so)
+            trace = open_trace(t.path, require_complete=False)
         if trace.part_names():
             _ = trace.request_arrays  # checks the requests table and every routing part's footer, like analyze does
         overview.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))

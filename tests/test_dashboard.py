@@ -668,3 +668,19 @@ def test_dashboard_on_a_load_profiles_results(trace, tmp_path, monkeypatch):
     assert "the recommended strategy" not in placement  # joint needs requests: not in these results
     card = text.split('<div id="summary"', 1)[1].split("</div></div>", 1)[0]
     assert "in-sample batches" in card and "held-out" not in card
+
+
+def test_dashboard_refuses_to_show_a_complete_trace_that_lost_parts(tmp_path):
+    """A finished trace is checked against its manifest before its overview is drawn (issue #25): a
+    lost requests+routing pair is named, never shown as a smaller whole trace."""
+    from conftest import write_small_trace
+
+    trace = write_small_trace(tmp_path / "t", num_requests=8, part_tokens=20)
+    parts = sorted((trace / "requests").glob("*.parquet"))
+    assert len(parts) > 1
+    lost = parts[-1].name
+    (trace / "requests" / lost).unlink()
+    (trace / "routing" / lost).unlink()
+    r = CliRunner().invoke(app, ["dashboard", str(trace), "-o", str(tmp_path / "d.html")])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "overview of" in r.output and lost.removesuffix(".parquet") in r.output
