@@ -1231,7 +1231,6 @@ def advise_profile(path: str | os.PathLike, cfg: AdviseConfig, *, current: str |
         dict(p.counts),
         cfg,
         source=str(path),
-        window_tokens=p.window_tokens,
         current=None if cur is None else cur[0],
         current_format="" if cur is None else cur[1],
     )

@@ -3,6 +3,8 @@ collective time per layer, from a tiny real gloo replay (4 ranks, 2 emulated nod
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
 import pytest
 from browser.figjson import figures_from_html
@@ -50,9 +52,11 @@ def test_dashboard_draws_a2a_results(runs, tmp_path):
     # time: a line per strategy and phase over the MoE layers
     lines = figs["a2a-time"]["data"]
     assert len(lines) == 4 and {t["line"]["dash"] for t in lines} == {"solid", "dot"}
-    assert "indicative only" in text
+    mode = json.loads((a2a / rf.A2A_MANIFEST).read_text())["network"]["mode"]  # as root: emulated nodes
+    assert ("indicative only" in text) == (mode == "loopback") and ("shaped inter-node link" in text) == (
+        mode == "emulated"
+    )
     # the summary card: EPLB (the only strategy besides linear) measured / predicted, and the byte check
-    import json
 
     (eplb,) = [r for r in json.loads((a2a / rf.A2A_MANIFEST).read_text())["summary"] if r["strategy"] == "eplb"]
     value = (

@@ -224,7 +224,7 @@ def _watch(
     while time.time() < deadline and driver.poll() is None:
         running = _shard_workers()
         last.update(running)
-        nodes.update(node for _, node in running.values())
+        nodes.update(node for _, node in running.values() if node != "?")  # "?": the worker exited as we looked
         if until(running):
             break
         time.sleep(0.02)
