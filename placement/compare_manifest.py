@@ -106,6 +106,8 @@ class CompareManifest:
     prefill_tokens_per_node: int = 0  # chunked-prefill tokens per node and step at an even share
     # N > 0: a what-if, not deployable: routers saw each request's first N generated tokens, not its prefill
     route_first_decode: int = 0
+    max_train_requests: int | None = None  # placements fitted on at most this many training requests (a sample)
+    max_test_requests: int | None = None  # batches drawn from at most this many held-out requests (a sample)
     deployment: str  # DPaTPbEPc[TPd]
     gpus_per_node: int  # GPUs per node
     batch_requests: int  # requests per global batch used
@@ -131,8 +133,6 @@ class CompareManifest:
     num_trace_requests: int | None = None
     num_trace_train_requests: int | None = None
     num_trace_test_requests: int | None = None
-    max_train_requests: int | None = None  # placements fitted on at most this many training requests (a sample)
-    max_test_requests: int | None = None  # batches drawn from at most this many held-out requests (a sample)
 
     @property
     def capped(self) -> bool:
