@@ -21,7 +21,8 @@ distinct experts per token and layer, so no count can exceed that length; the ke
 for wrap-around and raises ``TraceFormatError`` if a malformed trace repeats an id within a token.
 
 Memory: R * S * L * E * itemsize bytes, e.g. DeepSeek-V3 (L=58, E=256) with 100k requests and
-both stages in uint16 is 5.9 GB; select one stage or a few layers to shrink it.
+both stages in uint16 is 5.9 GB; select one stage, a few layers or a sample of requests (``rows``:
+the other requests' tokens are skipped) to shrink it.
 
 Out of scope: metrics over the counts (``imbalance``, ``correlation``, ...), token-level statistics
 that need the full top-k set of one token (``affinity``).
@@ -193,6 +194,7 @@ def count_trace(
     allow_incomplete: bool = False,
     batch_tokens: int = 1 << 16,
     progress: Callable[[int, int], None] | None = None,
+    rows: np.ndarray | None = None,
 ) -> RequestCounts:
     """Count tokens per (request, stage, layer, expert) over a whole trace, streaming.
 
@@ -212,11 +214,15 @@ def count_trace(
         Routing rows decoded per batch (bounds the streaming memory: ~ batch_tokens * L * K * 2 bytes).
     progress
         Called as ``progress(tokens_done, tokens_total)`` after each batch.
+    rows
+        Only these requests, int64 ``[R']`` strictly ascending rows of the requests table
+        (``Trace.request_arrays``, sorted by request id); the other requests' tokens are read and
+        skipped, so memory is ``R'`` requests' counts whatever the trace's size. Default all.
 
     Returns
     -------
-    RequestCounts with ``counts_RSLE`` ``[R, len(stages), len(layers), E]`` in the smallest safe
-    unsigned dtype (see the module docstring). Routing rows of requests missing from the requests
+    RequestCounts with ``counts_RSLE`` ``[R, len(stages), len(layers), E]`` (R: the selected
+    requests, in ``rows`` order) in the smallest safe unsigned dtype (see the module docstring). Routing rows of requests missing from the requests
     table are an error (``TraceFormatError``); ids == -1 are ignored.
     """
     if not isinstance(trace, Trace):
@@ -233,6 +239,14 @@ def count_trace(
         )
 
     rid_R, dataset_R, ptok_R, otok_R = trace.request_arrays  # checked by the reader
+    row_map = None  # trace row -> row of the counts (-1: not counted); None: the identity
+    if rows is not None:
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.ndim != 1 or (rows.size and (rows[0] < 0 or rows[-1] >= rid_R.shape[0])) or (np.diff(rows) <= 0).any():
+            raise ConfigError(f"rows must be strictly ascending rows of the {rid_R.shape[0]} requests")
+        row_map = np.full(rid_R.shape[0], -1, dtype=np.int64)
+        row_map[rows] = np.arange(rows.size)
+        rid_R, dataset_R, ptok_R, otok_R = rid_R[rows], dataset_R[rows], ptok_R[rows], otok_R[rows]
     R = rid_R.shape[0]
     max_len = 0
     if STAGE_PREFILL in stages and R:
@@ -250,7 +264,7 @@ def count_trace(
         T = ta.row_T.shape[0]
         count_arrays(
             counts,
-            row_T=ta.row_T,
+            row_T=ta.row_T if row_map is None else row_map[ta.row_T],
             stage_T=stage_of[ta.is_decode_T.view(np.int8)],
             topk_ids_TX=ta.topk_ids_TLK.reshape(T, L * K),
             layers_L=layers_arr,

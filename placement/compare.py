@@ -82,6 +82,12 @@ MAX_PREFILL_TOKENS = 1 << 17
 #: the most generated tokens ``--route-on first-decode:N`` lets a router see
 MAX_ROUTE_FIRST_DECODE = 1 << 16
 
+#: training requests the placements are fitted on by default (a seeded uniform sample beyond): with the
+#: held-out cap, what bounds compare's and place's memory whatever the trace's size (issue 27)
+MAX_TRAIN_REQUESTS = 20_000
+#: held-out requests the batches draw from by default (a seeded uniform sample beyond)
+MAX_TEST_REQUESTS = 5_000
+
 
 @dataclass(frozen=True, kw_only=True)
 class CompareConfig:
@@ -106,9 +112,20 @@ class CompareConfig:
     # what-if for decode-only captures: routers see each request's first N generated tokens instead of its
     # prefill, and only the later ones are placed and simulated (0: routers see the prefill, as deployed)
     route_first_decode: int = 0
+    # placements are fitted on at most this many training requests (a seeded uniform sample of them beyond;
+    # only the sample is counted): bounds memory on large traces (load_trace_data takes the same value)
+    max_train_requests: int = MAX_TRAIN_REQUESTS
+    # the batches draw from at most this many held-out requests (a seeded uniform sample beyond; only they
+    # are counted and only their tokens read)
+    max_test_requests: int = MAX_TEST_REQUESTS
 
     def __post_init__(self) -> None:
         check_strategies(self.strategies)
+        if self.max_train_requests < 1 or self.max_test_requests < 1:
+            raise ConfigError(
+                f"the training and held-out request caps must be >= 1, got {self.max_train_requests}, "
+                f"{self.max_test_requests}"
+            )
         if not (0 <= self.route_first_decode <= MAX_ROUTE_FIRST_DECODE):
             raise ConfigError(
                 f"--route-on first-decode:N needs N in 1..{MAX_ROUTE_FIRST_DECODE:,}, got {self.route_first_decode}"
@@ -170,6 +187,14 @@ class TraceData:
     # and ``decode_RLE`` and the held-out tokens only the later ones
     route_first_decode: int = 0
     request_unit: str = "request"  # what a trace request is (manifest collection.request_unit; "forward pass": an import without request ids)
+    # int64 [R] the row in the trace's requests table (``Trace.request_arrays``) of each row here, ascending;
+    # None: every request of the trace, in that order (or no trace: a load profile)
+    trace_rows_R: np.ndarray | None = None
+    num_trace_requests: int | None = None  # requests in the trace (R when nothing was capped; None: a load profile)
+    num_trace_train_requests: int | None = None  # training requests of the split before the cap (None: a load profile)
+    num_trace_test_requests: int | None = None  # held-out requests of the split before the cap
+    max_train_requests: int | None = None  # the cap applied to the training requests (None: a load profile)
+    max_test_requests: int | None = None  # the cap applied to the held-out requests
 
     @property
     def routable(self) -> bool:
@@ -190,10 +215,19 @@ def load_trace_data(
     progress: Callable[[int, int], None] | None = None,
     held_out_tokens: bool = True,
     route_first_decode: int = 0,
+    max_train_requests: int = MAX_TRAIN_REQUESTS,
+    max_test_requests: int = MAX_TEST_REQUESTS,
 ) -> TraceData:
     """Count the trace, split train/test and (``held_out_tokens``) keep the held-out requests' decode
     tokens (streamed once more; ``with_held_out_tokens`` reads them later instead, so that placing
     and holding the tokens never add up in memory).
+
+    Bounded memory: after the split (every request of the trace, as without caps), at most
+    ``max_train_requests`` training and ``max_test_requests`` held-out requests are kept (seeded
+    uniform samples of each, ``CompareConfig``'s fields of the same names); only they are counted and
+    only their tokens read, so the counts hold at most the sum of the caps' rows. The rows of the
+    result are the kept requests in trace order (``TraceData.trace_rows_R``); below both caps they are
+    every request, and nothing changes.
 
     ``progress(tokens_done, tokens_total)`` is passed to the counting pass (``count_trace``).
     ``route_first_decode`` N > 0: the what-if of ``CompareConfig.route_first_decode`` (one more pass
@@ -211,18 +245,31 @@ def load_trace_data(
             "from decode counts and the all-to-all model simulates decode steps: use a trace with "
             "decode routing"
         )
-    counts = count_trace(tr, allow_incomplete=allow_incomplete, progress=progress)
-    R = counts.num_requests
+    if max_train_requests < 1 or max_test_requests < 1:
+        raise ConfigError(f"request caps must be >= 1, got {max_train_requests}, {max_test_requests}")
+    R = len(tr.request_arrays.request_id_R)
     if R < 4:
         raise TraceFormatError(f"{trace}: {R} requests; placement needs at least 4 (some to train, some to test)")
     rng = np.random.default_rng(seed)
     n_test = min(max(1, int(round(R * test_fraction))), R - 1)
-    is_test = np.zeros(R, dtype=bool)
-    is_test[rng.permutation(R)[:n_test]] = True
+    is_test_all = np.zeros(R, dtype=bool)
+    is_test_all[rng.permutation(R)[:n_test]] = True
+    keep_rng = np.random.default_rng([seed, 27])  # its own stream: the split is the same with or without caps
+    keep = np.sort(
+        np.concatenate(
+            [
+                _sample_rows(np.flatnonzero(~is_test_all), max_train_requests, keep_rng),
+                _sample_rows(np.flatnonzero(is_test_all), max_test_requests, keep_rng),
+            ]
+        )
+    )
+    capped = len(keep) < R
+    counts = count_trace(tr, allow_incomplete=allow_incomplete, progress=progress, rows=keep if capped else None)
+    is_test = is_test_all[keep]
     _release_arrow_memory()
     route_RLE, decode_RLE = counts.stage("prefill"), counts.stage("decode")  # views of one counts array
     if route_first_decode > 0:
-        route_RLE = _first_decode_counts(tr, route_first_decode, dtype=decode_RLE.dtype)
+        route_RLE = _first_decode_counts(tr, route_first_decode, dtype=decode_RLE.dtype, rows=keep)
         decode_RLE = decode_RLE - route_RLE  # the later tokens (the first ones are a subset: never below 0)
     data = TraceData(
         model=tr.model,
@@ -236,8 +283,22 @@ def load_trace_data(
         allow_incomplete=allow_incomplete,
         route_first_decode=route_first_decode,
         request_unit=str((tr.manifest.get("collection") or {}).get("request_unit") or "request"),
+        trace_rows_R=keep if capped else None,
+        num_trace_requests=R,
+        num_trace_train_requests=R - n_test,
+        num_trace_test_requests=n_test,
+        max_train_requests=max_train_requests,
+        max_test_requests=max_test_requests,
     )
     return with_held_out_tokens(data) if held_out_tokens else data
+
+
+def _sample_rows(rows: np.ndarray, cap: int, rng: np.random.Generator) -> np.ndarray:
+    """``rows`` itself when it has at most ``cap`` entries, else a uniform sample of ``cap`` of them
+    (without replacement, ascending)."""
+    if len(rows) <= cap:
+        return rows
+    return np.sort(rng.choice(rows, size=cap, replace=False))
 
 
 def parse_route_on(text: str) -> int:
@@ -254,22 +315,24 @@ def parse_route_on(text: str) -> int:
     )
 
 
-def _first_decode_counts(tr: Trace, n: int, *, dtype: np.dtype) -> np.ndarray:
+def _first_decode_counts(tr: Trace, n: int, *, dtype: np.dtype, rows: np.ndarray) -> np.ndarray:
     """Tokens per (request, MoE layer, expert) of each request's first ``n`` generated tokens, ``dtype``
-    [R, L, E] (rows as ``Trace.request_arrays``)."""
+    [R, L, E] (R: ``rows``, ascending rows of ``Trace.request_arrays``)."""
     from moetrace.analysis.counts import count_arrays
 
     m = tr.model
     L, K = m.num_moe_layers, m.top_k
     prompt_R = tr.request_arrays.prompt_tokens_R
-    out = np.zeros((len(prompt_R), 1, L, m.num_experts), dtype=dtype)
+    row_map = np.full(len(prompt_R), -1, dtype=np.int64)  # trace row -> row here (-1: not counted)
+    row_map[rows] = np.arange(len(rows))
+    out = np.zeros((len(rows), 1, L, m.num_experts), dtype=dtype)
     layers = np.arange(L, dtype=np.int64)
     for ta in tr.iter_token_arrays(batch_tokens=1 << 14):
         first = ta.is_decode_T & (ta.position_T - prompt_R[ta.row_T] < n)
         T = len(first)
         count_arrays(
             out,
-            row_T=ta.row_T,
+            row_T=row_map[ta.row_T],
             stage_T=np.where(first, 0, -1).astype(np.int8),
             topk_ids_TX=ta.topk_ids_TLK.reshape(T, L * K),
             layers_L=layers,
@@ -299,24 +362,29 @@ def with_held_out_tokens(data: TraceData) -> TraceData:
         return data
     tr = open_trace(data.trace_path, require_complete=not data.allow_incomplete)
     L, K = tr.model.num_moe_layers, tr.model.top_k
-    req_table = tr.request_arrays  # sorted by request id, the rows of the counts
+    req_table = tr.request_arrays  # sorted by request id (the rows of the counts when nothing was capped)
     is_test = data.is_test_R
-    bound = int(req_table.output_tokens_R[is_test].sum(dtype=np.int64))
+    trace_rows = np.arange(len(is_test)) if data.trace_rows_R is None else data.trace_rows_R
+    row_map = np.full(len(req_table.request_id_R), -1, dtype=np.int64)  # trace row -> row of data (-1: not kept)
+    row_map[trace_rows] = np.arange(len(trace_rows))
+    is_test_x = np.append(is_test, False)  # indexed by row_map: -1 (a request not kept) reads False
+    bound = int(req_table.output_tokens_R[trace_rows[is_test]].sum(dtype=np.int64))
     ids = np.empty((bound, L, K), dtype=np.int16)
     req_parts, n = [], 0
     with_prefill = "prefill" in data.stages
-    p_bound = int(req_table.prompt_tokens_R[is_test].sum(dtype=np.int64)) if with_prefill else 0
+    p_bound = int(req_table.prompt_tokens_R[trace_rows[is_test]].sum(dtype=np.int64)) if with_prefill else 0
     keep_share = min(1.0, MAX_PREFILL_TOKENS / max(p_bound, 1))  # a uniform sample of the prompt tokens
     p_ids = np.empty((min(p_bound, MAX_PREFILL_TOKENS + (1 << 14)), L, K), dtype=np.int16)
     p_req_parts: list[np.ndarray] = []
     pn = 0
     p_rng = np.random.default_rng([len(is_test), 11])
     for ta in tr.iter_token_arrays(batch_tokens=1 << 14):
-        row = np.searchsorted(req_table.request_id_R, ta.request_id_T)
+        trace_row = np.searchsorted(req_table.request_id_R, ta.request_id_T)
+        row = row_map[trace_row]
         recorded = (ta.topk_ids_TLK >= 0).any(axis=(1, 2))
-        keep = ta.is_decode_T & is_test[row] & recorded
+        keep = ta.is_decode_T & is_test_x[row] & recorded
         if data.route_first_decode:  # the router saw the first N generated tokens: simulate the later ones
-            keep &= ta.position_T - req_table.prompt_tokens_R[row] >= data.route_first_decode
+            keep &= ta.position_T - req_table.prompt_tokens_R[trace_row] >= data.route_first_decode
         k = int(keep.sum())
         if n + k > bound:  # the reader checked every row against the requests table, so this cannot happen
             raise AssertionError(f"{data.trace_path}: more held-out decode rows than the requests table claims")
@@ -324,7 +392,7 @@ def with_held_out_tokens(data: TraceData) -> TraceData:
         req_parts.append(row[keep])
         n += k
         if with_prefill:
-            pkeep = ~ta.is_decode_T & is_test[row] & recorded & (p_rng.random(len(row)) < keep_share)
+            pkeep = ~ta.is_decode_T & is_test_x[row] & recorded & (p_rng.random(len(row)) < keep_share)
             pk = min(int(pkeep.sum()), len(p_ids) - pn)
             sel = np.flatnonzero(pkeep)[:pk]
             p_ids[pn : pn + pk] = ta.topk_ids_TLK[sel]
@@ -729,6 +797,7 @@ def run_compare(
         if progress is not None:
             progress(done, steps)
 
+    check_caps(data, cfg)
     placed = place_strategies(data, cfg, todo, on_placed=step)
     data = with_held_out_tokens(data)  # after placing: the tokens and the clustering never share memory
     skipped: dict[str, str] = {}  # bound -> why it has no row (compare.json `skipped`, printed as a note)
@@ -877,8 +946,33 @@ def run_compare(
         expert=None if expert is None else expert.to_json(),
         skipped=skipped,
         tokens_from=data.tokens_from,
+        **request_caps(data),
     )
     return CompareResult(config=cfg, manifest=manifest, metrics=metrics, placed=placed, prefill_metrics=prefill)
+
+
+def check_caps(data: TraceData, cfg: CompareConfig) -> None:
+    """``ConfigError`` when ``data`` was loaded with other request caps than ``cfg`` asks for."""
+    if data.max_train_requests is None:  # a load profile: no requests to cap
+        return
+    if (data.max_train_requests, data.max_test_requests) != (cfg.max_train_requests, cfg.max_test_requests):
+        raise ConfigError(
+            f"the trace data was loaded with request caps {data.max_train_requests} train / {data.max_test_requests} "
+            f"held out, the config asks for {cfg.max_train_requests} / {cfg.max_test_requests}: pass the config's "
+            "max_train_requests and max_test_requests to load_trace_data"
+        )
+
+
+def request_caps(data: TraceData) -> dict[str, int | None]:
+    """What compare.json and a placement file's ``source`` record of the request caps: the trace's
+    requests and split before them, and the caps (None each for a load profile)."""
+    return {
+        "num_trace_requests": data.num_trace_requests,
+        "num_trace_train_requests": data.num_trace_train_requests,
+        "num_trace_test_requests": data.num_trace_test_requests,
+        "max_train_requests": data.max_train_requests,
+        "max_test_requests": data.max_test_requests,
+    }
 
 
 def a2a_seconds_B(metrics: dict[str, np.ndarray]) -> np.ndarray:
@@ -1011,6 +1105,7 @@ def placement_file(
             "seed": cfg.seed,
             "test_fraction": cfg.test_fraction,
             "num_train_requests": int((~data.is_test_R).sum()),
+            **({} if data.max_train_requests is None else request_caps(data)),
             **ps.extra,
         },
     )

@@ -40,8 +40,23 @@ LATER_KEYS: dict[str, Any] = {
     "route_first_decode": 0,  # routers saw the prefill (the what-if --route-on first-decode:N came later)
     "request_unit": "request",  # imports of forward passes without request ids came later
     "tokens_from": None,  # simulated tokens drawn from a load profile (issue #23); older files: the trace's requests
+    # request caps (issue #27): older files fitted on every training request and drew from every held-out one
+    "num_trace_requests": None,
+    "num_trace_train_requests": None,
+    "num_trace_test_requests": None,
+    "max_train_requests": None,
+    "max_test_requests": None,
 }
 
+
+#: the request caps' keys (issue #27), absent for a load profile
+_CAP_KEYS = (
+    "num_trace_requests",
+    "num_trace_train_requests",
+    "num_trace_test_requests",
+    "max_train_requests",
+    "max_test_requests",
+)
 
 #: the keys the cost model added (a manifest without ``links`` predates them all)
 _COST_KEYS = frozenset(
@@ -91,6 +106,8 @@ class CompareManifest:
     prefill_tokens_per_node: int = 0  # chunked-prefill tokens per node and step at an even share
     # N > 0: a what-if, not deployable: routers saw each request's first N generated tokens, not its prefill
     route_first_decode: int = 0
+    max_train_requests: int | None = None  # placements fitted on at most this many training requests (a sample)
+    max_test_requests: int | None = None  # batches drawn from at most this many held-out requests (a sample)
     deployment: str  # DPaTPbEPc[TPd]
     gpus_per_node: int  # GPUs per node
     batch_requests: int  # requests per global batch used
@@ -112,6 +129,17 @@ class CompareManifest:
     # what one trace request is: "request", or "forward pass" (imports that carry no request ids)
     request_unit: str = "request"
     tokens_from: str | None = None  # None: held-out requests of the trace; else how the tokens were drawn (a profile)
+    # the trace's requests and its split before the caps (None: a load profile, or a file from before the caps)
+    num_trace_requests: int | None = None
+    num_trace_train_requests: int | None = None
+    num_trace_test_requests: int | None = None
+
+    @property
+    def capped(self) -> bool:
+        """Whether the placements or the batches used a sample of the trace's training or held-out requests."""
+        return (self.num_trace_train_requests or 0) > self.num_train_requests or (
+            self.num_trace_test_requests or 0
+        ) > self.num_test_requests
 
     def to_json(self) -> dict[str, Any]:
         """compare.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
@@ -128,6 +156,8 @@ class CompareManifest:
                 continue  # requests are requests: the key is left out
             if f.name == "tokens_from" and v is None:
                 continue  # a trace's requests: the key is left out (LATER_KEYS reads it back as None)
+            if f.name in _CAP_KEYS and v is None:
+                continue  # a load profile: no requests to cap (LATER_KEYS reads it back as None)
             if self.links is None and f.name in _COST_KEYS:
                 continue  # a file written before the cost model: written back as it was
             if isinstance(v, tuple):
@@ -186,6 +216,7 @@ class CompareManifest:
             route_first_decode=r.count("route_first_decode"),
             request_unit=r.get("request_unit", str),
             tokens_from=r.get("tokens_from", str, optional=True),
+            **{k: r.get(k, int, optional=True) for k in _CAP_KEYS},
         )
 
     @property

@@ -91,6 +91,12 @@ def format_compare_summary(result: CompareResult) -> str:
         f"{c.deployment} ({c.num_nodes} nodes), "
         + (
             f"{c.num_train_requests} train / {c.num_test_requests} test requests"
+            + (
+                f" (samples of the trace's {c.num_trace_train_requests} / {c.num_trace_test_requests}: "
+                f"caps {c.max_train_requests} / {c.max_test_requests})"
+                if c.capped
+                else ""
+            )
             if c.tokens_from is None
             else "a load profile (tokens drawn from its loads)"
         )
