@@ -327,3 +327,17 @@ def test_a_killed_a2a_leaves_no_namespace_rank_or_temp_dir(tmp_path):
     assert ours() == []
     assert all(_wait_gone(r) for r in ranks)
     assert {p.name for p in Path("/tmp").glob("moetrace-a2a-*")} <= tmp_before
+
+
+@pytest.mark.parametrize("allow_incomplete", [False, True])
+def test_merge_shards_is_refused_while_a_whole_trace_writer_runs(tmp_path, allow_incomplete):
+    """`merge-shards` writes the trace's manifest: under the trace's lock (shards, which share it, may
+    run with --allow-incomplete; a whole-trace writer never)."""
+    trace = tmp_path / "t"
+    holder = _start_holder(trace)
+    try:
+        r = runner.invoke(app, ["merge-shards", str(trace), *(["--allow-incomplete"] if allow_incomplete else [])])
+    finally:
+        _finish(holder)
+    assert r.exit_code == 2 and f"pid {holder.pid}" in r.output and "Traceback" not in r.output, r.output
+    assert open_trace(trace).requests().collect()["request_id"].to_list() == [100]  # its manifest untouched

@@ -26,6 +26,7 @@ from moetrace.tracer.trace.layout import (
     shard_manifest_name,
     shard_prefix,
 )
+from moetrace.tracer.trace.lock import lock_trace, probe_lock
 from moetrace.tracer.trace.schema import check_manifest_header
 
 #: collection keys that differ between shards by design
@@ -123,9 +124,18 @@ def merge_shards(path: str | os.PathLike, *, allow_incomplete: bool = False) -> 
     Also checks that no request id was written by two shards. Returns the written manifest.
     """
     p = Path(path)
-    manifest = merge_manifests(read_shard_manifests(p), allow_incomplete=allow_incomplete)
-    _check_disjoint(p, num_shards=manifest["collection"]["num_shards"])
-    write_json_atomic(p / MANIFEST, manifest)
+    if allow_incomplete:  # shards may still run (they share the trace's lock); a whole-trace writer may not
+        probe_lock(p, shared=True)
+        lock = None
+    else:  # a manifest saying complete: no shard and no other writer may be at work meanwhile
+        lock = lock_trace(p)
+    try:
+        manifest = merge_manifests(read_shard_manifests(p), allow_incomplete=allow_incomplete)
+        _check_disjoint(p, num_shards=manifest["collection"]["num_shards"])
+        write_json_atomic(p / MANIFEST, manifest)
+    finally:
+        if lock is not None:
+            lock.release()
     return manifest
 
 
