@@ -44,8 +44,6 @@ of DeepEP dispatches, ``global_physical_count`` (the ids give it).
 
 from __future__ import annotations
 
-import re
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +52,7 @@ from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
 from moetrace.tracer.importers.ids import check_ids, ids_notes, physical_map_from_array, read_physical_map, to_logical
 from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions, check_allocation
+from moetrace.tracer.importers.sglang_pt import dump_files, load_dump, pickle_head, record_int
 
 if TYPE_CHECKING:
     import numpy as np
@@ -65,25 +64,8 @@ if TYPE_CHECKING:
 EXTEND, DECODE, MIXED, IDLE = 1, 2, 3, 4
 #: the top-k columns SGLang's per-token gatherer keeps (``_DetailSinglePassGatherer._TOP_K_NUM``)
 SGLANG_TOPK_COLUMNS = 8
-#: the dump files a directory holds
-DUMP_NAME = re.compile(r"^expert_distribution_recorder_.*\.pt$")
-#: bytes of the pickle detection reads
-DETECT_BYTES = 1 << 16
 #: passes per ``add_requests`` call
 BATCH_PASSES = 256
-
-
-def _pickle_head(src: Path) -> bytes:
-    """The first ``DETECT_BYTES`` of the ``data.pkl`` inside a torch zip ``src``; ``b""`` when it is not one."""
-    try:
-        with zipfile.ZipFile(src) as z:
-            names = [n for n in z.namelist() if n.endswith("data.pkl")]
-            if not names:
-                return b""
-            with z.open(names[0]) as f:
-                return f.read(DETECT_BYTES)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError):
-        return b""  # not a zip torch could have written: another format's input
 
 
 def _is_dump(head: bytes) -> bool:
@@ -91,52 +73,13 @@ def _is_dump(head: bytes) -> bool:
     return b"forward_pass_id" in head and b"gatherer_key" in head and b"input_ids" in head
 
 
-def _dump_files(src: Path) -> list[Path]:
-    if src.is_dir():
-        return sorted(p for p in src.iterdir() if DUMP_NAME.match(p.name) and p.is_file())
-    return [src]
-
-
 def detect(head: bytes, src: Path) -> bool:
     """A torch ``.pt`` (a zip) whose pickle holds per-token records (``forward_pass_id``, ``gatherer_key``,
     ``input_ids``), or a directory of ``expert_distribution_recorder_*.pt`` files of that kind."""
     if src.is_dir():
-        files = _dump_files(src)
-        return bool(files) and _is_dump(_pickle_head(files[0]))
-    return head.startswith(b"PK\x03\x04") and _is_dump(_pickle_head(src))
-
-
-def _load(path: Path, options: ImportOptions) -> dict[str, Any]:
-    """``torch.load(weights_only=True)`` of one dump, its declared sizes checked against the budget first."""
-    torch = require("torch", purpose="reading SGLang's .pt dumps")
-    if not path.is_file():
-        raise TraceFormatError(f"{path.name}: not a regular file")
-    try:
-        with zipfile.ZipFile(path) as z:
-            declared = sum(i.file_size for i in z.infolist())
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise TraceFormatError(f"{path.name}: not a torch .pt file ({exc})") from None
-    check_allocation(2 * declared, f"{path.name} declares {declared:,} bytes of tensors", options=options)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a damaged or hostile file makes the unpickler raise anything; said, never a traceback
-        raise TraceFormatError(
-            f"{path.name}: cannot be read as a torch dump with weights_only=True ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200] if str(exc) else ''})"
-        ) from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("records"), list):
-        raise TraceFormatError(
-            f"{path.name}: not an expert-distribution per_token dump (a dict with `records`); got "
-            f"{sorted(obj)[:6] if isinstance(obj, dict) else type(obj).__name__}"
-        )
-    return obj
-
-
-def _int(rec: dict[str, Any], key: str, where: str) -> int:
-    v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TraceFormatError(f"{where}: `{key}` must be an integer, got {type(v).__name__}")
-    return v
+        files = dump_files(src)
+        return bool(files) and _is_dump(pickle_head(files[0]))
+    return head.startswith(b"PK\x03\x04") and _is_dump(pickle_head(src))
 
 
 def _pass_ids(rec: dict[str, Any], info: ModelInfo, where: str) -> np.ndarray:
@@ -197,7 +140,7 @@ def read(
     from moetrace.tracer.trace.schema import NO_EXPERT
 
     options = options or ImportOptions()
-    files = _dump_files(src)
+    files = dump_files(src)
     if not files:
         raise TraceFormatError(f"{src}: no expert_distribution_recorder_*.pt files in the directory")
     user_map = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
@@ -223,7 +166,7 @@ def read(
         batch.clear()
 
     for i, path in enumerate(files):
-        obj = _load(path, options)
+        obj = load_dump(path, options, mode="per_token")
         records = obj["records"]
         if records and all(isinstance(r, dict) and "topk_ids_of_layer" not in r for r in records):
             raise TraceFormatError(
@@ -248,7 +191,7 @@ def read(
             )
             if not isinstance(rec, dict):
                 raise TraceFormatError(f"{where}: not a record (a dict), got {type(rec).__name__}")
-            fid, rank, mode = (_int(rec, k, where) for k in ("forward_pass_id", "rank", "forward_mode"))
+            fid, rank, mode = (record_int(rec, k, where) for k in ("forward_pass_id", "rank", "forward_mode"))
             if mode == IDLE:
                 continue
             if mode not in (EXTEND, DECODE, MIXED):

@@ -49,7 +49,6 @@ Out of scope: ``per_token`` dumps (``sglang-dump``: a trace), ``stat`` / ``stat_
 from __future__ import annotations
 
 import hashlib
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,8 +56,8 @@ from moetrace._deps import require
 from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Progress, StagesMode
 from moetrace.tracer.importers.ids import physical_map_from_array, read_physical_map
-from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions, check_allocation
-from moetrace.tracer.importers.sglang_dump import _dump_files, _pickle_head
+from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions
+from moetrace.tracer.importers.sglang_pt import dump_files, load_dump, pickle_head, record_int
 
 if TYPE_CHECKING:
     import numpy as np
@@ -82,42 +81,9 @@ def detect(head: bytes, src: Path) -> bool:
     """A torch ``.pt`` (a zip) whose pickle holds per_pass records (module docstring), or a directory of
     ``expert_distribution_recorder_*.pt`` files of that kind."""
     if src.is_dir():
-        files = _dump_files(src)
-        return bool(files) and _is_pass_dump(_pickle_head(files[0]))
-    return head.startswith(b"PK\x03\x04") and _is_pass_dump(_pickle_head(src))
-
-
-def _load(path: Path, options: ImportOptions) -> dict[str, Any]:
-    """``torch.load(weights_only=True)`` of one dump, its declared sizes checked against the budget first."""
-    torch = require("torch", purpose="reading SGLang's .pt dumps")
-    if not path.is_file():
-        raise TraceFormatError(f"{path.name}: not a regular file")
-    try:
-        with zipfile.ZipFile(path) as z:
-            declared = sum(i.file_size for i in z.infolist())
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise TraceFormatError(f"{path.name}: not a torch .pt file ({exc})") from None
-    check_allocation(2 * declared, f"{path.name} declares {declared:,} bytes of tensors", options=options)
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a damaged or hostile file makes the unpickler raise anything; said, never a traceback
-        raise TraceFormatError(
-            f"{path.name}: cannot be read as a torch dump with weights_only=True ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200] if str(exc) else ''})"
-        ) from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("records"), list):
-        raise TraceFormatError(
-            f"{path.name}: not an expert-distribution per_pass dump (a dict with `records`); got "
-            f"{sorted(map(str, obj))[:6] if isinstance(obj, dict) else type(obj).__name__}"
-        )
-    return obj
-
-
-def _int(rec: dict[str, Any], key: str, where: str) -> int:
-    v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise TraceFormatError(f"{where}: `{key}` must be a whole number >= 0, got {type(v).__name__}")
-    return v
+        files = dump_files(src)
+        return bool(files) and _is_pass_dump(pickle_head(files[0]))
+    return head.startswith(b"PK\x03\x04") and _is_pass_dump(pickle_head(src))
 
 
 def _map_of(obj: dict[str, Any], path: Path, info: ModelInfo, user_map: np.ndarray | None) -> np.ndarray:
@@ -204,7 +170,7 @@ def read_profile(
     from moetrace.tracer.trace.profile import MAX_CELLS, LoadProfile, Window
 
     options = options or ImportOptions()
-    files = _dump_files(src)
+    files = dump_files(src)
     if not files:
         raise TraceFormatError(f"{src}: no expert_distribution_recorder_*.pt files in the directory")
     user_map = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
@@ -213,7 +179,7 @@ def read_profile(
     rank_LE: dict[int, np.ndarray] = {}  # rank -> int64 [L, E], summed over passes
     seen: dict[tuple[int, int], tuple[str, bytes]] = {}  # (pass, rank) -> (where, digest of its counts)
     for i, path in enumerate(files):
-        obj = _load(path, options)
+        obj = load_dump(path, options, mode="per_pass")
         records = obj["records"]
         if records and all(isinstance(r, dict) and "topk_ids_of_layer" in r for r in records):
             raise TraceFormatError(
@@ -225,7 +191,8 @@ def read_profile(
             where = f"{path.name}: record {j} (forward pass {fid_seen})"
             if not isinstance(rec, dict):
                 raise TraceFormatError(f"{where}: not a record (a dict), got {type(rec).__name__}")
-            fid, rank = _int(rec, "forward_pass_id", where), _int(rec, "rank", where)
+            fid = record_int(rec, "forward_pass_id", where, nonnegative=True)
+            rank = record_int(rec, "rank", where, nonnegative=True)
             if rank >= MAX_RANKS:
                 raise TraceFormatError(f"{where}: rank {rank}; moetrace reads at most {MAX_RANKS} ranks")
             if (fid, rank) in seen:
