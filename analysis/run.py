@@ -70,8 +70,13 @@ class AnalyzeConfig:
     affinity_max_tokens: int = 500_000  # token sample for cross-layer affinity and co-activation
     recall_k: int | None = None  # k of prefill→decode recall@k (default the model's top-k)
     allow_incomplete: bool = False  # analyse the committed part of an unfinished trace
+    # requests whose counts are held (memory ~ requests x stages x layers x experts): beyond it, a seeded
+    # sample stratified by dataset (every dataset keeps at least min(its requests, 50)); 0 = all
+    max_requests: int = 20_000
 
     def __post_init__(self) -> None:
+        if self.max_requests < 0:
+            raise ConfigError(f"--max-requests must be >= 0 (0: all), got {self.max_requests}")
         bad = [a for a in self.only if a not in ANALYSES]
         if bad or not self.only:
             raise ConfigError(f"unknown analyses {bad or '(none chosen)'}; choose from {', '.join(ANALYSES)}")
@@ -87,6 +92,23 @@ class AnalyzeConfig:
                 f"an embedding fits at least 5 requests; got fit {self.embedding_fit_requests}, "
                 f"max {self.embedding_max_requests}"
             )
+
+
+def request_sample(dataset_R: np.ndarray, *, max_requests: int, seed: int) -> np.ndarray | None:
+    """Rows of the requests analysed when there are more than ``max_requests`` (0: no cap), int64
+    ascending; None when every request is. Stratified by dataset: each keeps
+    ``max(min(n_d, 50), floor(max_requests * n_d / R))`` of its ``n_d`` requests, drawn with ``seed``."""
+    R = int(dataset_R.shape[0])
+    if max_requests == 0 or R <= max_requests:
+        return None
+    rng = np.random.default_rng([seed, 31])
+    labels, inv = np.unique(np.asarray(dataset_R).astype(str), return_inverse=True)
+    keep = []
+    for d in range(len(labels)):
+        rows_d = np.flatnonzero(inv == d)
+        k = max(min(len(rows_d), 50), (max_requests * len(rows_d)) // R)
+        keep.append(rng.choice(rows_d, size=min(k, len(rows_d)), replace=False))
+    return np.sort(np.concatenate(keep)).astype(np.int64)
 
 
 def analyze(
@@ -145,12 +167,24 @@ def analyze(
     if needs_counts:
         say("counting tokens per (request, stage, layer, expert)")
         t0 = time.perf_counter()
+        sample = request_sample(trace.request_arrays.dataset_R, max_requests=config.max_requests, seed=config.seed)
+        if sample is not None:
+            summary["request_sample"] = {
+                "num_trace_requests": int(trace.request_arrays.dataset_R.shape[0]),
+                "num_analysed": int(sample.size),
+                "max_requests": config.max_requests,
+            }
+            say(
+                f"analysing a sample of {sample.size:,} of the trace's {trace.request_arrays.dataset_R.shape[0]:,} "
+                f"requests (stratified by dataset; --max-requests {config.max_requests:,}, 0 for all)"
+            )
         counts = count_trace(
             trace,
             stages=[s for s in STAGES if s in recorded],
             layers=config.layers,
             allow_incomplete=config.allow_incomplete,
             progress=progress,
+            rows=sample,
         )
         timings["counts"] = time.perf_counter() - t0
         summary["num_requests"] = counts.num_requests
@@ -542,6 +576,11 @@ def _jsonable(x: Any) -> Any:
 def format_summary(summary: dict[str, Any]) -> str:
     """The compact table ``moetrace analyze`` prints."""
     lines = []
+    if (smp := summary.get("request_sample")) is not None:
+        lines.append(
+            f"a sample of {smp['num_analysed']:,} of the trace's {smp['num_trace_requests']:,} requests "
+            f"(stratified by dataset; --max-requests {smp['max_requests']:,}, 0 for all)"
+        )
     layers = summary.get("layers") or {}
     num_layers = layers.get("num_layers", 0)
     for stage, empty in (layers.get("empty") or {}).items():

@@ -234,3 +234,32 @@ def test_summary_prints_undefined_scores_as_na():
         }
     )
     assert "silhouette n/a, K-means ARI 0.250" in text and "nan" not in text
+
+
+def test_max_requests_analyses_a_stratified_sample_and_says_so(tmp_path):
+    """Memory bounded at any trace size (issue #27): beyond --max-requests, a seeded sample stratified by
+    dataset is counted and analysed, recorded in the summary and printed; below it nothing changes."""
+    from moetrace.analysis.run import request_sample
+    from moetrace.tracer.trace.reader import open_trace
+
+    planted = tmp_path / "t"
+    res = runner.invoke(app, ["synth", "--model", "olmoe-1b-7b-tiny", "--datasets", "gsm8k,mbpp,xsum",
+                              "--requests", "360", "-o", str(planted), "-q"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    datasets = open_trace(planted).request_arrays.dataset_R
+    R = len(datasets)
+    assert (
+        request_sample(datasets, max_requests=R, seed=0) is None
+        and request_sample(datasets, max_requests=0, seed=0) is None
+    )
+    rows = request_sample(datasets, max_requests=R // 2, seed=0)
+    assert rows is not None and (np.diff(rows) > 0).all() and len(rows) <= R
+    assert set(np.asarray(datasets)[rows]) == set(np.asarray(datasets))  # every dataset kept
+    out = tmp_path / "r"
+    res = runner.invoke(app, ["analyze", str(planted), "-o", str(out), "--only", "imbalance",
+                              "--max-requests", str(R // 2)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_requests"] == len(rows) < R
+    assert summary["request_sample"] == {"num_trace_requests": R, "num_analysed": len(rows), "max_requests": R // 2}
+    assert f"a sample of {len(rows):,} of the trace's {R:,} requests" in res.output

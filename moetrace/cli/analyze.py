@@ -61,6 +61,10 @@ def analyze_cmd(
     embedding_methods: Annotated[
         str, typer.Option(help="Comma-separated projections: tsne, umap (UMAP compiles numba kernels first, ~10 s).")
     ] = "tsne",
+    max_requests: Annotated[
+        int,
+        typer.Option(help="Requests analysed: beyond it a seeded sample stratified by dataset (0: all)."),
+    ] = 20_000,
     overwrite: Overwrite = False,
     allow_incomplete: AllowIncomplete = False,
     quiet: Quiet = False,
@@ -85,6 +89,7 @@ def analyze_cmd(
         embedding_max_requests=embedding_max_requests,
         embedding_methods=tuple(m.strip() for m in embedding_methods.split(",") if m.strip()),  # type: ignore[misc]
         allow_incomplete=allow_incomplete,
+        max_requests=max_requests,
     )
     log = log_lines(quiet)
     with (
