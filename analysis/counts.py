@@ -42,7 +42,7 @@ from moetrace._deps import require
 from moetrace.atomic import atomic_path
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.results import ANALYSIS, COUNTS, table_metadata
-from moetrace.tracer.trace.reader import Trace, open_trace
+from moetrace.tracer.trace.reader import TokenArrays, Trace, open_trace
 from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL, STAGES, Stage
 
 __all__ = ["RequestCounts", "count_trace", "count_arrays", "write_counts_table", "STAGES"]
@@ -195,6 +195,7 @@ def count_trace(
     batch_tokens: int = 1 << 16,
     progress: Callable[[int, int], None] | None = None,
     rows: np.ndarray | None = None,
+    keep_T: Callable[[TokenArrays], np.ndarray] | None = None,
 ) -> RequestCounts:
     """Count tokens per (request, stage, layer, expert) over a whole trace, streaming.
 
@@ -218,6 +219,9 @@ def count_trace(
         Only these requests, int64 ``[R']`` strictly ascending rows of the requests table
         (``Trace.request_arrays``, sorted by request id); the other requests' tokens are read and
         skipped, so memory is ``R'`` requests' counts whatever the trace's size. Default all.
+    keep_T
+        Only the tokens of each batch for which it is True (bool ``[T]`` of a ``TokenArrays``, e.g. a
+        request's first generated tokens by position); default all.
 
     Returns
     -------
@@ -265,7 +269,9 @@ def count_trace(
         count_arrays(
             counts,
             row_T=ta.row_T if row_map is None else row_map[ta.row_T],
-            stage_T=stage_of[ta.is_decode_T.view(np.int8)],
+            stage_T=stage_of[ta.is_decode_T.view(np.int8)]
+            if keep_T is None
+            else np.where(keep_T(ta), stage_of[ta.is_decode_T.view(np.int8)], np.int8(-1)),
             topk_ids_TX=ta.topk_ids_TLK.reshape(T, L * K),
             layers_L=layers_arr,
             top_k=K,

@@ -47,7 +47,6 @@ from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
 from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, check_strategies, get_strategy
 
 if TYPE_CHECKING:
-    from moetrace.tracer.trace.reader import Trace
     from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = [
@@ -268,8 +267,16 @@ def load_trace_data(
     is_test = is_test_all[keep]
     _release_arrow_memory()
     route_RLE, decode_RLE = counts.stage("prefill"), counts.stage("decode")  # views of one counts array
-    if route_first_decode > 0:
-        route_RLE = _first_decode_counts(tr, route_first_decode, dtype=decode_RLE.dtype, rows=keep)
+    if route_first_decode > 0:  # one more pass: each request's first N generated tokens
+        prompt_R = tr.request_arrays.prompt_tokens_R
+        route_RLE = count_trace(
+            tr,
+            stages=[STAGE_DECODE],
+            allow_incomplete=allow_incomplete,
+            rows=keep,
+            keep_T=lambda ta: ta.position_T - prompt_R[ta.row_T] < route_first_decode,
+        ).stage(STAGE_DECODE)
+        _release_arrow_memory()
         decode_RLE = decode_RLE - route_RLE  # the later tokens (the first ones are a subset: never below 0)
     data = TraceData(
         model=tr.model,
@@ -313,33 +320,6 @@ def parse_route_on(text: str) -> int:
         f"--route-on {text!r}: use `prefill` (as deployed) or `first-decode:N` with N in 1..{MAX_ROUTE_FIRST_DECODE:,} "
         "(a what-if for decode-only captures: routers see each request's first N generated tokens)"
     )
-
-
-def _first_decode_counts(tr: Trace, n: int, *, dtype: np.dtype, rows: np.ndarray) -> np.ndarray:
-    """Tokens per (request, MoE layer, expert) of each request's first ``n`` generated tokens, ``dtype``
-    [R, L, E] (R: ``rows``, ascending rows of ``Trace.request_arrays``)."""
-    from moetrace.analysis.counts import count_arrays
-
-    m = tr.model
-    L, K = m.num_moe_layers, m.top_k
-    prompt_R = tr.request_arrays.prompt_tokens_R
-    row_map = np.full(len(prompt_R), -1, dtype=np.int64)  # trace row -> row here (-1: not counted)
-    row_map[rows] = np.arange(len(rows))
-    out = np.zeros((len(rows), 1, L, m.num_experts), dtype=dtype)
-    layers = np.arange(L, dtype=np.int64)
-    for ta in tr.iter_token_arrays(batch_tokens=1 << 14):
-        first = ta.is_decode_T & (ta.position_T - prompt_R[ta.row_T] < n)
-        T = len(first)
-        count_arrays(
-            out,
-            row_T=row_map[ta.row_T],
-            stage_T=np.where(first, 0, -1).astype(np.int8),
-            topk_ids_TX=ta.topk_ids_TLK.reshape(T, L * K),
-            layers_L=layers,
-            top_k=K,
-        )
-    _release_arrow_memory()
-    return out[:, 0]
 
 
 def _release_arrow_memory() -> None:

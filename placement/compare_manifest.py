@@ -57,6 +57,10 @@ _CAP_KEYS = (
     "max_train_requests",
     "max_test_requests",
 )
+#: keys compare.json leaves out while they hold their ``LATER_KEYS`` value (what a file without them means)
+_LEFT_OUT_AT_DEFAULT = frozenset(
+    {"expert_copy_floor", "skipped", "route_first_decode", "request_unit", "tokens_from", *_CAP_KEYS}
+)
 
 #: the keys the cost model added (a manifest without ``links`` predates them all)
 _COST_KEYS = frozenset(
@@ -146,18 +150,8 @@ class CompareManifest:
         out: dict[str, Any] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "expert_copy_floor" and v is None:
-                continue  # not proven: the key is left out
-            if f.name == "skipped" and not v:
-                continue  # nothing skipped: the key is left out (LATER_KEYS reads it back as {})
-            if f.name == "route_first_decode" and not v:
-                continue  # routed on the prefill, as deployed: the key is left out
-            if f.name == "request_unit" and v == "request":
-                continue  # requests are requests: the key is left out
-            if f.name == "tokens_from" and v is None:
-                continue  # a trace's requests: the key is left out (LATER_KEYS reads it back as None)
-            if f.name in _CAP_KEYS and v is None:
-                continue  # a load profile: no requests to cap (LATER_KEYS reads it back as None)
+            if f.name in _LEFT_OUT_AT_DEFAULT and v == LATER_KEYS[f.name]:
+                continue  # nothing to say (no floor proven, nothing skipped, routed on the prefill, ...): LATER_KEYS reads it back
             if self.links is None and f.name in _COST_KEYS:
                 continue  # a file written before the cost model: written back as it was
             if isinstance(v, tuple):

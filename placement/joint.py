@@ -336,23 +336,26 @@ def joint_placement(
         group, usage_GLE = routed, routed_usage
     assert best is not None  # num_iters >= 1 and the first iterate is always kept
     obj, member, usage_GLE, price, group = best
+    E = decode_RLE.shape[2]
     phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
-    before = after = None
+    placement, gain = placement_from_phy2log(phy2log, num_experts=E), None
     if links is not None:  # the busiest GPU charged: slots moved to lower the expected link time, then re-routed
-        W, E = G * ranks_per_group, decode_RLE.shape[2]
+        W = G * ranks_per_group
         before = expected_step_seconds(phy2log, usage_GLE, num_ranks=W, links=links)
         phy2log = improve_layout(phy2log, usage_GLE, num_ranks=W, links=links, across_nodes=router_groups is None)
-        member = members_of_placement(placement_from_phy2log(phy2log, num_experts=E), num_groups=G, num_experts=E)
+        placement = placement_from_phy2log(phy2log, num_experts=E)
+        member = members_of_placement(placement, num_groups=G, num_experts=E)  # the membership the moves left
         group, price = balanced_assign(node_scores(route_RLE, member, rows=rows), balance_slack=balance_slack)
         after = expected_step_seconds(
             phy2log, group_usage(decode_RLE, group, num_groups=G, rows=rows), num_ranks=W, links=links
         )
+        gain = after / before if before > 0 else None
     return JointPlacement(
-        placement=placement_from_phy2log(phy2log, num_experts=decode_RLE.shape[2]),
+        placement=placement,
         member_LGE=member,
         price_G=price,
         group_R=group,
         objective_history=history,
         num_iters=len(history),
-        layout_gain=None if before is None or after is None or before <= 0 else after / before,
+        layout_gain=gain,
     )

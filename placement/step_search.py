@@ -43,9 +43,6 @@ from moetrace.placement.cost import DEFAULT_LINKS, Links
 
 __all__ = ["LinkTimes", "slot_flows_PG", "layer_link_times", "expected_step_seconds", "improve_layout"]
 
-#: GPUs (busiest first) whose slots the search tries to move, per move
-_STRAGGLERS_TRIED = 1
-
 
 @dataclass(frozen=True)
 class LinkTimes:
@@ -142,12 +139,17 @@ def _others(num_ranks: int, ranks_per_node: int) -> np.ndarray:
 
 
 def _best_swap(
-    flows_PG: np.ndarray, gpu_P: np.ndarray, movable_P: np.ndarray, lt: LinkTimes, *, num_nodes: int, links: Links
+    flows_PG: np.ndarray,
+    gpu_P: np.ndarray,
+    movable_P: np.ndarray,
+    lt: LinkTimes,
+    *,
+    others_WO: np.ndarray,
+    links: Links,
 ) -> tuple[float, int, int]:
-    """The swap of one straggler's slot with another slot that lowers the smooth maximum most:
-    ``(change, slot_x, slot_y)``; change >= 0 when none lowers it."""
-    W, G = len(lt.t_W), num_nodes
-    wn = W // G
+    """The swap of one of the busiest GPU's slots with another slot that lowers the smooth maximum most:
+    ``(change, slot_x, slot_y)``; ``(0.0, -1, -1)`` when none lowers it. ``others_WO``: ``_others``."""
+    W, wn = len(lt.t_W), others_WO.shape[1] + 1
     a = (wn - 1) / wn
     bi, be = links.intra.bytes_per_s, links.inter.bytes_per_s
     t = lt.t_W
@@ -156,52 +158,50 @@ def _best_swap(
         return 0.0, -1, -1
     tq = _pow(t / m)
     node_W = np.arange(W) // wn
-    others_WO = _others(W, wn)  # [W, wn - 1]: the other GPUs of each GPU's node
     tot_P = flows_PG.sum(1)
-    best = (0.0, -1, -1)
-    for w1 in np.argsort(-t, kind="stable")[:_STRAGGLERS_TRIED]:
-        g1 = int(node_W[w1])
-        X = np.flatnonzero(gpu_P == w1)
-        Y = np.flatnonzero(gpu_P != w1)
-        w2 = gpu_P[Y]
-        g2 = w2 // wn
-        cross_Y = g2 != g1
-        ok = ~cross_Y[None, :] | (movable_P[X][:, None] & movable_P[Y][None, :])  # [x, y]
-        ux1, uy1 = flows_PG[X, g1][:, None], flows_PG[Y, g1][None, :]  # own flows where they would land
-        ux2, uy2 = flows_PG[X[:, None], g2[None, :]], flows_PG[Y, g2][None, :]
-        tx, ty = tot_P[X][:, None], tot_P[Y][None, :]
-        ri1 = lt.recv_intra_W[w1] + a * (uy1 - ux1)
-        re1 = lt.recv_inter_W[w1] + (ty - uy1) - (tx - ux1)
-        ri2 = lt.recv_intra_W[w2][None, :] + a * (ux2 - uy2)
-        re2 = lt.recv_inter_W[w2][None, :] + (tx - ux2) - (ty - uy2)
-        d1 = np.where(cross_Y[None, :], uy1 - ux1, 0.0)  # node g1's own copies gained
-        d2 = np.where(cross_Y[None, :], ux2 - uy2, 0.0)
-        si1, se1 = lt.send_intra_G[g1] + a * d1 / wn, lt.send_inter_G[g1] - d1 / wn
-        si2, se2 = lt.send_intra_G[g2][None, :] + a * d2 / wn, lt.send_inter_G[g2][None, :] - d2 / wn
-        t1 = np.maximum(np.maximum(si1, ri1) / bi, np.maximum(se1, re1) / be)
-        t2 = np.maximum(np.maximum(si2, ri2) / bi, np.maximum(se2, re2) / be)
-        change = _pow(t1 / m) + _pow(t2 / m) - tq[w1] - tq[w2][None, :]
-        worse = np.maximum(t1, t2) > m * (1 + 1e-12)  # a swap never raises the layer's maximum
-        if wn > 1:  # a swap between nodes also changes the sends of both nodes' other GPUs
-            o1 = (node_W == g1) & (np.arange(W) != w1)
-            to1 = np.maximum(
-                np.maximum(si1[..., None], lt.recv_intra_W[o1]) / bi,
-                np.maximum(se1[..., None], lt.recv_inter_W[o1]) / be,
-            )
-            change += np.where(cross_Y[None, :], _pow(to1 / m).sum(-1) - tq[o1].sum(), 0.0)
-            worse |= cross_Y[None, :] & (to1.max(-1) > m * (1 + 1e-12))
-            others_YO = others_WO[w2]  # [y, wn - 1]
-            to2 = np.maximum(
-                np.maximum(si2[..., None], lt.recv_intra_W[others_YO][None]) / bi,
-                np.maximum(se2[..., None], lt.recv_inter_W[others_YO][None]) / be,
-            )
-            change += np.where(cross_Y[None, :], _pow(to2 / m).sum(-1) - tq[others_YO].sum(-1)[None, :], 0.0)
-            worse |= cross_Y[None, :] & (to2.max(-1) > m * (1 + 1e-12))
-        change = np.where(ok & ~worse, change, np.inf)
-        i, j = np.unravel_index(int(np.argmin(change)), change.shape)
-        if change[i, j] < best[0] - 1e-12:
-            best = (float(change[i, j]), int(X[i]), int(Y[j]))
-    return best
+    w1 = int(np.argmax(t))  # the straggler (the first, on a tie)
+    g1 = int(node_W[w1])
+    X = np.flatnonzero(gpu_P == w1)
+    Y = np.flatnonzero(gpu_P != w1)
+    w2 = gpu_P[Y]
+    g2 = w2 // wn
+    cross_Y = g2 != g1
+    ok = ~cross_Y[None, :] | (movable_P[X][:, None] & movable_P[Y][None, :])  # [x, y]
+    ux1, uy1 = flows_PG[X, g1][:, None], flows_PG[Y, g1][None, :]  # own flows where they would land
+    ux2, uy2 = flows_PG[X[:, None], g2[None, :]], flows_PG[Y, g2][None, :]
+    tx, ty = tot_P[X][:, None], tot_P[Y][None, :]
+    ri1 = lt.recv_intra_W[w1] + a * (uy1 - ux1)
+    re1 = lt.recv_inter_W[w1] + (ty - uy1) - (tx - ux1)
+    ri2 = lt.recv_intra_W[w2][None, :] + a * (ux2 - uy2)
+    re2 = lt.recv_inter_W[w2][None, :] + (tx - ux2) - (ty - uy2)
+    d1 = np.where(cross_Y[None, :], uy1 - ux1, 0.0)  # node g1's own copies gained
+    d2 = np.where(cross_Y[None, :], ux2 - uy2, 0.0)
+    si1, se1 = lt.send_intra_G[g1] + a * d1 / wn, lt.send_inter_G[g1] - d1 / wn
+    si2, se2 = lt.send_intra_G[g2][None, :] + a * d2 / wn, lt.send_inter_G[g2][None, :] - d2 / wn
+    t1 = np.maximum(np.maximum(si1, ri1) / bi, np.maximum(se1, re1) / be)
+    t2 = np.maximum(np.maximum(si2, ri2) / bi, np.maximum(se2, re2) / be)
+    change = _pow(t1 / m) + _pow(t2 / m) - tq[w1] - tq[w2][None, :]
+    worse = np.maximum(t1, t2) > m * (1 + 1e-12)  # a swap never raises the layer's maximum
+    if wn > 1:  # a swap between nodes also changes the sends of both nodes' other GPUs
+        o1 = others_WO[w1]
+        to1 = np.maximum(
+            np.maximum(si1[..., None], lt.recv_intra_W[o1]) / bi,
+            np.maximum(se1[..., None], lt.recv_inter_W[o1]) / be,
+        )
+        change += np.where(cross_Y[None, :], _pow(to1 / m).sum(-1) - tq[o1].sum(), 0.0)
+        worse |= cross_Y[None, :] & (to1.max(-1) > m * (1 + 1e-12))
+        others_YO = others_WO[w2]  # [y, wn - 1]
+        to2 = np.maximum(
+            np.maximum(si2[..., None], lt.recv_intra_W[others_YO][None]) / bi,
+            np.maximum(se2[..., None], lt.recv_inter_W[others_YO][None]) / be,
+        )
+        change += np.where(cross_Y[None, :], _pow(to2 / m).sum(-1) - tq[others_YO].sum(-1)[None, :], 0.0)
+        worse |= cross_Y[None, :] & (to2.max(-1) > m * (1 + 1e-12))
+    change = np.where(ok & ~worse, change, np.inf)
+    i, j = np.unravel_index(int(np.argmin(change)), change.shape)
+    if not change[i, j] < -1e-12:
+        return 0.0, -1, -1
+    return float(change[i, j]), int(X[i]), int(Y[j])
 
 
 def improve_layout(
@@ -226,6 +226,7 @@ def improve_layout(
     L, P = out.shape
     G = usage_GLE.shape[0]
     per_rank = P // num_ranks
+    others_WO = _others(num_ranks, num_ranks // G)  # [W, wn - 1]: the other GPUs of each GPU's node
     for l in range(L):
         phy = out[l]
         u_GE = np.asarray(usage_GLE[:, l, :], dtype=np.float64)
@@ -235,7 +236,7 @@ def improve_layout(
         flows = slot_flows_PG(phy, u_GE)
         for _ in range(max_moves):
             lt = layer_link_times(flows, gpu_P, num_ranks=num_ranks, num_nodes=G, links=links)
-            change, x, y = _best_swap(flows, gpu_P, movable_P, lt, num_nodes=G, links=links)
+            change, x, y = _best_swap(flows, gpu_P, movable_P, lt, others_WO=others_WO, links=links)
             if x < 0:
                 break
             gpu_P[x], gpu_P[y] = gpu_P[y], gpu_P[x]  # a slot's flows stay: single copies' do not depend on their node
