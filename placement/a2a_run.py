@@ -37,6 +37,8 @@ Out of scope: the tensor-parallel traffic inside an EP rank (``TPd``); NVLink-sp
 
 from __future__ import annotations
 
+import math
+
 import os
 import pickle
 import socket
@@ -56,12 +58,14 @@ from moetrace.errors import ConfigError, MoetraceError, TraceFormatError
 from moetrace.placement import netemu
 from moetrace.placement.a2a import A2AMismatchError, Phase, check_against_simulator, rank_link_bytes, send_matrices
 from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, held_out_batches, place_strategies
-from moetrace.placement.cost import GpuTraffic, Link, Links, collective_seconds_BW
+from moetrace.placement.cost import Link, Links
 from moetrace.placement.exports import PlacementFile
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.routers import NoRouter
-from moetrace.placement.simulate import DedupUnit, simulate_volume
+from moetrace.placement.simulate import simulate_volume
+from moetrace.placement.step_model import DedupUnit, GpuTraffic, Kernel, ValueType, layer_seconds
+from moetrace.placement.step_model import Phase as KernelPhase
 from moetrace.sizes import human_bytes
 
 __all__ = [
@@ -959,16 +963,23 @@ def replay_traffic(sends_NWW: np.ndarray, *, ranks_per_node: int) -> GpuTraffic:
     )
 
 
+def replay_kernel(cost: ReplayCost) -> Kernel:
+    """The step model's kernel of a replay: raw bytes both ways (a copy is ``bytes_per_token`` bytes:
+    ``hidden_size`` = that count of one-byte values), the run's links and fixed cost per collective,
+    no reduction (the replay sends the same copies back and sums nothing)."""
+    raw = KernelPhase(value=ValueType(name="raw", bytes_per_value=1.0), links=cost.links, fixed_s=cost.fixed_seconds)
+    return Kernel(name="replay", copies="rank", dispatch=raw, combine=raw, reduce_bytes_per_s=math.inf, source=cost.note)
+
+
 def predicted_seconds_VBL(plan: A2APlan, cost: ReplayCost) -> np.ndarray:
-    """The cost model's seconds of each dispatch (= its combine), float64 [V, B, L]: the busiest GPU's
-    ``cost.collective_seconds_BW`` on the replay's send matrices, copies of ``plan.bytes_per_token``,
-    plus ``cost.fixed_seconds``."""
+    """The step model's seconds of each dispatch (= its combine here), float64 [V, B, L]:
+    ``step_model.layer_seconds`` on the replay's send matrices with ``replay_kernel(cost)``."""
     V, B, L, W, _ = plan.sends_VBLWW.shape
     traffic = replay_traffic(plan.sends_VBLWW.reshape(V * B * L, W, W), ranks_per_node=plan.ranks_per_node)
-    t_NW = collective_seconds_BW(
-        traffic, links=cost.links, bytes_per_copy=plan.bytes_per_token, ranks_per_node=plan.ranks_per_node
+    secs = layer_seconds(
+        traffic, kernel=replay_kernel(cost), hidden_size=plan.bytes_per_token, ranks_per_node=plan.ranks_per_node
     )
-    return t_NW.max(1).reshape(V, B, L) + cost.fixed_seconds
+    return secs.dispatch.reshape(V, B, L)
 
 
 def summary_rows(plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None) -> list[dict[str, Any]]:

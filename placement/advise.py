@@ -62,17 +62,11 @@ from moetrace.placement.advise_metrics import (
     send_ranks_per_token,
     vllm_balancedness,
 )
-from moetrace.placement.cost import (
-    DEFAULT_LINKS,
-    CostModel,
-    Links,
-    collective_seconds_BW,
-    expert_seconds_BW,
-    gpu_traffic,
-)
+from moetrace.placement.hardware import CostModel, Hardware, default_hardware
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.maps import Placement
-from moetrace.placement.simulate import DedupUnit, layer_copies
+from moetrace.placement.simulate import layer_copies
+from moetrace.placement.step_model import DedupUnit, copy_model, layer_seconds
 
 if TYPE_CHECKING:
     from moetrace.placement.compare import TraceData
@@ -127,10 +121,12 @@ class AdviseConfig:
     prefill_tokens_per_node: int = 1024  # chunked-prefill tokens per node and prefill step
     test_fraction: float = 0.2  # share of a trace's requests held out for evaluation (as compare)
     seed: int = 0  # the split and the drawn steps (as compare: the same seed, the same split)
-    links: Links = DEFAULT_LINKS  # the cost model's link classes
+    hardware: Hardware = field(default_factory=default_hardware)  # the step model's kernels (--link)
     decode_dedup: DedupUnit = "expert"  # decode copy model (DeepEP's low-latency kernels)
     prefill_dedup: DedupUnit = "node"  # prefill copy model (DeepEP's normal kernels)
     num_windows: int = 16  # windows of a trace's requests in arrival (id) order for the drift check
+    # the user's HF config.json, parsed (--model-config): the experts' size where the model records none
+    model_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.max_slots_per_gpu < 0 or self.num_steps < 4 or self.num_windows < 4:
@@ -255,12 +251,13 @@ def evaluate_tokens(
     dedup: DedupUnit,
     cost: CostModel,
     bytes_per_token: int,
-    time_bytes_per_token: int,
+    hidden_size: int,
 ) -> StepMetrics:
     """One placement on a trace's simulated steps, one pass over the layers: the routing and copies of
-    ``simulate.layer_copies`` (replica policy ``same_node``), priced as ``simulate_volume`` prices them
-    (``cost.gpu_traffic``, ``collective_seconds_BW``, ``expert_seconds_BW``), and from the same routing
-    each rank's (token, expert) pairs and each token's destination ranks."""
+    ``simulate.layer_copies`` (replica policy ``same_node``), priced by the one step model
+    (``step_model.layer_seconds`` with ``cost``'s kernel for ``dedup``; copies of ``hidden_size``
+    values), and from the same routing each rank's (token, expert) pairs and each token's
+    destination ranks."""
     W, g, B = deployment.num_ep, deployment.ranks_per_node, tokens.num_steps
     ids = tokens.topk_ids_TLK
     L = ids.shape[1]
@@ -268,6 +265,8 @@ def evaluate_tokens(
     src_T = np.asarray(tokens.src_rank_T, dtype=np.int64)
     P = placement.phy2log.shape[1]
     out = {k: np.zeros((B, L)) for k in ("bal", "busy", "mean", "amax", "amean", "inter", "a2a", "moe")}
+    kernel = cost.kernel(dedup)
+    tokens_BW = np.bincount(step_T * W + src_T, minlength=B * W).reshape(B, W)
     vllm_mean, vllm_max = np.zeros(B), np.zeros(B)
     send_L = np.full(L, np.nan)
     copies = layer_copies(
@@ -291,7 +290,7 @@ def evaluate_tokens(
         n_T = send_ranks_per_token(srank, srank < W, presorted=True)
         send_L[l] = float(n_T[n_T > 0].mean()) if (n_T > 0).any() else np.nan
         out["inter"][:, l] = np.bincount(step_T, weights=c.inter_TK.sum(axis=1), minlength=B) * 2 * bytes_per_token
-        traffic = gpu_traffic(
+        traffic = copy_model(dedup).traffic(
             rank_TK=c.rank_TK,
             valid_TK=c.valid_TK,
             batch_T=step_T,
@@ -299,18 +298,22 @@ def evaluate_tokens(
             num_batches=B,
             num_ranks=W,
             ranks_per_node=g,
-            dedup=dedup,
             sorted_rank_TK=srank,
         )
-        a2a_BW = collective_seconds_BW(traffic, links=cost.links, bytes_per_copy=time_bytes_per_token, ranks_per_node=g)
-        out["a2a"][:, l] = 2.0 * a2a_BW.max(axis=1)  # combine sends the same copies back
         act = np.bincount((bK * P + c.slot_TK)[c.valid_TK], minlength=B * P).reshape(B, W, P // W) > 0
         nact = act.sum(axis=2)
         out["amax"][:, l], out["amean"][:, l] = nact.max(axis=1), nact.mean(axis=1)
-        if cost.expert is None:
-            out["moe"][:, l] = np.nan
-        else:
-            out["moe"][:, l] = out["a2a"][:, l] + expert_seconds_BW(load_BW, nact, expert=cost.expert).max(axis=1)
+        secs = layer_seconds(
+            traffic,
+            kernel=kernel,
+            hidden_size=hidden_size,
+            ranks_per_node=g,
+            expert=cost.expert,
+            pairs_BW=load_BW,
+            active_BW=nact,
+            tokens_BW=tokens_BW,
+        )
+        out["a2a"][:, l], out["moe"][:, l] = secs.a2a, secs.moe
     with np.errstate(invalid="ignore", divide="ignore"):
         vllm_B = np.where(vllm_max > 0, vllm_mean / np.where(vllm_max > 0, vllm_max, 1.0), np.nan)
     return StepMetrics(
@@ -333,9 +336,10 @@ def evaluate_counts(
     *,
     deployment: Deployment,
     cost: CostModel,
+    dedup: DedupUnit,
     pairs_per_step: float,
     bytes_per_token: int,
-    time_bytes_per_token: int,
+    hidden_size: int,
 ) -> StepMetrics:
     """One placement on a profile's windows of counts (float [N, L, E]): balancedness and the busiest
     rank per window (replicas share an expert's tokens evenly); the per-step terms (activated
@@ -353,13 +357,16 @@ def evaluate_counts(
     active_NLW = expected_active_slots(c, placement, num_ranks=W, pairs_per_step_N=np.full(N, pairs_per_step))
     flat = step_NLW.reshape(N * L, W)
     traffic = expected_traffic(flat, ranks_per_node=g)
-    a2a = collective_seconds_BW(traffic, links=cost.links, bytes_per_copy=time_bytes_per_token, ranks_per_node=g)
-    a2a_NL = 2.0 * a2a.max(axis=1).reshape(N, L)  # combine = dispatch
-    if cost.expert is None:
-        moe_NL = np.full((N, L), np.nan)
-    else:
-        e = expert_seconds_BW(flat, active_NLW.reshape(N * L, W), expert=cost.expert).max(axis=1).reshape(N, L)
-        moe_NL = a2a_NL + e
+    secs = layer_seconds(
+        traffic,
+        kernel=cost.kernel(dedup),
+        hidden_size=hidden_size,
+        ranks_per_node=g,
+        expert=cost.expert,
+        pairs_BW=flat,
+        active_BW=active_NLW.reshape(N * L, W),
+    )
+    a2a_NL, moe_NL = secs.a2a.reshape(N, L), secs.moe.reshape(N, L)
     inter = (traffic.send_inter.sum(axis=1) * 2.0 * bytes_per_token).reshape(N, L)
     return StepMetrics(
         balancedness_BL=balancedness(load_NLW),
@@ -489,10 +496,10 @@ def advise_arrays(
     m, dep = inputs.model, cfg.deployment
     E = m.num_experts
     sweep = cfg.sweep(E)
-    expert = expert_compute_for(m.name) or expert_compute_for(m.source)
-    cost = CostModel(links=cfg.links, expert=expert)
+    expert = expert_compute_for(m, config=cfg.model_config)
+    cost = CostModel(hardware=cfg.hardware, expert=expert)
     bytes_per_token = m.hidden_size * 2
-    time_bytes = (expert.hidden_size if expert is not None else m.hidden_size) * 2
+    time_hidden = expert.hidden_size if expert is not None else m.hidden_size
     recorded: list[Steps] = [s for s in ("prefill", "decode") if s in inputs.stages]
     stages: list[Stage] = list(recorded)
     if len(recorded) == 2:
@@ -548,7 +555,7 @@ def advise_arrays(
                 dedup=cfg.decode_dedup if steps == "decode" else cfg.prefill_dedup,
                 cost=cost,
                 bytes_per_token=bytes_per_token,
-                time_bytes_per_token=time_bytes,
+                hidden_size=time_hidden,
             )
         assert si.counts_NLE is not None  # a profile stage
         return evaluate_counts(
@@ -556,9 +563,10 @@ def advise_arrays(
             opt.placement,
             deployment=dep,
             cost=cost,
+            dedup=cfg.decode_dedup if steps == "decode" else cfg.prefill_dedup,
             pairs_per_step=si.pairs_per_step,
             bytes_per_token=bytes_per_token,
-            time_bytes_per_token=time_bytes,
+            hidden_size=time_hidden,
         )
 
     plan = [(st, steps) for st in stages for steps in (recorded if st == "both" else [st])]
@@ -632,7 +640,7 @@ def advise_arrays(
         "num_steps": {s: int(_num_steps(inputs, s)) for s in recorded},
         "decode_dedup": cfg.decode_dedup,
         "prefill_dedup": cfg.prefill_dedup,
-        "links": cfg.links.to_json(),
+        "hardware": cfg.hardware.to_json(),
         "expert": None if expert is None else expert.to_json(),
         "test_fraction": cfg.test_fraction,
         "seed": cfg.seed,
@@ -1089,7 +1097,7 @@ def advise_trace(
         seed=cfg.seed,
         oracle=False,
         prefill_dedup=cfg.prefill_dedup,
-        links=cfg.links,
+        hardware=cfg.hardware,
         prefill_tokens_per_node=cfg.prefill_tokens_per_node,
     )
     joint, group = None, None
@@ -1303,6 +1311,12 @@ def format_advice(advice: Advice, *, out: str | os.PathLike) -> str:
     lines = [
         f"moetrace advise: {man['input']} ({man['input_kind']}), {man['deployment']}, reference {man['reference']}"
     ]
+    if man.get("expert") is None:  # the time column is then all-to-all time; say why and how to give the size
+        from moetrace.placement.cost import expert_unknown_reason
+        from moetrace.tracer.trace.schema import ModelInfo
+
+        reason = expert_unknown_reason(ModelInfo.from_dict(man["model"]))
+        lines.append(reason or "MoE-layer time n/a: the expert size is unknown")
     for st in man["stages"]:
         for steps in dict.fromkeys(r["steps"] for r in advice.rows if r["stage"] == st):
             lines.append(f"\n{st} placement, {steps} steps:")

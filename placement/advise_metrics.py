@@ -16,7 +16,7 @@
   sources spread evenly over the GPUs, so GPU ``w`` receives ``load[w] (W - 1) / W`` copies and
   sends ``sum_{w' != w} load[w'] / W``; activated experts per step under independent arrivals
   (a slot expecting ``m`` pairs in a step is active with probability ``1 - exp(-m)``). The result
-  is a ``cost.GpuTraffic``, priced by the cost model's own formulas.
+  is a ``step_model.GpuTraffic``, priced by the step model's own formulas.
 - **Migration**: expert weights that move from one placement to another when EP ranks are relabelled
   to move the fewest: nodes as whole blocks (one relabelling for every layer, so a node-routed
   placement keeps its router), ranks inside a node per layer; both are assignment problems
@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moetrace.placement.cost import GpuTraffic
+from moetrace.placement.step_model import GpuTraffic
 from moetrace.placement.maps import Placement
 
 __all__ = [
@@ -132,7 +132,7 @@ def expected_active_slots(
 
 def expected_traffic(load_NW: np.ndarray, *, ranks_per_node: int) -> GpuTraffic:
     """Copies per GPU under one copy per (token, expert) with sources spread evenly over the GPUs:
-    ``cost.GpuTraffic`` with rows N (every array float64 [N, W]).
+    ``step_model.GpuTraffic`` with rows N (every array float64 [N, W]).
 
     ``load_NW``: (token, expert) pairs each GPU computes. A GPU sends ``load[w'] / W`` copies to every
     other GPU ``w'`` and receives ``load[w] / W`` from each of the others; a peer is counted when

@@ -36,14 +36,16 @@ import numpy as np
 from moetrace import results as rf
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.placement.compare_manifest import CompareManifest, GroupingRecord
-from moetrace.placement.cost import DEFAULT_LINKS, CostModel, Links, expert_compute_for
+from moetrace.placement.cost import expert_compute_for
+from moetrace.placement.hardware import CostModel, Hardware, default_hardware
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.exports import PlacementFile
 from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.routers import NoRouter, PriceRouter, Router, fit_router
-from moetrace.placement.simulate import METRICS, DedupUnit, simulate_volume
+from moetrace.placement.simulate import METRICS, simulate_volume
+from moetrace.placement.step_model import DedupUnit, search_links
 from moetrace.placement.strategies import BOUNDS, STRATEGIES, PlacementInputs, check_strategies, get_strategy
 
 if TYPE_CHECKING:
@@ -105,7 +107,7 @@ class CompareConfig:
     seed: int = 0  # split, K-means, random placement and batch sampling
     oracle: bool = True  # also report the upper bounds (strategies.BOUNDS: perfect routing, test-set oracle)
     prefill_dedup: DedupUnit = "node"  # prefill copy model (DeepEP's normal kernels: one copy per node)
-    links: Links = DEFAULT_LINKS  # the cost model's link classes (cost.parse_links)
+    hardware: Hardware = field(default_factory=default_hardware)  # the step model's kernels (--link: preset, file)
     max_node_load: float = 1.10  # routers sending the busiest node more than this over an even share are flagged
     prefill_tokens_per_node: int = 1024  # chunked-prefill tokens per node and step at an even share (0: none)
     # what-if for decode-only captures: routers see each request's first N generated tokens instead of its
@@ -117,6 +119,9 @@ class CompareConfig:
     # the batches draw from at most this many held-out requests (a seeded uniform sample beyond; only they
     # are counted and only their tokens read)
     max_test_requests: int = MAX_TEST_REQUESTS
+    # the user's HF config.json, parsed (--model-config): the experts' size where the trace's model records
+    # none (cost.expert_compute_for); None: the trace's ModelInfo, then the preset
+    model_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_strategies(self.strategies)
@@ -473,7 +478,7 @@ def make_placement(
         prefill_RLE=data.prefill_RLE,
         train_rows=train_R,
         init_group_N=init_group_N,
-        links=cfg.links,
+        links=search_links(cfg.hardware.kernel(cfg.dedup), hidden_size=_time_hidden(m, config=cfg.model_config)),
     )
     placement, extra = spec.build(inputs)
     router = fit_router(spec.router, grouping=grouping, provenance=extra, num_groups=G)
@@ -793,10 +798,10 @@ def run_compare(
         bounds, steps = [], steps - 2 * len(bounds)
     candidates = bound_placements(data, cfg, placed, on_placed=step) if bounds else {}
 
-    expert = expert_compute_for(m.name) or expert_compute_for(m.source)
-    cost = CostModel(links=cfg.links, expert=expert)
+    expert = expert_compute_for(m, config=cfg.model_config)
+    cost = CostModel(hardware=cfg.hardware, expert=expert)
     # the time of a copy is the full-size model's (a -tiny preset mirrors its routing, not its width)
-    time_bytes = (expert.hidden_size if expert is not None else m.hidden_size) * cfg.bytes_per_value
+    time_hidden = expert.hidden_size if expert is not None else _time_hidden(m, config=cfg.model_config)
     assert data.test_req_T is not None  # read by with_held_out_tokens above
     usable = np.flatnonzero(data.is_test_R & (np.bincount(data.test_req_T, minlength=len(data.is_test_R)) > 0))
 
@@ -822,7 +827,7 @@ def run_compare(
             dedup=dedup,
             policy=cfg.replica_policy,
             cost=cost,
-            time_bytes_per_token=time_bytes,
+            time_hidden_size=time_hidden,
         )
 
     def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
@@ -919,7 +924,8 @@ def run_compare(
         route_first_decode=data.route_first_decode,
         request_unit=data.request_unit,
         prefill_dedup=cfg.prefill_dedup,
-        links=cfg.links.to_json(),
+        links=cfg.hardware.kernel(cfg.dedup).dispatch.links.to_json(),
+        hardware=cfg.hardware.to_json(),
         max_node_load=cfg.max_node_load,
         prefill_tokens_per_node=cfg.prefill_tokens_per_node,
         num_prefill_batches=cfg.num_prefill_batches if prefill else 0,
@@ -953,6 +959,14 @@ def request_caps(data: TraceData) -> dict[str, int | None]:
         "max_train_requests": data.max_train_requests,
         "max_test_requests": data.max_test_requests,
     }
+
+
+def _time_hidden(m: ModelInfo, *, config: dict[str, Any] | None = None) -> int:
+    """Values per all-to-all copy: the full-size model's hidden size (a ``-tiny`` preset mirrors a
+    model's routing at a small width; its copies are priced at the full model's; ``config``: the
+    user's --model-config)."""
+    expert = expert_compute_for(m, config=config)
+    return expert.hidden_size if expert is not None else m.hidden_size
 
 
 def a2a_seconds_B(metrics: dict[str, np.ndarray]) -> np.ndarray:
@@ -1029,7 +1043,9 @@ def bound_placements(
             ranks_per_group=cfg.deployment.ranks_per_node,
             rows=test,
             router_groups=rg,
-            links=cfg.links,
+            links=search_links(
+                cfg.hardware.kernel(cfg.dedup), hidden_size=_time_hidden(data.model, config=cfg.model_config)
+            ),
         )
         group_R = np.zeros(len(data.is_test_R), dtype=np.int64)
         group_R[test] = jo.group_R

@@ -46,6 +46,7 @@ LATER_KEYS: dict[str, Any] = {
     "num_trace_test_requests": None,
     "max_train_requests": None,
     "max_test_requests": None,
+    "hardware": None,  # the step model's kernels (issue #33); older files: links only, combine = dispatch
 }
 
 
@@ -59,7 +60,7 @@ _CAP_KEYS = (
 )
 #: keys compare.json leaves out while they hold their ``LATER_KEYS`` value (what a file without them means)
 _LEFT_OUT_AT_DEFAULT = frozenset(
-    {"expert_copy_floor", "skipped", "route_first_decode", "request_unit", "tokens_from", *_CAP_KEYS}
+    {"expert_copy_floor", "skipped", "route_first_decode", "request_unit", "tokens_from", "hardware", *_CAP_KEYS}
 )
 
 #: the keys the cost model added (a manifest without ``links`` predates them all)
@@ -133,6 +134,8 @@ class CompareManifest:
     # what one trace request is: "request", or "forward pass" (imports that carry no request ids)
     request_unit: str = "request"
     tokens_from: str | None = None  # None: held-out requests of the trace; else how the tokens were drawn (a profile)
+    # the step model's kernels per copy model (hardware.Hardware.to_json); None: written before it
+    hardware: dict[str, Any] | None = None
     # the trace's requests and its split before the caps (None: a load profile, or a file from before the caps)
     num_trace_requests: int | None = None
     num_trace_train_requests: int | None = None
@@ -210,6 +213,7 @@ class CompareManifest:
             route_first_decode=r.count("route_first_decode"),
             request_unit=r.get("request_unit", str),
             tokens_from=r.get("tokens_from", str, optional=True),
+            hardware=r.get("hardware", dict, optional=True),
             **{k: r.get(k, int, optional=True) for k in _CAP_KEYS},
         )
 

@@ -1,61 +1,39 @@
-"""The per-step cost model: what one MoE layer's dispatch, expert computation and combine take, in
-seconds, on the busiest GPU (docs/placement.md, "Cost model", has the formulas).
+"""The step model's parts that are not traffic: link classes (``Link``, ``Links``, ``parse_links``
+for ``--link intra=...,inter=...``) and what one layer's experts cost (``ExpertCompute``: routed
+experts, ``routed_seconds``, and shared ones, ``shared_seconds``; ``expert_compute_for``: their size,
+from the user's config.json, else the trace's ``ModelInfo``, else the model's preset).
 
-Per (batch, layer) and GPU ``w`` of the expert-parallel group, for each link class ``c`` (``intra``:
-GPUs of one node, NVLink; ``inter``: GPUs of different nodes, RDMA):
+The step time itself (copy models, kernels, dispatch/expert/combine per GPU, the busiest GPU
+charged) is ``step_model``; hardware presets and links files are ``hardware``
+(docs/placement.md, "The step model").
 
-- ``t_c[w] = max(send_c[w], recv_c[w]) / bandwidth_c + max(peers_sent_c[w], peers_recv_c[w]) * latency_c``
-  where ``send``/``recv`` are the bytes ``w`` sends and receives over class ``c`` (a link is full
-  duplex: sending and receiving overlap) and ``peers`` the distinct GPUs it sends to / receives from
-  (one message each). With ``inter_nic="node"`` (one network link per node, as ``moetrace a2a``'s
-  emulated nodes have) the inter-node bytes and peers of all GPUs of a node add up on that link and
-  every GPU of the node waits for it.
-- The two classes are separate hardware and run at once: ``t[w] = max(t_intra[w], t_inter[w])``.
-- The collective ends when its slowest GPU ends: ``dispatch = max_w t[w]``. Combine sends the same
-  copies back (reverse direction), so under this model it takes as long as dispatch.
-- Expert computation per GPU: ``max(activated_experts[w] * expert_weight_bytes / hbm_bandwidth,
-  routed_pairs[w] * expert_flops_per_token / peak_flops)`` (memory-bound decode pays for every
-  distinct expert a GPU activates; compute-bound prefill for every (token, expert) pair); the layer
-  waits for the slowest GPU.
-- ``moe = dispatch + max_w expert[w] + combine`` (each phase ends in a synchronisation).
-
-Which copies a token sends comes from the dedup unit (``simulate``): ``expert`` (one copy per
-(token, expert), DeepEP's low-latency kernels, the decode default), ``rank`` (one per destination
-GPU), ``node`` (one per remote node, DeepEP's normal kernels, the prefill default): the copy to a
-remote node lands on the GPU with the sender's local index there (DeepEP's RDMA peer) and is
-forwarded over NVLink to the other destination GPUs of that node; that forwarding counts as
-intra-node traffic of the node that receives it.
-
-Shape legend (docs/architecture.md): T tokens, K top-k slots, B batches, W EP ranks (GPUs).
-
-Out of scope: attention and dense layers; overlap of communication with computation (two-batch
-overlap would hide part of the all-to-all); congestion inside the network fabric; kernel launch
-costs; FP8 dispatch (set ``bytes_per_value``).
+Out of scope: attention and dense layers.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from moetrace.errors import ConfigError
 
+if TYPE_CHECKING:
+    from moetrace.tracer.trace.schema import ModelInfo
+
 __all__ = [
     "Link",
     "Links",
     "ExpertCompute",
-    "CostModel",
     "DEFAULT_LINKS",
     "H100_HBM_BYTES_PER_S",
     "H100_BF16_FLOPS",
     "parse_links",
     "expert_compute_for",
-    "GpuTraffic",
-    "gpu_traffic",
-    "collective_seconds_BW",
+    "missing_expert_keys",
+    "expert_unknown_reason",
     "expert_seconds_BW",
 ]
 
@@ -106,23 +84,66 @@ H100_BF16_FLOPS = 989e12
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertCompute:
-    """What one routed expert costs on one GPU (a gated MLP: three hidden x ffn matrices)."""
+    """What one MoE layer's experts cost on one GPU: the routed experts and the shared ones, each a
+    gated MLP (three hidden x ffn matrices). Sizes: ``expert_compute_for``."""
 
     hidden_size: int  # model dimension of the full-size model
-    ffn_size: int  # the expert's intermediate size (moe_intermediate_size)
+    ffn_size: int  # one routed expert's intermediate size (moe_intermediate_size)
     weight_bytes_per_value: float = 2.0  # bytes per weight (bf16 = 2, fp8 = 1)
     hbm_bytes_per_s: float = H100_HBM_BYTES_PER_S  # memory bandwidth per GPU
     peak_flops: float = H100_BF16_FLOPS  # dense matrix throughput per GPU, FLOP/s
+    num_shared_experts: int = 0  # always-on experts of a layer, every token through each, on every GPU (0: none)
+    shared_ffn_size: int = 0  # intermediate size of ONE shared expert (0: no shared-expert term)
+
+    def __post_init__(self) -> None:
+        if self.hidden_size < 1 or self.ffn_size < 1 or self.num_shared_experts < 0 or self.shared_ffn_size < 0:
+            raise ConfigError(
+                f"expert sizes must be positive: hidden {self.hidden_size}, ffn {self.ffn_size}, "
+                f"{self.num_shared_experts} shared expert(s) of ffn {self.shared_ffn_size}"
+            )
+        if not (self.weight_bytes_per_value > 0 and np.isfinite(self.weight_bytes_per_value)):
+            raise ConfigError(f"bytes per expert weight must be a positive number, got {self.weight_bytes_per_value}")
 
     @property
     def weight_bytes(self) -> float:
-        """Bytes of one expert's weights (gate, up and down projections)."""
+        """Bytes of one routed expert's weights (gate, up and down projections)."""
         return 3.0 * self.hidden_size * self.ffn_size * self.weight_bytes_per_value
 
     @property
     def flops_per_token(self) -> float:
-        """FLOPs of one token through one expert (2 per multiply-add, three matrices)."""
+        """FLOPs of one token through one routed expert (2 per multiply-add, three matrices)."""
         return 6.0 * self.hidden_size * self.ffn_size
+
+    @property
+    def shared_weight_bytes(self) -> float:
+        """Bytes of ONE shared expert's weights."""
+        return 3.0 * self.hidden_size * self.shared_ffn_size * self.weight_bytes_per_value
+
+    @property
+    def shared_flops_per_token(self) -> float:
+        """FLOPs of one token through ONE shared expert."""
+        return 6.0 * self.hidden_size * self.shared_ffn_size
+
+    def routed_seconds(self, pairs_BW: np.ndarray, active_BW: np.ndarray) -> np.ndarray:
+        """Seconds each GPU spends in one layer's routed experts, float64 [B, W]: the larger of reading
+        the weights of its ``active_BW`` activated experts (memory-bound decode) and computing its
+        ``pairs_BW`` (token, expert) pairs (compute-bound prefill)."""
+        memory = np.asarray(active_BW, dtype=np.float64) * (self.weight_bytes / self.hbm_bytes_per_s)
+        compute = np.asarray(pairs_BW, dtype=np.float64) * (self.flops_per_token / self.peak_flops)
+        return np.maximum(memory, compute)
+
+    def shared_seconds(self, tokens_BW: np.ndarray) -> np.ndarray:
+        """Seconds each GPU spends in one layer's shared experts, float64 [B, W]: every GPU runs all
+        ``num_shared_experts`` over the ``tokens_BW`` tokens it holds, the larger of reading their
+        weights (nothing on a GPU without tokens) and computing ``tokens * num_shared`` token passes.
+        Zeros without shared experts."""
+        tokens = np.asarray(tokens_BW, dtype=np.float64)
+        n = self.num_shared_experts
+        if n == 0 or self.shared_ffn_size == 0:
+            return np.zeros_like(tokens)
+        memory = np.where(tokens > 0, n * self.shared_weight_bytes / self.hbm_bytes_per_s, 0.0)
+        compute = tokens * (n * self.shared_flops_per_token / self.peak_flops)
+        return np.maximum(memory, compute)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -131,18 +152,9 @@ class ExpertCompute:
             "weight_bytes_per_value": self.weight_bytes_per_value,
             "hbm_bytes_per_s": self.hbm_bytes_per_s,
             "peak_flops": self.peak_flops,
+            "num_shared_experts": self.num_shared_experts,
+            "shared_ffn_size": self.shared_ffn_size,
         }
-
-
-@dataclass(frozen=True, kw_only=True)
-class CostModel:
-    """Links and expert computation: everything the per-step time needs besides the traffic."""
-
-    links: Links = DEFAULT_LINKS  # link classes
-    expert: ExpertCompute | None = None  # None: the model's expert size is unknown (no expert term)
-
-    def to_json(self) -> dict[str, object]:
-        return {"links": self.links.to_json(), "expert": None if self.expert is None else self.expert.to_json()}
 
 
 _RATE_UNITS = {  # to bytes per second
@@ -213,149 +225,137 @@ def parse_links(spec: str | None, *, base: Links = DEFAULT_LINKS) -> Links:
 _WEIGHT_BYTES = {"deepseek-v3": 1.0, "gpt-oss-120b": 4.25 / 8}
 
 
-def expert_compute_for(model_name: str, *, hidden_size: int | None = None) -> ExpertCompute | None:
-    """The full-size expert of a preset (``-tiny`` presets: the full model they mirror), or None for a
-    model that is not a preset (its expert size is not recorded in traces). The ffn size is the
-    config's ``moe_intermediate_size``, else its ``intermediate_size``; weights are BF16 but where the
-    release is not (``_WEIGHT_BYTES``)."""
+#: what ``expert_compute_for`` reads, by its ModelInfo / config.json name
+_SIZE_KEYS = ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size", "weight_bytes_per_value")
+#: the keys without which the routed experts' size is unknown
+_NEEDED_KEYS = ("hidden_size", "moe_intermediate_size")
+
+Sizes = dict[str, object]  # some of _SIZE_KEYS and "num_shared_experts", None where a source does not say
+
+
+def _preset_sizes(model: ModelInfo) -> tuple[Sizes, bool] | None:
+    """The expert sizes of the full-size preset that ``model`` is (its name or hub id) or mirrors (a
+    ``-tiny`` preset: its name, or its source ``moetrace:<preset>-tiny``), and whether it mirrors it;
+    None for any other model."""
     from moetrace.tracer.presets import TINY_SUFFIX, list_presets
 
-    base = model_name[: -len(TINY_SUFFIX)] if model_name.endswith(TINY_SUFFIX) else model_name
-    preset = next((p for p in list_presets() if base in (p.name, p.hub_id)), None)
-    if preset is None:
-        return None
-    ffn = preset.config.get("moe_intermediate_size") or preset.config.get("intermediate_size")
-    if not ffn:
-        return None
-    return ExpertCompute(
-        hidden_size=hidden_size or preset.hidden_size,
-        ffn_size=int(ffn),
-        weight_bytes_per_value=_WEIGHT_BYTES.get(preset.name, 2.0),
+    for text in (model.name, model.source.removeprefix("moetrace:")):
+        tiny = text.endswith(TINY_SUFFIX)
+        base = text[: -len(TINY_SUFFIX)] if tiny else text
+        preset = next((p for p in list_presets() if base in (p.name, p.hub_id)), None)
+        if preset is not None:
+            info = preset.model_info(tiny=False)
+            sizes: Sizes = {k: getattr(info, k) for k in _SIZE_KEYS}
+            sizes["num_shared_experts"] = info.num_shared_experts
+            if sizes["weight_bytes_per_value"] is None:
+                sizes["weight_bytes_per_value"] = _WEIGHT_BYTES.get(preset.name)
+            return sizes, tiny
+    return None
+
+
+def _config_sizes(config: dict[str, object]) -> Sizes:
+    """The expert sizes a user's HF config.json states (``presets.expert_sizes_from_hf_config``; the
+    shared-expert count only where the config names shared experts). ``ConfigError`` naming a key that
+    is present but not a width (not a whole number >= 1, a per-layer list)."""
+    from moetrace.tracer.presets import expert_sizes_from_hf_config
+
+    if not isinstance(config, dict):
+        raise ConfigError(f"--model-config: an HF config is a JSON object, got {type(config).__name__}")
+    text = config.get("text_config")
+    lm = text if isinstance(text, dict) else config  # multimodal wrappers (Llama-4) keep the LM in text_config
+    for key in ("hidden_size", "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size"):
+        v = lm.get(key)
+        zero_ok = key == "shared_expert_intermediate_size"  # 0: no shared expert
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if zero_ok else 1)):
+            if key == "intermediate_size" and lm.get("moe_intermediate_size") is not None:
+                continue  # the dense layers' width, not read
+            raise ConfigError(f"--model-config: `{key}` must be a whole number >= 1, got {v!r}")
+    sizes: Sizes = dict(expert_sizes_from_hf_config(config))
+    model_type = str(lm.get("model_type") or config.get("model_type") or "")
+    names_shared = (
+        "n_shared_experts" in lm or "shared_expert_intermediate_size" in lm or model_type.startswith("llama4")
+    )
+    if not names_shared:  # a config silent on shared experts leaves the trace's count standing
+        sizes.pop("num_shared_experts")
+        sizes.pop("shared_expert_intermediate_size")
+    return sizes
+
+
+def _expert_sources(model: ModelInfo, config: dict[str, object] | None) -> list[Sizes]:
+    """Where the expert sizes come from, in order: the user's config, the trace's ModelInfo, the
+    preset. A ``-tiny`` preset stands for the full model it mirrors: its own toy sizes are skipped."""
+    sources = [] if config is None else [_config_sizes(config)]
+    preset = _preset_sizes(model)
+    if preset is None or not preset[1]:
+        recorded: Sizes = {k: getattr(model, k) for k in _SIZE_KEYS}
+        recorded["num_shared_experts"] = model.num_shared_experts
+        sources.append(recorded)
+    if preset is not None:
+        sources.append(preset[0])
+    return sources
+
+
+def _first(sources: list[Sizes], key: str) -> object:
+    """The value of ``key`` in the first source that states it (None: none does)."""
+    return next((s[key] for s in sources if s.get(key) is not None), None)
+
+
+def missing_expert_keys(model: ModelInfo, config: dict[str, object] | None = None) -> list[str]:
+    """The keys (ModelInfo and config.json names) that no source gives, leaving the routed experts'
+    size unknown: ``[]`` when ``expert_compute_for`` finds it, else e.g. ``["moe_intermediate_size"]``."""
+    sources = _expert_sources(model, config)
+    return [k for k in _NEEDED_KEYS if _first(sources, k) is None]
+
+
+def expert_unknown_reason(model: ModelInfo, config: dict[str, object] | None = None) -> str:
+    """The line a command prints when the MoE-layer time is n/a, naming the missing key and the fix;
+    ``""`` when the expert size is known."""
+    missing = missing_expert_keys(model, config)
+    if not missing:
+        return ""
+    keys = " or ".join(f"`{k}`" for k in missing)
+    if config is None:
+        return f"MoE-layer time n/a: the trace's model records no {keys}; pass --model-config config.json"
+    return (
+        f"--model-config: neither it nor the trace's model gives {keys} (the routed expert's FFN width: "
+        "`moe_intermediate_size`, else `intermediate_size`)"
     )
 
 
-class GpuTraffic(NamedTuple):
-    """One layer's dispatch traffic per (batch, GPU), in token copies; every array float64 [B, W].
-    Combine is the same traffic in reverse (send and receive swapped)."""
+def expert_compute_for(model: ModelInfo, *, config: dict[str, object] | None = None) -> ExpertCompute | None:
+    """The experts of one MoE layer of ``model`` (a trace's ``ModelInfo``), or None when the routed
+    experts' size is unknown (never guessed; ``missing_expert_keys`` names what is missing).
 
-    send_intra: np.ndarray
-    recv_intra: np.ndarray
-    send_inter: np.ndarray
-    recv_inter: np.ndarray
-    peers_send_intra: np.ndarray  # distinct GPUs sent to over NVLink
-    peers_recv_intra: np.ndarray
-    peers_send_inter: np.ndarray
-    peers_recv_inter: np.ndarray
-
-
-#: largest B * W * W for which the (batch, source, destination) counts are one dense bincount
-_DENSE_PAIRS = 1 << 24
-
-
-def _traffic_of_copies(key: np.ndarray, B: int, W: int, g: int) -> GpuTraffic:
-    """Per (batch, GPU) copies sent and received and distinct peers, split by link class, from the
-    copy keys ``(b * W + src) * W + dst`` (int64): a copy is intra-node when ``src`` and ``dst`` share
-    a node of ``g`` GPUs."""
-    if B * W * W <= _DENSE_PAIRS:  # one count of (batch, src, dst); the node's diagonal blocks are intra-node
-        M = np.bincount(key, minlength=B * W * W).reshape(B, W, W)
-        out = []
-        for x in (M, M > 0):  # copies, then peers
-            diag = np.diagonal(x.reshape(B, W // g, g, W // g, g), axis1=1, axis2=3)  # [B, g src, g dst, nodes]
-            send_in = diag.sum(2, dtype=np.float64).transpose(0, 2, 1).reshape(B, W)
-            recv_in = diag.sum(1, dtype=np.float64).transpose(0, 2, 1).reshape(B, W)
-            out.append((send_in, recv_in, x.sum(2, dtype=np.float64) - send_in, x.sum(1, dtype=np.float64) - recv_in))
-    else:  # too many (batch, src, dst) cells to hold: the distinct pairs only
-        pair, n = np.unique(key, return_counts=True)
-        bs, d = np.divmod(pair, W)
-        b, s = np.divmod(bs, W)
-        bd = b * W + d
-        intra = s // g == d // g
-
-        def per_gpu(w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-            def count(idx: np.ndarray, m: np.ndarray) -> np.ndarray:
-                wm = None if w is None else w[m]
-                return np.bincount(idx[m], weights=wm, minlength=B * W).reshape(B, W).astype(np.float64)
-
-            return count(bs, intra), count(bd, intra), count(bs, ~intra), count(bd, ~intra)
-
-        out = [per_gpu(n), per_gpu(None)]  # copies, then peers
-    (si, ri, se, re_), (psi, pri, pse, pre) = out
-    return GpuTraffic(si, ri, se, re_, psi, pri, pse, pre)
-
-
-def gpu_traffic(
-    *,
-    rank_TK: np.ndarray,
-    valid_TK: np.ndarray,
-    batch_T: np.ndarray,
-    src_rank_T: np.ndarray,
-    num_batches: int,
-    num_ranks: int,
-    ranks_per_node: int,
-    dedup: Literal["rank", "expert", "node"],
-    sorted_rank_TK: np.ndarray | None = None,
-) -> GpuTraffic:
-    """Per (batch, GPU) copies sent and received and peers per link class, for one layer's dispatch.
-
-    ``rank_TK``: int64 [T, K] GPU serving each (token, routed expert) (the replica the routing
-    chose); ``valid_TK``: bool [T, K] the id was recorded; ``batch_T``, ``src_rank_T``: int64 [T].
-    ``sorted_rank_TK`` (optional, to save a sort): ``rank_TK`` sorted along K with every invalid
-    entry replaced by a value >= W. A copy to the token's own GPU moves nothing. ``node``: see the
-    module docstring (landing GPU, NVLink forwarding).
+    Each size comes from the first source that states it: ``config`` (the user's HF config.json,
+    parsed: ``--model-config``), the ModelInfo's fields (``hidden_size``, ``moe_intermediate_size``,
+    ``num_shared_experts``, ``shared_expert_intermediate_size``, ``weight_bytes_per_value``), the
+    preset of the model's name or hub id. A ``-tiny`` preset is priced as the full model it mirrors
+    (its own toy sizes are skipped). Weights are BF16 unless a source says otherwise (a preset's
+    release: ``_WEIGHT_BYTES``). Shared experts are priced only where their width is known.
+    ``ConfigError`` when ``config`` states a size that is not one, or when even with ``config`` the
+    routed experts' size is unknown (a config given for nothing is an error, not a quiet n/a).
     """
-    B, W, g = num_batches, num_ranks, ranks_per_node
-    src = np.asarray(src_rank_T, dtype=np.int64)[:, None]
-    base = np.asarray(batch_T, dtype=np.int64)[:, None] * W
-    if dedup == "expert":
-        dst = np.asarray(rank_TK, dtype=np.int64)
-        keep = np.asarray(valid_TK, dtype=bool) & (dst != src)
-    else:  # one entry per distinct (token, GPU): runs of equal ranks in the sorted row
-        dst = np.sort(np.where(valid_TK, rank_TK, W), axis=1) if sorted_rank_TK is None else sorted_rank_TK
-        keep = dst < W
-        keep[:, 1:] &= dst[:, 1:] != dst[:, :-1]
-        keep &= dst != src
-    pair_key = (base + src) * W + dst
-    if dedup != "node":
-        return _traffic_of_copies(pair_key[keep], B, W, g)
-    # per remote node one RDMA copy to the sender's peer GPU there, then NVLink forwards
-    node = dst // g
-    remote = keep & (node != src // g)
-    land = node * g + src % g
-    first = remote.copy()  # the first distinct GPU of each remote node in the (sorted) row
-    first[:, 1:] &= node[:, 1:] != node[:, :-1]
-    fwd = remote & (land != dst)
-    key = np.concatenate([pair_key[keep & ~remote], ((base + src) * W + land)[first], ((base + land) * W + dst)[fwd]])
-    return _traffic_of_copies(key, B, W, g)
-
-
-def _per_node(x_BW: np.ndarray, g: int) -> np.ndarray:
-    """Each GPU's value replaced by the sum over its node's GPUs, [B, W]."""
-    B, W = x_BW.shape
-    return np.repeat(x_BW.reshape(B, W // g, g).sum(2), g, axis=1)
-
-
-def collective_seconds_BW(
-    traffic: GpuTraffic, *, links: Links, bytes_per_copy: float, ranks_per_node: int
-) -> np.ndarray:
-    """Seconds each GPU spends in one layer's dispatch (= its combine), float64 [B, W]:
-    ``max`` over link classes of ``max(send, recv) * bytes_per_copy / bandwidth + max(peers) * latency``."""
-    intra = (
-        np.maximum(traffic.send_intra, traffic.recv_intra) * bytes_per_copy / links.intra.bytes_per_s
-        + np.maximum(traffic.peers_send_intra, traffic.peers_recv_intra) * links.intra.latency_s
+    sources = _expert_sources(model, config)
+    hidden, ffn = _first(sources, "hidden_size"), _first(sources, "moe_intermediate_size")
+    if not isinstance(hidden, int) or not isinstance(ffn, int):
+        if config is not None:
+            raise ConfigError(expert_unknown_reason(model, config))
+        return None
+    num_shared = _first(sources, "num_shared_experts")
+    shared_ffn = _first(sources, "shared_expert_intermediate_size")
+    shared = isinstance(num_shared, int) and num_shared > 0 and isinstance(shared_ffn, int) and shared_ffn > 0
+    wb = _first(sources, "weight_bytes_per_value")
+    return ExpertCompute(
+        hidden_size=hidden,
+        ffn_size=ffn,
+        weight_bytes_per_value=float(wb) if isinstance(wb, (int, float)) else 2.0,
+        num_shared_experts=int(num_shared) if shared else 0,  # type: ignore[call-overload]
+        shared_ffn_size=int(shared_ffn) if shared else 0,  # type: ignore[call-overload]
     )
-    send, recv = traffic.send_inter, traffic.recv_inter
-    ps, pr = traffic.peers_send_inter, traffic.peers_recv_inter
-    if links.inter_nic == "node":
-        send, recv, ps, pr = (_per_node(x, ranks_per_node) for x in (send, recv, ps, pr))
-    inter = (
-        np.maximum(send, recv) * bytes_per_copy / links.inter.bytes_per_s + np.maximum(ps, pr) * links.inter.latency_s
-    )
-    return np.maximum(intra, inter)
 
 
 def expert_seconds_BW(pairs_BW: np.ndarray, active_BW: np.ndarray, *, expert: ExpertCompute) -> np.ndarray:
-    """Seconds each GPU spends in one layer's experts, float64 [B, W]: the larger of reading the
-    weights of its ``active_BW`` activated experts and computing its ``pairs_BW`` (token, expert) pairs."""
-    memory = active_BW * (expert.weight_bytes / expert.hbm_bytes_per_s)
-    compute = pairs_BW * (expert.flops_per_token / expert.peak_flops)
-    return np.maximum(memory, compute)
+    """Seconds each GPU spends in one layer's routed experts, float64 [B, W]: the larger of reading the
+    weights of its ``active_BW`` activated experts and computing its ``pairs_BW`` (token, expert) pairs
+    (``ExpertCompute.routed_seconds``; the shared experts: ``ExpertCompute.shared_seconds``)."""
+    return expert.routed_seconds(pairs_BW, active_BW)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from moetrace.placement.compare import MIN_HELD_OUT_REQUESTS, CompareResult, PlacedStrategy
 from moetrace.placement.compare_manifest import CompareManifest
+from moetrace.placement.cost import expert_unknown_reason
 from moetrace.placement.strategies import get_strategy
 from moetrace.sizes import human_bytes
 
@@ -61,7 +62,7 @@ def copy_model_line(c: CompareManifest) -> str:
             f"; experts {ex['hidden_size']}x{ex['ffn_size']} at {ex['weight_bytes_per_value']:g} B/weight, "
             f"HBM {ex['hbm_bytes_per_s'] / 1e12:g} TB/s, {ex['peak_flops'] / 1e12:g} TFLOP/s"
             if ex
-            else f"; expert size of {c.model.name} unknown: no MoE-layer time"
+            else f"; {expert_unknown_reason(c.model) or f'expert size of {c.model.name} unknown: no MoE-layer time'}"
         )
     return line
 

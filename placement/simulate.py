@@ -24,17 +24,16 @@ Out of scope: choosing placements or batches (``compare``); per-GPU send matrice
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from moetrace.placement.cost import CostModel, collective_seconds_BW, expert_seconds_BW, gpu_traffic
+from moetrace.placement.hardware import CostModel
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy, choose_slots
+from moetrace.placement.step_model import DedupUnit, copy_model, layer_seconds
 
 __all__ = ["DedupUnit", "LayerCopies", "METRICS", "TIME_METRICS", "layer_copies", "simulate_volume"]
-
-DedupUnit = Literal["rank", "expert", "node"]
 
 #: metric names, each an array [B, L]
 METRICS = (
@@ -166,11 +165,12 @@ def simulate_volume(
     dedup: DedupUnit = "rank",
     policy: ReplicaPolicy = "same_node",
     cost: CostModel | None = None,
-    time_bytes_per_token: int | None = None,
+    time_hidden_size: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Traffic of every (batch, layer); each metric float64 [B, L] (bytes, tokens or experts), and
-    with ``cost`` the ``TIME_METRICS`` in seconds (``cost``'s formulas; each copy carries
-    ``time_bytes_per_token``, default ``bytes_per_token``).
+    with ``cost`` the ``TIME_METRICS`` in seconds (``step_model.layer_seconds`` with the kernel
+    ``cost`` has for ``dedup``; a copy carries ``time_hidden_size`` values, default
+    ``bytes_per_token / 2``, in the kernel's value types).
 
     ``topk_ids_TLK``: int [T, L, K] logical expert ids (-1 ignored); ``batch_T``: batch of each token
     (0..B-1); ``src_rank_T``: GPU (EP rank) the token leaves from.
@@ -183,6 +183,7 @@ def simulate_volume(
     batch_T = np.asarray(batch_T, dtype=np.int64)
     src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
     out = {m: np.zeros((B, L)) for m in METRICS + (TIME_METRICS if cost is not None else ())}
+    tokens_BW = np.bincount(batch_T * W + src_rank_T, minlength=B * W).reshape(B, W)  # shared experts' tokens
     copies = layer_copies(
         ids,
         placement=placement,
@@ -222,7 +223,7 @@ def simulate_volume(
         out["activated_experts_per_rank_max"][:, l] = nact.max(1)
         out["activated_experts_per_rank_mean"][:, l] = nact.mean(1)
         if cost is not None:
-            traffic = gpu_traffic(
+            traffic = copy_model(dedup).traffic(
                 rank_TK=rank,
                 valid_TK=valid,
                 batch_T=batch_T,
@@ -230,23 +231,21 @@ def simulate_volume(
                 num_batches=B,
                 num_ranks=W,
                 ranks_per_node=ranks_per_node,
-                dedup=dedup,
                 sorted_rank_TK=rkey,
             )
-            a2a_BW = collective_seconds_BW(
+            pairs = np.bincount((bK * W + rank)[valid], minlength=B * W).reshape(B, W)
+            secs = layer_seconds(
                 traffic,
-                links=cost.links,
-                bytes_per_copy=time_bytes_per_token or bytes_per_token,
+                kernel=cost.kernel(dedup),
+                hidden_size=time_hidden_size or bytes_per_token // 2,
                 ranks_per_node=ranks_per_node,
+                expert=cost.expert,
+                pairs_BW=pairs,
+                active_BW=nact,
+                tokens_BW=tokens_BW,
             )
-            out["dispatch_seconds"][:, l] = a2a_BW.max(1)
-            out["combine_seconds"][:, l] = a2a_BW.max(1)  # the same copies back
-            if cost.expert is None:
-                out["expert_seconds"][:, l] = np.nan
-            else:
-                pairs = np.bincount((bK * W + rank)[valid], minlength=B * W).reshape(B, W)
-                out["expert_seconds"][:, l] = expert_seconds_BW(pairs, nact, expert=cost.expert).max(1)
-            out["moe_seconds"][:, l] = (  # NaN when the expert term is unknown: no partial sum posing as the whole
-                out["dispatch_seconds"][:, l] + out["combine_seconds"][:, l] + out["expert_seconds"][:, l]
-            )
+            out["dispatch_seconds"][:, l] = secs.dispatch
+            out["combine_seconds"][:, l] = secs.combine
+            out["expert_seconds"][:, l] = secs.expert  # NaN when the expert size is unknown
+            out["moe_seconds"][:, l] = secs.moe  # NaN then too: no partial sum posing as the whole
     return out

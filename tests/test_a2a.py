@@ -4,6 +4,8 @@ exactly those bytes; results files; mismatches are reported."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import json
 
 import numpy as np
@@ -262,7 +264,8 @@ def test_predicted_time_ratios_follow_the_busiest_node_link(plan):
 def test_replay_traffic_is_the_cost_models(data, cfg, dedup):
     """The time model the replay charges is compare's: from the send matrices, the cost model's seconds equal
     ``simulate_volume``'s ``dispatch_seconds`` for the same links and copies."""
-    from moetrace.placement.cost import CostModel, Link, Links, collective_seconds_BW
+    from moetrace.placement.cost import Link, Links
+    from moetrace.placement.hardware import CostModel, Hardware
 
     dep = cfg.deployment
     links = Links(
@@ -280,16 +283,13 @@ def test_replay_traffic_is_the_cost_models(data, cfg, dedup):
         dedup=dedup,
     )
     ids = data.test_topk_ids_TLK[rows]
-    sim = simulate_volume(ids, bytes_per_token=64, cost=CostModel(links=links), **kw)
+    rc = ar.ReplayCost(links=links, fixed_seconds=2e-6, wire_overhead=1.0, intra_probe_seconds=None, intra_probe_bytes=0)
+    hw = Hardware(name="replay", source="test", kernels={dedup: ar.replay_kernel(rc)})
+    sim = simulate_volume(ids, bytes_per_token=64, cost=CostModel(hardware=hw), time_hidden_size=64, **kw)
     sends = send_matrices(ids, **kw)
     B, L, W, _ = sends.shape
-    t = collective_seconds_BW(
-        ar.replay_traffic(sends.reshape(B * L, W, W), ranks_per_node=dep.ranks_per_node),
-        links=links,
-        bytes_per_copy=64,
-        ranks_per_node=dep.ranks_per_node,
-    )
-    np.testing.assert_allclose(t.max(1).reshape(B, L), sim["dispatch_seconds"], rtol=1e-12)
+    plan = SimpleNamespace(sends_VBLWW=sends[None], ranks_per_node=dep.ranks_per_node, bytes_per_token=64)
+    np.testing.assert_allclose(ar.predicted_seconds_VBL(plan, rc)[0], sim["dispatch_seconds"], rtol=1e-12)
     assert sim["dispatch_seconds"].max() > 0
 
 

@@ -33,7 +33,8 @@ from moetrace.placement.advise_metrics import (
     vllm_balancedness,
 )
 from moetrace.placement.baselines import linear
-from moetrace.placement.cost import CostModel, ExpertCompute
+from moetrace.placement.cost import ExpertCompute
+from moetrace.placement.hardware import CostModel
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.eplb import rebalance
 from moetrace.placement.exports import PlacementFile, export_placement, load_placement, save_placement
@@ -154,9 +155,11 @@ def test_the_sweep_never_exceeds_the_slot_limit(E_, W, S):
     assert redundancy_sweep(num_experts=256, num_ranks=64, max_slots_per_gpu=6) == [0, 64, 128]
 
 
-# ---------------------------------------------------------------- evaluation = the cost model's
+# ---------------------------------------------------------------- evaluation = the simulator's
 @pytest.mark.parametrize("dedup", ["expert", "rank", "node"])
-def test_one_pass_evaluation_prices_like_simulate_volume(dedup):
+def test_one_pass_evaluation_counts_like_simulate_volume(dedup):
+    """Bytes and activated experts as the simulator counts them (the step time of both is one
+    function: tests/test_step_model.py prices every caller at once)."""
     rng = np.random.default_rng(1)
     T, B, W = 400, 8, DEP.num_ep
     ids = np.stack([rng.permutation(E)[:K] for _ in range(T * L)]).reshape(T, L, K).astype(np.int16)
@@ -172,7 +175,7 @@ def test_one_pass_evaluation_prices_like_simulate_volume(dedup):
         dedup=dedup,
         cost=cost,
         bytes_per_token=128,
-        time_bytes_per_token=128,
+        hidden_size=64,
     )
     sv = simulate_volume(
         ids,
@@ -186,8 +189,6 @@ def test_one_pass_evaluation_prices_like_simulate_volume(dedup):
         dedup=dedup,
         cost=cost,
     )
-    np.testing.assert_allclose(em.a2a_seconds_BL, sv["dispatch_seconds"] + sv["combine_seconds"])
-    np.testing.assert_allclose(em.moe_seconds_BL, sv["moe_seconds"])
     np.testing.assert_allclose(em.inter_bytes_BL, sv["dispatch_inter_bytes"] + sv["combine_inter_bytes"])
     np.testing.assert_allclose(em.active_max_BL, sv["activated_experts_per_rank_max"])
     assert ((em.send_ranks_L >= 1) & (em.send_ranks_L <= K)).all()

@@ -16,9 +16,11 @@ from moetrace.placement.compare import (
     node_counts,
     run_compare,
 )
-from moetrace.placement.cost import CostModel, Link, Links, collective_seconds_BW, gpu_traffic
+from moetrace.placement.cost import Link, Links
+from moetrace.placement.hardware import CostModel, hardware_of_links
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.simulate import layer_copies, simulate_volume
+from moetrace.placement.step_model import copy_model, phase_seconds_BW
 from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.writer import TraceWriter
 
@@ -83,12 +85,12 @@ def test_a_router_sending_twice_an_even_share_costs_its_node_twice():
             data.test_topk_ids_TLK[rows],
             placement=placement,
             bytes_per_token=MODEL.hidden_size * 2,
-            cost=CostModel(links=links),
+            cost=CostModel(hardware=hardware_of_links(links)),
             **routing,
         )
         c = next(layer_copies(data.test_topk_ids_TLK[rows], placement=placement, **routing))
-        traffic = gpu_traffic(rank_TK=c.rank_TK, valid_TK=c.valid_TK, **routing)
-        per_gpu = collective_seconds_BW(traffic, links=links, bytes_per_copy=8192, ranks_per_node=dep.ranks_per_node)
+        traffic = copy_model(routing.pop("dedup")).traffic(rank_TK=c.rank_TK, valid_TK=c.valid_TK, **routing)
+        per_gpu = phase_seconds_BW(traffic, links=links, bytes_per_copy=8192, ranks_per_node=dep.ranks_per_node)
         out[name + "_node0"] = per_gpu[:, : dep.ranks_per_node].mean()  # node 0's GPUs, layer 0
         out[name + "_node0_sent"] = (traffic.send_intra + traffic.send_inter)[:, : dep.ranks_per_node].mean()
     assert out["even_tokens"].tolist() == [16] * 4 and out["skew_tokens"].tolist() == [32, 11, 11, 10]  # 64 x shares

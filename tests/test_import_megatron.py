@@ -1,6 +1,12 @@
 """``megatron-router``: Megatron-Core router traces, built to the layout its writer uses
 (``megatron/core/transformer/moe/router_trace.py``, tag core_v0.19.0: ``RouterTracer._make_index_record`` and
-``_flush_records_to_disk``): one ``router_trace_rank{N}.jsonl`` per rank, one line per (step, block, layer)."""
+``_flush_records_to_disk``): one ``router_trace_rank{N}.jsonl`` per rank, one line per (step, block, layer).
+
+Inference traces (same tag): ``TextGenerationController`` (``megatron/core/inference/text_generation_controllers/
+text_generation_controller.py``) passes the engine's recorded indices to ``RouterTracer.record_indices`` with
+``layer_ids`` = each ``RouterReplay``'s ``layer_number`` (``TransformerLayer.layer_number``, numbered from 1:
+``transformer_block.py`` builds layer ``i`` with ``layer_number=i + 1``) and calls ``advance_step()`` after each
+forward pass; the training hooks write the ``decoder.layers`` index, numbered from 0."""
 
 from __future__ import annotations
 
@@ -34,19 +40,23 @@ def ids(n: int, seed: int) -> np.ndarray:
     )  # [N, L, K]
 
 
-def lines(step: int, rank: int, pass_NLK: np.ndarray, *, mtp: bool = False) -> list[dict]:
+def lines(
+    step: int, rank: int, pass_NLK: np.ndarray, *, mtp: bool = False, base: int = 0, info=MIXTRAL
+) -> list[dict]:
+    """The records of one pass in ``_make_index_record``'s key order, ``top_indices`` last as the flush adds it;
+    ``base=1``: ``layer`` is ``layer_number``, as ``record_indices`` writes it from the inference engine."""
     out = [
         {
             "step": step,
             "stage": "pre_dispatch",
             "block": "decoder",
-            "layer": layer,
+            "layer": layer + base,
             "rank": rank,
             "num_tokens": len(pass_NLK),
-            "topk": 2,
+            "topk": info.top_k,
             "top_indices": pass_NLK[:, i].tolist(),
         }
-        for i, layer in enumerate(MIXTRAL.moe_layers)
+        for i, layer in enumerate(info.moe_layers)
     ]
     if mtp:  # a multi-token-prediction head's record: not a layer of the model
         out.append({**out[0], "block": "mtp", "mtp_idx": 0, "layer": 0})
@@ -94,6 +104,52 @@ def test_one_rank_file_imports_and_tp_duplicates_are_refused(tmp_path):
     write(d / "router_trace_rank1.jsonl", lines(0, 1, a))  # tensor parallel: the same tokens on both ranks
     with pytest.raises(TraceFormatError, match="same ids as rank 0 for step 0.*import one rank's file"):
         import_trace(d, out=tmp_path / "t2", model=MIXTRAL)
+
+
+DSV3 = model_info_for("deepseek-v3-tiny")  # 61 layers, the first 3 dense, 256 experts in 8 groups, top-8
+
+
+def dsv3_ids(n: int, seed: int) -> np.ndarray:
+    """[N, L, K] ids a group-limited router picks (top-8 from at most 4 of the 8 groups)."""
+    rng = np.random.default_rng(seed)
+
+    def one() -> np.ndarray:
+        pool = np.concatenate([np.arange(g * 32, (g + 1) * 32) for g in rng.choice(8, 4, replace=False)])
+        return rng.choice(pool, 8, replace=False)
+
+    return np.stack([np.stack([one() for _ in DSV3.moe_layers]) for _ in range(n)])
+
+
+@pytest.mark.parametrize(("info", "make"), [(MIXTRAL, ids), (DSV3, dsv3_ids)], ids=["mixtral", "deepseek-v3"])
+def test_core_v0_19_0_inference_traces_numbered_from_1_import(tmp_path, info, make):
+    """Inference with routing replay writes ``layer_number`` (from 1): it imports as the same passes a
+    hooks capture numbered from 0 gives, said in the notes (before: refused, pipeline parallelism blamed)."""
+    p = {(s, r): make(2 + s + r, 7 * s + r) for s in range(3) for r in range(2)}
+    runs = {}
+    for base in (0, 1):
+        d = tmp_path / f"from{base}"
+        d.mkdir()
+        for r in range(2):  # advance_step() after each forward pass: one step per pass
+            write(d / f"router_trace_rank{r}.jsonl", [x for s in range(3) for x in lines(s, r, p[(s, r)], base=base, info=info)])
+        res = runner.invoke(app, ["import", str(d), "-m", info.name, "-o", str(tmp_path / f"t{base}")])
+        assert res.exit_code == 0, res.output
+        assert find_problems(tmp_path / f"t{base}") == []
+        runs[base] = (res.output, open_trace(tmp_path / f"t{base}"))
+    order = [(s, r) for s in range(3) for r in range(2)]
+    for base, (output, tr) in runs.items():
+        np.testing.assert_array_equal(tr.token_arrays().topk_ids_TLK, np.concatenate([p[k] for k in order]))
+        assert tr.manifest["collection"]["layer_numbering"] == f"from {base}"
+        assert ("layer N is model layer N - 1" in output) == (base == 1)
+
+
+def test_a_layer_outside_the_model_names_the_numbering_read(tmp_path):
+    recs = lines(0, 0, ids(2, 0), base=1)
+    recs[3]["layer"] = 40  # numbered from 1 (the others are 1..32), and 40 is past Mixtral's 32 layers
+    d = tmp_path / "trace"
+    d.mkdir()
+    write(d / "router_trace_rank0.jsonl", recs)
+    with pytest.raises(TraceFormatError, match=r"layer 40 is not a MoE layer .*numbered from 1 .*1\.\.32.*Wrong --model"):
+        import_trace(d, out=tmp_path / "t", model=MIXTRAL)
 
 
 def _rec(**over) -> str:

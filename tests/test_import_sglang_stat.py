@@ -2,11 +2,16 @@
 
 The fixtures follow SGLang's writer (python/sglang/srt/eplb/expert_distribution.py, _StatAccumulator.dump:
 torch.save of {"rank", "logical_count" [passes, layers, experts], "average_utilization_rate_over_window"}).
+The logical_count JSON follows SGLang 0.5.23's reader of ``--init-expert-location``
+(python/sglang/srt/eplb/expert_location.py, ``compute_initial_expert_location_metadata``: ``json.loads``, then
+``ExpertLocationMetadata.init_by_eplb`` takes the list through ``torch.tensor``, so whole numbers written as
+floats, as in the DeepSeek-V3 files attached to sgl-project/sglang#6017, load there).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +75,7 @@ def test_logical_count_json_imports_as_one_window_per_stage_asked(tmp_path):
         (np.ones((H + 2, E), np.int64), "6 layers"),
         (np.ones((H, E), np.int64), "which model 'small' has dense"),
         (-np.ones((3, E), np.int64), "negative"),
-        (np.ones((3, E)) * 0.5, "whole counts"),
+        (np.ones((3, E)) * 0.5, "holds 0.5 at layer 0, expert 0"),
     ],
 )
 def test_counts_that_do_not_fit_the_model_are_refused(tmp_path, counts, message):
@@ -111,3 +116,60 @@ def test_fuzzed_inputs_never_raise_a_traceback(tmp_path_factory, body):
         import_profile(src, out=d / "p.parquet", model=SMALL, source_format="sglang-stat")
     except MoetraceError:
         pass
+
+
+DSV3 = "deepseek-v3-tiny"  # 61 decoder layers (3 dense), 256 experts: the shape of SGLang's published files
+
+
+def test_sglang_0_5_23_published_logical_count_with_whole_floats_imports(tmp_path):
+    """SGLang 0.5.23's ``--init-expert-location`` reader takes ``{"logical_count": [61][256]}`` of floats such as
+    ``807392.0`` (the DeepSeek-V3 files attached to sgl-project/sglang#6017): they import, exactly as the ints."""
+    from moetrace.tracer.presets import model_info_for
+
+    info = model_info_for(DSV3)
+    rng = np.random.default_rng(6017)
+    c = rng.integers(0, 2_000_000, (info.num_hidden_layers, info.num_experts)).astype(np.float64)
+    c[[h for h in range(info.num_hidden_layers) if h not in info.moe_layers]] = 0.0
+    c[5, 7] = 807392.0
+    src = tmp_path / "logical_count_decode.json"
+    src.write_text(json.dumps({"logical_count": c.tolist()}))  # written as floats: "807392.0", "0.0"
+    assert "807392.0" in src.read_text()
+    assert detect_format(src).name == "sglang-stat"
+    prof = import_profile(src, out=tmp_path / "p.parquet", model=info, stages="decode-only")
+    want = c.astype(np.int64)[list(info.moe_layers)]
+    assert prof.counts["decode"].dtype == np.int64 and np.array_equal(prof.counts["decode"][0], want)
+    ints = tmp_path / "ints.json"
+    ints.write_text(json.dumps({"logical_count": c.astype(np.int64).tolist()}))
+    again = import_profile(ints, out=tmp_path / "q.parquet", model=info, stages="decode-only")
+    assert np.array_equal(again.counts["decode"], prof.counts["decode"])
+
+
+@pytest.mark.parametrize(
+    ("value", "shape", "at", "shown"),
+    [
+        (12.5, (H, E), (1, 3), "holds 12.5 at layer 1, expert 3"),
+        (float("nan"), (H, E), (3, 0), "holds nan at layer 3, expert 0"),
+        (7.25, (2, H, E), (1, 3, 15), "holds 7.25 at pass 1, layer 3, expert 15"),
+    ],
+)
+def test_a_fractional_count_is_refused_naming_the_value_and_where(tmp_path, value, shape, at, shown):
+    c = np.zeros(shape)
+    c[(..., 1, slice(None))] = 3.0  # an MoE layer with whole float counts
+    c[at] = value
+    src = tmp_path / "lc.json"
+    src.write_text(json.dumps({"logical_count": c.tolist()}))  # json writes NaN for nan, as Python's json does
+    with pytest.raises(TraceFormatError, match=re.escape(shown) + ".*not a whole token count"):
+        import_profile(src, out=tmp_path / "p.parquet", model=SMALL)
+    assert not (tmp_path / "p.parquet").exists()
+
+
+def test_a_float_stat_dump_imports_when_whole(tmp_path):
+    """A ``.pt`` holding float counts (a dump re-saved by hand) is read like the JSON: whole floats only."""
+    c = _counts(2).to(torch.float32)
+    src = _dump(tmp_path / "expert_distribution_recorder_2.pt", c)
+    prof = import_profile(src, out=tmp_path / "p.parquet", model=SMALL)
+    assert np.array_equal(prof.counts["mixed"], c.numpy().astype(np.int64)[:, list(SMALL.moe_layers)])
+    c[1, SMALL.moe_layers[0], 2] = 0.5
+    bad = _dump(tmp_path / "expert_distribution_recorder_3.pt", c)
+    with pytest.raises(TraceFormatError, match=f"holds 0.5 at pass 1, layer {SMALL.moe_layers[0]}, expert 2"):
+        import_profile(bad, out=tmp_path / "q.parquet", model=SMALL)

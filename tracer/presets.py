@@ -81,7 +81,11 @@ class Preset:
         return self.tiny_vllm
 
     def model_info(self, *, tiny: bool, engine: TinyEngine = "hf") -> ModelInfo:
-        """The routing topology of the full model or of a tiny variant (same topology, its own hidden size)."""
+        """The routing topology of the full model or of a tiny variant (same topology, its own hidden
+        size and expert sizes)."""
+        sizes = expert_sizes_from_hf_config(
+            {"model_type": self.model_type, **self.hf_config_dict(tiny=tiny, engine=engine)}
+        )
         return ModelInfo(
             name=self.name + (TINY_SUFFIX if tiny else ""),
             source=f"moetrace:{self.name}{TINY_SUFFIX}" if tiny else self.hub_id,
@@ -94,6 +98,9 @@ class Preset:
             hidden_size=int(self.tiny_overrides(engine=engine)["hidden_size"]) if tiny else self.hidden_size,
             n_group=self.n_group,
             topk_group=self.topk_group,
+            moe_intermediate_size=sizes["moe_intermediate_size"],
+            shared_expert_intermediate_size=sizes["shared_expert_intermediate_size"],
+            weight_bytes_per_value=sizes["weight_bytes_per_value"],
         )
 
     def hf_config_dict(self, *, tiny: bool, engine: TinyEngine = "hf") -> dict[str, Any]:
@@ -334,16 +341,109 @@ def moe_topology_from_hf_config(cfg: Any) -> dict[str, Any]:
         "moe_layers": tuple(layers),
         "num_experts": int(E),
         "top_k": int(K),
-        "num_shared_experts": int(_get(cfg, "n_shared_experts", default=0) or (1 if mt.startswith("llama4") else 0)),
+        "num_shared_experts": _num_shared_experts(cfg, mt),
         "hidden_size": int(_get(cfg, "hidden_size")),
         "n_group": _get(cfg, "n_group"),
         "topk_group": _get(cfg, "topk_group"),
     }
 
 
+def _num_shared_experts(cfg: Any, model_type: str) -> int:
+    """Always-on experts per MoE layer: ``n_shared_experts`` (DeepSeek-V2/V3, GLM-4.5), else one for
+    Llama-4 and for a config with a ``shared_expert_intermediate_size`` (Qwen2-MoE, Qwen3-Next), else 0."""
+    n = _get(cfg, "n_shared_experts")
+    if n:
+        return int(n)
+    if model_type.startswith("llama4") or _size(_get(cfg, "shared_expert_intermediate_size")):
+        return 1
+    return 0
+
+
+def _size(v: Any) -> int | None:
+    """A config's width: a whole number >= 1, else None (absent, 0, a per-layer list, not a number)."""
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+
+
+#: bytes per weight of a quantized release by its ``quantization_config.quant_method``: FP8 (DeepSeek-V3,
+#: the Qwen3 FP8 releases) 1; MXFP4 (gpt-oss: 4-bit values and one 8-bit scale per 32) 4.25/8
+_QUANT_BYTES = {"fp8": 1.0, "mxfp4": 4.25 / 8}
+#: bytes per weight of an unquantized release by its ``torch_dtype`` (transformers 5: ``dtype``)
+_DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "float8_e4m3fn": 1.0}
+
+
+def _weight_bytes(outer: Any, cfg: Any) -> float | None:
+    """Bytes per expert weight the config's release stores, or None when it does not say (or says it
+    in a way not read here): ``quantization_config`` (``quant_method`` fp8 / mxfp4; ``bits`` of GPTQ / AWQ;
+    the weights' ``num_bits`` of compressed-tensors), else ``torch_dtype``. ``outer``: the config as
+    given (a multimodal wrapper keeps these outside its ``text_config``)."""
+    q = _get(outer, "quantization_config") or _get(cfg, "quantization_config")
+    if q is not None:
+        if not isinstance(q, dict):
+            q = q.to_dict() if hasattr(q, "to_dict") else vars(q)
+        method = str(getattr(q.get("quant_method"), "value", q.get("quant_method")) or "").lower()
+        if method in _QUANT_BYTES:
+            return _QUANT_BYTES[method]
+        bits = _size(q.get("bits"))
+        groups = q.get("config_groups")
+        if bits is None and isinstance(groups, dict):
+            weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
+            found = {_size(w.get("num_bits")) for w in weights if isinstance(w, dict)}
+            bits = found.pop() if len(found) == 1 else None
+        return bits / 8 if bits is not None and bits <= 16 else None
+    dtype = _get(outer, "torch_dtype", "dtype") or _get(cfg, "torch_dtype", "dtype")
+    return _DTYPE_BYTES.get(str(dtype).removeprefix("torch.")) if dtype is not None else None
+
+
+def expert_sizes_from_hf_config(cfg: Any) -> dict[str, Any]:
+    """What the cost model needs of one MoE layer's experts, from an HF config (object or dict), None
+    where the config does not say (``ModelInfo``'s fields of the same names, documented there):
+
+    - ``hidden_size``;
+    - ``moe_intermediate_size``: the routed expert's FFN width: ``moe_intermediate_size`` (DeepSeek,
+      Qwen-MoE), else ``intermediate_size`` (Mixtral, OLMoE, GPT-OSS, Llama-4, whose experts use it);
+      a per-layer list is not read (None);
+    - ``num_shared_experts`` (as the routing topology counts them) and ``shared_expert_intermediate_size``:
+      the width of ONE shared expert: ``shared_expert_intermediate_size`` (Qwen2-MoE, Qwen3-Next: one
+      shared expert of that width), else the routed expert's (DeepSeek-V2/V3, GLM-4.5: each of
+      ``n_shared_experts`` is a routed-size MLP; Llama-4: one of ``intermediate_size``); None without;
+    - ``weight_bytes_per_value``: bytes per weight of the release (``quantization_config``, else
+      ``torch_dtype``).
+
+    Reads no routed-expert count: a config with only the sizes (a user's ``--model-config``) works.
+    """
+    outer = cfg
+    text = _get(cfg, "text_config")
+    if text is not None:  # multimodal wrappers (Llama-4) keep the LM in text_config
+        cfg = text
+    mt = str(_get(cfg, "model_type", default="") or _get(outer, "model_type", default="") or "")
+    moe = _get(cfg, "moe_intermediate_size")
+    ffn = _size(moe) if moe is not None else _size(_get(cfg, "intermediate_size"))
+    shared = _num_shared_experts(cfg, mt)
+    shared_ffn = None
+    if shared:
+        given = _get(cfg, "shared_expert_intermediate_size")
+        shared_ffn = _size(given) if given is not None else ffn
+    return {
+        "hidden_size": _size(_get(cfg, "hidden_size")),
+        "moe_intermediate_size": ffn,
+        "num_shared_experts": shared,
+        "shared_expert_intermediate_size": shared_ffn,
+        "weight_bytes_per_value": _weight_bytes(outer, cfg),
+    }
+
+
 def model_info_from_hf_config(cfg: Any, *, name: str, source: str) -> ModelInfo:
-    """ModelInfo for a checkpoint given its HF config (object or dict)."""
+    """ModelInfo for a checkpoint given its HF config (object or dict): the routing topology and the
+    expert sizes (:func:`expert_sizes_from_hf_config`)."""
     topo = moe_topology_from_hf_config(cfg)
     if topo["n_group"] in (None, 1):
         topo["n_group"] = topo["topk_group"] = None
-    return ModelInfo(name=name, source=source, **topo)
+    sizes = expert_sizes_from_hf_config(cfg)
+    return ModelInfo(
+        name=name,
+        source=source,
+        **topo,
+        moe_intermediate_size=sizes["moe_intermediate_size"],
+        shared_expert_intermediate_size=sizes["shared_expert_intermediate_size"],
+        weight_bytes_per_value=sizes["weight_bytes_per_value"],
+    )

@@ -10,7 +10,16 @@ from typing import Annotated
 
 import typer
 
-from moetrace.cli.common import Overwrite, Quiet, Seed, claim_output, friendly_errors, progress_bar
+from moetrace.cli.common import (
+    ModelConfigOpt,
+    Overwrite,
+    Quiet,
+    Seed,
+    claim_output,
+    friendly_errors,
+    progress_bar,
+    read_model_config,
+)
 from moetrace.cli.place import ConfigOpt, GpusPerNode, LinkOpt
 
 
@@ -38,6 +47,7 @@ def advise_cmd(
     ] = 0,
     steps: Annotated[int, typer.Option(help="Decode steps simulated on a trace.")] = 200,
     link: LinkOpt = None,
+    model_config: ModelConfigOpt = None,
     seed: Seed = 0,
     overwrite: Overwrite = False,
     quiet: Quiet = False,
@@ -48,13 +58,18 @@ def advise_cmd(
     Example: moetrace advise traces/dsv3 --config DP8TP8EP64 -o advice
     """
     from moetrace.placement.advise import AdviseConfig, advise_input, format_advice, write_advice
-    from moetrace.placement.cost import parse_links
+    from moetrace.placement.hardware import load_hardware
     from moetrace.placement.deployment import parse_deployment
     from moetrace.results import ADVICE
 
     dep = parse_deployment(config, num_gpus_per_node=gpus_per_node)
     cfg = AdviseConfig(
-        deployment=dep, max_slots_per_gpu=max_slots_per_gpu, num_steps=steps, seed=seed, links=parse_links(link)
+        deployment=dep,
+        max_slots_per_gpu=max_slots_per_gpu,
+        num_steps=steps,
+        seed=seed,
+        hardware=load_hardware(link),
+        model_config=read_model_config(model_config),
     )
     with claim_output(out, kind="results", overwrite=overwrite, command="moetrace advise", result=ADVICE):
         with (

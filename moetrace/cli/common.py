@@ -15,7 +15,7 @@ import stat
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import typer
 
@@ -69,6 +69,44 @@ Quiet = Annotated[
         "--quiet", "-q", help="No progress bar and no step log lines on stderr (errors and the result still print)."
     ),
 ]
+ModelConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--model-config",
+        help="The served model's HF config.json (or its checkpoint directory): the experts' size "
+        "(moe_intermediate_size, shared experts, quantization), over what the trace's model records.",
+        show_default=False,
+    ),
+]
+
+
+def read_model_config(path: Path | None) -> dict[str, Any] | None:
+    """The ``--model-config`` file parsed (a JSON object; a directory: its ``config.json``), None without
+    one; ``ConfigError`` naming the file and what is wrong with it (missing, unreadable, not JSON, not an object)."""
+    import json
+
+    from moetrace.errors import ConfigError
+
+    if path is None:
+        return None
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--model-config {path}: a directory without config.json; pass the model's config.json")
+        path = path / "config.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"--model-config {path}: no such file (pass the model's config.json)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--model-config {path}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--model-config {path}: not JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--model-config {path}: an HF config.json is a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def err(message: str) -> None:

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import typer
 
 from moetrace.cli.common import OutDir, Overwrite, Quiet, claim_output, friendly_errors, human_bytes, progress_bar
+from moetrace.errors import ConfigError
 from moetrace.tracer.importers import FORMATS, STAGES_HELP, StagesMode
 from moetrace.tracer.importers.options import PHYSICAL_MAP, PROMPT_SPAN
 
@@ -24,6 +25,9 @@ _STAGES_HELP = (
     + "; ".join(f"{mode} ({what})" for mode, what in STAGES_HELP.items())
     + ". Recorded in the manifest; analyses that need the missing stage are skipped with the reason."
 )
+
+
+_FORMATS_WITH_MODEL = ", ".join(f.name for f in FORMATS if f.model is not None)
 
 
 def _formats_taking(option: str) -> str:
@@ -43,15 +47,16 @@ def import_cmd(
     *,
     out: OutDir,
     model: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--model",
             "-m",
             help="Model preset (see `moetrace models`) or an HF "
-            "config.json / checkpoint directory: gives MoE layers, experts, top-k.",
+            "config.json / checkpoint directory: gives MoE layers, experts, top-k. Required, but for "
+            f"--format {_FORMATS_WITH_MODEL}, whose captures name their model.",
             show_default=False,
         ),
-    ],
+    ] = None,
     source_format: Annotated[FormatName, typer.Option("--format", metavar="FORMAT", help=_FORMAT_HELP)] = "auto",
     dataset: Annotated[
         str | None, typer.Option(help="Dataset label of requests that carry none (default: the file name).")
@@ -112,6 +117,9 @@ def import_cmd(
     A teacher-forced capture (the first 512 tokens of each are the prompt):
       moetrace import tf.jsonl --prompt-tokens 512 -m olmoe-1b-7b \\
         -o traces/tf
+    DeepSeek's ESFT expert logs (DeepSeek-V2-Lite; no --model needed):
+      moetrace import ESFT/results/expert_scores --format esft \\
+        -o traces/esft
     Expert counts (sglang-stat, sglang-pass, trtllm-stats) become a load profile:
       moetrace import expert_stats/ -m deepseek-v3 \\
         -o dsv3.profile.parquet
@@ -126,8 +134,17 @@ def import_cmd(
         prompt_fraction=prompt_fraction,
         max_memory_bytes=None if max_memory is None else int(max_memory * 2**30),
     )
-    info = resolve(model).model_info()
     fmt = get_format(source_format) if source_format != "auto" else detect_format(source) if source.exists() else None
+    if model is None:  # only a format whose captures name their model (esft) goes without
+        named = fmt or detect_format(source)  # a missing input is said first
+        if named.model is None:
+            raise ConfigError(
+                f"--format {named.name} needs --model (a preset, or an HF config.json / checkpoint directory): its "
+                f"input does not say which model recorded it (only --format {_FORMATS_WITH_MODEL} name theirs)"
+            )
+        info = named.model()
+    else:
+        info = resolve(model).model_info()
     if fmt is not None and fmt.produces == "profile":  # aggregate counts: a load profile file, not a trace directory
         with (
             claim_output(out, kind="file", overwrite=overwrite, command="moetrace import"),

@@ -13,6 +13,7 @@ import typer
 
 from moetrace.cli.common import (
     AllowIncomplete,
+    ModelConfigOpt,
     Overwrite,
     Quiet,
     Seed,
@@ -20,6 +21,7 @@ from moetrace.cli.common import (
     claim_output,
     friendly_errors,
     progress_bar,
+    read_model_config,
 )
 from moetrace.errors import ConfigError
 from moetrace.placement.strategies import RECOMMENDED, STRATEGIES, STRATEGY_NAMES
@@ -54,7 +56,9 @@ LinkOpt = Annotated[
     str | None,
     typer.Option(
         "--link",
-        help="Cost model links, intra=BW[,LAT],inter=BW[,LAT] per GPU (default intra=155GB/s,0.2us,inter=50GB/s,0.4us; docs/placement.md).",
+        help="Step model hardware: a preset (h100, h200, b200, gb200; default h100), a links file from "
+        "`moetrace calibrate`, or intra=BW[,LAT],inter=BW[,LAT] over the default (PRESET:intra=... over a "
+        "preset); docs/placement.md.",
     ),
 ]
 MaxNodeLoad = Annotated[
@@ -162,6 +166,7 @@ def place_cmd(
     test_fraction: TestFraction = 0.2,
     seed: Seed = 0,
     link: LinkOpt = None,
+    model_config: ModelConfigOpt = None,
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,
     quiet: Quiet = False,
@@ -173,7 +178,7 @@ def place_cmd(
       moetrace place traces/dsv3 --config DP8TP8EP64 -o placement.json
     """
     from moetrace.placement.compare import make_placement, placement_file
-    from moetrace.placement.cost import parse_links
+    from moetrace.placement.hardware import load_hardware
     from moetrace.placement.exports import save_placement
     from moetrace.placement.report import format_placement_summary
     from moetrace.results import PLACEMENT
@@ -186,7 +191,8 @@ def place_cmd(
         num_redundant=redundancy,
         test_fraction=test_fraction,
         seed=seed,
-        links=parse_links(link),
+        hardware=load_hardware(link),
+        model_config=read_model_config(model_config),
     )
     # before minutes of work
     with claim_output(out, kind="file", overwrite=overwrite, command="moetrace place", result=PLACEMENT):
@@ -215,6 +221,7 @@ def compare_cmd(
     dedup: DedupOpt = "expert",
     prefill_dedup: PrefillDedupOpt = "node",
     link: LinkOpt = None,
+    model_config: ModelConfigOpt = None,
     max_node_load: MaxNodeLoad = 1.10,
     prefill_tokens: PrefillTokens = 1024,
     route_on: RouteOnOpt = "prefill",
@@ -238,7 +245,7 @@ def compare_cmd(
         --strategies linear,eplb,data,joint -o results/dsv3-compare
     """
     from moetrace.placement.compare import parse_route_on, run_compare, write_results
-    from moetrace.placement.cost import parse_links
+    from moetrace.placement.hardware import load_hardware
     from moetrace.placement.report import compare_notes, format_compare_summary
     from moetrace.results import COMPARE
 
@@ -253,7 +260,8 @@ def compare_cmd(
         num_batch_requests=batch_requests,
         dedup=dedup,
         prefill_dedup=prefill_dedup,
-        links=parse_links(link),
+        hardware=load_hardware(link),
+        model_config=read_model_config(model_config),
         max_node_load=max_node_load,
         prefill_tokens_per_node=prefill_tokens,
         replica_policy=replica_policy,

@@ -7,6 +7,8 @@
   ``--stages`` decode-only / prefill-only, and the prompt span of a teacher-forced capture;
 - ``sglang-dump`` (``sglang_dump.py``): SGLang's expert-distribution recorder ``per_token`` dumps (``.pt``);
 - ``megatron-router`` (``megatron.py``): a directory of Megatron-Core router traces, one JSONL per rank;
+- ``esft`` (``esft.py``): DeepSeek's ESFT expert logs (``expert_weights_<layer>.txt``, per-token routing of
+  DeepSeek-V2-Lite, teacher-forced); the one format that names its model (``ImportFormat.model``);
 - ``sglang-stat`` (``sglang_stat.py``), ``sglang-pass`` (``sglang_pass.py``), ``trtllm-stats``
   (``trtllm.py``): aggregate expert counts (SGLang's stat and per_pass dumps, TensorRT-LLM's expert
   statistics), imported as a **load profile** (``produces="profile"``, written by ``import_profile``),
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
-from moetrace.tracer.importers import megatron, sglang, sglang_dump, sglang_pass, sglang_stat, tokens, trtllm
+from moetrace.tracer.importers import esft, megatron, sglang, sglang_dump, sglang_pass, sglang_stat, tokens, trtllm
 from moetrace.tracer.importers.base import (
     HEAD_BYTES,
     RECORDED_STAGES,
@@ -104,6 +106,7 @@ FORMATS: tuple[ImportFormat, ...] = (
     tokens.FORMAT,
     sglang_dump.FORMAT,
     megatron.FORMAT,
+    esft.FORMAT,
     sglang_stat.FORMAT,  # a load profile (aggregate counts)
     sglang_pass.FORMAT,  # a load profile (counts per forward pass and rank)
     trtllm.FORMAT,  # a load profile (aggregate counts)

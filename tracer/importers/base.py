@@ -139,6 +139,9 @@ class ImportFormat:
     with_weights: Callable[[Path], bool] | None = None
     produces: Produces = "trace"  # a trace (``read``) or a load profile (``read_profile``: aggregate dumps)
     read_profile: ReadProfile | None = None  # the dump's load profile (formats that produce a profile)
+    # the model every input of this format comes from (a capture of one published model, e.g. ``esft``'s
+    # DeepSeek-V2-Lite): ``import`` uses it when --model is left out; None: the input does not say, --model is needed
+    model: Callable[[], ModelInfo] | None = None
 
     def __post_init__(self) -> None:
         if (self.produces == "trace") != (self.read is not None) or (self.produces == "profile") != (

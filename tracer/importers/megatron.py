@@ -6,10 +6,26 @@ Read from ``megatron/core/transformer/moe/router_trace.py`` (NVIDIA/Megatron-LM,
 ``{"step", "stage": "pre_dispatch", "block": "decoder" | "mtp", "layer", "rank", "num_tokens",
 "topk", "top_indices": [[...] x topk] x num_tokens}`` (``mtp_idx`` on MTP records; ``hs_offset`` /
 ``logit_offset`` ... when the hidden-state or logits sidecars ``hidden_states_rank{N}.bin`` /
-``logits_rank{N}.bin`` were captured). ``layer`` is the index in ``decoder.layers`` (0-based, the
-model layer index without pipeline parallelism; with it, the index is local to the stage, so such
-captures do not import). A step is a training iteration (the loop calls ``advance_step``) or, in
-inference, one forward pass (a layer seen again starts the next step).
+``logits_rank{N}.bin`` were captured). A step is a training iteration (the loop calls ``advance_step``) or, in
+inference, one forward pass (a layer seen again starts the next step, or the engine calls ``advance_step``).
+
+Layer numbering: two writers fill ``layer`` differently, and no field of the record says which.
+
+- The forward hooks (``register_hooks``: training, and inference without routing replay) write the index in
+  ``decoder.layers`` parsed from the router's module name (``_parse_router_module_name``): numbered from 0,
+  the model layer index without pipeline parallelism (with it, the index is local to the stage, so such
+  captures do not import).
+- Inference with routing replay (``moe_enable_routing_replay``) hands the engine's recorded indices to
+  ``RouterTracer.record_indices`` from ``TextGenerationController`` (``megatron/core/inference/
+  text_generation_controllers/text_generation_controller.py``, same tag) with ``layer_ids`` = each
+  ``RouterReplay``'s ``layer_number``: ``TransformerLayer.layer_number``, numbered from 1 (``build_layer(...,
+  i + 1)`` in ``transformer_block.py``; global, the pipeline offset included).
+
+So the numbering is read from the layers themselves: the decoder layers of each rank file's first step are
+the model's MoE layers (numbered from 0) or those plus one (numbered from 1); the two sets never coincide for
+a whole step, and the numbering under which more of them are MoE layers is read (from 0 on a tie, as a part
+of a step that fits both is). Which one was read is said in the notes and kept as
+``collection.layer_numbering``.
 
 Input: the directory (every ``router_trace_rank*.jsonl`` in it, merged by step: requests come out
 in (step, rank) order), or one rank's file. Records of the ``mtp`` block (multi-token-prediction
@@ -31,8 +47,9 @@ custom router recorded those. Checked against the model (``ids.check_ids``).
 Shape legend: N tokens of a pass, L MoE layers, K top-k (legend: docs/architecture.md).
 
 Out of scope: the sidecars (hidden states, logits, ``router_state_rank{N}.pt``), pipeline-parallel
-captures (stage-local layer indices), activation recomputation (a recomputed forward records again:
-capture without it).
+captures (hooks: stage-local layer indices; routing replay: each stage records its own layers, so a pass
+is split over ranks), activation recomputation (a recomputed forward records again: capture without it),
+``record_indices`` without ``layer_ids`` (MoE ordinals 0..L-1, where ``layer_number`` was never set).
 """
 
 from __future__ import annotations
@@ -62,6 +79,48 @@ RANK_FILE = re.compile(r"^router_trace_rank(\d+)\.jsonl$")
 KEYS = {"step", "layer", "rank", "top_indices"}
 #: passes per ``add_requests`` call
 BATCH_PASSES = 256
+#: how each numbering of ``layer`` is named in the notes and ``collection.layer_numbering``
+NUMBERING = {
+    0: "from 0 (decoder.layers index: the router tracer's forward hooks, training and inference)",
+    1: "from 1 (TransformerLayer.layer_number: inference with routing replay, RouterTracer.record_indices)",
+}
+#: records of a rank file's first step the numbering is read from, at most
+_NUMBERING_RECORDS = 1 << 16
+
+
+def _first_step_layers(path: Path) -> set[int]:
+    """The decoder-block ``layer`` values of ``path``'s first step (records that do not parse are left to
+    ``_passes``, which names them)."""
+    layers: set[int] = set()
+    step: Any = None
+    try:
+        for n, (_, rec) in enumerate(iter_json_lines(path)):
+            if n >= _NUMBERING_RECORDS or not isinstance(rec, dict):
+                break
+            if step is not None and rec.get("step") != step:
+                break
+            step = rec.get("step")
+            if rec.get("block", "decoder") == "mtp" or "mtp_idx" in rec:
+                continue
+            layer = rec.get("layer")
+            if isinstance(layer, int) and not isinstance(layer, bool):
+                layers.add(layer)
+    except TraceFormatError:
+        pass
+    return layers
+
+
+def layer_numbering(files: list[Path], info: ModelInfo) -> tuple[int, bool]:
+    """Where ``layer`` counts from (0 or 1, module docstring) and whether both fitted (read as 0), from the
+    first step of every rank file: the numbering under which more of its layers are MoE layers (0 on a tie)."""
+    seen: set[int] = set()
+    for f in files:
+        seen |= _first_step_layers(f)
+    from_0 = set(info.moe_layers)
+    from_1 = {layer + 1 for layer in info.moe_layers}
+    if len(seen & from_1) > len(seen & from_0):
+        return 1, False
+    return 0, bool(seen) and seen <= from_0 and seen <= from_1 and seen != from_0
 
 
 def _rank_files(src: Path) -> list[Path]:
@@ -101,8 +160,9 @@ def precheck(src: Path) -> None:
 Pass = tuple[int, int, int, str, list[Any]]
 
 
-def _passes(path: Path, info: ModelInfo, skipped: list[int]) -> Iterator[Pass]:
-    """The passes of one rank file in step order; ``skipped[0]`` counts the MTP records passed over."""
+def _passes(path: Path, info: ModelInfo, skipped: list[int], base: int = 0) -> Iterator[Pass]:
+    """The passes of one rank file in step order; ``skipped[0]`` counts the MTP records passed over; ``layer``
+    counts from ``base`` (``layer_numbering``)."""
     import numpy as np
 
     L, K = info.num_moe_layers, info.top_k
@@ -151,16 +211,19 @@ def _passes(path: Path, info: ModelInfo, skipped: list[int]) -> Iterator[Pass]:
         if step is not None and s != step:
             yield from emit()
         step, rank = s, r
-        if layer not in ordinal:
+        if layer - base not in ordinal:
+            first, last = info.moe_layers[0] + base, info.moe_layers[-1] + base
             hint = (
-                f" (the layers look like MoE ordinals 0..{L - 1}: this importer reads model layer indices)"
-                if layer < L
+                f"; the layers look like MoE ordinals 0..{L - 1}, which this importer does not read"
+                if layer < L and base == 0
                 else ""
             )
             raise TraceFormatError(
-                f"{where}: layer {layer} is not a MoE layer of {info.name} (MoE layers {info.moe_layers[0]}.."
-                f"{info.moe_layers[-1]}){hint}; a pipeline-parallel capture's layers are local to its stage"
+                f"{where}: layer {layer} is not a MoE layer of {info.name} (read as numbered {NUMBERING[base]}: "
+                f"its MoE layers are {first}..{last}){hint}. Wrong --model, or a capture of part of the model "
+                "(pipeline parallelism: each stage records its own layers, the hooks' indices local to the stage)"
             )
+        layer -= base
         if "topk" in rec and rec["topk"] != K:
             raise TraceFormatError(f"{where}: topk {rec['topk']!r}; {info.name} has top-k {K}")
         top = rec["top_indices"]
@@ -199,7 +262,8 @@ def read(
     map_LP = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
     files = _rank_files(src)
     skipped = [0]
-    merged = heapq.merge(*(_passes(f, info, skipped) for f in files), key=lambda p: (p[0], p[1], p[2]))
+    base, both_fit = layer_numbering(files, info)
+    merged = heapq.merge(*(_passes(f, info, skipped, base) for f in files), key=lambda p: (p[0], p[1], p[2]))
     rid = 0
     max_id, num_ids = -1, 0
     ranks: set[int] = set()
@@ -259,6 +323,13 @@ def read(
     notes = [
         "no request ids or stages in router traces: each forward pass of each rank is one request of prefill tokens"
     ]
+    if base == 1:
+        notes.append(f"layers numbered {NUMBERING[1]}: layer N is model layer N - 1")
+    elif both_fit:
+        notes.append(
+            "the first step's layers fit both numberings (from 0 and from 1; part of a step): read as numbered "
+            f"{NUMBERING[0]}"
+        )
     if skipped[0]:
         notes.append(f"{skipped[0]} record(s) of MTP heads skipped (not layers of {info.name})")
     if map_LP is not None and options.physical_map is not None:
@@ -268,6 +339,7 @@ def read(
         "stages": ["prefill"],
         "request_unit": "forward pass",
         "source_ranks": sorted(ranks),
+        "layer_numbering": f"from {base}",
     }
     if options.physical_map is not None:
         collection["physical_map"] = options.physical_map.name

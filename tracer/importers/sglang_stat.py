@@ -12,7 +12,13 @@ pass, summed over ranks; ``H`` = the model's layers, dense ones zero) and
 recorder maps physical slots back with its ``physical_to_logical_map``).
 
 Also read: the JSON SGLang's ``--init-expert-location`` takes, ``{"logical_count": [[...]]}``:
-``[H, E]`` (one window) or ``[N, H, E]``.
+``[H, E]`` (one window) or ``[N, H, E]``. Checked against SGLang 0.5.23 (the PyPI release):
+``python/sglang/srt/eplb/expert_location.py``, ``compute_initial_expert_location_metadata`` reads it with
+``json.loads`` and ``init_by_eplb`` turns the list into a tensor with ``torch.tensor``, so counts written as
+floats load there; the published DeepSeek-V3 files (``[61][256]``, attached to sgl-project/sglang#6017) hold
+whole numbers written that way (``807392.0``). moetrace reads such floats as the counts they are and refuses
+any other float (a fraction, NaN, infinity, or 2**53 and beyond), naming the value and its (pass,) layer and
+expert.
 
 The ``.pt`` is loaded with ``torch.load(weights_only=True)`` only (no pickle of arbitrary
 objects). Rows are all decoder layers (dense rows must be zero) or the MoE layers alone; experts
@@ -55,6 +61,8 @@ KEY = "logical_count"
 _MAX_PICKLE = 1 << 20
 #: the largest JSON file read (a [N, H, E] list of ints)
 _MAX_JSON = 1 << 30
+#: the largest count read from a float (2**53: beyond it a float is no longer an exact whole number)
+_MAX_FLOAT_COUNT = float(2**53)
 _ZIP = b"PK\x03\x04"
 #: ``--stages`` -> the profile's stage
 _STAGE = {"both": "mixed", "decode-only": "decode", "prefill-only": "prefill"}
@@ -122,17 +130,38 @@ def _load_json(src: Path) -> Any:
     return arr
 
 
+def _whole_floats(a: np.ndarray, where: str) -> np.ndarray:
+    """Counts written as floats (SGLang's published DeepSeek-V3 files hold ``807392.0``; its loader takes them
+    through ``torch.tensor``) as int64; ``TraceFormatError`` naming the first value that is not a whole count
+    and where it is (``[layers, experts]`` or ``[passes, layers, experts]``)."""
+    import numpy as np
+
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(a) | (a != np.floor(a)) | (np.abs(a) >= _MAX_FLOAT_COUNT)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        names = ("pass", "layer", "expert")[3 - a.ndim :]
+        place = ", ".join(f"{n} {i}" for n, i in zip(names, at))
+        raise TraceFormatError(
+            f"{where}: {KEY!r} holds {float(a[at])!r} at {place} (indices from 0 along {list(a.shape)}): "
+            "not a whole token count (counts written as floats, like 807392.0, are read; fractions are not)"
+        )
+    return a.astype(np.int64)
+
+
 def logical_count_to_NLE(counts: np.ndarray, *, info: ModelInfo, where: str) -> np.ndarray:
     """SGLang's ``logical_count`` (``[H, E]`` or ``[N, H, E]``, H all decoder layers or the MoE ones)
     as int64 ``[N, L, E]`` at the model's MoE layers; ``TraceFormatError`` for anything that does not fit."""
     import numpy as np
 
     a = np.asarray(counts)
-    if a.dtype.kind not in "iu" or a.ndim not in (2, 3):
+    if a.dtype.kind not in "iuf" or a.ndim not in (2, 3):
         raise TraceFormatError(
             f"{where}: {KEY!r} must hold whole counts [layers, experts] or [passes, layers, experts], "
             f"got {a.dtype} of shape {a.shape}"
         )
+    if a.dtype.kind == "f":
+        a = _whole_floats(a, where)
     a = a[None] if a.ndim == 2 else a
     N, H, E = a.shape
     if E != info.num_experts:

@@ -45,6 +45,18 @@ def is_whole(v: object) -> TypeGuard[int]:
 #: expert id written where nothing was recorded for a token (prefix-cache hit, final token)
 NO_EXPERT = -1
 
+#: the ``ModelInfo`` fields a manifest may leave out (None; absent from ``to_dict``): a manifest written
+#: before a field existed still reads
+_OPTIONAL: Final = (
+    "n_group",
+    "topk_group",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "weight_bytes_per_value",
+)
+#: the most bytes a stored weight may take (float64)
+_MAX_WEIGHT_BYTES = 8.0
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelInfo:
@@ -61,6 +73,15 @@ class ModelInfo:
     hidden_size: int  # model dimension (bytes per token of all-to-all = hidden_size * dtype bytes)
     n_group: int | None = None  # expert groups of a group-limited router (DeepSeek-V3: 8)
     topk_group: int | None = None  # groups a token may use (DeepSeek-V3: 4)
+    # the expert sizes the cost model prices (None: the producer did not know; placement/cost.py then
+    # falls back to a --model-config or the preset). From the HF config (presets.expert_sizes_from_hf_config):
+    moe_intermediate_size: int | None = None  # one routed expert's FFN width: `moe_intermediate_size`, else
+    #                                           `intermediate_size` (Mixtral, OLMoE, GPT-OSS, Llama-4)
+    shared_expert_intermediate_size: int | None = None  # FFN width of ONE shared expert: DeepSeek-V2/V3
+    #     (n_shared_experts of them): `moe_intermediate_size`; Qwen2-MoE (one): `shared_expert_intermediate_size`;
+    #     Llama-4 (one): `intermediate_size`; None without shared experts
+    weight_bytes_per_value: float | None = None  # bytes per expert weight of the release (bf16 2, fp8 1,
+    #                                              MXFP4 4.25/8): `quantization_config`, else `torch_dtype`
 
     def __post_init__(self) -> None:
         for name in ("name", "source", "architecture"):
@@ -74,14 +95,24 @@ class ModelInfo:
             ("hidden_size", 1),
             ("n_group", 1),
             ("topk_group", 1),
+            ("moe_intermediate_size", 1),
+            ("shared_expert_intermediate_size", 1),
         ):
             v = getattr(self, name)
-            if v is None and name in ("n_group", "topk_group"):
+            if v is None and name in _OPTIONAL:
                 continue
             if not is_whole(v) or v < low or v > _MAX_COUNT:
                 raise TraceFormatError(
                     f"model {self.name!r}: `{name}` must be a whole number in {low}..{_MAX_COUNT:,}, got {v!r}"
                 )
+        wb = self.weight_bytes_per_value
+        if wb is not None:
+            if isinstance(wb, bool) or not isinstance(wb, (int, float)) or not (0 < wb <= _MAX_WEIGHT_BYTES):
+                raise TraceFormatError(
+                    f"model {self.name!r}: `weight_bytes_per_value` must be a number in (0, {_MAX_WEIGHT_BYTES:g}], "
+                    f"got {wb!r}"
+                )
+            object.__setattr__(self, "weight_bytes_per_value", float(wb))
         if not isinstance(self.moe_layers, (list, tuple)) or not all(is_whole(x) for x in self.moe_layers):
             raise TraceFormatError(
                 f"model {self.name!r}: `moe_layers` must be a list of layer indices, got {self.moe_layers!r}"
@@ -144,7 +175,7 @@ class ModelInfo:
                 f"manifest `model` must be an object with the model's fields, got {type(d).__name__}"
             )
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = [n for n in names if n not in d and n not in ("n_group", "topk_group")]
+        missing = [n for n in names if n not in d and n not in _OPTIONAL]
         if missing:
             raise TraceFormatError(f"manifest `model` lacks {sorted(missing)}")
         try:
