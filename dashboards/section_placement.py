@@ -263,7 +263,8 @@ def links_text(m: CompareManifest, *, latency: bool = False) -> str:
         return f"{name} {links[f'{cls}_bytes_per_s'] / 1e9:g} GB/s{lat}"
 
     per = "per GPU" if links["inter_nic"] == "gpu" else "per node, shared by its GPUs"
-    return f"{one('NVLink', 'intra')}, {one('RDMA', 'inter')} {per}"
+    hw = f"{m.hardware['name']}: " if m.hardware else ""
+    return f"{hw}{one('NVLink', 'intra')}, {one('RDMA', 'inter')} {per}"
 
 
 def finite(v: object) -> float | None:

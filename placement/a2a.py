@@ -2,8 +2,10 @@
 
 For every (batch, MoE layer) ``send_matrices`` counts the token copies each EP rank sends to each
 other EP rank in dispatch: ``sends_BLWW[b, l, src, dst]``. It uses ``simulate.layer_copies``, the
-routing and dedup rule of ``simulate_volume`` (replica policy, dedup unit ``rank``/``expert``/``node``,
-nothing moves to the token's own GPU), so the matrix summed by link class times ``bytes_per_token``
+routing of ``simulate_volume`` (replica policy), and the copies of its copy model
+(``step_model.COPY_MODELS``: per expert, per GPU, or per node with the RDMA copy landing on the
+sender's peer GPU and NVLink forwarding it there; nothing moves to the token's own GPU; the replay
+sends both hops in one collective), so the matrix summed by link class times ``bytes_per_token``
 is the simulator's ``dispatch_intra_bytes`` / ``dispatch_inter_bytes`` exactly; ``check_against_simulator``
 asserts that. Combine sends the same copies back: its matrix is the transpose
 (``sends_BLWW[b, l, dst, src]`` rows leave the expert side).
@@ -27,6 +29,7 @@ import numpy as np
 
 from moetrace.errors import MoetraceError
 from moetrace.placement.simulate import layer_copies
+from moetrace.placement.step_model import copy_model
 
 __all__ = ["A2AMismatchError", "Phase", "check_against_simulator", "rank_link_bytes", "send_matrices"]
 
@@ -46,13 +49,23 @@ def send_matrices(topk_ids_TLK: np.ndarray, **routing: Any) -> np.ndarray:
     from), ``num_batches`` B, ``num_ranks`` W, ``ranks_per_node``, ``dedup``, ``policy``.
     """
     B, W = routing["num_batches"], routing["num_ranks"]
-    T, L, K = np.shape(topk_ids_TLK)
+    L = np.shape(topk_ids_TLK)[1]
     batch_T = np.asarray(routing["batch_T"], dtype=np.int64)
     src_rank_T = np.asarray(routing["src_rank_T"], dtype=np.int64)
+    model = copy_model(routing.get("dedup", "rank"))
     out = np.zeros((B, L, W, W), dtype=np.int64)
-    base_TK = np.broadcast_to(((batch_T * W + src_rank_T) * W)[:, None], (T, K))  # flat index of (batch, src, dst 0)
     for l, c in enumerate(layer_copies(topk_ids_TLK, **routing)):
-        out[:, l] = np.bincount((base_TK + c.dst_rank_TK)[c.copy_TK], minlength=B * W * W).reshape(B, W, W)
+        keys = model.copy_keys(
+            rank_TK=c.rank_TK,
+            valid_TK=c.valid_TK,
+            src_TK=src_rank_T[:, None],
+            base_TK=batch_T[:, None] * W,
+            num_ranks=W,
+            ranks_per_node=routing["ranks_per_node"],
+            sorted_rank_TK=None,
+            slot_TK=c.slot_TK,
+        )
+        out[:, l] = np.bincount(keys, minlength=B * W * W).reshape(B, W, W)
     return out
 
 

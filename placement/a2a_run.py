@@ -943,10 +943,8 @@ def replay_cost(plan: A2APlan, records: list[dict[str, Any]], network: Network |
 def replay_traffic(sends_NWW: np.ndarray, *, ranks_per_node: int) -> GpuTraffic:
     """The cost model's per-GPU traffic of the collectives the replay ran: copies sent and received
     and distinct peers per link class, float64 [N, W] each, from send matrices int [N, W, W]
-    (``[n, src, dst]``, dispatch; combine is the reverse and costs the same). For dedup ``rank``
-    and ``expert`` this is ``cost.gpu_traffic``'s; for ``node`` the replay sends each remote node's
-    copy straight to its first destination GPU, where the cost model lands it on the sender's peer
-    GPU and forwards it over NVLink."""
+    (``[n, src, dst]``, dispatch; combine is the reverse and costs the same): the copy model's
+    traffic, as ``send_matrices`` builds the matrices from its copies."""
     s = np.asarray(sends_NWW, dtype=np.float64)
     node_W = np.arange(s.shape[-1]) // ranks_per_node
     inter_WW = node_W[:, None] != node_W[None, :]

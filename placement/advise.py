@@ -299,6 +299,7 @@ def evaluate_tokens(
             num_ranks=W,
             ranks_per_node=g,
             sorted_rank_TK=srank,
+            slot_TK=c.slot_TK,
         )
         act = np.bincount((bK * P + c.slot_TK)[c.valid_TK], minlength=B * P).reshape(B, W, P // W) > 0
         nact = act.sum(axis=2)

@@ -926,6 +926,7 @@ def run_compare(
         prefill_dedup=cfg.prefill_dedup,
         links=cfg.hardware.kernel(cfg.dedup).dispatch.links.to_json(),
         hardware=cfg.hardware.to_json(),
+        model_config=cfg.model_config,
         max_node_load=cfg.max_node_load,
         prefill_tokens_per_node=cfg.prefill_tokens_per_node,
         num_prefill_batches=cfg.num_prefill_batches if prefill else 0,

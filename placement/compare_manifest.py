@@ -46,6 +46,7 @@ LATER_KEYS: dict[str, Any] = {
     "num_trace_test_requests": None,
     "max_train_requests": None,
     "max_test_requests": None,
+    "model_config": None,  # --model-config came later
     "hardware": None,  # the step model's kernels (issue #33); older files: links only, combine = dispatch
 }
 
@@ -60,7 +61,7 @@ _CAP_KEYS = (
 )
 #: keys compare.json leaves out while they hold their ``LATER_KEYS`` value (what a file without them means)
 _LEFT_OUT_AT_DEFAULT = frozenset(
-    {"expert_copy_floor", "skipped", "route_first_decode", "request_unit", "tokens_from", "hardware", *_CAP_KEYS}
+    {"expert_copy_floor", "skipped", "route_first_decode", "request_unit", "tokens_from", "hardware", "model_config", *_CAP_KEYS}
 )
 
 #: the keys the cost model added (a manifest without ``links`` predates them all)
@@ -106,13 +107,15 @@ class CompareManifest:
     seed: int  # split, K-means, random placement, batch sampling
     oracle: bool  # the upper bounds were asked for
     prefill_dedup: str | None = None  # copy model of the prefill stage; None: written before the cost model
-    links: dict[str, Any] | None = None  # the cost model's links (cost.Links.to_json); None: written before it
+    # the step model's kernels per copy model (hardware.Hardware.to_json); None: written before it
+    hardware: dict[str, Any] | None = None
     max_node_load: float | None = None  # routers over this load (busiest node / even share) are flagged
     prefill_tokens_per_node: int = 0  # chunked-prefill tokens per node and step at an even share
     # N > 0: a what-if, not deployable: routers saw each request's first N generated tokens, not its prefill
     route_first_decode: int = 0
     max_train_requests: int | None = None  # placements fitted on at most this many training requests (a sample)
     max_test_requests: int | None = None  # batches drawn from at most this many held-out requests (a sample)
+    model_config: dict[str, Any] | None = None  # the user's --model-config (parsed config.json); None: not given
     deployment: str  # DPaTPbEPc[TPd]
     gpus_per_node: int  # GPUs per node
     batch_requests: int  # requests per global batch used
@@ -134,8 +137,7 @@ class CompareManifest:
     # what one trace request is: "request", or "forward pass" (imports that carry no request ids)
     request_unit: str = "request"
     tokens_from: str | None = None  # None: held-out requests of the trace; else how the tokens were drawn (a profile)
-    # the step model's kernels per copy model (hardware.Hardware.to_json); None: written before it
-    hardware: dict[str, Any] | None = None
+    links: dict[str, Any] | None = None  # the decode kernel's dispatch links (cost.Links.to_json); None: written before the cost model
     # the trace's requests and its split before the caps (None: a load profile, or a file from before the caps)
     num_trace_requests: int | None = None
     num_trace_train_requests: int | None = None
@@ -214,6 +216,7 @@ class CompareManifest:
             request_unit=r.get("request_unit", str),
             tokens_from=r.get("tokens_from", str, optional=True),
             hardware=r.get("hardware", dict, optional=True),
+            model_config=r.get("model_config", dict, optional=True),
             **{k: r.get(k, int, optional=True) for k in _CAP_KEYS},
         )
 

@@ -2,9 +2,22 @@
 
 The algorithm of deepseek-ai/EPLB ``eplb.py``: replicate the heaviest experts greedily (min-max
 load per replica), pack expert groups onto nodes, then pack replicas onto GPUs (LPT greedy with an
-equal count per pack), all in float32 as DeepSeek does. The hierarchical policy runs when expert
-groups divide evenly over nodes; otherwise the global policy (the same routine with one group and
-one node). Loops run over items and replicas only, never over layers.
+equal count per pack). The hierarchical policy runs when expert groups divide evenly over nodes;
+otherwise the global policy (the same routine with one group and one node). Loops run over items and
+replicas only, never over layers.
+
+Which summation (``accumulate``): every engine casts the load to float32, sums groups, divides by
+replica counts and sorts in float32; they differ in how a pack's weight accumulates while packing.
+DeepSeek's reference adds torch float32 scalars (``pack_weights[pack] += weight[i, group]``); the
+engines that run EPLB add in float64: SGLang 0.5.23's copy (``python/sglang/srt/eplb/eplb_algorithms/
+deepseek.py``, Python floats from ``weight.tolist()``) and vLLM 0.33.0's (``vllm/distributed/eplb/policy/
+default.py``, a float64 ``pack_weights`` array). Packs whose sums fall within a float32 rounding of
+each other go to different GPUs, so on the same load the two give different placements in some
+layers. ``accumulate="float64"`` (the default) computes it as SGLang and vLLM do;
+``accumulate="float32"`` as DeepSeek's reference (``tests/golden/eplb_deepseek.json``). vLLM also
+divides by replica counts in float64 (``weight / logcnt`` with an int64 count); SGLang, DeepSeek
+and moetrace in float32: where two per-replica loads are within a float32 rounding, vLLM and SGLang
+can differ from each other, and moetrace follows SGLang (``tests/golden/eplb_engines.json``).
 
 Where the output may differ from DeepSeek's (``tests/golden/eplb_deepseek.json`` holds their
 outputs on 161 cases; ``tests/test_placement_eplb.py`` checks each statement below): both packing
@@ -34,12 +47,18 @@ replicas (``replica_routing``), migration cost.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import numpy as np
 
 from moetrace.errors import ConfigError
 from moetrace.placement.maps import Placement
 
-__all__ = ["balanced_packing", "rebalance", "replicate_experts"]
+__all__ = ["ACCUMULATE", "Accumulate", "balanced_packing", "rebalance", "replicate_experts"]
+
+#: how pack weights accumulate: float64 as SGLang and vLLM, float32 as DeepSeek's reference (module docstring)
+Accumulate = Literal["float64", "float32"]
+ACCUMULATE: tuple[str, ...] = get_args(Accumulate)
 
 
 def _take_rows(a_N_: np.ndarray, idx_N_: np.ndarray) -> np.ndarray:
@@ -68,26 +87,30 @@ def _argsort_desc(weight_Nn: np.ndarray) -> np.ndarray:
     return np.sort((desc << 31) | np.arange(n, dtype=np.int64), axis=1) & 0x7FFFFFFF
 
 
-def balanced_packing(weight_Nn: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+def balanced_packing(
+    weight_Nn: np.ndarray, num_packs: int, *, accumulate: Accumulate | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Pack n weighted items into ``num_packs`` packs of exactly n/m items each, balancing weight.
 
     Items are taken heaviest first (lower index first on equal weight) and each goes to the
-    lightest pack that still has room (first such pack on ties); pack weights accumulate in the
-    weights' dtype (no NaN). Returns ``pack_index_Nn`` and ``rank_in_pack_Nn`` (int64 [N, n]). The
-    greedy is sequential over the n items and vectorized over the N rows; each step touches one
-    pack per row, and a full pack's key becomes +inf instead of masking every step.
+    lightest pack that still has room (first such pack on ties); pack weights accumulate in
+    ``accumulate`` (None: the weights' dtype; no NaN). Returns ``pack_index_Nn`` and
+    ``rank_in_pack_Nn`` (int64 [N, n]). The greedy is sequential over the n items and vectorized
+    over the N rows; each step touches one pack per row, and a full pack's key becomes +inf instead
+    of masking every step.
     """
     N, n = weight_Nn.shape
     per_pack = n // num_packs
     if per_pack == 1:
         return np.broadcast_to(np.arange(n), (N, n)).copy(), np.zeros((N, n), dtype=np.int64)
-    order_Nn = _argsort_desc(weight_Nn)
-    w_nN = np.ascontiguousarray(_take_rows(weight_Nn, order_Nn).T)  # j-th heaviest per row
+    acc = weight_Nn.dtype if accumulate is None else np.dtype(accumulate)
+    order_Nn = _argsort_desc(weight_Nn)  # the order of the weights as given (float32 in every engine)
+    w_nN = np.ascontiguousarray(_take_rows(weight_Nn, order_Nn).T).astype(acc, copy=False)  # j-th heaviest per row
     # key_Nm: weight of each pack, +inf once it is full (so argmin never picks it again)
-    key_Nm = np.zeros((N, num_packs), dtype=weight_Nn.dtype)
+    key_Nm = np.zeros((N, num_packs), dtype=acc)
     key_flat = key_Nm.reshape(-1)
     cnt_flat = np.zeros(N * num_packs, dtype=np.int64)
-    full_on = np.zeros(per_pack, dtype=weight_Nn.dtype)  # added to a pack's key when it gets item c + 1
+    full_on = np.zeros(per_pack, dtype=acc)  # added to a pack's key when it gets item c + 1
     full_on[per_pack - 1] = np.inf
     row_off = np.arange(N, dtype=np.int64) * num_packs
     pack_nN = np.empty((n, N), dtype=np.int64)
@@ -150,7 +173,7 @@ def _inverse(perm_N_: np.ndarray) -> np.ndarray:
 
 
 def _hierarchical(
-    weight_LE: np.ndarray, num_phy: int, num_groups: int, num_nodes: int, num_gpus: int
+    weight_LE: np.ndarray, num_phy: int, num_groups: int, num_nodes: int, num_gpus: int, accumulate: Accumulate
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     L, E = weight_LE.shape
     group_size = E // num_groups
@@ -159,7 +182,7 @@ def _hierarchical(
 
     # Step 1: pack expert groups onto nodes
     tokens_per_group = weight_LE.reshape(L, num_groups, group_size).sum(-1)
-    g_pack, g_rank = balanced_packing(tokens_per_group, num_nodes)
+    g_pack, g_rank = balanced_packing(tokens_per_group, num_nodes, accumulate=accumulate)
     log2mlog = (((g_pack * groups_per_node + g_rank) * group_size)[:, :, None] + np.arange(group_size)).reshape(L, E)
     mlog2log = _inverse(log2mlog)
 
@@ -169,7 +192,7 @@ def _hierarchical(
 
     # Step 3: pack replicas onto the GPUs of each node
     tokens_per_phy = _take_rows(tokens_per_mlog / mlogcnt.astype(np.float32), phy2mlog)
-    pack, rank_in_pack = balanced_packing(tokens_per_phy, num_gpus // num_nodes)
+    pack, rank_in_pack = balanced_packing(tokens_per_phy, num_gpus // num_nodes, accumulate=accumulate)
     pphy2phy = _inverse(pack * phy_per_gpu + rank_in_pack)
 
     pphy2mlog = _take_rows(phy2mlog, pphy2phy)
@@ -180,16 +203,28 @@ def _hierarchical(
     return pphy2log, pphyrank, logcnt
 
 
-def rebalance(load_LE: np.ndarray, *, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int) -> Placement:
+def rebalance(
+    load_LE: np.ndarray,
+    *,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    accumulate: Accumulate = "float64",
+) -> Placement:
     """EPLB placement of ``load_LE`` (float [L, E], tokens per expert) on ``num_replicas`` slots.
 
     ``num_groups``: expert groups of a group-limited router (DeepSeek-V3: 8; 1 when the router has
     none). Hierarchical policy when ``num_groups % num_nodes == 0`` and the groups divide E evenly
     (where they do not, DeepSeek's code stops on an assertion), global otherwise. Slot ``p``
-    lives on GPU ``p // (num_replicas / num_gpus)``. Returns ``Placement(phy2log [L, P],
-    log2phy [L, E, M], logcnt [L, E])`` with EPLB's replica ranks.
+    lives on GPU ``p // (num_replicas / num_gpus)``. ``accumulate``: how pack weights sum,
+    ``"float64"`` as SGLang and vLLM compute it, ``"float32"`` as DeepSeek's reference (module
+    docstring). Returns ``Placement(phy2log [L, P], log2phy [L, E, M], logcnt [L, E])`` with EPLB's
+    replica ranks.
     """
-    load = np.asarray(load_LE, dtype=np.float32)  # EPLB works in float32; ties break the same way
+    if accumulate not in ACCUMULATE:
+        raise ConfigError(f"accumulate={accumulate!r}: one of {', '.join(ACCUMULATE)}")
+    load = np.asarray(load_LE, dtype=np.float32)  # every EPLB casts to float32 first; ties break the same way
     if load.ndim != 2:
         raise ConfigError(f"load must be [layers, experts], got shape {load.shape}")
     L, E = load.shape
@@ -201,9 +236,9 @@ def rebalance(load_LE: np.ndarray, *, num_replicas: int, num_groups: int, num_no
         raise ConfigError(f"num_gpus={num_gpus} must be a multiple of num_nodes={num_nodes}")
     hierarchical = num_groups % num_nodes == 0 and E % num_groups == 0  # then nodes divide E and P too
     if hierarchical:
-        phy2log, phyrank, logcnt = _hierarchical(load, num_replicas, num_groups, num_nodes, num_gpus)
+        phy2log, phyrank, logcnt = _hierarchical(load, num_replicas, num_groups, num_nodes, num_gpus, accumulate)
     else:
-        phy2log, phyrank, logcnt = _hierarchical(load, num_replicas, 1, 1, num_gpus)
+        phy2log, phyrank, logcnt = _hierarchical(load, num_replicas, 1, 1, num_gpus, accumulate)
     M = int(logcnt.max())
     log2phy = np.full((L, E * M), -1, dtype=np.int64)
     _put_rows(log2phy, phy2log * M + phyrank, np.broadcast_to(np.arange(num_replicas), (L, num_replicas)))

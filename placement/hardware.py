@@ -11,8 +11,9 @@ with ``KERNEL`` as ``step_model.Kernel.to_json`` writes it. Anything else in the
 ``rows``, ``fit``) is kept for the reader and ignored here.
 
 ``--link`` takes a preset name (``h100``, ``h200``, ``b200``, ``gb200``), a links file, or the
-override ``intra=BW[,LAT],inter=BW[,LAT]`` on top of the default preset (both phases of every
-kernel then see those links), or a preset or file followed by ``:`` and an override.
+override ``intra=BW[,LAT],inter=BW[,LAT],dispatch=fp8|bf16`` on top of the default preset (both
+phases of every kernel then see those links; dispatch copies carry that value type), or a preset
+or file followed by ``:`` and an override (``h200:inter=25GB/s``).
 
 Out of scope: fitting (``calibrate``); per-fabric congestion.
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 from moetrace.errors import ConfigError
 from moetrace.placement.cost import ExpertCompute, Link, Links, parse_links
-from moetrace.placement.step_model import BF16, COPY_MODELS, FP8_E4M3_BLOCK128, Kernel, Phase, ValueType
+from moetrace.placement.step_model import BF16, COPY_MODELS, FP8_E4M3_BLOCK128, VALUE_TYPES, Kernel, Phase, ValueType
 
 __all__ = [
     "LINKS_FORMAT",
@@ -66,14 +67,19 @@ class Hardware:
         return self.kernels[copies]
 
     def with_links(self, links_spec: str) -> Hardware:
-        """Every kernel's links overridden by ``intra=BW[,LAT],inter=BW[,LAT]`` (the parts given)."""
+        """Every kernel overridden by ``intra=BW[,LAT],inter=BW[,LAT],dispatch=fp8|bf16`` (the parts
+        given): link classes for both phases, the value type of dispatch copies."""
+        parts = [p.strip() for p in links_spec.split(",")]
+        dispatch = [p.partition("=")[2].strip().lower() for p in parts if p.lower().startswith("dispatch=")]
+        rest = ",".join(p for p in parts if not p.lower().startswith("dispatch="))
+        if len(dispatch) > 1 or (dispatch and dispatch[0] not in VALUE_TYPES):
+            raise ConfigError(f"--link: dispatch={','.join(dispatch)} is not one value type; write dispatch=fp8 or dispatch=bf16")
         kernels = {}
         for k, kern in self.kernels.items():
-            kernels[k] = replace(
-                kern,
-                dispatch=replace(kern.dispatch, links=parse_links(links_spec, base=kern.dispatch.links)),
-                combine=replace(kern.combine, links=parse_links(links_spec, base=kern.combine.links)),
-            )
+            d = replace(kern.dispatch, links=parse_links(rest, base=kern.dispatch.links))
+            if dispatch:
+                d = replace(d, value=VALUE_TYPES[dispatch[0]])
+            kernels[k] = replace(kern, dispatch=d, combine=replace(kern.combine, links=parse_links(rest, base=kern.combine.links)))
         return replace(self, name=f"{self.name}:{links_spec}", kernels=kernels)
 
     def to_json(self) -> dict[str, Any]:

@@ -13,7 +13,9 @@ Sources (each reader a pure function of a file; pyarrow is imported only for Par
     ``deepep/test_intranode.py``; multi-node rows from ``test_internode.py``), swept over SM counts:
     the fastest SM setting per shape is kept, for dispatch and combine separately (``note`` says
     which); ``*_transmit_us`` (a cached layout: the ``notify`` exchange is not included); FP8
-    dispatch (the builds are SM90: the BF16 variant would exceed NVLink's bandwidth), BF16 combine;
+    dispatch (the builds are SM90: the BF16 variant would exceed NVLink's bandwidth), BF16 combine.
+    ``test_internode.py`` routes group-limited (top-k within the ``min(nodes, 4)`` nodes of highest
+    score): rows of more than 4 nodes get ``routing="grouped:4"``;
   - ``trtllm_alltoall_perf.parquet``: TensorRT-LLM's NVLink all-to-all on GB200
     (``collector/network/slurm/collect_trtllm_alltoall.py``): ``NVLinkTwoSided`` (WideEP, MNNVL:
     one NVLink domain over the whole EP group) rows, dispatch in the run's ``moe_dtype`` (bf16,
@@ -27,6 +29,14 @@ Sources (each reader a pure function of a file; pyarrow is imported only for Par
   comment lines, then a header with the columns of ``CSV_COLUMNS`` (any order) and optionally
   ``routing`` (``uniform``, the default, or ``balanced``) and ``note``; one row per measurement.
   An empty ``dispatch_us`` or ``combine_us`` means "not measured" (NaN; that phase's fit skips it).
+
+Routing (``KernelRow.routing``): ``uniform`` (top-k distinct experts, uniform), ``balanced``
+(TensorRT-LLM's collector) or ``grouped:N`` (DeepSeek's group-limited routing with one group per
+node: the N nodes of highest expert score, then the top-k experts on them).
+
+A table row the kernels could not have run (experts not a multiple of the EP size: DeepEP asserts
+it) is skipped with a note (``skipped``), not read: aiconfigurator's 8-node low-latency rows of
+288 experts are such rows.
 
 Out of scope: fitting and predicting (``calibrate``).
 """
@@ -67,7 +77,7 @@ KERNEL_COPIES = {"deepep-ll": "expert", "deepep-normal": "node", "trtllm-a2a": "
 KERNELS = tuple(KERNEL_COPIES)
 #: value types a row may name (``step_model.VALUE_TYPES`` plus NVFP4)
 VALUE_NAMES = ("fp8", "bf16", "nvfp4")
-ROUTINGS = ("uniform", "balanced")
+ROUTINGS = ("uniform", "balanced", "grouped:N")
 #: the columns of the user CSV, in the order ``write_csv`` writes them
 CSV_COLUMNS = (
     "kernel",
@@ -145,8 +155,11 @@ class KernelRow:
         for name in ("dispatch_type", "combine_type"):
             if getattr(self, name) not in VALUE_NAMES:
                 raise ConfigError(f"{where}: `{name}` {getattr(self, name)!r} is not one of {', '.join(VALUE_NAMES)}")
-        if self.routing not in ROUTINGS:
-            raise ConfigError(f"{where}: `routing` {self.routing!r} is not one of {', '.join(ROUTINGS)}")
+        m = re.fullmatch(r"grouped:(\d+)", self.routing)
+        if self.routing not in ("uniform", "balanced") and not (m and 1 <= int(m.group(1)) <= self.nodes):
+            raise ConfigError(
+                f"{where}: `routing` {self.routing!r} is not uniform, balanced or grouped:N (N <= nodes = {self.nodes})"
+            )
         for name in ("dispatch_us", "combine_us"):
             v = getattr(self, name)
             if not (math.isnan(v) or (v > 0 and math.isfinite(v))):
@@ -264,9 +277,12 @@ def _need(cols: dict[str, list], names: Sequence[str], where: str) -> None:
         raise ConfigError(f"{where}: missing column(s) {', '.join(missing)}")
 
 
-def rows_from_aiconfigurator(cols: dict[str, list], *, source: str, gpu: str | None = None) -> list[KernelRow]:
+def rows_from_aiconfigurator(
+    cols: dict[str, list], *, source: str, gpu: str | None = None, skipped: list[str] | None = None
+) -> list[KernelRow]:
     """Rows of one aiconfigurator table given as columns (name -> list of values), detected by its
-    columns (module docstring). ``gpu`` overrides the kind read from the ``device`` column."""
+    columns (module docstring). ``gpu`` overrides the kind read from the ``device`` column; rows
+    that cannot have run are left out, one line each appended to ``skipped``."""
 
     def kind(i: int) -> str:
         return gpu or _gpu_of_device(str(cols["device"][i]) if "device" in cols else "unknown")
@@ -314,6 +330,7 @@ def rows_from_aiconfigurator(cols: dict[str, list], *, source: str, gpu: str | N
                 b[2], b[3] = c, cs
         for (g_kind, nodes, hidden, k, e, t), (d, ds, c, cs) in best.items():
             g = gpus_per_node_of(g_kind)
+            groups = min(nodes, 4)  # test_internode.py: --num-topk-groups defaults to min(num_nodes, 4)
             rows.append(
                 KernelRow(
                     kernel="deepep-normal",
@@ -329,6 +346,7 @@ def rows_from_aiconfigurator(cols: dict[str, list], *, source: str, gpu: str | N
                     combine_type="bf16",
                     dispatch_us=d if math.isfinite(d) else math.nan,
                     combine_us=c if math.isfinite(c) else math.nan,
+                    routing="uniform" if groups == nodes else f"grouped:{groups}",
                     note=f"fastest SMs: dispatch {ds}, combine {cs}",
                 )
             )
@@ -373,10 +391,22 @@ def rows_from_aiconfigurator(cols: dict[str, list], *, source: str, gpu: str | N
             f"{source}: not an aiconfigurator all-to-all table (wideep_deepep_ll_perf, wideep_deepep_normal_perf "
             "or trtllm_alltoall_perf columns)"
         )
-    return [r.check(source) for r in rows]
+    kept = []
+    for r in rows:
+        if r.num_experts % r.ep_size:
+            if skipped is not None:
+                skipped.append(
+                    f"{source}: {r.kernel} {r.gpu} EP{r.ep_size} ({r.nodes} nodes) {r.num_experts} experts "
+                    f"{r.tokens_per_rank} tokens: experts not a multiple of the EP size (the kernel asserts it)"
+                )
+            continue
+        kept.append(r.check(source))
+    return kept
 
 
-def read_aiconfigurator(path: str | Path, *, gpu: str | None = None, data: bytes | None = None) -> list[KernelRow]:
+def read_aiconfigurator(
+    path: str | Path, *, gpu: str | None = None, data: bytes | None = None, skipped: list[str] | None = None
+) -> list[KernelRow]:
     """Rows of an aiconfigurator Parquet table (``rows_from_aiconfigurator``); ``data``: its bytes."""
     from moetrace._deps import require
 
@@ -386,23 +416,23 @@ def read_aiconfigurator(path: str | Path, *, gpu: str | None = None, data: bytes
         table = pq.read_table(io.BytesIO(data) if data is not None else path)
     except Exception as e:  # pyarrow raises several kinds for a file that is not Parquet
         raise ConfigError(f"cannot read {path.name} as Parquet: {e}") from None
-    return rows_from_aiconfigurator(table.to_pydict(), source=path.name, gpu=gpu)
+    return rows_from_aiconfigurator(table.to_pydict(), source=path.name, gpu=gpu, skipped=skipped)
 
 
-def read_table(path: str | Path, *, gpu: str | None = None) -> list[KernelRow]:
+def read_table(path: str | Path, *, gpu: str | None = None, skipped: list[str] | None = None) -> list[KernelRow]:
     """Rows of any supported table: ``.parquet`` (aiconfigurator) or ``.csv`` (the user CSV, DeepEP's)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"kernel table {path} does not exist (give aiconfigurator .parquet files or a .csv)")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        return read_aiconfigurator(path, gpu=gpu)
+        return read_aiconfigurator(path, gpu=gpu, skipped=skipped)
     if suffix in (".csv", ".txt"):
         return read_csv(path)
     with path.open("rb") as f:
         head = f.read(4)
     if head == b"PAR1":
-        return read_aiconfigurator(path, gpu=gpu)
+        return read_aiconfigurator(path, gpu=gpu, skipped=skipped)
     return read_csv(path)
 
 
@@ -432,7 +462,7 @@ VENDORED = {
 }
 
 
-def vendored_tables(gpu: str) -> list[KernelRow]:
+def vendored_tables(gpu: str, *, skipped: list[str] | None = None) -> list[KernelRow]:
     """The bundled measured rows of one GPU kind (``VENDORED``)."""
     gpu = gpu.lower()
     if gpu not in VENDORED:
@@ -442,7 +472,7 @@ def vendored_tables(gpu: str) -> list[KernelRow]:
     for name in VENDORED[gpu]:
         f = base.joinpath(name)
         if name.endswith(".parquet"):
-            rows += read_aiconfigurator(Path(name), data=f.read_bytes(), gpu=gpu)
+            rows += read_aiconfigurator(Path(name), data=f.read_bytes(), gpu=gpu, skipped=skipped)
         else:
             rows += read_csv(Path(name), text=f.read_text(encoding="utf-8"))
     return rows

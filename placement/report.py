@@ -53,6 +53,8 @@ def copy_model_line(c: CompareManifest) -> str:
     if c.cost is not None:
         lk = c.cost["links"]
         nic = "per node" if lk["inter_nic"] == "node" else "per GPU"
+        if c.hardware is not None:
+            line += "\n" + hardware_line(c.hardware, c.dedup)
         line += (
             f"\nlinks: NVLink {lk['intra_bytes_per_s'] / 1e9:g} GB/s, {lk['intra_latency_s'] * 1e6:g} us; "
             f"RDMA {lk['inter_bytes_per_s'] / 1e9:g} GB/s {nic}, {lk['inter_latency_s'] * 1e6:g} us"
@@ -65,6 +67,20 @@ def copy_model_line(c: CompareManifest) -> str:
             else f"; {expert_unknown_reason(c.model) or f'expert size of {c.model.name} unknown: no MoE-layer time'}"
         )
     return line
+
+
+def hardware_line(hw: dict, copies: str) -> str:
+    """Which step model priced the run: the preset or links file, where its parameters come from,
+    and what the decode kernel sends (value types, fixed costs)."""
+    k = hw.get("kernels", {}).get(copies, {})
+    d, c = k.get("dispatch", {}), k.get("combine", {})
+    kern = (
+        f"; decode kernel {k.get('name', copies)}: dispatch {d.get('value', {}).get('name', '?')} "
+        f"+{d.get('fixed_s', 0) * 1e6:.3g} us, combine {c.get('value', {}).get('name', '?')} +{c.get('fixed_s', 0) * 1e6:.3g} us"
+        if k
+        else ""
+    )
+    return f"step model: {hw.get('name', '?')} ({hw.get('source', '')}){kern}"
 
 
 def _ratio(x: float) -> str:

@@ -2,13 +2,14 @@
 
 A global batch is one decode step of held-out requests: each contributes one token, dispatched
 at every MoE layer from its source GPU to the GPUs holding its k experts (replica chosen by a
-``replica_routing`` policy) and combined back. One copy of ``bytes_per_token`` (hidden_size × dtype
-bytes) is sent per distinct destination under the dedup unit:
-``rank`` (default: a token is not sent twice to one GPU), ``expert`` (one copy per routed expert),
-``node`` (one copy per remote node, then one per distinct GPU on the own node; forwarding inside the
-remote node is not counted). A destination on the token's own GPU moves nothing. A copy is
-inter-node when its GPU is on another node. Combine sends the same copies back, so its totals equal
-dispatch; its largest per-GPU send is counted at the expert side.
+``replica_routing`` policy) and combined back. Which copies travel is the copy model of the dedup
+unit (``step_model.COPY_MODELS``): ``expert`` (one copy per routed expert), ``rank`` (default: one
+per distinct GPU), ``node`` (one RDMA copy per remote node, landing on the sender's peer GPU there
+and forwarded over NVLink; one per distinct GPU on the own node). A copy to the token's own GPU
+moves nothing; a copy is inter-node when its two GPUs are on different nodes. The byte metrics
+count those copies at ``bytes_per_token`` each; the step time (``cost``) prices the same copies.
+Combine sends the same copies back, so its totals equal dispatch; its largest per-GPU send is
+counted at the expert side.
 
 Per (batch, layer) the model reports: intra/inter-node bytes for dispatch and combine, the largest
 per-GPU send of each, distinct tokens received per GPU (max, mean) and activated experts (slots
@@ -195,21 +196,10 @@ def simulate_volume(
         dedup=dedup,
         policy=policy,
     )
+    model = copy_model(dedup)
     for l, c in enumerate(copies):
-        slot, valid, rank, copy, srank = c.slot_TK, c.valid_TK, c.rank_TK, c.copy_TK, c.dst_rank_TK
-        inter = c.inter_TK
-        intra = copy & ~inter
-        n_intra = np.bincount(batch_T, weights=intra.sum(1), minlength=B)
-        n_inter = np.bincount(batch_T, weights=inter.sum(1), minlength=B)
-        out["dispatch_intra_bytes"][:, l] = n_intra * bytes_per_token
-        out["dispatch_inter_bytes"][:, l] = n_inter * bytes_per_token
-        out["combine_intra_bytes"][:, l] = n_intra * bytes_per_token
-        out["combine_inter_bytes"][:, l] = n_inter * bytes_per_token
-        send = np.bincount(batch_T * W + src_rank_T, weights=copy.sum(1), minlength=B * W).reshape(B, W)
-        out["max_rank_dispatch_send_bytes"][:, l] = send.max(1) * bytes_per_token
-        bK = np.broadcast_to(batch_T[:, None], copy.shape)
-        back = np.bincount((bK * W + srank)[copy], minlength=B * W).reshape(B, W)
-        out["max_rank_combine_send_bytes"][:, l] = back.max(1) * bytes_per_token
+        slot, valid, rank = c.slot_TK, c.valid_TK, c.rank_TK
+        bK = np.broadcast_to(batch_T[:, None], valid.shape)
         # distinct tokens per GPU (rank dedup, whatever the unit) and activated slots per GPU
         rkey = np.sort(np.where(valid, rank, _SENTINEL), axis=1)
         rfirst = np.ones_like(rkey, dtype=bool)
@@ -222,17 +212,26 @@ def simulate_volume(
         nact = act.sum(2)
         out["activated_experts_per_rank_max"][:, l] = nact.max(1)
         out["activated_experts_per_rank_mean"][:, l] = nact.mean(1)
+        # the copy model's copies: the bytes below and the step time are the same copies
+        traffic = model.traffic(
+            rank_TK=rank,
+            valid_TK=valid,
+            batch_T=batch_T,
+            src_rank_T=src_rank_T,
+            num_batches=B,
+            num_ranks=W,
+            ranks_per_node=ranks_per_node,
+            sorted_rank_TK=rkey,
+            slot_TK=slot,
+        )
+        n_intra, n_inter = traffic.intra_copies_B(), traffic.inter_copies_B()
+        out["dispatch_intra_bytes"][:, l] = n_intra * bytes_per_token
+        out["dispatch_inter_bytes"][:, l] = n_inter * bytes_per_token
+        out["combine_intra_bytes"][:, l] = n_intra * bytes_per_token  # the same copies back
+        out["combine_inter_bytes"][:, l] = n_inter * bytes_per_token
+        out["max_rank_dispatch_send_bytes"][:, l] = (traffic.send_intra + traffic.send_inter).max(1) * bytes_per_token
+        out["max_rank_combine_send_bytes"][:, l] = (traffic.recv_intra + traffic.recv_inter).max(1) * bytes_per_token
         if cost is not None:
-            traffic = copy_model(dedup).traffic(
-                rank_TK=rank,
-                valid_TK=valid,
-                batch_T=batch_T,
-                src_rank_T=src_rank_T,
-                num_batches=B,
-                num_ranks=W,
-                ranks_per_node=ranks_per_node,
-                sorted_rank_TK=rkey,
-            )
             pairs = np.bincount((bK * W + rank)[valid], minlength=B * W).reshape(B, W)
             secs = layer_seconds(
                 traffic,

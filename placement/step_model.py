@@ -190,13 +190,15 @@ class CopyModel:
         num_ranks: int,
         ranks_per_node: int,
         sorted_rank_TK: np.ndarray | None = None,
+        slot_TK: np.ndarray | None = None,
     ) -> GpuTraffic:
         """Per (batch, GPU) copies sent and received and peers per link class, one layer's dispatch.
 
         ``rank_TK``: int64 [T, K] GPU serving each (token, routed expert) (the replica the routing
         chose); ``valid_TK``: bool [T, K] the id was recorded; ``batch_T``, ``src_rank_T``: int64 [T].
         ``sorted_rank_TK`` (optional, to save a sort): ``rank_TK`` sorted along K with every invalid
-        entry replaced by a value >= W.
+        entry replaced by a value >= W; ``slot_TK`` (optional): the physical slot of each entry, so
+        that a slot named twice in one token's row is one copy.
         """
         W = num_ranks
         src = np.asarray(src_rank_T, dtype=np.int64)[:, None]
@@ -209,6 +211,7 @@ class CopyModel:
             num_ranks=W,
             ranks_per_node=ranks_per_node,
             sorted_rank_TK=sorted_rank_TK,
+            slot_TK=slot_TK,
         )
         return _traffic_of_copies(keys, num_batches, W, ranks_per_node)
 
@@ -222,6 +225,7 @@ class CopyModel:
         num_ranks: int,
         ranks_per_node: int,
         sorted_rank_TK: np.ndarray | None,
+        slot_TK: np.ndarray | None = None,
     ) -> np.ndarray:
         """Every point-to-point copy of the layer as ``(batch * W + src) * W + dst``, int64 [n]."""
         raise NotImplementedError
@@ -240,8 +244,16 @@ class PerExpert(CopyModel):
     name: DedupUnit = field(default="expert", init=False)
     kernels: str = field(default="DeepEP low-latency (decode)", init=False)
 
-    def copy_keys(self, *, rank_TK, valid_TK, src_TK, base_TK, num_ranks, ranks_per_node, sorted_rank_TK):
+    def copy_keys(self, *, rank_TK, valid_TK, src_TK, base_TK, num_ranks, ranks_per_node, sorted_rank_TK, slot_TK=None):
         keep = valid_TK & (rank_TK != src_TK)
+        if slot_TK is not None:  # a slot named twice in a row is one copy
+            order = np.argsort(np.where(valid_TK, slot_TK, -1), axis=1, kind="stable")
+            s = np.take_along_axis(np.where(valid_TK, slot_TK, -1), order, axis=1)
+            first = np.ones_like(s, dtype=bool)
+            first[:, 1:] = s[:, 1:] != s[:, :-1]
+            again = np.zeros_like(first)
+            np.put_along_axis(again, order, ~first, axis=1)
+            keep &= ~again
         return ((base_TK + src_TK) * num_ranks + rank_TK)[keep]
 
 
@@ -250,7 +262,7 @@ class PerRank(CopyModel):
     name: DedupUnit = field(default="rank", init=False)
     kernels: str = field(default="NVLink all-to-all, one copy per GPU (TensorRT-LLM)", init=False)
 
-    def copy_keys(self, *, rank_TK, valid_TK, src_TK, base_TK, num_ranks, ranks_per_node, sorted_rank_TK):
+    def copy_keys(self, *, rank_TK, valid_TK, src_TK, base_TK, num_ranks, ranks_per_node, sorted_rank_TK, slot_TK=None):
         dst, keep = _distinct_ranks(rank_TK, valid_TK, num_ranks, sorted_rank_TK)
         keep &= dst != src_TK
         return ((base_TK + src_TK) * num_ranks + dst)[keep]
@@ -261,7 +273,7 @@ class PerNode(CopyModel):
     name: DedupUnit = field(default="node", init=False)
     kernels: str = field(default="DeepEP normal, NVLink forwarding (prefill)", init=False)
 
-    def copy_keys(self, *, rank_TK, valid_TK, src_TK, base_TK, num_ranks, ranks_per_node, sorted_rank_TK):
+    def copy_keys(self, *, rank_TK, valid_TK, src_TK, base_TK, num_ranks, ranks_per_node, sorted_rank_TK, slot_TK=None):
         W, g = num_ranks, ranks_per_node
         dst, keep = _distinct_ranks(rank_TK, valid_TK, W, sorted_rank_TK)
         keep &= dst != src_TK

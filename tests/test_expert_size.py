@@ -195,46 +195,32 @@ def test_model_info_from_a_config_records_the_expert_sizes():
     )
     assert (qwen2.num_shared_experts, qwen2.moe_intermediate_size, qwen2.shared_expert_intermediate_size) == (1, 32, 96)
     assert qwen2.weight_bytes_per_value == 2.0
+    mixtral_cfg = dict(model_type="mixtral", num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2)
     mixtral = model_info_from_hf_config(
-        {"model_type": "mixtral", "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
-         "hidden_size": 128, "intermediate_size": 448},
-        name="m",
-        source="m",
-    )  # fmt: skip
+        {**mixtral_cfg, "hidden_size": 128, "intermediate_size": 448}, name="m", source="m"
+    )
     assert (mixtral.moe_intermediate_size, mixtral.shared_expert_intermediate_size) == (448, None)
     assert mixtral.weight_bytes_per_value is None  # the config does not say
 
 
+def _bytes(**cfg) -> float | None:
+    return expert_sizes_from_hf_config({"intermediate_size": 32, **cfg})["weight_bytes_per_value"]
+
+
 def test_config_quirks():
-    gptoss = expert_sizes_from_hf_config({"hidden_size": 64, "intermediate_size": 32,
-                                          "quantization_config": {"quant_method": "mxfp4"}})  # fmt: skip
-    assert gptoss["weight_bytes_per_value"] == 4.25 / 8
-    gptq = expert_sizes_from_hf_config(
-        {"intermediate_size": 32, "quantization_config": {"quant_method": "gptq", "bits": 4}}
-    )
-    assert gptq["weight_bytes_per_value"] == 0.5
-    unknown = expert_sizes_from_hf_config({"intermediate_size": 32, "quantization_config": {"quant_method": "magic"},
-                                           "torch_dtype": "bfloat16"})  # fmt: skip
-    assert unknown["weight_bytes_per_value"] is None  # not the activations' dtype
-    llama4 = expert_sizes_from_hf_config(
-        {"model_type": "llama4", "text_config": {"model_type": "llama4_text", "hidden_size": 64,
-         "intermediate_size": 32, "intermediate_size_mlp": 128}, "torch_dtype": "bfloat16"}
-    )  # fmt: skip
-    assert (
-        llama4["moe_intermediate_size"],
-        llama4["num_shared_experts"],
-        llama4["shared_expert_intermediate_size"],
-    ) == (
-        32,
-        1,
-        32,
-    )
-    assert llama4["weight_bytes_per_value"] == 2.0
+    assert _bytes(quantization_config={"quant_method": "mxfp4"}) == 4.25 / 8  # gpt-oss
+    assert _bytes(quantization_config={"quant_method": "gptq", "bits": 4}) == 0.5
+    weights = {"weights": {"num_bits": 8, "type": "float"}}
+    assert _bytes(quantization_config={"quant_method": "compressed-tensors", "config_groups": {"g": weights}}) == 1.0
+    assert _bytes(quantization_config={"quant_method": "magic"}, torch_dtype="bfloat16") is None  # not the dtype's
+    assert _bytes(torch_dtype="float32") == 4.0 and _bytes(dtype="bfloat16") == 2.0 and _bytes() is None
+    text = dict(model_type="llama4_text", hidden_size=64, intermediate_size=32, intermediate_size_mlp=128)
+    llama4 = expert_sizes_from_hf_config({"model_type": "llama4", "text_config": text, "torch_dtype": "bfloat16"})
+    shared = (llama4["num_shared_experts"], llama4["shared_expert_intermediate_size"])
+    assert llama4["moe_intermediate_size"] == 32 and shared == (1, 32) and llama4["weight_bytes_per_value"] == 2.0
     # a per-layer list is not a width; intermediate_size (the dense layers') is then not read either
-    assert (
-        expert_sizes_from_hf_config({"moe_intermediate_size": [1, 2], "intermediate_size": 9})["moe_intermediate_size"]
-        is None
-    )
+    listed = expert_sizes_from_hf_config({"moe_intermediate_size": [1, 2], "intermediate_size": 9})
+    assert listed["moe_intermediate_size"] is None
 
 
 def test_presets_record_their_expert_sizes():
@@ -275,3 +261,19 @@ def test_the_commands_refuse_an_unreadable_model_config_at_once(tmp_path, comman
     )
     assert res.exit_code == 2, res.output
     assert f"--model-config {bad}: not JSON" in res.output.replace("\n", "")
+
+
+def test_compare_prices_a_non_preset_model_from_its_config_and_says_why_when_it_cannot(tmp_path):
+    from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
+    from moetrace.placement.deployment import parse_deployment
+    from moetrace.placement.report import copy_model_line
+
+    path = write_small_trace(tmp_path / "t", num_requests=24)  # SMALL: no expert size recorded
+    data = load_trace_data(path, test_fraction=0.3, seed=0)
+    dep = parse_deployment("DP4TP1EP4", num_gpus_per_node=2)
+    kw = dict(deployment=dep, strategies=("linear",), num_batches=4, num_batch_requests=4, oracle=False)
+    unknown = run_compare(data, CompareConfig(**kw))
+    assert unknown.manifest.expert is None
+    assert "records no `moe_intermediate_size`; pass --model-config" in copy_model_line(unknown.manifest)
+    known = run_compare(data, CompareConfig(**kw, model_config={"moe_intermediate_size": 48}))
+    assert known.manifest.expert is not None and known.manifest.expert["ffn_size"] == 48

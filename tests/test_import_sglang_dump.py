@@ -1,6 +1,7 @@
 """``sglang-dump``: SGLang's expert-distribution recorder ``per_token`` dumps, built to the layout its writer uses
 (``python/sglang/srt/eplb/expert_distribution.py``, commit 02295fe5ac5c: ``_DetailSinglePassGatherer.collect`` and
-``_DetailAccumulator.dump``): ``torch.save({"records": [...], "last_physical_to_logical_map": [layers, slots]})``."""
+``_DetailAccumulator.dump``): ``torch.save({"records": [...], "last_physical_to_logical_map": [layers, slots]})``.
+The record's fields are the same in SGLang 0.5.23 (the PyPI release, same file), which the DP-attention test cites."""
 
 from __future__ import annotations
 
@@ -125,8 +126,44 @@ def test_a_user_map_takes_precedence_and_a_directory_of_ranks_merges(tmp_path):
     np.testing.assert_array_equal(ids, np.concatenate([a, b]))
     # tensor parallelism without DP attention: every rank records the same pass
     dump(d / "expert_distribution_recorder_1.0_1.pt", [record(0, 1, 1, a, OLMOE, mp)], other)
-    with pytest.raises(TraceFormatError, match="same tokens as .*import one rank's file"):
+    with pytest.raises(TraceFormatError, match="the same pass as .*import one rank's file"):
         import_trace(d, out=tmp_path / "t2", model=OLMOE)
+
+
+def test_sglang_0_5_23_dp_attention_ranks_decoding_the_same_token_are_not_tp_copies(tmp_path):
+    """Two DP-attention ranks (``--enable-dp-attention``: each runs its own requests, in lockstep, so their
+    records share ``forward_pass_id``), each decoding one request, emit the same token in a pass: the records'
+    ``input_ids`` are equal, their routed experts are not (and here their positions are equal too). Records as
+    SGLang 0.5.23's ``_DetailSinglePassGatherer.on_forward_pass_start`` / ``collect`` and
+    ``_DetailAccumulator.append`` write them (``rids`` commented out there): they import as two ranks' passes."""
+    mp = phy2log_of(OLMOE, redundant=0, seed=7)
+    d = tmp_path / "dp2"
+    d.mkdir()
+    truths = {}
+    for rank in (0, 1):
+        recs = []
+        for fid, (mode, n, token, pos) in enumerate([(1, 5, None, None), (2, 1, 42, 9), (2, 1, 7, 10 + 3 * rank)]):
+            truths[rank, fid] = logical_tokens(n, OLMOE, seed=10 * rank + fid)
+            rec = record(fid, rank, mode, truths[rank, fid], OLMOE, mp)
+            if token is not None:  # a decode pass: the token the request emitted last, at its position
+                rec.update(input_ids=[token], positions=[pos], extend_seq_lens=None)
+            else:
+                rec.update(input_ids=[200 + 5 * rank + t for t in range(n)])
+            recs.append(rec)
+        dump(d / f"expert_distribution_recorder_1700000000.0_{rank}.pt", recs, mp)
+    tr_dir = tmp_path / "t"
+    import_trace(d, out=tr_dir, model=OLMOE)
+    assert find_problems(tr_dir) == []
+    tr = open_trace(tr_dir)
+    assert tr.manifest["collection"]["source_ranks"] == [0, 1]
+    ids = tr.token_arrays().topk_ids_TLK
+    want = []
+    for rank in (0, 1):  # files in rank order; a decode pass is one unrecorded prompt row, then its token
+        for fid in range(3):
+            if fid:
+                want.append(np.full((1, OLMOE.num_moe_layers, OLMOE.top_k), -1))
+            want.append(truths[rank, fid])
+    np.testing.assert_array_equal(ids, np.concatenate(want))
 
 
 def _opts(**kw):

@@ -30,7 +30,11 @@ passes hold no tokens and are skipped; other modes (speculative decoding) are re
 stage, ``analyze``'s load analyses, ``compare``/``place`` with ungrouped strategies and ``export``
 are meaningful on such a trace; per-request analyses and grouped strategies see passes, not requests.
 Ranks that recorded the same pass (tensor parallelism without DP attention: every rank sees every
-token) are refused in a directory: import one rank's file.
+token) are refused in a directory: import one rank's file. The same pass means the same ``forward_pass_id``
+with the same ``input_ids``, ``positions``, ``extend_seq_lens`` and routed ids (``topk_ids_of_layer``): the
+record holds no request ids (``rids`` is commented out in ``_DetailSinglePassGatherer.on_forward_pass_start``,
+still so in SGLang 0.5.23), and ``input_ids`` alone would take two DP-attention ranks whose one-request decode
+passes emit the same token for tensor-parallel copies; their positions and routed experts differ.
 
 ``per_pass`` dumps (counts per pass, no per-token ids) are not detected as this format and, named with
 ``--format sglang-dump``, refused with where their loads go (``sglang-pass``, a load profile).
@@ -124,6 +128,24 @@ def _pass_ids(rec: dict[str, Any], info: ModelInfo, where: str) -> np.ndarray:
     return np.ascontiguousarray(ids_HNK[:, :, :K].transpose(1, 0, 2))
 
 
+def _pass_fingerprint(rec: dict[str, Any], input_ids: list[Any], ids_NLK: np.ndarray) -> bytes:
+    """What a rank's record of one pass holds that tells DP-attention ranks from TP ranks: its tokens, their
+    positions and the experts they were routed to (``ids_NLK``, physical). Tensor-parallel ranks (without DP
+    attention) run the same batch and route it alike, so all three match; DP-attention ranks run their own
+    requests: a one-request decode pass on each may emit the same token, but not at the same position routed
+    to the same experts in every layer."""
+    import hashlib
+
+    import numpy as np
+
+    positions = rec.get("positions")
+    h = hashlib.blake2b(digest_size=16)
+    for part in (input_ids, positions if isinstance(positions, list) else None, rec.get("extend_seq_lens")):
+        h.update(repr(part).encode())
+    h.update(np.ascontiguousarray(ids_NLK).tobytes())
+    return h.digest()
+
+
 def read(
     src: Path,
     *,
@@ -145,7 +167,7 @@ def read(
         raise TraceFormatError(f"{src}: no expert_distribution_recorder_*.pt files in the directory")
     user_map = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
     notes: list[str] = []
-    passes: dict[int, dict[int, tuple[str, list[int]]]] = {}  # forward_pass_id -> rank -> (where, input_ids)
+    passes: dict[int, dict[int, tuple[str, bytes]]] = {}  # forward_pass_id -> rank -> (where, _pass_fingerprint)
     mixed = 0
     rid = 0
     max_id, num_ids = -1, 0
@@ -205,16 +227,18 @@ def read(
             same_pass = passes.setdefault(fid, {})
             if rank in same_pass:
                 raise TraceFormatError(f"{where}: rank {rank} recorded forward pass {fid} twice ({same_pass[rank][0]})")
-            twin = next((w for w, ids2 in same_pass.values() if ids2 == input_ids), None)
-            if twin is not None:
-                raise TraceFormatError(
-                    f"{where}: the same tokens as {twin}: ranks that see every token (tensor parallelism without DP "
-                    "attention) record each pass once per rank; import one rank's file"
-                )
-            same_pass[rank] = (where, input_ids)
             ids_NLK = _pass_ids(rec, info, where)
             if len(ids_NLK) != len(input_ids):
                 raise TraceFormatError(f"{where}: {len(ids_NLK)} tokens of ids but {len(input_ids)} input_ids")
+            key = _pass_fingerprint(rec, input_ids, ids_NLK)
+            twin = next((w for w, key2 in same_pass.values() if key2 == key), None)
+            if twin is not None:
+                raise TraceFormatError(
+                    f"{where}: the same pass as {twin} (the same tokens at the same positions, routed to the same "
+                    "experts): ranks that see every token (tensor parallelism without DP attention) record each pass "
+                    "once per rank; import one rank's file"
+                )
+            same_pass[rank] = (where, key)
             N = len(ids_NLK)
             if N == 0:
                 continue
