@@ -38,7 +38,6 @@ Out of scope: the tensor-parallel traffic inside an EP rank (``TPd``); NVLink-sp
 from __future__ import annotations
 
 import math
-
 import os
 import pickle
 import socket

@@ -62,8 +62,8 @@ from moetrace.placement.advise_metrics import (
     send_ranks_per_token,
     vllm_balancedness,
 )
-from moetrace.placement.hardware import CostModel, Hardware, default_hardware
 from moetrace.placement.deployment import Deployment
+from moetrace.placement.hardware import CostModel, Hardware, default_hardware
 from moetrace.placement.maps import Placement
 from moetrace.placement.simulate import layer_copies
 from moetrace.placement.step_model import DedupUnit, copy_model, layer_seconds

@@ -37,8 +37,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moetrace.placement.step_model import GpuTraffic
 from moetrace.placement.maps import Placement
+from moetrace.placement.step_model import GpuTraffic
 
 __all__ = [
     "balancedness",

@@ -608,17 +608,13 @@ def fit_kernel(
         ph: _fit_phase(rows, ph, ~held, start=_start_links(fallback, ph), taken_from=taken_from, reduce=reduce, seed=seed)
         for ph in ("dispatch", "combine")
     }
-    if dispatch_value is None:
+    if dispatch_value is None:  # the rows' most common dispatch type (ties: the wider one)
         names = [r.dispatch_type for r in rows]
-        dispatch_value = ROW_VALUE_TYPES[max(set(names), key=names.count)]
+        dispatch_value = ROW_VALUE_TYPES[max(("nvfp4", "fp8", "bf16"), key=names.count)]
     kname = name or (rows[0].kernel if len({r.kernel for r in rows}) == 1 else KERNEL_NAMES[copies])
     srcs = sorted({r.source.split(":")[0] for r in rows})
-    notes = []
-    for ph, pf in fits.items():
-        for c in ("intra", "inter"):
-            if f"{c}_bytes_per_s" in pf.taken:
-                notes.append(f"{ph} {c} link from {pf.taken[f'{c}_bytes_per_s']}")
-    source = f"fitted to {', '.join(srcs)} ({len(rows) - int(held.sum())} rows)" + (f"; {'; '.join(sorted(set(notes)))}" if notes else "")
+    notes = sorted({f"{c} link from {pf.taken[f'{c}_bytes_per_s']}" for pf in fits.values() for c in ("intra", "inter") if f"{c}_bytes_per_s" in pf.taken})
+    source = f"fitted to {', '.join(srcs)} ({len(rows) - int(held.sum())} rows)" + "".join(f"; {n}" for n in notes)
     kernel = Kernel(
         name=kname,
         copies=copies,  # type: ignore[arg-type]
@@ -714,7 +710,7 @@ def calibrate(
             copies=copies,
             hold_out=held,
             fallback=fb,
-            fallback_name=f"{base.name} ({fb.source.split(';')[0]})" if base is not None and fb is not None else "",
+            fallback_name=f"{base.name}'s {fb.name} kernel" if base is not None and fb is not None else "",
             reduce_bytes_per_s=hbm_bytes_per_s(gpus[0]),
             seed=seed,
         )

@@ -6,21 +6,23 @@ equal count per pack). The hierarchical policy runs when expert groups divide ev
 otherwise the global policy (the same routine with one group and one node). Loops run over items and
 replicas only, never over layers.
 
-Which summation (``accumulate``): every engine casts the load to float32, sums groups, divides by
-replica counts and sorts in float32; they differ in how a pack's weight accumulates while packing.
-DeepSeek's reference adds torch float32 scalars (``pack_weights[pack] += weight[i, group]``); the
-engines that run EPLB add in float64: SGLang 0.5.23's copy (``python/sglang/srt/eplb/eplb_algorithms/
-deepseek.py``, Python floats from ``weight.tolist()``) and vLLM 0.33.0's (``vllm/distributed/eplb/policy/
-default.py``, a float64 ``pack_weights`` array). Packs whose sums fall within a float32 rounding of
-each other go to different GPUs, so on the same load the two give different placements in some
-layers. ``accumulate="float64"`` (the default) computes it as SGLang and vLLM do;
-``accumulate="float32"`` as DeepSeek's reference (``tests/golden/eplb_deepseek.json``). vLLM also
-divides by replica counts in float64 (``weight / logcnt`` with an int64 count); SGLang, DeepSeek
-and moetrace in float32: where two per-replica loads are within a float32 rounding, vLLM and SGLang
-can differ from each other, and moetrace follows SGLang (``tests/golden/eplb_engines.json``).
+Which summation (``accumulate``): every engine casts the load to float32 and sums expert groups
+in float32; they differ in how a pack's weight accumulates while packing. DeepSeek's reference adds
+torch float32 scalars (``pack_weights[pack] += weight[i, group]``); the engines that run EPLB add
+in float64: SGLang 0.5.23's copy (``python/sglang/srt/eplb/eplb_algorithms/deepseek.py``: Python
+floats from ``weight.tolist()``) and vLLM 0.33.0's (``vllm/distributed/eplb/policy/default.py``: a
+float64 ``pack_weights`` array). Where two packs' sums fall within a float32 rounding of each other,
+the next item goes to another GPU, so on the same tie-free load the reference and the engines
+place some layers differently (``tests/golden/eplb_engines.json``: up to 13 of 300 random
+DeepSeek-V3 layers). ``accumulate="float64"`` (the default) computes it as SGLang and vLLM do;
+``accumulate="float32"`` as DeepSeek's reference. Beyond the packing sums, vLLM divides loads by
+replica counts in float64 (``weight / logcnt`` with an int64 count) where SGLang, the reference and
+moetrace divide in float32; the two engines can differ from each other only where two per-replica
+loads are within a float32 rounding (never on the golden file's loads), and there moetrace follows
+SGLang.
 
-Where the output may differ from DeepSeek's (``tests/golden/eplb_deepseek.json`` holds their
-outputs on 161 cases; ``tests/test_placement_eplb.py`` checks each statement below): both packing
+Where the output may differ from DeepSeek's with ``accumulate="float32"`` (``tests/golden/eplb_deepseek.json``
+holds their outputs on 161 cases; ``tests/test_placement_eplb.py`` checks each statement below): both packing
 steps sort items heaviest first, and only the order of items of *equal* weight can differ. Ours
 puts the lower index first. DeepSeek's uses torch's unstable sort, which promises no order for
 ties: torch's CPU build with libstdc++ keeps index order for up to 16 items (its insertion-sort

@@ -63,7 +63,9 @@ class Hardware:
     def kernel(self, copies: str) -> Kernel:
         """The kernel that sends copies this way."""
         if copies not in self.kernels:
-            raise ConfigError(f"links {self.name!r} has no kernel for copies per {copies}; it has {', '.join(self.kernels)}")
+            raise ConfigError(
+                f"links {self.name!r} has no kernel for copies per {copies}; it has {', '.join(self.kernels)}"
+            )
         return self.kernels[copies]
 
     def with_links(self, links_spec: str) -> Hardware:
@@ -73,13 +75,17 @@ class Hardware:
         dispatch = [p.partition("=")[2].strip().lower() for p in parts if p.lower().startswith("dispatch=")]
         rest = ",".join(p for p in parts if not p.lower().startswith("dispatch="))
         if len(dispatch) > 1 or (dispatch and dispatch[0] not in VALUE_TYPES):
-            raise ConfigError(f"--link: dispatch={','.join(dispatch)} is not one value type; write dispatch=fp8 or dispatch=bf16")
+            raise ConfigError(
+                f"--link: dispatch={','.join(dispatch)} is not one value type; write dispatch=fp8 or dispatch=bf16"
+            )
         kernels = {}
         for k, kern in self.kernels.items():
             d = replace(kern.dispatch, links=parse_links(rest, base=kern.dispatch.links))
             if dispatch:
                 d = replace(d, value=VALUE_TYPES[dispatch[0]])
-            kernels[k] = replace(kern, dispatch=d, combine=replace(kern.combine, links=parse_links(rest, base=kern.combine.links)))
+            kernels[k] = replace(
+                kern, dispatch=d, combine=replace(kern.combine, links=parse_links(rest, base=kern.combine.links))
+            )
         return replace(self, name=f"{self.name}:{links_spec}", kernels=kernels)
 
     def to_json(self) -> dict[str, Any]:
@@ -136,7 +142,7 @@ def _links(d: Any, where: str) -> Links:
         raise ConfigError(f"{where}: `links` must be an object")
     nic = d.get("inter_nic", "gpu")
     if nic not in ("gpu", "node"):
-        raise ConfigError(f"{where}: `inter_nic` must be \"gpu\" or \"node\", got {nic!r}")
+        raise ConfigError(f'{where}: `inter_nic` must be "gpu" or "node", got {nic!r}')
     return Links(
         intra=Link(bytes_per_s=_num(d, "intra_bytes_per_s", where), latency_s=_num(d, "intra_latency_s", where)),
         inter=Link(bytes_per_s=_num(d, "inter_bytes_per_s", where), latency_s=_num(d, "inter_latency_s", where)),
@@ -160,7 +166,9 @@ def _phase(d: Any, where: str) -> Phase:
 def hardware_from_json(doc: Any, *, name: str) -> Hardware:
     """A ``Hardware`` from a links file's JSON (``ConfigError`` naming what is wrong)."""
     if not isinstance(doc, Mapping) or doc.get("format") != LINKS_FORMAT:
-        raise ConfigError(f"{name}: not a moetrace links file (want \"format\": \"{LINKS_FORMAT}\"); write one with `moetrace calibrate -o FILE.json`")
+        raise ConfigError(
+            f'{name}: not a moetrace links file (want "format": "{LINKS_FORMAT}"); write one with `moetrace calibrate -o FILE.json`'
+        )
     if doc.get("version") != 1:
         raise ConfigError(f"{name}: links file version {doc.get('version')!r} is not supported (this moetrace reads 1)")
     ks = doc.get("kernels")
@@ -173,20 +181,22 @@ def hardware_from_json(doc: Any, *, name: str) -> Hardware:
             raise ConfigError(f"{name}: unknown copy model {copies!r}; use {', '.join(COPY_MODELS)}")
         kernels[copies] = Kernel(
             name=str(k.get("name", copies)),
-            copies=copies,  # type: ignore[arg-type]
+            copies=copies,
             dispatch=_phase(k.get("dispatch"), where + " dispatch"),
             combine=_phase(k.get("combine"), where + " combine"),
             reduce_bytes_per_s=_num(k, "reduce_bytes_per_s", where),
             source=str(k.get("source", "")),
         )
-    return Hardware(name=str(doc.get("name", name)), source=str(doc.get("source", "")), gpu=str(doc.get("gpu", "")), kernels=kernels)
+    return Hardware(
+        name=str(doc.get("name", name)), source=str(doc.get("source", "")), gpu=str(doc.get("gpu", "")), kernels=kernels
+    )
 
 
 def preset(name: str) -> Hardware:
     """A bundled preset by name."""
     if name not in PRESETS:
         raise ConfigError(f"unknown hardware preset {name!r}; choose one of {', '.join(PRESETS)}, or give a links file")
-    text = resources.files("moetrace.data").joinpath("links", f"{name}.json").read_text()
+    text = resources.files("moetrace.data").joinpath("links").joinpath(f"{name}.json").read_text()
     return hardware_from_json(json.loads(text), name=name)
 
 

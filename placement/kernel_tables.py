@@ -458,7 +458,7 @@ VENDORED = {
         "gb200.sglang-0.5.12.wideep_deepep_normal_perf.fastest_sms.parquet",
         "gb200.trtllm-1.3.0rc10.trtllm_alltoall_perf.parquet",
     ),
-    "h800": ("deepep_legacy_ll.csv",),
+    "h800": ("deepep_legacy_ll.csv", "deepep_ll_pure_rdma_2025_02.csv"),
 }
 
 

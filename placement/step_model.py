@@ -89,7 +89,12 @@ class ValueType:
         return hidden_size * self.bytes_per_value + scales
 
     def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "bytes_per_value": self.bytes_per_value, "scale_bytes": self.scale_bytes, "block": self.block}
+        return {
+            "name": self.name,
+            "bytes_per_value": self.bytes_per_value,
+            "scale_bytes": self.scale_bytes,
+            "block": self.block,
+        }
 
 
 #: DeepEP's FP8 dispatch: e4m3 values, one float32 scale per 128 channels (deep_ep/buffer.py
@@ -378,7 +383,9 @@ def phase_seconds_BW(traffic: GpuTraffic, *, links: Links, bytes_per_copy: float
     ps, pr = traffic.peers_send_inter, traffic.peers_recv_inter
     if links.inter_nic == "node":
         send, recv, ps, pr = (_per_node(x, ranks_per_node) for x in (send, recv, ps, pr))
-    inter = np.maximum(send, recv) * (bytes_per_copy / links.inter.bytes_per_s) + np.maximum(ps, pr) * links.inter.latency_s
+    inter = (
+        np.maximum(send, recv) * (bytes_per_copy / links.inter.bytes_per_s) + np.maximum(ps, pr) * links.inter.latency_s
+    )
     return np.maximum(intra, inter)
 
 
@@ -451,7 +458,9 @@ def uniform_traffic(
     GPU ``e // (E / W)``), each GPU holding ``tokens_per_rank`` tokens. Float64 [B, W] per field."""
     W, T, E, K = num_ranks, tokens_per_rank, num_experts, top_k
     if E % W or K > E:
-        raise ConfigError(f"uniform routing needs experts divisible by EP size and top-k <= experts (E={E}, W={W}, K={K})")
+        raise ConfigError(
+            f"uniform routing needs experts divisible by EP size and top-k <= experts (E={E}, W={W}, K={K})"
+        )
     rng = np.random.default_rng(seed)
     n = num_batches * W * T
     ids_TK = np.argsort(rng.random((n, E)), axis=1)[:, :K] if E <= 512 else _choose_k(rng, n, E, K)
@@ -479,4 +488,3 @@ def _choose_k(rng: np.random.Generator, n: int, E: int, K: int) -> np.ndarray:
             return out
         out[dup] = rng.integers(0, E, size=(int(dup.sum()), K))
     raise RuntimeError("could not draw distinct experts")
-

@@ -145,13 +145,20 @@ def _random(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
 
 
 def _eplb(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
-    from moetrace.placement.eplb import rebalance
+    from moetrace.placement.eplb import Accumulate, rebalance
 
+    # as SGLang and vLLM compute it (placement/eplb.py; DeepSeek's reference sums in float32)
+    accumulate: Accumulate = "float64"
     placement = rebalance(
-        x.load_LE, num_replicas=x.num_slots, num_groups=x.router_groups, num_nodes=x.num_nodes, num_gpus=x.num_ranks
+        x.load_LE,
+        num_replicas=x.num_slots,
+        num_groups=x.router_groups,
+        num_nodes=x.num_nodes,
+        num_gpus=x.num_ranks,
+        accumulate=accumulate,
     )
     policy = "hierarchical" if x.router_groups % x.num_nodes == 0 else "global"
-    return placement, {"eplb_num_groups": x.router_groups, "eplb_policy": policy}
+    return placement, {"eplb_num_groups": x.router_groups, "eplb_policy": policy, "eplb_sum": accumulate}
 
 
 def _usage_GLE(x: PlacementInputs) -> np.ndarray:

@@ -4,9 +4,8 @@ exactly those bytes; results files; mismatches are reported."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest

@@ -34,10 +34,10 @@ from moetrace.placement.advise_metrics import (
 )
 from moetrace.placement.baselines import linear
 from moetrace.placement.cost import ExpertCompute
-from moetrace.placement.hardware import CostModel
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.eplb import rebalance
 from moetrace.placement.exports import PlacementFile, export_placement, load_placement, save_placement
+from moetrace.placement.hardware import CostModel
 from moetrace.placement.maps import placement_from_phy2log
 from moetrace.placement.simulate import simulate_volume
 from moetrace.tracer.trace.schema import ModelInfo

@@ -17,8 +17,8 @@ from moetrace.placement.compare import (
     run_compare,
 )
 from moetrace.placement.cost import Link, Links
-from moetrace.placement.hardware import CostModel, hardware_of_links
 from moetrace.placement.deployment import parse_deployment
+from moetrace.placement.hardware import CostModel, hardware_of_links
 from moetrace.placement.simulate import layer_copies, simulate_volume
 from moetrace.placement.step_model import copy_model, phase_seconds_BW
 from moetrace.tracer.trace.schema import ModelInfo

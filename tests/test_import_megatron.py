@@ -40,9 +40,7 @@ def ids(n: int, seed: int) -> np.ndarray:
     )  # [N, L, K]
 
 
-def lines(
-    step: int, rank: int, pass_NLK: np.ndarray, *, mtp: bool = False, base: int = 0, info=MIXTRAL
-) -> list[dict]:
+def lines(step: int, rank: int, pass_NLK: np.ndarray, *, mtp: bool = False, base: int = 0, info=MIXTRAL) -> list[dict]:
     """The records of one pass in ``_make_index_record``'s key order, ``top_indices`` last as the flush adds it;
     ``base=1``: ``layer`` is ``layer_number``, as ``record_indices`` writes it from the inference engine."""
     out = [
@@ -130,7 +128,10 @@ def test_core_v0_19_0_inference_traces_numbered_from_1_import(tmp_path, info, ma
         d = tmp_path / f"from{base}"
         d.mkdir()
         for r in range(2):  # advance_step() after each forward pass: one step per pass
-            write(d / f"router_trace_rank{r}.jsonl", [x for s in range(3) for x in lines(s, r, p[(s, r)], base=base, info=info)])
+            write(
+                d / f"router_trace_rank{r}.jsonl",
+                [x for s in range(3) for x in lines(s, r, p[(s, r)], base=base, info=info)],
+            )
         res = runner.invoke(app, ["import", str(d), "-m", info.name, "-o", str(tmp_path / f"t{base}")])
         assert res.exit_code == 0, res.output
         assert find_problems(tmp_path / f"t{base}") == []
@@ -148,7 +149,9 @@ def test_a_layer_outside_the_model_names_the_numbering_read(tmp_path):
     d = tmp_path / "trace"
     d.mkdir()
     write(d / "router_trace_rank0.jsonl", recs)
-    with pytest.raises(TraceFormatError, match=r"layer 40 is not a MoE layer .*numbered from 1 .*1\.\.32.*Wrong --model"):
+    with pytest.raises(
+        TraceFormatError, match=r"layer 40 is not a MoE layer .*numbered from 1 .*1\.\.32.*Wrong --model"
+    ):
         import_trace(d, out=tmp_path / "t", model=MIXTRAL)
 
 

@@ -1,9 +1,14 @@
-"""EPLB against DeepSeek's own outputs, and the invariants any input keeps.
+"""EPLB against DeepSeek's own outputs and the engines', and the invariants any input keeps.
 
 ``tests/golden/eplb_deepseek.json`` holds what deepseek-ai/EPLB's ``eplb.py`` returned on 161 cases
-(``tests/golden/make_eplb_golden.py`` regenerates it from their file). Each case must match exactly,
-or differ only in the ways ``moetrace.placement.eplb``'s docstring names, which are derived here
-from the case's inputs alone.
+(``tests/golden/make_eplb_golden.py`` regenerates it from their file). With ``accumulate="float32"``
+(the reference's summation) each case must match exactly, or differ only in the ways
+``moetrace.placement.eplb``'s docstring names, which are derived here from the case's inputs alone.
+
+``tests/golden/eplb_engines.json`` holds, on tie-free loads, what SGLang 0.5.23
+(``sglang/srt/eplb/eplb_algorithms/deepseek.py``), vLLM 0.33.0 (``vllm/distributed/eplb/policy/default.py``)
+and DeepSeek's ``eplb.py`` (commit d52c72d) returned (``tests/golden/make_eplb_engines_golden.py``): the default
+float64 summation must give both engines' placement, the float32 one the reference's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from moetrace.placement.maps import Placement, placement_problems
 
 GOLDEN = Path(__file__).parent / "golden" / "eplb_deepseek.json"
 CASES: list[dict[str, Any]] = json.loads(GOLDEN.read_text())["cases"]
+ENGINES = json.loads((Path(__file__).parent / "golden" / "eplb_engines.json").read_text())
+REFERENCE = "float32"  # DeepSeek's reference sums pack weights in float32
 TIES_IN_ORDER = 16  # torch's CPU sort keeps equal weights in index order up to this many items
 
 Difference = Literal["none", "replica_order", "equal_experts", "equal_groups"]
@@ -79,7 +86,7 @@ def _allowed_difference(case: dict[str, Any], ours: Placement) -> Difference:
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_matches_deepseek_but_for_the_order_of_equal_weights(case):
     load, kw = _inputs(case)
-    ours, theirs = eplb.rebalance(load, **kw), _deepseek(case)
+    ours, theirs = eplb.rebalance(load, **kw, accumulate=REFERENCE), _deepseek(case)
     assert placement_problems(ours, num_experts=load.shape[1], num_ranks=kw["num_gpus"]) == []
     allowed = _allowed_difference(case, ours)
     if allowed == "equal_groups":  # each node's total load is the same
@@ -105,7 +112,7 @@ def test_golden_cases_show_every_documented_difference():
     differs: Counter[str] = Counter()
     for case in CASES:
         load, kw = _inputs(case)
-        ours, theirs = eplb.rebalance(load, **kw), _deepseek(case)
+        ours, theirs = eplb.rebalance(load, **kw, accumulate=REFERENCE), _deepseek(case)
         kind = _allowed_difference(case, ours)
         allowed[kind] += 1
         differs[kind] += not all(np.array_equal(a, b) for a, b in zip(ours, theirs))
@@ -236,3 +243,52 @@ def test_rebalance_rejects_non_finite_load(bad):
     load[1, 3] = bad
     with pytest.raises(ConfigError, match="finite"):
         eplb.rebalance(load, num_replicas=8, num_groups=1, num_nodes=1, num_gpus=2)
+
+
+@pytest.mark.parametrize("case", ENGINES["cases"], ids=[c["name"] for c in ENGINES["cases"]])
+def test_float64_is_sglang_0_5_23_and_vllm_0_33_0_float32_is_deepseeks(case):
+    load = np.asarray(case["load"], dtype=np.float32)
+    kw = {k: case[k] for k in ("num_replicas", "num_groups", "num_nodes", "num_gpus")}
+    ours = eplb.rebalance(load, **kw)  # float64: the default
+    np.testing.assert_array_equal(ours.phy2log, np.asarray(case["sglang_phy2log"]))
+    np.testing.assert_array_equal(ours.phy2log, np.asarray(case["vllm_phy2log"]))
+    assert placement_problems(ours, num_experts=load.shape[1], num_ranks=kw["num_gpus"]) == []
+    reference = eplb.rebalance(load, **kw, accumulate="float32")
+    np.testing.assert_array_equal(reference.phy2log, np.asarray(case["deepseek_phy2log"]))
+
+
+def test_the_engine_golden_holds_layers_where_the_summations_disagree():
+    """Without such layers the test above could not tell float64 from float32."""
+    assert ENGINES["about"]["sglang"].startswith("sglang 0.5.23") and ENGINES["about"]["vllm"].startswith("vllm 0.33.0")
+    differ = 0
+    for case in ENGINES["cases"]:
+        assert case["candidates_where_sglang_and_vllm_differ"] == 0
+        differ += sum(a != b for a, b in zip(case["sglang_phy2log"], case["deepseek_phy2log"]))
+    assert differ >= 10 and {c["num_groups"] % c["num_nodes"] == 0 for c in ENGINES["cases"]} == {True, False}
+
+
+def test_accumulate_is_checked():
+    with pytest.raises(ConfigError, match="accumulate='float16'"):
+        eplb.rebalance(np.ones((1, 8)), num_replicas=8, num_groups=1, num_nodes=1, num_gpus=2, accumulate="float16")  # type: ignore[arg-type]
+
+
+def test_the_eplb_strategy_records_its_summation():
+    """``place --strategy eplb`` writes what its builder returns into the placement file's ``source``."""
+    from moetrace.placement.strategies import PlacementInputs, get_strategy
+
+    case = ENGINES["cases"][0]
+    load = np.asarray(case["load"], dtype=np.float32)
+    x = PlacementInputs(
+        num_layers=load.shape[0],
+        num_experts=load.shape[1],
+        num_slots=case["num_replicas"],
+        num_ranks=case["num_gpus"],
+        num_nodes=case["num_nodes"],
+        ranks_per_node=case["num_gpus"] // case["num_nodes"],
+        router_groups=case["num_groups"],
+        seed=0,
+        load_LE=load,
+    )
+    placement, extra = get_strategy("eplb").build(x)
+    assert extra == {"eplb_num_groups": 8, "eplb_policy": "hierarchical", "eplb_sum": "float64"}
+    np.testing.assert_array_equal(placement.phy2log, np.asarray(case["sglang_phy2log"]))

@@ -116,11 +116,22 @@ def test_layer_seconds_hand_computed():
 
 def test_expert_and_shared_terms_add_to_the_busiest_gpu():
     t = _traffic([[1, 2, 3]], [0], "expert")
-    e = ExpertCompute(hidden_size=128, ffn_size=64, hbm_bytes_per_s=1e9, peak_flops=1e12, num_shared_experts=1, shared_ffn_size=64)
+    e = ExpertCompute(
+        hidden_size=128, ffn_size=64, hbm_bytes_per_s=1e9, peak_flops=1e12, num_shared_experts=1, shared_ffn_size=64
+    )
     pairs = np.array([[0.0, 1, 1, 1]])
     active = np.array([[0.0, 1, 1, 1]])
     tokens = np.array([[1.0, 0, 0, 0]])
-    s = layer_seconds(t, kernel=_kernel(), hidden_size=128, ranks_per_node=2, expert=e, pairs_BW=pairs, active_BW=active, tokens_BW=tokens)
+    s = layer_seconds(
+        t,
+        kernel=_kernel(),
+        hidden_size=128,
+        ranks_per_node=2,
+        expert=e,
+        pairs_BW=pairs,
+        active_BW=active,
+        tokens_BW=tokens,
+    )
     w = 3 * 128 * 64 * 2 / 1e9  # one expert's weights read
     assert s.expert[0] == pytest.approx(w)  # every busy GPU: one routed expert, or (GPU 0) one shared expert
     assert s.moe[0] == pytest.approx(s.dispatch[0] + w + s.combine[0])
@@ -129,14 +140,23 @@ def test_expert_and_shared_terms_add_to_the_busiest_gpu():
 def test_node_copies_time_the_forwarding_on_the_receiving_node():
     # token on GPU 1 to GPUs 2 and 3 (node 1): one RDMA copy to GPU 3, forwarded to GPU 2 over NVLink
     t = _traffic([[2, 3]], [1], "node")
-    s = layer_seconds(t, kernel=_kernel("node", fixed_d=0, fixed_c=0, reduce=math.inf), hidden_size=128, ranks_per_node=2)
+    s = layer_seconds(
+        t, kernel=_kernel("node", fixed_d=0, fixed_c=0, reduce=math.inf), hidden_size=128, ranks_per_node=2
+    )
     assert s.dispatch[0] == pytest.approx(132 / 1e5 + 1e-5)  # the RDMA copy is the slower class
-    per_expert = layer_seconds(_traffic([[2, 3]], [1], "expert"), kernel=_kernel(fixed_d=0, fixed_c=0, reduce=math.inf), hidden_size=128, ranks_per_node=2)
+    per_expert = layer_seconds(
+        _traffic([[2, 3]], [1], "expert"),
+        kernel=_kernel(fixed_d=0, fixed_c=0, reduce=math.inf),
+        hidden_size=128,
+        ranks_per_node=2,
+    )
     assert per_expert.dispatch[0] == pytest.approx(2 * 132 / 1e5 + 2e-5)  # two RDMA copies
 
 
 def test_uniform_traffic_sends_k_copies_per_token_and_spreads_them():
-    t = uniform_traffic(num_ranks=8, ranks_per_node=8, tokens_per_rank=64, num_experts=64, top_k=4, copies="expert", seed=1)
+    t = uniform_traffic(
+        num_ranks=8, ranks_per_node=8, tokens_per_rank=64, num_experts=64, top_k=4, copies="expert", seed=1
+    )
     sent = t.send_intra + t.send_inter
     assert sent.shape == (1, 8)
     # each token keeps the copies to its own GPU's experts (1/8 of them in expectation)
@@ -154,39 +174,88 @@ def test_every_caller_prices_the_same_traffic_the_same(tmp_path):
     from moetrace.placement.deployment import parse_deployment
     from moetrace.placement.simulate import simulate_volume
 
-    W, g, E, K, L = 4, 2, 8, 2, 1
+    W, g, E, L = 4, 2, 8, 1
     # every GPU holds two tokens that send one copy to every GPU, itself included: sources spread
     # evenly, the case a profile's counts describe exactly
     src_T = np.repeat(np.arange(W), 2)
-    rows = [[2 * w, 2 * ((w + 1) % W)] if i == 0 else [2 * ((w + 2) % W), 2 * ((w + 3) % W) + 1] for w in range(W) for i in (0, 1)]
+    rows = [
+        [2 * w, 2 * ((w + 1) % W)] if i == 0 else [2 * ((w + 2) % W), 2 * ((w + 3) % W) + 1]
+        for w in range(W)
+        for i in (0, 1)
+    ]
     ids = np.array(rows)[:, None, :]
     batch = np.zeros(len(src_T), dtype=np.int64)
     pl = linear(num_layers=L, num_experts=E, num_slots=E, num_ranks=W)
-    hw = Hardware(name="t", source="test", kernels={"expert": _kernel(), "rank": _kernel("rank"), "node": _kernel("node")})
+    hw = Hardware(
+        name="t", source="test", kernels={"expert": _kernel(), "rank": _kernel("rank"), "node": _kernel("node")}
+    )
     e = ExpertCompute(hidden_size=128, ffn_size=64, hbm_bytes_per_s=1e9, peak_flops=1e12)
     cost = CostModel(hardware=hw, expert=e)
-    sim = simulate_volume(ids, placement=pl, batch_T=batch, src_rank_T=src_T, num_batches=1, num_ranks=W, ranks_per_node=g, bytes_per_token=256, dedup="expert", cost=cost, time_hidden_size=128)
+    sim = simulate_volume(
+        ids,
+        placement=pl,
+        batch_T=batch,
+        src_rank_T=src_T,
+        num_batches=1,
+        num_ranks=W,
+        ranks_per_node=g,
+        bytes_per_token=256,
+        dedup="expert",
+        cost=cost,
+        time_hidden_size=128,
+    )
     dep = parse_deployment("DP4TP1EP4", num_gpus_per_node=g)
-    tok = evaluate_tokens(StepTokens(topk_ids_TLK=ids, step_T=batch, src_rank_T=src_T, num_steps=1), pl, deployment=dep, dedup="expert", cost=cost, bytes_per_token=256, hidden_size=128)
+    tok = evaluate_tokens(
+        StepTokens(topk_ids_TLK=ids, step_T=batch, src_rank_T=src_T, num_steps=1),
+        pl,
+        deployment=dep,
+        dedup="expert",
+        cost=cost,
+        bytes_per_token=256,
+        hidden_size=128,
+    )
     a2a_sim = sim["dispatch_seconds"] + sim["combine_seconds"]
     assert tok.a2a_seconds_BL == pytest.approx(a2a_sim)
     assert tok.moe_seconds_BL == pytest.approx(sim["moe_seconds"])
     # counts: each expert gets what the tokens gave it
     counts = np.zeros((1, L, E))
     np.add.at(counts[0, 0], ids[:, 0, :].reshape(-1), 1)
-    cnt = evaluate_counts(counts, pl, deployment=dep, cost=cost, dedup="expert", pairs_per_step=float(ids.size), bytes_per_token=256, hidden_size=128)
+    cnt = evaluate_counts(
+        counts,
+        pl,
+        deployment=dep,
+        cost=cost,
+        dedup="expert",
+        pairs_per_step=float(ids.size),
+        bytes_per_token=256,
+        hidden_size=128,
+    )
     assert cnt.a2a_seconds_BL[0, 0] == pytest.approx(a2a_sim[0, 0])
     # the replay's prediction on the send matrix of the same copies, priced with the replay's kernel
     from types import SimpleNamespace
 
     from moetrace.placement.a2a_run import replay_kernel
 
-    rc = ReplayCost(links=LINKS, fixed_seconds=3e-6, wire_overhead=1.0, intra_probe_seconds=None, intra_probe_bytes=0, note="test")
+    rc = ReplayCost(
+        links=LINKS, fixed_seconds=3e-6, wire_overhead=1.0, intra_probe_seconds=None, intra_probe_bytes=0, note="test"
+    )
     sends = np.zeros((1, 1, 1, W, W), dtype=np.int64)
     for w, row in zip(src_T, ids[:, 0, :]):
         for dst in row // (E // W):
             sends[0, 0, 0, w, dst] += int(dst != w)
     plan = SimpleNamespace(sends_VBLWW=sends, ranks_per_node=g, bytes_per_token=256)
     replay_hw = Hardware(name="r", source="test", kernels={"expert": replay_kernel(rc)})
-    sim_r = simulate_volume(ids, placement=pl, batch_T=batch, src_rank_T=src_T, num_batches=1, num_ranks=W, ranks_per_node=g, bytes_per_token=256, dedup="expert", cost=CostModel(hardware=replay_hw), time_hidden_size=256)
+    sim_r = simulate_volume(
+        ids,
+        placement=pl,
+        batch_T=batch,
+        src_rank_T=src_T,
+        num_batches=1,
+        num_ranks=W,
+        ranks_per_node=g,
+        bytes_per_token=256,
+        dedup="expert",
+        cost=CostModel(hardware=replay_hw),
+        time_hidden_size=256,
+    )
     assert predicted_seconds_VBL(plan, rc)[0, 0, 0] == pytest.approx(sim_r["dispatch_seconds"][0, 0])

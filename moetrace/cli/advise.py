@@ -58,8 +58,8 @@ def advise_cmd(
     Example: moetrace advise traces/dsv3 --config DP8TP8EP64 -o advice
     """
     from moetrace.placement.advise import AdviseConfig, advise_input, format_advice, write_advice
-    from moetrace.placement.hardware import load_hardware
     from moetrace.placement.deployment import parse_deployment
+    from moetrace.placement.hardware import load_hardware
     from moetrace.results import ADVICE
 
     dep = parse_deployment(config, num_gpus_per_node=gpus_per_node)

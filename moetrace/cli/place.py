@@ -178,8 +178,8 @@ def place_cmd(
       moetrace place traces/dsv3 --config DP8TP8EP64 -o placement.json
     """
     from moetrace.placement.compare import make_placement, placement_file
-    from moetrace.placement.hardware import load_hardware
     from moetrace.placement.exports import save_placement
+    from moetrace.placement.hardware import load_hardware
     from moetrace.placement.report import format_placement_summary
     from moetrace.results import PLACEMENT
 

@@ -113,9 +113,7 @@ def main() -> None:
         vl = vllm.rebalance_experts(t, P, G, N, W).numpy()
         ds = deepseek.rebalance_experts(t, P, G, N, W)[0].numpy()
         differ = (ds != sg).any(1) | (ds != vl).any(1)
-        keep = np.sort(
-            np.concatenate([np.flatnonzero(differ)[:KEEP_DIFFERENT], np.flatnonzero(~differ)[:KEEP_SAME]])
-        )
+        keep = np.sort(np.concatenate([np.flatnonzero(differ)[:KEEP_DIFFERENT], np.flatnonzero(~differ)[:KEEP_SAME]]))
         case = {
             "name": name,
             "seed": seed,
