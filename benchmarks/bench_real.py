@@ -3,8 +3,8 @@
 Source (downloaded, never vendored): deepseek-ai/ESFT (MIT), ``results/expert_scores/<task>/
 expert_weights_<layer>.txt``: DeepSeek-V2-Lite's per-token routing of 213 teacher-forced sequences of
 four task domains of unequal size (intent 127, law 33, summary 13, translation 40). ``--esft`` takes
-the repository (a plain checkout, or a bare git directory such as the ``fetch`` tool's
-``/work/.mirror/deepseek-ai+ESFT/repo``, whose files are read with ``git cat-file``), its
+the repository (a plain checkout, or a bare git directory such as a mirror of it, whose files are
+read with ``git cat-file``), its
 ``results/expert_scores`` folder, or one task folder. The logs are imported with ``--format esft``
 (``tracer/importers/esft.py``; each sequence a request, its first ``--prompt-fraction`` of tokens
 its prefill) into ``WORK/esft-trace`` (kept and reused while the commit and fraction are the same).
@@ -33,7 +33,7 @@ mean over the seeds with its [min, max] (node load: the largest over the seeds, 
 the limit). Written to ``--json``: every row of every run (``summary_rows`` of ``run_compare`` plus
 the run's seed, order, nodes, copy model and wall time).
 
-Run: .venv/bin/python benchmarks/bench_real.py --esft /work/.mirror/deepseek-ai+ESFT/repo \\
+Run: .venv/bin/python benchmarks/bench_real.py --esft PATH/TO/ESFT \\
     [--work /tmp/bench_real] [--nodes 2,4,8] [--dedup expert,node] [--seeds 0,1,2] \\
     [--orders shuffled,bursts] [--batches 200] [--test-fraction 0.3] [--json /tmp/bench_real/rows.json]
 """

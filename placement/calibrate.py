@@ -9,10 +9,10 @@ fits every kernel of a set of tables into a links file (``hardware.Hardware``) w
 The benchmark's routing, re-drawn here:
 
 - ``uniform`` (DeepEP's tests, aiconfigurator's DeepEP collectors): every token's top-k a uniform
-  draw of k distinct experts, expert ``e`` on GPU ``e // (E / W)``; ``num_batches`` draws per shape
-  (8 up to 32 tokens per GPU, 4 up to 128, 2 below ``TOKENS_SIMULATED``, else 1), seeded by the shape, so the busiest GPU's excess
-  over the mean is the one a single benchmark draw shows on average. Above ``TOKENS_SIMULATED``
-  tokens per GPU the copies of a ``TOKENS_SIMULATED``-token draw are scaled: the mean by
+  draw of k distinct experts, expert ``e`` on GPU ``e // (E / W)``; a few draws per shape (8 up to
+  32 tokens per GPU, 4 up to 128, 2 below ``TOKENS_SIMULATED``, else 1), seeded by the shape, so the
+  busiest GPU's excess over the mean is the one a single benchmark draw shows on average. Above
+  ``TOKENS_SIMULATED`` tokens per GPU the copies of a ``TOKENS_SIMULATED``-token draw are scaled: the mean by
   ``s = tokens / TOKENS_SIMULATED``, each GPU's deviation from it by ``sqrt(s)`` (a count's variance
   grows linearly with the tokens); distinct peers are the draw's.
 - ``balanced`` (TensorRT-LLM's collector, ``generate_balanced_expert_ids``): token ``i`` of every GPU
@@ -24,13 +24,15 @@ The fit, per kernel and phase, on the training rows (``hold_out`` rows are predi
 least squares on ``log(predicted / measured)`` (relative error; soft-L1 loss, so a few noisy rows do
 not drag it), parameters positive (fitted as logarithms): the fixed cost, each link class's bandwidth
 where the rows send over it (intra: any row with more than one GPU per node; inter: any row with more
-than one node), else the class is taken from ``inter_from``/``intra_from`` and the report says so.
-Per-message latencies are fitted only where the data supports them: every combination of the
-fitted classes' latencies is fitted and scored by 4-fold cross-validation on the training rows
-(median relative error); a latency is kept only when it lowers that error by at least
-``LATENCY_GAIN`` (absolute), else it stays 0. Combine is its own phase (its own fixed cost and
-links) plus the reduction term at the GPU's HBM bandwidth (``HBM_BYTES_PER_S``): it is proportional
-to the copies moved, so the tables cannot tell it from combine's bandwidth; it is held, not fitted.
+than one node), else the class is taken from a fallback kernel (``calibrate``'s ``base``: the H100
+preset's network link for single-node tables) and the kernel's ``source`` says so.
+Per-message latencies are fitted only where the data supports them: the intra-node latency is
+kept when adding it lowers the cross-validated median relative error (4 folds of the training rows)
+by at least ``LATENCY_GAIN``; then the inter-node latency likewise, with one fold per multi-node EP
+size (a per-peer cost must carry over to other EP sizes, whose peers differ). Else it stays 0.
+Combine is its own phase (its own fixed cost and links) plus the reduction term at the GPU's HBM
+bandwidth (``HBM_BYTES_PER_S``): it is proportional to the copies moved, so the tables cannot tell it
+from combine's bandwidth; it is held, not fitted.
 
 Hold-out syntax (``parse_hold_out``): ``TERM[,TERM...]`` holds out the rows matching every term;
 ``;`` separates alternatives (a row matching any group is held out). A term is ``FIELD OP VALUE``
@@ -48,9 +50,10 @@ Out of scope: reading the tables (``kernel_tables``); the congestion of a shared
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -59,7 +62,7 @@ import numpy as np
 from moetrace.errors import ConfigError
 from moetrace.placement.cost import Link, Links
 from moetrace.placement.hardware import Hardware
-from moetrace.placement.kernel_tables import KERNEL_COPIES, KernelRow
+from moetrace.placement.kernel_tables import KERNEL_COPIES, KernelRow, gpus_per_node_of
 from moetrace.placement.step_model import (
     BF16,
     VALUE_TYPES,
@@ -88,6 +91,10 @@ __all__ = [
     "fit_kernel",
     "Calibration",
     "calibrate",
+    "calibration_text",
+    "ShapeCost",
+    "cost_of_shape",
+    "format_cost",
     "errors",
     "format_rows",
     "format_fit",
@@ -98,11 +105,19 @@ NVFP4 = ValueType(name="nvfp4", bytes_per_value=0.5, scale_bytes=1.0, block=16)
 #: the value types a measured row may name
 ROW_VALUE_TYPES: dict[str, ValueType] = {**VALUE_TYPES, "nvfp4": NVFP4}
 #: HBM bandwidth per GPU kind (datasheets): combine's reduction term; 3.35 TB/s for any other kind
-HBM_BYTES_PER_S = {"h100": 3.35e12, "h800": 3.35e12, "h200": 4.8e12, "b200": 8e12, "gb200": 8e12, "b300": 8e12, "gb300": 8e12}
+HBM_BYTES_PER_S = {
+    "h100": 3.35e12,
+    "h800": 3.35e12,
+    "h200": 4.8e12,
+    "b200": 8e12,
+    "gb200": 8e12,
+    "b300": 8e12,
+    "gb300": 8e12,
+}
 #: tokens per GPU drawn at most; larger token counts scale a draw of this many (module docstring)
 TOKENS_SIMULATED = 512
 #: the cross-validated median relative error a latency must remove to be kept
-LATENCY_GAIN = 0.001
+LATENCY_GAIN = 0.005
 #: the kernel name a fitted copy model gets when the rows do not say (``Kernel.name``)
 KERNEL_NAMES = {"expert": "deepep-ll", "node": "deepep-normal", "rank": "nvlink-a2a"}
 _FOLDS = 4
@@ -236,11 +251,15 @@ def row_traffic(row: KernelRow, *, seed: int = 0, loads_E: Sequence[float] | Non
 
 
 def _row_kernel(row: KernelRow, kernel: Kernel) -> Kernel:
-    """``kernel`` with ``row``'s value types on the wire."""
+    """``kernel`` with ``row``'s value types on the wire (the kernel's own where the names agree)."""
+
+    def value(phase: Phase, name: str) -> ValueType:
+        return phase.value if phase.value.name == name else ROW_VALUE_TYPES[name]
+
     return replace(
         kernel,
-        dispatch=replace(kernel.dispatch, value=ROW_VALUE_TYPES[row.dispatch_type]),
-        combine=replace(kernel.combine, value=ROW_VALUE_TYPES[row.combine_type]),
+        dispatch=replace(kernel.dispatch, value=value(kernel.dispatch, row.dispatch_type)),
+        combine=replace(kernel.combine, value=value(kernel.combine, row.combine_type)),
     )
 
 
@@ -288,7 +307,9 @@ HoldOut = Callable[[KernelRow, int], bool]
 def _term(text: str, spec: str) -> HoldOut:
     m = re.fullmatch(r"\s*([a-z_]+)\s*(!=|<=|>=|=|<|>)\s*([^\s].*?)\s*", text)
     if not m:
-        raise ConfigError(f"--hold-out {spec!r}: cannot read {text!r}; write FIELD OP VALUE (e.g. tokens>=256, gpu=h200) or every=N")
+        raise ConfigError(
+            f"--hold-out {spec!r}: cannot read {text!r}; write FIELD OP VALUE (e.g. tokens>=256, gpu=h200) or every=N"
+        )
     name, op, value = m.groups()
     if name == "every":
         if op != "=" or not value.isdigit() or int(value) < 2:
@@ -350,7 +371,7 @@ class _PhaseEval:
         self.groups: list[_Group] = []
         has_intra = np.zeros(self.n, bool)
         has_inter = np.zeros(self.n, bool)
-        for W, idx in by_w.items():
+        for idx in by_w.values():
             ts = [row_traffic(rows[i], seed=seed) for i in idx]
             Bmax = max(t.send_intra.shape[0] for t in ts)
 
@@ -459,7 +480,7 @@ class PhaseFit:
     params: dict[str, float]  # _PARAMS
     fitted: list[str]  # the parameters the fit moved (the rest: from a fallback, or 0 for latencies)
     taken: dict[str, str]  # parameter -> where it came from when not fitted
-    variants: list[dict[str, Any]]  # latency combinations tried: {"latencies": [...], "cv_median": x}
+    variants: list[dict[str, Any]]  # latencies tried: {"latency", "folds", "cv_median_without", "cv_median_with"}
     predicted_us: np.ndarray  # every row's prediction (train and held out), float64 [N]
 
     def to_json(self) -> dict[str, Any]:
@@ -485,6 +506,7 @@ def _fit_phase(
     taken_from: dict[str, str],
     reduce: float,
     seed: int,
+    latencies: Collection[str] = ("intra", "inter"),
 ) -> PhaseFit:
     meas = np.array([r.dispatch_us if phase == "dispatch" else r.combine_us for r in rows]) * 1e-6
     ev = _PhaseEval(rows, phase, seed=seed)
@@ -501,33 +523,52 @@ def _fit_phase(
     for c in classes:
         p0[f"{c}_latency_s"] = 0.0
     base_free = ["fixed_s"] + [f"{c}_bytes_per_s" for c in classes]
-    lat = [f"{c}_latency_s" for c in classes]
-    combos: list[tuple[str, ...]] = [()]
-    if lat:
-        combos += [(x,) for x in lat] + ([tuple(lat)] if len(lat) == 2 else [])
     idx_train = np.flatnonzero(train)
-    variants = []
+    row_folds = [idx_train[f::_FOLDS] for f in range(_FOLDS)]
+    multi = [r.ep_size for r, m in zip(rows, train & ev.has_inter, strict=True) if m]
+    ep_folds = [
+        idx_train[[rows[int(i)].ep_size == e and ev.has_inter[i] for i in idx_train]] for e in sorted(set(multi))
+    ]
     fitted: dict[tuple[str, ...], dict[str, float]] = {}
-    for combo in combos:
-        free = base_free + list(combo)
-        q = fitted[combo] = _solve(ev, meas, train, dict(p0, **{k: 2e-7 for k in combo}), free, reduce, starts=(1.0, 0.3))
-        cv = math.nan
-        if len(combos) > 1:  # cross-validated: each fold predicted by a fit (from the full fit) to the others
-            pred = np.full(len(rows), np.nan)
-            for f in range(_FOLDS):
-                test = np.zeros(len(rows), bool)
-                test[idx_train[f::_FOLDS]] = True
-                qf = _solve(ev, meas, train & ~test, q, free, reduce)
-                pred[test] = ev.seconds(_links_of(qf), qf["fixed_s"], reduce)[test]
-            cv = errors(pred[train], meas[train])["median"]
-        variants.append({"latencies": list(combo), "cv_median": cv})
-    none_err = variants[0]["cv_median"]
-    best = min(combos, key=lambda c: variants[combos.index(c)]["cv_median"]) if len(combos) > 1 else ()
-    if best and not variants[combos.index(best)]["cv_median"] <= none_err - LATENCY_GAIN:
-        best = ()
-    q = fitted[best]
+
+    def fit_combo(combo: tuple[str, ...]) -> dict[str, float]:
+        if combo not in fitted:
+            q0 = dict(p0, **{k: 2e-7 for k in combo})
+            fitted[combo] = _solve(ev, meas, train, q0, base_free + list(combo), reduce, starts=(1.0, 0.3))
+        return fitted[combo]
+
+    def cv(combo: tuple[str, ...], folds: list[np.ndarray]) -> float:
+        """Median relative error of each fold predicted by a fit (from the full fit) to the other rows."""
+        q = fit_combo(combo)
+        pred = np.full(len(rows), np.nan)
+        for idx in folds:
+            test = np.zeros(len(rows), bool)
+            test[idx] = True
+            qf = _solve(ev, meas, train & ~test, q, base_free + list(combo), reduce)
+            pred[test] = ev.seconds(_links_of(qf), qf["fixed_s"], reduce)[test]
+        tested = np.concatenate(folds)
+        return errors(pred[tested], meas[tested])["median"]
+
+    variants: list[dict[str, Any]] = []
+    best: tuple[str, ...] = ()
+    # the intra-node latency on folds of rows; then the inter-node one on folds of EP sizes (a per-peer
+    # cost must carry over to other EP sizes: the peers grow with them)
+    for c, folds, how in (
+        ("intra", row_folds, "rows"),
+        ("inter", ep_folds if len(ep_folds) >= 2 else row_folds, "EP sizes"),
+    ):
+        if c not in classes or c not in latencies:
+            continue
+        how = how if c == "intra" or len(ep_folds) >= 2 else "rows"
+        without, with_ = cv(best, folds), cv((*best, f"{c}_latency_s"), folds)
+        variants.append({"latency": c, "folds": how, "cv_median_without": without, "cv_median_with": with_})
+        if with_ <= without - LATENCY_GAIN:
+            best = (*best, f"{c}_latency_s")
+    q = fit_combo(best)
     pred_us = ev.seconds(_links_of(q), q["fixed_s"], reduce) * 1e6
-    return PhaseFit(phase=phase, params=q, fitted=base_free + list(best), taken=taken, variants=variants, predicted_us=pred_us)
+    return PhaseFit(
+        phase=phase, params=q, fitted=base_free + list(best), taken=taken, variants=variants, predicted_us=pred_us
+    )
 
 
 @dataclass
@@ -562,8 +603,10 @@ class KernelFit:
 
 
 def _start_links(base: Kernel | None, phase: str) -> dict[str, float]:
-    links = getattr(base, phase).links if base is not None else Links(
-        intra=Link(bytes_per_s=150e9, latency_s=0.0), inter=Link(bytes_per_s=40e9, latency_s=0.0)
+    links = (
+        getattr(base, phase).links
+        if base is not None
+        else Links(intra=Link(bytes_per_s=150e9, latency_s=0.0), inter=Link(bytes_per_s=40e9, latency_s=0.0))
     )
     return {
         "fixed_s": getattr(base, phase).fixed_s if base is not None else 10e-6,
@@ -586,17 +629,21 @@ def fit_kernel(
     combine_value: ValueType = BF16,
     reduce_bytes_per_s: float | None = None,
     seed: int = 0,
+    latencies: Collection[str] = ("intra", "inter"),
 ) -> KernelFit:
     """Fit one kernel (module docstring) to ``rows`` of one copy model. ``fallback``: the kernel whose
     link classes are taken where the rows do not send over them (``fallback_name`` says whose);
-    ``dispatch_value``: the fitted kernel's dispatch value type (default: the rows' most common)."""
+    ``dispatch_value``: the fitted kernel's dispatch value type (default: the rows' most common);
+    ``latencies``: the link classes whose per-message latency may be tried (the others stay 0)."""
     rows = list(rows)
     if not rows:
         raise ConfigError("calibrate: no measured rows to fit")
     kinds = {r.copies for r in rows}
     copies = copies or (kinds.pop() if len(kinds) == 1 else "")
     if not copies or any(r.copies != copies for r in rows):
-        raise ConfigError(f"calibrate: rows of several copy models ({', '.join(sorted({r.copies for r in rows}))}); fit one at a time")
+        raise ConfigError(
+            f"calibrate: rows of several copy models ({', '.join(sorted({r.copies for r in rows}))}); fit one at a time"
+        )
     rule = parse_hold_out(hold_out) if isinstance(hold_out, str) or hold_out is None else hold_out
     held = np.array([bool(rule(r, i)) if rule else False for i, r in enumerate(rows)])
     if held.all():
@@ -605,21 +652,41 @@ def fit_kernel(
     reduce = reduce_bytes_per_s or hbm_bytes_per_s(gpus[0])
     taken_from = {"intra": fallback_name or "the starting value", "inter": fallback_name or "the starting value"}
     fits = {
-        ph: _fit_phase(rows, ph, ~held, start=_start_links(fallback, ph), taken_from=taken_from, reduce=reduce, seed=seed)
+        ph: _fit_phase(
+            rows,
+            ph,
+            ~held,
+            start=_start_links(fallback, ph),
+            taken_from=taken_from,
+            reduce=reduce,
+            seed=seed,
+            latencies=latencies,
+        )
         for ph in ("dispatch", "combine")
     }
     if dispatch_value is None:  # the rows' most common dispatch type (ties: the wider one)
         names = [r.dispatch_type for r in rows]
-        dispatch_value = ROW_VALUE_TYPES[max(("nvfp4", "fp8", "bf16"), key=names.count)]
+        dispatch_value = ROW_VALUE_TYPES[max(("bf16", "fp8", "nvfp4"), key=names.count)]
     kname = name or (rows[0].kernel if len({r.kernel for r in rows}) == 1 else KERNEL_NAMES[copies])
     srcs = sorted({r.source.split(":")[0] for r in rows})
-    notes = sorted({f"{c} link from {pf.taken[f'{c}_bytes_per_s']}" for pf in fits.values() for c in ("intra", "inter") if f"{c}_bytes_per_s" in pf.taken})
+    notes = sorted(
+        {
+            f"{c} link from {pf.taken[f'{c}_bytes_per_s']}"
+            for pf in fits.values()
+            for c in ("intra", "inter")
+            if f"{c}_bytes_per_s" in pf.taken
+        }
+    )
     source = f"fitted to {', '.join(srcs)} ({len(rows) - int(held.sum())} rows)" + "".join(f"; {n}" for n in notes)
     kernel = Kernel(
         name=kname,
         copies=copies,  # type: ignore[arg-type]
-        dispatch=Phase(value=dispatch_value, links=_links_of(fits["dispatch"].params), fixed_s=fits["dispatch"].params["fixed_s"]),
-        combine=Phase(value=combine_value, links=_links_of(fits["combine"].params), fixed_s=fits["combine"].params["fixed_s"]),
+        dispatch=Phase(
+            value=dispatch_value, links=_links_of(fits["dispatch"].params), fixed_s=fits["dispatch"].params["fixed_s"]
+        ),
+        combine=Phase(
+            value=combine_value, links=_links_of(fits["combine"].params), fixed_s=fits["combine"].params["fixed_s"]
+        ),
         reduce_bytes_per_s=reduce,
         source=source,
     )
@@ -640,6 +707,8 @@ class Calibration:
     fits: dict[str, KernelFit]  # copy model -> its fit (kernels taken whole from the base are absent)
     hold_out: str | None = None
     derived: dict[str, str] = field(default_factory=dict)  # copy model -> how its kernel was made without rows
+    no_latency: list[str] = field(default_factory=list)  # latencies left out on request (``calibrate``)
+    notes: list[str] = field(default_factory=list)  # anything else the fit's reader should know
 
     def rows_json(self) -> list[dict[str, Any]]:
         """One object per measured row: its settings, measured and predicted times, held out or not."""
@@ -664,11 +733,23 @@ class Calibration:
             **self.hardware.to_json(),
             "fit": {
                 "hold_out": self.hold_out,
+                "no_latency": self.no_latency,
                 "kernels": {c: kf.report() for c, kf in self.fits.items()},
                 "derived": self.derived,
+                "notes": self.notes,
             },
             "rows": self.rows_json(),
         }
+
+
+def calibration_text(cal: Calibration) -> str:
+    """``cal.to_json()`` as the text of a links file: indented, one line per measured row."""
+    doc = cal.to_json()
+    rows = doc.pop("rows")
+    head = json.dumps(doc, indent=1)
+    assert head.endswith("\n}")
+    body = ",\n".join("  " + json.dumps(r) for r in rows)
+    return head[:-2] + (',\n "rows": [\n' + body + "\n ]\n}\n" if rows else ',\n "rows": []\n}\n')
 
 
 def _num(x: float) -> float | None:
@@ -683,11 +764,18 @@ def calibrate(
     name: str = "calibrated",
     gpu: str | None = None,
     seed: int = 0,
+    no_latency: Collection[str] = (),
 ) -> Calibration:
     """Fit every kernel found in ``rows`` and assemble a ``Hardware``: kernels without rows come from
     ``base`` (its ``rank`` kernel is derived from the fitted ``node`` kernel when the rows have DeepEP
     normal rows but no NVLink all-to-all: inside a node both send one copy per destination GPU), and a
-    link class no row sends over comes from ``base``'s kernel of the same copy model."""
+    link class no row sends over comes from ``base``'s kernel of the same copy model.
+    ``no_latency``: per-message latencies not to fit, as ``CLASS`` (every kernel) or ``COPIES.CLASS``
+    (``expert.inter``: the low-latency kernel's inter-node latency)."""
+    for item in no_latency:
+        head, _, cls = item.rpartition(".")
+        if cls not in ("intra", "inter") or (head and head not in KERNEL_COPIES.values()):
+            raise ConfigError(f"--no-latency {item!r}: write intra, inter, or COPIES.CLASS (e.g. expert.inter)")
     rows = list(rows)
     if not rows:
         raise ConfigError("calibrate: no measured rows (give tables, or --gpu for the bundled ones)")
@@ -703,8 +791,14 @@ def calibrate(
         return bool(rule(row, index[id(row)])) if rule else False
 
     fits: dict[str, KernelFit] = {}
+    notes: list[str] = []
     for copies in sorted(by_copies, key=list(KERNEL_COPIES.values()).index):
         fb = base.kernels.get(copies) if base is not None else None
+        krows = by_copies[copies]
+        if all(held(r, 0) for r in krows) and fb is not None and base is not None:
+            fits[copies] = _unfitted(krows, fb, seed=seed)  # nothing to fit: the base's kernel predicts them
+            notes.append(f"{krows[0].kernel}: every row held out; predicted with {base.name}'s {fb.name} kernel")
+            continue
         fits[copies] = fit_kernel(
             by_copies[copies],
             copies=copies,
@@ -713,19 +807,29 @@ def calibrate(
             fallback_name=f"{base.name}'s {fb.name} kernel" if base is not None and fb is not None else "",
             reduce_bytes_per_s=hbm_bytes_per_s(gpus[0]),
             seed=seed,
+            latencies=[c for c in ("intra", "inter") if c not in no_latency and f"{copies}.{c}" not in no_latency],
         )
-    kernels = {c: kf.kernel for c, kf in fits.items()}
+    kernels = {c: kf.kernel for c, kf in fits.items() if kf.held_out.sum() < len(kf.rows)}
     derived: dict[str, str] = {}
     if "rank" not in kernels and "node" in kernels:
         node = kernels["node"]
+
+        def per_gpu(p: Phase) -> Links:  # the normal kernel's network latency is per remote node, not per GPU
+            return replace(p.links, inter=Link(bytes_per_s=p.links.inter.bytes_per_s, latency_s=0.0))
+
         kernels["rank"] = replace(
             node,
             name="nvlink-a2a",
             copies="rank",
-            dispatch=replace(node.dispatch, value=BF16),
-            source=f"derived from the deepep-normal fit (inside a node it sends one copy per destination GPU): {node.source}",
+            dispatch=replace(node.dispatch, value=BF16, links=per_gpu(node.dispatch)),
+            combine=replace(node.combine, links=per_gpu(node.combine)),
+            source="derived from the deepep-normal fit (inside a node it sends one copy per destination GPU; "
+            f"no inter-node per-message latency): {node.source}",
         )
-        derived["rank"] = "the deepep-normal kernel's parameters, copies per rank, BF16 dispatch"
+        derived["rank"] = (
+            "the deepep-normal kernel's parameters, copies per rank, BF16 dispatch, without its inter-node "
+            "per-message latency (the normal kernel's is per remote node)"
+        )
     if base is not None:
         for c, k in base.kernels.items():
             if c not in kernels:
@@ -739,7 +843,34 @@ def calibrate(
         source=f"moetrace calibrate: {', '.join(srcs)}" + (f" (held out: {hold_out})" if hold_out else ""),
         kernels={c: kernels[c] for c in order},
     )
-    return Calibration(hardware=hw, fits=fits, hold_out=hold_out, derived=derived)
+    return Calibration(
+        hardware=hw, fits=fits, hold_out=hold_out, derived=derived, no_latency=list(no_latency), notes=notes
+    )
+
+
+def _unfitted(rows: Sequence[KernelRow], kernel: Kernel, *, seed: int) -> KernelFit:
+    """A ``KernelFit`` of rows all held out: ``kernel``'s predictions, nothing fitted."""
+    d, c = predict(rows, kernel, seed=seed)
+
+    def phase_fit(ph: str, pred: np.ndarray) -> PhaseFit:
+        p = getattr(kernel, ph)
+        params = {"fixed_s": p.fixed_s, **{k: v for k, v in _start_links(kernel, ph).items() if k != "fixed_s"}}
+        return PhaseFit(
+            phase=ph,
+            params=params,
+            fitted=[],
+            taken={k: "all rows held out" for k in _PARAMS},
+            variants=[],
+            predicted_us=pred,
+        )
+
+    return KernelFit(
+        kernel=kernel,
+        rows=list(rows),
+        held_out=np.ones(len(rows), bool),
+        dispatch=phase_fit("dispatch", d),
+        combine=phase_fit("combine", c),
+    )
 
 
 # ------------------------------------------------------------------------------ printing
@@ -770,24 +901,104 @@ def format_fit(cal: Calibration) -> str:
     out = []
     for copies, kf in cal.fits.items():
         rep = kf.report()
-        out.append(f"{rep['kernel']} (copies per {copies}): {rep['rows']['train']} rows fitted, {rep['rows']['held_out']} held out")
+        out.append(
+            f"{rep['kernel']} (copies per {copies}): {rep['rows']['train']} rows fitted, {rep['rows']['held_out']} held out"
+        )
         for ph in ("dispatch", "combine"):
             p = rep[ph]
-            lat = [v["latencies"] for v in p["latency_variants"]]
             out.append(
                 f"  {ph:<8} fixed {p['fixed_us']:.2f} us, intra {p['intra_GBps']:.1f} GB/s + {p['intra_latency_us']:.3f} us/msg,"
                 f" inter {p['inter_GBps']:.1f} GB/s + {p['inter_latency_us']:.3f} us/msg"
                 + (f"  [taken: {', '.join(sorted({v for v in p['taken'].values()}))}]" if p["taken"] else "")
             )
-            if len(lat) > 1:
-                tried = ", ".join(
-                    f"{'+'.join(x.split('_')[0] for x in v['latencies']) or 'none'} {v['cv_median'] * 100:.1f}%"
-                    for v in p["latency_variants"]
+            for v in p["latency_variants"]:
+                kept = "kept" if f"{v['latency']}_latency_s" in p["fitted"] else "not kept"
+                out.append(
+                    f"           {v['latency']} latency {kept}: cross-validated median error (folds of {v['folds']})"
+                    f" {v['cv_median_without'] * 100:.1f}% without, {v['cv_median_with'] * 100:.1f}% with"
                 )
-                out.append(f"           latencies tried (cross-validated median error): {tried}")
             for split, e in p["errors"].items():
                 parts = [f"{g} {x['median'] * 100:.1f}%/{x['worst'] * 100:.1f}% (n={x['n']})" for g, x in e.items()]
                 out.append(f"           {split:<8} median/worst: {'; '.join(parts)}")
     for c, how in cal.derived.items():
         out.append(f"{c}: {how}")
+    out += cal.notes
     return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------ one shape (moetrace cost)
+#: the measured-table kernel whose rows price a copy model (its copy model and routing)
+_ROW_KERNEL = {v: k for k, v in KERNEL_COPIES.items()}
+
+
+@dataclass(frozen=True)
+class ShapeCost:
+    """The step model's answer for one shape (``moetrace cost``)."""
+
+    hardware: Hardware
+    kernel: Kernel
+    row: KernelRow  # the shape, as a table row (no measurement)
+    dispatch_us: float
+    combine_us: float
+    routing: str  # "uniform" or "loads"
+
+
+def cost_of_shape(
+    hardware: Hardware,
+    *,
+    copies: str,
+    ep_size: int,
+    hidden: int,
+    top_k: int,
+    num_experts: int,
+    tokens_per_rank: int,
+    gpus_per_node: int | None = None,
+    dispatch_type: str | None = None,
+    combine_type: str | None = None,
+    loads_E: Sequence[float] | None = None,
+    seed: int = 0,
+) -> ShapeCost:
+    """Dispatch and combine time of one layer at one shape: ``predict`` of one row (uniform routing,
+    or routing in proportion to ``loads_E``) with ``hardware``'s kernel for ``copies``.
+    ``gpus_per_node``: default 4 on GB200/GB300, else 8; at most ``ep_size`` (one partial node)."""
+    kernel = hardware.kernel(copies)
+    g = min(gpus_per_node or gpus_per_node_of(hardware.gpu or hardware.name), ep_size)
+    d_type = dispatch_type or kernel.dispatch.value.name
+    c_type = combine_type or kernel.combine.value.name
+    for what, t in (("dispatch", d_type), ("combine", c_type)):
+        if t not in ROW_VALUE_TYPES:
+            raise ConfigError(
+                f"{what} value type {t!r} of {hardware.name}'s kernel is not one of {', '.join(ROW_VALUE_TYPES)}"
+            )
+    row = KernelRow(
+        kernel=_ROW_KERNEL[copies],
+        gpu=hardware.gpu,
+        source="moetrace cost",
+        ep_size=ep_size,
+        gpus_per_node=g,
+        hidden=hidden,
+        top_k=top_k,
+        num_experts=num_experts,
+        tokens_per_rank=tokens_per_rank,
+        dispatch_type=d_type,
+        combine_type=c_type,
+        dispatch_us=math.nan,
+        combine_us=math.nan,
+    ).check("moetrace cost")
+    d, c = predict([row], kernel, seed=seed, loads_E=loads_E)
+    return ShapeCost(hardware, kernel, row, float(d[0]), float(c[0]), "loads" if loads_E is not None else "uniform")
+
+
+def format_cost(r: ShapeCost) -> str:
+    row, k = r.row, r.kernel
+    nodes = f"{row.nodes} node(s) x {row.gpus_per_node} GPUs"
+    how = "uniform routing" if r.routing == "uniform" else "routing by the given per-expert loads"
+    lines = [
+        f"links {r.hardware.name} ({r.hardware.source}); kernel {k.name}, copies per {k.copies}",
+        f"EP {row.ep_size} = {nodes}, hidden {row.hidden}, top-{row.top_k} of {row.num_experts} experts, "
+        f"{row.tokens_per_rank} tokens per GPU, {how}, the busiest GPU:",
+        f"  {'dispatch (' + row.dispatch_type + ')':<20}{r.dispatch_us:10.1f} us",
+        f"  {'combine (' + row.combine_type + ')':<20}{r.combine_us:10.1f} us",
+        f"  {'dispatch + combine':<20}{r.dispatch_us + r.combine_us:10.1f} us",
+    ]
+    return "\n".join(lines)

@@ -7,8 +7,13 @@ serving router in ``grouping``: a ``routers.Router`` written and read by its own
 against): from a placement, SGLang ``--init-expert-location`` JSON, TensorRT-LLM MoE load-balancer
 YAML, for vLLM the bare JSON list of physical→logical rows, one per MoE layer, that its open
 initial-placement proposal reads (no released vLLM reads a placement file; checked through 0.33),
-and vllm-ascend's static expert map (``eplb_config.expert_map_path``); from a trace, SGLang's
-``{"logical_count": [H, E]}`` (token counts, from which SGLang runs its own EPLB at start-up).
+vllm-ascend's static expert map (``eplb_config.expert_map_path``) and llm-d-inference-sim's
+``--moe-fixed-placement-path`` JSON (its MoE fork's ``physical_to_logical``); from a trace, SGLang's
+``{"logical_count": [H, E]}`` (token counts, from which SGLang runs its own EPLB at start-up),
+llm-d-inference-sim's binary ``.moetrace`` trace (``llmd_moetrace_bytes``: their name and format, magic
+``MOETRC01``; the importer ``tracer/importers/llmd_moetrace.py`` reads it back) and, from a trace or a load
+profile, aisimulate's expert-popularity bundle (``export_bundle``: ``metadata.yaml`` and
+``model_expert_popularity.parquet``, schema version 1).
 
 Shape legend (docs/architecture.md): L MoE layers, H all decoder layers, E logical experts,
 P physical slots, M max replicas, W EP ranks, J slots of one rank (P / W in this module), C clusters,
@@ -58,12 +63,18 @@ __all__ = [
     "export_file",
     "trace_expert_counts",
     "sglang_logical_count",
+    "llmd_moetrace_bytes",
+    "aisimulate_popularity",
+    "aisimulate_bundle_name",
+    "export_bundle",
     "ExportFormat",
     "PlacementExportFormat",
     "TraceExportFormat",
     "CountStage",
     "PLACEMENT_EXPORTS",
     "TRACE_EXPORTS",
+    "BUNDLE_EXPORTS",
+    "BINARY_EXPORTS",
 ]
 
 #: the most ids (decoder layers x slots) one engine file may hold: far above any model (DeepSeek-V3:
@@ -75,11 +86,32 @@ MAX_PLACEMENT_BYTES = 256 << 20
 _MAX_COUNT = 1 << 20
 FORMAT = PLACEMENT.format  # the placement JSON's "format" (moetrace.results owns it)
 VERSION = PLACEMENT.version  # the version this moetrace writes and reads
-PlacementExportFormat = Literal["sglang", "trtllm", "vllm", "vllm-ascend"]  # made from a placement JSON
-TraceExportFormat = Literal["sglang-logical-count"]  # made from a trace (counts, not a placement)
-ExportFormat = Literal["sglang", "trtllm", "vllm", "vllm-ascend", "sglang-logical-count"]  # both kinds
-PLACEMENT_EXPORTS: tuple[PlacementExportFormat, ...] = ("sglang", "trtllm", "vllm", "vllm-ascend")
-TRACE_EXPORTS: tuple[TraceExportFormat, ...] = ("sglang-logical-count",)
+# made from a placement JSON
+PlacementExportFormat = Literal["sglang", "trtllm", "vllm", "vllm-ascend", "llmd-fixed-placement"]
+# made from a trace (counts, not a placement; llmd-moetrace: the routing itself, a trace only)
+TraceExportFormat = Literal["sglang-logical-count", "llmd-moetrace", "aisimulate-popularity"]
+ExportFormat = Literal[  # both kinds
+    "sglang",
+    "trtllm",
+    "vllm",
+    "vllm-ascend",
+    "llmd-fixed-placement",
+    "sglang-logical-count",
+    "llmd-moetrace",
+    "aisimulate-popularity",
+]
+PLACEMENT_EXPORTS: tuple[PlacementExportFormat, ...] = (
+    "sglang",
+    "trtllm",
+    "vllm",
+    "vllm-ascend",
+    "llmd-fixed-placement",
+)
+TRACE_EXPORTS: tuple[TraceExportFormat, ...] = ("sglang-logical-count", "llmd-moetrace", "aisimulate-popularity")
+#: the formats written as a folder of files (``export_bundle``), not one file
+BUNDLE_EXPORTS: tuple[TraceExportFormat, ...] = ("aisimulate-popularity",)
+#: the formats written as bytes (binary), not text
+BINARY_EXPORTS: tuple[ExportFormat, ...] = ("llmd-moetrace",)
 CountStage = Literal["decode", "prefill", "both"]  # which tokens a counts export counts
 
 
@@ -337,6 +369,8 @@ def export_placement(pf: PlacementFile, *, fmt: PlacementExportFormat) -> str:
         return json.dumps(pf.placement.phy2log.tolist()) + "\n"
     if fmt == "vllm-ascend":
         return json.dumps(_vllm_ascend_map(pf)) + "\n"
+    if fmt == "llmd-fixed-placement":
+        return json.dumps(_llmd_fixed_placement(pf)) + "\n"
     if fmt in TRACE_EXPORTS:
         raise ConfigError(
             f"--format {fmt} exports token counts from a trace, not a placement: pass the trace directory"
@@ -455,6 +489,30 @@ def sglang_logical_count(counts_LE: np.ndarray, *, model: ModelInfo) -> str:
     return json.dumps({"logical_count": full_HE.tolist()}) + "\n"
 
 
+def _counts_of(
+    path: Path,
+    fmt: str,
+    *,
+    stage: CountStage | None,
+    allow_incomplete: bool,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[np.ndarray, ModelInfo, str]:
+    """``(counts_LE, model, stage counted)`` of a trace directory or a load profile, for the counts formats."""
+    if is_profile(path):  # a load profile holds the counts already
+        prof = open_profile(path)
+        counted = "both" if STAGE_MIXED in prof.stages else (stage or "decode")
+        return profile_counts(prof, stage=stage), prof.model, counted
+    if not path.is_dir():
+        raise ConfigError(
+            f"{path}: --format {fmt} exports token counts from a trace or a load profile, not a placement: pass the "
+            f"trace directory (e.g. `moetrace export traces/dsv3 --format {fmt} -o ...`)"
+        )
+    counts_LE, model = trace_expert_counts(
+        path, stage=stage or "decode", allow_incomplete=allow_incomplete, progress=progress
+    )
+    return counts_LE, model, stage or "decode"
+
+
 def export_file(
     source: str | os.PathLike,
     *,
@@ -462,28 +520,30 @@ def export_file(
     stage: CountStage | None = None,
     allow_incomplete: bool = False,
     progress: Callable[[int, int], None] | None = None,
-) -> str:
-    """The text of an engine file made from ``source``: a placement JSON for the placement formats,
-    a trace directory for ``sglang-logical-count`` (``stage`` defaults to decode there).
+) -> str | bytes:
+    """The content of an engine file made from ``source``: a placement JSON for the placement formats,
+    a trace directory (or a load profile) for ``sglang-logical-count`` (``stage`` defaults to decode
+    there), a trace directory for ``llmd-moetrace`` (bytes: a binary file; ``BINARY_EXPORTS``).
+    ``aisimulate-popularity`` is a folder of files: :func:`export_bundle`.
 
     Raises ``ConfigError`` when ``source`` is the wrong kind of input for ``fmt``, or trace options
     (``stage``, ``allow_incomplete``) come with a placement format.
     """
     path = Path(source)
-    if fmt == "sglang-logical-count" and is_profile(path):  # a load profile holds the counts already
-        prof = open_profile(path)
-        counts_LE = profile_counts(prof, stage=stage)
-        return sglang_logical_count(counts_LE, model=prof.model)
+    if fmt in BUNDLE_EXPORTS:
+        raise ConfigError(f"--format {fmt} writes a folder of files: use export_bundle")
     if fmt == "sglang-logical-count":
-        if not path.is_dir():
-            raise ConfigError(
-                f"{path}: --format {fmt} exports token counts from a trace, not a placement: pass the trace "
-                f"directory (e.g. `moetrace export traces/dsv3 --format {fmt} -o logical_count.json`)"
-            )
-        counts_LE, model = trace_expert_counts(
-            path, stage=stage or "decode", allow_incomplete=allow_incomplete, progress=progress
-        )
+        counts_LE, model, _ = _counts_of(path, fmt, stage=stage, allow_incomplete=allow_incomplete, progress=progress)
         return sglang_logical_count(counts_LE, model=model)
+    if fmt == "llmd-moetrace":
+        if stage is not None:
+            raise ConfigError(f"--format {fmt} writes every routed token of both stages; leave out --stage")
+        if not path.is_dir() or is_profile(path):
+            raise ConfigError(
+                f"{path}: --format {fmt} writes the routing of every token: pass a trace directory (a load profile or "
+                "a placement has no tokens)"
+            )
+        return llmd_moetrace_bytes(path, allow_incomplete=allow_incomplete, progress=progress)
     if stage is not None or allow_incomplete:
         raise ConfigError(f"--stage and --allow-incomplete read a trace; --format {fmt} converts a placement JSON")
     if path.is_dir():
@@ -491,4 +551,313 @@ def export_file(
             f"{path} is a directory; --format {fmt} converts a placement JSON: write one with "
             "`moetrace place TRACE --config ... -o placement.json`"
         )
+    if fmt not in PLACEMENT_EXPORTS:
+        raise ConfigError(f"unknown export format {fmt!r}")
     return export_placement(load_placement(path), fmt=fmt)
+
+
+# ------------------------------------------------------------ llm-d-inference-sim (MoE fork)
+#: llm-d-inference-sim's ``.moetrace`` (pkg/moetrace/format.go and writer.go; docs/exports.md)
+_LLMD_MAGIC = b"MOETRC01"
+_LLMD_HEADER, _LLMD_ENTRY, _LLMD_BLOCK_HEADER = 112, 32, 32
+
+
+def _llmd_fixed_placement(pf: PlacementFile) -> dict[str, Any]:
+    """llm-d-inference-sim's ``--moe-fixed-placement-path`` JSON (``fixedPlacementFile`` in
+    ``pkg/simulator/moe_trace_fidelity.go``): one ``physical_to_logical`` row of P slots per MoE layer,
+    slot p on GPU ``p // (P / W)``; its loader refuses an expert twice on one GPU."""
+    phy2log_LP = pf.placement.phy2log
+    L, P = phy2log_LP.shape
+    W = pf.deployment.num_ep
+    per_rank_LWJ = np.sort(phy2log_LP.reshape(L, W, P // W), axis=-1)
+    twice_LWJ = per_rank_LWJ[..., 1:] == per_rank_LWJ[..., :-1]
+    if twice_LWJ.any():
+        l, w, j = (int(x[0]) for x in np.nonzero(twice_LWJ))
+        raise ConfigError(
+            f"llm-d-inference-sim refuses an expert placed twice on one GPU, but EP rank {w} holds expert "
+            f"{int(per_rank_LWJ[l, w, j])} twice in model layer {pf.model.moe_layers[l]} (strategy {pf.strategy!r}): "
+            "place again with another strategy or fewer redundant slots"
+        )
+    return {"physical_to_logical": phy2log_LP.tolist(), "num_layers": L, "num_physical_experts": P}
+
+
+def _go_json(obj: Any) -> bytes:
+    """Go's ``json.Marshal`` of ``obj`` (keys in the struct's order): compact, ``<``, ``>``, ``&``, U+2028 and
+    U+2029 escaped as Go's HTML-safe encoder does (trace text is valid UTF-8, so Go's U+FFFD replacement never applies)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    for ch, esc in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(ch, esc)
+    return text.encode("utf-8", errors="replace")
+
+
+def _request_texts(tr: Any, rid_R: np.ndarray) -> tuple[list[str], list[str]]:
+    """Each request's stored prompt and output text (``--store-text``), ``""`` where none was stored."""
+    cols = tr.requests().collect_schema().names()
+    if "prompt_text" not in cols:
+        return [""] * len(rid_R), [""] * len(rid_R)
+    df = tr.requests().select("request_id", "prompt_text", "output_text").collect()
+    texts = {int(r): (p or "", o or "") for r, p, o in df.iter_rows()}
+    return [texts.get(int(r), ("", ""))[0] for r in rid_R], [texts.get(int(r), ("", ""))[1] for r in rid_R]
+
+
+def llmd_moetrace_bytes(
+    trace: str | os.PathLike,
+    *,
+    allow_incomplete: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> bytes:
+    """A trace as llm-d-inference-sim's binary ``.moetrace`` (version 1; docs/exports.md).
+
+    Request ``i`` in request-id order becomes prompt ``i``: its prompt rows the input tokens, its generated rows
+    the decode tokens. The format stores a route for every token and layer: a ``-1`` anywhere but in a request's
+    last row is refused; the last generated token (never fed back, ``-1`` in every trace) gets its previous row's
+    route, which the simulator never charges. Token ids are written as 0 (a trace holds none), the texts stored
+    with ``--store-text`` (else empty), the source JSON's size and SHA-256 as zeros (there is none). Memory: the
+    whole trace's ids (``Trace.token_arrays``), and the file.
+    """
+    import struct
+
+    tr = open_trace(trace, require_complete=not allow_incomplete)
+    model = tr.model
+    recorded = stages_of(tr)
+    if set(recorded) != {"prefill", "decode"}:
+        raise ConfigError(
+            f"{trace}: recorded {', '.join(sorted(recorded))} routing only; the .moetrace format holds the route of "
+            "every input and decode token"
+        )
+    L, K, E = model.num_moe_layers, model.top_k, model.num_experts
+    if E > 65536:
+        raise ConfigError(f"{model.name} has {E:,} experts; the .moetrace format stores ids of at most 65,536")
+    width = 1 if E <= 256 else 2
+    req = tr.request_arrays
+    R = len(req.request_id_R)
+    ta = tr.token_arrays()
+    order = np.lexsort((ta.position_T, ta.row_T))
+    ids_TLK = ta.topk_ids_TLK[order]
+    T_R = req.prompt_tokens_R.astype(np.int64) + req.output_tokens_R
+    start_R = np.concatenate([[0], np.cumsum(T_R)])
+    prompt_text, output_text = _request_texts(tr, req.request_id_R)
+    meta = {
+        "format_version": 1,
+        "model": model.source,
+        "num_experts": E,
+        "top_k": K,
+        "sparse_layers": [int(x) for x in model.moe_layers],
+        "num_prompts": R,
+        "expert_id_bytes": width,
+        "prompts": [
+            {
+                "index": i,
+                "prompt": prompt_text[i],
+                "input_tokens": int(req.prompt_tokens_R[i]),
+                "decode_tokens": int(req.output_tokens_R[i]),
+                "generated_text": output_text[i],
+            }
+            for i in range(R)
+        ],
+    }
+    meta_bytes = _go_json(meta)
+    dt = np.dtype("u1") if width == 1 else np.dtype("<u2")
+    blocks: list[bytes] = []
+    index: list[bytes] = []
+    offset = _LLMD_HEADER + len(meta_bytes)
+    for i in range(R):
+        P, D = int(req.prompt_tokens_R[i]), int(req.output_tokens_R[i])
+        rows_TLK = ids_TLK[start_R[i] : start_R[i + 1]].copy()
+        if D and (rows_TLK[-1] < 0).all():  # the last generated token: never fed back, never charged
+            rows_TLK[-1] = rows_TLK[-2]
+        missing = rows_TLK < 0
+        if missing.any():
+            t, l, _ = (int(x) for x in np.argwhere(missing)[0])
+            raise ConfigError(
+                f"{trace}: request {int(req.request_id_R[i])}, position {t}, layer {model.moe_layers[l]} has no "
+                "recorded expert (-1, e.g. a prefix-cache hit); the .moetrace format needs the route of every input "
+                "and decode token in every layer"
+            )
+        counts_LE = np.stack([np.bincount(rows_TLK[:P, l].reshape(-1), minlength=E) for l in range(L)])
+        block = b"".join(
+            [
+                struct.pack("<7I4x", i, P, D, L, E, K, width),
+                bytes(4 * (P + D)),  # token ids: a trace holds none
+                counts_LE.astype("<u4").tobytes(),
+                rows_TLK[:P].transpose(1, 0, 2).astype(dt).tobytes(),  # [layer][position][top_k]
+                rows_TLK[P:].astype(dt).tobytes(),  # [decode position][layer][top_k]
+            ]
+        )
+        index.append(struct.pack("<I4xQQII", i, offset, len(block), P, D))
+        blocks.append(block)
+        offset += len(block)
+        if progress is not None:
+            progress(int(start_R[i + 1]), int(start_R[-1]))
+    index_bytes = b"".join(index)
+    header = _LLMD_MAGIC + struct.pack(
+        "<IIQQQQQQIII4x32x",  # the source JSON's size and SHA-256: zeros, there is none
+        1,
+        _LLMD_HEADER,
+        _LLMD_HEADER,
+        len(meta_bytes),
+        _LLMD_HEADER + len(meta_bytes),
+        offset,
+        len(index_bytes),
+        0,
+        R,
+        width,
+        _LLMD_ENTRY,
+    )
+    return header + meta_bytes + b"".join(blocks) + index_bytes
+
+
+# ------------------------------------------------------------ aisimulate expert popularity
+#: aisimulate's bundle files and schema (``aiconfigurator_core/sdk/expert_popularity.py``; docs/exports.md)
+AISIMULATE_PARQUET = "model_expert_popularity.parquet"
+AISIMULATE_METADATA = "metadata.yaml"
+AISIMULATE_SCHEMA_VERSION = 1
+
+
+def aisimulate_bundle_name(model_id: str) -> str:
+    """aisimulate's folder name of a model's bundle: ``org/name`` -> ``org--name``."""
+    parts = model_id.split("/")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(
+            f"aisimulate names a bundle by the model's hub id <org>/<model>, got {model_id!r}: pass --model-id ORG/NAME"
+        )
+    return "--".join(parts)
+
+
+def aisimulate_popularity(
+    counts_LE: np.ndarray, *, model: ModelInfo, model_id: str, stage: str, provenance: dict[str, str]
+) -> dict[str, bytes]:
+    """aisimulate's expert-popularity bundle: ``{file name: bytes}`` of ``model_expert_popularity.parquet`` and
+    ``metadata.yaml`` (schema version 1), from tokens per (MoE layer, expert) ``counts_LE``.
+
+    One row per (MoE layer, expert), layer-major: ``layer_id`` (the model layer index), ``expert_id``,
+    ``activation_count``, ``routed_token_count`` (the layer's tokens: its picks / top-k), ``token_hit_rate``
+    (count / tokens), ``assignment_share`` (count / (tokens * top-k)) and ``popularity_rank`` (1 = most picked,
+    ties by expert id), computed as aisimulate's validator recomputes them.
+    """
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    L, E, K = model.num_moe_layers, model.num_experts, model.top_k
+    if counts_LE.shape != (L, E) or counts_LE.dtype.kind not in "iu" or (counts_LE < 0).any():
+        raise ConfigError(
+            f"counts must be non-negative integers of shape ({L}, {E}), got {counts_LE.dtype} {counts_LE.shape}"
+        )
+    picks_L = counts_LE.sum(axis=1)
+    for l in range(L):
+        if picks_L[l] == 0:
+            raise ConfigError(
+                f"model layer {model.moe_layers[l]} has no routed token in the {stage} counts; aisimulate needs every "
+                "MoE layer's popularity"
+            )
+        if picks_L[l] % K:
+            raise ConfigError(
+                f"model layer {model.moe_layers[l]}: {int(picks_L[l]):,} expert picks, not a whole number of tokens of "
+                f"top-{K} (tokens with some slots unrecorded?); aisimulate checks picks = tokens x top-k"
+            )
+    tokens_L = picks_L // K
+    layer_N = np.repeat(np.asarray(model.moe_layers, dtype=np.int32), E)
+    expert_N = np.tile(np.arange(E, dtype=np.int32), L)
+    count_N = counts_LE.reshape(-1).astype(np.uint64)
+    routed_N = np.repeat(tokens_L.astype(np.uint64), E)
+    hit_N = np.concatenate([counts_LE[l].astype(np.float64) / float(tokens_L[l]) for l in range(L)])
+    share_N = np.concatenate([counts_LE[l].astype(np.float64) / float(tokens_L[l] * K) for l in range(L)])
+    rank_LE = np.empty((L, E), dtype=np.int32)
+    for l in range(L):
+        order = np.lexsort((np.arange(E), -counts_LE[l].astype(np.int64)))
+        rank_LE[l, order] = np.arange(1, E + 1, dtype=np.int32)
+    schema = pa.schema(
+        [
+            pa.field("layer_id", pa.int32(), nullable=False),
+            pa.field("expert_id", pa.int32(), nullable=False),
+            pa.field("activation_count", pa.uint64(), nullable=False),
+            pa.field("routed_token_count", pa.uint64(), nullable=False),
+            pa.field("token_hit_rate", pa.float64(), nullable=False),
+            pa.field("assignment_share", pa.float64(), nullable=False),
+            pa.field("popularity_rank", pa.int32(), nullable=False),
+        ]
+    )
+    table = pa.Table.from_arrays(
+        [pa.array(a) for a in (layer_N, expert_N, count_N, routed_N, hit_N, share_N, rank_LE.reshape(-1))],
+        schema=schema,
+    )
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    parquet = sink.getvalue().to_pybytes()
+    phase = {"both": "prefill+decode"}.get(stage, stage)
+    metadata = {
+        "schema_version": AISIMULATE_SCHEMA_VERSION,
+        "model": {"architecture": model.architecture, "id": model_id, "aliases": []},
+        "routing": {
+            "moe_layer_ids": [int(x) for x in model.moe_layers],
+            "num_layers": model.num_hidden_layers,
+            "num_routed_experts": E,
+            "replication_factor": 1,
+            "top_k": K,
+        },
+        "measurement": {
+            "phase": phase,
+            "count_semantics": "activation_count[layer, expert] is the number of recorded "
+            f"{phase} tokens whose router selected that logical routed expert (exported by moetrace)",
+            "token_hit_rate_denominator": "routed_token_count",
+            "assignment_share_denominator": "routed_token_count * top_k",
+            "popularity_rank_order": "activation_count descending, then expert_id ascending",
+            "workload": {"total_routed_tokens": int(tokens_L.max())},
+        },
+        "provenance": provenance,
+        "files": {
+            "parquet": {"name": AISIMULATE_PARQUET, "sha256": hashlib.sha256(parquet).hexdigest(), "rows": L * E}
+        },
+    }
+    text = yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True)
+    return {AISIMULATE_PARQUET: parquet, AISIMULATE_METADATA: text.encode("utf-8")}
+
+
+def export_bundle(
+    source: str | os.PathLike,
+    *,
+    fmt: TraceExportFormat,
+    stage: CountStage | None = None,
+    allow_incomplete: bool = False,
+    model_id: str | None = None,
+    folder_name: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, bytes]:
+    """The files of a folder format (``BUNDLE_EXPORTS``) made from a trace or a load profile: ``{name: bytes}``.
+
+    ``aisimulate-popularity``: ``model_id`` is the hub id aisimulate files the bundle under (default: the
+    model's ``source`` when it is one); ``stage`` as for ``sglang-logical-count`` (default decode);
+    ``folder_name``: the name of the folder the files will go to, refused unless it is aisimulate's name for
+    ``model_id`` (``org--name``: aisimulate finds a bundle by it).
+    """
+    if fmt not in BUNDLE_EXPORTS:
+        raise ConfigError(f"--format {fmt} writes one file: use export_file")
+    path = Path(source)
+    if model_id is not None:
+        aisimulate_bundle_name(model_id)  # a malformed id is said before the trace is read
+    model = open_profile(path).model if is_profile(path) else None
+    if model is None and path.is_dir():
+        model = open_trace(path, require_complete=not allow_incomplete).model
+    if model is not None:
+        model_id = model_id or model.source
+        wanted = aisimulate_bundle_name(model_id)
+        if folder_name is not None and folder_name != wanted:
+            raise ConfigError(f"aisimulate finds a bundle by its folder name: name the output folder {wanted}")
+    counts_LE, model, counted = _counts_of(path, fmt, stage=stage, allow_incomplete=allow_incomplete, progress=progress)
+    model_id = model_id or model.source
+    provenance = {"framework": "moetrace", "observation_source": _observation_source(path)}
+    return aisimulate_popularity(counts_LE, model=model, model_id=model_id, stage=counted, provenance=provenance)
+
+
+def _observation_source(path: Path) -> str:
+    """Where the counts came from, without directories (aisimulate refuses private paths in metadata)."""
+    if is_profile(path):
+        return "moetrace load profile"
+    tr = open_trace(path, require_complete=False)
+    backend = tr.manifest.get("backend") if isinstance(tr.manifest.get("backend"), dict) else {}
+    name = backend.get("name") if isinstance(backend, dict) else None
+    fmt = backend.get("source_format") if isinstance(backend, dict) else None
+    return f"moetrace trace ({name}{': ' + str(fmt) if fmt else ''})" if name else "moetrace trace"

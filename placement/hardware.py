@@ -20,6 +20,7 @@ Out of scope: fitting (``calibrate``); per-fabric congestion.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -192,8 +193,9 @@ def hardware_from_json(doc: Any, *, name: str) -> Hardware:
     )
 
 
+@functools.lru_cache(maxsize=None)
 def preset(name: str) -> Hardware:
-    """A bundled preset by name."""
+    """A bundled preset by name (read once per process; ``Hardware`` is frozen)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown hardware preset {name!r}; choose one of {', '.join(PRESETS)}, or give a links file")
     text = resources.files("moetrace.data").joinpath("links").joinpath(f"{name}.json").read_text()

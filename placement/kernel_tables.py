@@ -146,7 +146,9 @@ class KernelRow:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}: `{name}` must be >= 1, got {getattr(self, name)}")
         if self.ep_size % self.gpus_per_node:
-            raise ConfigError(f"{where}: ep_size {self.ep_size} is not a whole number of nodes of {self.gpus_per_node} GPUs")
+            raise ConfigError(
+                f"{where}: ep_size {self.ep_size} is not a whole number of nodes of {self.gpus_per_node} GPUs"
+            )
         if self.num_experts % self.ep_size or self.top_k > self.num_experts:
             raise ConfigError(
                 f"{where}: {self.num_experts} experts do not divide over {self.ep_size} GPUs with top-{self.top_k} "
@@ -351,9 +353,13 @@ def rows_from_aiconfigurator(
                 )
             )
     elif "latency" in cols and "op_name" in cols:  # TensorRT-LLM NVLink all-to-all
-        _need(cols, ("kernel_source", "moe_dtype", "num_tokens", "hidden_size", "topk", "num_experts", "moe_ep_size"), source)
+        _need(
+            cols,
+            ("kernel_source", "moe_dtype", "num_tokens", "hidden_size", "topk", "num_experts", "moe_ep_size"),
+            source,
+        )
         dtype = {"bfloat16": "bf16", "bf16": "bf16", "fp8": "fp8", "nvfp4": "nvfp4"}
-        meas: dict[tuple, dict[str, float]] = {}
+        meas: dict[tuple[str, int, int, int, int, int, str], dict[str, float]] = {}
         for i in range(n):
             if cols["kernel_source"][i] != "NVLinkTwoSided":
                 continue  # the one-sided (CutlassMoE) kernels: a different kernel, left out
@@ -363,9 +369,9 @@ def rows_from_aiconfigurator(
             dt = dtype.get(str(cols["moe_dtype"][i]))
             if dt is None:
                 raise ConfigError(f"{source}: unknown moe_dtype {cols['moe_dtype'][i]!r}")
-            key = (kind(i), int(cols["moe_ep_size"][i]), int(cols["hidden_size"][i]), int(cols["topk"][i]),
+            mkey = (kind(i), int(cols["moe_ep_size"][i]), int(cols["hidden_size"][i]), int(cols["topk"][i]),
                    int(cols["num_experts"][i]), int(cols["num_tokens"][i]), dt)  # fmt: skip
-            meas.setdefault(key, {})[op] = float(cols["latency"][i]) * 1e3  # ms -> us
+            meas.setdefault(mkey, {})[op] = float(cols["latency"][i]) * 1e3  # ms -> us
         for (g_kind, ep, hidden, k, e, t, dt), m in meas.items():
             rows.append(
                 KernelRow(
@@ -391,16 +397,20 @@ def rows_from_aiconfigurator(
             f"{source}: not an aiconfigurator all-to-all table (wideep_deepep_ll_perf, wideep_deepep_normal_perf "
             "or trtllm_alltoall_perf columns)"
         )
-    kept = []
+    kept: list[KernelRow] = []
+    bad: dict[tuple[str, str, int, int, int], int] = {}
     for r in rows:
         if r.num_experts % r.ep_size:
-            if skipped is not None:
-                skipped.append(
-                    f"{source}: {r.kernel} {r.gpu} EP{r.ep_size} ({r.nodes} nodes) {r.num_experts} experts "
-                    f"{r.tokens_per_rank} tokens: experts not a multiple of the EP size (the kernel asserts it)"
-                )
+            bkey = (r.kernel, r.gpu, r.ep_size, r.nodes, r.num_experts)
+            bad[bkey] = bad.get(bkey, 0) + 1
             continue
         kept.append(r.check(source))
+    if skipped is not None:
+        for (kernel, g_kind, ep, nodes, e), count in bad.items():
+            skipped.append(
+                f"{source}: {count} {kernel} {g_kind} rows at EP{ep} ({nodes} nodes) with {e} experts left out: "
+                "experts not a multiple of the EP size (the kernel asserts it)"
+            )
     return kept
 
 

@@ -144,7 +144,7 @@ def test_wheel_from_a_clean_checkout_holds_exactly_the_packages(clean_checkout, 
     bundled = {
         p.relative_to(clean_checkout).as_posix()
         for p in (clean_checkout / "moetrace" / "data").rglob("*")
-        if p.is_file() and p.suffix in (".json", ".jsonl")
+        if p.is_file() and (p.suffix in (".json", ".jsonl", ".csv", ".parquet") or p.name.startswith("LICENSE"))
     }
     assert data == bundled | {"moetrace/py.typed"}  # PEP 561: type checkers use the package's own hints
     code = (

@@ -36,6 +36,7 @@ _COMMAND_MODULES = (
     "moetrace.cli.place",
     "moetrace.cli.a2a",
     "moetrace.cli.advise",
+    "moetrace.cli.calibrate",
     "moetrace.cli.dashboard",
     "moetrace.cli.demo",
 )

@@ -120,6 +120,10 @@ def import_cmd(
     DeepSeek's ESFT expert logs (DeepSeek-V2-Lite; no --model needed):
       moetrace import ESFT/results/expert_scores --format esft \\
         -o traces/esft
+    vLLM server responses, and llm-d-inference-sim's binary .moetrace:
+      moetrace import vllm-responses.jsonl -m qwen3-30b-a3b -o traces/q3
+      moetrace import instructcoder.moetrace -m Qwen1.5-MoE-A2.7B/config.json \\
+        -o traces/llmd
     Expert counts (sglang-stat, sglang-pass, trtllm-stats) become a load profile:
       moetrace import expert_stats/ -m deepseek-v3 \\
         -o dsv3.profile.parquet

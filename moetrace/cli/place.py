@@ -296,36 +296,89 @@ def export_cmd(
     ],
     *,
     fmt: Annotated[
-        Literal["sglang", "trtllm", "vllm", "vllm-ascend", "sglang-logical-count"],
+        Literal[
+            "sglang",
+            "trtllm",
+            "vllm",
+            "vllm-ascend",
+            "llmd-fixed-placement",
+            "sglang-logical-count",
+            "llmd-moetrace",
+            "aisimulate-popularity",
+        ],
         typer.Option(
             "--format",
             "-f",
-            help="Engine file. From a placement JSON: sglang, trtllm, vllm, vllm-ascend. From a trace: "
-            "sglang-logical-count (token counts; SGLang runs its own EPLB on them). See docs/exports.md.",
+            help="Engine file. From a placement JSON: sglang, trtllm, vllm, vllm-ascend, llmd-fixed-placement "
+            "(llm-d-inference-sim's --moe-fixed-placement-path). From a trace: sglang-logical-count (token counts; "
+            "SGLang runs its own EPLB on them), llmd-moetrace (llm-d-inference-sim's binary .moetrace trace), "
+            "aisimulate-popularity (aisimulate's expert-popularity bundle, a folder; also from a load profile). "
+            "See docs/exports.md.",
         ),
     ],
-    out: Annotated[Path, typer.Option("--out", "-o", help="File to write.")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="File to write (aisimulate-popularity: the bundle's folder).")
+    ],
     stage: Annotated[
         Literal["decode", "prefill", "both"] | None,
-        typer.Option(help="sglang-logical-count only: the tokens counted (default decode).", show_default=False),
+        typer.Option(
+            help="sglang-logical-count and aisimulate-popularity: the tokens counted (default decode).",
+            show_default=False,
+        ),
+    ] = None,
+    model_id: Annotated[
+        str | None,
+        typer.Option(
+            "--model-id",
+            help="aisimulate-popularity: the hub id ORG/NAME the bundle is filed under (default: the trace's model "
+            "source); the folder -o must be named ORG--NAME.",
+            show_default=False,
+        ),
     ] = None,
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,
     quiet: Quiet = False,
 ) -> None:
-    """Convert a placement JSON to a serving engine's format (SGLang, TensorRT-LLM, vLLM proposal, vllm-ascend),
-    or export a trace's expert token counts for SGLang's start-up EPLB.
+    """Convert a placement JSON to a serving engine's format (SGLang, TensorRT-LLM, vLLM proposal, vllm-ascend,
+    llm-d-inference-sim), or export a trace for SGLang's start-up EPLB or a simulator.
 
     \b
     Example:
       moetrace export placement.json --format sglang -o expert_location.json
+      moetrace export traces/dsv3 --format aisimulate-popularity \\
+        -o bundles/deepseek-ai--DeepSeek-V3
     """
-    from moetrace.atomic import write_text_atomic
-    from moetrace.placement.exports import export_file
+    from moetrace.atomic import atomic_path, write_text_atomic
+    from moetrace.errors import ConfigError
+    from moetrace.placement.exports import BUNDLE_EXPORTS, export_bundle, export_file
 
+    if model_id is not None and fmt not in BUNDLE_EXPORTS:
+        raise ConfigError(f"--model-id applies to --format {', '.join(BUNDLE_EXPORTS)}")
+    if fmt in BUNDLE_EXPORTS:
+        with claim_output(out, kind="directory", overwrite=overwrite, command="moetrace export"):
+            with progress_bar("counting", "tokens", quiet=quiet) as bar:
+                files = export_bundle(
+                    source,
+                    fmt=fmt,
+                    stage=stage,
+                    allow_incomplete=allow_incomplete,
+                    model_id=model_id,
+                    folder_name=out.name,
+                    progress=bar,
+                )
+            out.mkdir(parents=True, exist_ok=True)
+            for name, data in files.items():
+                with atomic_path(out / name) as tmp:
+                    tmp.write_bytes(data)
+        typer.echo(f"wrote {fmt} bundle ({', '.join(files)}) to {out}")
+        return
     with claim_output(out, kind="file", overwrite=overwrite, command="moetrace export"):
         with progress_bar("counting", "tokens", quiet=quiet) as bar:
-            text = export_file(source, fmt=fmt, stage=stage, allow_incomplete=allow_incomplete, progress=bar)
-        write_text_atomic(out, text)
-    what = "expert counts" if fmt == "sglang-logical-count" else "placement"
+            content = export_file(source, fmt=fmt, stage=stage, allow_incomplete=allow_incomplete, progress=bar)
+        if isinstance(content, bytes):
+            with atomic_path(out) as tmp:
+                tmp.write_bytes(content)
+        else:
+            write_text_atomic(out, content)
+    what = {"sglang-logical-count": "expert counts", "llmd-moetrace": "trace"}.get(fmt, "placement")
     typer.echo(f"wrote {fmt} {what} to {out}")

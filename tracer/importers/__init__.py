@@ -9,6 +9,10 @@
 - ``megatron-router`` (``megatron.py``): a directory of Megatron-Core router traces, one JSONL per rank;
 - ``esft`` (``esft.py``): DeepSeek's ESFT expert logs (``expert_weights_<layer>.txt``, per-token routing of
   DeepSeek-V2-Lite, teacher-forced); the one format that names its model (``ImportFormat.model``);
+- ``vllm-responses`` (``vllm_responses.py``): JSONL of vLLM OpenAI-compatible server responses carrying
+  ``routed_experts`` (``enable_return_routed_experts``);
+- ``llmd-moetrace`` (``llmd_moetrace.py``): llm-d-inference-sim's binary ``.moetrace`` trace (magic ``MOETRC01``;
+  the name and format are theirs);
 - ``sglang-stat`` (``sglang_stat.py``), ``sglang-pass`` (``sglang_pass.py``), ``trtllm-stats``
   (``trtllm.py``): aggregate expert counts (SGLang's stat and per_pass dumps, TensorRT-LLM's expert
   statistics), imported as a **load profile** (``produces="profile"``, written by ``import_profile``),
@@ -41,7 +45,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
-from moetrace.tracer.importers import esft, megatron, sglang, sglang_dump, sglang_pass, sglang_stat, tokens, trtllm
+from moetrace.tracer.importers import (
+    esft,
+    llmd_moetrace,
+    megatron,
+    sglang,
+    sglang_dump,
+    sglang_pass,
+    sglang_stat,
+    tokens,
+    trtllm,
+    vllm_responses,
+)
 from moetrace.tracer.importers.base import (
     HEAD_BYTES,
     RECORDED_STAGES,
@@ -107,6 +122,8 @@ FORMATS: tuple[ImportFormat, ...] = (
     sglang_dump.FORMAT,
     megatron.FORMAT,
     esft.FORMAT,
+    vllm_responses.FORMAT,
+    llmd_moetrace.FORMAT,
     sglang_stat.FORMAT,  # a load profile (aggregate counts)
     sglang_pass.FORMAT,  # a load profile (counts per forward pass and rank)
     trtllm.FORMAT,  # a load profile (aggregate counts)
