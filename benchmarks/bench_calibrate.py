@@ -413,7 +413,9 @@ def main() -> None:
             # the bundled preset keeps the fit's report but not its per-row predictions (megabytes; every
             # command reads the default preset): `moetrace calibrate --gpu NAME -o FILE.json` writes them
             n_rows = len(doc.pop("rows", []))
-            doc["rows_note"] = f"{n_rows} rows; `moetrace calibrate --gpu {name} -o FILE.json` writes each with its prediction"
+            doc["rows_note"] = (
+                f"{n_rows} rows; `moetrace calibrate --gpu {name} -o FILE.json` writes each with its prediction"
+            )
             (LINKS_DIR / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
             print(f"wrote {LINKS_DIR / f'{name}.json'}", file=sys.stderr)
     t_fit = time.perf_counter() - t_all

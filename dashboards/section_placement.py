@@ -259,8 +259,8 @@ def links_text(m: CompareManifest, *, latency: bool = False) -> str:
     links = m.cost["links"]
 
     def one(name: str, cls: str) -> str:
-        lat = f" ({links[f'{cls}_latency_s'] * 1e6:g} µs per message)" if latency else ""
-        return f"{name} {links[f'{cls}_bytes_per_s'] / 1e9:g} GB/s{lat}"
+        lat = f" ({links[f'{cls}_latency_s'] * 1e6:.3g} µs per message)" if latency else ""
+        return f"{name} {links[f'{cls}_bytes_per_s'] / 1e9:.3g} GB/s{lat}"
 
     per = "per GPU" if links["inter_nic"] == "gpu" else "per node, shared by its GPUs"
     hw = f"{m.hardware['name']}: " if m.hardware else ""

@@ -965,7 +965,9 @@ def replay_kernel(cost: ReplayCost) -> Kernel:
     ``hidden_size`` = that count of one-byte values), the run's links and fixed cost per collective,
     no reduction (the replay sends the same copies back and sums nothing)."""
     raw = KernelPhase(value=ValueType(name="raw", bytes_per_value=1.0), links=cost.links, fixed_s=cost.fixed_seconds)
-    return Kernel(name="replay", copies="rank", dispatch=raw, combine=raw, reduce_bytes_per_s=math.inf, source=cost.note)
+    return Kernel(
+        name="replay", copies="rank", dispatch=raw, combine=raw, reduce_bytes_per_s=math.inf, source=cost.note
+    )
 
 
 def predicted_seconds_VBL(plan: A2APlan, cost: ReplayCost) -> np.ndarray:

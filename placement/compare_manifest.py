@@ -61,7 +61,16 @@ _CAP_KEYS = (
 )
 #: keys compare.json leaves out while they hold their ``LATER_KEYS`` value (what a file without them means)
 _LEFT_OUT_AT_DEFAULT = frozenset(
-    {"expert_copy_floor", "skipped", "route_first_decode", "request_unit", "tokens_from", "hardware", "model_config", *_CAP_KEYS}
+    {
+        "expert_copy_floor",
+        "skipped",
+        "route_first_decode",
+        "request_unit",
+        "tokens_from",
+        "hardware",
+        "model_config",
+        *_CAP_KEYS,
+    }
 )
 
 #: the keys the cost model added (a manifest without ``links`` predates them all)
@@ -137,7 +146,9 @@ class CompareManifest:
     # what one trace request is: "request", or "forward pass" (imports that carry no request ids)
     request_unit: str = "request"
     tokens_from: str | None = None  # None: held-out requests of the trace; else how the tokens were drawn (a profile)
-    links: dict[str, Any] | None = None  # the decode kernel's dispatch links (cost.Links.to_json); None: written before the cost model
+    links: dict[str, Any] | None = (
+        None  # the decode kernel's dispatch links (cost.Links.to_json); None: written before the cost model
+    )
     # the trace's requests and its split before the caps (None: a load profile, or a file from before the caps)
     num_trace_requests: int | None = None
     num_trace_train_requests: int | None = None

@@ -193,7 +193,7 @@ def hardware_from_json(doc: Any, *, name: str) -> Hardware:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def preset(name: str) -> Hardware:
     """A bundled preset by name (read once per process; ``Hardware`` is frozen)."""
     if name not in PRESETS:

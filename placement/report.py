@@ -56,8 +56,8 @@ def copy_model_line(c: CompareManifest) -> str:
         if c.hardware is not None:
             line += "\n" + hardware_line(c.hardware, c.dedup)
         line += (
-            f"\nlinks: NVLink {lk['intra_bytes_per_s'] / 1e9:g} GB/s, {lk['intra_latency_s'] * 1e6:g} us; "
-            f"RDMA {lk['inter_bytes_per_s'] / 1e9:g} GB/s {nic}, {lk['inter_latency_s'] * 1e6:g} us"
+            f"\nlinks: NVLink {lk['intra_bytes_per_s'] / 1e9:.3g} GB/s, {lk['intra_latency_s'] * 1e6:.3g} us; "
+            f"RDMA {lk['inter_bytes_per_s'] / 1e9:.3g} GB/s {nic}, {lk['inter_latency_s'] * 1e6:.3g} us"
         )
         ex = c.cost.get("expert")
         line += (
@@ -70,8 +70,8 @@ def copy_model_line(c: CompareManifest) -> str:
 
 
 def hardware_line(hw: dict, copies: str) -> str:
-    """Which step model priced the run: the preset or links file, where its parameters come from,
-    and what the decode kernel sends (value types, fixed costs)."""
+    """Which step model priced the run (the preset or links file; its ``source`` is in compare.json)
+    and what the decode kernel sends: value types and fixed costs per collective."""
     k = hw.get("kernels", {}).get(copies, {})
     d, c = k.get("dispatch", {}), k.get("combine", {})
     kern = (
@@ -80,7 +80,8 @@ def hardware_line(hw: dict, copies: str) -> str:
         if k
         else ""
     )
-    return f"step model: {hw.get('name', '?')} ({hw.get('source', '')}){kern}"
+    measured = "fitted to measured tables" if str(hw.get("source", "")).startswith("moetrace calibrate") else "hand-set"
+    return f"step model: {hw.get('name', '?')} ({measured}){kern}"
 
 
 def _ratio(x: float) -> str:

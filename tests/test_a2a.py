@@ -282,7 +282,9 @@ def test_replay_traffic_is_the_cost_models(data, cfg, dedup):
         dedup=dedup,
     )
     ids = data.test_topk_ids_TLK[rows]
-    rc = ar.ReplayCost(links=links, fixed_seconds=2e-6, wire_overhead=1.0, intra_probe_seconds=None, intra_probe_bytes=0)
+    rc = ar.ReplayCost(
+        links=links, fixed_seconds=2e-6, wire_overhead=1.0, intra_probe_seconds=None, intra_probe_bytes=0
+    )
     hw = Hardware(name="replay", source="test", kernels={dedup: ar.replay_kernel(rc)})
     sim = simulate_volume(ids, bytes_per_token=64, cost=CostModel(hardware=hw), time_hidden_size=64, **kw)
     sends = send_matrices(ids, **kw)

@@ -369,18 +369,19 @@ def test_compare_prints_the_library_summary(planted):
         lines[1].startswith("copies: decode: one copy per (token, expert)")
         and "prefill: one copy per remote node" in lines[1]
     )
-    assert lines[2].startswith("links: NVLink 155 GB/s") and "expert size of planted unknown" in lines[2]
-    head = lines[4].split()
+    assert lines[2].startswith("step model: h100 (fitted to measured tables); decode kernel deepep-ll: dispatch fp8")
+    assert lines[3].startswith("links: NVLink 254 GB/s") and "MoE-layer time n/a" in lines[3]
+    head = lines[5].split()
     assert head[:3] == ["strategy", "a2a", "time"] and head.index("inter") > head.index(
         "MoE"
     )  # time first, bytes after
-    row = dict(zip(["strategy", "a2a", "p10", "p90", "moe", "bytes"], lines[5].split()))
+    row = dict(zip(["strategy", "a2a", "p10", "p90", "moe", "bytes"], lines[6].split()))
     assert row["strategy"] == "linear" and row["a2a"] == "1.000" and row["bytes"] == "1.000" and row["moe"] == "n/a"
-    assert lines[5].split()[-5:-3] == ["-", "1.00"]  # linear routes nothing: even nodes
-    row = lines[6].split()
+    assert lines[6].split()[-5:-3] == ["-", "1.00"]  # linear routes nothing: even nodes
+    row = lines[7].split()
     assert row[0] == "data" and row[-5] == "100%"  # every token local: the router matches its decode
-    assert lines[7].startswith("upper bounds (they see the held-out requests' decode; not deployable")
-    assert [ln.split()[0] for ln in lines[8:10]] == ["perfect_routing", "oracle"]
+    assert lines[8].startswith("upper bounds (they see the held-out requests' decode; not deployable")
+    assert [ln.split()[0] for ln in lines[9:11]] == ["perfect_routing", "oracle"]
     data = load_trace_data(planted, test_fraction=0.2, seed=0)
     res = run_compare(
         data,

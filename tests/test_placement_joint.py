@@ -128,7 +128,7 @@ MODEL = ModelInfo(
     num_experts=E,
     top_k=K,
     num_shared_experts=0,
-    hidden_size=8,
+    hidden_size=7168,  # priced at a real width: at 8 values a copy the fixed cost per collective is all there is
 )
 
 
@@ -164,7 +164,7 @@ def test_compare_reports_bounds_and_the_joint_placer_meets_the_oracle(tmp_path):
     cfg = CompareConfig(
         deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2),
         num_batches=60,
-        num_batch_requests=16,
+        num_batch_requests=512,  # 128 per node, a real decode step: at 4 per GPU the fixed cost per collective decides
         strategies=("linear", "eplb", "data", "joint"),
     )
     res = run_compare(data, cfg)

@@ -86,7 +86,7 @@ def calibrate_cmd(
     \b
     Examples:
       moetrace calibrate --gpu h200 --hold-out every=5
-      moetrace calibrate wideep_deepep_ll_perf.parquet my_cluster.csv --base h100 -o mine.json
+      moetrace calibrate ll_perf.parquet mine.csv --base h100 -o mine.json
     """
     from moetrace.atomic import write_text_atomic
     from moetrace.placement.calibrate import calibrate, calibration_text, format_fit, format_rows
@@ -161,7 +161,8 @@ def cost_cmd(
 
     \b
     Example:
-      moetrace cost --ep 32 --hidden 7168 --top-k 8 --experts 256 --tokens-per-gpu 128 --link h100
+      moetrace cost --ep 32 --hidden 7168 --top-k 8 --experts 256 \\
+        --tokens-per-gpu 128 --link h100
     """
     from moetrace.placement.calibrate import cost_of_shape, format_cost
     from moetrace.placement.hardware import load_hardware

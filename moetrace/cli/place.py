@@ -309,8 +309,9 @@ def export_cmd(
         typer.Option(
             "--format",
             "-f",
+            metavar="FORMAT",
             help="Engine file. From a placement JSON: sglang, trtllm, vllm, vllm-ascend, llmd-fixed-placement "
-            "(llm-d-inference-sim's --moe-fixed-placement-path). From a trace: sglang-logical-count (token counts; "
+            "(llm-d-inference-sim's fixed-placement JSON). From a trace: sglang-logical-count (token counts; "
             "SGLang runs its own EPLB on them), llmd-moetrace (llm-d-inference-sim's binary .moetrace trace), "
             "aisimulate-popularity (aisimulate's expert-popularity bundle, a folder; also from a load profile). "
             "See docs/exports.md.",
