@@ -179,6 +179,11 @@ def compare_notes(result: CompareResult) -> list[str]:
             "draws from the same few, so the figures are noise; trace more requests or raise --test-fraction"
         )
     notes += [f"note: no {b} row: {why}" for b, why in c.skipped.items()]
+    notes += [
+        f"warning: the {b} bound failed: {', '.join(rows)} (deployable, within the node-load limit) predicted faster; "
+        "its row is the bound's own best placement, not theirs"
+        for b, rows in c.bound_failures.items()
+    ]
     if c.route_first_decode:
         notes.append(f"caution: {what_if_line(c.route_first_decode)}")
     if c.request_unit != "request":

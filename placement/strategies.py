@@ -161,6 +161,17 @@ def _eplb(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
     return placement, {"eplb_num_groups": x.router_groups, "eplb_policy": policy, "eplb_sum": accumulate}
 
 
+def _eplb_global(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.eplb import Accumulate, rebalance
+
+    accumulate: Accumulate = "float64"
+    # one group, one node: DeepSeek's global policy (its README's choice for decode at large EP)
+    placement = rebalance(
+        x.load_LE, num_replicas=x.num_slots, num_groups=1, num_nodes=1, num_gpus=x.num_ranks, accumulate=accumulate
+    )
+    return placement, {"eplb_num_groups": 1, "eplb_policy": "global", "eplb_sum": accumulate}
+
+
 def _usage_GLE(x: PlacementInputs) -> np.ndarray:
     if x.usage_GLE is None:
         raise ConfigError("a grouped strategy needs per-group usage (usage_GLE) from clustered training requests")
@@ -237,6 +248,13 @@ STRATEGIES: tuple[Strategy, ...] = (
         "eplb", "EPLB", False, _eplb, "DeepSeek EPLB on the training requests' decode load", keeps_router_groups="yes"
     ),  # its hierarchical policy
     Strategy(
+        "eplb_global",
+        "EPLB, global policy",
+        False,
+        _eplb_global,
+        "DeepSeek EPLB's global policy (experts packed over all GPUs, groups ignored), its README's choice for decode",
+    ),
+    Strategy(
         "data",
         "data-based (core paper)",
         True,
@@ -261,6 +279,14 @@ STRATEGIES: tuple[Strategy, ...] = (
         _joint,
         "ours: request routing and expert membership optimised together (alternating exact LPs), prefill router with node prices",
         "price",
+    ),
+    Strategy(
+        "joint_free",
+        "joint, no router (ours)",
+        True,
+        _joint,
+        "ours served as engines serve today, with no router in front: the joint placement, requests spread evenly over nodes",
+        "none",
     ),
     Strategy(
         "joint_aligned",

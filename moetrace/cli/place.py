@@ -82,7 +82,11 @@ _GROUPED = ", ".join(s.name for s in STRATEGIES if s.grouped)
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  # the registry's names, built at run time
 StrategyOpt = Annotated[
     StrategyName,
-    typer.Option(help=f"Placement strategy (default: the recommended one; {_GROUPED} cluster requests first)."),
+    typer.Option(
+        metavar="STRATEGY",
+        help=f"Placement strategy, one of {', '.join(STRATEGY_NAMES)} (default: the recommended one; "
+        f"{_GROUPED} cluster requests first).",
+    ),
 ]
 StrategiesOpt = Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(STRATEGY_NAMES)}.")]
 
