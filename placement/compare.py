@@ -37,11 +37,11 @@ from moetrace import results as rf
 from moetrace.errors import ConfigError, TraceFormatError
 from moetrace.placement.compare_manifest import CompareManifest, GroupingRecord
 from moetrace.placement.cost import expert_compute_for
-from moetrace.placement.joint import effective_node_load_limit
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.exports import PlacementFile
 from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters
 from moetrace.placement.hardware import CostModel, Hardware, default_hardware
+from moetrace.placement.joint import effective_node_load_limit
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.routers import NoRouter, PriceRouter, Router, fit_router
