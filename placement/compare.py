@@ -96,7 +96,7 @@ class CompareConfig:
     """What to place and how to evaluate it."""
 
     deployment: Deployment  # DPaTPbEPcTPd on nodes of g GPUs
-    strategies: tuple[str, ...] = ("linear", "eplb", "data", "joint")  # placements to compare
+    strategies: tuple[str, ...] = ("linear", "eplb", "data", "joint", "joint_free", "ours")  # placements to compare
     num_clusters: int = 0  # K-means clusters for grouped strategies (0: one per group)
     num_redundant: int = 0  # redundant slots per layer (P = E + R)
     test_fraction: float = 0.2  # share of requests held out for evaluation
@@ -480,9 +480,11 @@ def make_placement(
         train_rows=train_R,
         init_group_N=init_group_N,
         links=search_links(cfg.hardware.kernel(cfg.dedup), hidden_size=_time_hidden(m, config=cfg.model_config)),
+        max_node_load=cfg.max_node_load,
     )
     placement, extra = spec.build(inputs)
-    router = fit_router(spec.router, grouping=grouping, provenance=extra, num_groups=G)
+    kind = extra.get("served_router", spec.router)  # ours may choose to serve with no router
+    router = fit_router(kind, grouping=grouping, provenance=extra, num_groups=G)
     if isinstance(router, PriceRouter):  # ours keeps nodes within the load limit (the paper's router is as published)
         router = replace(router, max_node_load=cfg.max_node_load)
     if isinstance(router, NoRouter):

@@ -216,4 +216,16 @@ def format_placement_summary(ps: PlacedStrategy, *, deployment: str) -> str:
     """``<strategy> placement for <deployment>: <P> slots x <L> layers[, router match <rate>]``."""
     L, P = ps.placement.phy2log.shape
     router = f", router match {ps.router_match_rate:.1%}" if ps.router_match_rate is not None else ""
-    return f"{ps.strategy} placement for {deployment}: {P} slots x {L} layers{router}"
+    line = f"{ps.strategy} placement for {deployment}: {P} slots x {L} layers{router}"
+    if "ours_choice" in ps.extra:  # what ours chose on the validation split, and what the router adds there
+        v = ps.extra["ours_validation"]
+        gain = ps.extra["ours_router_gain"]
+        served = "with its price router" if ps.extra["served_router"] == "price" else "with no router in front"
+        line += (
+            f"\nours chose {ps.extra['ours_choice']} ({served}) on {ps.extra['ours_validation_requests']} validation "
+            f"requests of the training set: expected step link time over linear "
+            + ", ".join(f"{c} {x:.3f}" for c, x in v.items())
+            + f"; the router adds {gain:+.1%} over the same placement served without it"
+            + ("" if ps.extra["served_router"] == "price" else " (not enough to pay for one: served router-free)")
+        )
+    return line

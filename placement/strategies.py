@@ -74,6 +74,7 @@ class PlacementInputs:
     train_rows: np.ndarray | None = None  # int64 rows of the training requests in the [R, ...] arrays
     init_group_N: np.ndarray | None = None  # int64 [len(train_rows)] starting node of each training request
     links: Links | None = None  # the cost model's links (the joint placer balances GPUs under them); None: defaults
+    max_node_load: float = 1.10  # the routers' admission limit (busiest node over an even share)
 
     @property
     def shape(self) -> dict[str, int]:
@@ -219,6 +220,12 @@ def _joint(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
     return _joint_with(x, None)
 
 
+def _ours(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.ours import choose_ours
+
+    return choose_ours(x, build_joint=_joint, max_node_load=x.max_node_load)
+
+
 def _aligned_possible(model: ModelInfo, num_nodes: int) -> None:
     from moetrace.placement.joint import require_aligned
 
@@ -281,6 +288,14 @@ STRATEGIES: tuple[Strategy, ...] = (
         "price",
     ),
     Strategy(
+        "ours",
+        "ours",
+        True,
+        _ours,
+        "ours, chosen on a validation split of the training requests: joint with its router, joint with no router, or EPLB (either policy), whichever is fastest there",
+        "price",
+    ),
+    Strategy(
         "joint_free",
         "joint, no router (ours)",
         True,
@@ -317,7 +332,7 @@ BOUNDS: tuple[Bound, ...] = (
 LABELS: dict[str, str] = {**{s.name: s.label for s in STRATEGIES}, **{b.name: b.label for b in BOUNDS}}
 STRATEGY_NAMES: tuple[str, ...] = tuple(s.name for s in STRATEGIES)
 #: the strategy moetrace recommends: ``place``'s default, drawn first and on top in the dashboard
-RECOMMENDED: str = "joint"
+RECOMMENDED: str = "ours"
 
 
 def get_strategy(name: str) -> Strategy:

@@ -468,3 +468,23 @@ def test_the_router_never_exceeds_the_limit_it_is_held_to(R, G, limit, seed):
     assert n_G.sum() == R and n_G.max() <= node_capacity(R, G, limit)
     assert n_G.max() * G / R <= effective_node_load_limit(R, G, limit) + 1e-9
     assert effective_node_load_limit(R, G, limit) < limit + G / R + 1e-9  # at most one request over the limit's share
+
+
+@pytest.mark.parametrize("noise", [0.2, 0.9])
+def test_ours_is_never_priced_worse_than_eplb_on_its_validation_split(tmp_path, noise):
+    """ours picks the fastest of joint with and without its router and both EPLB policies on a split of
+    the training requests: routed where the structure pays (planted), router-free where it does not."""
+    trace = _block_trace(tmp_path / "b", num_requests=160, noise=noise)
+    data = load_trace_data(trace, test_fraction=0.25, seed=0)
+    cfg = CompareConfig(deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), strategies=("ours",))
+    from moetrace.placement.compare import make_placement
+
+    ps = make_placement(data, cfg, "ours")
+    v, choice = ps.extra["ours_validation"], ps.extra["ours_choice"]
+    assert v[choice] <= min(v["eplb"], v["eplb_global"]) + 1e-12
+    assert (choice == "joint") == (ps.extra["served_router"] == "price")
+    if noise < 0.5:  # planted structure: the router pays
+        assert choice == "joint" and ps.router_match_rate is not None and ps.extra["ours_router_gain"] > 0.1
+    else:  # mostly noise: served as engines serve today, no router in front
+        assert choice != "joint" and ps.router_match_rate is None and ps.group_of_test_R is None
+    assert ps.extra["ours_validation_requests"] <= int((~data.is_test_R).sum()) // 4  # a share of the training set

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from moetrace.placement.compare import CompareConfig, TraceData
 
 #: compare's strategies when none are named (on a load profile: its ungrouped ones)
-DEFAULT_STRATEGIES = "linear,eplb,data,joint"
+DEFAULT_STRATEGIES = "linear,eplb,data,joint,joint_free,ours"
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
 GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (NVLink domain).")]
