@@ -82,6 +82,11 @@ def is_bound(name: str) -> bool:
     return name not in REGISTERED
 
 
+def recommended_of(strategies: list[str]) -> str | None:
+    """The strategy the page emphasises: the recommended one (ours), else, in results without it, joint."""
+    return next((s for s in (RECOMMENDED, "joint") if s in strategies), None)
+
+
 def strategy_colours(strategies: list[str]) -> dict[str, str]:
     """Fixed colours per known strategy so every figure and report agrees; unknown ones after;
     the recommended strategy black; bounds in greys."""
@@ -91,7 +96,7 @@ def strategy_colours(strategies: list[str]) -> dict[str, str]:
         s: _BOUND_COLOURS[bounds.index(s) % len(_BOUND_COLOURS)]
         if is_bound(s)
         else RECOMMENDED_COLOUR
-        if s == RECOMMENDED
+        if s == recommended_of(strategies)
         else category_colour(known.index(s) if s in known else len(known) + i)
         for i, s in enumerate(strategies)
     }
@@ -102,7 +107,8 @@ def _strategies(res: Results, df: pl.DataFrame) -> list[str]:
     as compare.json lists them, then the bounds."""
     order, ref = res.compare.strategies, res.compare.reference
     have = df["strategy"].unique().to_list()
-    out = ([ref] if ref in have else []) + ([RECOMMENDED] if RECOMMENDED in have and RECOMMENDED != ref else [])
+    rec = recommended_of(have)
+    out = ([ref] if ref in have else []) + ([rec] if rec is not None and rec != ref else [])
     out += [s for s in order if s in have and s not in out and not is_bound(s)]
     out += sorted(s for s in have if s not in out and not is_bound(s))
     return out + [s for s in dict.fromkeys([*res.compare.bounds, *sorted(have)]) if s in have and is_bound(s)]
@@ -114,7 +120,7 @@ def _line_style(res: Results, strategies: list[str]) -> dict[str, Any]:
     label = {s: STRATEGY_NAMES.get(s, s) for s in strategies}
     return {
         "colours": {label[s]: c for s, c in strategy_colours(strategies).items()},
-        "emphasis": label[RECOMMENDED] if RECOMMENDED in strategies else None,
+        "emphasis": label[rec] if (rec := recommended_of(strategies)) is not None else None,
         "groups": {label[s]: BOUNDS_GROUP for s in strategies if is_bound(s)},
         "dash": {label[s]: "dot" for s in strategies if is_bound(s)},
     }
@@ -521,7 +527,7 @@ def _box_by_strategy(batches: pl.DataFrame, res: Results, *, view: _BoxView, ref
                 y=y,
                 name=STRATEGY_NAMES.get(s, s),
                 marker_color=colours[s],
-                line={"width": 3.5 if s == RECOMMENDED else 1.5},
+                line={"width": 3.5 if s == recommended_of(strategies) else 1.5},
                 boxpoints="outliers",
                 boxmean=True,
                 hovertemplate=f"{STRATEGY_NAMES.get(s, s)}<br>{view.hover} %{{y:.3f}}<extra></extra>",
@@ -553,8 +559,8 @@ def _box_by_strategy(batches: pl.DataFrame, res: Results, *, view: _BoxView, ref
         caption=f"One value per simulated global batch (a decode step of every node's micro-batch): {view.definition}, "
         f"divided by the median of {STRATEGY_NAMES.get(ref, ref)}. Box = quartiles, whiskers = 1.5 IQR, dashed = mean. "
         + (
-            f"{STRATEGY_NAMES.get(RECOMMENDED, RECOMMENDED)}, the recommended strategy, is drawn thick. "
-            if RECOMMENDED in strategies
+            f"{STRATEGY_NAMES.get(rec, rec)}, the recommended strategy, is drawn thick. "
+            if (rec := recommended_of(strategies)) is not None
             else ""
         )
         + ("Bounds (grey, right of the line) are not deployable. " if first_bound else "")
@@ -762,7 +768,8 @@ def _holdings_section(
         return [], [], []
     load, stage_or_why = _stage_load(res, analyses)
     notes = [] if load is not None else [f"What each node holds: {stage_or_why}."]
-    first = [s for s in strategies if s == RECOMMENDED] + [s for s in strategies if s != RECOMMENDED]
+    rec = recommended_of(strategies)
+    first = [s for s in strategies if s == rec] + [s for s in strategies if s != rec]
     held = {s: node_holdings(places, s, load=load) for s in first}  # the recommended first: the dropdowns open on it
     shown = first[0]
     h = held[shown]

@@ -41,6 +41,7 @@ from moetrace.placement.deployment import Deployment
 from moetrace.placement.exports import PlacementFile
 from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters
 from moetrace.placement.hardware import CostModel, Hardware, default_hardware
+from moetrace.placement.joint import effective_node_load_limit
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
 from moetrace.placement.routers import NoRouter, PriceRouter, Router, fit_router
@@ -95,7 +96,7 @@ class CompareConfig:
     """What to place and how to evaluate it."""
 
     deployment: Deployment  # DPaTPbEPcTPd on nodes of g GPUs
-    strategies: tuple[str, ...] = ("linear", "eplb", "data", "joint")  # placements to compare
+    strategies: tuple[str, ...] = ("linear", "eplb", "data", "joint", "joint_free", "ours")  # placements to compare
     num_clusters: int = 0  # K-means clusters for grouped strategies (0: one per group)
     num_redundant: int = 0  # redundant slots per layer (P = E + R)
     test_fraction: float = 0.2  # share of requests held out for evaluation
@@ -479,9 +480,11 @@ def make_placement(
         train_rows=train_R,
         init_group_N=init_group_N,
         links=search_links(cfg.hardware.kernel(cfg.dedup), hidden_size=_time_hidden(m, config=cfg.model_config)),
+        max_node_load=cfg.max_node_load,
     )
     placement, extra = spec.build(inputs)
-    router = fit_router(spec.router, grouping=grouping, provenance=extra, num_groups=G)
+    kind = extra.get("served_router", spec.router)  # ours may choose to serve with no router
+    router = fit_router(kind, grouping=grouping, provenance=extra, num_groups=G)
     if isinstance(router, PriceRouter):  # ours keeps nodes within the load limit (the paper's router is as published)
         router = replace(router, max_node_load=cfg.max_node_load)
     if isinstance(router, NoRouter):
@@ -706,7 +709,11 @@ class CompareResult:
                     "a2a_seconds_per_step_median": a2a_seconds_median(m),
                     "moe_seconds_per_step_median": float(np.median(m["moe_seconds"].sum(1))),
                     "busiest_node_load": load,
-                    "over_node_load_limit": bool(load is not None and limit is not None and load > limit + 1e-9),
+                    "over_node_load_limit": bool(
+                        load is not None
+                        and limit is not None
+                        and load > self.placed[s].extra.get("node_load_limit", limit) + 1e-9
+                    ),
                     "busiest_gpu_load": float(np.nanmean(gpu_load)) if np.isfinite(gpu_load).any() else float("nan"),
                     "oracle_captured": (1.0 - med[s]) / gain if gain > 0 else None,
                     "inter_node_normalized_median": float(np.median(nb)),
@@ -753,7 +760,11 @@ def place_strategies(
     for s in strategies:  # fail before minutes of other placements
         get_strategy(s).check(data.model, num_nodes=cfg.deployment.num_nodes)
     for s in dict.fromkeys(strategies):
-        placed[s] = make_placement(data, cfg, s, grouping=grouping)
+        if s == "joint_free" and "joint" in placed:  # the same placement, served with no router
+            j = placed["joint"]
+            placed[s] = PlacedStrategy(strategy=s, placement=j.placement, grouping=j.grouping, extra=dict(j.extra))
+        else:
+            placed[s] = make_placement(data, cfg, s, grouping=grouping)
         grouping = placed[s].grouping or grouping
         if on_placed is not None:
             on_placed()
@@ -786,6 +797,7 @@ def run_compare(
     placed = place_strategies(data, cfg, todo, on_placed=step)
     data = with_held_out_tokens(data)  # after placing: the tokens and the clustering never share memory
     skipped: dict[str, str] = {}  # bound -> why it has no row (compare.json `skipped`, printed as a note)
+    bound_failures: dict[str, list[str]] = {}  # bound -> deployable rows within the limit that beat it
     if bounds and data.tokens_from is not None:  # a load profile: no requests to route by their own decode
         skipped.update(dict.fromkeys(bounds, "a load profile has no requests; the bounds route held-out requests"))
         bounds, steps = [], steps - 2 * len(bounds)
@@ -836,6 +848,8 @@ def run_compare(
         ps.extra["groups_without_routed_requests"] = empty
         # held-out requests routed to the busiest node, over an even share (1: no router, even by construction)
         ps.extra["busiest_node_load"] = round(float(node_shares(ps.group_of_test_R, usable, G).max() * G), 4)
+        # the limit integer counts of these requests can meet (9 requests on 8 nodes: 2 on one node)
+        ps.extra["node_load_limit"] = round(effective_node_load_limit(len(usable), G, cfg.max_node_load), 4)
         return stage_volume(data.test_topk_ids_TLK, ps, (rows, batch, src), steps=cfg.num_batches, dedup=cfg.dedup)
 
     def simulate_prefill(ps: PlacedStrategy) -> dict[str, np.ndarray] | None:
@@ -860,16 +874,22 @@ def run_compare(
             if pm is not None:
                 prefill[s] = pm
             step()
-    # a bound is the best row found with the held-out decode known: its own candidates (one per kind of
-    # placement) and every deployable row within the node-load limit, ranked by predicted all-to-all time
-    # per step; so no deployable row within the limit beats a bound on that figure
-    within = [s for s in todo if placed[s].extra["busiest_node_load"] <= cfg.max_node_load + 1e-9]
+
+    # a bound is the best of its own candidates (one per kind of placement, each with the held-out decode
+    # known) within the node-load limit, ranked by predicted all-to-all time per step; never a deployable
+    # row: a deployable row within the limit that beats a bound is the bound's failure, reported as such
+    def within_limit(ps: PlacedStrategy) -> bool:
+        return ps.extra["busiest_node_load"] <= ps.extra["node_load_limit"] + 1e-9
+
+    within = [s for s in todo if within_limit(placed[s])]
     for s in bounds:
         with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
             sims = list(zip(pool.map(simulate, candidates[s]), candidates[s]))
-        sims += [(metrics[d], replace(placed[d], strategy=s, extra={**placed[d].extra, "kind": d})) for d in within]
-        fits = [mc for mc in sims if mc[1].extra["busiest_node_load"] <= cfg.max_node_load + 1e-9] or sims
+        fits = [mc for mc in sims if within_limit(mc[1])] or sims
         metrics[s], placed[s] = min(fits, key=lambda mc: a2a_seconds_median(mc[0]))
+        beaten = [d for d in within if a2a_seconds_median(metrics[d]) < a2a_seconds_median(metrics[s]) - 1e-12]
+        if beaten:
+            bound_failures[s] = beaten
         if (pm := simulate_prefill(placed[s])) is not None:
             prefill[s] = pm
         step()
@@ -932,6 +952,7 @@ def run_compare(
         num_prefill_batches=cfg.num_prefill_batches if prefill else 0,
         expert=None if expert is None else expert.to_json(),
         skipped=skipped,
+        bound_failures=bound_failures,
         tokens_from=data.tokens_from,
         **request_caps(data),
     )
@@ -1044,6 +1065,7 @@ def bound_placements(
             ranks_per_group=cfg.deployment.ranks_per_node,
             rows=test,
             router_groups=rg,
+            balance_slack=cfg.max_node_load - 1.0,  # the limit deployable rows are held to
             links=search_links(
                 cfg.hardware.kernel(cfg.dedup), hidden_size=_time_hidden(data.model, config=cfg.model_config)
             ),
@@ -1058,6 +1080,8 @@ def bound_placements(
                 extra={"joint_iterations": jo.num_iters, "kind": name},
             )
         )
+    # the oracle sees everything perfect routing sees: its candidates are the oracle's too
+    out["oracle"] += [replace(c, strategy="oracle") for c in out["perfect_routing"]]
     if on_placed is not None:
         on_placed()
     return out

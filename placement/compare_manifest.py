@@ -47,6 +47,7 @@ LATER_KEYS: dict[str, Any] = {
     "max_train_requests": None,
     "max_test_requests": None,
     "model_config": None,  # --model-config came later
+    "bound_failures": {},  # bounds beaten by a deployable row (issue #34); older files substituted the row
     "hardware": None,  # the step model's kernels (issue #33); older files: links only, combine = dispatch
 }
 
@@ -69,6 +70,7 @@ _LEFT_OUT_AT_DEFAULT = frozenset(
         "tokens_from",
         "hardware",
         "model_config",
+        "bound_failures",
         *_CAP_KEYS,
     }
 )
@@ -143,6 +145,8 @@ class CompareManifest:
     num_prefill_batches: int = 0  # prefill steps simulated (0: none, e.g. a decode-only trace)
     expert: dict[str, Any] | None = None  # the cost model's expert (cost.ExpertCompute.to_json); None: size unknown
     skipped: dict[str, str] = field(default_factory=dict)  # bound (or "floor") -> why it has no row in this run
+    # bound -> the deployable rows within the node-load limit that beat it: the bound failed (not hidden)
+    bound_failures: dict[str, list[str]] = field(default_factory=dict)
     # what one trace request is: "request", or "forward pass" (imports that carry no request ids)
     request_unit: str = "request"
     tokens_from: str | None = None  # None: held-out requests of the trace; else how the tokens were drawn (a profile)
@@ -223,6 +227,7 @@ class CompareManifest:
             links=r.get("links", dict, optional=True),
             expert=r.get("expert", dict, optional=True),
             skipped={str(k): str(v) for k, v in r.get("skipped", dict).items()},
+            bound_failures={str(k): [str(x) for x in v] for k, v in r.get("bound_failures", dict).items()},
             route_first_decode=r.count("route_first_decode"),
             request_unit=r.get("request_unit", str),
             tokens_from=r.get("tokens_from", str, optional=True),

@@ -67,6 +67,8 @@ __all__ = [
     "node_scores",
     "balanced_assign",
     "route_requests",
+    "node_capacity",
+    "effective_node_load_limit",
     "group_usage",
     "members_of_placement",
 ]
@@ -149,7 +151,7 @@ def group_usage(
 
 def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
     """Assign every request to one node, maximising the total score, every node taking between
-    ``floor((1 - slack) R / G)`` and ``ceil((1 + slack) R / G)`` requests: ``(group_R int64 [R],
+    ``floor((1 - slack) R / G)`` and ``node_capacity(R, G, 1 + slack)`` requests: ``(group_R int64 [R],
     price_G float64 [G])``.
 
     A transportation LP (HiGHS), integral at its optimum because its constraint matrix is totally
@@ -163,8 +165,8 @@ def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tup
     R, G = s.shape
     if R == 0:
         return np.zeros(0, np.int64), np.zeros(G)
-    hi = int(np.ceil((1.0 + balance_slack) * R / G))
-    lo = int(np.floor((1.0 - balance_slack) * R / G))
+    hi = node_capacity(R, G, 1.0 + balance_slack)  # the router's own cap: integer counts can meet it
+    lo = min(int(np.floor((1.0 - balance_slack) * R / G)), R // G)
     cols = np.arange(R * G)
     A_eq = sparse.csr_matrix((np.ones(R * G), (np.repeat(np.arange(R), G), cols)), shape=(R, R * G))
     node = np.tile(np.arange(G), R)
@@ -186,30 +188,70 @@ def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tup
     return group_R, marg[:G] - marg[G:]
 
 
-def route_requests(score_RG: np.ndarray, price_G: np.ndarray, *, max_node_load: float | None = None) -> np.ndarray:
-    """The online router: each request to ``argmax_g score_RG[r, g] - price_G[g]``, int64 [R].
+def node_capacity(num_requests: int, num_nodes: int, max_node_load: float) -> int:
+    """Requests one node may take of ``num_requests`` routed together: ``max_node_load`` times an even
+    share, rounded down, but never below the even share rounded up (integer counts must be able to
+    meet the limit: 9 requests on 8 nodes put 2 on one node, whatever the limit)."""
+    even = num_requests / num_nodes
+    return max(-(-num_requests // num_nodes), int(np.floor(max_node_load * even + 1e-9)))
 
-    With ``max_node_load`` the router also admits by count, as a serving-time router that knows how
-    many requests it sent each node can: requests arrive in row order, and the i-th (from 0) may only
-    go to a node that has taken fewer than ``max(ceil((i + 1) / G) + 1, floor(max_node_load * (i + 1) / G))``
-    so far (its best such node): one request over an even share at any time, and no more than
-    ``max_node_load`` times an even share once that allows more."""
-    net_RG = np.asarray(score_RG) - np.asarray(price_G)[None, :]
+
+def effective_node_load_limit(num_requests: int, num_nodes: int, max_node_load: float) -> float:
+    """The node load (busiest node's requests over an even share) that ``node_capacity`` allows:
+    ``max_node_load``, or more when integer counts cannot meet it (``ceil(R / G) / (R / G)``)."""
+    if num_requests <= 0:
+        return max_node_load
+    return max(max_node_load, -(-num_requests // num_nodes) * num_nodes / num_requests)
+
+
+def route_requests(score_RG: np.ndarray, price_G: np.ndarray, *, max_node_load: float | None = None) -> np.ndarray:
+    """The router: each request to ``argmax_g score_RG[r, g] - price_G[g]``, int64 [R].
+
+    With ``max_node_load`` the requests routed together (the requests in flight: compare's held-out
+    set, a serving router's admission window) are assigned at once, maximising the summed net score
+    with no node over ``node_capacity(R, G, max_node_load)`` requests: a transportation problem,
+    solved exactly (its LP has integral vertices). The result does not depend on the order the
+    requests arrive in (shuffled or in single-domain bursts) beyond ties, and no node exceeds the
+    limit that ``effective_node_load_limit`` states."""
+    net_RG = np.asarray(score_RG, dtype=np.float64) - np.asarray(price_G, dtype=np.float64)[None, :]
     if max_node_load is None:
         return np.argmax(net_RG, axis=1).astype(np.int64)
     R, G = net_RG.shape
-    out = np.empty(R, dtype=np.int64)
-    taken = np.zeros(G, dtype=np.int64)
-    order_RG = np.argsort(-net_RG, axis=1, kind="stable")
-    for i in range(R):
-        cap = max(-(-(i + 1) // G) + 1, int(np.floor(max_node_load * (i + 1) / G + 1e-9)))
-        for g in order_RG[i]:
-            if taken[g] < cap:
-                break
-        else:  # cannot happen (the cap is over an even share); kept so the loop always assigns
-            g = int(np.argmin(taken))
-        out[i] = g
-        taken[g] += 1
+    if R == 0:
+        return np.zeros(0, dtype=np.int64)
+    cap = node_capacity(R, G, max_node_load)
+    best = np.argmax(net_RG, axis=1)
+    if np.bincount(best, minlength=G).max() <= cap:  # the unconstrained choice already fits
+        return best.astype(np.int64)
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix, vstack
+
+    rows = np.repeat(np.arange(R), G)
+    cols = np.arange(R * G)
+    a_eq = coo_matrix((np.ones(R * G), (rows, cols)), shape=(R, R * G))
+    a_ub = coo_matrix((np.ones(R * G), (np.tile(np.arange(G), R), cols)), shape=(G, R * G))
+    # ties broken towards lower node ids, so equal inputs in any order give equal loads
+    c = -(net_RG - 1e-9 * np.arange(G)[None, :]).reshape(-1)
+    res = linprog(
+        c,
+        A_ub=vstack([a_ub]).tocsr(),
+        b_ub=np.full(G, float(cap)),
+        A_eq=a_eq.tocsr(),
+        b_eq=np.ones(R),
+        bounds=(0.0, 1.0),
+        method="highs",
+    )
+    if res.status != 0:  # cannot happen: the capacities hold every request (cap * G >= R)
+        raise RuntimeError(f"capacity-constrained routing failed: {res.message}")
+    x_RG = res.x.reshape(R, G)
+    out = np.argmax(x_RG, axis=1).astype(np.int64)
+    # a fractional vertex (numerical ties) could leave a node one over: move the cheapest extras
+    counts = np.bincount(out, minlength=G)
+    for g in np.flatnonzero(counts > cap):
+        mine = np.flatnonzero(out == g)
+        for r in mine[np.argsort(x_RG[mine, g])][: counts[g] - cap]:
+            room = np.flatnonzero(np.bincount(out, minlength=G) < cap)
+            out[r] = room[np.argmax(net_RG[r, room])]
     return out
 
 

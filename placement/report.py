@@ -179,6 +179,11 @@ def compare_notes(result: CompareResult) -> list[str]:
             "draws from the same few, so the figures are noise; trace more requests or raise --test-fraction"
         )
     notes += [f"note: no {b} row: {why}" for b, why in c.skipped.items()]
+    notes += [
+        f"warning: the {b} bound failed: {', '.join(rows)} (deployable, within the node-load limit) predicted faster; "
+        "its row is the bound's own best placement, not theirs"
+        for b, rows in c.bound_failures.items()
+    ]
     if c.route_first_decode:
         notes.append(f"caution: {what_if_line(c.route_first_decode)}")
     if c.request_unit != "request":
@@ -211,4 +216,16 @@ def format_placement_summary(ps: PlacedStrategy, *, deployment: str) -> str:
     """``<strategy> placement for <deployment>: <P> slots x <L> layers[, router match <rate>]``."""
     L, P = ps.placement.phy2log.shape
     router = f", router match {ps.router_match_rate:.1%}" if ps.router_match_rate is not None else ""
-    return f"{ps.strategy} placement for {deployment}: {P} slots x {L} layers{router}"
+    line = f"{ps.strategy} placement for {deployment}: {P} slots x {L} layers{router}"
+    if "ours_choice" in ps.extra:  # what ours chose on the validation split, and what the router adds there
+        v = ps.extra["ours_validation"]
+        gain = ps.extra["ours_router_gain"]
+        served = "with its price router" if ps.extra["served_router"] == "price" else "with no router in front"
+        line += (
+            f"\nours chose {ps.extra['ours_choice']} ({served}) on {ps.extra['ours_validation_requests']} validation "
+            f"requests of the training set: expected step link time over linear "
+            + ", ".join(f"{c} {x:.3f}" for c, x in v.items())
+            + f"; the router adds {gain:+.1%} over the same placement served without it"
+            + ("" if ps.extra["served_router"] == "price" else " (not enough to pay for one: served router-free)")
+        )
+    return line

@@ -297,8 +297,13 @@ class PriceRouter:
         )
         if decode_RLE is None:
             return Routes(group_R=routed_R)
+        # the assignment by decode under the router's own limit: what a router seeing the decode would do
         truth_R = np.zeros(len(is_test_R), dtype=np.int64)
-        truth_R[test] = balanced_assign(node_scores(decode_RLE, member, rows=test))[0]
+        d_RG = node_scores(decode_RLE, member, rows=test)
+        if self.max_node_load is None:
+            truth_R[test] = balanced_assign(d_RG)[0]
+        else:
+            truth_R[test] = route_requests(d_RG, np.zeros(self.num_groups), max_node_load=self.max_node_load)
         return Routes(
             group_R=routed_R, match_rate=float((routed_R[test] == truth_R[test]).mean()), decode_group_R=truth_R
         )

@@ -74,6 +74,7 @@ class PlacementInputs:
     train_rows: np.ndarray | None = None  # int64 rows of the training requests in the [R, ...] arrays
     init_group_N: np.ndarray | None = None  # int64 [len(train_rows)] starting node of each training request
     links: Links | None = None  # the cost model's links (the joint placer balances GPUs under them); None: defaults
+    max_node_load: float = 1.10  # the routers' admission limit (busiest node over an even share)
 
     @property
     def shape(self) -> dict[str, int]:
@@ -161,6 +162,17 @@ def _eplb(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
     return placement, {"eplb_num_groups": x.router_groups, "eplb_policy": policy, "eplb_sum": accumulate}
 
 
+def _eplb_global(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.eplb import Accumulate, rebalance
+
+    accumulate: Accumulate = "float64"
+    # one group, one node: DeepSeek's global policy (its README's choice for decode at large EP)
+    placement = rebalance(
+        x.load_LE, num_replicas=x.num_slots, num_groups=1, num_nodes=1, num_gpus=x.num_ranks, accumulate=accumulate
+    )
+    return placement, {"eplb_num_groups": 1, "eplb_policy": "global", "eplb_sum": accumulate}
+
+
 def _usage_GLE(x: PlacementInputs) -> np.ndarray:
     if x.usage_GLE is None:
         raise ConfigError("a grouped strategy needs per-group usage (usage_GLE) from clustered training requests")
@@ -208,6 +220,12 @@ def _joint(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
     return _joint_with(x, None)
 
 
+def _ours(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
+    from moetrace.placement.ours import choose_ours
+
+    return choose_ours(x, build_joint=_joint, max_node_load=x.max_node_load)
+
+
 def _aligned_possible(model: ModelInfo, num_nodes: int) -> None:
     from moetrace.placement.joint import require_aligned
 
@@ -237,6 +255,13 @@ STRATEGIES: tuple[Strategy, ...] = (
         "eplb", "EPLB", False, _eplb, "DeepSeek EPLB on the training requests' decode load", keeps_router_groups="yes"
     ),  # its hierarchical policy
     Strategy(
+        "eplb_global",
+        "EPLB, global policy",
+        False,
+        _eplb_global,
+        "DeepSeek EPLB's global policy (experts packed over all GPUs, groups ignored), its README's choice for decode",
+    ),
+    Strategy(
         "data",
         "data-based (core paper)",
         True,
@@ -261,6 +286,22 @@ STRATEGIES: tuple[Strategy, ...] = (
         _joint,
         "ours: request routing and expert membership optimised together (alternating exact LPs), prefill router with node prices",
         "price",
+    ),
+    Strategy(
+        "ours",
+        "ours",
+        True,
+        _ours,
+        "ours, chosen on a validation split of the training requests: joint with its router, joint with no router, or EPLB (either policy), whichever is fastest there",
+        "price",
+    ),
+    Strategy(
+        "joint_free",
+        "joint, no router (ours)",
+        True,
+        _joint,
+        "ours served as engines serve today, with no router in front: the joint placement, requests spread evenly over nodes",
+        "none",
     ),
     Strategy(
         "joint_aligned",
@@ -291,7 +332,7 @@ BOUNDS: tuple[Bound, ...] = (
 LABELS: dict[str, str] = {**{s.name: s.label for s in STRATEGIES}, **{b.name: b.label for b in BOUNDS}}
 STRATEGY_NAMES: tuple[str, ...] = tuple(s.name for s in STRATEGIES)
 #: the strategy moetrace recommends: ``place``'s default, drawn first and on top in the dashboard
-RECOMMENDED: str = "joint"
+RECOMMENDED: str = "ours"
 
 
 def get_strategy(name: str) -> Strategy:

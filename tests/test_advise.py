@@ -33,11 +33,10 @@ from moetrace.placement.advise_metrics import (
     vllm_balancedness,
 )
 from moetrace.placement.baselines import linear
-from moetrace.placement.cost import ExpertCompute
+from moetrace.placement.cost import DEFAULT_LINKS, ExpertCompute
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.eplb import rebalance
 from moetrace.placement.exports import PlacementFile, export_placement, load_placement, save_placement
-from moetrace.placement.cost import DEFAULT_LINKS
 from moetrace.placement.hardware import CostModel, hardware_of_links
 from moetrace.placement.maps import placement_from_phy2log
 from moetrace.placement.simulate import simulate_volume

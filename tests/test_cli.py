@@ -67,7 +67,7 @@ def test_place_defaults_to_the_recommended_strategy():
     from moetrace.placement.strategies import RECOMMENDED, STRATEGY_NAMES
 
     (opt,) = [p for p in typer.main.get_command(app).commands["place"].params if p.name == "strategy"]
-    assert opt.default == RECOMMENDED == "joint" and RECOMMENDED in STRATEGY_NAMES
+    assert opt.default == RECOMMENDED == "ours" and RECOMMENDED in STRATEGY_NAMES
 
 
 def test_help_imports_nothing_heavy():

@@ -126,8 +126,11 @@ def _block_trace(path, *, num_requests: int, noise: float, seed: int):
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16), noise=st.sampled_from([0.1, 0.4, 0.8]), limit=st.sampled_from([1.1, 1.3]))
-def test_no_deployable_row_within_the_load_limit_beats_a_bound(tmp_path_factory, seed, noise, limit):
-    # 84 held-out requests, 21 a node: one request over an even share is within 1.1 (the router's slack)
+def test_a_deployable_row_that_beats_a_bound_is_reported_never_substituted(tmp_path_factory, seed, noise, limit):
+    """Bounds are their own placements, within the limit deployable rows are held to; where a
+    deployable row within the limit is faster (the bounds are heuristics), compare.json names it
+    under ``bound_failures`` and the bound's row stays the bound's."""
+    # 84 held-out requests, 21 a node
     trace = _block_trace(tmp_path_factory.mktemp("b") / "t", num_requests=280, noise=noise, seed=seed)
     data = load_trace_data(trace, test_fraction=0.3, seed=seed)
     cfg = CompareConfig(
@@ -138,12 +141,13 @@ def test_no_deployable_row_within_the_load_limit_beats_a_bound(tmp_path_factory,
         max_node_load=limit,
         seed=seed,
     )
-    rows = {r["strategy"]: r for r in run_compare(data, cfg).summary_rows()}
+    res = run_compare(data, cfg)
+    rows = {r["strategy"]: r for r in res.summary_rows()}
     for bound in ("perfect_routing", "oracle"):
-        assert rows[bound]["busiest_node_load"] <= limit + 1e-9 or all(
-            r["over_node_load_limit"] for r in rows.values() if not r["is_bound"]
-        )
+        assert not rows[bound]["over_node_load_limit"]
+        assert res.placed[bound].extra["kind"] in ("joint", "joint_aligned")  # never a deployable row's
         for s, r in rows.items():
             if not r["is_bound"] and not r["over_node_load_limit"]:
-                assert rows[bound]["a2a_time_normalized_median"] <= r["a2a_time_normalized_median"] + 1e-12, (bound, s)
+                beats = r["a2a_time_normalized_median"] < rows[bound]["a2a_time_normalized_median"] - 1e-12
+                assert not beats or s in res.manifest.bound_failures.get(bound, []), (bound, s)
     assert not rows["joint"]["over_node_load_limit"]  # ours keeps within the limit by its admission cap

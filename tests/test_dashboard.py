@@ -594,19 +594,21 @@ def test_unknown_expert_size_leaves_moe_time_out(tmp_path):
 
 
 def test_recommended_on_top_and_bounds_apart_in_the_per_layer_lines(prod, tmp_path):
-    """joint (the recommended strategy) is drawn last (on top), thickest and first in the legend; bounds
-    are dotted, in their own legend group; strategies and bounds never share a group."""
-    from moetrace.dashboards.section_placement import BOUNDS_GROUP, STRATEGY_NAMES
+    """ours (the recommended strategy; joint in results without it) is drawn last (on top), thickest and
+    first in the legend; bounds are dotted, in their own legend group; strategies and bounds never share
+    a group."""
+    from moetrace.dashboards.section_placement import BOUNDS_GROUP, STRATEGY_NAMES, recommended_of
 
     figs = figures_from_html(write_dashboard([prod.compare], out=tmp_path / "r.html").path.read_text())
     lines = figs["placement-layers-share"]["data"]
-    assert lines[-1]["name"] == STRATEGY_NAMES["joint"] and lines[-1]["legendrank"] == 0
+    rec = recommended_of([k for k, v in STRATEGY_NAMES.items() if v in {t["name"] for t in lines}])
+    assert lines[-1]["name"] == STRATEGY_NAMES[rec] and lines[-1]["legendrank"] == 0
     assert lines[-1]["line"]["width"] > max(t["line"]["width"] for t in lines[:-1])
     bounds = [t for t in lines if t.get("legendgroup") == BOUNDS_GROUP]
     assert {t["name"] for t in bounds} == {STRATEGY_NAMES["oracle"], STRATEGY_NAMES["perfect_routing"]}
     assert all(t["line"]["dash"] == "dot" and t["legendrank"] > 1000 for t in bounds)
     boxes = [t["name"] for t in figs["placement-normalized"]["data"]]
-    assert boxes[:2] == [STRATEGY_NAMES["linear"], STRATEGY_NAMES["joint"]]  # reference, then the recommended
+    assert boxes[:2] == [STRATEGY_NAMES["linear"], STRATEGY_NAMES[rec]]  # reference, then the recommended
     assert set(boxes[-2:]) == {t["name"] for t in bounds}  # bounds last, right of the separator
 
 

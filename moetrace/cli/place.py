@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from moetrace.placement.compare import CompareConfig, TraceData
 
 #: compare's strategies when none are named (on a load profile: its ungrouped ones)
-DEFAULT_STRATEGIES = "linear,eplb,data,joint"
+DEFAULT_STRATEGIES = "linear,eplb,data,joint,joint_free,ours"
 
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Deployment DPaTPbEPc[TPd], e.g. DP8TP8EP64.")]
 GpusPerNode = Annotated[int, typer.Option("--gpus-per-node", help="GPUs per node (NVLink domain).")]
@@ -82,7 +82,11 @@ _GROUPED = ", ".join(s.name for s in STRATEGIES if s.grouped)
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  # the registry's names, built at run time
 StrategyOpt = Annotated[
     StrategyName,
-    typer.Option(help=f"Placement strategy (default: the recommended one; {_GROUPED} cluster requests first)."),
+    typer.Option(
+        metavar="STRATEGY",
+        help=f"Placement strategy, one of {', '.join(STRATEGY_NAMES)} (default: the recommended one; "
+        f"{_GROUPED} cluster requests first).",
+    ),
 ]
 StrategiesOpt = Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(STRATEGY_NAMES)}.")]
 
