@@ -6,9 +6,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.writer import TraceWriter
+
+# property tests check behaviour, not speed (timings live in benchmarks/): no per-example deadline, which a
+# loaded 2-core machine trips on the first, import-warming example
+settings.register_profile("moetrace", deadline=None)
+settings.load_profile("moetrace")
 
 SMALL = ModelInfo(
     name="small",

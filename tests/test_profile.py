@@ -176,7 +176,7 @@ def test_cli_profile_info_analyze_compare_place_export(tmp_path):
     r = runner.invoke(app, ["place", str(prof), *common[:-3], "--strategy", "eplb", "-o", str(tmp_path / "pl.json")])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["place", str(prof), *common[:-3], "-o", str(tmp_path / "pl2.json")])
-    assert r.exit_code == 2 and "'joint' groups requests" in r.output
+    assert r.exit_code == 2 and "'ours' groups requests" in r.output
     for src, name in ((prof, "a.json"), (trace, "b.json")):
         r = runner.invoke(app, ["export", str(src), "-f", "sglang-logical-count", "-o", str(tmp_path / name), "-q"])
         assert r.exit_code == 0, r.output

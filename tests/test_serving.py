@@ -27,7 +27,17 @@ def made(tmp_path_factory) -> dict[str, Path]:
     trace = d / "syn"
     r = runner.invoke(
         app,
-        ["synth", "--model", "olmoe-1b-7b-tiny", "--datasets", "gsm8k,mbpp,xsum", "--requests", "120", "-o", str(trace)],
+        [
+            "synth",
+            "--model",
+            "olmoe-1b-7b-tiny",
+            "--datasets",
+            "gsm8k,mbpp,xsum",
+            "--requests",
+            "120",
+            "-o",
+            str(trace),
+        ],
     )
     assert r.exit_code == 0, r.output
     out = {"trace": trace}
@@ -212,4 +222,6 @@ def test_replay_reports_window_equal_to_offline(made):
 def test_expert_counts_rejects_ids_beyond_the_model():
     with pytest.raises(RoutingError, match="-1..3"):
         expert_counts(np.array([[[4]]]), num_layers=1, num_experts=4)
-    np.testing.assert_array_equal(expert_counts(np.array([[[3, -1]], [[3, 0]]]), num_layers=1, num_experts=4), [[1, 0, 0, 2]])
+    np.testing.assert_array_equal(
+        expert_counts(np.array([[[3, -1]], [[3, 0]]]), num_layers=1, num_experts=4), [[1, 0, 0, 2]]
+    )

@@ -39,6 +39,7 @@ _COMMAND_MODULES = (
     "moetrace.cli.calibrate",
     "moetrace.cli.dashboard",
     "moetrace.cli.demo",
+    "moetrace.cli.route",
 )
 
 

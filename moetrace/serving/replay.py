@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moetrace.errors import ConfigError
-from moetrace.placement.compare import load_trace_data
+from moetrace.placement.compare import MAX_TEST_REQUESTS, MAX_TRAIN_REQUESTS, load_trace_data
 from moetrace.serving.router import ExpertRouter
 from moetrace.tracer.trace.reader import open_trace
 
@@ -65,10 +65,16 @@ def held_out_requests(router: ExpertRouter, trace: str | os.PathLike[str]) -> He
     """The held-out requests of the split the placement file was made with, routed offline."""
     src = router.placement_file.source or {}
     if "seed" not in src or "test_fraction" not in src:
-        raise ConfigError("the placement file records no train/test split (`source`); re-create it with `moetrace place`")
-    caps = {k: int(src[k]) for k in ("max_train_requests", "max_test_requests") if k in src}
+        raise ConfigError(
+            "the placement file records no train/test split (`source`); re-create it with `moetrace place`"
+        )
     data = load_trace_data(
-        trace, test_fraction=float(src["test_fraction"]), seed=int(src["seed"]), held_out_tokens=False, **caps
+        trace,
+        test_fraction=float(src["test_fraction"]),
+        seed=int(src["seed"]),
+        held_out_tokens=False,
+        max_train_requests=int(src.get("max_train_requests", MAX_TRAIN_REQUESTS)),
+        max_test_requests=int(src.get("max_test_requests", MAX_TEST_REQUESTS)),
     )
     if data.model.num_experts != router.num_experts or data.model.num_moe_layers != router.num_layers:
         raise ConfigError(f"{trace}: its model does not match the placement's ({router.placement_file.model.name})")
