@@ -251,14 +251,17 @@ class PerExpert(CopyModel):
 
     def copy_keys(self, *, rank_TK, valid_TK, src_TK, base_TK, num_ranks, ranks_per_node, sorted_rank_TK, slot_TK=None):
         keep = valid_TK & (rank_TK != src_TK)
-        if slot_TK is not None:  # a slot named twice in a row is one copy
-            order = np.argsort(np.where(valid_TK, slot_TK, -1), axis=1, kind="stable")
-            s = np.take_along_axis(np.where(valid_TK, slot_TK, -1), order, axis=1)
-            first = np.ones_like(s, dtype=bool)
-            first[:, 1:] = s[:, 1:] != s[:, :-1]
-            again = np.zeros_like(first)
-            np.put_along_axis(again, order, ~first, axis=1)
-            keep &= ~again
+        if slot_TK is not None:  # a slot named twice in a row is one copy (rows with a repeat only)
+            s_TK = np.where(valid_TK, slot_TK, -1)
+            srt = np.sort(s_TK, axis=1)
+            rep = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(axis=1)
+            if rep.any():
+                r = np.flatnonzero(rep)
+                sub = s_TK[r]
+                later = np.zeros(sub.shape, dtype=bool)  # an entry whose slot an earlier entry of its row has
+                for k in range(1, sub.shape[1]):
+                    later[:, k] = (sub[:, :k] == sub[:, k : k + 1]).any(axis=1) & (sub[:, k] >= 0)
+                keep[r] &= ~later
         return ((base_TK + src_TK) * num_ranks + rank_TK)[keep]
 
 
