@@ -35,7 +35,14 @@ from typing import TYPE_CHECKING, Any
 from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
 from moetrace.tracer.importers.ids import check_ids, ids_notes, read_physical_map, to_logical
-from moetrace.tracer.importers.jsonl import MAX_REQUEST_BYTES, check_utf8, first_object, iter_json_lines, whole
+from moetrace.tracer.importers.jsonl import (
+    MAX_REQUEST_BYTES,
+    RequestBatch,
+    check_utf8,
+    first_object,
+    iter_json_lines,
+    whole,
+)
 from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions
 
 if TYPE_CHECKING:  # numpy and the writer load when a file is read, so `moetrace --help` stays light
@@ -173,7 +180,6 @@ def read(
     """Add every response of ``src`` to ``writer``, ``BATCH_RESPONSES`` (at most ``BATCH_BYTES`` of ids) at a
     time; progress in bytes of ``src``. Ids are checked against the model (``ids.check_ids``), after
     ``--physical-map`` converted them when given."""
-    import numpy as np
 
     options = options or ImportOptions()
     map_LP = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
@@ -181,23 +187,9 @@ def read(
     seen: set[str] = set()
     ids: set[int] = set()
     index = 0
-    batch: list[tuple[int, str, int, int, np.ndarray]] = []
     size = src.stat().st_size
     consumed = [0]
-
-    def flush() -> None:
-        if not batch:
-            return
-        writer.add_requests(
-            request_id_R=np.array([b[0] for b in batch], dtype=np.int64),
-            dataset_R=[b[1] for b in batch],
-            prompt_tokens_R=np.array([b[2] for b in batch], dtype=np.int32),
-            output_tokens_R=np.array([b[3] for b in batch], dtype=np.int32),
-            topk_ids_TX=np.concatenate([b[4] for b in batch]),
-        )
-        batch.clear()
-        if progress is not None:
-            progress(min(consumed[0], size), size)
+    batch = RequestBatch(writer, size=size, consumed=consumed, progress=progress)
 
     for n, obj in iter_json_lines(src, consumed):
         for resp in obj if isinstance(obj, list) else [obj]:
@@ -222,11 +214,11 @@ def read(
             ids.add(rid)
             ds = str(resp.get("dataset", label))
             seen.add(ds)
-            batch.append((rid, ds, P, O, rows))
+            batch.add(rid, ds, P, O, rows)
             index += 1
-            if len(batch) >= BATCH_RESPONSES or sum(b[4].nbytes for b in batch) >= BATCH_BYTES:
-                flush()
-    flush()
+            if len(batch) >= BATCH_RESPONSES or batch.nbytes >= BATCH_BYTES:
+                batch.flush()
+    batch.flush()
     if progress is not None:
         progress(size, size)
     notes = ids_notes(info, max_id=max_id, num_ids=num_ids)

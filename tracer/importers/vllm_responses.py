@@ -49,7 +49,14 @@ from typing import TYPE_CHECKING, Any
 from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
 from moetrace.tracer.importers.ids import check_ids, ids_notes
-from moetrace.tracer.importers.jsonl import MAX_REQUEST_BYTES, check_utf8, first_object, iter_json_lines, whole
+from moetrace.tracer.importers.jsonl import (
+    MAX_REQUEST_BYTES,
+    RequestBatch,
+    check_utf8,
+    first_object,
+    iter_json_lines,
+    whole,
+)
 
 if TYPE_CHECKING:  # numpy and the writer load when a file is read, so `moetrace --help` stays light
     import numpy as np
@@ -181,7 +188,6 @@ def read(
     options: ImportOptions | None = None,
 ) -> ReadResult:
     """Add every choice of every response of ``src`` to ``writer`` (module docstring); progress in bytes."""
-    import numpy as np
 
     del stages, options  # a response carries both stages; no option applies
     max_id, num_ids = -1, 0
@@ -189,23 +195,9 @@ def read(
     ids: set[int] = set()
     axes: set[str] = set()
     index = 0
-    batch: list[tuple[int, str, int, int, np.ndarray]] = []
     size = src.stat().st_size
     consumed = [0]
-
-    def flush() -> None:
-        if not batch:
-            return
-        writer.add_requests(
-            request_id_R=np.array([b[0] for b in batch], dtype=np.int64),
-            dataset_R=[b[1] for b in batch],
-            prompt_tokens_R=np.array([b[2] for b in batch], dtype=np.int32),
-            output_tokens_R=np.array([b[3] for b in batch], dtype=np.int32),
-            topk_ids_TX=np.concatenate([b[4] for b in batch]),
-        )
-        batch.clear()
-        if progress is not None:
-            progress(min(consumed[0], size), size)
+    batch = RequestBatch(writer, size=size, consumed=consumed, progress=progress)
 
     for n, obj in iter_json_lines(src, consumed):
         for resp in obj if isinstance(obj, list) else [obj]:
@@ -242,11 +234,11 @@ def read(
                 axes.add(axis)
                 ds = str(resp.get("dataset", label))
                 seen.add(ds)
-                batch.append((rid, ds, P, O, rows))
+                batch.add(rid, ds, P, O, rows)
                 if len(batch) >= BATCH_REQUESTS:
-                    flush()
+                    batch.flush()
             index = max(index, base + len(resp["choices"]))
-    flush()
+    batch.flush()
     if progress is not None:
         progress(size, size)
     notes = ids_notes(info, max_id=max_id, num_ids=num_ids)
