@@ -33,7 +33,7 @@ CASES = {
     "qwen3": ("qwen3-235b-a22b", 1600, 8, 8),
     "olmoe": ("olmoe-1b-7b", 2000, 2, 2),
 }
-STRATEGIES = ("linear", "eplb", "data", "improved", "joint")
+STRATEGIES = ("linear", "eplb", "eplb_global", "data", "improved", "joint", "joint_free", "ours")
 
 
 def trace_for(root: Path, case: str) -> Path:
