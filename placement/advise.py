@@ -289,7 +289,6 @@ def evaluate_tokens(
         srank = np.sort(np.where(c.valid_TK, c.rank_TK, W), axis=1)  # invalid entries sort last (>= W)
         n_T = send_ranks_per_token(srank, srank < W, presorted=True)
         send_L[l] = float(n_T[n_T > 0].mean()) if (n_T > 0).any() else np.nan
-        out["inter"][:, l] = np.bincount(step_T, weights=c.inter_TK.sum(axis=1), minlength=B) * 2 * bytes_per_token
         traffic = copy_model(dedup).traffic(
             rank_TK=c.rank_TK,
             valid_TK=c.valid_TK,
@@ -301,6 +300,7 @@ def evaluate_tokens(
             sorted_rank_TK=srank,
             slot_TK=c.slot_TK,
         )
+        out["inter"][:, l] = traffic.inter_copies_B() * 2 * bytes_per_token  # dispatch and combine
         act = np.bincount((bK * P + c.slot_TK)[c.valid_TK], minlength=B * P).reshape(B, W, P // W) > 0
         nact = act.sum(axis=2)
         out["amax"][:, l], out["amean"][:, l] = nact.max(axis=1), nact.mean(axis=1)

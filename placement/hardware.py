@@ -108,10 +108,8 @@ class CostModel:
     expert: ExpertCompute | None = None  # None: the model's expert size is unknown (no expert term)
 
     def kernel(self, copies: str) -> Kernel:
+        """The kernel that sends copies this way (the hardware's)."""
         return self.hardware.kernel(copies)
-
-    def to_json(self) -> dict[str, object]:
-        return {"hardware": self.hardware.to_json(), "expert": None if self.expert is None else self.expert.to_json()}
 
 
 def hardware_of_links(links: Links, *, name: str = "links", dispatch: ValueType = FP8_E4M3_BLOCK128) -> Hardware:

@@ -99,8 +99,9 @@ def choose_ours(
     }
     best_free = min(("joint_free", "eplb", "eplb_global"), key=lambda c: score[c])
     choice = "joint" if score["joint"] < score[best_free] * (1.0 - min_router_gain) else best_free
-    extra = {k: v for k, v in joint_extra.items() if choice in ("joint", "joint_free")}
-    if choice in ("eplb", "eplb_global"):
+    if choice in ("joint", "joint_free"):
+        extra = dict(joint_extra)
+    else:
         extra = {"eplb_policy": "hierarchical" if choice == "eplb" else "global", "eplb_sum": "float64"}
     extra.update(
         {

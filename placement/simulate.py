@@ -58,22 +58,16 @@ TIME_METRICS = (
     "moe_seconds",  # dispatch + expert + combine (NaN with expert_seconds)
 )
 
-_SENTINEL = np.int64(1 << 40)  # sorts after every real dedup key
+_SENTINEL = np.int64(1 << 40)  # sorts after every real rank
 
 
 class LayerCopies(NamedTuple):
-    """The dispatch copies of one MoE layer's tokens (every array [T, K]).
-
-    ``copy_TK``, ``dst_rank_TK`` and ``inter_TK`` are in dedup-key order along K (not the routing's
-    slot order); ``slot_TK``, ``valid_TK`` and ``rank_TK`` are in the routing's order.
-    """
+    """Where one MoE layer's tokens are routed (every array [T, K], in the routing's slot order). Which
+    copies travel is the copy model's (``step_model.COPY_MODELS``), from these."""
 
     slot_TK: np.ndarray  # int64 physical slot serving each (token, expert); -1 where not recorded
     valid_TK: np.ndarray  # bool: the id was recorded
     rank_TK: np.ndarray  # int64 EP rank holding the slot (0 where not valid)
-    copy_TK: np.ndarray  # bool: one copy of the token is sent (first of its dedup key, not to its own GPU)
-    dst_rank_TK: np.ndarray  # int64 destination EP rank of each entry (meaningful where copy_TK)
-    inter_TK: np.ndarray  # bool: a copy whose destination is on another node than the token's source
 
 
 def layer_copies(topk_ids_TLK: np.ndarray, **routing: Any) -> Iterator[LayerCopies]:
@@ -103,13 +97,14 @@ def _dispatch_copies(
     dedup: DedupUnit = "rank",
     policy: ReplicaPolicy = "same_node",
 ) -> LayerCopies:
-    """Which copies one layer's dispatch sends (the one routing + dedup rule of this module).
+    """The slot and GPU serving each (token, expert) of one layer (the one routing rule of this module).
 
     ``topk_ids_TK``: int [T, K] logical ids (-1 ignored); ``batch_T``, ``src_rank_T``: int64 [T];
     the placement arrays of this layer (``phy2log_P`` [P], ``log2phy_EM`` [E, M], ``logcnt_E`` [E]).
+    ``dedup`` names the copy model the caller prices with; the routing does not depend on it.
     """
+    del dedup
     src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
-    src_node_T = src_rank_T // ranks_per_node
     W = num_ranks
     per_rank = len(phy2log_P) // W
     slot = choose_slots(
@@ -117,7 +112,7 @@ def _dispatch_copies(
         phy2log_P=phy2log_P,
         log2phy_EM=log2phy_EM,
         logcnt_E=logcnt_E,
-        src_node_T=src_node_T,
+        src_node_T=src_rank_T // ranks_per_node,
         batch_T=batch_T,
         num_batches=num_batches,
         num_ranks=W,
@@ -125,32 +120,7 @@ def _dispatch_copies(
         policy=policy,
     )
     valid = slot >= 0
-    rank = np.where(valid, slot // per_rank, 0)
-    if dedup == "rank":
-        key = rank
-    elif dedup == "expert":
-        key = slot
-    elif dedup == "node":
-        node = rank // ranks_per_node
-        key = np.where(node == src_node_T[:, None], rank, W + node)
-    else:
-        raise ValueError(f"unknown dedup unit {dedup!r}")
-    key = np.where(valid, key, _SENTINEL)
-    if dedup == "node":  # a remote node's key does not name the GPU: carry rank and node along the sort
-        order = np.argsort(key, axis=1, kind="stable")
-        skey = np.take_along_axis(key, order, axis=1)
-        srank = np.take_along_axis(rank, order, axis=1)
-        snode = np.take_along_axis(node, order, axis=1)
-    else:  # the key determines the GPU (rank, or slot // slots per rank): sort the keys alone
-        skey = np.sort(key, axis=1)
-        sval = np.where(skey == _SENTINEL, 0, skey)
-        srank = sval if dedup == "rank" else sval // per_rank
-        snode = srank // ranks_per_node
-    first = np.ones_like(skey, dtype=bool)
-    first[:, 1:] = skey[:, 1:] != skey[:, :-1]
-    copy = first & (skey != _SENTINEL) & (srank != src_rank_T[:, None])
-    inter = copy & (snode != src_node_T[:, None])
-    return LayerCopies(slot_TK=slot, valid_TK=valid, rank_TK=rank, copy_TK=copy, dst_rank_TK=srank, inter_TK=inter)
+    return LayerCopies(slot_TK=slot, valid_TK=valid, rank_TK=np.where(valid, slot // per_rank, 0))
 
 
 def simulate_volume(

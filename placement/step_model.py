@@ -40,7 +40,7 @@ overlap); congestion inside the network fabric.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -67,7 +67,6 @@ __all__ = [
     "phase_seconds_BW",
     "search_links",
     "layer_seconds",
-    "uniform_traffic",
 ]
 
 DedupUnit = Literal["rank", "expert", "node"]
@@ -334,10 +333,6 @@ class Kernel:
     reduce_bytes_per_s: float = 3.35e12  # combine's reduction reads each returned copy at this rate (HBM)
     source: str = ""  # where the parameters come from (a measured table and the fit, or an assumption)
 
-    def with_links(self, links: Links) -> Kernel:
-        """The same kernel with both phases on ``links`` (a user's ``--link`` override)."""
-        return replace(self, dispatch=replace(self.dispatch, links=links), combine=replace(self.combine, links=links))
-
     def to_json(self) -> dict[str, object]:
         return {
             "name": self.name,
@@ -442,52 +437,3 @@ def layer_seconds(
             e_BW = e_BW + expert.shared_seconds(np.asarray(tokens_BW, dtype=np.float64))
         expert_B = e_BW.max(axis=1)
     return LayerSeconds(dispatch=dispatch_B, combine=combine_B, expert=expert_B, moe=dispatch_B + expert_B + combine_B)
-
-
-# ------------------------------------------------------------------------------ uniform routing
-def uniform_traffic(
-    *,
-    num_ranks: int,
-    ranks_per_node: int,
-    tokens_per_rank: int,
-    num_experts: int,
-    top_k: int,
-    copies: DedupUnit,
-    seed: int = 0,
-    num_batches: int = 1,
-) -> GpuTraffic:
-    """Traffic of ``num_batches`` steps of uniform routing (every token's top-k a uniform draw of k
-    distinct experts, the way measured kernel tables route), experts placed linearly (expert ``e`` on
-    GPU ``e // (E / W)``), each GPU holding ``tokens_per_rank`` tokens. Float64 [B, W] per field."""
-    W, T, E, K = num_ranks, tokens_per_rank, num_experts, top_k
-    if E % W or K > E:
-        raise ConfigError(
-            f"uniform routing needs experts divisible by EP size and top-k <= experts (E={E}, W={W}, K={K})"
-        )
-    rng = np.random.default_rng(seed)
-    n = num_batches * W * T
-    ids_TK = np.argsort(rng.random((n, E)), axis=1)[:, :K] if E <= 512 else _choose_k(rng, n, E, K)
-    rank_TK = ids_TK // (E // W)
-    src_T = np.tile(np.repeat(np.arange(W), T), num_batches)
-    batch_T = np.repeat(np.arange(num_batches), W * T)
-    return copy_model(copies).traffic(
-        rank_TK=rank_TK,
-        valid_TK=np.ones_like(rank_TK, dtype=bool),
-        batch_T=batch_T,
-        src_rank_T=src_T,
-        num_batches=num_batches,
-        num_ranks=W,
-        ranks_per_node=ranks_per_node,
-    )
-
-
-def _choose_k(rng: np.random.Generator, n: int, E: int, K: int) -> np.ndarray:
-    """``n`` draws of ``K`` distinct ids in ``[0, E)`` without an [n, E] matrix, int64 [n, K]."""
-    out = rng.integers(0, E, size=(n, K))
-    for _ in range(64):
-        s = np.sort(out, axis=1)
-        dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
-        if not dup.any():
-            return out
-        out[dup] = rng.integers(0, E, size=(int(dup.sum()), K))
-    raise RuntimeError("could not draw distinct experts")

@@ -18,7 +18,6 @@ from moetrace.placement.step_model import (
     copy_model,
     layer_seconds,
     phase_seconds_BW,
-    uniform_traffic,
 )
 
 LINKS = Links(intra=Link(bytes_per_s=1e6, latency_s=1e-6), inter=Link(bytes_per_s=1e5, latency_s=1e-5))
@@ -154,13 +153,15 @@ def test_node_copies_time_the_forwarding_on_the_receiving_node():
 
 
 def test_uniform_traffic_sends_k_copies_per_token_and_spreads_them():
-    t = uniform_traffic(
-        num_ranks=8, ranks_per_node=8, tokens_per_rank=64, num_experts=64, top_k=4, copies="expert", seed=1
-    )
+    """The uniform routing calibrate prices measured rows on (``calibrate._traffic``), through a copy model."""
+    from moetrace.placement.calibrate import _traffic
+
+    t = _traffic(8, 8, 64, 64, 4, "expert", "uniform", 1, None)  # EP 8 on one node, 64 tokens a GPU, top-4 of 64
     sent = t.send_intra + t.send_inter
-    assert sent.shape == (1, 8)
+    B = sent.shape[0]
+    assert sent.shape == (B, 8)
     # each token keeps the copies to its own GPU's experts (1/8 of them in expectation)
-    assert sent.sum() == pytest.approx(8 * 64 * 4 * 7 / 8, rel=0.05)
+    assert sent.sum() == pytest.approx(B * 8 * 64 * 4 * 7 / 8, rel=0.05)
     assert t.send_inter.sum() == 0  # one node
 
 
