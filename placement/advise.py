@@ -1,55 +1,53 @@
-"""``moetrace advise``: should this deployment enable EPLB, with how many redundant experts, and what
-does a data-based placement add, answered per stage in the engines' own terms.
+"""``moetrace advise``: should this deployment enable EPLB, with which policy and how many redundant
+experts, and what does a data-based placement add, answered per stage in the engines' own terms.
 
 For each recorded stage (prefill, decode, and both together) and each option (the placement served
-now, ``--current``, or linear, vLLM's default; round robin; DeepSeek's EPLB with R redundant slots
-for every R of ``advise_metrics.redundancy_sweep``; ours, ``joint``, where per-request routing allows:
-a trace with prefill) this module measures, per MoE layer and step, then summarised:
+now, ``--current``, or linear, vLLM's default; the strategies of ``advise_options``: by default
+round robin, DeepSeek's EPLB under its hierarchical and its global policy with R redundant slots for
+every R of ``advise_metrics.redundancy_sweep``, and ours, ``joint``, where per-request routing
+allows; any registered strategy by name) this module measures, per MoE layer and step, then
+summarised:
 
 - balancedness as vLLM logs it, the busiest rank's (token, expert) pairs, activated experts per GPU,
-  distinct destination ranks per token (``advise_metrics``);
+  distinct destination ranks per token (``advise_metrics``), with the replicas an engine's dispatch
+  picks (``eplb_replicas``: vLLM's hash, SGLang's local-first map, or moetrace's same-node model);
 - inter-node bytes, predicted all-to-all and MoE-layer seconds per step from the cost model
-  (``simulate.simulate_volume`` with ``cost.CostModel`` on a trace's simulated steps; the cost
-  model's formulas on expected traffic for a load profile), with the step-to-step spread;
+  (``step_model`` with ``cost.CostModel`` on a trace's simulated steps; the cost model's formulas on
+  expected traffic for a load profile), with the step-to-step spread;
 - migration from the placement served now (``advise_metrics.migration``) and the memory the
   redundant slots take per GPU.
 
-Then one verdict per stage in plain words (``verdicts``): the smallest EPLB sweep point within 1 %
-of the best predicted MoE-layer time, its gain with p10-p90, the weights that move; "no gain" when
-that is the truth and why: already balanced, imbalance that moves from window to window faster than
-a static placement follows (a placement fitted on earlier windows against one refitted on every
-later window), or step-to-step noise that no static placement removes. Prefill and decode loads'
-correlation says whether one placement can serve both. Each recommended option comes with the
-``moetrace place`` / ``moetrace export`` commands for every engine (``exports.PLACEMENT_EXPORTS``).
+Then one verdict per stage in plain words (``advise_verdicts``), with the rearrangement's stall in
+steps and whether the engine's schedule pays for it (``advise_rearrange``). Steps hold
+``decode_tokens_per_gpu`` / ``prefill_tokens_per_gpu`` tokens per GPU (defaults 4 and 128).
 
 Inputs: a trace (requests split into placement and held-out ones as ``compare`` splits them, so
 ``moetrace place --strategy eplb`` reproduces the decode EPLB placement advised; the held-out
 requests' steps are drawn by ``compare.held_out_batches`` / ``prefill_batches``) or a load profile
-(windows of expert counts in time order: the first half fits, the rest is evaluated; no tokens,
-so no send-ranks-per-token and the per-(token, expert) copy model only).
+(windows of expert counts in time order: the first half fits, the rest is evaluated; one window,
+such as one engine statistics file, is fitted and evaluated in-sample, with no drift estimate, and
+the output says so; no tokens, so no send-ranks-per-token and the per-(token, expert) copy model only).
 
 Shape legend (docs/architecture.md): N windows, B steps, R requests, L MoE layers, E logical
 experts, P physical slots, W EP ranks, G nodes, T tokens, K top-k slots, S stages.
 
 Out of scope: the placers (``eplb``, ``baselines``, ``joint``), the volume and cost models
-(``simulate``, ``cost``), engine files (``exports``); time-varying rebalancing schedules (vLLM's
-``step_interval``): every option here is a static placement.
+(``simulate``, ``cost``), engine files (``exports``), the result files (``advise_files``);
+time-varying rebalancing schedules beyond the stall's cost: every option is a static placement.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
-from moetrace import results as rf
 from moetrace.errors import ConfigError, TraceFormatError
+from moetrace.placement.advise_files import commands, format_advice, read_advice, write_advice
 from moetrace.placement.advise_metrics import (
     balancedness,
     expected_active_slots,
@@ -62,15 +60,25 @@ from moetrace.placement.advise_metrics import (
     send_ranks_per_token,
     vllm_balancedness,
 )
+from moetrace.placement.advise_options import (
+    EPLB_STRATEGIES,
+    data_free_placement,
+    eplb_option_placement,
+    eplb_policy,
+    resolve_strategies,
+)
+from moetrace.placement.advise_rearrange import Rearrangement
+from moetrace.placement.advise_types import Advice, Option
+from moetrace.placement.advise_verdicts import best_eplb, verdicts
 from moetrace.placement.deployment import Deployment
+from moetrace.placement.eplb import ACCUMULATE, Accumulate
+from moetrace.placement.eplb_replicas import ReplicaRule, check_rule, rule_copies, slot_shares
 from moetrace.placement.hardware import CostModel, Hardware, default_hardware
 from moetrace.placement.maps import Placement
-from moetrace.placement.simulate import layer_copies
 from moetrace.placement.step_model import DedupUnit, copy_model, layer_seconds
 
 if TYPE_CHECKING:
     from moetrace.placement.compare import TraceData
-    from moetrace.placement.routers import Router
     from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = [
@@ -92,22 +100,19 @@ __all__ = [
     "advise_input",
     "commands",
     "STAGES",
+    "DECODE_TOKENS_PER_GPU",
+    "PREFILL_TOKENS_PER_GPU",
 ]
 
 Stage = Literal["prefill", "decode", "both"]
 Steps = Literal["prefill", "decode"]
 STAGES: tuple[Stage, ...] = ("prefill", "decode", "both")
-
-#: a gain below this share of the reference's predicted MoE-layer time is reported as no gain
-MIN_GAIN = 0.03
-#: a reference at least this balanced (vLLM's figure, median over steps) is "already balanced"
-BALANCED = 0.90
-#: EPLB sweep points within this share of the best predicted time count as equally good (the fewest slots win)
-WITHIN_BEST = 0.01
-#: balancedness a placement refitted on the window before must gain over a static one to call the load moving
-DRIFT_GAP = 0.02
-#: prefill and decode loads correlating below this are better balanced separately
-SEPARATE_BELOW = 0.80
+#: decode tokens per GPU in one step by default (32 requests per node of 8 GPUs, one token each)
+DECODE_TOKENS_PER_GPU = 4
+#: chunked-prefill tokens per GPU in one prefill step by default (1024 per node of 8 GPUs)
+PREFILL_TOKENS_PER_GPU = 128
+#: fewer windows than this give no drift estimate (the later half must hold windows to follow)
+MIN_DRIFT_WINDOWS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,9 +121,16 @@ class AdviseConfig:
 
     deployment: Deployment  # DPaTPbEPc[TPd] on nodes of g GPUs
     max_slots_per_gpu: int = 0  # slot limit per GPU and layer for the EPLB sweep (0: E/W + 2)
-    num_steps: int = 200  # decode steps simulated on a trace (each takes batch_requests tokens)
-    batch_requests: int = 0  # requests per decode step (0: 32 per node)
-    prefill_tokens_per_node: int = 1024  # chunked-prefill tokens per node and prefill step
+    num_steps: int = 200  # decode steps simulated on a trace (each of step_requests tokens)
+    decode_tokens_per_gpu: int = DECODE_TOKENS_PER_GPU  # decode tokens (one per request) per EP rank and step
+    prefill_tokens_per_gpu: int = PREFILL_TOKENS_PER_GPU  # chunked-prefill tokens per EP rank and prefill step
+    # registered strategies to evaluate (advise_options; empty: DEFAULT_STRATEGIES where they apply)
+    strategies: tuple[str, ...] = ()
+    eplb_sum: Accumulate = "float64"  # how EPLB sums pack weights: float64 as SGLang/vLLM, float32 as DeepSeek's
+    replica_policy: ReplicaRule = (
+        "same_node"  # which replica serves a (token, expert): an engine's rule (eplb_replicas)
+    )
+    rearrangement: Rearrangement = field(default_factory=Rearrangement)  # stall and interval of a rearrangement
     test_fraction: float = 0.2  # share of a trace's requests held out for evaluation (as compare)
     seed: int = 0  # the split and the drawn steps (as compare: the same seed, the same split)
     hardware: Hardware = field(default_factory=default_hardware)  # the step model's kernels (--link)
@@ -131,6 +143,14 @@ class AdviseConfig:
     def __post_init__(self) -> None:
         if self.max_slots_per_gpu < 0 or self.num_steps < 4 or self.num_windows < 4:
             raise ConfigError("--max-slots-per-gpu must be >= 0, steps >= 4 and windows >= 4")
+        if self.decode_tokens_per_gpu < 1 or self.prefill_tokens_per_gpu < 1:
+            raise ConfigError(
+                f"--decode-tokens-per-gpu and --prefill-tokens-per-gpu must be >= 1, got {self.decode_tokens_per_gpu} "
+                f"and {self.prefill_tokens_per_gpu}"
+            )
+        if self.eplb_sum not in ACCUMULATE:
+            raise ConfigError(f"--eplb-sum {self.eplb_sum!r}: one of {', '.join(ACCUMULATE)}")
+        check_rule(self.replica_policy)
         if not (0.0 < self.test_fraction < 1.0):
             raise ConfigError(f"test fraction must be in (0, 1), got {self.test_fraction}")
 
@@ -152,7 +172,13 @@ class AdviseConfig:
 
     @property
     def step_requests(self) -> int:
-        return self.batch_requests or 32 * self.deployment.num_groups
+        """Decode tokens (requests) in one step over all EP ranks."""
+        return self.decode_tokens_per_gpu * self.deployment.num_ep
+
+    @property
+    def prefill_tokens_per_node(self) -> int:
+        """Chunked-prefill tokens per node in one prefill step."""
+        return self.prefill_tokens_per_gpu * self.deployment.ranks_per_node
 
 
 class StepTokens(NamedTuple):
@@ -180,29 +206,6 @@ class StepMetrics(NamedTuple):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Option:
-    """One placement advise evaluates."""
-
-    name: str  # "current", "linear", "round_robin", "eplb", "joint"
-    num_redundant: int  # R: redundant slots per layer
-    placement: Placement  # over the MoE layers
-    fitted_on: str = ""  # the stage whose load it was fitted on ("" for data-free placements)
-    router: Router | None = None  # the serving router of a grouped placement (joint)
-
-    @property
-    def key(self) -> str:
-        """``eplb-64``, ``linear``: unique within a stage."""
-        return f"{self.name}-{self.num_redundant}" if self.name == "eplb" else self.name
-
-    @property
-    def label(self) -> str:
-        names = {"current": "current", "linear": "linear (vLLM default)", "round_robin": "round robin"}
-        if self.name == "eplb":
-            return f"EPLB, {self.num_redundant} redundant"
-        return names.get(self.name, "joint (ours)" if self.name == "joint" else self.name)
-
-
-@dataclass(frozen=True, kw_only=True)
 class StageInput:
     """One recorded stage: the load placements fit and how options are evaluated on it."""
 
@@ -223,23 +226,11 @@ class AdviseInputs:
     stages: dict[Steps, StageInput]  # the recorded stages
     current: Placement | None = None  # --current (None: linear is the reference)
     current_format: str = ""  # the format --current was read as
-    joint: Option | None = None  # ours, where per-request routing allows
-    joint_tokens: dict[Steps, StepTokens] = field(default_factory=dict)  # its steps (drawn through its router)
+    extra: tuple[Option, ...] = ()  # grouped strategies built from the trace's requests (joint...), fitted on decode
+    # their steps where their router sends requests elsewhere: (option key, steps) -> steps drawn through it
+    extra_tokens: dict[tuple[str, Steps], StepTokens] = field(default_factory=dict)
+    routable: bool = False  # per-request prefill and decode recorded (grouped strategies can be built)
     missing: tuple[str, ...] = ()  # what the input lacks, in words (said in the verdicts)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Advice:
-    """What ``advise_arrays`` found: summary rows, per-layer rows, verdicts, commands, placements."""
-
-    manifest: dict[str, Any]  # the advice.json body (config, verdicts, commands, correlations, drift)
-    rows: list[dict[str, Any]]  # one per (stage, steps, option): the summary (options.parquet)
-    layer_rows: dict[str, np.ndarray]  # columns of layers.parquet (stage, steps, option, layer, measures)
-    placements: dict[str, Option] = field(default_factory=dict)  # file stem -> a recommended option to write
-
-    @property
-    def verdicts(self) -> list[str]:
-        return [v["text"] for v in self.manifest["verdicts"]]
 
 
 # ------------------------------------------------------------------------------ evaluation
@@ -252,9 +243,10 @@ def evaluate_tokens(
     cost: CostModel,
     bytes_per_token: int,
     hidden_size: int,
+    rule: ReplicaRule = "same_node",
 ) -> StepMetrics:
     """One placement on a trace's simulated steps, one pass over the layers: the routing and copies of
-    ``simulate.layer_copies`` (replica policy ``same_node``), priced by the one step model
+    ``eplb_replicas.rule_copies`` (replica policy ``rule``), priced by the one step model
     (``step_model.layer_seconds`` with ``cost``'s kernel for ``dedup``; copies of ``hidden_size``
     values), and from the same routing each rank's (token, expert) pairs and each token's
     destination ranks."""
@@ -269,15 +261,15 @@ def evaluate_tokens(
     tokens_BW = np.bincount(step_T * W + src_T, minlength=B * W).reshape(B, W)
     vllm_mean, vllm_max = np.zeros(B), np.zeros(B)
     send_L = np.full(L, np.nan)
-    copies = layer_copies(
+    copies = rule_copies(
         ids,
         placement=placement,
+        rule=rule,
         batch_T=step_T,
         src_rank_T=src_T,
         num_batches=B,
         num_ranks=W,
         ranks_per_node=g,
-        dedup=dedup,
     )
     bK = step_T[:, None]
     for l, c in enumerate(copies):
@@ -341,21 +333,25 @@ def evaluate_counts(
     pairs_per_step: float,
     bytes_per_token: int,
     hidden_size: int,
+    slot_share_LP: np.ndarray | None = None,
 ) -> StepMetrics:
     """One placement on a profile's windows of counts (float [N, L, E]): balancedness and the busiest
-    rank per window (replicas share an expert's tokens evenly); the per-step terms (activated
+    rank per window (replicas share an expert's tokens evenly, or by ``slot_share_LP``: float [L, P],
+    ``eplb_replicas.slot_shares`` of an engine's rule); the per-step terms (activated
     experts, copies, seconds) on the window scaled to a step of ``pairs_per_step`` (token, expert)
     pairs, under one copy per (token, expert) from sources spread evenly (``expected_traffic``).
     No tokens, so no destination ranks per token (NaN)."""
     W, g = deployment.num_ep, deployment.ranks_per_node
     c = np.asarray(counts_NLE, dtype=np.float64)
     N, L, _ = c.shape
-    load_NLW = expected_rank_load(c, placement, num_ranks=W)
+    load_NLW = expected_rank_load(c, placement, num_ranks=W, slot_share_LP=slot_share_LP)
     total_N = load_NLW.sum(axis=2).mean(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         scale_N = np.where(total_N > 0, pairs_per_step / np.where(total_N > 0, total_N, 1.0), 0.0)
     step_NLW = load_NLW * scale_N[:, None, None]
-    active_NLW = expected_active_slots(c, placement, num_ranks=W, pairs_per_step_N=np.full(N, pairs_per_step))
+    active_NLW = expected_active_slots(
+        c, placement, num_ranks=W, pairs_per_step_N=np.full(N, pairs_per_step), slot_share_LP=slot_share_LP
+    )
     flat = step_NLW.reshape(N * L, W)
     traffic = expected_traffic(flat, ranks_per_node=g)
     secs = layer_seconds(
@@ -384,29 +380,40 @@ def evaluate_counts(
 
 
 # ------------------------------------------------------------------------------ options
-def _data_free(name: str, *, model: ModelInfo, deployment: Deployment, num_redundant: int) -> Placement:
-    from moetrace.placement.baselines import linear, round_robin
-
-    fn = linear if name == "linear" else round_robin
-    return fn(
-        num_layers=model.num_moe_layers,
-        num_experts=model.num_experts,
-        num_slots=model.num_experts + num_redundant,
-        num_ranks=deployment.num_ep,
+def _eplb_fit(
+    load_LE: np.ndarray, *, strategy: str, m: ModelInfo, cfg: AdviseConfig, num_redundant: int, stage: str
+) -> Option:
+    """One EPLB option: ``strategy``'s policy on ``load_LE`` with ``num_redundant`` slots, summed as ``cfg`` says."""
+    dep = cfg.deployment
+    placement = eplb_option_placement(
+        load_LE, strategy=strategy, model=m, deployment=dep, num_redundant=num_redundant, eplb_sum=cfg.eplb_sum
     )
+    policy = eplb_policy(strategy, model=m, deployment=dep)
+    return Option(name=strategy, num_redundant=num_redundant, placement=placement, fitted_on=stage, policy=policy)
 
 
-def _eplb(load_LE: np.ndarray, *, model: ModelInfo, deployment: Deployment, num_redundant: int) -> Placement:
-    """EPLB exactly as ``strategies``' ``eplb`` row builds it (the model's router groups, every node)."""
-    from moetrace.placement.eplb import rebalance
-
-    return rebalance(
-        np.asarray(load_LE, dtype=np.float64),
-        num_replicas=model.num_experts + num_redundant,
-        num_groups=model.n_group or 1,
-        num_nodes=deployment.num_nodes,
-        num_gpus=deployment.num_ep,
-    )
+def _stage_options(
+    inputs: AdviseInputs, cfg: AdviseConfig, names: tuple[str, ...], *, stage: Stage, sweep: list[int]
+) -> list[Option]:
+    """The options fitted for ``stage`` in ``names``' order: data-free ones once, EPLB's per sweep point,
+    the trace's grouped ones (``inputs.extra``) for a recorded stage."""
+    m, dep = inputs.model, cfg.deployment
+    load = _fit_stage_load(inputs, stage)
+    out: list[Option] = []
+    for name in names:
+        if name in EPLB_STRATEGIES:
+            out += [_eplb_fit(load, strategy=name, m=m, cfg=cfg, num_redundant=r, stage=stage) for r in sweep]
+        elif name in ("linear", "round_robin", "random"):
+            out.append(
+                Option(
+                    name=name,
+                    num_redundant=0,
+                    placement=data_free_placement(name, model=m, deployment=dep, seed=cfg.seed),
+                )
+            )
+        elif stage != "both":
+            out += [o for o in inputs.extra if o.name == name]
+    return out
 
 
 def _fit_stage_load(inputs: AdviseInputs, stage: Stage) -> np.ndarray:
@@ -461,6 +468,8 @@ def _summary(
         "label": option.label,
         "num_redundant": option.num_redundant,
         "fitted_on": option.fitted_on,
+        "eplb_policy": option.policy,
+        "router": option.has_router,
         "balancedness_min": bq["min"],
         "balancedness_p50": bq["p50"],
         "balancedness_p90": bq["p90"],
@@ -506,40 +515,33 @@ def advise_arrays(
     if len(recorded) == 2:
         stages.append("both")
 
+    names, notes = resolve_strategies(
+        cfg.strategies, model=m, deployment=dep, routable=inputs.routable, kind=inputs.kind
+    )
     ref_opt = (
         Option(name="current", num_redundant=inputs.current.phy2log.shape[1] - E, placement=inputs.current)
         if inputs.current is not None
         else Option(
-            name="linear", num_redundant=0, placement=_data_free("linear", model=m, deployment=dep, num_redundant=0)
-        )
-    )
-    fixed = [ref_opt]
-    if ref_opt.name != "linear":
-        fixed.append(
-            Option(
-                name="linear", num_redundant=0, placement=_data_free("linear", model=m, deployment=dep, num_redundant=0)
-            )
-        )
-    fixed.append(
-        Option(
-            name="round_robin",
+            name="linear",
             num_redundant=0,
-            placement=_data_free("round_robin", model=m, deployment=dep, num_redundant=0),
+            placement=data_free_placement("linear", model=m, deployment=dep, seed=cfg.seed),
         )
     )
     options: dict[Stage, list[Option]] = {}
     for st in stages:
-        load = _fit_stage_load(inputs, st)
-        eplbs = [
-            Option(
-                name="eplb",
-                num_redundant=r,
-                placement=_eplb(load, model=m, deployment=dep, num_redundant=r),
-                fitted_on=st,
+        here = _stage_options(inputs, cfg, names, stage=st, sweep=sweep)
+        options[st] = [ref_opt, *(o for o in here if o.key != ref_opt.key)]
+    shares: dict[tuple[str, str], np.ndarray] = {}  # a profile's slot shares under the replica rule, per option
+
+    def slot_share(opt: Option) -> np.ndarray | None:
+        if cfg.replica_policy != "sglang":  # the other rules split evenly on average
+            return None
+        k = (opt.fitted_on, opt.key)
+        if k not in shares:
+            shares[k] = slot_shares(
+                opt.placement, rule=cfg.replica_policy, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node
             )
-            for r in sweep
-        ]
-        options[st] = [*fixed, *eplbs, *([inputs.joint] if inputs.joint is not None and st != "both" else [])]
+        return shares[k]
 
     def job_key(opt: Option, steps: Steps) -> tuple[str, str, Steps]:
         return (opt.fitted_on, opt.key, steps)
@@ -547,7 +549,7 @@ def advise_arrays(
     def evaluate(job: tuple[Option, Steps]) -> StepMetrics:
         opt, steps = job
         si = inputs.stages[steps]
-        toks = inputs.joint_tokens.get(steps) if opt.name == "joint" else si.tokens
+        toks = inputs.extra_tokens.get((opt.key, steps), si.tokens)
         if toks is not None:
             return evaluate_tokens(
                 toks,
@@ -557,6 +559,7 @@ def advise_arrays(
                 cost=cost,
                 bytes_per_token=bytes_per_token,
                 hidden_size=time_hidden,
+                rule=cfg.replica_policy,
             )
         assert si.counts_NLE is not None  # a profile stage
         return evaluate_counts(
@@ -568,6 +571,7 @@ def advise_arrays(
             pairs_per_step=si.pairs_per_step,
             bytes_per_token=bytes_per_token,
             hidden_size=time_hidden,
+            slot_share_LP=slot_share(opt),
         )
 
     plan = [(st, steps) for st in stages for steps in (recorded if st == "both" else [st])]
@@ -616,8 +620,31 @@ def advise_arrays(
 
     correlation = _stage_correlation(inputs)
     drift = {st: _drift(inputs, st, cfg=cfg, rows=rows) for st in stages}
-    verdicts, recommended = _verdicts(
-        rows, stages=stages, ref=ref_opt, drift=drift, correlation=correlation, inputs=inputs
+    drift_estimated = all("skipped" not in d for d in drift.values())
+    missing = [*inputs.missing, *notes]
+    if not drift_estimated:
+        n = min(len(inputs.stages[s].windows_NLE) for s in recorded)
+        missing.append(
+            f"No drift estimate: the input has {n} window(s) of counts (a drift estimate needs {MIN_DRIFT_WINDOWS}); "
+            + (
+                "placements are fitted and evaluated on the same counts (in-sample: an upper bound on what a placement "
+                "fitted on past load keeps), and whether the load moves faster than a static placement follows is "
+                "unknown. Record several windows (SGLang's expert distribution recorder per pass, or `moetrace "
+                "profile --window-tokens`) to know."
+                if n == 1
+                else "whether the load moves faster than a static placement follows is unknown."
+            )
+        )
+    verdict_list, recommended = verdicts(
+        rows,
+        stages=list(stages),
+        ref_key=ref_opt.key,
+        ref_label=ref_opt.label,
+        drift={str(k): v for k, v in drift.items()},
+        correlation=correlation,
+        weights=_stage_weights(inputs),
+        missing=tuple(missing),
+        rearrangement=cfg.rearrangement,
     )
     placements = {
         f"{st}-{key}": next(o for o in options[st] if o.key == key) for st, key in recommended if st in options
@@ -635,7 +662,7 @@ def advise_arrays(
         "current_format": inputs.current_format or None,
         "stages": list(stages),
         "recorded_stages": list(recorded),
-        "missing": list(inputs.missing),
+        "missing": missing,
         "redundancy_sweep": sweep,
         "max_slots_per_gpu": cfg.slot_limit(E),
         "num_steps": {s: int(_num_steps(inputs, s)) for s in recorded},
@@ -645,14 +672,29 @@ def advise_arrays(
         "expert": None if expert is None else expert.to_json(),
         "test_fraction": cfg.test_fraction,
         "seed": cfg.seed,
+        "strategies": list(names),
+        "eplb_sum": cfg.eplb_sum,
+        "replica_policy": cfg.replica_policy,
+        "step_tokens_per_gpu": {"decode": cfg.decode_tokens_per_gpu, "prefill": cfg.prefill_tokens_per_gpu},
+        "rearrangement": {
+            "stall_seconds": cfg.rearrangement.stall_seconds,
+            "interval_steps": cfg.rearrangement.interval_steps,
+        },
         "prefill_decode_correlation": correlation,
+        "drift_estimated": drift_estimated,
         "drift": drift,
-        "verdicts": verdicts,
+        "verdicts": verdict_list,
         "recommended": [
             {"stage": st, "option": key, "placement": f"placements/{st}-{key}.json"} for st, key in recommended
         ],
     }
-    return Advice(manifest=manifest, rows=rows, layer_rows=_layer_arrays(layer_cols), placements=placements)
+    return Advice(
+        manifest=manifest,
+        rows=rows,
+        layer_rows=_layer_arrays(layer_cols),
+        placements=placements,
+        options={f"{st}-{o.key}": o for st in stages for o in options[st]},
+    )
 
 
 def _num_steps(inputs: AdviseInputs, steps: Steps) -> int:
@@ -723,37 +765,51 @@ def _stage_correlation(inputs: AdviseInputs) -> float | None:
     return None if np.isnan(mean) else round(mean, 4)
 
 
+def _stage_weights(inputs: AdviseInputs) -> dict[str, float]:
+    """Steps each stage's traffic takes (its routed pairs over the pairs of one step): how a placement
+    serving both stages weighs their step times."""
+    return {
+        st: float(si.fit_LE.sum() / max(si.fit_LE.shape[0], 1)) / si.pairs_per_step if si.pairs_per_step > 0 else 0.0
+        for st, si in inputs.stages.items()
+    }
+
+
 def _drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Does the imbalance move faster than a static placement follows? On the windows in arrival order,
     balancedness (vLLM's figure, mean over the later half of the windows) of: the reference; EPLB fitted
     on the first half (``static``); EPLB refitted on the window before each one (``lagged``: a placement
     that follows one window late, as a periodic rearrangement does); EPLB fitted on each window itself
     (``own``: a ceiling no deployed placement reaches, since it knows the window's load in advance). All
-    at the recommended sweep point (else the largest). Moving load: ``lagged`` beats ``static``; load
-    that changes faster than any placement follows: ``own`` far above both."""
+    with the recommended EPLB option's policy and sweep point (else the largest). Moving load: ``lagged``
+    beats ``static``; load that changes faster than any placement follows: ``own`` far above both.
+    Fewer than ``MIN_DRIFT_WINDOWS`` windows: skipped, with the reason."""
     m, dep = inputs.model, cfg.deployment
     w_NLE = _stage_windows(inputs, stage)
     N = len(w_NLE)
-    if N < 4:
-        return {"num_windows": N, "skipped": "fewer than 4 windows"}
+    if N < MIN_DRIFT_WINDOWS:
+        return {"num_windows": N, "skipped": f"fewer than {MIN_DRIFT_WINDOWS} windows: no drift estimate"}
     half = N // 2
     own: Steps = "decode" if stage == "both" else stage
-    cand = [r for r in rows if r["stage"] == stage and r["strategy"] == "eplb" and r["steps"] == own]
-    best = _best_eplb(cand)
+    cand = [r for r in rows if r["stage"] == stage and r["strategy"] in EPLB_STRATEGIES and r["steps"] == own]
+    if not cand:
+        return {"num_windows": N, "skipped": "no EPLB option evaluated"}
+    best = best_eplb(cand)
     R = int(best["num_redundant"]) if best is not None else max(int(r["num_redundant"]) for r in cand)
+    strategy = str(best["strategy"]) if best is not None else "eplb"
     W = dep.num_ep
 
     def fitted(load_LE: np.ndarray) -> Placement:
-        return _eplb(load_LE, model=m, deployment=dep, num_redundant=R)
+        return _eplb_fit(load_LE, strategy=strategy, m=m, cfg=cfg, num_redundant=R, stage=stage).placement
 
     def b(w_LE: np.ndarray, placement: Placement) -> float:
         return float(vllm_balancedness(expected_rank_load(w_LE[None], placement, num_ranks=W))[0])
 
-    ref, static = _ref_placement(inputs, m=m, dep=dep), fitted(w_NLE[:half].sum(0))
+    ref, static = _ref_placement(inputs, m=m, dep=dep, seed=cfg.seed), fitted(w_NLE[:half].sum(0))
     later = range(half, N)
     return {
         "num_windows": N,
         "num_redundant": R,
+        "strategy": strategy,
         "reference": _mean_or_nan(np.array([b(w_NLE[i], ref) for i in later])),
         "static": _mean_or_nan(np.array([b(w_NLE[i], static) for i in later])),
         "lagged": _mean_or_nan(np.array([b(w_NLE[i], fitted(w_NLE[i - 1])) for i in later])),
@@ -766,216 +822,11 @@ def _mean_or_nan(x: np.ndarray) -> float:
     return round(float(np.nanmean(x)), 4) if np.isfinite(x).any() else float("nan")
 
 
-def _ref_placement(inputs: AdviseInputs, *, m: ModelInfo, dep: Deployment) -> Placement:
+def _ref_placement(inputs: AdviseInputs, *, m: ModelInfo, dep: Deployment, seed: int) -> Placement:
     """The reference placement: ``--current``, else linear."""
     if inputs.current is not None:
         return inputs.current
-    return _data_free("linear", model=m, deployment=dep, num_redundant=0)
-
-
-def _best_eplb(cand: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The smallest sweep point within ``WITHIN_BEST`` of the best predicted MoE-layer time (all-to-all
-    time when the expert size is unknown); None without candidates."""
-    if not cand:
-        return None
-    key = "moe_vs_ref" if all(np.isfinite(r["moe_vs_ref"]) for r in cand) else "a2a_vs_ref"
-    if not all(np.isfinite(r[key]) for r in cand):
-        key = "balancedness_vllm"
-        best = max(r[key] for r in cand)
-        return min((r for r in cand if r[key] >= best - WITHIN_BEST), key=lambda r: r["num_redundant"])
-    best = min(r[key] for r in cand)
-    return min((r for r in cand if r[key] <= best * (1 + WITHIN_BEST)), key=lambda r: r["num_redundant"])
-
-
-# ------------------------------------------------------------------------------ verdicts
-def _pct(x: float) -> str:
-    """A ratio as a signed change: ``0.83`` -> ``−17 %``, ``1.004`` -> ``+0.4 %``."""
-    v = (x - 1.0) * 100
-    return (f"{v:+.1f} %" if abs(v) < 9.95 else f"{v:+.0f} %").replace("-", "−")
-
-
-def _gb(x: float | None) -> str:
-    return "n/a (expert size unknown)" if x is None else f"{x / 1e9:.1f} GB"
-
-
-def _time_key(r0: dict[str, Any]) -> tuple[str, str]:
-    """The time a verdict ranks by: MoE-layer time, or all-to-all time when the expert size is unknown."""
-    if np.isfinite(r0["moe_vs_ref"]):
-        return "moe", "predicted MoE-layer time"
-    return "a2a", "predicted all-to-all time"
-
-
-def _enable_text(who: str, best: dict[str, Any], b0: float, change: str) -> str:
-    red = (
-        f"with {best['num_redundant']} redundant experts"
-        if best["num_redundant"]
-        else "without redundant experts (a rearrangement only)"
-    )
-    return (
-        f"{who}: enable EPLB {red}: balancedness {b0:.2f} → {best['balancedness_vllm']:.2f}, {change}, "
-        f"{_gb(best['bytes_moved'])} of weights move once ({best['experts_moved']} expert copies), "
-        f"{_gb(best['extra_bytes_per_gpu'])} more per GPU for the redundant slots."
-    )
-
-
-def _stage_weights(inputs: AdviseInputs) -> dict[str, float]:
-    """Steps each stage's traffic takes (its routed pairs over the pairs of one step): how a placement
-    serving both stages weighs their step times."""
-    return {
-        st: float(si.fit_LE.sum() / max(si.fit_LE.shape[0], 1)) / si.pairs_per_step if si.pairs_per_step > 0 else 0.0
-        for st, si in inputs.stages.items()
-    }
-
-
-def _verdicts(
-    rows: list[dict[str, Any]],
-    *,
-    stages: list[Stage],
-    ref: Option,
-    drift: dict[Stage, dict[str, Any]],
-    correlation: float | None,
-    inputs: AdviseInputs,
-) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
-    """One verdict per stage in plain words, with the numbers behind it; and the recommended (stage,
-    option key) pairs (their placement files and commands). The placement of ``both`` serves prefill
-    and decode steps, weighed by the steps each stage's traffic takes (``_stage_weights``)."""
-    out: list[dict[str, Any]] = []
-    recommended: list[tuple[str, str]] = []
-    weights = _stage_weights(inputs)
-    for st in stages:
-        here = [r for r in rows if r["stage"] == st]
-        r0_by = {r["steps"]: r for r in here if r["option"] == ref.key}
-        tk, what = _time_key(next(iter(r0_by.values())))
-        if st == "both":
-            # one row per option: its step time weighed over both stages, over the reference's
-            def weighed(key: str, here: list[dict[str, Any]] = here, tk: str = tk) -> float:
-                return sum(weights[r["steps"]] * r[f"{tk}_seconds_per_step"] for r in here if r["option"] == key)
-
-            total0 = weighed(ref.key)
-            cand = []
-            for r in (r for r in here if r["strategy"] == "eplb" and r["steps"] == "decode"):
-                cand.append({**r, f"{tk}_vs_ref": weighed(r["option"]) / total0 if total0 > 0 else float("nan")})
-            best = _best_eplb(cand)
-            assert best is not None
-            per = {r["steps"]: r for r in here if r["option"] == best["option"]}
-            change = (
-                f"{what} weighed over both stages {_pct(best[f'{tk}_vs_ref'])} ("
-                + ", ".join(f"{s} steps {_pct(per[s][f'{tk}_vs_ref'])}" for s in ("decode", "prefill") if s in per)
-                + ")"
-            )
-            b0 = r0_by["decode"]["balancedness_vllm"]
-            who = "Both stages with one placement"
-        else:
-            r0 = r0_by[st]
-            best = _best_eplb([r for r in here if r["strategy"] == "eplb"])
-            assert best is not None
-            spread = f"p10–p90 {_pct(best[f'{tk}_vs_ref_p10'])}…{_pct(best[f'{tk}_vs_ref_p90'])}"
-            change = f"{what} {_pct(best[f'{tk}_vs_ref'])} ({spread})"
-            b0 = r0["balancedness_vllm"]
-            who = st.capitalize()
-        gain = 1.0 - best[f"{tk}_vs_ref"]
-        if gain >= MIN_GAIN:
-            verdict, option = "enable", best["option"]
-            text = _enable_text(who, best, b0, change)
-            recommended.append((st, best["option"]))
-            d = drift.get(st, {})
-            if d.get("lagged", float("nan")) - d.get("static", float("nan")) > DRIFT_GAP:
-                text += (
-                    f" The load also moves between windows: refitted on the window before, EPLB keeps balancedness "
-                    f"{d['lagged']:.2f} against {d['static']:.2f} fitted once: rebalance periodically (vLLM's "
-                    "--eplb-config step_interval)."
-                )
-        else:
-            verdict, option = "no gain", None
-            text = (
-                f"{who}: no gain from EPLB: the best sweep point ({best['num_redundant']} redundant) gives {change} "
-                f"(balancedness {b0:.2f} → {best['balancedness_vllm']:.2f}); "
-                f"{_no_gain_reason(b0, best, drift.get(st, {}))}."
-            )
-        joint = next((r for r in here if r["strategy"] == "joint"), None)
-        if joint is not None:
-            jt = joint[f"{tk}_vs_ref"]
-            base = best if verdict == "enable" else r0_by[st]
-            ib = base["inter_node_bytes_per_step"]
-            dbytes = joint["inter_node_bytes_per_step"] / ib if ib else float("nan")
-            vs = f"that EPLB's {_pct(best[f'{tk}_vs_ref'])}" if verdict == "enable" else f"{ref.label}"
-            if np.isfinite(jt) and 1.0 - jt >= MIN_GAIN and jt < best[f"{tk}_vs_ref"]:
-                text += (
-                    f" Ours (joint) reaches {what} {_pct(jt)} (against {vs}) with {_pct(dbytes)} inter-node bytes, "
-                    f"but needs the prefill router (placement file: placements/{st}-joint.json)."
-                )
-                recommended.append((st, "joint"))
-            else:
-                text += f" Ours (joint): {what} {_pct(jt)}, inter-node bytes {_pct(dbytes)}: not worth its router here."
-        out.append({"stage": st, "verdict": verdict, "option": option, "text": text})
-    if correlation is not None and "both" in stages:
-        sep = correlation < SEPARATE_BELOW
-        gains = any(v["verdict"] == "enable" for v in out)
-        advice = (
-            "balance them separately (one placement per stage, as with prefill/decode disaggregation)."
-            if sep and gains
-            else "one placement can serve both."
-            if gains
-            else "neither stage gains from a placement, so there is nothing to balance separately."
-        )
-        sep = sep and gains
-        text = f"Prefill and decode loads correlate {correlation:.2f}: {advice}"
-        out.append({"stage": "both", "verdict": "separate" if sep else "together", "option": None, "text": text})
-    for miss in inputs.missing:
-        out.append({"stage": None, "verdict": "missing", "option": None, "text": miss})
-    return out, list(dict.fromkeys(recommended))
-
-
-def _no_gain_reason(b0: float, best: dict[str, Any], drift: dict[str, Any]) -> str:
-    static, lagged, own = (drift.get(k, float("nan")) for k in ("static", "lagged", "own"))
-    if np.isfinite(b0) and b0 >= BALANCED:
-        return f"already balanced (balancedness {b0:.2f} ≥ {BALANCED:.2f})"
-    if all(np.isfinite(x) for x in (static, lagged, own)):
-        seen = (
-            f"on the later windows EPLB fitted on the first half reaches balancedness {static:.2f}, refitted on "
-            f"the window before {lagged:.2f}, fitted on each window itself {own:.2f}"
-        )
-        if lagged - static > DRIFT_GAP:
-            return f"the imbalance moves from window to window: a static placement cannot follow it ({seen}); rebalance periodically instead"
-        if own - max(static, lagged) > 2 * DRIFT_GAP + 0.05:
-            return f"the imbalance moves from window to window faster than any placement can follow ({seen})"
-    if best["balancedness_vllm"] - b0 < 0.05:
-        return "the step-to-step imbalance is noise of small batches that no static placement removes"
-    return "better balance does not shorten the step here (the all-to-all or the activated experts decide it)"
-
-
-# ------------------------------------------------------------------------------ commands
-def commands(advice: Advice, *, out: str | os.PathLike) -> list[dict[str, Any]]:
-    """The ``moetrace place`` / ``moetrace export`` commands of every recommended option, per engine
-    (``out``: the advice directory holding its placement files)."""
-    from moetrace.placement.exports import PLACEMENT_EXPORTS
-
-    out_cmds = []
-    suffix = {"sglang": "json", "trtllm": "yaml", "vllm": "json", "vllm-ascend": "json"}
-    man = advice.manifest
-    input_path, config = man["input"], man["deployment"]
-    gpn = f" --gpus-per-node {man['gpus_per_node']}" if man["gpus_per_node"] != 8 else ""
-    for rec in man["recommended"]:
-        st, key = rec["stage"], rec["option"]
-        opt = advice.placements[f"{st}-{key}"]
-        path = f"{out}/{rec['placement']}"
-        place = None
-        if man["input_kind"] == "trace" and (st == "decode" and opt.name == "eplb" or opt.name == "joint"):
-            red = f" --redundancy {opt.num_redundant}" if opt.num_redundant else ""
-            place = (
-                f"moetrace place {input_path} --config {config}{gpn} --strategy {opt.name}{red} "
-                f"--test-fraction {man['test_fraction']} --seed {man['seed']} -o {st}-{key}.json"
-            )
-        exports: dict[str, str] = {
-            fmt: f"moetrace export {path} --format {fmt} -o {st}-{key}.{fmt}.{suffix[fmt]}" for fmt in PLACEMENT_EXPORTS
-        }
-        if man["input_kind"] == "trace" and opt.name == "eplb":
-            stage_arg = "both" if st == "both" else st
-            exports["sglang (counts; SGLang runs its own EPLB)"] = (
-                f"moetrace export {input_path} --format sglang-logical-count --stage {stage_arg} -o logical_count.json"
-            )
-        out_cmds.append({"stage": st, "option": key, "placement": path, "place": place, "export": exports})
-    return out_cmds
+    return data_free_placement("linear", model=m, deployment=dep, seed=seed)
 
 
 # ------------------------------------------------------------------------------ from a trace
@@ -1077,11 +928,25 @@ def advise_trace(
         prefill_batches,
         with_held_out_tokens,
     )
+    from moetrace.placement.strategies import get_strategy
     from moetrace.tracer.trace.reader import open_trace
+    from moetrace.tracer.trace.schema import stages_of
 
     dep = cfg.deployment
-    model = open_trace(trace).model  # the manifest only: the checks below come before minutes of counting
+    tr = open_trace(trace)  # the manifest only: the checks below come before minutes of counting
+    model = tr.model
     cfg.sweep(model.num_experts)
+    recorded = stages_of(tr)
+    names, _ = resolve_strategies(
+        cfg.strategies,
+        model=model,
+        deployment=dep,
+        routable="prefill" in recorded and "decode" in recorded,
+        kind="trace",
+    )
+    grouped = [n for n in names if get_strategy(n).grouped]
+    for n in grouped:
+        get_strategy(n).check(model, num_nodes=dep.num_nodes)
     cur = None
     if current is not None:  # before minutes of counting
         from moetrace.placement.advise_current import read_current
@@ -1093,7 +958,7 @@ def advise_trace(
         strategies=("linear",),
         test_fraction=cfg.test_fraction,
         num_batches=cfg.num_steps,
-        num_batch_requests=cfg.batch_requests,
+        num_batch_requests=cfg.step_requests,
         dedup=cfg.decode_dedup,
         seed=cfg.seed,
         oracle=False,
@@ -1101,13 +966,16 @@ def advise_trace(
         hardware=cfg.hardware,
         prefill_tokens_per_node=cfg.prefill_tokens_per_node,
     )
-    joint, group = None, None
+    extra: list[Option] = []
+    groups: dict[str, np.ndarray] = {}  # option key -> group of each request, where a router sends it
     missing: list[str] = []
     has_p, has_d = "prefill" in data.stages, "decode" in data.stages
     if has_p and has_d:
-        ps = make_placement(data, ccfg, "joint")  # fitted before the held-out tokens are read (memory)
-        joint = Option(name="joint", num_redundant=0, placement=ps.placement, fitted_on="decode", router=ps.router)
-        group = ps.group_of_test_R
+        for n in grouped:  # fitted before the held-out tokens are read (memory)
+            ps = make_placement(data, ccfg, n)
+            extra.append(Option(name=n, num_redundant=0, placement=ps.placement, fitted_on="decode", router=ps.router))
+            if ps.group_of_test_R is not None:
+                groups[n] = ps.group_of_test_R
     else:
         missing.append(
             f"The trace recorded {'prefill' if has_p else 'decode'} routing only: no advice on "
@@ -1118,7 +986,7 @@ def advise_trace(
     train = np.flatnonzero(~data.is_test_R)
     order = np.arange(len(data.is_test_R))  # counts rows are in request-id (arrival) order
     stages: dict[Steps, StageInput] = {}
-    joint_tokens: dict[Steps, StepTokens] = {}
+    extra_tokens: dict[tuple[str, Steps], StepTokens] = {}
     if has_d:
         assert data.test_topk_ids_TLK is not None
         rows, step, src, _ = held_out_batches(data, ccfg, None)
@@ -1128,9 +996,9 @@ def advise_trace(
             tokens=StepTokens(data.test_topk_ids_TLK[rows], step, src, cfg.num_steps),
             pairs_per_step=float(cfg.step_requests * data.model.top_k),
         )
-        if group is not None:
+        for key, group in groups.items():
             jr, js, jsrc, _ = held_out_batches(data, ccfg, group)
-            joint_tokens["decode"] = StepTokens(data.test_topk_ids_TLK[jr], js, jsrc, cfg.num_steps)
+            extra_tokens[(key, "decode")] = StepTokens(data.test_topk_ids_TLK[jr], js, jsrc, cfg.num_steps)
     if has_p:
         nb = ccfg.num_prefill_batches if has_d else max(4, cfg.num_steps // 100)
         pcfg = replace(ccfg, num_batches=nb) if not has_d else ccfg
@@ -1144,10 +1012,11 @@ def advise_trace(
                 tokens=StepTokens(data.test_prefill_ids_TLK[prow], pstep, psrc, pcfg.num_prefill_batches),
                 pairs_per_step=float(cfg.prefill_tokens_per_node * dep.num_groups * data.model.top_k),
             )
-            if group is not None and (jd := prefill_batches(data, pcfg, group)) is not None:
-                joint_tokens["prefill"] = StepTokens(
-                    data.test_prefill_ids_TLK[jd[0]], jd[1], jd[2], pcfg.num_prefill_batches
-                )
+            for key, group in groups.items():
+                if (jd := prefill_batches(data, pcfg, group)) is not None:
+                    extra_tokens[(key, "prefill")] = StepTokens(
+                        data.test_prefill_ids_TLK[jd[0]], jd[1], jd[2], pcfg.num_prefill_batches
+                    )
     inputs = AdviseInputs(
         model=data.model,
         source=str(trace),
@@ -1155,8 +1024,9 @@ def advise_trace(
         stages=stages,
         current=None if cur is None else cur[0],
         current_format="" if cur is None else cur[1],
-        joint=joint,
-        joint_tokens=joint_tokens,
+        extra=tuple(extra),
+        extra_tokens=extra_tokens,
+        routable=has_p and has_d,
         missing=tuple(missing),
     )
     return advise_arrays(inputs, cfg, progress=progress)
@@ -1176,7 +1046,9 @@ def advise_profile_counts(
     """The advice on a load profile: per stage, windows of expert counts in time order (int [N, L, E]);
     the first half fits the placements, the later half is evaluated (balancedness per window; the
     per-step terms on each window scaled to one step of ``step_requests`` decode tokens or
-    ``prefill_tokens_per_node`` prompt tokens per node). ``window_tokens`` only documents the windows."""
+    ``prefill_tokens_per_node`` prompt tokens per node). One window (one engine statistics file) is
+    fitted and evaluated in-sample, with no drift estimate (said in the output). ``window_tokens``
+    only documents the windows."""
     del window_tokens  # the windows' counts are what is evaluated; steps are the config's
     stages: dict[Steps, StageInput] = {}
     K = model.top_k
@@ -1187,21 +1059,23 @@ def advise_profile_counts(
         if st not in counts:
             continue
         c = np.asarray(counts[st], dtype=np.float64)
-        if c.ndim != 3 or c.shape[1:] != (model.num_moe_layers, model.num_experts) or len(c) < 2:
+        if c.ndim != 3 or c.shape[1:] != (model.num_moe_layers, model.num_experts) or len(c) < 1:
             raise ConfigError(
-                f"profile counts of {st} must be [windows >= 2, {model.num_moe_layers} layers, {model.num_experts} experts], "
+                f"profile counts of {st} must be [windows >= 1, {model.num_moe_layers} layers, {model.num_experts} experts], "
                 f"got {c.shape}"
             )
         half = len(c) // 2
+        fit, evaluated = (c[:half], c[half:]) if half else (c, c)  # one window: in-sample
         step_tokens = cfg.step_requests if st == "decode" else cfg.prefill_tokens_per_node * cfg.deployment.num_groups
         stages[st] = StageInput(
-            fit_LE=c[:half].sum(axis=0), windows_NLE=c, counts_NLE=c[half:], pairs_per_step=float(step_tokens * K)
+            fit_LE=fit.sum(axis=0), windows_NLE=c, counts_NLE=evaluated, pairs_per_step=float(step_tokens * K)
         )
     if not stages:
         raise ConfigError("the profile holds neither prefill nor decode counts")
     missing = [
         "A load profile holds counts, not tokens: distinct destination ranks per token are n/a, the copy model "
-        "is one copy per (token, expert) whatever --dedup says, and ours (joint) needs per-request routing."
+        "is one copy per (token, expert) whatever --dedup says, and ours (joint) and the other grouped strategies "
+        "need per-request routing."
     ]
     if mixed:
         missing.append(
@@ -1222,6 +1096,8 @@ def advise_profile_counts(
         current_format=current_format,
         missing=tuple(missing),
     )
+    if cfg.strategies:  # refuse what a profile cannot build before any evaluation
+        resolve_strategies(cfg.strategies, model=model, deployment=cfg.deployment, routable=False, kind="profile")
     return advise_arrays(inputs, cfg)
 
 
@@ -1252,100 +1128,6 @@ def is_profile(path: str | os.PathLike) -> bool:
     return bool(prof.is_profile(path))
 
 
-# ------------------------------------------------------------------------------ result files
-def write_advice(advice: Advice, out: str | os.PathLike, *, deployment: Deployment) -> list[Path]:
-    """Write the advice directory (``moetrace.results.ADVICE``): ``options.parquet``, ``layers.parquet``,
-    the recommended placements under ``placements/``, and ``advice.json`` (with the ``commands``) last.
-    Returns the paths."""
-    import polars as pl
-
-    from moetrace.placement.exports import PlacementFile, save_placement
-    from moetrace.placement.routers import NoRouter
-    from moetrace.tracer.trace.schema import ModelInfo
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    model = ModelInfo.from_dict(advice.manifest["model"])
-    for stem, opt in advice.placements.items():
-        p = out / "placements" / f"{stem}.json"
-        pf = PlacementFile(
-            model=model,
-            deployment=deployment,
-            strategy=opt.name,
-            placement=opt.placement,
-            router=opt.router if opt.router is not None else NoRouter(),
-            source={
-                "advise": rf.recorded_path(advice.manifest["input"], results_dir=p.parent),
-                "fitted_on": opt.fitted_on or None,
-                "option": opt.key,
-            },
-        )
-        save_placement(pf, p)
-        written.append(p)
-    written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_OPTIONS, pl.DataFrame(advice.rows)))
-    written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_LAYERS, pl.DataFrame(advice.layer_rows)))
-    body = {**advice.manifest, "commands": commands(advice, out=out)}
-    for key in ("input", "trace"):  # relative to the results: no absolute path of the user's machine
-        if isinstance(body.get(key), str):
-            body[key] = rf.recorded_path(body[key], results_dir=out)
-    written.append(rf.write_result_json(out, rf.ADVICE, rf.ADVICE_MANIFEST, _plain(body)))
-    return written
-
-
-def _plain(x: Any) -> Any:
-    """``x`` with numpy scalars as Python numbers and NaN as null (strict JSON)."""
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_plain(v) for v in x]
-    if isinstance(x, np.integer | bool):
-        return x if isinstance(x, bool) else int(x)
-    if isinstance(x, float | np.floating):
-        return None if np.isnan(x) else float(x)
-    return x
-
-
-def format_advice(advice: Advice, *, out: str | os.PathLike) -> str:
-    """The verdicts, a table of the options per stage and the commands, as ``moetrace advise`` prints them."""
-    man = advice.manifest
-    lines = [
-        f"moetrace advise: {man['input']} ({man['input_kind']}), {man['deployment']}, reference {man['reference']}"
-    ]
-    if man.get("expert") is None:  # the time column is then all-to-all time; say why and how to give the size
-        from moetrace.placement.cost import expert_unknown_reason
-        from moetrace.tracer.trace.schema import ModelInfo
-
-        reason = expert_unknown_reason(ModelInfo.from_dict(man["model"]))
-        lines.append(reason or "MoE-layer time n/a: the expert size is unknown")
-    for st in man["stages"]:
-        for steps in dict.fromkeys(r["steps"] for r in advice.rows if r["stage"] == st):
-            lines.append(f"\n{st} placement, {steps} steps:")
-            lines.append(
-                f"  {'option':<28} {'balanced':>8} {'busiest':>8} {'act/GPU':>7} {'ranks/tok':>9} {'MoE time':>9} "
-                f"{'[p10, p90]':>15} {'inter B':>8} {'moved':>9}"
-            )
-            for r in (r for r in advice.rows if r["stage"] == st and r["steps"] == steps):
-                moved = "—" if r["bytes_moved"] is None else f"{r['bytes_moved'] / 1e9:.1f} GB"
-                t = r["moe_vs_ref"] if np.isfinite(r["moe_vs_ref"]) else r["a2a_vs_ref"]
-                t10 = r["moe_vs_ref_p10"] if np.isfinite(r["moe_vs_ref"]) else r["a2a_vs_ref_p10"]
-                t90 = r["moe_vs_ref_p90"] if np.isfinite(r["moe_vs_ref"]) else r["a2a_vs_ref_p90"]
-                sr = "n/a" if np.isnan(r["send_ranks_per_token"]) else f"{r['send_ranks_per_token']:.2f}"
-                lines.append(
-                    f"  {r['label']:<28} {r['balancedness_vllm']:>8.3f} {r['busiest_rank_tokens']:>8.1f} "
-                    f"{r['activated_experts_per_gpu_max']:>7.2f} {sr:>9} {t:>9.3f} [{t10:.3f}, {t90:.3f}] "
-                    f"{r['inter_node_vs_ref']:>8.3f} {moved:>9}"
-                )
-    lines.append("")
-    lines += [v["text"] for v in man["verdicts"]]
-    for c in commands(advice, out=out):
-        lines.append(f"\n{c['stage']}: {c['option']} (placement file {c['placement']})")
-        if c["place"]:
-            lines.append(f"  {c['place']}")
-        lines += [f"  {cmd}" for cmd in c["export"].values()]
-    return "\n".join(lines)
-
-
 def advise_input(
     path: str | os.PathLike,
     cfg: AdviseConfig,
@@ -1358,14 +1140,3 @@ def advise_input(
     if is_profile(path):
         return advise_profile(path, cfg, current=current)
     return advise_trace(path, cfg, current=current, progress=progress, count_progress=count_progress)
-
-
-def read_advice(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``advice.json`` of an advice directory, checked (format and version)."""
-    p = Path(path) / rf.ADVICE_MANIFEST
-    try:
-        obj = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise TraceFormatError(f"{path}: no {rf.ADVICE_MANIFEST} (write one with `moetrace advise`)") from None
-    rf.check_result_json(p, obj, rf.ADVICE)
-    return obj

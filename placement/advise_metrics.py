@@ -96,32 +96,43 @@ def rank_load_from_ranks(
     return np.bincount(key[valid], minlength=num_batches * num_ranks).reshape(num_batches, num_ranks).astype(np.float64)
 
 
-def _slot_load(counts_NLE: np.ndarray, placement: Placement) -> np.ndarray:
-    """Pairs per physical slot, an expert's count split evenly over its replicas, float64 [N, L, P]."""
+def _slot_load(counts_NLE: np.ndarray, placement: Placement, slot_share_LP: np.ndarray | None = None) -> np.ndarray:
+    """Pairs per physical slot, float64 [N, L, P]: an expert's count split over its replicas by
+    ``slot_share_LP`` (float [L, P], each expert's slots summing to 1; None: evenly)."""
     c = np.asarray(counts_NLE, dtype=np.float64)
     L, P = placement.phy2log.shape
-    per_replica_NLE = c / placement.logcnt[None].astype(np.float64)
-    return np.take_along_axis(per_replica_NLE, np.broadcast_to(placement.phy2log[None], (c.shape[0], L, P)), axis=2)
+    per_slot = np.take_along_axis(c, np.broadcast_to(placement.phy2log[None], (c.shape[0], L, P)), axis=2)
+    if slot_share_LP is None:  # divided, as the even split always was (the same floats)
+        return per_slot / np.take_along_axis(placement.logcnt, placement.phy2log, axis=1)[None].astype(np.float64)
+    return per_slot * np.asarray(slot_share_LP, dtype=np.float64)[None]
 
 
-def expected_rank_load(counts_NLE: np.ndarray, placement: Placement, *, num_ranks: int) -> np.ndarray:
+def expected_rank_load(
+    counts_NLE: np.ndarray, placement: Placement, *, num_ranks: int, slot_share_LP: np.ndarray | None = None
+) -> np.ndarray:
     """Each rank's (token, expert) pairs per window, float64 [N, L, W]: ``counts_NLE`` (tokens routed to
-    each logical expert per window) split evenly over each expert's replicas and summed per rank."""
-    slot_NLP = _slot_load(counts_NLE, placement)
+    each logical expert per window) split over each expert's replicas (evenly, or by ``slot_share_LP``:
+    ``eplb_replicas.slot_shares`` of an engine's replica rule) and summed per rank."""
+    slot_NLP = _slot_load(counts_NLE, placement, slot_share_LP)
     N, L, P = slot_NLP.shape
     return slot_NLP.reshape(N, L, num_ranks, P // num_ranks).sum(axis=3)
 
 
 def expected_active_slots(
-    counts_NLE: np.ndarray, placement: Placement, *, num_ranks: int, pairs_per_step_N: np.ndarray
+    counts_NLE: np.ndarray,
+    placement: Placement,
+    *,
+    num_ranks: int,
+    pairs_per_step_N: np.ndarray,
+    slot_share_LP: np.ndarray | None = None,
 ) -> np.ndarray:
     """Expected slots with at least one token in one step, per rank, float64 [N, L, W].
 
     A window's counts are scaled to a step of ``pairs_per_step_N`` (token, expert) pairs (float [N]);
     a slot expecting ``m`` pairs in that step is active with probability ``1 - exp(-m)`` (independent
     arrivals). Memory-bound decode pays per activated expert (METRO), so a step's activations matter,
-    not a window's (where nearly every slot is active)."""
-    slot_NLP = _slot_load(counts_NLE, placement)
+    not a window's (where nearly every slot is active). ``slot_share_LP``: as ``expected_rank_load``."""
+    slot_NLP = _slot_load(counts_NLE, placement, slot_share_LP)
     N, L, P = slot_NLP.shape
     total_N = slot_NLP.sum(axis=2).mean(axis=1)  # pairs per layer and window
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -56,11 +56,13 @@ import numpy as np
 from moetrace.errors import ConfigError
 from moetrace.placement.maps import Placement
 
-__all__ = ["ACCUMULATE", "Accumulate", "balanced_packing", "rebalance", "replicate_experts"]
+__all__ = ["ACCUMULATE", "ACCUMULATE_WHO", "Accumulate", "balanced_packing", "rebalance", "replicate_experts"]
 
 #: how pack weights accumulate: float64 as SGLang and vLLM, float32 as DeepSeek's reference (module docstring)
 Accumulate = Literal["float64", "float32"]
 ACCUMULATE: tuple[str, ...] = get_args(Accumulate)
+#: who sums that way, as outputs name it
+ACCUMULATE_WHO: dict[str, str] = {"float64": "as SGLang and vLLM", "float32": "as DeepSeek's reference"}
 
 
 def _take_rows(a_N_: np.ndarray, idx_N_: np.ndarray) -> np.ndarray:

@@ -235,7 +235,9 @@ def _trace(path, *, n=48, skew=2.0, stages=("prefill", "decode"), seed=0):
     return path
 
 
-CFG = AdviseConfig(deployment=DEP, num_steps=20, batch_requests=8, prefill_tokens_per_node=32, max_slots_per_gpu=6)
+CFG = AdviseConfig(
+    deployment=DEP, num_steps=20, decode_tokens_per_gpu=2, prefill_tokens_per_gpu=16, max_slots_per_gpu=6
+)
 
 
 def test_trace_advice_stays_within_the_slot_limit_and_writes_its_files(tmp_path):

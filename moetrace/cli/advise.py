@@ -6,7 +6,7 @@ A thin layer over ``moetrace.placement.advise`` (docs/advise.md).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -20,7 +20,11 @@ from moetrace.cli.common import (
     progress_bar,
     read_model_config,
 )
-from moetrace.cli.place import ConfigOpt, GpusPerNode, LinkOpt
+from moetrace.cli.place import ConfigOpt, EplbSumOpt, GpusPerNode, LinkOpt
+from moetrace.placement.strategies import STRATEGY_NAMES
+
+#: advise's defaults, named once for the options' help (the library's: placement/advise*.py)
+_DEFAULTS = "linear,round_robin,eplb,eplb_global,joint"
 
 
 def register(app: typer.Typer) -> None:
@@ -46,6 +50,37 @@ def advise_cmd(
         int, typer.Option(help="Slots per GPU and layer the EPLB sweep may use (0: ceil(E/EP) + 2).")
     ] = 0,
     steps: Annotated[int, typer.Option(help="Decode steps simulated on a trace.")] = 200,
+    strategies: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Comma-separated strategies to evaluate, from: {', '.join(STRATEGY_NAMES)} (default {_DEFAULTS}, "
+            "where they apply; EPLB's are swept over redundant slots, grouped ones need a trace with prefill and "
+            "decode).",
+            show_default=False,
+        ),
+    ] = None,
+    decode_tokens_per_gpu: Annotated[
+        int, typer.Option(help="Decode tokens (one per request) per GPU in one decode step.")
+    ] = 4,
+    prefill_tokens_per_gpu: Annotated[
+        int, typer.Option(help="Chunked-prefill tokens per GPU in one prefill step.")
+    ] = 128,
+    replica_policy: Annotated[
+        Literal["vllm", "sglang", "same_node"],
+        typer.Option(
+            help="Which replica serves a token: your engine's rule (vllm: vLLM 0.33's hash of the token's row; "
+            "sglang: SGLang 0.5.23's local-first static map) or same_node (moetrace's model). docs/advise.md."
+        ),
+    ] = "same_node",
+    stall_seconds: Annotated[
+        float,
+        typer.Option(
+            help="Seconds one synchronous rearrangement stalls serving (vLLM, DeepSeek-R1 on 32 GB200s: 0.65-1.70 s, "
+            "vllm#43219)."
+        ),
+    ] = 0.9,
+    rearrange_every: Annotated[int, typer.Option(help="Steps between rearrangements (vLLM's step_interval).")] = 3000,
+    eplb_sum: EplbSumOpt = "float64",
     link: LinkOpt = None,
     model_config: ModelConfigOpt = None,
     seed: Seed = 0,
@@ -55,9 +90,17 @@ def advise_cmd(
     """Advise per stage whether to enable EPLB and with how many redundant experts, in vLLM's terms
     (balancedness), with predicted step time, migration cost and the commands for your engine.
 
-    Example: moetrace advise traces/dsv3 --config DP8TP8EP64 -o advice
+    \b
+    Example:
+      moetrace advise traces/dsv3 --config DP8TP8EP64 -o advice
+    One SGLang statistics file (no drift estimate), larger decode steps:
+      moetrace import logical_count.json -m deepseek-v3 \\
+        --stages decode-only -o dsv3.parquet
+      moetrace advise dsv3.parquet -c DP8TP8EP64 \\
+        --decode-tokens-per-gpu 128 -o advice
     """
     from moetrace.placement.advise import AdviseConfig, advise_input, format_advice, write_advice
+    from moetrace.placement.advise_rearrange import Rearrangement
     from moetrace.placement.deployment import parse_deployment
     from moetrace.placement.hardware import load_hardware
     from moetrace.results import ADVICE
@@ -67,6 +110,12 @@ def advise_cmd(
         deployment=dep,
         max_slots_per_gpu=max_slots_per_gpu,
         num_steps=steps,
+        strategies=tuple(x.strip() for x in strategies.split(",") if x.strip()) if strategies is not None else (),
+        decode_tokens_per_gpu=decode_tokens_per_gpu,
+        prefill_tokens_per_gpu=prefill_tokens_per_gpu,
+        replica_policy=replica_policy,
+        rearrangement=Rearrangement(stall_seconds=stall_seconds, interval_steps=rearrange_every),
+        eplb_sum=eplb_sum,
         seed=seed,
         hardware=load_hardware(link),
         model_config=read_model_config(model_config),

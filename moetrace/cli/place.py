@@ -77,6 +77,14 @@ RouteOnOpt = Annotated[
         "(each request's first N generated tokens; not deployable, said in every output)."
     ),
 ]
+EplbSumOpt = Annotated[
+    Literal["float64", "float32"],
+    typer.Option(
+        "--eplb-sum",
+        help="How EPLB sums pack weights: float64 as SGLang and vLLM compute it (the placement they would load), "
+        "float32 as DeepSeek's reference; the output names which.",
+    ),
+]
 ReplicaPolicyOpt = Annotated[Literal["same_node", "even", "metro"], typer.Option(help="Which replica serves a token.")]
 _GROUPED = ", ".join(s.name for s in STRATEGIES if s.grouped)
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]  # the registry's names, built at run time
@@ -171,6 +179,7 @@ def place_cmd(
     seed: Seed = 0,
     link: LinkOpt = None,
     model_config: ModelConfigOpt = None,
+    eplb_sum: EplbSumOpt = "float64",
     allow_incomplete: AllowIncomplete = False,
     overwrite: Overwrite = False,
     quiet: Quiet = False,
@@ -181,7 +190,9 @@ def place_cmd(
     Example:
       moetrace place traces/dsv3 --config DP8TP8EP64 -o placement.json
     """
-    from moetrace.placement.compare import make_placement, placement_file
+    from moetrace.placement.compare import placement_file
+    from moetrace.placement.eplb import ACCUMULATE_WHO
+    from moetrace.placement.eplb_place import place_with_sum
     from moetrace.placement.exports import save_placement
     from moetrace.placement.hardware import load_hardware
     from moetrace.placement.report import format_placement_summary
@@ -202,9 +213,11 @@ def place_cmd(
     with claim_output(out, kind="file", overwrite=overwrite, command="moetrace place", result=PLACEMENT):
         check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
         data, cfg = load_data(trace, cfg, asked=True, allow_incomplete=allow_incomplete, quiet=quiet)
-        ps = make_placement(data, cfg, strategy)
+        ps = place_with_sum(data, cfg, strategy, eplb_sum=eplb_sum)
         save_placement(placement_file(data, cfg, ps, out=out), out)
-    typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)} -> {out}")
+    used = ps.extra.get("eplb_sum")
+    summed = f" (EPLB summed in {used}, {ACCUMULATE_WHO[used]})" if used else ""
+    typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)}{summed} -> {out}")
 
 
 @friendly_errors

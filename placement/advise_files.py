@@ -1,0 +1,175 @@
+"""``moetrace advise``'s result files and printed text: ``advice.json`` (with the commands that
+reproduce and export each recommended placement), ``options.parquet``, ``layers.parquet``, the
+placements, and the table and verdicts the command prints.
+
+Out of scope: computing the advice (``advise``), its verdicts (``advise_verdicts``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from moetrace import results as rf
+from moetrace.errors import TraceFormatError
+from moetrace.placement.deployment import Deployment
+from moetrace.placement.eplb import ACCUMULATE_WHO
+
+if TYPE_CHECKING:
+    from moetrace.placement.advise_types import Advice
+
+__all__ = ["commands", "format_advice", "read_advice", "write_advice"]
+
+
+# ------------------------------------------------------------------------------ commands
+def commands(advice: Advice, *, out: str | os.PathLike) -> list[dict[str, Any]]:
+    """The ``moetrace place`` / ``moetrace export`` commands of every recommended option, per engine
+    (``out``: the advice directory holding its placement files)."""
+    from moetrace.placement.advise_options import EPLB_STRATEGIES
+    from moetrace.placement.exports import PLACEMENT_EXPORTS
+    from moetrace.placement.strategies import STRATEGY_NAMES, get_strategy
+
+    out_cmds = []
+    suffix = {"sglang": "json", "trtllm": "yaml", "vllm": "json", "vllm-ascend": "json", "llmd-fixed-placement": "json"}
+    man = advice.manifest
+    input_path, config = man["input"], man["deployment"]
+    gpn = f" --gpus-per-node {man['gpus_per_node']}" if man["gpus_per_node"] != 8 else ""
+    for rec in man["recommended"]:
+        st, key = rec["stage"], rec["option"]
+        opt = advice.placements[f"{st}-{key}"]
+        path = f"{out}/{rec['placement']}"
+        place = None
+        eplb = opt.name in EPLB_STRATEGIES
+        grouped = opt.name in STRATEGY_NAMES and get_strategy(opt.name).grouped
+        if man["input_kind"] == "trace" and (st == "decode" and eplb or grouped):
+            red = f" --redundancy {opt.num_redundant}" if opt.num_redundant else ""
+            esum = f" --eplb-sum {man['eplb_sum']}" if eplb and man["eplb_sum"] != "float64" else ""
+            place = (
+                f"moetrace place {input_path} --config {config}{gpn} --strategy {opt.name}{red}{esum} "
+                f"--test-fraction {man['test_fraction']} --seed {man['seed']} -o {st}-{key}.json"
+            )
+        exports: dict[str, str] = {
+            fmt: f"moetrace export {path} --format {fmt} -o {st}-{key}.{fmt}.{suffix[fmt]}" for fmt in PLACEMENT_EXPORTS
+        }
+        if man["input_kind"] == "trace" and eplb:
+            stage_arg = "both" if st == "both" else st
+            exports["sglang (counts; SGLang runs its own EPLB)"] = (
+                f"moetrace export {input_path} --format sglang-logical-count --stage {stage_arg} -o logical_count.json"
+            )
+        out_cmds.append({"stage": st, "option": key, "placement": path, "place": place, "export": exports})
+    return out_cmds
+
+
+# ------------------------------------------------------------------------------ result files
+def write_advice(advice: Advice, out: str | os.PathLike, *, deployment: Deployment) -> list[Path]:
+    """Write the advice directory (``moetrace.results.ADVICE``): ``options.parquet``, ``layers.parquet``,
+    the recommended placements under ``placements/``, and ``advice.json`` (with the ``commands``) last.
+    Returns the paths."""
+    import polars as pl
+
+    from moetrace.placement.exports import PlacementFile, save_placement
+    from moetrace.placement.routers import NoRouter
+    from moetrace.tracer.trace.schema import ModelInfo
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    model = ModelInfo.from_dict(advice.manifest["model"])
+    for stem, opt in advice.placements.items():
+        p = out / "placements" / f"{stem}.json"
+        pf = PlacementFile(
+            model=model,
+            deployment=deployment,
+            strategy=opt.name,
+            placement=opt.placement,
+            router=opt.router if opt.router is not None else NoRouter(),
+            source={
+                "advise": rf.recorded_path(advice.manifest["input"], results_dir=p.parent),
+                "fitted_on": opt.fitted_on or None,
+                "option": opt.key,
+            },
+        )
+        save_placement(pf, p)
+        written.append(p)
+    written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_OPTIONS, pl.DataFrame(advice.rows)))
+    written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_LAYERS, pl.DataFrame(advice.layer_rows)))
+    body = {**advice.manifest, "commands": commands(advice, out=out)}
+    for key in ("input", "trace"):  # relative to the results: no absolute path of the user's machine
+        if isinstance(body.get(key), str):
+            body[key] = rf.recorded_path(body[key], results_dir=out)
+    written.append(rf.write_result_json(out, rf.ADVICE, rf.ADVICE_MANIFEST, _plain(body)))
+    return written
+
+
+def _plain(x: Any) -> Any:
+    """``x`` with numpy scalars as Python numbers and NaN as null (strict JSON)."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.integer | bool):
+        return x if isinstance(x, bool) else int(x)
+    if isinstance(x, float | np.floating):
+        return None if np.isnan(x) else float(x)
+    return x
+
+
+def format_advice(advice: Advice, *, out: str | os.PathLike) -> str:
+    """The verdicts, a table of the options per stage and the commands, as ``moetrace advise`` prints them."""
+    man = advice.manifest
+    steps = man["step_tokens_per_gpu"]
+    lines = [
+        f"moetrace advise: {man['input']} ({man['input_kind']}), {man['deployment']}, reference {man['reference']}",
+        f"EPLB summed in {man['eplb_sum']} ({ACCUMULATE_WHO[man['eplb_sum']]}); replica policy {man['replica_policy']}; "
+        f"steps of {steps['decode']} decode and {steps['prefill']} prefill tokens per GPU; "
+        + (
+            "drift estimated over the windows" if man["drift_estimated"] else "no drift estimate (fewer than 4 windows)"
+        ),
+    ]
+    if man.get("expert") is None:  # the time column is then all-to-all time; say why and how to give the size
+        from moetrace.placement.cost import expert_unknown_reason
+        from moetrace.tracer.trace.schema import ModelInfo
+
+        reason = expert_unknown_reason(ModelInfo.from_dict(man["model"]))
+        lines.append(reason or "MoE-layer time n/a: the expert size is unknown")
+    for st in man["stages"]:
+        for steps in dict.fromkeys(r["steps"] for r in advice.rows if r["stage"] == st):
+            lines.append(f"\n{st} placement, {steps} steps:")
+            lines.append(
+                f"  {'option':<28} {'balanced':>8} {'busiest':>8} {'act/GPU':>7} {'ranks/tok':>9} {'MoE time':>9} "
+                f"{'[p10, p90]':>15} {'inter B':>8} {'moved':>9}"
+            )
+            for r in (r for r in advice.rows if r["stage"] == st and r["steps"] == steps):
+                moved = "—" if r["bytes_moved"] is None else f"{r['bytes_moved'] / 1e9:.1f} GB"
+                t = r["moe_vs_ref"] if np.isfinite(r["moe_vs_ref"]) else r["a2a_vs_ref"]
+                t10 = r["moe_vs_ref_p10"] if np.isfinite(r["moe_vs_ref"]) else r["a2a_vs_ref_p10"]
+                t90 = r["moe_vs_ref_p90"] if np.isfinite(r["moe_vs_ref"]) else r["a2a_vs_ref_p90"]
+                sr = "n/a" if np.isnan(r["send_ranks_per_token"]) else f"{r['send_ranks_per_token']:.2f}"
+                lines.append(
+                    f"  {r['label']:<28} {r['balancedness_vllm']:>8.3f} {r['busiest_rank_tokens']:>8.1f} "
+                    f"{r['activated_experts_per_gpu_max']:>7.2f} {sr:>9} {t:>9.3f} [{t10:.3f}, {t90:.3f}] "
+                    f"{r['inter_node_vs_ref']:>8.3f} {moved:>9}"
+                )
+    lines.append("")
+    lines += [v["text"] for v in man["verdicts"]]
+    for c in commands(advice, out=out):
+        lines.append(f"\n{c['stage']}: {c['option']} (placement file {c['placement']})")
+        if c["place"]:
+            lines.append(f"  {c['place']}")
+        lines += [f"  {cmd}" for cmd in c["export"].values()]
+    return "\n".join(lines)
+
+
+def read_advice(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``advice.json`` of an advice directory, checked (format and version)."""
+    p = Path(path) / rf.ADVICE_MANIFEST
+    try:
+        obj = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise TraceFormatError(f"{path}: no {rf.ADVICE_MANIFEST} (write one with `moetrace advise`)") from None
+    rf.check_result_json(p, obj, rf.ADVICE)
+    return obj

@@ -1,0 +1,274 @@
+"""``moetrace advise``'s verdicts: one per stage in plain words from the evaluated options' summary
+rows (``advise.advise_arrays``), and which options to recommend.
+
+- **enable**: the best EPLB option over both policies (``best_eplb``: the fewest redundant slots
+  within ``WITHIN_BEST`` of the best predicted time, then the faster), when it gains at least
+  ``MIN_GAIN``; the other policy's figure beside it; the rearrangement's stall and whether the
+  engine's schedule pays for it (``advise_rearrange``).
+- **no gain**, with the reason (already balanced, load that moves, small-batch noise, or balance
+  that does not shorten the step); without a drift estimate (fewer than 4 windows: one statistics
+  file) the moving-load reasons are not claimed.
+- every other data-based strategy (``joint``, ``data``, ``ours``...) is compared with that EPLB.
+
+Shape legend (docs/architecture.md): S stages.
+
+Out of scope: evaluating options (``advise``), the drift check's numbers (``advise._drift``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moetrace.placement.advise_options import EPLB_STRATEGIES
+from moetrace.placement.advise_rearrange import Rearrangement, rearrangement_cost, rearrangement_text
+
+__all__ = ["BALANCED", "DRIFT_GAP", "MIN_GAIN", "SEPARATE_BELOW", "WITHIN_BEST", "best_eplb", "pct", "verdicts"]
+
+#: a gain below this share of the reference's predicted MoE-layer time is reported as no gain
+MIN_GAIN = 0.03
+#: a reference at least this balanced (vLLM's figure, median over steps) is "already balanced"
+BALANCED = 0.90
+#: EPLB sweep points within this share of the best predicted time count as equally good (the fewest slots win)
+WITHIN_BEST = 0.01
+#: balancedness a placement refitted on the window before must gain over a static one to call the load moving
+DRIFT_GAP = 0.02
+#: prefill and decode loads correlating below this are better balanced separately
+SEPARATE_BELOW = 0.80
+#: strategies that need no load (never "recommended" beyond the table)
+DATA_FREE = ("current", "linear", "round_robin", "random")
+
+
+def best_eplb(cand: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The smallest sweep point within ``WITHIN_BEST`` of the best predicted MoE-layer time (all-to-all
+    time when the expert size is unknown), the faster on equal slots (EPLB's two policies); None
+    without candidates."""
+    if not cand:
+        return None
+    key = "moe_vs_ref" if all(np.isfinite(r["moe_vs_ref"]) for r in cand) else "a2a_vs_ref"
+    if not all(np.isfinite(r[key]) for r in cand):
+        key = "balancedness_vllm"
+        best = max(r[key] for r in cand)
+        return min((r for r in cand if r[key] >= best - WITHIN_BEST), key=lambda r: (r["num_redundant"], -r[key]))
+    best = min(r[key] for r in cand)
+    return min((r for r in cand if r[key] <= best * (1 + WITHIN_BEST)), key=lambda r: (r["num_redundant"], r[key]))
+
+
+def pct(x: float) -> str:
+    """A ratio as a signed change: ``0.83`` -> ``−17 %``, ``1.004`` -> ``+0.4 %``."""
+    v = (x - 1.0) * 100
+    return (f"{v:+.1f} %" if abs(v) < 9.95 else f"{v:+.0f} %").replace("-", "−")
+
+
+def _gb(x: float | None) -> str:
+    return "n/a (expert size unknown)" if x is None else f"{x / 1e9:.1f} GB"
+
+
+def _time_key(r0: dict[str, Any]) -> tuple[str, str]:
+    """The time a verdict ranks by: MoE-layer time, or all-to-all time when the expert size is unknown."""
+    if np.isfinite(r0["moe_vs_ref"]):
+        return "moe", "predicted MoE-layer time"
+    return "a2a", "predicted all-to-all time"
+
+
+def _eplb_name(r: dict[str, Any]) -> str:
+    return f"EPLB's {r['eplb_policy']} policy"
+
+
+def _enable_text(who: str, best: dict[str, Any], b0: float, change: str) -> str:
+    red = (
+        f"with {best['num_redundant']} redundant experts"
+        if best["num_redundant"]
+        else "without redundant experts (a rearrangement only)"
+    )
+    return (
+        f"{who}: enable {_eplb_name(best)} {red}: balancedness {b0:.2f} → {best['balancedness_vllm']:.2f}, {change}, "
+        f"{_gb(best['bytes_moved'])} of weights move once ({best['experts_moved']} expert copies), "
+        f"{_gb(best['extra_bytes_per_gpu'])} more per GPU for the redundant slots."
+    )
+
+
+def _other_policy(cand: list[dict[str, Any]], best: dict[str, Any], tk: str) -> str:
+    """The other EPLB policy's best point, for comparison ("" when only one policy was evaluated)."""
+    other = best_eplb([r for r in cand if r["eplb_policy"] != best["eplb_policy"]])
+    if other is None:
+        return ""
+    return (
+        f" ({other['eplb_policy'].capitalize()} policy at its best, {other['num_redundant']} redundant: balancedness "
+        f"{other['balancedness_vllm']:.2f}, {pct(other[f'{tk}_vs_ref'])}.)"
+    )
+
+
+def _no_gain_reason(b0: float, best: dict[str, Any], drift: dict[str, Any]) -> str:
+    static, lagged, own = (drift.get(k, float("nan")) for k in ("static", "lagged", "own"))
+    if np.isfinite(b0) and b0 >= BALANCED:
+        return f"already balanced (balancedness {b0:.2f} ≥ {BALANCED:.2f})"
+    if all(np.isfinite(x) for x in (static, lagged, own)):
+        seen = (
+            f"on the later windows EPLB fitted on the first half reaches balancedness {static:.2f}, refitted on "
+            f"the window before {lagged:.2f}, fitted on each window itself {own:.2f}"
+        )
+        if lagged - static > DRIFT_GAP:
+            return f"the imbalance moves from window to window: a static placement cannot follow it ({seen}); rebalance periodically instead"
+        if own - max(static, lagged) > 2 * DRIFT_GAP + 0.05:
+            return f"the imbalance moves from window to window faster than any placement can follow ({seen})"
+    if best["balancedness_vllm"] - b0 < 0.05:
+        return "the step-to-step imbalance is noise of small batches that no static placement removes"
+    return "better balance does not shorten the step here (the all-to-all or the activated experts decide it)"
+
+
+def _others_text(
+    here: list[dict[str, Any]],
+    *,
+    st: str,
+    tk: str,
+    what: str,
+    best: dict[str, Any],
+    enabled: bool,
+    ref_key: str,
+    ref_label: str,
+) -> tuple[str, list[str]]:
+    """The sentences on the data-based strategies beyond EPLB (joint, data, ours...), and those to recommend."""
+    text, keys = "", []
+    r0 = next(r for r in here if r["option"] == ref_key and r["steps"] == st)
+    for r in here:
+        if r["strategy"] in EPLB_STRATEGIES or r["strategy"] in DATA_FREE or r["option"] == ref_key:
+            continue
+        name = "Ours (joint)" if r["strategy"] == "joint" else r["label"][:1].upper() + r["label"][1:]
+        jt = r[f"{tk}_vs_ref"]
+        base = best if enabled else r0
+        ib = base["inter_node_bytes_per_step"]
+        dbytes = r["inter_node_bytes_per_step"] / ib if ib else float("nan")
+        vs = f"that EPLB's {pct(best[f'{tk}_vs_ref'])}" if enabled else ref_label
+        if np.isfinite(jt) and 1.0 - jt >= MIN_GAIN and jt < best[f"{tk}_vs_ref"]:
+            router = (
+                f", but needs the prefill router (placement file: placements/{st}-{r['option']}.json)"
+                if r["router"]
+                else f" (placement file: placements/{st}-{r['option']}.json)"
+            )
+            text += f" {name} reaches {what} {pct(jt)} (against {vs}) with {pct(dbytes)} inter-node bytes{router}."
+            keys.append(r["option"])
+        else:
+            worth = "not worth its router here" if r["router"] else "no better here"
+            text += f" {name}: {what} {pct(jt)}, inter-node bytes {pct(dbytes)}: {worth}."
+    return text, keys
+
+
+def verdicts(
+    rows: list[dict[str, Any]],
+    *,
+    stages: list[str],
+    ref_key: str,
+    ref_label: str,
+    drift: dict[str, dict[str, Any]],
+    correlation: float | None,
+    weights: dict[str, float],
+    missing: tuple[str, ...],
+    rearrangement: Rearrangement,
+) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """One verdict per stage in plain words, with the numbers behind it; and the recommended (stage,
+    option key) pairs (their placement files and commands). The placement of ``both`` serves prefill
+    and decode steps, weighed by ``weights`` (the steps each stage's traffic takes)."""
+    out: list[dict[str, Any]] = []
+    recommended: list[tuple[str, str]] = []
+    for st in stages:
+        here = [r for r in rows if r["stage"] == st]
+        r0_by = {r["steps"]: r for r in here if r["option"] == ref_key}
+        tk, what = _time_key(next(iter(r0_by.values())))
+        if not any(r["strategy"] in EPLB_STRATEGIES for r in here):  # --strategies left EPLB out
+            text = f"{st.capitalize() if st != 'both' else 'Both stages'}: EPLB not evaluated (not in --strategies)."
+            if st != "both":
+                r0 = r0_by[st]
+                more, keys = _others_text(
+                    here, st=st, tk=tk, what=what, best=r0, enabled=False, ref_key=ref_key, ref_label=ref_label
+                )
+                text += more
+                recommended += [(st, k) for k in keys]
+            out.append({"stage": st, "verdict": "not evaluated", "option": None, "text": text})
+            continue
+        if st == "both":
+            # one row per option: its step time weighed over both stages, over the reference's
+            def weighed(key: str, here: list[dict[str, Any]] = here, tk: str = tk) -> float:
+                return sum(weights[r["steps"]] * r[f"{tk}_seconds_per_step"] for r in here if r["option"] == key)
+
+            total0 = weighed(ref_key)
+            cand = []
+            for r in (r for r in here if r["strategy"] in EPLB_STRATEGIES and r["steps"] == "decode"):
+                cand.append({**r, f"{tk}_vs_ref": weighed(r["option"]) / total0 if total0 > 0 else float("nan")})
+            best = best_eplb(cand)
+            assert best is not None
+            per = {r["steps"]: r for r in here if r["option"] == best["option"]}
+            change = (
+                f"{what} weighed over both stages {pct(best[f'{tk}_vs_ref'])} ("
+                + ", ".join(f"{s} steps {pct(per[s][f'{tk}_vs_ref'])}" for s in ("decode", "prefill") if s in per)
+                + ")"
+            )
+            b0 = r0_by["decode"]["balancedness_vllm"]
+            who, own_steps = "Both stages with one placement", "decode"
+            best_row = per["decode"]
+        else:
+            r0 = r0_by[st]
+            cand = [r for r in here if r["strategy"] in EPLB_STRATEGIES]
+            best = best_eplb(cand)
+            assert best is not None
+            spread = f"p10–p90 {pct(best[f'{tk}_vs_ref_p10'])}…{pct(best[f'{tk}_vs_ref_p90'])}"
+            change = f"{what} {pct(best[f'{tk}_vs_ref'])} ({spread})"
+            b0 = r0["balancedness_vllm"]
+            who, own_steps, best_row = st.capitalize(), st, best
+        gain = 1.0 - best[f"{tk}_vs_ref"]
+        info: dict[str, Any] = {}
+        if gain >= MIN_GAIN:
+            verdict, option = "enable", best["option"]
+            text = _enable_text(who, best, b0, change) + _other_policy(cand, best, tk)
+            recommended.append((st, best["option"]))
+            d = drift.get(st, {})
+            if d.get("lagged", float("nan")) - d.get("static", float("nan")) > DRIFT_GAP:
+                text += (
+                    f" The load also moves between windows: refitted on the window before, EPLB keeps balancedness "
+                    f"{d['lagged']:.2f} against {d['static']:.2f} fitted once: rebalance periodically (vLLM's "
+                    "--eplb-config step_interval)."
+                )
+            ref_row = r0_by[own_steps]
+            cost = rearrangement_cost(
+                ref_row[f"{tk}_seconds_per_step"], best_row[f"{tk}_seconds_per_step"], r=rearrangement
+            )
+            text += rearrangement_text(cost, steps=own_steps, what=what)
+            info["rearrangement"] = cost
+        else:
+            verdict, option = "no gain", None
+            text = (
+                f"{who}: no gain from EPLB: the best sweep point ({_eplb_name(best)}, {best['num_redundant']} "
+                f"redundant) gives {change} (balancedness {b0:.2f} → {best['balancedness_vllm']:.2f}); "
+                f"{_no_gain_reason(b0, best, drift.get(st, {}))}."
+            )
+        if st != "both":
+            more, keys = _others_text(
+                here,
+                st=st,
+                tk=tk,
+                what=what,
+                best=best,
+                enabled=verdict == "enable",
+                ref_key=ref_key,
+                ref_label=ref_label,
+            )
+            text += more
+            recommended += [(st, k) for k in keys]
+        out.append({"stage": st, "verdict": verdict, "option": option, "text": text, **info})
+    if correlation is not None and "both" in stages:
+        sep = correlation < SEPARATE_BELOW
+        gains = any(v["verdict"] == "enable" for v in out)
+        advice = (
+            "balance them separately (one placement per stage, as with prefill/decode disaggregation)."
+            if sep and gains
+            else "one placement can serve both."
+            if gains
+            else "neither stage gains from a placement, so there is nothing to balance separately."
+        )
+        sep = sep and gains
+        text = f"Prefill and decode loads correlate {correlation:.2f}: {advice}"
+        out.append({"stage": "both", "verdict": "separate" if sep else "together", "option": None, "text": text})
+    for miss in missing:
+        out.append({"stage": None, "verdict": "missing", "option": None, "text": miss})
+    return out, list(dict.fromkeys(recommended))
