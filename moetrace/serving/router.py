@@ -161,6 +161,22 @@ class ExpertRouter:
             self._inflight_A[from_rank] -= 1
             self._inflight_A[to_rank] += 1
 
+    def reroute(self, rank: int, why: str) -> Decision:
+        """A request counted on ``rank`` cannot be served there (the rank failed before answering): its
+        count leaves ``rank`` and it goes to the least-loaded live rank, counted as a fallback for
+        ``why``. ``RoutingError`` when no rank is live (the count has left ``rank`` all the same)."""
+        with self._lock:
+            self._check_rank(rank)
+            if self._inflight_A[rank] <= 0:
+                raise ValueError(f"rank {rank} has no request in flight to reroute")
+            self._inflight_A[rank] -= 1
+            return self._fallback_locked(why)
+
+    def live(self) -> np.ndarray:
+        """Whether each DP rank takes new requests, bool [A] (a copy)."""
+        with self._lock:
+            return self._live_A.copy()
+
     def set_live(self, rank: int, live: bool) -> None:
         """Mark a DP rank up or down; a down rank takes no new request (its in-flight ones still count
         until released)."""
@@ -199,6 +215,11 @@ class ExpertRouter:
         if counts is None:
             return self._take_fallback(why)
         return self.route_counts(counts)
+
+    def route_fallback(self, why: str) -> Decision:
+        """A request whose routing the caller could not read (``why``: "no routing", "malformed: ...",
+        "prefill failed"): the least-loaded live rank, counted as a fallback for ``why``."""
+        return self._take_fallback(why)
 
     def route_counts(self, counts_LE: np.ndarray) -> Decision:
         """``route`` from the request's prefill counts per (MoE layer, expert), int [L, E] (for a
