@@ -82,6 +82,7 @@ COLUMNS = (
     "oracle_captured",
     "groups_without_routed_requests",
     "prefill_a2a_time_normalized_median",
+    "prefill_moe_time_normalized_median",
 )
 
 
@@ -229,25 +230,51 @@ def print_tables(rows: list[dict[str, Any]], *, seeds: list[int], max_node_load:
         part = [r for r in rows if r["dedup"] == dedup and r["order"] == order]
         print(f"\n#### {header}; decode copies per {dedup}; held-out requests {order}; {len(seeds)} splits")
         print(
-            "| nodes | strategy | a2a time / linear | MoE-layer time / linear | inter-node bytes / linear | node load "
-            "| busiest GPU / mean | router match |"
+            "| nodes | strategy | MoE-layer time / linear | a2a time / linear | prefill MoE-layer time / linear "
+            "| inter-node bytes / linear | node load | busiest GPU / mean | router match |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for nodes in dict.fromkeys(r["nodes"] for r in part):
             for strategy in dict.fromkeys(r["strategy"] for r in part if r["nodes"] == nodes):
                 g = [r for r in part if r["nodes"] == nodes and r["strategy"] == strategy]
                 load = max(_num(r.get("busiest_node_load")) for r in g)
                 over = any(r.get("over_node_load_limit") for r in g)  # the limit integer counts can meet
                 name = LABELS.get(strategy, strategy) + (" (bound)" if g[0].get("is_bound") else "")
+                if strategy == "ours":  # what it chose on its validation split, per split
+                    chose = [r.get("ours_choice") for r in g]
+                    name += " → " + ", ".join(f"{c} ×{chose.count(c)}" for c in dict.fromkeys(chose))
                 match = [_num(r.get("router_match_rate")) for r in g]
                 print(
-                    f"| {nodes} | {name} | {_agg([_num(r.get('a2a_time_normalized_median')) for r in g], '.3f')} | "
-                    f"{_agg([_num(r.get('moe_time_normalized_median')) for r in g], '.3f')} | "
+                    f"| {nodes} | {name} | {_agg([_num(r.get('moe_time_normalized_median')) for r in g], '.3f')} | "
+                    f"{_agg([_num(r.get('a2a_time_normalized_median')) for r in g], '.3f')} | "
+                    f"{_agg([_num(r.get('prefill_moe_time_normalized_median')) for r in g], '.3f')} | "
                     f"{_agg([_num(r.get('inter_node_normalized_median')) for r in g], '.3f')} | "
                     f"{load:.2f}{' !' if over else ''} | "
                     f"{_agg([_num(r.get('busiest_gpu_load')) for r in g], '.2f')} | "
                     f"{_agg(match, '.2f') if not all(math.isnan(m) for m in match) else '-'} |"
                 )
+
+
+def goal_check(rows: list[dict[str, Any]]) -> list[str]:
+    """Per run (seed, order, nodes, copy model): whether ours, within the node-load limit, is at most the
+    better EPLB policy in MoE-layer time and in all-to-all time (the issue's goal), as lines saying where not."""
+    out = []
+    runs = dict.fromkeys((r["seed"], r["order"], r["nodes"], r["dedup"]) for r in rows)
+    fails = 0
+    for run in runs:
+        by = {r["strategy"]: r for r in rows if (r["seed"], r["order"], r["nodes"], r["dedup"]) == run}
+        ours = by["ours"]
+        for col, what in (("moe_time_normalized_median", "MoE-layer"), ("a2a_time_normalized_median", "a2a")):
+            eplb = min(_num(by[s][col]) for s in ("eplb", "eplb_global") if s in by)
+            if ours.get("over_node_load_limit") or _num(ours[col]) > eplb + 1e-9:
+                fails += 1
+                out.append(
+                    f"seed {run[0]}, {run[1]}, {run[2]} nodes, copies per {run[3]}: ours {what} {_num(ours[col]):.4f} "
+                    f"> EPLB {eplb:.4f} (chose {ours.get('ours_choice')})"
+                    + (" [over the node-load limit]" if ours.get("over_node_load_limit") else "")
+                )
+    out.append(f"ours <= EPLB in MoE-layer and all-to-all time: {2 * len(runs) - fails} of {2 * len(runs)} comparisons")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -321,13 +348,28 @@ def main() -> None:
                         "batch_requests": cfg.batch_requests,
                         "compare_seconds": round(wall, 2),
                         **{k: r[k] for k in COLUMNS if k in r},
+                        **(
+                            {
+                                k: res.placed["ours"].extra.get(k)
+                                for k in (
+                                    "ours_choice",
+                                    "ours_validation",
+                                    "ours_validation_detail",
+                                    "ours_router_gain",
+                                )
+                            }
+                            if r["strategy"] == "ours"
+                            else {}
+                        ),
                     }
                 )
-            joint = next(r for r in res.summary_rows() if r["strategy"] == "joint")
+            by = {r["strategy"]: r for r in res.summary_rows()}
             log(
-                f"[{done}/{runs}] seed {seed}, {order}, {config}, dedup {dedup}: {wall:.1f} s; joint a2a "
-                f"{joint['a2a_time_normalized_median']:.3f}, node load {joint['busiest_node_load']:.2f}, router match "
-                f"{_num(joint.get('router_match_rate')):.2f} ({time.perf_counter() - t_start:.0f} s so far)"
+                f"[{done}/{runs}] seed {seed}, {order}, {config}, dedup {dedup}: {wall:.1f} s; ours -> "
+                f"{res.placed['ours'].extra.get('ours_choice')}: MoE {by['ours']['moe_time_normalized_median']:.4f} "
+                f"a2a {by['ours']['a2a_time_normalized_median']:.4f}; EPLB MoE {by['eplb']['moe_time_normalized_median']:.4f} "
+                f"a2a {by['eplb']['a2a_time_normalized_median']:.4f}; joint MoE {by['joint']['moe_time_normalized_median']:.4f} "
+                f"a2a {by['joint']['a2a_time_normalized_median']:.4f} ({time.perf_counter() - t_start:.0f} s so far)"
             )
     out = args.json or args.work / "rows.json"
     out.write_text(
@@ -359,6 +401,9 @@ def main() -> None:
         f"DP(8n)TP1EP(8n) on nodes of {GPUS_PER_NODE} GPUs"
     )
     print_tables(rows, seeds=seeds, max_node_load=args.max_node_load, header=header)
+    print()
+    for line in goal_check(rows):
+        print(f"- {line}")
     log(f"{len(rows)} rows written to {out}; {time.perf_counter() - t_start:.0f} s in all")
 
 

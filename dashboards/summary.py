@@ -9,7 +9,9 @@
   what ``analyze`` skipped (its manifest's ``skipped``) is listed by ``analysis_skipped_notes``.
 - **Best deployable placement vs linear** (``moetrace compare`` results, ``summary.parquet``): the
   registered strategy other than the reference (``compare.json`` ``reference``, i.e. linear) with
-  the lowest ``a2a_time_normalized_median`` (a held-out decode step's predicted all-to-all seconds /
+  the lowest time in compare's verdict measure (``compare.json`` ``verdict``: MoE-layer time,
+  ``moe_time_normalized_median``, with the all-to-all time beside it; results without a MoE-layer
+  verdict: ``a2a_time_normalized_median``, a held-out decode step's predicted all-to-all seconds /
   the reference's median) among rows not ``over_node_load_limit``, with its
   ``inter_node_normalized_median`` and ``busiest_node_load``; the copy models and links the time
   was predicted for are named with it. A row over the node-load limit is never best; when one
@@ -116,7 +118,8 @@ def _change(v: float) -> str:
 
 
 def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> Headline | None:
-    """The best deployable strategy by predicted all-to-all time per step, from ``summary.parquet``;
+    """The best deployable strategy by compare's verdict measure per step (MoE-layer time; all-to-all time
+    for results without a MoE-layer verdict), from ``summary.parquet``;
     by inter-node bytes for results written before the cost model (None when absent, or when it
     holds no strategy besides the reference)."""
     from moetrace.dashboards.section_placement import has_time
@@ -135,7 +138,9 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
 
     m = res.compare
     ref = m.reference
-    col = "a2a_time_normalized_median"
+    moe_verdict = _moe_verdict(res)
+    col = "moe_time_normalized_median" if moe_verdict else "a2a_time_normalized_median"
+    what = "MoE-layer time" if moe_verdict else "all-to-all time"
     rows = {r["strategy"]: r for r in summary.iter_rows(named=True) if finite(r[col]) is not None}
     candidates = {s: r for s, r in rows.items() if s != ref and s in REGISTERED}
     if not candidates:
@@ -149,7 +154,7 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
         load = finite(r.get("busiest_node_load"))
         inter = finite(r.get("inter_node_normalized_median"))
         return (
-            f"{_change(r[col])} predicted all-to-all time per step ({'-' if inter is None else _change(inter)} "
+            f"{_change(r[col])} predicted {what} per step ({'-' if inter is None else _change(inter)} "
             f"inter-node bytes), node load {'-' if load is None else f'{load:.2f}'}"
         )
 
@@ -171,21 +176,26 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
         label = f"{' = '.join(name(s) for s in best)}: {facts(best[0])}"
     else:
         value = "none"
-        label = f"no {'deployable ' if note else ''}placement beats {ref} on predicted all-to-all time" + (
+        label = f"no {'deployable ' if note else ''}placement beats {ref} on predicted {what}" + (
             f"; closest: {name(best[0])}: {facts(best[0])}" if best else ""
         )
     r = candidates[best[0]] if best else None
     moe = None if r is None else finite(r.get("moe_time_normalized_median"))
-    prefill = None if r is None else finite(r.get("prefill_a2a_time_normalized_median"))
+    a2a = None if r is None else finite(r.get("a2a_time_normalized_median"))
+    pre_col = "prefill_moe_time_normalized_median" if moe_verdict else "prefill_a2a_time_normalized_median"
+    prefill = None if r is None else finite(r.get(pre_col))
     also = []
     if r is not None:
-        also.append(
-            f"its MoE layers (dispatch + experts + combine) {_change(moe)}"
-            if moe is not None
-            else "MoE-layer time not predicted: the model's expert size is unknown"
-        )
+        if moe_verdict:
+            also.append(f"its all-to-all (dispatch + combine) {'-' if a2a is None else _change(a2a)}")
+        else:
+            also.append(
+                f"its MoE layers (dispatch + experts + combine) {_change(moe)}"
+                if moe is not None
+                else "MoE-layer time not predicted: the model's expert size is unknown"
+            )
         if prefill is not None:
-            also.append(f"its prefill all-to-all {_change(prefill)}")
+            also.append(f"its prefill {'MoE layers' if moe_verdict else 'all-to-all'} {_change(prefill)}")
     bounds = [f"{name(s)} {_change(float(b[col]))}" for s, b in rows.items() if s != ref and s not in REGISTERED]
     links = links_text(m)
     limit = (
@@ -193,8 +203,13 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
         if m.max_node_load is None
         else f"; deployable: a router sends no node more than {m.max_node_load:.2f}× an even share"
     )
+    head = (
+        "Decode MoE layers (dispatch + the slowest GPU's experts + combine; the verdict compare ranks by)"
+        if moe_verdict
+        else "Decode all-to-all (dispatch + combine)"
+    )
     detail = (
-        f"Decode all-to-all (dispatch + combine) predicted per step, all MoE layers, the busiest GPU of each "
+        f"{head} predicted per step, all MoE layers, the busiest GPU of each "
         f"collective charged: median over {m.num_batches} {held_out(m)} batches vs {ref}'s median (lower is better)"
         + (f"; {'; '.join(also)}" if also else "")
         + f". Copies: {copy_models(m)}"
@@ -224,8 +239,9 @@ class StageWinner:
     stage: str  # "decode" or "prefill"
     copies: str  # the stage's copy model in words (``section_placement.COPY_MODELS``)
     strategy: str | None  # registry name of the fastest deployable strategy; None when none has a time
-    ratio: float | None  # its predicted all-to-all time per step / the reference's median (< 1: faster)
+    ratio: float | None  # its predicted time per step in ``what`` / the reference's median (< 1: faster)
     reference: str  # the strategy it is compared with (``compare.json`` ``reference``)
+    what: str = "all-to-all time"  # the measure: compare's verdict's (MoE-layer time), or all-to-all time
 
     def text(self) -> str:
         """``decode (one copy per ...): joint (ours) −12% predicted all-to-all time per step vs linear``;
@@ -238,11 +254,13 @@ class StageWinner:
         name = STRATEGY_NAMES.get(self.strategy, self.strategy)
         if self.ratio >= 1.0:
             return f"{head}: none beats {self.reference} (closest: {name} {_change(self.ratio)})"
-        return f"{head}: {name} {_change(self.ratio)} predicted all-to-all time per step vs {self.reference}"
+        return f"{head}: {name} {_change(self.ratio)} predicted {self.what} per step vs {self.reference}"
 
 
 #: (stage, its summary.parquet column) in the order the stages are named
 _STAGE_COLUMNS = (("decode", "a2a_time_normalized_median"), ("prefill", "prefill_a2a_time_normalized_median"))
+#: the same in MoE-layer time (compare's verdict since issue #34)
+_MOE_STAGE_COLUMNS = (("decode", "moe_time_normalized_median"), ("prefill", "prefill_moe_time_normalized_median"))
 
 
 def stage_winners(res: Results) -> list[StageWinner]:
@@ -259,7 +277,8 @@ def stage_winners(res: Results) -> list[StageWinner]:
         return []
     m = res.compare
     out = []
-    for stage, col in _STAGE_COLUMNS:
+    moe_verdict = _moe_verdict(res)
+    for stage, col in _MOE_STAGE_COLUMNS if moe_verdict else _STAGE_COLUMNS:
         if col not in summary.columns or (stage == "prefill" and not m.num_prefill_batches):
             continue
         times = {
@@ -276,9 +295,17 @@ def stage_winners(res: Results) -> list[StageWinner]:
                 strategy=best,
                 ratio=None if best is None else times[best],
                 reference=m.reference,
+                what="MoE-layer time" if moe_verdict else "all-to-all time",
             )
         )
     return out
+
+
+def _moe_verdict(res: Results) -> bool:
+    """Whether compare ranked by MoE-layer time (``compare.json`` ``verdict``; results written before it
+    ranked by all-to-all time)."""
+    v = res.compare.verdict
+    return v is not None and v.get("measure") == "moe_time"
 
 
 def _bytes_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suffix: str) -> Headline | None:

@@ -481,6 +481,7 @@ def make_placement(
         init_group_N=init_group_N,
         links=search_links(cfg.hardware.kernel(cfg.dedup), hidden_size=_time_hidden(m, config=cfg.model_config)),
         max_node_load=cfg.max_node_load,
+        price_validation=validation_pricer(data, cfg) if spec.name == "ours" else None,
     )
     placement, extra = spec.build(inputs)
     kind = extra.get("served_router", spec.router)  # ours may choose to serve with no router
@@ -678,12 +679,20 @@ class CompareResult:
         ref = float(np.median(seconds_B(self.reference)))
         return seconds_B(strategy) / ref if ref > 0 else np.full(len(seconds_B(strategy)), np.nan)
 
+    @property
+    def measure(self) -> Measure:
+        """What the verdict ranks by (``compare_verdict``): ``moe`` (MoE-layer time), or ``a2a`` when the
+        model's expert size is unknown."""
+        v = self.manifest.verdict
+        return "a2a" if v is None or v.get("measure") == "a2a_time" else "moe"
+
     def summary_rows(self) -> list[dict[str, Any]]:
         """One row per strategy and bound. ``oracle_captured``: the share of the oracle's saving over
-        linear that the row reaches, (1 - v) / (1 - v_oracle) of median normalized all-to-all times; None
-        without an oracle row, or when the oracle saves less than ``MIN_ORACLE_GAIN`` (a share of
-        noise is noise). Time columns: decode steps unless prefixed ``prefill_``."""
-        med = {s: _q(self.time_normalized_B(s, "a2a"), 0.5) for s in self.metrics}
+        linear that the row reaches, (1 - v) / (1 - v_oracle) of median normalized times in the
+        verdict's measure (``measure``: MoE-layer time, all-to-all time when the expert size is
+        unknown); None without an oracle row, or when the oracle saves less than ``MIN_ORACLE_GAIN``
+        (a share of noise is noise). Time columns: decode steps unless prefixed ``prefill_``."""
+        med = {s: _q(self.time_normalized_B(s, self.measure), 0.5) for s in self.metrics}
         gain = 1.0 - med["oracle"] if "oracle" in med else 0.0
         gain = gain if gain >= MIN_ORACLE_GAIN else 0.0
         limit = self.manifest.max_node_load
@@ -810,37 +819,10 @@ def run_compare(
         bounds, steps = [], steps - 2 * len(bounds)
     candidates = bound_placements(data, cfg, placed, on_placed=step) if bounds else {}
 
-    expert = expert_compute_for(m, config=cfg.model_config)
-    cost = CostModel(hardware=cfg.hardware, expert=expert)
-    # the time of a copy is the full-size model's (a -tiny preset mirrors its routing, not its width)
-    time_hidden = expert.hidden_size if expert is not None else _time_hidden(m, config=cfg.model_config)
+    stepper = _Stepper.of(data.model, cfg)
+    measure = stepper.measure
     assert data.test_req_T is not None  # read by with_held_out_tokens above
     usable = np.flatnonzero(data.is_test_R & (np.bincount(data.test_req_T, minlength=len(data.is_test_R)) > 0))
-
-    def stage_volume(
-        ids_TLK: np.ndarray,
-        ps: PlacedStrategy,
-        drawn: tuple[np.ndarray, np.ndarray, np.ndarray],
-        *,
-        steps: int,
-        dedup: DedupUnit,
-    ) -> dict[str, np.ndarray]:
-        """One stage's traffic and time: ``drawn`` = (token rows of ``ids_TLK``, step, source rank)."""
-        rows, batch, src = drawn
-        return simulate_volume(
-            ids_TLK[rows],
-            placement=ps.placement,
-            batch_T=batch,
-            src_rank_T=src,
-            num_batches=steps,
-            num_ranks=dep.num_ep,
-            ranks_per_node=dep.ranks_per_node,
-            bytes_per_token=m.hidden_size * cfg.bytes_per_value,
-            dedup=dedup,
-            policy=cfg.replica_policy,
-            cost=cost,
-            time_hidden_size=time_hidden,
-        )
 
     def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
         assert data.test_topk_ids_TLK is not None  # read by with_held_out_tokens above
@@ -850,15 +832,17 @@ def run_compare(
         ps.extra["busiest_node_load"] = round(float(node_shares(ps.group_of_test_R, usable, G).max() * G), 4)
         # the limit integer counts of these requests can meet (9 requests on 8 nodes: 2 on one node)
         ps.extra["node_load_limit"] = round(effective_node_load_limit(len(usable), G, cfg.max_node_load), 4)
-        return stage_volume(data.test_topk_ids_TLK, ps, (rows, batch, src), steps=cfg.num_batches, dedup=cfg.dedup)
+        return stepper.volume(
+            data.test_topk_ids_TLK, ps.placement, (rows, batch, src), steps=cfg.num_batches, dedup=cfg.dedup
+        )
 
     def simulate_prefill(ps: PlacedStrategy) -> dict[str, np.ndarray] | None:
         drawn = prefill_batches(data, cfg, ps.group_of_test_R)
         if drawn is None:
             return None
         assert data.test_prefill_ids_TLK is not None
-        return stage_volume(
-            data.test_prefill_ids_TLK, ps, drawn, steps=cfg.num_prefill_batches, dedup=cfg.prefill_dedup
+        return stepper.volume(
+            data.test_prefill_ids_TLK, ps.placement, drawn, steps=cfg.num_prefill_batches, dedup=cfg.prefill_dedup
         )
 
     metrics: dict[str, dict[str, np.ndarray]] = {}
@@ -876,18 +860,19 @@ def run_compare(
             step()
 
     # a bound is the best of its own candidates (one per kind of placement, each with the held-out decode
-    # known) within the node-load limit, ranked by predicted all-to-all time per step; never a deployable
-    # row: a deployable row within the limit that beats a bound is the bound's failure, reported as such
-    def within_limit(ps: PlacedStrategy) -> bool:
-        return ps.extra["busiest_node_load"] <= ps.extra["node_load_limit"] + 1e-9
+    # known) within the node-load limit, ranked by the verdict's measure (MoE-layer time per step; all-to-all
+    # time when the expert size is unknown); never a deployable row: a deployable row within the limit that
+    # beats a bound is the bound's failure, reported as such
+    def verdict_s(mc: dict[str, np.ndarray]) -> float:
+        return seconds_median(mc, measure)
 
     within = [s for s in todo if within_limit(placed[s])]
     for s in bounds:
         with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
             sims = list(zip(pool.map(simulate, candidates[s]), candidates[s]))
         fits = [mc for mc in sims if within_limit(mc[1])] or sims
-        metrics[s], placed[s] = min(fits, key=lambda mc: a2a_seconds_median(mc[0]))
-        beaten = [d for d in within if a2a_seconds_median(metrics[d]) < a2a_seconds_median(metrics[s]) - 1e-12]
+        metrics[s], placed[s] = min(fits, key=lambda mc: verdict_s(mc[0]))
+        beaten = [d for d in within if verdict_s(metrics[d]) < verdict_s(metrics[s]) - 1e-12]
         if beaten:
             bound_failures[s] = beaten
         if (pm := simulate_prefill(placed[s])) is not None:
@@ -950,13 +935,211 @@ def run_compare(
         max_node_load=cfg.max_node_load,
         prefill_tokens_per_node=cfg.prefill_tokens_per_node,
         num_prefill_batches=cfg.num_prefill_batches if prefill else 0,
-        expert=None if expert is None else expert.to_json(),
+        expert=None if stepper.expert is None else stepper.expert.to_json(),
         skipped=skipped,
+        verdict=compare_verdict(metrics, placed, todo, reference=reference, measure=measure),
         bound_failures=bound_failures,
         tokens_from=data.tokens_from,
         **request_caps(data),
     )
     return CompareResult(config=cfg, manifest=manifest, metrics=metrics, placed=placed, prefill_metrics=prefill)
+
+
+#: what the verdict ranks by: MoE-layer time per step (dispatch + the slowest GPU's experts + combine), or
+#: all-to-all time (dispatch + combine) when the model's expert size is unknown
+Measure = Literal["moe", "a2a"]
+
+#: decode steps ``ours`` prices each candidate on over its validation split (at most compare's own)
+VALIDATION_BATCHES = 200
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Stepper:
+    """One stage's simulated traffic and step time of a placement: ``simulate_volume`` under the run's cost
+    model (compare's held-out steps and ours' validation steps alike)."""
+
+    model: ModelInfo
+    cfg: CompareConfig
+    cost: CostModel
+    time_hidden: int  # values per copy: the full-size model's (a -tiny preset mirrors its routing, not its width)
+
+    @classmethod
+    def of(cls, m: ModelInfo, cfg: CompareConfig) -> _Stepper:
+        expert = expert_compute_for(m, config=cfg.model_config)
+        hidden = expert.hidden_size if expert is not None else _time_hidden(m, config=cfg.model_config)
+        return cls(model=m, cfg=cfg, cost=CostModel(hardware=cfg.hardware, expert=expert), time_hidden=hidden)
+
+    @property
+    def expert(self) -> Any:
+        return self.cost.expert
+
+    @property
+    def measure(self) -> Measure:
+        """MoE-layer time where the expert size is known, else all-to-all time."""
+        return "a2a" if self.cost.expert is None else "moe"
+
+    def volume(
+        self,
+        ids_TLK: np.ndarray,
+        placement: Placement,
+        drawn: tuple[np.ndarray, np.ndarray, np.ndarray],
+        *,
+        steps: int,
+        dedup: DedupUnit,
+    ) -> dict[str, np.ndarray]:
+        """``drawn`` = (token rows of ``ids_TLK``, step, source rank)."""
+        dep = self.cfg.deployment
+        rows, batch, src = drawn
+        return simulate_volume(
+            ids_TLK[rows],
+            placement=placement,
+            batch_T=batch,
+            src_rank_T=src,
+            num_batches=steps,
+            num_ranks=dep.num_ep,
+            ranks_per_node=dep.ranks_per_node,
+            bytes_per_token=self.model.hidden_size * self.cfg.bytes_per_value,
+            dedup=dedup,
+            policy=self.cfg.replica_policy,
+            cost=self.cost,
+            time_hidden_size=self.time_hidden,
+        )
+
+
+def within_limit(ps: PlacedStrategy) -> bool:
+    """Whether a simulated strategy kept its busiest node within the node-load limit (``node_load_limit``:
+    the limit integer counts of the held-out requests can meet)."""
+    return ps.extra["busiest_node_load"] <= ps.extra["node_load_limit"] + 1e-9
+
+
+def seconds_B(metrics: dict[str, np.ndarray], measure: Measure) -> np.ndarray:
+    """Predicted seconds of every step (all layers) in ``measure``, float64 [B]."""
+    return a2a_seconds_B(metrics) if measure == "a2a" else metrics["moe_seconds"].sum(1)
+
+
+def seconds_median(metrics: dict[str, np.ndarray], measure: Measure) -> float:
+    """Median over steps of ``seconds_B`` (what the verdict ranks by)."""
+    return float(np.median(seconds_B(metrics, measure)))
+
+
+def compare_verdict(
+    metrics: dict[str, dict[str, np.ndarray]],
+    placed: dict[str, PlacedStrategy],
+    strategies: Sequence[str],
+    *,
+    reference: str,
+    measure: Measure,
+) -> dict[str, Any]:
+    """compare.json's ``verdict``: the deployable strategies (``strategies``, bounds never) within the
+    node-load limit ranked by ``measure``'s median per step (ties: the recommended strategy first, then
+    the given order), the first of them recommended; those over the limit listed apart. Each strategy's
+    median in ``measure`` and in all-to-all time, over the reference's."""
+    from moetrace.placement.strategies import RECOMMENDED
+
+    def ratio(s: str, what: Measure) -> float:
+        ref = seconds_median(metrics[reference], what)
+        return round(seconds_median(metrics[s], what) / ref, 6) if ref > 0 else float("nan")
+
+    order = {s: i for i, s in enumerate(strategies)}
+    within = [s for s in strategies if within_limit(placed[s])]
+    ranking = sorted(within, key=lambda s: (round(seconds_median(metrics[s], measure), 15), s != RECOMMENDED, order[s]))
+    return {
+        "measure": "moe_time" if measure == "moe" else "a2a_time",
+        "ranking": ranking,
+        "recommended": ranking[0] if ranking else None,
+        "over_node_load_limit": [s for s in strategies if s not in within],
+        "time_normalized": {s: ratio(s, measure) for s in strategies},
+        "a2a_time_normalized": {s: ratio(s, "a2a") for s in strategies},
+    }
+
+
+def validation_pricer(data: TraceData, cfg: CompareConfig) -> Callable[..., dict[str, dict[str, float]]] | None:
+    """How ``ours`` prices its candidates on its validation split (``ours.choose_ours``'s ``price``): the
+    validation requests' own tokens (one more pass over the trace) simulated as compare simulates the
+    held-out ones, under the run's copy models and step model (``_Stepper``: MoE-layer time, expert
+    computation included), in decode (``VALIDATION_BATCHES`` steps) and prefill. None for a load
+    profile (no requests to read).
+
+    ``price(val_rows, {name: (placement, node of each validation row or None: spread evenly)})`` returns
+    per candidate ``score`` (the time to serve the validation requests over linear's: decode steps
+    ``decode tokens / batch_requests`` times the median decode step plus prefill steps ``prompt tokens /
+    (prefill_tokens_per_node * G)`` times the median prefill step, in the verdict's measure), and the
+    decode and prefill medians of both measures over linear's (``decode_moe``, ``decode_a2a``,
+    ``prefill_moe``, ``prefill_a2a``; NaN where not simulated)."""
+    if data.tokens_from is not None:
+        return None
+    from moetrace.placement.baselines import linear
+
+    def price(
+        val_rows: np.ndarray, candidates: dict[str, tuple[Placement, np.ndarray | None]]
+    ) -> dict[str, dict[str, float]]:
+        R, G = len(data.is_test_R), cfg.deployment.num_groups
+        is_val = np.zeros(R, dtype=bool)
+        is_val[val_rows] = True
+        vdata = with_held_out_tokens(
+            replace(
+                data,
+                is_test_R=is_val,
+                test_topk_ids_TLK=None,
+                test_req_T=None,
+                test_prefill_ids_TLK=None,
+                test_prefill_req_T=None,
+            )
+        )
+        vcfg = replace(cfg, num_batches=min(cfg.num_batches, VALIDATION_BATCHES), oracle=False)
+        stepper = _Stepper.of(data.model, vcfg)
+        m = data.model
+        P = cfg.deployment.check_slots(num_experts=m.num_experts, num_redundant=cfg.num_redundant)
+        lin = linear(
+            num_layers=m.num_moe_layers, num_experts=m.num_experts, num_slots=P, num_ranks=cfg.deployment.num_ep
+        )
+        assert vdata.test_topk_ids_TLK is not None and vdata.test_req_T is not None
+        medians: dict[str, dict[str, float]] = {}
+        for name, (placement, group_V) in {"linear": (lin, None), **candidates}.items():
+            group_R = None
+            if group_V is not None:
+                group_R = np.zeros(R, dtype=np.int64)
+                group_R[val_rows] = group_V
+            rows, batch, src, _ = held_out_batches(vdata, vcfg, group_R)
+            dm = stepper.volume(
+                vdata.test_topk_ids_TLK, placement, (rows, batch, src), steps=vcfg.num_batches, dedup=cfg.dedup
+            )
+            med = {f"decode_{w}": seconds_median(dm, w) for w in ("moe", "a2a")}
+            drawn = prefill_batches(vdata, vcfg, group_R)
+            if drawn is not None and vdata.test_prefill_ids_TLK is not None:
+                pm = stepper.volume(
+                    vdata.test_prefill_ids_TLK,
+                    placement,
+                    drawn,
+                    steps=vcfg.num_prefill_batches,
+                    dedup=cfg.prefill_dedup,
+                )
+                med |= {f"prefill_{w}": seconds_median(pm, w) for w in ("moe", "a2a")}
+            else:
+                med |= {"prefill_moe": float("nan"), "prefill_a2a": float("nan")}
+            medians[name] = med
+        w = stepper.measure
+        decode_steps = len(vdata.test_req_T) / vcfg.batch_requests
+        prompt_tokens = 0.0
+        if data.route_first_decode == 0 and "prefill" in data.stages and np.isfinite(medians["linear"][f"prefill_{w}"]):
+            prompt_tokens = float(data.prefill_RLE[val_rows, 0, :].sum(dtype=np.float64)) / max(m.top_k, 1)
+        prefill_steps = prompt_tokens / max(cfg.prefill_tokens_per_node * G, 1)
+
+        def served(med: dict[str, float]) -> float:
+            pre = med[f"prefill_{w}"] if prefill_steps > 0 else 0.0
+            return decode_steps * med[f"decode_{w}"] + prefill_steps * pre
+
+        ref = medians["linear"]
+        out = {}
+        for name in candidates:
+            med = medians[name]
+            out[name] = {
+                "score": served(med) / served(ref),
+                **{k: (v / ref[k] if ref[k] > 0 else float("nan")) for k, v in med.items()},
+            }
+        return out
+
+    return price
 
 
 def check_caps(data: TraceData, cfg: CompareConfig) -> None:

@@ -49,6 +49,7 @@ LATER_KEYS: dict[str, Any] = {
     "model_config": None,  # --model-config came later
     "bound_failures": {},  # bounds beaten by a deployable row (issue #34); older files substituted the row
     "hardware": None,  # the step model's kernels (issue #33); older files: links only, combine = dispatch
+    "verdict": None,  # the ranking by MoE-layer time (issue #34); older files ranked by all-to-all time, unwritten
 }
 
 
@@ -71,6 +72,7 @@ _LEFT_OUT_AT_DEFAULT = frozenset(
         "hardware",
         "model_config",
         "bound_failures",
+        "verdict",
         *_CAP_KEYS,
     }
 )
@@ -147,6 +149,10 @@ class CompareManifest:
     skipped: dict[str, str] = field(default_factory=dict)  # bound (or "floor") -> why it has no row in this run
     # bound -> the deployable rows within the node-load limit that beat it: the bound failed (not hidden)
     bound_failures: dict[str, list[str]] = field(default_factory=dict)
+    # the deployable strategies within the node-load limit ranked by MoE-layer time per step (all-to-all time
+    # when the expert size is unknown): measure, ranking, recommended, over_node_load_limit, time_normalized,
+    # a2a_time_normalized (compare.compare_verdict); None: a file from before it
+    verdict: dict[str, Any] | None = None
     # what one trace request is: "request", or "forward pass" (imports that carry no request ids)
     request_unit: str = "request"
     tokens_from: str | None = None  # None: held-out requests of the trace; else how the tokens were drawn (a profile)
@@ -228,6 +234,7 @@ class CompareManifest:
             expert=r.get("expert", dict, optional=True),
             skipped={str(k): str(v) for k, v in r.get("skipped", dict).items()},
             bound_failures={str(k): [str(x) for x in v] for k, v in r.get("bound_failures", dict).items()},
+            verdict=r.get("verdict", dict, optional=True),
             route_first_decode=r.count("route_first_decode"),
             request_unit=r.get("request_unit", str),
             tokens_from=r.get("tokens_from", str, optional=True),

@@ -1,21 +1,27 @@
 """Ours, chosen where it pays: the joint placement with its router, the same placement with no router,
 or EPLB (hierarchical or global), whichever serves a validation split of the training requests in
-the least expected step time (docs/placement.md, "Ours: routed only where routing pays").
+the least time (docs/placement.md, "Ours: routed only where routing pays").
 
 The training requests are split (seeded) into a fitting part and a validation part (never the
-held-out requests ``compare`` evaluates on). Every candidate is fitted on the fitting part; each is
-then priced on the validation requests by the step model in expectation
-(``step_search.expected_step_seconds``: the busiest GPU's link time per layer, summed over layers,
-with the kernel's dispatch and combine rates): routed candidates route the validation requests by
-their prefill with the router's prices and admission limit; router-free ones spread every request
-evenly over the nodes (as engines serve today). The cheapest wins, so ours is never priced worse than
-EPLB on the validation split; a router is kept only when it beats its own placement served without
-one by ``min_router_gain``.
+held-out requests ``compare`` evaluates on). Every candidate is fitted on the fitting part; routed
+candidates route the validation requests by their prefill with the router's prices and admission
+limit; router-free ones spread every request evenly over the nodes (as engines serve today). Each is
+then priced on the validation requests by ``price`` (``compare.validation_pricer``: the validation
+requests' own tokens simulated as compare simulates the held-out ones, in the verdict's measure,
+MoE-layer time: dispatch + the slowest GPU's experts, memory-bound reads of its activated experts or
+compute-bound pairs + combine, under the deployment's copy models; the time to serve the validation
+requests, decode and prefill steps together, over linear's). The cheapest wins, so ours is never
+priced worse than EPLB on the validation split in that measure; a router is kept only when it beats
+the best router-free candidate by ``min_router_gain`` (what the router adds is recorded either way).
+
+Without ``price`` (library callers with counts only, no tokens) the candidates are priced by the
+expected busiest-GPU link time of decode copies per (token, expert) (``step_search.expected_step_seconds``),
+and the provenance says so (``ours_measure``).
 
 Shape legend (docs/architecture.md): R requests, L MoE layers, E experts, G nodes, P physical slots.
 
-Out of scope: the fixed cost per collective and the expert computation (the same for every candidate
-in expectation at equal tokens per node); per-message latency; the prefill stage.
+Out of scope: fitting the candidates to the measure (each is fitted by its own placer); the
+validation split's noise (a small split can pick a candidate the held-out requests rank second).
 """
 
 from __future__ import annotations
@@ -27,10 +33,14 @@ import numpy as np
 
 from moetrace.placement.maps import Placement
 
-__all__ = ["CANDIDATES", "choose_ours"]
+__all__ = ["CANDIDATES", "MIN_ROUTER_GAIN", "choose_ours"]
 
 #: the candidates, in the order they are reported
 CANDIDATES = ("joint", "joint_free", "eplb", "eplb_global")
+
+#: the least share of the best router-free candidate's validation time the router must save to be kept
+#: (a tenth of a point: below it the validation steps cannot tell the two apart, and a router is infrastructure)
+MIN_ROUTER_GAIN = 0.001
 
 
 def choose_ours(
@@ -39,14 +49,22 @@ def choose_ours(
     build_joint: Any,
     validation_fraction: float = 0.2,
     max_node_load: float = 1.10,
-    min_router_gain: float = 0.01,
+    min_router_gain: float = MIN_ROUTER_GAIN,
+    price: Any = None,
+    refit: bool = True,
 ) -> tuple[Placement, dict[str, Any]]:
     """The placement and provenance of ours on ``x`` (``strategies.PlacementInputs``).
 
     ``build_joint(x) -> (placement, extra)``: the joint placer (its ``extra["router_price"]``: node
-    prices). The provenance records the choice (``ours_choice``), whether it is served with the price
-    router (``served_router``: "price" or "none") and every candidate's validation step time over
-    linear's (``ours_validation``).
+    prices). ``price(val_rows, {candidate: (placement, node of each validation row or None)})``: per
+    candidate a dict with ``score`` (lower is better, 1 = linear) and any details to record
+    (``compare.validation_pricer``); None: expected link time. The provenance records the choice
+    (``ours_choice``), whether it is served with the price router (``served_router``: "price" or
+    "none"), every candidate's score (``ours_validation``), the measure (``ours_measure``), the details
+    (``ours_validation_detail``) and what the router adds over the same placement served without it
+    (``ours_router_gain``, a share of the router-free time). ``refit``: the chosen candidate is
+    fitted again on every training request (the split chose the method; the strategy's own row's
+    placement), else the one fitted on the fitting part is returned.
     """
     from moetrace.placement.baselines import linear
     from moetrace.placement.cost import DEFAULT_LINKS
@@ -88,29 +106,47 @@ def choose_ours(
         np.asarray(joint_extra["router_price"]),
         max_node_load=max_node_load,
     )
-    usage = {c: even_GLE for c in CANDIDATES}
-    usage["joint"] = group_usage(x.decode_RLE, routed_R, num_groups=G, rows=val)
-    lin = linear(num_layers=x.num_layers, num_experts=x.num_experts, num_slots=x.num_slots, num_ranks=x.num_ranks)
-    ref = expected_step_seconds(lin.phy2log, even_GLE, num_ranks=x.num_ranks, links=x.links or DEFAULT_LINKS)
-    score = {
-        c: expected_step_seconds(placements[c].phy2log, usage[c], num_ranks=x.num_ranks, links=x.links or DEFAULT_LINKS)
-        / ref
-        for c in CANDIDATES
-    }
+    detail: dict[str, dict[str, float]] = {}
+    if price is not None:
+        priced = price(val, {c: (placements[c], routed_R if c == "joint" else None) for c in CANDIDATES})
+        score = {c: float(priced[c]["score"]) for c in CANDIDATES}
+        detail = {c: {k: round(float(v), 6) for k, v in priced[c].items() if k != "score"} for c in CANDIDATES}
+        measure = "MoE-layer time to serve the validation requests (decode and prefill steps), simulated"
+    else:
+        usage = {c: even_GLE for c in CANDIDATES}
+        usage["joint"] = group_usage(x.decode_RLE, routed_R, num_groups=G, rows=val)
+        lin = linear(num_layers=x.num_layers, num_experts=x.num_experts, num_slots=x.num_slots, num_ranks=x.num_ranks)
+        links = x.links or DEFAULT_LINKS
+        ref = expected_step_seconds(lin.phy2log, even_GLE, num_ranks=x.num_ranks, links=links)
+        score = {
+            c: expected_step_seconds(placements[c].phy2log, usage[c], num_ranks=x.num_ranks, links=links) / ref
+            for c in CANDIDATES
+        }
+        measure = "expected decode link time of the busiest GPU, copies per (token, expert)"
     best_free = min(("joint_free", "eplb", "eplb_global"), key=lambda c: score[c])
     choice = "joint" if score["joint"] < score[best_free] * (1.0 - min_router_gain) else best_free
+    # the chosen method refitted on every training request (the validation split chose the method, not
+    # the fit): the same placement as the strategy's own row
     if choice in ("joint", "joint_free"):
+        chosen, joint_extra = build_joint(x) if refit else (joint_pl, joint_extra)
         extra = dict(joint_extra)
     else:
-        extra = {"eplb_policy": "hierarchical" if choice == "eplb" else "global", "eplb_sum": "float64"}
+        groups, nodes = (x.router_groups, x.num_nodes) if choice == "eplb" else (1, 1)
+        chosen = rebalance(x.load_LE, num_groups=groups, num_nodes=nodes, **shape) if refit else placements[choice]
+        policy = "hierarchical" if choice == "eplb" and x.router_groups % x.num_nodes == 0 else "global"
+        extra = {"eplb_num_groups": groups, "eplb_policy": policy, "eplb_sum": "float64"}
     extra.update(
         {
             "router_price": joint_extra["router_price"],  # read only when served with the router
+            "ours_refitted": bool(refit),
             "ours_choice": choice,
             "served_router": "price" if choice == "joint" else "none",
+            "ours_measure": measure,
             "ours_validation": {c: round(float(v), 6) for c, v in score.items()},
+            **({"ours_validation_detail": detail} if detail else {}),
             "ours_validation_requests": int(len(val)),
             "ours_router_gain": round(float(1.0 - score["joint"] / score["joint_free"]), 6),
+            "ours_router_gain_over_best_free": round(float(1.0 - score["joint"] / score[best_free]), 6),
         }
     )
-    return placements[choice], extra
+    return chosen, extra

@@ -1,9 +1,11 @@
 """The text ``moetrace place`` and ``moetrace compare`` print, as plain strings.
 
 ``format_compare_summary``: header lines (deployment, train/test split, steps, the copy model of
-each stage and the links) and one aligned row per strategy: predicted all-to-all and MoE-layer time
-per step first, then inter-node bytes, router match rate, node load (held-out requests routed to the
-busiest node over an even share) and GPU load.
+each stage and the links) and one aligned row per strategy: the verdict's measure first (predicted
+MoE-layer time per step; all-to-all time when the expert size is unknown) with its p10 and p90, the
+all-to-all time beside it, then inter-node bytes, router match rate, node load (held-out requests
+routed to the busiest node over an even share) and GPU load; last, the verdict line (compare.json
+``verdict``: the deployable strategies within the node-load limit in rank order).
 ``compare_notes``: one line per strategy whose micro-batches had to draw from all test requests
 because no held-out request was routed to some of its groups; a caution when the traced model had
 seeded random weights (a ``-tiny`` preset, the dashboard's banner); a warning below
@@ -98,13 +100,18 @@ def what_if_line(n: int) -> str:
 
 def format_compare_summary(result: CompareResult) -> str:
     """Header lines (deployment, split, batches, the copy model and links), then one aligned row per
-    strategy and the bounds: predicted decode all-to-all time per step over linear's median (p10, p90),
-    predicted MoE-layer time, then inter-node bytes (a means, not the verdict), router match rate,
+    strategy and the bounds: predicted decode MoE-layer time per step over linear's median (p10, p90;
+    the verdict's measure, all-to-all time when the expert size is unknown), predicted all-to-all time
+    beside it, then inter-node bytes (a means, not the verdict), router match rate,
     node load (held-out requests routed to the busiest node over an even share; ``!`` over the limit),
     the busiest GPU's tokens over the mean GPU's, and the share of the oracle's byte saving reached;
     with prefill steps, their all-to-all time too."""
     c = result.manifest
     pre = bool(result.prefill_metrics)
+    measure = result.measure
+    lead, beside = ("moe", "a2a") if measure == "moe" else ("a2a", "moe")
+    first = f"{'strategy':<16} {'MoE time' if lead == 'moe' else 'a2a time':>8}"
+    second = "a2a time" if lead == "moe" else "MoE time"
     lines = [
         f"{c.deployment} ({c.num_nodes} nodes), "
         + (
@@ -122,9 +129,12 @@ def format_compare_summary(result: CompareResult) -> str:
         + (f", {c.num_prefill_batches} prefill steps of {c.prefill_tokens_per_node} tokens per node" if pre else ""),
         copy_model_line(c),
         *([what_if_line(c.route_first_decode)] if c.route_first_decode else []),
-        "predicted time per step over linear's median (lower is better); inter-node bytes likewise",
-        f"{'strategy':<16} {'a2a time':>8} {'p10':>6} {'p90':>6} {'MoE time':>8} {'inter bytes':>11} {'/batch':>9} "
-        f"{'router':>7} {'node load':>9} {'GPU load':>8} {'of oracle':>9}" + (f" {'prefill a2a':>11}" if pre else ""),
+        f"predicted time per step over linear's median (lower is better); the verdict is {_MEASURE_WORDS[measure]}, "
+        + ("all-to-all time (dispatch + combine) beside it; " if measure == "moe" else "")
+        + "inter-node bytes likewise",
+        f"{first:<16} {'p10':>6} {'p90':>6} {second:>8} {'inter bytes':>11} {'/batch':>9} "
+        f"{'router':>7} {'node load':>9} {'GPU load':>8} {'of oracle':>9}"
+        + (f" {'prefill MoE' if lead == 'moe' else 'prefill a2a':>11}" if pre else ""),
     ]
     rows = result.summary_rows()
     for i, r in enumerate(rows):
@@ -142,11 +152,12 @@ def format_compare_summary(result: CompareResult) -> str:
         # worse than linear: "<0%" (the ratio explodes when the oracle saves little); no "-0%"
         captured = "-" if cap is None else "<0%" if round(cap, 2) < 0 else f"{round(cap, 2) or 0.0:.0%}"
         lines.append(
-            f"{r['strategy']:<16} {_ratio(r['a2a_time_normalized_median']):>8} {_ratio(r['a2a_time_normalized_p10']):>6} "
-            f"{_ratio(r['a2a_time_normalized_p90']):>6} {_ratio(r['moe_time_normalized_median']):>8} "
+            f"{r['strategy']:<16} {_ratio(r[f'{lead}_time_normalized_median']):>8} "
+            f"{_ratio(r[f'{lead}_time_normalized_p10']):>6} {_ratio(r[f'{lead}_time_normalized_p90']):>6} "
+            f"{_ratio(r[f'{beside}_time_normalized_median']):>8} "
             f"{r['inter_node_normalized_median']:>11.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>9} "
             f"{router:>7} {load_s:>9} {r['busiest_gpu_load']:>8.2f} {captured:>9}"
-            + (f" {_ratio(r['prefill_a2a_time_normalized_median']):>11}" if pre else "")
+            + (f" {_ratio(r[f'prefill_{lead}_time_normalized_median']):>11}" if pre else "")
         )
     if c.expert_copy_floor is not None:  # dedup expert, no redundancy: a proven bound, not a placement
         J = result.model.num_experts // c.num_nodes
@@ -160,7 +171,35 @@ def format_compare_summary(result: CompareResult) -> str:
             f"! node load over --max-node-load {c.max_node_load:g}: {', '.join(over)} (that node is every step's "
             "straggler, or its queue grows; bounds keep within the limit)"
         )
+    if c.verdict is not None:
+        lines.append(verdict_line(c.verdict, reference=c.reference))
     return "\n".join(lines)
+
+
+#: the verdict's measure in words
+_MEASURE_WORDS = {
+    "moe": "MoE-layer time (dispatch + the slowest GPU's experts + combine)",
+    "a2a": "all-to-all time (the model's expert size is unknown: no MoE-layer time)",
+}
+
+
+def verdict_line(v: dict, *, reference: str) -> str:
+    """``verdict (MoE-layer time): ours 0.971 of linear (all-to-all 0.951), then eplb 0.980 (0.967), ...``:
+    compare.json's ``verdict``, the deployable strategies within the node-load limit in rank order."""
+    what = "MoE-layer time" if v["measure"] == "moe_time" else "all-to-all time"
+    t, a = v["time_normalized"], v["a2a_time_normalized"]
+    ranking = v["ranking"]
+    if not ranking:
+        return f"verdict ({what}): no deployable strategy within the node-load limit"
+    best = ranking[0]
+    beside = f" (all-to-all {a[best]:.3f})" if v["measure"] == "moe_time" else ""
+    rest = ", ".join(f"{s} {t[s]:.3f}" + (f" ({a[s]:.3f})" if v["measure"] == "moe_time" else "") for s in ranking[1:])
+    head = (
+        f"verdict ({what}, deployable within the node-load limit): recommended {best} {t[best]:.3f} of {reference}{beside}"
+        if best != reference
+        else f"verdict ({what}): no deployable placement beats {reference}"
+    )
+    return head + (f"; then {rest}" if rest else "")
 
 
 def compare_notes(result: CompareResult) -> list[str]:
@@ -221,11 +260,16 @@ def format_placement_summary(ps: PlacedStrategy, *, deployment: str) -> str:
         v = ps.extra["ours_validation"]
         gain = ps.extra["ours_router_gain"]
         served = "with its price router" if ps.extra["served_router"] == "price" else "with no router in front"
+        measure = ps.extra.get("ours_measure", "expected step link time")
         line += (
             f"\nours chose {ps.extra['ours_choice']} ({served}) on {ps.extra['ours_validation_requests']} validation "
-            f"requests of the training set: expected step link time over linear "
+            f"requests of the training set, by {measure}, over linear: "
             + ", ".join(f"{c} {x:.3f}" for c, x in v.items())
-            + f"; the router adds {gain:+.1%} over the same placement served without it"
-            + ("" if ps.extra["served_router"] == "price" else " (not enough to pay for one: served router-free)")
+            + f"; the router saves {gain:+.1%} of the same placement's time served without it"
+            + (
+                ""
+                if ps.extra["served_router"] == "price"
+                else " (routing buys too little to pay for one: recommended router-free, as engines serve today)"
+            )
         )
     return line

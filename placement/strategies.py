@@ -75,6 +75,9 @@ class PlacementInputs:
     init_group_N: np.ndarray | None = None  # int64 [len(train_rows)] starting node of each training request
     links: Links | None = None  # the cost model's links (the joint placer balances GPUs under them); None: defaults
     max_node_load: float = 1.10  # the routers' admission limit (busiest node over an even share)
+    # how ``ours`` prices its candidates on its validation split (``compare.validation_pricer``: simulated
+    # MoE-layer time of the validation requests' own tokens); None: expected link time from counts
+    price_validation: Callable[..., dict[str, dict[str, float]]] | None = None
 
     @property
     def shape(self) -> dict[str, int]:
@@ -223,7 +226,7 @@ def _joint(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
 def _ours(x: PlacementInputs) -> tuple[Placement, dict[str, Any]]:
     from moetrace.placement.ours import choose_ours
 
-    return choose_ours(x, build_joint=_joint, max_node_load=x.max_node_load)
+    return choose_ours(x, build_joint=_joint, max_node_load=x.max_node_load, price=x.price_validation)
 
 
 def _aligned_possible(model: ModelInfo, num_nodes: int) -> None:

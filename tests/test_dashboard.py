@@ -338,7 +338,9 @@ TIMED = {
 _SPREAD_B = np.array([0.9, 0.95, 1.0, 1.05, 1.1])  # per-batch values around each median (B = 5)
 
 
-def _timed_compare(path: Path, rows=TIMED, *, timed: bool = True, num_prefill_batches: int = 3) -> Path:
+def _timed_compare(
+    path: Path, rows=TIMED, *, timed: bool = True, num_prefill_batches: int = 3, verdict: dict | None = None
+) -> Path:
     """A complete ``compare`` results directory written by hand with the columns ``compare`` writes
     with its cost model (``timed``), or as results written before it have them (bytes alone). The
     model of tests/golden/compare_v1: 2 MoE layers, 16 experts on 8 GPUs of 2 nodes."""
@@ -437,6 +439,8 @@ def _timed_compare(path: Path, rows=TIMED, *, timed: bool = True, num_prefill_ba
             "prefill_tokens_per_node": 8192,
             "num_prefill_batches": num_prefill_batches,
         }
+    if verdict is not None:
+        manifest["verdict"] = verdict
     (path / "compare.json").write_text(json.dumps(manifest))
     return path
 
@@ -686,3 +690,19 @@ def test_dashboard_refuses_to_show_a_complete_trace_that_lost_parts(tmp_path):
     r = CliRunner().invoke(app, ["dashboard", str(trace), "-o", str(tmp_path / "d.html")])
     assert r.exit_code != 0 and "Traceback" not in r.output
     assert "overview of" in r.output and lost.removesuffix(".parquet") in r.output
+
+
+def test_the_card_ranks_by_moe_layer_time_when_compare_did(tmp_path):
+    """Results whose compare.json ``verdict`` ranks by MoE-layer time: the card names the fastest
+    deployable strategy in MoE-layer time, all-to-all time beside it, and so do the stage lines; a
+    strategy faster in all-to-all time but slower in MoE-layer time is not named."""
+    rows = dict(TIMED)
+    rows["eplb"] = (0.95, 0.80, 0.98, 1.0, False)  # slower all-to-all than data (0.80), faster MoE layer (0.90)
+    verdict = {"measure": "moe_time", "ranking": ["eplb", "data", "linear"], "recommended": "eplb"}
+    h = _headline(_timed_compare(tmp_path / "m", rows, verdict=verdict))
+    assert h.value == "−20%" and h.label.startswith("EPLB: −20% predicted MoE-layer time per step")
+    assert "its all-to-all (dispatch + combine) −5.0%" in h.detail and h.detail.startswith("Decode MoE layers")
+    assert h.lines[0].endswith("EPLB −20% predicted MoE-layer time per step vs linear")
+    assert "its prefill MoE layers −15%" in h.detail
+    plain = _headline(_timed_compare(tmp_path / "a", rows))  # no verdict: all-to-all time, as before
+    assert plain.label.startswith("data-based (core paper): −20% predicted all-to-all time per step")

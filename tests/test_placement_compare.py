@@ -401,3 +401,43 @@ def test_compare_prints_the_library_summary(planted):
         "note: data: 1 group(s) had no held-out request routed to them; those nodes idled in every step "
         "(more requests or fewer clusters avoid this)"
     ]
+
+
+def test_the_verdict_follows_moe_layer_time_where_all_to_all_time_ranks_otherwise():
+    """compare's verdict (compare.json ``verdict``, the printed verdict line) ranks the deployable
+    strategies within the node-load limit by MoE-layer time, all-to-all time beside it: a placement
+    whose all-to-all is faster but whose slowest GPU reads more experts loses."""
+    from moetrace.placement.compare import PlacedStrategy, compare_verdict
+    from moetrace.placement.maps import placement_from_phy2log
+    from moetrace.placement.report import verdict_line
+
+    B, L = 5, 2
+
+    def metrics(a2a: float, expert: float) -> dict[str, np.ndarray]:
+        d = np.full((B, L), a2a / 2 / L)
+        return {"dispatch_seconds": d, "combine_seconds": d, "moe_seconds": 2 * d + expert / L}
+
+    m = {
+        "linear": metrics(1.0, 1.0),
+        "a2a_fast": metrics(0.8, 1.3),  # all-to-all 0.80 of linear, MoE layer 2.1 / 2.0
+        "moe_fast": metrics(0.9, 0.9),  # all-to-all 0.90, MoE layer 1.8 / 2.0
+        "over": metrics(0.5, 0.5),  # fastest, but its router overloads a node
+    }
+    pl = placement_from_phy2log(np.tile(np.arange(4), (L, 1)), num_experts=4)
+    placed = {
+        s: PlacedStrategy(
+            strategy=s, placement=pl, extra={"busiest_node_load": 1.5 if s == "over" else 1.0, "node_load_limit": 1.1}
+        )
+        for s in m
+    }
+    v = compare_verdict(m, placed, list(m), reference="linear", measure="moe")
+    assert v["measure"] == "moe_time" and v["ranking"] == ["moe_fast", "linear", "a2a_fast"]
+    assert v["recommended"] == "moe_fast" and v["over_node_load_limit"] == ["over"]
+    assert v["time_normalized"]["a2a_fast"] == pytest.approx(1.05) and v["a2a_time_normalized"]["a2a_fast"] == 0.8
+    a2a = compare_verdict(m, placed, list(m), reference="linear", measure="a2a")  # expert size unknown
+    assert a2a["ranking"] == ["a2a_fast", "moe_fast", "linear"] and a2a["recommended"] == "a2a_fast"
+    line = verdict_line(v, reference="linear")
+    assert line.startswith(
+        "verdict (MoE-layer time, deployable within the node-load limit): recommended moe_fast 0.900"
+    )
+    assert "(all-to-all 0.900)" in line and "a2a_fast 1.050 (0.800)" in line

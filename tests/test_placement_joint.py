@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -132,7 +133,7 @@ MODEL = ModelInfo(
 )
 
 
-def _block_trace(path, *, num_requests: int, noise: float, seed: int = 0):
+def _block_trace(path, *, num_requests: int, noise: float, seed: int = 0, model: ModelInfo | None = None):
     rng = np.random.default_rng(seed)
     rows, ptok, otok = [], [], []
     for r in range(num_requests):
@@ -147,7 +148,7 @@ def _block_trace(path, *, num_requests: int, noise: float, seed: int = 0):
         rows.append(ids.reshape(n, L * K))
         ptok.append(6)
         otok.append(10)
-    with TraceWriter(path, model=MODEL, backend={"name": "synthetic"}, collection={"planted": "blocks"}) as w:
+    with TraceWriter(path, model=model or MODEL, backend={"name": "synthetic"}, collection={"planted": "blocks"}) as w:
         w.add_requests(
             request_id_R=np.arange(num_requests),
             dataset_R=[f"d{r % G}" for r in range(num_requests)],
@@ -488,3 +489,76 @@ def test_ours_is_never_priced_worse_than_eplb_on_its_validation_split(tmp_path, 
     else:  # mostly noise: served as engines serve today, no router in front
         assert choice != "joint" and ps.router_match_rate is None and ps.group_of_test_R is None
     assert ps.extra["ours_validation_requests"] <= int((~data.is_test_R).sum()) // 4  # a share of the training set
+
+
+#: MODEL with a known expert size (a 2048-wide FFN, BF16 weights): compare predicts MoE-layer time
+SIZED = dataclasses.replace(MODEL, name="blocks-sized", moe_intermediate_size=2048, weight_bytes_per_value=2.0)
+
+
+@pytest.mark.parametrize("noise", [0.2, 0.9])
+def test_ours_chooses_by_simulated_moe_layer_time_on_its_validation_split(tmp_path, noise):
+    """With the expert size known, ours prices its candidates by the MoE-layer time of the validation
+    requests' own tokens (decode and prefill, the deployment's copy models, activated experts per GPU
+    included): the choice is the cheapest in that measure (the router only where it saves
+    ``MIN_ROUTER_GAIN``), so never worse than either EPLB policy there; the chosen method is refitted
+    on every training request, so an EPLB choice is EPLB's own placement."""
+    from moetrace.placement.compare import make_placement
+    from moetrace.placement.ours import MIN_ROUTER_GAIN
+
+    trace = _block_trace(tmp_path / "b", num_requests=160, noise=noise, model=SIZED)
+    data = load_trace_data(trace, test_fraction=0.25, seed=0)
+    for dedup in ("expert", "node"):
+        cfg = CompareConfig(
+            deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), strategies=("ours",), dedup=dedup
+        )
+        ps = make_placement(data, cfg, "ours")
+        v, choice, detail = ps.extra["ours_validation"], ps.extra["ours_choice"], ps.extra["ours_validation_detail"]
+        assert ps.extra["ours_measure"].startswith("MoE-layer time")
+        assert v[choice] <= min(v["eplb"], v["eplb_global"]) + 1e-12  # never worse than EPLB, by construction
+        assert set(detail["joint"]) == {"decode_moe", "decode_a2a", "prefill_moe", "prefill_a2a"}
+        assert all(np.isfinite(x) for d in detail.values() for x in d.values())
+        free = min(v["joint_free"], v["eplb"], v["eplb_global"])
+        assert (choice == "joint") == (v["joint"] < free * (1 - MIN_ROUTER_GAIN))
+        assert ps.extra["ours_router_gain"] == pytest.approx(1 - v["joint"] / v["joint_free"], abs=1e-5)
+        if choice in ("eplb", "eplb_global"):  # refitted: the strategy's own placement
+            own = make_placement(data, cfg, choice).placement.phy2log
+            assert np.array_equal(ps.placement.phy2log, own)
+        if noise < 0.5 and dedup == "expert":  # planted structure: the router pays in MoE-layer time too
+            assert choice == "joint" and ps.router_match_rate is not None
+
+
+def test_compare_ranks_by_moe_layer_time_when_the_expert_size_is_known(tmp_path):
+    """A run on a model whose expert size is known: the printed table leads with MoE-layer time (all-to-all
+    beside it), compare.json's verdict recommends the fastest deployable row in MoE-layer time, and the
+    bounds and their failures are judged in it too."""
+    from moetrace.placement.compare import write_results
+    from moetrace.placement.compare_manifest import read_compare_manifest
+
+    trace = _block_trace(tmp_path / "t", num_requests=120, noise=0.3, model=SIZED)
+    data = load_trace_data(trace, test_fraction=0.25, seed=0)
+    cfg = CompareConfig(
+        deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2),
+        num_batches=20,
+        strategies=("linear", "eplb", "joint", "ours"),
+    )
+    res = run_compare(data, cfg)
+    assert res.measure == "moe"
+    rows = {r["strategy"]: r for r in res.summary_rows()}
+    v = res.manifest.verdict
+    assert v is not None and v["measure"] == "moe_time"
+    deployable = [s for s in ("linear", "eplb", "joint", "ours") if not rows[s]["over_node_load_limit"]]
+    best = min(rows[s]["moe_time_normalized_median"] for s in deployable)
+    assert rows[v["recommended"]]["moe_time_normalized_median"] == pytest.approx(best)
+    assert v["ranking"] == sorted(v["ranking"], key=lambda s: rows[s]["moe_time_normalized_median"])
+    for b in ("perfect_routing", "oracle"):  # a bound beaten in MoE-layer time is named, never substituted
+        for s in deployable:
+            beats = rows[s]["moe_time_normalized_median"] < rows[b]["moe_time_normalized_median"] - 1e-12
+            assert not beats or s in res.manifest.bound_failures.get(b, [])
+    lines = format_compare_summary(res).splitlines()
+    head = next(ln for ln in lines if ln.startswith("strategy"))
+    assert head.split()[:3] == ["strategy", "MoE", "time"] and head.index("a2a time") > head.index("MoE time")
+    assert lines[-1].startswith("verdict (MoE-layer time") and v["recommended"] in lines[-1]
+    out = tmp_path / "res"
+    write_results(res, out)
+    assert read_compare_manifest(out).verdict == v
+    assert dataclasses.replace(res.manifest, verdict=None).to_json().get("verdict", "absent") == "absent"
