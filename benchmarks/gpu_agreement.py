@@ -39,7 +39,6 @@ def run_vllm(source: str, info, prompts, *, max_new_tokens: int, gpu_memory_util
     from moetrace.tracer.backends.base import GenerationConfig
     from moetrace.tracer.backends.vllm import (
         VllmEngineConfig,
-        _build_llm,
         _encode_all,
         check_environment,
         run_engine_loop,
@@ -49,7 +48,10 @@ def run_vllm(source: str, info, prompts, *, max_new_tokens: int, gpu_memory_util
     engine = VllmEngineConfig(enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization, max_model_len=2048)
     generation = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, chat_template=False)
     version, capture = check_environment(engine)
-    llm = _build_llm(source, engine, capture=capture, seed=0)
+    import os
+
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    llm = vllm.LLM(source, seed=0, **engine.llm_kwargs(capture=capture), kv_cache_memory_bytes=4 << 30)
     outputs: list = []
     work = _encode_all(
         prompts, llm.get_tokenizer(), chat_template=False, max_prompt=2048 - max_new_tokens, truncated=[]

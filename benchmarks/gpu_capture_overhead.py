@@ -52,6 +52,7 @@ def main() -> None:
     )
     version, capture = check_environment(engine)
     kw = engine.llm_kwargs(capture=capture)
+    kw["kv_cache_memory_bytes"] = 4 << 30  # fixed KV size: no memory profiling, so other GPU jobs cannot upset it
     if a.mode == "graphs":
         kw["compilation_config"] = {
             "mode": 0,

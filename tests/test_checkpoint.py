@@ -68,6 +68,16 @@ def test_vllm_sized_config_keeps_topology_and_real_head_dims(name):
     assert p.model_info(tiny=True, engine="vllm").hidden_size == small.hidden_size
 
 
+def test_deepseek_v3_names_its_router_as_vllm_reads_it():
+    # vLLM 0.26 model_executor/models/deepseek_v2.py creates the gate's e_score_correction_bias only
+    # when config.topk_method == "noaux_tc" and scores with config.scoring_func (default softmax);
+    # without them loading a DeepSeek-V3 checkpoint fails (KeyError '...mlp.gate.e_score_correction_bias',
+    # seen on an H200 with vLLM 0.26.0). The released config.json has both.
+    p = resolve("deepseek-v3").preset
+    cfg = p.hf_config_dict(tiny=True, engine="vllm")
+    assert (cfg["topk_method"], cfg["scoring_func"]) == ("noaux_tc", "sigmoid")
+
+
 def test_the_cpu_tiny_dims_are_unchanged():
     cfg = resolve("deepseek-v3-tiny").hf_config()
     assert (cfg.hidden_size, cfg.qk_rope_head_dim, cfg.kv_lora_rank) == (64, 8, 32)
