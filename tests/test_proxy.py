@@ -97,8 +97,7 @@ def config(
         decode=tuple(s.url for s in decode),
         port=0,
         bootstrap_port=8998 if engine == "sglang" else None,
-        health_interval_s=0.05,
-        **kw,
+        **{"health_interval_s": 0.05, **kw},
     )
 
 
@@ -303,7 +302,8 @@ def test_every_rank_down_answers_503_and_health_brings_them_back(placements):
         proxy = Proxy(config(placements["cap"], "vllm", [pre], [dec]))
         await proxy.start()
         dec.healthy = False
-        await proxy.check_health()
+        for _ in range(proxy.config.health_failures_down):
+            await proxy.check_health()
         down = await post(proxy.port, "/v1/completions", {"prompt": "request 0"})
         health_down = await get(proxy.port, "/health")
         dec.healthy = True
@@ -317,6 +317,31 @@ def test_every_rank_down_answers_503_and_health_brings_them_back(placements):
     assert health_down[0] == 503
     assert text_of(*up, stream=False, chat=False) == "t0 t1 t2 t3 "
     assert stats["inflight_per_rank"] == [0] * 8
+
+
+def test_one_slow_probe_is_not_a_dead_server(placements):
+    """Under overload the proxy's own loop delays GET /health: one failed probe keeps the ranks,
+    ``health_failures_down`` in a row take them out, one good probe brings them back."""
+
+    async def scenario():
+        pf = load_placement(placements["cap"])
+        pre = await StandinEngine("vllm", "prefill", MODEL, requests(pf, 1)).start()
+        dec = await StandinEngine("vllm", "decode", MODEL, dp_size=8).start()
+        proxy = Proxy(config(placements["cap"], "vllm", [pre], [dec], health_interval_s=3600.0))
+        await proxy.start()
+        await asyncio.sleep(0.3)  # the health loop's first round (at start) is over; the next is an hour away
+        seen = []
+        dec.healthy = False
+        for _ in range(proxy.config.health_failures_down):
+            await proxy.check_health()
+            seen.append(sum(proxy.router.live()))
+        dec.healthy = True
+        await proxy.check_health()
+        seen.append(sum(proxy.router.live()))
+        await shutdown(proxy, pre, dec)
+        return seen
+
+    assert asyncio.run(scenario()) == [8, 8, 0, 8]
 
 
 def test_routed_experts_wire_formats():

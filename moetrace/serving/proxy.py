@@ -26,7 +26,11 @@ event (``data: {"error": ...}`` then ``data: [DONE]``) and counts in ``streams_b
 request ends in exactly one answer or one error, and its rank's in-flight count is released once.
 
 **Health.** Every ``health_interval_s`` each server's ``GET /health`` (vLLM and SGLang both serve it)
-decides whether it is up; a decode server's ranks are live when it is up and out of their cooldown.
+decides whether it is up: ``health_failures_down`` failed probes in a row take it down, one good
+probe brings it back. One slow probe is not a dead server: under overload the proxy's own event loop
+delays the probe's reply, and taking servers down then would turn load into errors. A failed
+*request* still takes its rank out at once (the cooldown above). A decode server's ranks are live
+when it is up and out of their cooldown.
 
 Decode servers and ranks: the placement's A DP ranks are split evenly over the decode servers in the
 order given (one server: all of them, a vLLM/SGLang server with internal data parallelism; A servers:
@@ -88,6 +92,7 @@ class ProxyConfig:
     idle_timeout_s: float = 120.0  # the longest wait for the next piece of a decode answer
     health_interval_s: float = 2.0  # between two rounds of GET /health on every server
     health_timeout_s: float = 1.0  # one GET /health
+    health_failures_down: int = 3  # consecutive failed GET /health before a server counts as down
     rank_cooldown_s: float = 5.0  # a rank that failed a request takes none for this long
     decode_attempts: int = 3  # decode ranks tried per request (the first included)
     max_body_bytes: int = 32 << 20  # the largest client request body
@@ -134,6 +139,7 @@ class Proxy:
         self.prefill_up = [True] * len(self.prefill)
         self.prefill_busy = [0] * len(self.prefill)
         self.server_up = [True] * D
+        self._probe_failures = [0] * (len(self.prefill) + D)  # consecutive failed GET /health, per server
         self.down_until = np.zeros(A)  # monotonic time until which a rank that failed takes nothing
         self._turn = 0
         self._fallback_log: dict[str, tuple[float, int]] = {}
@@ -173,7 +179,14 @@ class Proxy:
 
     async def check_health(self) -> None:
         """One round of ``GET /health`` on every server; updates which prefill servers and ranks take requests."""
-        ok = await asyncio.gather(*(self._probe(u) for u in (*self.prefill, *self.decode)))
+        good = await asyncio.gather(*(self._probe(u) for u in (*self.prefill, *self.decode)))
+        for i, g in enumerate(good):
+            self._probe_failures[i] = 0 if g else self._probe_failures[i] + 1
+        need = max(1, self.config.health_failures_down)
+        ok = [
+            f < need if was_up else f == 0
+            for f, was_up in zip(self._probe_failures, (*self.prefill_up, *self.server_up))
+        ]
         P = len(self.prefill)
         for i, up in enumerate(ok[:P]):
             if up != self.prefill_up[i]:
