@@ -52,11 +52,13 @@ def _kernel() -> Callable:
         for c in numba.prange(num_chunks):
             lo = c * L // num_chunks
             hi = (c + 1) * L // num_chunks
-            for t in range(T):
-                if not keep_T[t]:
-                    continue
-                for l in range(lo, hi):
-                    base = l * top_k
+            # layer outer, token inner: one layer's [E, E] tables stay in cache while every token passes
+            for l in range(lo, hi):
+                base = l * top_k
+                routed_tokens = 0
+                for t in range(T):
+                    if not keep_T[t]:
+                        continue
                     routed = False
                     for i in range(top_k):
                         a = topk_ids_TX[t, base + i]
@@ -75,7 +77,8 @@ def _kernel() -> Callable:
                                 if b >= 0 and b < E:
                                     cross_LEE[l, a, b] += 1
                     if routed:
-                        tokens_L[l] += 1
+                        routed_tokens += 1
+                tokens_L[l] += routed_tokens
 
     _KERNELS["pairs"] = pair_kernel
     return pair_kernel

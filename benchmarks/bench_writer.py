@@ -11,7 +11,9 @@ peak memory), alternating the variants:
   ``git worktree add --detach /tmp/wt-writer HEAD``, loaded from its file under another module name (its
   imports resolve to this checkout's ``moetrace``, so only the writer module differs);
 - ``pyarrow ceiling``: one ``pyarrow.parquet.write_table`` of the bare ``experts`` column, plain encoding,
-  no compression (what the Parquet library alone does with the column).
+  no compression (what the Parquet library alone does with the column);
+- ``disk floor``: T x X bytes (one byte an id, what the encoded part holds) written in 1 MiB chunks, then one
+  ``fsync``: the durable-write floor of this machine's disk for a part of this size (the writer fsyncs each part).
 
 Each child first writes one request (outside the measurement: lazy imports of the first write). Reported
 per variant: best and median tokens/s (wall clock), CPU seconds (the least of the repetitions), peak RSS
@@ -69,6 +71,17 @@ def _child(variant: str, ids_path: str, out: str, writer_path: str | None) -> di
     topk_ids_TX = np.load(ids_path)  # int16 [T, 464]
     T, X = topk_ids_TX.shape
     model = model_info_for("deepseek-v3")
+    if variant == "disk":
+        chunk = np.random.default_rng(0).integers(0, 255, 1 << 20, dtype=np.uint8).tobytes()
+        left = T * X
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        with open(Path(out) / "bytes.bin", "wb") as f:
+            while left > 0:
+                left -= f.write(chunk[: min(left, len(chunk))])
+            f.flush()
+            os.fsync(f.fileno())
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        return {"wall": wall, "cpu": cpu, "peak_mib": 0.0, "bytes_per_token": X, "tokens": T}
     TraceWriter = None if variant == "ceiling" else _load_writer(writer_path)
     kw = {"encoder": "pyarrow"} if variant == "pyarrow" else {}
     # warm-up outside the measurement: lazy imports (pyarrow's pandas shim, compute kernels) of the first write
@@ -151,7 +164,7 @@ def main() -> None:
     variants = (
         [("after", "-")]
         + ([("before", str(Path(args.baseline).resolve()))] if args.baseline else [])
-        + [("pyarrow", "-"), ("ceiling", "-")]
+        + [("pyarrow", "-"), ("ceiling", "-"), ("disk", "-")]
     )
     res: dict[str, list[dict]] = {v: [] for v, _ in variants}
     for rep in range(args.reps):
@@ -171,6 +184,7 @@ def main() -> None:
         "before": f"moetrace TraceWriter, {args.baseline}",
         "pyarrow": "moetrace TraceWriter, encoder='pyarrow'",
         "ceiling": "pyarrow ceiling (plain, bare column)",
+        "disk": "disk floor (T x X bytes written + fsync)",
     }
     unrec = ", last token of each request -1" if args.last_token_unrecorded else ""
     print(
@@ -185,7 +199,7 @@ def main() -> None:
             f"  {names[variant]:<60} {rates[-1]:7.3f} {float(np.median(rates)):7.3f}          "
             f"{min(r['cpu'] for r in runs):6.2f}  {max(r['peak_mib'] for r in runs):8.0f}  {runs[0]['bytes_per_token']:7.0f}"
         )
-    for other in ("pyarrow", "before") if args.baseline else ("pyarrow",):
+    for other in ("pyarrow", "ceiling", "disk", *(("before",) if args.baseline else ())):
         best = {v: min(r["wall"] for r in res[v]) for v in ("after", other)}
         cpu = {v: min(r["cpu"] for r in res[v]) for v in ("after", other)}
         print(

@@ -270,3 +270,48 @@ def test_coactivation_finds_the_planted_pair(tmp_path):
     assert np.nanargmax(lift) in (2 * E + 5, 5 * E + 2)
     assert pc.co_LEE[0, 2, 5] == pc.co_LEE[0, 5, 2] == int(((ids == 2).any(1) & (ids == 5).any(1)).sum())
     assert np.all(np.diag(pc.co_LEE[0]) == 0)
+
+
+def _pair_counts_reference(ids_TLK: np.ndarray, keep_T: np.ndarray, E: int):
+    """The definitions of the affinity module, written out token by token (no kernel)."""
+    T, L, K = ids_TLK.shape
+    cross = np.zeros((max(L - 1, 0), E, E), np.int64)
+    co = np.zeros((L, E, E), np.int64)
+    single = np.zeros((L, E), np.int64)
+    tokens = np.zeros(L, np.int64)
+    for t in np.flatnonzero(keep_T):
+        for l in range(L):
+            ids = [int(a) for a in ids_TLK[t, l] if 0 <= a < E]
+            tokens[l] += bool(ids)
+            for i, a in enumerate(ids):
+                single[l, a] += 1
+                for b in ids[i + 1 :]:
+                    if b != a:
+                        co[l, a, b] += 1
+                        co[l, b, a] += 1
+                if l + 1 < L:
+                    for b in ids_TLK[t, l + 1]:
+                        if 0 <= b < E:
+                            cross[l, a, b] += 1
+    return cross, co, single, tokens
+
+
+@pytest.mark.parametrize("L", [1, 2, 5])
+def test_pair_kernel_equals_the_reference(L):
+    """The numba kernel (layer outer, token inner) counts exactly what the definitions say, with -1 ids,
+    unrouted tokens and a token sample."""
+    from moetrace.analysis.affinity import _run, pair_counts_arrays
+
+    rng = np.random.default_rng(L)
+    T, K, E = 300, 3, 7
+    ids = rng.integers(-1, E, size=(T, L, K)).astype(np.int16)
+    ids[::17] = -1  # whole tokens unrouted
+    keep = rng.random(T) < 0.6
+    want = _pair_counts_reference(ids, keep, E)
+    got = tuple(np.zeros_like(w) for w in want)
+    _run(np.ascontiguousarray(ids.reshape(T, L * K)), keep, K, *got)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and np.array_equal(g, w)
+    everything = pair_counts_arrays(ids, num_experts=E)
+    for g, w in zip(everything, _pair_counts_reference(ids, np.ones(T, bool), E), strict=True):
+        assert np.array_equal(g, w)

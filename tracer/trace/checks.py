@@ -54,6 +54,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from moetrace.tracer.trace.arrays import numpy_of, string_scalar
+from moetrace.tracer.trace.group_limit import GroupLimit
 from moetrace.tracer.trace.layout import PART_RE, REQUESTS_DIR, ROUTING_DIR
 from moetrace.tracer.trace.schema import (
     NO_EXPERT,
@@ -69,8 +71,6 @@ from moetrace.tracer.trace.schema import (
 SHOWN = 5
 #: requests listed one by one for one kind of request-table problem
 LISTED_REQUESTS = 20
-#: set bits of every byte value
-_POPCOUNT8 = np.array([i.bit_count() for i in range(256)], dtype=np.uint8)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -293,9 +293,9 @@ class RowBatch:
 
     def __init__(self, rb: pa.RecordBatch, ids: pa.Array, requests: RequestIndex) -> None:
         self.num_rows = rb.num_rows
-        self.ids_N = ids.to_numpy(zero_copy_only=False)
-        self.request_id_T = rb.column("request_id").to_numpy().astype(np.int64, copy=False)
-        self.position_T = rb.column("position").to_numpy().astype(np.int64, copy=False)
+        self.ids_N = numpy_of(ids)  # numpy_of, not to_numpy: that imports pandas (arrays module)
+        self.request_id_T = numpy_of(rb.column("request_id")).astype(np.int64, copy=False)
+        self.position_T = numpy_of(rb.column("position")).astype(np.int64, copy=False)
         self.stage = rb.column("stage") if "stage" in rb.schema.names else None
         self.requests = requests
 
@@ -308,8 +308,8 @@ class RowBatch:
         if pa.types.is_dictionary(stage.type):
             stage = stage.cast(pa.string())
         return (
-            pc.equal(stage, STAGE_PREFILL).to_numpy(zero_copy_only=False),
-            pc.equal(stage, STAGE_DECODE).to_numpy(zero_copy_only=False),
+            numpy_of(pc.equal(stage, string_scalar(STAGE_PREFILL))),
+            numpy_of(pc.equal(stage, string_scalar(STAGE_DECODE))),
         )
 
     @cached_property
@@ -338,69 +338,6 @@ class RowBatch:
         """bool, one per row of a known request (:meth:`known`): its position lies inside the request."""
         pos = self.known(self.position_T)
         return (pos >= 0) & (pos < self.requests.length_R[self.known(self.row_T)])
-
-
-class GroupLimit:
-    """Counts (token, layer) rows whose experts span more groups than a group-limited router allows."""
-
-    def __init__(self, model: ModelInfo) -> None:
-        assert model.n_group is not None and model.topk_group is not None
-        self.model = model
-        self.n_group, self.topk_group = model.n_group, model.topk_group
-        self.K, self.L = model.top_k, model.num_moe_layers
-        self.size = model.num_experts // self.n_group  # experts per group (consecutive ids)
-        # bit of the group of every int16 id read as uint16 (-1 -> 65535 and ids >= E: no bit)
-        self.dtype = np.uint8 if self.n_group <= 8 else np.uint64
-        h = np.arange((1 << 16) // self.size + 1)
-        self.bit_of = np.where(h < self.n_group, np.left_shift(1, np.minimum(h, 63).astype(np.uint64)), 0).astype(
-            self.dtype
-        )
-        self.num_bad = 0
-        self.example: tuple[int, int, int, list[int]] | None = None  # request, position, MoE layer, ids
-
-    @classmethod
-    def of(cls, model: ModelInfo) -> GroupLimit | None:
-        return cls(model) if model.group_limited and model.n_group is not None and model.n_group <= 64 else None
-
-    def add(self, b: RowBatch) -> None:
-        """Count the batch's (token, layer) rows that use too many groups."""
-        ids = b.ids_N
-        if ids.size != b.num_rows * self.L * self.K or not b.num_rows or ids.dtype != np.int16:
-            return  # a shape or type problem the other checks report
-        u = ids.view(np.uint16)
-        g = u >> np.uint16(self.size.bit_length() - 1) if self.size & (self.size - 1) == 0 else u // self.size
-        bits = self.bit_of[g].reshape(-1, self.K)  # [token-layer rows, K]
-        if self.dtype is np.uint8 and self.K == 8:  # 8 bytes of a row as one uint64: OR-fold them
-            v = np.ascontiguousarray(bits).view(np.uint64).reshape(-1)
-            v |= v >> np.uint64(32)
-            v |= v >> np.uint64(16)
-            v |= v >> np.uint64(8)
-            used = (v & np.uint64(0xFF)).astype(np.uint8)
-        else:
-            used = np.bitwise_or.reduce(bits, axis=1)
-        count = _POPCOUNT8[used] if self.dtype is np.uint8 else _POPCOUNT8[used.view(np.uint8)].reshape(-1, 8).sum(1)
-        bad = np.flatnonzero(count > self.topk_group)
-        self.num_bad += len(bad)
-        if len(bad) and self.example is None:
-            t, layer = divmod(int(bad[0]), self.L)
-            self.example = (
-                int(b.request_id_T[t]),
-                int(b.position_T[t]),
-                layer,
-                ids.reshape(-1, self.K)[bad[0]].tolist(),
-            )
-
-    def problem(self) -> str:
-        m = self.model
-        r, pos, layer, ids = self.example or (-1, -1, -1, [])
-        return (
-            f"routing: {self.num_bad} (token, MoE layer) rows use experts of more than topk_group={m.topk_group} of the "
-            f"router's n_group={m.n_group} groups, e.g. request {r} position {pos} MoE layer {layer}: experts {ids} "
-            f"(groups {sorted({e // self.size for e in ids if e >= 0})}); {m.name}'s router never picks such a set, so "
-            "these are not its logical expert ids (physical slots after an EPLB remap? another model's ids?): "
-            "re-collect or re-import with logical ids, or correct n_group/topk_group in the manifest's model section "
-            "if this model routes without a group limit"
-        )
 
 
 class RowCheck:

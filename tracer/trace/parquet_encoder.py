@@ -44,7 +44,7 @@ import io
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, NamedTuple, Protocol, TypeAlias
+from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -111,6 +111,17 @@ def _pyarrow_major() -> int:
     return int(pa.__version__.split(".")[0])
 
 
+class OutputFile(Protocol):
+    """An open binary output stream a routing part is written into (a file, the writer's ``HashingFile``)."""
+
+    def write(self, b: Any, /) -> int:
+        """Write the bytes-like ``b`` whole; returns its size."""
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class RoutingPart(Protocol):
     """One routing part being written under its temporary name: row groups in, a Parquet file out.
 
@@ -130,8 +141,10 @@ class RoutingPart(Protocol):
 
 def routing_part_opener(
     schema: pa.Schema, *, compression: str | None, encoder: Encoder
-) -> Callable[[Path], RoutingPart]:
-    """``open(path) -> RoutingPart`` for parts of ``schema`` (the routing schema) written by ``encoder``.
+) -> Callable[[Path | OutputFile], RoutingPart]:
+    """``open(path_or_file) -> RoutingPart`` for parts of ``schema`` (the routing schema) written by ``encoder``:
+    into the file at a path (opened here), or into an open binary file (the writer's ``HashingFile``; the part's
+    ``close`` and ``abort`` close it).
 
     For the fast encoder this checks, once, that it writes what the installed pyarrow writes for a probe
     (``EncoderError`` if not, before any file is opened). ``compression``: a codec pyarrow knows, or None."""
@@ -142,12 +155,12 @@ def routing_part_opener(
         )
     options = writer_options(compression, use_dictionary=ROUTING_DICTIONARY, write_statistics=ROUTING_STATISTICS)
     if encoder == "pyarrow":
-        return lambda path: _PyarrowPart(path, schema, options)
+        return lambda where: _PyarrowPart(where, schema, options)
     setup = _FastSetup(schema, options)
     setup.check_against_pyarrow()
 
-    def open_fast(path: Path) -> RoutingPart:
-        f = open(path, "wb")
+    def open_fast(where: Path | OutputFile) -> RoutingPart:
+        f = open(where, "wb") if isinstance(where, (str, os.PathLike)) else where
         try:
             return _FastPart(f, setup)
         except BaseException:
@@ -176,20 +189,27 @@ def _with_experts(narrow: pa.Table, ids_list: list[np.ndarray], schema: pa.Schem
 class _PyarrowPart:
     """The escape hatch: a plain ``pq.ParquetWriter`` with the explicit options, one row group per call."""
 
-    def __init__(self, path: Path, schema: pa.Schema, options: dict[str, Any]) -> None:
+    def __init__(self, where: Path | OutputFile, schema: pa.Schema, options: dict[str, Any]) -> None:
         self.schema = schema
-        self.writer = pq.ParquetWriter(path, schema, **options)
+        self.file = None if isinstance(where, (str, os.PathLike)) else where  # pyarrow never closes a stream
+        self.writer = pq.ParquetWriter(where, schema, **options)
 
     def write_row_group(self, narrow: pa.Table, ids_list: list[np.ndarray]) -> None:
         if narrow.num_rows:
             self.writer.write_table(_with_experts(narrow, ids_list, self.schema), row_group_size=narrow.num_rows)
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()
+        finally:
+            if self.file is not None:
+                self.file.close()
 
     def abort(self) -> None:
         with contextlib.suppress(OSError, pa.ArrowException):  # the part is being removed: its footer is moot
             self.writer.close()
+        if self.file is not None:
+            self.file.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,7 +317,7 @@ def _probe_table(schema: pa.Schema) -> pa.Table:
 class _FastPart:
     """A routing part written by the fast encoder into the open binary file ``f`` (it closes it)."""
 
-    def __init__(self, f: BinaryIO, setup: _FastSetup) -> None:
+    def __init__(self, f: OutputFile, setup: _FastSetup) -> None:
         self.setup = setup
         self.f = f
         self.row_groups: list[_Struct] = []

@@ -210,7 +210,7 @@ class Trace:
     def verify_checksums(self) -> list[str]:
         """Compare every part the manifest lists with the SHA-256 its writer recorded at commit; returns
         the parts that differ (empty: all match, or an older trace that recorded none). Reads every byte."""
-        from moetrace.tracer.trace.writer import file_sha256
+        from moetrace.tracer.trace.checksum import file_sha256
 
         parts = self.manifest.get("parts")
         bad = []

@@ -7,7 +7,9 @@ the problems it finds; adding a check is adding one function to that list. They 
   without it), the type of every field (``version: true`` or ``1.0`` is not ``1``), ``complete``,
   the ``backend`` and ``collection`` sections, ``totals`` against the parts' rows, and the part
   list (``parts``) against the files, each part's row counts and SHA-256 against what its writer
-  recorded at commit (an older trace without ``parts`` validates, with a note that it carries none);
+  recorded at commit (an older trace without ``parts`` validates, with a note that it carries none;
+  the files are hashed on a background thread while the rows are read, and their problems listed
+  after the rows');
 - the files: both directories exist (nothing else is checked without them), no leftover
   temporary files, each Parquet footer's row count equal to its row groups' and to the rows its
   pages hold, every routing part has its requests part and vice versa, a complete trace holds
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace.errors import TraceFormatError, TraceValidationError
+from moetrace.tracer.trace.arrays import numpy_of
 from moetrace.tracer.trace.checks import (
     PART_KEYS,
     RequestIndex,
@@ -59,6 +63,7 @@ from moetrace.tracer.trace.checks import (
     totals_problems,
     unreadable,
 )
+from moetrace.tracer.trace.checksum import hash_files
 from moetrace.tracer.trace.layout import (
     MANIFEST,
     REQUESTS_DIR,
@@ -73,7 +78,6 @@ from moetrace.tracer.trace.schema import (
     is_whole,
     stages_of,
 )
-from moetrace.tracer.trace.writer import file_sha256
 
 #: stop reading routing parts once this many problems are listed
 MAX_REPORTED = 200
@@ -102,6 +106,8 @@ class _Run:
     rows_read: dict[str, int] = field(default_factory=dict)  # routing part -> rows its pages held
     requests_rows: dict[str, int] = field(default_factory=dict)  # requests part -> rows read
     rows: RowCheck | None = None  # the pass over the routing rows
+    hasher: ThreadPoolExecutor | None = None  # hashes the parts' files in the background (check_checksums)
+    digests: list[tuple[str, str, Future[str]]] = field(default_factory=list)  # (file, recorded SHA-256, its hash)
 
 
 # ---------------------------------------------------------------------------------- the manifest
@@ -224,27 +230,37 @@ def check_part_pairs(run: _Run) -> list[str]:
     return problems
 
 
-def check_checksums(run: _Run) -> list[str]:
-    """Each part the manifest lists has the SHA-256 its writer recorded at commit (both files)."""
+def start_checksums(run: _Run) -> list[str]:
+    """Start hashing every file of the parts the manifest lists, on a background thread (``check_checksums``
+    compares the digests once the rows are read: sha256 releases the GIL, so the hash overlaps the reading)."""
     parts = run.manifest.get("parts")
     if not isinstance(parts, dict) or parts_entry_problems(parts):
         return []
+    files = [
+        (f"{sub}/{name}", entry[key], run.path / sub / name)
+        for name, entry in sorted(parts.items())
+        for sub, key in ((ROUTING_DIR, "routing_sha256"), (REQUESTS_DIR, "requests_sha256"))
+        if (run.path / sub / name).is_file()  # check_part_pairs names a missing one
+    ]
+    run.hasher, futures = hash_files([f for _, _, f in files])
+    run.digests = [(where, want, fut) for (where, want, _), fut in zip(files, futures, strict=True)]
+    return []
+
+
+def check_checksums(run: _Run) -> list[str]:
+    """Each part the manifest lists has the SHA-256 its writer recorded at commit (both files)."""
     problems = []
-    for name, entry in sorted(parts.items()):
-        for sub, key in ((ROUTING_DIR, "routing_sha256"), (REQUESTS_DIR, "requests_sha256")):
-            f = run.path / sub / name
-            if not f.is_file():
-                continue  # check_part_pairs names it
-            try:
-                digest = file_sha256(f)
-            except OSError as exc:
-                problems.append(f"{sub}/{name}: {unreadable(exc)}")
-                continue
-            if digest != entry[key]:
-                problems.append(
-                    f"{sub}/{name}: its SHA-256 differs from the one recorded when it was committed (the file "
-                    "changed since: a bit flip, an edit, or a damaged copy)"
-                )
+    for where, want, fut in run.digests:
+        try:
+            digest = fut.result()
+        except OSError as exc:
+            problems.append(f"{where}: {unreadable(exc)}")
+            continue
+        if digest != want:
+            problems.append(
+                f"{where}: its SHA-256 differs from the one recorded when it was committed (the file "
+                "changed since: a bit flip, an edit, or a damaged copy)"
+            )
     return problems
 
 
@@ -258,13 +274,16 @@ def check_requests_parts(run: _Run) -> list[str]:
     for n in run.requests_names:
         where = f"{REQUESTS_DIR}/{n}"
         try:
-            t = pq.read_table(run.path / REQUESTS_DIR / n)
-            problems += [f"{where}: {p}" for p in _row_count_problems(pq.read_metadata(run.path / REQUESTS_DIR / n))]
+            # ParquetFile, not read_table: read_table goes through pyarrow.dataset, which imports pandas
+            with pq.ParquetFile(run.path / REQUESTS_DIR / n) as pf:
+                t = pf.read()
+                meta = pf.metadata
+            problems += [f"{where}: {p}" for p in _row_count_problems(meta)]
         except (pa.ArrowException, OSError) as exc:
             problems.append(f"{where}: {unreadable(exc)}")
             continue
         run.requests_rows[n] = t.num_rows
-        meta_rows = pq.read_metadata(run.path / REQUESTS_DIR / n).num_rows
+        meta_rows = meta.num_rows
         if t.num_rows != meta_rows:
             problems.append(f"{where}: the footer says {meta_rows} rows but its pages hold {t.num_rows}")
         bad = column_problems(t.schema, REQUIRED_REQUESTS, exact=True)
@@ -288,9 +307,7 @@ def check_requests_table(run: _Run) -> list[str]:
     """The valid requests parts together: request ids unique, ``prompt_tokens >= 1``, ``output_tokens >= 0``."""
     if run.requests_table is None:
         return []
-    rid, ptok, otok = (
-        run.requests_table.column(c).to_numpy() for c in ("request_id", "prompt_tokens", "output_tokens")
-    )
+    rid, ptok, otok = (numpy_of(run.requests_table.column(c)) for c in ("request_id", "prompt_tokens", "output_tokens"))
     run.requests = RequestIndex.of(rid, ptok, otok)
     return duplicate_request_ids(rid) + request_lengths(rid, ptok, otok)
 
@@ -418,13 +435,14 @@ CHECKS: tuple[Callable[[_Run], list[str]], ...] = (
     check_sections,
     check_directories,
     check_part_pairs,
-    check_checksums,
+    start_checksums,
     check_requests_parts,
     check_requests_table,
     check_routing_footers,
     check_claimed_tokens,
     check_routing_rows,
     check_row_totals,
+    check_checksums,
     check_manifest_totals,
 )
 
@@ -448,6 +466,8 @@ def _run_checks(path: Path, progress: Callable[[int, int], None] | None) -> _Run
     finally:
         for pf in run.parts.values():  # parts left open when the run stopped early
             pf.close()
+        if run.hasher is not None:  # a run that stopped early drops the hashing it no longer needs
+            run.hasher.shutdown(wait=True, cancel_futures=True)
     return run
 
 

@@ -7,7 +7,7 @@ row is in a final ``requests/*.parquet``; a routing part without its requests pa
 the two renames) is an orphan and is removed on resume. Readers only ever look at final names.
 ``manifest.json`` is written (atomically) with ``complete: false`` at start and finalized by
 ``close()``, which records every committed part in ``parts`` (its requests, its tokens and the SHA-256
-of both files, computed at commit from the bytes just written) next to the ``totals``, so readers and
+of both files, computed from the bytes as they are written: ``checksum.HashingFile``) next to the ``totals``, so readers and
 ``validate`` can tell a part that went missing or changed. Temporary files get unpredictable names
 (``.<part>.<random>.tmp``), created exclusively, so a symbolic link planted in a shared directory is
 never followed. ``--overwrite`` removes the manifest first, then the requests parts (the commit
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import re
@@ -51,6 +50,7 @@ import pyarrow.parquet as pq
 from moetrace import lifetime
 from moetrace.atomic import write_json_atomic
 from moetrace.errors import EncoderError, OutputExistsError, TraceFormatError, WriteError
+from moetrace.tracer.trace.checksum import SYNC_EVERY, HashingFile, file_sha256
 from moetrace.tracer.trace.layout import MANIFEST, PART_RE, REQUESTS_DIR, ROUTING_DIR, lock_name, part_name
 from moetrace.tracer.trace.lock import lock_trace
 from moetrace.tracer.trace.parquet_encoder import (
@@ -71,9 +71,6 @@ from moetrace.tracer.trace.schema import (
 )
 
 OnExisting = Literal["refuse", "resume", "overwrite"]
-
-#: bytes read at a time when a part's checksum is computed
-_HASH_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -166,8 +163,8 @@ class TraceWriter:
         self._failed: BaseException | None = None  # the error that stopped this writer, if one did
 
         self.completed_request_ids: set[int] = set()
-        #: the manifest's ``parts``: committed part name -> its requests, tokens and files' SHA-256 (this
-        #: run's parts are hashed on a background thread while the next part is produced; complete at close)
+        #: the manifest's ``parts``: committed part name -> its requests, tokens and files' SHA-256 (this run's
+        #: parts hashed as written; a resumed trace's parts that lack them on a background thread, complete at close)
         self.parts: dict[str, dict[str, Any]] = {}
         self._hashing: dict[str, Future[dict[str, Any]]] = {}
         self._hasher: ThreadPoolExecutor | None = None
@@ -184,6 +181,7 @@ class TraceWriter:
 
         # the open part and its temporary files (unpredictable names: see the module docstring)
         self._pq: RoutingPart | None = None
+        self._routing_file: HashingFile | None = None  # the open part's routing file, hashed as it is written
         self._part_name: str | None = None
         self._tmp_token = ""
         self._part_tokens = 0
@@ -478,10 +476,9 @@ class TraceWriter:
         self._part_name = part_name(self.part_prefix, self._next_seq)
         self._next_seq += 1
         self._tmp_token = secrets.token_hex(8)
-        tmp = self._tmp(ROUTING_DIR)
-        # created exclusively and never through a link; the encoder then opens this very file
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
-        self._pq = self._open_routing_part(tmp)
+        # the disk writes the part while it is encoded: the commit's fsync waits for the last few MiB only
+        self._routing_file = _create_hashed(self._tmp(ROUTING_DIR), sync_every=SYNC_EVERY)
+        self._pq = self._open_routing_part(self._routing_file)  # closes the file
 
     def _flush_row_group(self) -> None:
         if not self._buf:
@@ -505,21 +502,29 @@ class TraceWriter:
         assert self._pq is not None and self._part_name is not None
         rdir, qdir = self.path / ROUTING_DIR, self.path / REQUESTS_DIR
         routing_tmp, req_tmp = self._tmp(ROUTING_DIR), self._tmp(REQUESTS_DIR)
+        assert self._routing_file is not None
         with self._on_write_error():
             self._pq.close()
             _fsync_file(routing_tmp)
-            os.close(os.open(req_tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
-            pq.write_table(
-                pa.Table.from_pylist(self._req_rows, schema=self.requests_schema),
-                req_tmp,
-                **writer_options("zstd", use_dictionary=True, write_statistics=True),
-            )
+            with _create_hashed(req_tmp) as req_file:
+                pq.write_table(
+                    pa.Table.from_pylist(self._req_rows, schema=self.requests_schema),
+                    req_file,
+                    **writer_options("zstd", use_dictionary=True, write_statistics=True),
+                )
             _fsync_file(req_tmp)
+            entry = {
+                "num_requests": len(self._req_rows),
+                "num_tokens": self._part_tokens,
+                "routing_sha256": self._routing_file.hexdigest(),
+                "requests_sha256": req_file.hexdigest(),
+            }
         os.replace(routing_tmp, rdir / self._part_name)  # routing first
         os.replace(req_tmp, qdir / self._part_name)  # then requests: the commit point
-        self._hash_part(self._part_name, len(self._req_rows), self._part_tokens)
+        self.parts[self._part_name] = entry
         self.completed_request_ids.update(r["request_id"] for r in self._req_rows)
         self._pq = None
+        self._routing_file = None
         self._part_name = None
         self._part_tokens = 0
         self._req_rows = []
@@ -536,10 +541,13 @@ class TraceWriter:
             if self._pq is not None:
                 with contextlib.suppress(OSError):  # the part is being discarded anyway
                     self._pq.abort()
+            if self._routing_file is not None:
+                with contextlib.suppress(OSError):
+                    self._routing_file.abort()
             for sub in (ROUTING_DIR, REQUESTS_DIR):
                 if self._part_name is not None:
                     self._tmp(sub).unlink(missing_ok=True)
-            self._pq, self._part_name, self._buf, self._req_rows = None, None, [], []
+            self._pq, self._routing_file, self._part_name, self._buf, self._req_rows = None, None, None, [], []
             if isinstance(exc, EncoderError):
                 raise
             raise WriteError(_describe_write_error(exc, self.path)) from exc
@@ -571,9 +579,8 @@ class TraceWriter:
         return stats
 
     def _hash_part(self, name: str, num_requests: int, num_tokens: int) -> None:
-        """Compute part ``name``'s manifest entry (its files' SHA-256: the bytes just written, read back from
-        the page cache) on a background thread: sha256 releases the GIL, so it overlaps the next part's
-        production; :meth:`close` collects the entries."""
+        """Compute the manifest entry of part ``name``, committed by an earlier run that recorded no checksums
+        (its files' SHA-256, read from disk) on a background thread; :meth:`close` collects the entries."""
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrace-part-sha256")
         self._hashing[name] = self._hasher.submit(
@@ -638,13 +645,12 @@ def replacing_trace(path: str | os.PathLike, *, overwrite: bool) -> Iterator[Pat
         lock.release()
 
 
-#: the ``stage`` column's two words; ``take`` by ``is_decode`` builds the column
-_STAGE_WORDS = pa.array([STAGE_PREFILL, STAGE_DECODE])
-
-
 def _stage_strings(is_decode_T: np.ndarray) -> pa.StringArray:
-    """The ``stage`` column (``prefill`` / ``decode`` per token): ``is_decode_T`` bool [T]."""
-    return _STAGE_WORDS.take(pa.array(is_decode_T.view(np.int8)))
+    """The ``stage`` column (``prefill`` / ``decode`` per token): ``is_decode_T`` bool [T]. (The two words'
+    array is built on the first call: ``pa.array`` imports pandas, which a module that ``validate`` imports
+    must not do at start-up.)"""
+    words = pa.array([STAGE_PREFILL, STAGE_DECODE])
+    return words.take(pa.array(is_decode_T.view(np.int8)))
 
 
 def _describe_write_error(exc: BaseException, path: Path) -> str:
@@ -661,13 +667,16 @@ def _describe_write_error(exc: BaseException, path: Path) -> str:
     )
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    """The SHA-256 of file ``path``'s bytes, as 64 hex digits (read in 8 MiB chunks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+def _create_hashed(path: Path, *, sync_every: int | None = None) -> HashingFile:
+    """Create ``path`` exclusively, never through a link (module docstring), open for writing and hashed
+    (``sync_every``: see ``HashingFile``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        f = os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+    return HashingFile(f, sync_every=sync_every)
 
 
 def _part_entry(num_requests: int, num_tokens: int, routing: Path, requests: Path) -> dict[str, Any]:
