@@ -116,7 +116,11 @@ def pair_counts_arrays(
 def _run(topk_ids_TX, keep_T, K, cross, co, single, tokens) -> None:
     numba = require("numba", purpose="the token-level pair-count kernel")
     L = co.shape[0]
-    _kernel()(topk_ids_TX, keep_T, K, cross, co, single, tokens, max(1, min(L, numba.get_num_threads())))
+    from moetrace.analysis.jit import run_kernel
+    from moetrace.analysis.kernels_numpy import pair_numpy
+
+    chunks = max(1, min(L, numba.get_num_threads()))
+    run_kernel("pair-count", _kernel, pair_numpy, topk_ids_TX, keep_T, K, cross, co, single, tokens, chunks)
 
 
 def pair_counts(

@@ -158,7 +158,13 @@ def count_arrays(
     count, in the order of axis L. Raises ``TraceFormatError`` on an id >= E or a count overflow
     (an expert repeated within one token's top-k).
     """
-    bad = _kernel()(
+    from moetrace.analysis.jit import run_kernel
+    from moetrace.analysis.kernels_numpy import count_numpy
+
+    bad = run_kernel(
+        "expert-count",
+        _kernel,
+        count_numpy,
         counts_RSLE,
         np.ascontiguousarray(row_T, dtype=np.int64),
         np.ascontiguousarray(stage_T, dtype=np.int8),
