@@ -153,6 +153,7 @@ def ray_env(tmp_path_factory) -> Iterator[dict[str, str]]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "RAY_USAGE_STATS_ENABLED": "0",
         "OMP_NUM_THREADS": "1",
+        "HOME": temp_dir,  # Ray's auth token (~/.ray/auth_token) of this cluster, not one a user left behind
     }
     port = _free_port()
     address = f"127.0.0.1:{port}"

@@ -119,6 +119,9 @@ def test_ray_serve_routes_each_request_to_the_library_routers_rank(placement, tm
         **os.environ,
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "RAY_USAGE_STATS_ENABLED": "0",
+        # Ray 2.60 writes an auth token to ~/.ray/auth_token; a token left there makes the next local
+        # cluster (tests/test_ray_cluster.py) refuse its drivers. Ray's home is the temporary folder.
+        "HOME": ray_tmp,
     }
     try:
         res = subprocess.run(
