@@ -10,7 +10,7 @@ much of what a 1Gbit link adds. Copy model: compare's decode default, one copy p
 
 Per strategy: the simulated inter-node bytes per batch, and the time per batch (dispatch + combine
 of every MoE layer; measured: the slowest rank of each collective), median over batches, predicted
-by the cost model (``a2a_run.replay_cost`` / ``predicted_seconds_VBL``: the shaped node link shared
+by the cost model (``replay.replay_cost`` / ``predicted_seconds_VBL``: the shaped node link shared
 by its ranks, loopback's probed rate, gloo's fixed cost per collective from empty probes) and
 measured, each over linear's, and their ratio (docs/a2a.md, "The cost model against the replay").
 
@@ -65,7 +65,7 @@ def _machine() -> str:
 
 
 def main() -> None:
-    from moetrace.placement import a2a_run as ar
+    from moetrace.placement import replay as ar
     from moetrace.placement.compare import CompareConfig, load_trace_data
     from moetrace.placement.deployment import parse_deployment
     from moetrace.placement.strategies import get_strategy

@@ -1,7 +1,7 @@
 """Environment variables set for a block and restored after it (core: imports nothing of the stages).
 
 Out of scope: which variables a command sets (the callers: ``cli.common.third_party_bars``,
-``placement.a2a_run.launch_local``).
+``placement.replay.launch.launch_local``).
 """
 
 from __future__ import annotations

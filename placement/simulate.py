@@ -19,7 +19,7 @@ Shape legend (docs/architecture.md): T tokens, L MoE layers, K top-k slots, B ba
 (GPUs), P physical slots.
 
 Out of scope: choosing placements or batches (``compare``); per-GPU send matrices and real collectives
-(``a2a``, ``a2a_run``).
+(``replay``).
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +82,8 @@ SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
         "test_cli_a2a_from_placement_files",
     ),
     "test_progress.py": ("test_synth_draws_a_bar_with_rate_and_eta_on_a_terminal",),  # `moetrace synth` in a terminal
+    "test_guards.py": ("test_a2a_reports_progress_as_rank_0_finishes_batches",),  # real gloo ranks
+    "test_analysis_run.py": ("test_cli_writes_every_result_with_the_documented_columns",),  # UMAP's numba compile
     "test_collect.py": ("test_sigkill_then_resume_loses_nothing_and_duplicates_nothing",),  # a collector killed mid-run
     "test_reliability.py": ("test_disk_full",),  # writes until a tmpfs is full
     "test_ray_cluster.py": None,  # a two-node Ray cluster (`ray start` x2) running collection shards
@@ -103,3 +109,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests {module} does not define: {gone}")
         if names is None or getattr(item, "originalname", item.name) in names:
             item.add_marker(pytest.mark.slow)
+
+
+# ---------------------------------------------------------------- a per-test timeout
+# pytest-timeout is not a dependency: a test running past TEST_TIMEOUT_S seconds (MOETRACE_TEST_TIMEOUT_S
+# overrides; 0 turns it off) dumps every thread's traceback to stderr and exits the run, so a hung
+# collective or subprocess names itself instead of stalling CI. The slow tier gets SLOW_TIMEOUT_S.
+TEST_TIMEOUT_S = 120.0
+SLOW_TIMEOUT_S = 900.0
+
+
+def _terminal_stderr(config: pytest.Config) -> int:
+    """The run's own stderr: under pytest's fd capture (the default) fd 2 is a capture file that is lost
+    when the run exits, so the capture's saved copy of the terminal's fd 2; without fd capture, fd 2."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    err = getattr(getattr(capman, "_global_capturing", None), "err", None)  # pytest's FDCapture of fd 2
+    return int(getattr(err, "targetfd_save", sys.stderr.fileno() if err is None else 2))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    env = os.environ.get("MOETRACE_TEST_TIMEOUT_S")
+    limit = float(env) if env else SLOW_TIMEOUT_S if item.get_closest_marker("slow") else TEST_TIMEOUT_S
+    if limit > 0:
+        faulthandler.dump_traceback_later(limit, exit=True, file=_terminal_stderr(item.config))
+    try:
+        return (yield)
+    finally:
+        if limit > 0:
+            faulthandler.cancel_dump_traceback_later()

@@ -13,11 +13,12 @@ from typer.testing import CliRunner
 
 from moetrace import results as rf
 from moetrace.cli import app
-from moetrace.placement import a2a_run as ar
-from moetrace.placement.a2a import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
+from moetrace.placement import replay as ar
 from moetrace.placement.compare import CompareConfig, held_out_batches, load_trace_data, make_placement
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.maps import placement_from_phy2log
+from moetrace.placement.replay import results as replay_results
+from moetrace.placement.replay.sends import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
 from moetrace.placement.simulate import simulate_volume
 from tests.test_placement_compare import _planted_trace
 
@@ -172,7 +173,7 @@ def test_results_files_carry_format_and_version(plan, records, tmp_path):
 
 
 def test_mismatch_is_a_clean_error(plan, records, monkeypatch):
-    real = ar._predicted
+    real = replay_results._predicted
 
     def off_by_one(p):
         intra, inter = real(p)
@@ -180,7 +181,7 @@ def test_mismatch_is_a_clean_error(plan, records, monkeypatch):
         inter[1, 0, 1, 0, 2] += 1  # eplb, batch 0, layer 1, dispatch, rank 2
         return intra, inter
 
-    monkeypatch.setattr(ar, "_predicted", off_by_one)
+    monkeypatch.setattr(replay_results, "_predicted", off_by_one)
     msg = ar.first_mismatch(plan, records)
     assert msg is not None and msg.startswith("eplb batch 0 layer 1 dispatch rank 2: measured")
     with pytest.raises(A2AMismatchError, match="eplb batch 0 layer 1 dispatch rank 2"):
@@ -337,8 +338,8 @@ def test_cli_a2a_end_to_end(trace, tmp_path, monkeypatch):
     r = CliRunner().invoke(app, args)  # refused before any work
     assert r.exit_code == 2 and "--overwrite" in r.output
     # a forced mismatch exits non-zero naming it
-    real = ar._predicted
-    monkeypatch.setattr(ar, "_predicted", lambda p: (real(p)[0] + 1, real(p)[1]))
+    real = replay_results._predicted
+    monkeypatch.setattr(replay_results, "_predicted", lambda p: (real(p)[0] + 1, real(p)[1]))
     r = CliRunner().invoke(app, [*args, "--overwrite"])
     assert (
         r.exit_code == 2
@@ -396,9 +397,9 @@ def test_torchrun_flag_without_torchrun_env(trace, tmp_path, monkeypatch):
 
 
 def test_cli_a2a_from_placement_files(data, cfg, trace, tmp_path):
-    from moetrace.placement.a2a_run import placed_from_file
     from moetrace.placement.compare import placement_file
     from moetrace.placement.exports import load_placement, save_placement
+    from moetrace.placement.replay import placed_from_file
 
     files, made = [], {}
     for s in ("linear", "data", "joint"):
@@ -439,9 +440,9 @@ def test_a2a_refuses_a_router_for_another_number_of_nodes(data, cfg, strategy, t
     from dataclasses import replace
 
     from moetrace.errors import ConfigError
-    from moetrace.placement.a2a_run import placed_from_file
     from moetrace.placement.compare import placement_file
     from moetrace.placement.exports import load_placement, save_placement
+    from moetrace.placement.replay import placed_from_file
 
     save_placement(placement_file(data, cfg, make_placement(data, cfg, strategy)), tmp_path / "p.json")
     pf = load_placement(tmp_path / "p.json")

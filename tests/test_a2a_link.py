@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from moetrace.placement import a2a_run as ar
 from moetrace.placement import netemu
+from moetrace.placement import replay as ar
 
 CAN_EMULATE, WHY_NOT = netemu.probe()
 

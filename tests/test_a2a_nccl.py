@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from moetrace.cli import app
 from moetrace.errors import ConfigError
-from moetrace.placement import a2a_run as ar
+from moetrace.placement import replay as ar
 from moetrace.placement.compare import CompareConfig, load_trace_data
 from moetrace.placement.deployment import parse_deployment
 from tests.test_placement_compare import _planted_trace

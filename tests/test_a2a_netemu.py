@@ -14,9 +14,10 @@ from typer.testing import CliRunner
 
 from moetrace import results as rf
 from moetrace.cli import app
+from moetrace.environ import environ
 from moetrace.errors import ConfigError
-from moetrace.placement import a2a_run as ar
 from moetrace.placement import netemu
+from moetrace.placement import replay as ar
 from moetrace.placement.compare import CompareConfig, load_trace_data
 from moetrace.placement.deployment import parse_deployment
 from tests.test_placement_compare import _planted_trace
@@ -193,7 +194,7 @@ def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace, capfd
 def test_rank_processes_start_with_quiet_c10d_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
     assert netemu.EmulatedNodes.spawn_env() == {"TORCH_CPP_LOG_LEVEL": "ERROR"}
-    with ar.environ(netemu.EmulatedNodes.spawn_env()):  # what launch_local wraps the spawn in
+    with environ(netemu.EmulatedNodes.spawn_env()):  # what launch_local wraps the spawn in
         assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
     assert "TORCH_CPP_LOG_LEVEL" not in os.environ  # restored
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")

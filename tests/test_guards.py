@@ -16,11 +16,13 @@ from moetrace import results as rf
 from moetrace.cli import app
 from moetrace.cli.common import third_party_bars
 from moetrace.errors import ConfigError
-from moetrace.placement import a2a_run as ar
 from moetrace.placement import compare as compare_mod
+from moetrace.placement import replay as ar
 from moetrace.placement.compare import CompareConfig, load_trace_data
 from moetrace.placement.compare_manifest import read_compare_manifest
 from moetrace.placement.deployment import parse_deployment
+from moetrace.placement.replay import capacity as replay_capacity
+from moetrace.placement.replay import run as replay_run
 from moetrace.tracer.trace.writer import TraceWriter
 from tests.conftest import SMALL, write_small_trace
 
@@ -143,7 +145,7 @@ def test_local_capacity_counts_cores_and_memory():
 
 
 def test_a2a_refuses_more_ranks_than_the_machine_before_reading(small_trace, tmp_path, monkeypatch, no_trace_read):
-    monkeypatch.setattr(ar, "machine_capacity", lambda: (2, 24 << 30))
+    monkeypatch.setattr(replay_capacity, "machine_capacity", lambda: (2, 24 << 30))
     args = ["a2a", str(small_trace), "--config", "DP8TP8EP64", "-o", str(tmp_path / "a2a")]
     r = CliRunner().invoke(app, args)
     _one_clean_error(r, "64 local ranks on 2 CPU core(s)")
@@ -151,13 +153,13 @@ def test_a2a_refuses_more_ranks_than_the_machine_before_reading(small_trace, tmp
 
 
 def test_a2a_force_starts_anyway_with_a_warning(small_trace, tmp_path, monkeypatch):
-    monkeypatch.setattr(ar, "machine_capacity", lambda: (1, 256 << 20))  # EP4: memory for none of them
+    monkeypatch.setattr(replay_capacity, "machine_capacity", lambda: (1, 256 << 20))  # EP4: memory for none of them
 
     def stop(*_a, **kw):
         assert kw["progress"] is not None
         raise ConfigError("stopped where the ranks would start")
 
-    monkeypatch.setattr(ar, "run_a2a", stop)
+    monkeypatch.setattr(replay_run, "run_a2a", stop)
     args = ["a2a", str(small_trace), *DEP, "--batches", "2", "--batch-requests", "4", "-o", str(tmp_path / "a2a")]
     r = CliRunner().invoke(app, args)
     _one_clean_error(r, "local ranks need about")  # refused without --force

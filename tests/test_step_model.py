@@ -169,10 +169,10 @@ def test_every_caller_prices_the_same_traffic_the_same(tmp_path):
     """compare (simulate_volume), advise on tokens, advise on counts and the a2a prediction: one
     step time for one traffic. Counts carry no token identity, so they are compared where the
     copies are per (token, expert) from sources spread evenly (a uniform routing of whole rows)."""
-    from moetrace.placement.a2a_run import ReplayCost, predicted_seconds_VBL
     from moetrace.placement.advise import StepTokens, evaluate_counts, evaluate_tokens
     from moetrace.placement.baselines import linear
     from moetrace.placement.deployment import parse_deployment
+    from moetrace.placement.replay import ReplayCost, predicted_seconds_VBL
     from moetrace.placement.simulate import simulate_volume
 
     W, g, E, L = 4, 2, 8, 1
@@ -235,7 +235,7 @@ def test_every_caller_prices_the_same_traffic_the_same(tmp_path):
     # the replay's prediction on the send matrix of the same copies, priced with the replay's kernel
     from types import SimpleNamespace
 
-    from moetrace.placement.a2a_run import replay_kernel
+    from moetrace.placement.replay import replay_kernel
 
     rc = ReplayCost(
         links=LINKS, fixed_seconds=3e-6, wire_overhead=1.0, intra_probe_seconds=None, intra_probe_bytes=0, note="test"

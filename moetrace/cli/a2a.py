@@ -1,6 +1,6 @@
-"""``moetrace a2a``: replay placements through real all-to-all collectives (``placement.a2a_run``).
+"""``moetrace a2a``: replay placements through real all-to-all collectives (``placement.replay``).
 
-Out of scope: the replay itself and its result files (``moetrace.placement.a2a_run``).
+Out of scope: the replay itself and its result files (``moetrace.placement.replay``).
 """
 
 from __future__ import annotations
@@ -115,10 +115,10 @@ def a2a_cmd(
     On 8 GPUs:
       torchrun --nproc-per-node 8 -m moetrace a2a ... --torchrun
     """
-    from moetrace.placement import a2a_run as ar
+    from moetrace.atomic import replacing_directory
+    from moetrace.placement import replay as rp
     from moetrace.placement.compare import CompareConfig, load_trace_data
     from moetrace.placement.deployment import parse_deployment
-    from moetrace.placement.exports import load_placement
     from moetrace.results import A2A
 
     lead = not torchrun or os.environ.get("RANK", "0") == "0"
@@ -130,7 +130,10 @@ def a2a_cmd(
     if torchrun and emulate_nodes:
         raise ConfigError("--emulate-nodes is for a local run; under --torchrun the ranks use the real nodes' links")
     # before any work; held while the ranks run: no second run writes into the same folder
-    with claim_output(out if lead else None, kind="results", overwrite=overwrite, command="moetrace a2a", result=A2A):
+    inputs = [trace, *(placement or [])]
+    with claim_output(
+        out if lead else None, kind="results", overwrite=overwrite, command="moetrace a2a", result=A2A, inputs=inputs
+    ):
         names = tuple(s.strip() for s in strategies.split(",") if s.strip())
         cfg = CompareConfig(
             deployment=parse_deployment(config, num_gpus_per_node=gpus_per_node),
@@ -145,10 +148,10 @@ def a2a_cmd(
             seed=seed,
         )
         local = not torchrun and not smoke  # this process starts the ranks
-        if local and (warning := ar.check_local_capacity(cfg.deployment.num_ep, force=force)):
+        if local and (warning := rp.check_local_capacity(cfg.deployment.num_ep, force=force)):
             typer.secho(warning, fg=typer.colors.YELLOW, err=True)
         check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
-        resolved, note = ar.choose_backend(backend, world_size=cfg.deployment.num_ep, torchrun=torchrun, smoke=smoke)
+        resolved, note = rp.choose_backend(backend, world_size=cfg.deployment.num_ep, torchrun=torchrun, smoke=smoke)
         if note:
             typer.echo(note, err=True)
         if cfg.deployment.num_ep_tp > 1 and lead:
@@ -161,32 +164,27 @@ def a2a_cmd(
             data = load_trace_data(
                 trace, test_fraction=test_fraction, seed=seed, allow_incomplete=allow_incomplete, progress=bar
             )
-        placed = None
-        if placement:
-            placed = {}
-            for f in placement:
-                ps = ar.placed_from_file(data, cfg, load_placement(f), where=str(f))
-                placed[ps.strategy if ps.strategy not in placed else f"{ps.strategy}:{f.stem}"] = ps
-        plan = ar.build_plan(data, cfg=cfg, placed=placed, hidden_size=hidden_size, dtype=dtype, backend=resolved)
+        placed = rp.placed_from_files(data, cfg, placement) if placement else None
+        plan = rp.build_plan(data, cfg=cfg, placed=placed, hidden_size=hidden_size, dtype=dtype, backend=resolved)
         if smoke:
-            typer.echo(ar.format_smoke(plan, ar.run_smoke(plan)))
+            typer.echo(rp.format_smoke(plan, rp.run_smoke(plan)))
             return
-        if local and not force:  # again with the plan each rank holds (send matrices, buffers)
-            ar.check_local_capacity(plan.world_size, extra_bytes_per_rank=ar.plan_bytes_per_rank(plan))
         with progress_bar("replaying", "batches", quiet=quiet) as bar:
-            records, network = ar.run_a2a(
+            run = rp.replay(
                 plan,
                 torchrun=torchrun,
                 emulate=emulate_nodes,
                 link=link,
+                force=force,
                 log=lambda msg: typer.echo(msg, err=True),
                 progress=bar,
             )
-        if records is None:  # a torchrun rank other than 0: rank 0 reports
+        if run is None:  # a torchrun rank other than 0: rank 0 reports
             return
         assert out is not None  # required without --smoke (checked above)
-        files = ar.write_a2a_results(out, plan, records, network)
-        typer.echo(ar.format_summary(plan, records, network))
+        with replacing_directory(out) as building:  # built beside -o, swapped in whole: a kill leaves old or new
+            files = run.write(building)
+        typer.echo(run.summary())
         typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
-        ar.raise_on_mismatch(plan, records)
+        run.check()
         typer.echo("measured bytes equal the simulator's for every collective, rank and link class")

@@ -23,13 +23,16 @@ The per-token formats check the ids against the model (``ids``) and convert phys
 
 ``import_trace`` is the one entry point: it finds the format (``--format``, or ``detect_format``:
 each format looks at the input's first bytes, before anything is decoded as text, so a binary
-format or a directory fits), opens the trace writer, lets the format's ``read`` fill it, and
+format or a directory fits), opens the trace writer, runs the format's ``parse`` through
+``driver.drive`` (physical maps, id checks, request ids, batching, progress, the ids' notes), and
 writes the manifest (``backend.source_format``, ``collection.stages``, the datasets, the input's
 file name, never its directories, and the format's ``collection`` fields and notes). Only regular
 files and directories are read (a named pipe would block). Bad input leaves no partial trace behind.
 
-Adding a format: a module here with ``detect``, ``read`` and one ``base.ImportFormat`` (name,
-help line, whether it honours ``--stages``), one row in ``FORMATS``, a test. The CLI's
+Adding a format: a module here with ``detect``, ``parse`` (a generator of ``base.Requests``, returning
+``base.Parsed``: parsing only) and one ``base.ImportFormat`` (name, help line, whether it honours
+``--stages``), one row in ``FORMATS``, a test. (A format may instead fill the writer itself, ``read``,
+owning its checks: ``tests/test_import_registry.py`` shows one.) The CLI's
 ``--format`` choices and help come from ``FORMATS``.
 
 Out of scope: what a ``--model`` name means (``presets.resolve``; the caller passes the
@@ -67,6 +70,7 @@ from moetrace.tracer.importers.base import (
     ReadResult,
     StagesMode,
 )
+from moetrace.tracer.importers.driver import drive
 from moetrace.tracer.importers.jsonl import (
     MAX_REQUEST_BYTES,
     MAX_REQUEST_TOKENS,
@@ -251,7 +255,7 @@ def import_trace(
     if stages not in RECORDED_STAGES:
         raise ConfigError(f"stages must be one of {', '.join(RECORDED_STAGES)}, got {stages!r}")
     fmt = detect_format(src) if source_format == "auto" else get_format(source_format)
-    if fmt.read is None:  # an aggregate dump: import_profile writes its load profile
+    if fmt.produces != "trace":  # an aggregate dump: import_profile writes its load profile
         raise ConfigError(f"--format {fmt.name} holds expert counts, not tokens: it imports as a load profile")
     if stages != "both" and not fmt.stages_modes:
         honour = ", ".join(f.name for f in FORMATS if f.stages_modes and f.produces == "trace")
@@ -283,9 +287,8 @@ def import_trace(
             on_existing=on_existing,
             with_weights=with_weights,
         ) as writer:
-            result: ReadResult = fmt.read(
-                src, writer=writer, info=model, label=label, stages=stages, progress=progress, options=options
-            )
+            kw = dict(writer=writer, info=model, label=label, stages=stages, progress=progress, options=options)
+            result: ReadResult = drive(fmt, src, **kw) if fmt.parse is not None else fmt.read(src, **kw)  # type: ignore[misc, arg-type]
             if not result.prompt_lengths_known:
                 collection["prompt_lengths_known"] = False
             collection.update(result.collection)

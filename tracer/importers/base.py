@@ -1,8 +1,9 @@
 """What an import format declares (``ImportFormat``, one row of the registry) and what every format shares.
 
 A format is one module of this package holding one ``ImportFormat``: its name, a one-line help,
-``detect`` (does this input look like mine, from its first bytes) and ``read`` (fill the trace
-writer), or, for an aggregate dump (expert counts, no tokens), ``produces="profile"`` and
+``detect`` (does this input look like mine, from its first bytes) and ``parse`` (yield the requests
+it reads, ``driver.Requests``; the driver checks, batches and writes them, ``driver.drive``), or, for
+an aggregate dump (expert counts, no tokens), ``produces="profile"`` and
 ``read_profile`` (return a ``LoadProfile``, which ``import_profile`` writes). ``moetrace.tracer.importers`` lists the rows (``FORMATS``), detects, and owns the
 output directory, the manifest and the clean-up after bad input.
 
@@ -21,7 +22,7 @@ Out of scope: any one format (its module), detection over all formats and writin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
@@ -29,6 +30,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 from moetrace.tracer.importers.options import ImportOptions
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from moetrace.tracer.importers.ids import DescribeRow
     from moetrace.tracer.trace.profile import LoadProfile
     from moetrace.tracer.trace.schema import ModelInfo
     from moetrace.tracer.trace.writer import TraceWriter
@@ -73,6 +77,35 @@ class ReadResult:
     collection: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, eq=False)
+class Requests:
+    """Requests a format parsed (one or many), whole, in the order they are written."""
+
+    request_id_R: np.ndarray  # int [R], unique over the whole import
+    prompt_tokens_R: np.ndarray  # int [R], >= 1
+    output_tokens_R: np.ndarray  # int [R], >= 0
+    topk_ids_TLK: np.ndarray  # int [T, L, K] as recorded (physical slot ids when a map applies); -1: none
+    dataset_R: tuple[str, ...] | None = None  # None: the import's label for every request
+    topk_weights_TX: np.ndarray | None = None  # float32 [T, X] (formats whose ``with_weights`` holds)
+    physical_map_LP: np.ndarray | None = None  # int [L, P]: the map the input carries (--physical-map wins)
+    describe_row: DescribeRow | None = None  # names row ``t`` and MoE layer ordinal ``l`` in the input
+    context: str = ""  # what the ids checks' errors start with ("in.jsonl:12: request 3"); "": nothing
+    place: str = ""  # where a repeated request id is reported ("in.jsonl:12"); "": the source's name
+    progress: tuple[int, int] | None = None  # (done, total) of the input once these are parsed; None: no report
+    flush: bool = False  # write everything held after these (e.g. a file's end, for its progress report)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """What a format's ``parse`` returns once its input is read: what only it knows for the manifest."""
+
+    notes: tuple[str, ...] = ()  # its sentences before the driver's (map, ids)
+    closing_notes: tuple[str, ...] = ()  # its sentences after the driver's
+    collection: dict[str, Any] = field(default_factory=dict)  # more ``collection`` fields of the manifest
+    prompt_lengths_known: bool = True  # False: prompts are placeholders of unknown length
+    progress_total: int | None = None  # the last report's total (``Requests.progress``'s unit); None: bytes of src
+
+
 class Detect(Protocol):
     def __call__(self, head: bytes, src: Path, /) -> bool:
         """Whether ``src`` is in this format, from ``head`` (its first ``HEAD_BYTES`` bytes; ``b""`` for a
@@ -98,6 +131,26 @@ class Read(Protocol):
         dataset with ``label``; ``stages`` is what the capture recorded (always ``both`` for a format whose
         ``stages_modes`` is False); ``options`` the user's options (only those in ``ImportFormat.options`` are
         set). Raises ``TraceFormatError`` naming the place in ``src``, the problem and the fix."""
+        ...
+
+
+class Parse(Protocol):
+    def __call__(
+        self,
+        src: Path,
+        /,
+        *,
+        info: ModelInfo,
+        label: str,
+        stages: StagesMode,
+        options: ImportOptions,
+        with_weights: bool,
+    ) -> Generator[Requests, None, Parsed]:
+        """Yield every request of ``src`` (``Requests``, in the order to write them), then return what only the
+        format knows (``Parsed``); ``driver.drive`` checks the ids, batches and writes. Requests carrying no
+        dataset get ``label``; ``stages`` is what the capture recorded; ``options`` the user's (only those in
+        ``ImportFormat.options`` are set); ``with_weights`` whether the trace takes weights (``ImportFormat
+        .with_weights``). Raises ``TraceFormatError`` naming the place in ``src``, the problem and the fix."""
         ...
 
 
@@ -128,7 +181,8 @@ class ImportFormat:
     name: str  # the --format value and the manifest's backend.source_format
     help: str  # one line: what the input holds (the CLI's --format help and the error for an unknown input)
     detect: Detect  # recognises the input from its first bytes
-    read: Read | None  # fills the trace writer (formats that produce a trace)
+    # fills the trace writer itself, owning its checks (a format outside this package may; the formats here parse)
+    read: Read | None = None
     stages_modes: bool = False  # honours --stages decode-only / prefill-only; False: the input always carries both
     # whole-input checks that need no model or writer (e.g. a text format's UTF-8 check), run before the
     # output directory is touched, so bad input never costs an existing trace under --overwrite; None: none
@@ -142,9 +196,17 @@ class ImportFormat:
     # the model every input of this format comes from (a capture of one published model, e.g. ``esft``'s
     # DeepSeek-V2-Lite): ``import`` uses it when --model is left out; None: the input does not say, --model is needed
     model: Callable[[], ModelInfo] | None = None
+    # yields the requests of the input for ``driver.drive`` (formats that produce a trace; instead of ``read``)
+    parse: Parse | None = None
+    batch_requests: int = 512  # requests per ``add_requests`` call (and per progress report) under ``parse``
 
     def __post_init__(self) -> None:
-        if (self.produces == "trace") != (self.read is not None) or (self.produces == "profile") != (
-            self.read_profile is not None
+        trace = (self.read is not None) + (self.parse is not None)
+        if (
+            trace > 1
+            or (self.produces == "trace") != (trace == 1)
+            or (self.produces == "profile") != (self.read_profile is not None)
         ):
-            raise TypeError(f"import format {self.name!r}: a trace format has `read`, a profile format `read_profile`")
+            raise TypeError(
+                f"import format {self.name!r}: a trace format has `parse` (or `read`), a profile format `read_profile`"
+            )

@@ -52,13 +52,14 @@ ESFT training data (``datasets/``) and completions.
 from __future__ import annotations
 
 import re
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import TraceFormatError
-from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
-from moetrace.tracer.importers.ids import check_ids, ids_notes
+from moetrace.tracer.importers.base import ImportFormat, Parsed, Requests, StagesMode
+from moetrace.tracer.importers.ids import DescribeRow
 from moetrace.tracer.importers.jsonl import MAX_REQUEST_TOKENS
 from moetrace.tracer.importers.options import PROMPT_SPAN, ImportOptions, check_allocation
 
@@ -66,7 +67,6 @@ if TYPE_CHECKING:  # numpy and the schema (pyarrow) load when a capture is read,
     import numpy as np
 
     from moetrace.tracer.trace.schema import ModelInfo
-    from moetrace.tracer.trace.writer import TraceWriter
 
 #: a layer file's name; the number is the model layer index
 LAYER_FILE = re.compile(r"^expert_weights_(\d+)\.txt$")
@@ -258,9 +258,9 @@ def _prompt_span(T_R: np.ndarray, options: ImportOptions, *, where_R: list[str])
 
 def _read_folder(
     folder: Path, files: dict[int, Path], *, info: ModelInfo, options: ImportOptions
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
-    """One task folder: ids int16 [T, L, K], weights float32 [T, L*K], tokens per sequence int64 [R]
-    and each sequence's place (``file:line`` of its first layer file)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], DescribeRow]:
+    """One task folder: ids int16 [T, L, K], weights float32 [T, L*K], tokens per sequence int64 [R],
+    each sequence's place (``file:line`` of its first layer file) and how to name an id's row in an error."""
     import numpy as np
 
     L, K = info.num_moe_layers, info.top_k
@@ -310,25 +310,23 @@ def _read_folder(
         r = int(np.searchsorted(start_R, t, side="right")) - 1
         return f"{files[info.moe_layers[moe]]}:{r + 1}: token {t - int(start_R[r])}"
 
-    check_ids(ids_TLK, info, describe_row=describe_row)
-    return ids_TLK, weights_TLK.reshape(len(ids_TLK), L * K), T_R, where_R
+    return ids_TLK, weights_TLK.reshape(len(ids_TLK), L * K), T_R, where_R, describe_row
 
 
-def read(
+def parse(
     src: Path,
     *,
-    writer: TraceWriter,
     info: ModelInfo,
     label: str,
     stages: StagesMode = "both",
-    progress: Progress | None = None,
-    options: ImportOptions | None = None,
-) -> ReadResult:
-    """Add every sequence of the ESFT logs under ``src`` to ``writer``, one task folder per batch."""
+    options: ImportOptions,
+    with_weights: bool = True,
+) -> Generator[Requests, None, Parsed]:
+    """Every sequence of the ESFT logs under ``src``, one task folder per ``Requests`` (its dataset: the
+    folder's name, ``label`` for ``src`` itself); progress in bytes of the logs."""
     import numpy as np
 
-    del stages  # always both: the prompt span splits each teacher-forced sequence
-    options = options or ImportOptions()
+    del stages, with_weights  # always both: the prompt span splits each teacher-forced sequence; always weights
     folders = _task_folders(src)
     if not folders:
         raise TraceFormatError(f"{src}: no expert_weights_<N>.txt here or in its subfolders; not ESFT expert logs")
@@ -337,48 +335,42 @@ def read(
         _check_layers(f, layer_files[f], info)
     total = sum(p.stat().st_size for fs in layer_files.values() for p in fs.values())
     done, next_id = 0, 0
-    datasets: set[str] = set()
-    max_id, num_ids = -1, 0
     for folder in folders:
         files = layer_files[folder]
-        ids_TLK, weights_TX, T_R, where_R = _read_folder(folder, files, info=info, options=options)
+        ids_TLK, weights_TX, T_R, where_R, describe_row = _read_folder(folder, files, info=info, options=options)
         prompt_R = _prompt_span(T_R, options, where_R=where_R)
-        name = label if folder == src else folder.name
         R = len(T_R)
-        writer.add_requests(
+        done += sum(p.stat().st_size for p in files.values())
+        yield Requests(
             request_id_R=np.arange(next_id, next_id + R, dtype=np.int64),
-            dataset_R=[name] * R,
             prompt_tokens_R=prompt_R,
             output_tokens_R=T_R - prompt_R,
-            topk_ids_TX=ids_TLK.reshape(len(ids_TLK), -1),
+            topk_ids_TLK=ids_TLK,
+            dataset_R=(label if folder == src else folder.name,) * R,
             topk_weights_TX=weights_TX,
+            describe_row=describe_row,
+            progress=(done, total),
+            flush=True,
         )
         next_id += R
-        datasets.add(name)
-        max_id = max(max_id, int(ids_TLK.max(initial=-1)))
-        num_ids += int((ids_TLK >= 0).sum())
-        done += sum(p.stat().st_size for p in files.values())
-        if progress is not None:
-            progress(done, total)
     span: dict[str, Any]
     if options.prompt_tokens is not None:
         span, what = {"prompt_tokens": options.prompt_tokens}, f"the first {options.prompt_tokens} tokens"
     else:
         fraction = options.prompt_fraction if options.prompt_fraction is not None else DEFAULT_PROMPT_FRACTION
         span, what = {"prompt_fraction": fraction}, f"the first {fraction:g} of its tokens"
-    notes = [
+    notes = (
         f"teacher-forced sequences: {what} stand in for each one's prompt (prefill), the rest for its decode "
         "(--prompt-fraction F, default 0.5, or --prompt-tokens N)",
-        *ids_notes(info, max_id=max_id, num_ids=num_ids),
-    ]
-    return ReadResult(datasets=frozenset(datasets), notes=tuple(notes), collection={"prompt_span": span})
+    )
+    return Parsed(notes=notes, collection={"prompt_span": span}, progress_total=total)
 
 
 FORMAT = ImportFormat(
     name="esft",
     help="DeepSeek ESFT expert logs: a folder of expert_weights_<layer>.txt (DeepSeek-V2-Lite), or their parent",
     detect=detect,
-    read=read,
+    parse=parse,
     options=frozenset({PROMPT_SPAN}),
     with_weights=lambda src: True,
     model=model_info,

@@ -1,11 +1,11 @@
 """Reading JSON-lines inputs, shared by the text formats: detection from the head, the UTF-8 check,
-the line iterator, whole-number fields, the size limits, and the batch of requests a reader hands
-to the trace writer (``RequestBatch``).
+the line iterator, whole-number fields and the size limits.
 
 A text format checks UTF-8 in its ``precheck`` (``check_utf8``), after detection and before the output is touched: detection
 looks at bytes first, so a binary format is never turned away as "not UTF-8".
 
-Out of scope: what a record means (each format's module), binary inputs.
+Out of scope: what a record means (each format's module), binary inputs, batching requests for the
+writer (``driver``).
 """
 
 from __future__ import annotations
@@ -14,15 +14,9 @@ import codecs
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from moetrace.errors import TraceFormatError
-
-if TYPE_CHECKING:
-    import numpy as np
-
-    from moetrace.tracer.importers.base import Progress
-    from moetrace.tracer.trace.writer import TraceWriter
 
 #: the most tokens one imported request may have, and the most bytes its rows may take: a short line
 #: that claims a huge request is refused before anything is allocated
@@ -138,39 +132,3 @@ def whole(value: Any, name: str, *, low: int = 0, high: int = MAX_REQUEST_TOKENS
     if not is_whole(value) or not low <= value <= high:
         raise TraceFormatError(f"`{name}` must be a whole number in {low}..{high:,}, got {value!r}")
     return value
-
-
-class RequestBatch:
-    """Requests read from one source, handed to ``writer.add_requests`` together (``flush``), with
-    the reader's progress in bytes of the source (``consumed[0]`` of ``size``) after each hand-over."""
-
-    def __init__(self, writer: TraceWriter, *, size: int, consumed: list[int], progress: Progress | None) -> None:
-        self._writer, self._size, self._consumed, self._progress = writer, size, consumed, progress
-        self._rows: list[tuple[int, str, int, int, np.ndarray]] = []
-        self.nbytes = 0  # bytes of ids held
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def add(self, request_id: int, dataset: str, prompt_tokens: int, output_tokens: int, ids_TX: np.ndarray) -> None:
-        """One request: its id, dataset, token counts and its rows of ids (int [T, L * K])."""
-        self._rows.append((request_id, dataset, prompt_tokens, output_tokens, ids_TX))
-        self.nbytes += ids_TX.nbytes
-
-    def flush(self) -> None:
-        """Write the requests held (nothing when none) and report progress."""
-        import numpy as np
-
-        if not self._rows:
-            return
-        rows = self._rows
-        self._writer.add_requests(
-            request_id_R=np.array([b[0] for b in rows], dtype=np.int64),
-            dataset_R=[b[1] for b in rows],
-            prompt_tokens_R=np.array([b[2] for b in rows], dtype=np.int32),
-            output_tokens_R=np.array([b[3] for b in rows], dtype=np.int32),
-            topk_ids_TX=np.concatenate([b[4] for b in rows]),
-        )
-        self._rows, self.nbytes = [], 0
-        if self._progress is not None:
-            self._progress(min(self._consumed[0], self._size), self._size)

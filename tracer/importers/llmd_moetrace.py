@@ -56,14 +56,13 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from moetrace.errors import TraceFormatError
-from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
-from moetrace.tracer.importers.ids import check_ids, ids_notes
+from moetrace.tracer.importers.base import ImportFormat, Parsed, Requests, StagesMode
 from moetrace.tracer.importers.jsonl import MAX_REQUEST_TOKENS
 from moetrace.tracer.importers.options import ImportOptions, check_allocation
 
@@ -71,7 +70,6 @@ if TYPE_CHECKING:  # numpy and the writer load when a file is read, so `moetrace
     import numpy as np
 
     from moetrace.tracer.trace.schema import ModelInfo
-    from moetrace.tracer.trace.writer import TraceWriter
 
 MAGIC = b"MOETRC01"
 FORMAT_VERSION = 1
@@ -326,22 +324,20 @@ def _row(t: int, P: int) -> str:
     return f"input position {t}" if t < P else f"decode position {t - P}"
 
 
-def read(
+def parse(
     src: Path,
     *,
-    writer: TraceWriter,
     info: ModelInfo,
     label: str,
     stages: StagesMode = "both",
-    progress: Progress | None = None,
-    options: ImportOptions | None = None,
-) -> ReadResult:
-    """Add every prompt of the ``.moetrace`` file ``src`` to ``writer``, ``BATCH_PROMPTS`` at a time (module
-    docstring); progress in bytes of ``src``."""
+    options: ImportOptions,
+    with_weights: bool = False,
+) -> Generator[Requests, None, Parsed]:
+    """Every prompt of the ``.moetrace`` file ``src``, one ``Requests`` each (module docstring); progress in
+    bytes of ``src``."""
     import numpy as np
 
-    del stages  # always both: input tokens are prefill, decode tokens decode
-    options = options or ImportOptions()
+    del label, stages, with_weights  # always both: input tokens are prefill, decode tokens decode
     where = str(src)
     size = src.stat().st_size
     with open(src, "rb") as f:
@@ -372,24 +368,7 @@ def read(
             size=size,
             where=where,
         )
-        L, K = info.num_moe_layers, info.top_k
-        batch: list[tuple[int, int, int, np.ndarray]] = []
-        max_id, num_ids, dropped = -1, 0, 0
-
-        def flush() -> None:
-            if not batch:
-                return
-            writer.add_requests(
-                request_id_R=np.array([b[0] for b in batch], dtype=np.int64),
-                dataset_R=[label] * len(batch),
-                prompt_tokens_R=np.array([b[1] for b in batch], dtype=np.int32),
-                output_tokens_R=np.array([b[2] for b in batch], dtype=np.int32),
-                topk_ids_TX=np.concatenate([b[3].reshape(len(b[3]), L * K) for b in batch]),
-            )
-            batch.clear()
-            if progress is not None:
-                progress(min(entries[i].offset + entries[i].length, size), size)
-
+        dropped = 0
         for i, entry in enumerate(entries):
             P, D = entry.input_tokens, entry.decode_tokens
             if P < 1:
@@ -401,29 +380,28 @@ def read(
                     f"{where}: prompt {i}: {P + D:,} tokens, more than the {MAX_REQUEST_TOKENS:,} one request may have"
                 )
             check_allocation(
-                entry.length + (P + D) * L * K * 4, f"{where}: prompt {i} ({P + D:,} tokens)", options=options
+                entry.length + (P + D) * info.ids_per_token * 4,
+                f"{where}: prompt {i} ({P + D:,} tokens)",
+                options=options,
             )
             block = _read_exact(f, entry.offset, entry.length, f"prompt {i} block", where)
-            ids_TLK = prompt_rows(block, entry, meta, header.expert_id_bytes, prompt=i, where=where)
-            max_id = max(max_id, check_ids(ids_TLK, info, describe_row=_describe(where, i, P, info)))
-            num_ids += int((ids_TLK >= 0).sum())
             dropped += 1 if D else 0
-            batch.append((i, P, D, ids_TLK))
-            if len(batch) >= BATCH_PROMPTS:
-                flush()
-        flush()
-    if progress is not None:
-        progress(size, size)
+            yield Requests(
+                request_id_R=np.array([i], dtype=np.int64),
+                prompt_tokens_R=np.array([P]),
+                output_tokens_R=np.array([D]),
+                topk_ids_TLK=prompt_rows(block, entry, meta, header.expert_id_bytes, prompt=i, where=where),
+                describe_row=_describe(where, i, P, info),
+                progress=(entry.offset + entry.length, size),
+            )
     notes = [
         f"the route of each prompt's last output token ({dropped} route(s)) is not kept: a server never feeds that "
         "token through the model, and llm-d-inference-sim does not charge it either",
         "token ids, prompt and generated text are not imported",
-        *ids_notes(info, max_id=max_id, num_ids=num_ids),
     ]
     if meta.model and meta.model not in (info.source, info.name):
         notes.insert(0, f"the file names model {meta.model!r}; imported as {info.name} ({info.source})")
-    return ReadResult(
-        datasets=frozenset({label}),
+    return Parsed(
         notes=tuple(notes),
         collection={
             "llmd_moetrace": {
@@ -454,5 +432,6 @@ FORMAT = ImportFormat(
     name="llmd-moetrace",
     help="llm-d-inference-sim's binary .moetrace trace (magic MOETRC01; their format, not moetrace's)",
     detect=detect,
-    read=read,
+    parse=parse,
+    batch_requests=BATCH_PROMPTS,
 )

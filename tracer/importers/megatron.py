@@ -57,13 +57,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 import re
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import TraceFormatError
-from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
-from moetrace.tracer.importers.ids import check_ids, ids_notes, read_physical_map, to_logical
+from moetrace.tracer.importers.base import ImportFormat, Parsed, Requests, StagesMode
 from moetrace.tracer.importers.jsonl import MAX_REQUEST_TOKENS, check_utf8, first_object, iter_json_lines, whole
 from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions, check_allocation
 
@@ -71,7 +70,6 @@ if TYPE_CHECKING:
     import numpy as np
 
     from moetrace.tracer.trace.schema import ModelInfo
-    from moetrace.tracer.trace.writer import TraceWriter
 
 #: a rank's file name
 RANK_FILE = re.compile(r"^router_trace_rank(\d+)\.jsonl$")
@@ -244,45 +242,28 @@ def _passes(path: Path, info: ModelInfo, skipped: list[int], base: int = 0) -> I
         yield from emit()
 
 
-def read(
+def parse(
     src: Path,
     *,
-    writer: TraceWriter,
     info: ModelInfo,
     label: str,
     stages: StagesMode = "both",
-    progress: Progress | None = None,
-    options: ImportOptions | None = None,
-) -> ReadResult:
-    """Add every forward pass of every rank file in ``src`` to ``writer`` as one request (module docstring)."""
+    options: ImportOptions,
+    with_weights: bool = False,
+) -> Generator[Requests, None, Parsed]:
+    """Every forward pass of every rank file in ``src``, one request of prefill tokens each (module docstring)."""
     import numpy as np
 
-    options = options or ImportOptions()
+    del label, stages, with_weights  # passes carry one stage and no weights; the label is every request's
     L, K = info.num_moe_layers, info.top_k
-    map_LP = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
     files = _rank_files(src)
     skipped = [0]
     base, both_fit = layer_numbering(files, info)
     merged = heapq.merge(*(_passes(f, info, skipped, base) for f in files), key=lambda p: (p[0], p[1], p[2]))
     rid = 0
-    max_id, num_ids = -1, 0
     ranks: set[int] = set()
     seen_step: tuple[int, int] | None = None
     fingerprints: dict[bytes, str] = {}
-    batch: list[np.ndarray] = []
-
-    def flush() -> None:
-        if not batch:
-            return
-        writer.add_requests(
-            request_id_R=np.arange(rid - len(batch), rid, dtype=np.int64),
-            dataset_R=[label] * len(batch),
-            prompt_tokens_R=np.array([len(b) for b in batch], dtype=np.int32),
-            output_tokens_R=np.zeros(len(batch), dtype=np.int32),
-            topk_ids_TX=np.concatenate(batch),
-        )
-        batch.clear()
-
     for step, rank, micro, where, layers in merged:
         if seen_step is None or seen_step[0] != step:
             fingerprints.clear()  # identical ids are looked for among the ranks of one step
@@ -306,20 +287,17 @@ def read(
         def describe(t: int, moe: int, w: str = where, s: int = step, r: int = rank) -> str:
             return f"{w} (step {s}, rank {r}), token {t}, layer {info.moe_layers[moe]}"
 
-        logical = to_logical(ids_NLK, map_LP, describe_row=describe) if map_LP is not None else ids_NLK
-        max_id = max(max_id, check_ids(logical, info, describe_row=describe))
-        num_ids += int((logical >= 0).sum())
-        batch.append(np.asarray(logical, dtype=np.int16).reshape(N, L * K))
         ranks.add(rank)
+        yield Requests(
+            request_id_R=np.array([rid], dtype=np.int64),
+            prompt_tokens_R=np.array([N]),
+            output_tokens_R=np.zeros(1, dtype=np.int64),
+            topk_ids_TLK=ids_NLK,
+            describe_row=describe,
+        )
         rid += 1
-        if len(batch) >= BATCH_PASSES:
-            flush()
-    flush()
     if rid == 0:
         raise TraceFormatError(f"{src}: no decoder-layer records with tokens")
-    if progress is not None:  # passes merge across files: one report, the bytes of every file
-        size = sum(f.stat().st_size for f in files)
-        progress(size, size)
     notes = [
         "no request ids or stages in router traces: each forward pass of each rank is one request of prefill tokens"
     ]
@@ -332,18 +310,16 @@ def read(
         )
     if skipped[0]:
         notes.append(f"{skipped[0]} record(s) of MTP heads skipped (not layers of {info.name})")
-    if map_LP is not None and options.physical_map is not None:
-        notes.append(f"physical slot ids converted to logical experts with {options.physical_map.name}")
-    notes.extend(ids_notes(info, max_id=max_id, num_ids=num_ids))
-    collection: dict[str, Any] = {
-        "stages": ["prefill"],
-        "request_unit": "forward pass",
-        "source_ranks": sorted(ranks),
-        "layer_numbering": f"from {base}",
-    }
-    if options.physical_map is not None:
-        collection["physical_map"] = options.physical_map.name
-    return ReadResult(datasets=frozenset({label}), notes=tuple(notes), collection=collection)
+    return Parsed(
+        notes=tuple(notes),
+        collection={
+            "stages": ["prefill"],
+            "request_unit": "forward pass",
+            "source_ranks": sorted(ranks),
+            "layer_numbering": f"from {base}",
+        },
+        progress_total=sum(f.stat().st_size for f in files),  # passes merge across files: one report, at the end
+    )
 
 
 FORMAT = ImportFormat(
@@ -351,6 +327,7 @@ FORMAT = ImportFormat(
     help="Megatron-Core router traces: the directory of router_trace_rank*.jsonl files, or one of them",
     detect=detect,
     precheck=precheck,
-    read=read,
+    parse=parse,
+    batch_requests=BATCH_PASSES,
     options=frozenset({PHYSICAL_MAP}),
 )

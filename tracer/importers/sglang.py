@@ -28,16 +28,14 @@ recorders (the ``per_token`` expert-distribution dumps carry physical ids and no
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import TraceFormatError
-from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
-from moetrace.tracer.importers.ids import check_ids, ids_notes, read_physical_map, to_logical
+from moetrace.tracer.importers.base import ImportFormat, Parsed, Requests, StagesMode
 from moetrace.tracer.importers.jsonl import (
     MAX_REQUEST_BYTES,
-    RequestBatch,
     check_utf8,
     first_object,
     iter_json_lines,
@@ -49,15 +47,13 @@ if TYPE_CHECKING:  # numpy and the writer load when a file is read, so `moetrace
     import numpy as np
 
     from moetrace.tracer.trace.schema import ModelInfo
-    from moetrace.tracer.trace.writer import TraceWriter
 
 #: SGLang's ``meta_info.routed_experts_dtype`` values -> the little-endian dtype of the payload's ids
 SGLANG_ROUTED_EXPERTS_DTYPES: dict[str, str] = {"int32": "<i4", "uint16": "<u2", "uint8": "u1"}
 #: the payload's dtype when a response has no ``routed_experts_dtype`` (every released SGLang)
 SGLANG_DEFAULT_DTYPE = "int32"
-#: responses per ``add_requests`` call (and per progress report), and the most bytes of ids a batch holds
+#: responses per ``add_requests`` call (and per progress report; the driver also caps a batch's bytes)
 BATCH_RESPONSES = 512
-BATCH_BYTES = 1 << 27
 
 
 def detect(head: bytes, src: Path) -> bool:
@@ -167,30 +163,24 @@ def _describe(info: ModelInfo) -> Callable[[int, int], str]:
     return lambda t, layer: f"position {t}, layer {info.moe_layers[layer]}"
 
 
-def read(
+def parse(
     src: Path,
     *,
-    writer: TraceWriter,
     info: ModelInfo,
     label: str,
     stages: StagesMode = "both",
-    progress: Progress | None = None,
-    options: ImportOptions | None = None,
-) -> ReadResult:
-    """Add every response of ``src`` to ``writer``, ``BATCH_RESPONSES`` (at most ``BATCH_BYTES`` of ids) at a
-    time; progress in bytes of ``src``. Ids are checked against the model (``ids.check_ids``), after
-    ``--physical-map`` converted them when given."""
+    options: ImportOptions,
+    with_weights: bool = False,
+) -> Generator[Requests, None, Parsed]:
+    """Every response of ``src``, one ``Requests`` each, progress in bytes of ``src``; ``--physical-map``:
+    the ids are physical slots (the driver converts them)."""
+    import numpy as np
 
-    options = options or ImportOptions()
-    map_LP = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
-    max_id, num_ids = -1, 0
-    seen: set[str] = set()
-    ids: set[int] = set()
+    del stages, with_weights  # a response carries both stages and no weights
+    physical = options.physical_map is not None
     index = 0
     size = src.stat().st_size
     consumed = [0]
-    batch = RequestBatch(writer, size=size, consumed=consumed, progress=progress)
-
     for n, obj in iter_json_lines(src, consumed):
         for resp in obj if isinstance(obj, list) else [obj]:
             if not isinstance(resp, dict):
@@ -200,35 +190,22 @@ def read(
             except TraceFormatError as exc:
                 raise TraceFormatError(f"{src}:{n}: {exc}") from exc
             try:
-                P, O, rows = sglang_response_rows(resp, info=info, physical=map_LP is not None)
-                ids_TLK = rows.reshape(len(rows), info.num_moe_layers, info.top_k)
-                if map_LP is not None:
-                    ids_TLK = to_logical(ids_TLK, map_LP, describe_row=_describe(info))
-                    rows = ids_TLK.reshape(len(rows), -1)
-                max_id = max(max_id, check_ids(ids_TLK, info, describe_row=_describe(info)))
-                num_ids += int((ids_TLK >= 0).sum())
+                P, O, rows = sglang_response_rows(resp, info=info, physical=physical)
             except (TraceFormatError, KeyError, TypeError, ValueError) as exc:
                 raise TraceFormatError(f"{src}:{n}: request {rid}: {exc}") from exc
-            if rid in ids:
-                raise TraceFormatError(f"{src}:{n}: request_id {rid} appears twice; request ids must be unique")
-            ids.add(rid)
-            ds = str(resp.get("dataset", label))
-            seen.add(ds)
-            batch.add(rid, ds, P, O, rows)
+            yield Requests(
+                request_id_R=np.array([rid], dtype=np.int64),
+                prompt_tokens_R=np.array([P]),
+                output_tokens_R=np.array([O]),
+                topk_ids_TLK=rows.reshape(len(rows), info.num_moe_layers, info.top_k),
+                dataset_R=(str(resp.get("dataset", label)),),
+                describe_row=_describe(info),
+                context=f"{src}:{n}: request {rid}",
+                place=f"{src}:{n}",
+                progress=(consumed[0], size),
+            )
             index += 1
-            if len(batch) >= BATCH_RESPONSES or batch.nbytes >= BATCH_BYTES:
-                batch.flush()
-    batch.flush()
-    if progress is not None:
-        progress(size, size)
-    notes = ids_notes(info, max_id=max_id, num_ids=num_ids)
-    if options.physical_map is not None:
-        notes.insert(0, f"physical slot ids converted to logical experts with {options.physical_map.name}")
-    return ReadResult(
-        datasets=frozenset(seen),
-        notes=tuple(notes),
-        collection={"physical_map": options.physical_map.name} if options.physical_map is not None else {},
-    )
+    return Parsed()
 
 
 FORMAT = ImportFormat(
@@ -236,7 +213,8 @@ FORMAT = ImportFormat(
     help="JSONL of SGLang /generate responses with meta_info.routed_experts",
     detect=detect,
     precheck=check_utf8,
-    read=read,
+    parse=parse,
+    batch_requests=BATCH_RESPONSES,
     stages_modes=False,
     options=frozenset({PHYSICAL_MAP}),
 )

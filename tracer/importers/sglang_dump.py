@@ -48,13 +48,14 @@ of DeepEP dispatches, ``global_physical_count`` (the ids give it).
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace._deps import require
 from moetrace.errors import TraceFormatError
-from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
-from moetrace.tracer.importers.ids import check_ids, ids_notes, physical_map_from_array, read_physical_map, to_logical
+from moetrace.tracer.importers.base import ImportFormat, Parsed, Requests, StagesMode
+from moetrace.tracer.importers.ids import physical_map_from_array
 from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions, check_allocation
 from moetrace.tracer.importers.sglang_pt import dump_files, load_dump, pickle_head, record_int
 
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
     import numpy as np
 
     from moetrace.tracer.trace.schema import ModelInfo
-    from moetrace.tracer.trace.writer import TraceWriter
 
 #: SGLang's ForwardMode values (IntEnum of auto(): stable for these four across releases)
 EXTEND, DECODE, MIXED, IDLE = 1, 2, 3, 4
@@ -146,47 +146,31 @@ def _pass_fingerprint(rec: dict[str, Any], input_ids: list[Any], ids_NLK: np.nda
     return h.digest()
 
 
-def read(
+def parse(
     src: Path,
     *,
-    writer: TraceWriter,
     info: ModelInfo,
     label: str,
     stages: StagesMode = "both",
-    progress: Progress | None = None,
-    options: ImportOptions | None = None,
-) -> ReadResult:
-    """Add every forward pass of the dump(s) in ``src`` to ``writer`` as one request each (module docstring)."""
+    options: ImportOptions,
+    with_weights: bool = False,
+) -> Generator[Requests, None, Parsed]:
+    """Every forward pass of the dump(s) in ``src``, one request each (module docstring); progress in bytes of
+    the dump files, after each file."""
     import numpy as np
 
     from moetrace.tracer.trace.schema import NO_EXPERT
 
-    options = options or ImportOptions()
+    del label, stages, with_weights  # the passes say their stage; no weights
     files = dump_files(src)
     if not files:
         raise TraceFormatError(f"{src}: no expert_distribution_recorder_*.pt files in the directory")
-    user_map = read_physical_map(options.physical_map, info) if options.physical_map is not None else None
-    notes: list[str] = []
+    total = sum(f.stat().st_size for f in files)
     passes: dict[int, dict[int, tuple[str, bytes]]] = {}  # forward_pass_id -> rank -> (where, _pass_fingerprint)
     mixed = 0
     rid = 0
-    max_id, num_ids = -1, 0
     ranks: set[int] = set()
     stages_seen: set[str] = set()
-    batch: list[tuple[int, int, int, np.ndarray]] = []
-
-    def flush() -> None:
-        if not batch:
-            return
-        writer.add_requests(
-            request_id_R=np.array([b[0] for b in batch], dtype=np.int64),
-            dataset_R=[label] * len(batch),
-            prompt_tokens_R=np.array([b[1] for b in batch], dtype=np.int32),
-            output_tokens_R=np.array([b[2] for b in batch], dtype=np.int32),
-            topk_ids_TX=np.concatenate([b[3] for b in batch]),
-        )
-        batch.clear()
-
     for i, path in enumerate(files):
         obj = load_dump(path, options, mode="per_token")
         records = obj["records"]
@@ -196,16 +180,16 @@ def read(
                 "not a trace: import it as a load profile with --format sglang-pass (-o NAME.parquet), or record "
                 "with --expert-distribution-recorder-mode per_token for a trace"
             )
-        if user_map is not None:
-            map_LP = user_map
-        elif obj.get("last_physical_to_logical_map") is not None:
+        map_LP = None
+        if options.physical_map is None:  # --physical-map (the driver's) wins over the dump's own map
+            if obj.get("last_physical_to_logical_map") is None:
+                raise TraceFormatError(
+                    f"{path.name}: no last_physical_to_logical_map; pass --physical-map FILE (the map SGLang served "
+                    "with)"
+                )
             m = obj["last_physical_to_logical_map"]
             map_LP = physical_map_from_array(
                 m.numpy() if hasattr(m, "numpy") else m, info, where=f"{path.name}: last_physical_to_logical_map"
-            )
-        else:
-            raise TraceFormatError(
-                f"{path.name}: no last_physical_to_logical_map; pass --physical-map FILE (the map SGLang served with)"
             )
         for j, rec in enumerate(records):
             where = (
@@ -243,34 +227,41 @@ def read(
             if N == 0:
                 continue
             check_allocation(N * info.ids_per_token * 8, f"{where}: {N:,} tokens", options=options)
+            # a decode pass is one request of a placeholder prompt row (nothing recorded) and N generated tokens
+            pad = 1 if mode == DECODE else 0
 
-            def describe(t: int, moe: int, w: str = where) -> str:
-                return f"{w}, token {t}, layer {info.moe_layers[moe]}"
+            def describe(t: int, moe: int, w: str = where, pad: int = pad) -> str:
+                return f"{w}, token {t - pad}, layer {info.moe_layers[moe]}"
 
-            logical = to_logical(ids_NLK, map_LP, describe_row=describe)
-            max_id = max(max_id, check_ids(logical, info, describe_row=describe))
-            num_ids += int((logical >= 0).sum())
-            rows = logical.reshape(N, -1)
             if mode == DECODE:
-                rows = np.concatenate([np.full((1, rows.shape[1]), NO_EXPERT, dtype=np.int16), rows])
-                batch.append((rid, 1, N, rows))
                 stages_seen.add("decode")
+                ids_NLK = np.concatenate([np.full((1, *ids_NLK.shape[1:]), NO_EXPERT, dtype=ids_NLK.dtype), ids_NLK])
             else:
                 mixed += mode == MIXED
-                batch.append((rid, N, 0, rows))
                 stages_seen.add("prefill")
             ranks.add(rank)
+            yield Requests(
+                request_id_R=np.array([rid], dtype=np.int64),
+                prompt_tokens_R=np.array([1 if pad else N]),
+                output_tokens_R=np.array([N if pad else 0]),
+                topk_ids_TLK=ids_NLK,
+                physical_map_LP=map_LP,
+                describe_row=describe,
+            )
             rid += 1
-            if len(batch) >= BATCH_PASSES:
-                flush()
-        flush()
-        if progress is not None:
-            progress(sum(f.stat().st_size for f in files[: i + 1]), sum(f.stat().st_size for f in files))
+        done = sum(f.stat().st_size for f in files[: i + 1])
+        yield Requests(  # the file's end: what is held is written, and the progress reported
+            request_id_R=np.zeros(0, dtype=np.int64),
+            prompt_tokens_R=np.zeros(0, dtype=np.int64),
+            output_tokens_R=np.zeros(0, dtype=np.int64),
+            topk_ids_TLK=np.zeros((0, info.num_moe_layers, info.top_k), dtype=np.int16),
+            progress=(done, total),
+            flush=True,
+        )
     if rid == 0:
         raise TraceFormatError(f"{src.name}: the dump holds no forward pass with tokens")
-    if user_map is not None and options.physical_map is not None:
-        notes.append(f"physical slot ids converted to logical experts with {options.physical_map.name}")
-    else:
+    notes: list[str] = []
+    if options.physical_map is None:
         notes.append(
             "physical slot ids converted with the dump's last_physical_to_logical_map (the map in force at the dump; "
             "passes recorded before an EPLB rebalance convert with it too)"
@@ -278,20 +269,16 @@ def read(
     if mixed:
         notes.append(f"{mixed} mixed pass(es) (chunked prefill with decode tokens) counted as prefill")
     notes.append("no request ids in the dump: each forward pass of each rank is one request")
-    notes.extend(ids_notes(info, max_id=max_id, num_ids=num_ids))
-    collection: dict[str, Any] = {
-        "stages": [s for s in ("prefill", "decode") if s in stages_seen],
-        "request_unit": "forward pass",
-        "source_ranks": sorted(ranks),
-        "source_files": len(files),
-    }
-    if options.physical_map is not None:
-        collection["physical_map"] = options.physical_map.name
-    return ReadResult(
-        datasets=frozenset({label}),
-        prompt_lengths_known="decode" not in stages_seen,
+    return Parsed(
         notes=tuple(notes),
-        collection=collection,
+        collection={
+            "stages": [s for s in ("prefill", "decode") if s in stages_seen],
+            "request_unit": "forward pass",
+            "source_ranks": sorted(ranks),
+            "source_files": len(files),
+        },
+        prompt_lengths_known="decode" not in stages_seen,
+        progress_total=total,
     )
 
 
@@ -299,6 +286,7 @@ FORMAT = ImportFormat(
     name="sglang-dump",
     help="SGLang expert-distribution per_token dump(s): a .pt, or a directory of one per rank",
     detect=detect,
-    read=read,
+    parse=parse,
+    batch_requests=BATCH_PASSES,
     options=frozenset({PHYSICAL_MAP}),
 )

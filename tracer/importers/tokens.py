@@ -45,14 +45,13 @@ file is read whole (polars), so its records must fit in memory.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import ConfigError, TraceFormatError
-from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
-from moetrace.tracer.importers.ids import check_ids, ids_notes, read_physical_map, to_logical
+from moetrace.tracer.importers.base import ImportFormat, Parsed, Requests, StagesMode
 from moetrace.tracer.importers.jsonl import MAX_REQUEST_TOKENS, check_utf8, first_object, iter_json_lines
 from moetrace.tracer.importers.options import PHYSICAL_MAP, PROMPT_SPAN, ImportOptions, check_allocation
 
@@ -60,7 +59,6 @@ if TYPE_CHECKING:  # numpy, polars and the writer load when a file is read, so `
     import numpy as np
 
     from moetrace.tracer.trace.schema import ModelInfo
-    from moetrace.tracer.trace.writer import TraceWriter
 
 #: the keys every record has (``stage`` only without a prompt span)
 FIELDS = ("request", "layer", "position", "stage", "experts")
@@ -360,21 +358,19 @@ def _mixed_request_kinds(src: Path) -> str | None:
     return None
 
 
-def read(
+def parse(
     src: Path,
     *,
-    writer: TraceWriter,
     info: ModelInfo,
     label: str,
     stages: StagesMode = "both",
-    progress: Progress | None = None,
-    options: ImportOptions | None = None,
-) -> ReadResult:
-    """Add the requests of a ``tokens`` file to ``writer`` in one batch (one progress report: the whole file)."""
+    options: ImportOptions,
+    with_weights: bool = False,
+) -> Generator[Requests, None, Parsed]:
+    """The requests of a ``tokens`` file, all in one ``Requests`` (one progress report: the whole file)."""
     import numpy as np
     import polars as pl
 
-    options = options or ImportOptions()
     where = _lines(src)
     try:
         df = pl.read_ndjson(src, infer_schema_length=None)
@@ -452,7 +448,7 @@ def read(
     topk_ids_NK = np.asarray(_int64(df["experts"].list.explode(), "experts", where)).reshape(-1, info.top_k)
     weights_NK = None
     if "weights" in df.columns:
-        if not writer.with_weights:
+        if not with_weights:
             raise TraceFormatError(
                 f"{where(0)}: the first record has no `weights` but others do; weights go on every record or none"
             )
@@ -469,7 +465,7 @@ def read(
             n = int(np.argwhere(~np.isfinite(weights_NK))[0][0])
             raise TraceFormatError(f"{where(n)}: `weights` must be finite numbers")
         weights_NK = weights_NK.astype(np.float32)
-    elif writer.with_weights:
+    elif with_weights:
         raise TraceFormatError(f"{where(0)}: `weights` on some records only; weights go on every record or none")
     position_N = _int64(df["position"], "position", where)
     span_N = None
@@ -514,14 +510,6 @@ def read(
 
     notes: list[str] = []
     collection: dict[str, Any] = {}
-    ids_TLK = tr.topk_ids_TLK
-    if options.physical_map is not None:
-        map_LP = read_physical_map(options.physical_map, info)
-        ids_TLK = to_logical(ids_TLK, map_LP, describe_row=describe_row)
-        notes.append(f"physical slot ids converted to logical experts with {options.physical_map.name}")
-        collection["physical_map"] = options.physical_map.name
-    max_id = check_ids(ids_TLK, info, describe_row=describe_row)
-    notes.extend(ids_notes(info, max_id=max_id, num_ids=int((ids_TLK >= 0).sum())))
     if span_N is not None:
         collection["prompt_span"] = (
             {"prompt_tokens": options.prompt_tokens}
@@ -544,25 +532,23 @@ def read(
             .first()
         )
         by_id = dict(zip(first["r"].to_list(), first["d"].to_list()))
-        ds_R = [by_id[int(r)] or label for r in rid_R]
+        ds_R = tuple(by_id[int(r)] or label for r in rid_R)
     else:
-        ds_R = [label] * len(rid_R)
-    writer.add_requests(
+        ds_R = (label,) * len(rid_R)
+    yield Requests(
         request_id_R=rid_R,
-        dataset_R=ds_R,
         prompt_tokens_R=tr.prompt_tokens_R,
         output_tokens_R=tr.output_tokens_R,
-        topk_ids_TX=ids_TLK.reshape(len(ids_TLK), -1),
+        topk_ids_TLK=tr.topk_ids_TLK,
+        dataset_R=ds_R,
         topk_weights_TX=tr.topk_weights_TX,
+        describe_row=describe_row,
+        flush=True,
     )
-    if progress is not None:  # one batch: the whole file
-        size = src.stat().st_size
-        progress(size, size)
-    return ReadResult(
-        datasets=frozenset(ds_R),
-        prompt_lengths_known=not (stages == "decode-only" and decode_only_counts_generated(position_N)),
-        notes=tuple(notes),
+    return Parsed(
+        closing_notes=tuple(notes),
         collection=collection,
+        prompt_lengths_known=not (stages == "decode-only" and decode_only_counts_generated(position_N)),
     )
 
 
@@ -571,7 +557,7 @@ FORMAT = ImportFormat(
     help="JSONL of per-token records {request, layer, position, stage, experts}",
     detect=detect,
     precheck=check_utf8,
-    read=read,
+    parse=parse,
     stages_modes=True,
     options=frozenset({PHYSICAL_MAP, PROMPT_SPAN}),
     with_weights=with_weights,

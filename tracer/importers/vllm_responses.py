@@ -43,15 +43,14 @@ its code was not readable here, docs/collecting.md).
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import TraceFormatError
-from moetrace.tracer.importers.base import ImportFormat, Progress, ReadResult, StagesMode
-from moetrace.tracer.importers.ids import check_ids, ids_notes
+from moetrace.tracer.importers.base import ImportFormat, Parsed, Requests, StagesMode
 from moetrace.tracer.importers.jsonl import (
     MAX_REQUEST_BYTES,
-    RequestBatch,
     check_utf8,
     first_object,
     iter_json_lines,
@@ -64,7 +63,6 @@ if TYPE_CHECKING:  # numpy and the writer load when a file is read, so `moetrace
     from moetrace.tracer.backends.vllm_convert import LayerAxis
     from moetrace.tracer.importers.options import ImportOptions
     from moetrace.tracer.trace.schema import ModelInfo
-    from moetrace.tracer.trace.writer import TraceWriter
 
 #: the ``object`` of the responses read
 OBJECTS = ("text_completion", "chat.completion")
@@ -177,28 +175,23 @@ def choice_rows(resp: dict[str, Any], c: int, *, info: ModelInfo) -> tuple[int, 
     return P, O, rows, layer_axis
 
 
-def read(
+def parse(
     src: Path,
     *,
-    writer: TraceWriter,
     info: ModelInfo,
     label: str,
     stages: StagesMode = "both",
-    progress: Progress | None = None,
-    options: ImportOptions | None = None,
-) -> ReadResult:
-    """Add every choice of every response of ``src`` to ``writer`` (module docstring); progress in bytes."""
+    options: ImportOptions,
+    with_weights: bool = False,
+) -> Generator[Requests, None, Parsed]:
+    """Every choice of every response of ``src``, one ``Requests`` each (module docstring); progress in bytes."""
+    import numpy as np
 
-    del stages, options  # a response carries both stages; no option applies
-    max_id, num_ids = -1, 0
-    seen: set[str] = set()
-    ids: set[int] = set()
+    del stages, options, with_weights  # a response carries both stages; no option applies
     axes: set[str] = set()
     index = 0
     size = src.stat().st_size
     consumed = [0]
-    batch = RequestBatch(writer, size=size, consumed=consumed, progress=progress)
-
     for n, obj in iter_json_lines(src, consumed):
         for resp in obj if isinstance(obj, list) else [obj]:
             if (
@@ -220,31 +213,23 @@ def read(
                 rid = base + c
                 try:
                     P, O, rows, axis = choice_rows(resp, c, info=info)
-                    ids_TLK = rows.reshape(len(rows), info.num_moe_layers, info.top_k)
-                    max_id = max(
-                        max_id,
-                        check_ids(ids_TLK, info, describe_row=lambda t, l: f"position {t}, layer {info.moe_layers[l]}"),
-                    )
-                    num_ids += int((ids_TLK >= 0).sum())
                 except (TraceFormatError, KeyError, TypeError, ValueError) as exc:
                     raise TraceFormatError(f"{src}:{n}: request {rid} (choice {c}): {exc}") from exc
-                if rid in ids:
-                    raise TraceFormatError(f"{src}:{n}: request_id {rid} appears twice; request ids must be unique")
-                ids.add(rid)
                 axes.add(axis)
-                ds = str(resp.get("dataset", label))
-                seen.add(ds)
-                batch.add(rid, ds, P, O, rows)
-                if len(batch) >= BATCH_REQUESTS:
-                    batch.flush()
+                yield Requests(
+                    request_id_R=np.array([rid], dtype=np.int64),
+                    prompt_tokens_R=np.array([P]),
+                    output_tokens_R=np.array([O]),
+                    topk_ids_TLK=rows.reshape(len(rows), info.num_moe_layers, info.top_k),
+                    dataset_R=(str(resp.get("dataset", label)),),
+                    describe_row=lambda t, l: f"position {t}, layer {info.moe_layers[l]}",
+                    context=f"{src}:{n}: request {rid} (choice {c})",
+                    place=f"{src}:{n}",
+                    progress=(consumed[0], size),
+                )
             index = max(index, base + len(resp["choices"]))
-    batch.flush()
-    if progress is not None:
-        progress(size, size)
-    notes = ids_notes(info, max_id=max_id, num_ids=num_ids)
-    if "moe" in axes:
-        notes.insert(0, "vLLM 0.21 responses (prompt_routed_experts): layers read by MoE ordinal")
-    return ReadResult(datasets=frozenset(seen), notes=tuple(notes))
+    notes = ("vLLM 0.21 responses (prompt_routed_experts): layers read by MoE ordinal",) if "moe" in axes else ()
+    return Parsed(notes=notes)
 
 
 FORMAT = ImportFormat(
@@ -252,5 +237,6 @@ FORMAT = ImportFormat(
     help="JSONL of vLLM OpenAI-server responses (/v1/completions, /v1/chat/completions) with routed_experts",
     detect=detect,
     precheck=check_utf8,
-    read=read,
+    parse=parse,
+    batch_requests=BATCH_REQUESTS,
 )

@@ -10,15 +10,15 @@ is the simulator's ``dispatch_intra_bytes`` / ``dispatch_inter_bytes`` exactly; 
 asserts that. Combine sends the same copies back: its matrix is the transpose
 (``sends_BLWW[b, l, dst, src]`` rows leave the expert side).
 
-These matrices are the split sizes a real ``all_to_all_single`` needs (``a2a_run`` replays them):
+These matrices are the split sizes a real ``all_to_all_single`` needs (the replay runs them, ``rank``):
 row ``src`` is rank ``src``'s ``input_split_sizes`` in dispatch, column ``dst`` its
 ``output_split_sizes``.
 
 Shape legend (docs/architecture.md): T tokens, L MoE layers, K top-k slots, B batches, W EP ranks
 (GPUs), V strategies.
 
-Out of scope: choosing batches and placements (``compare``), running collectives and timing them
-(``a2a_run``), the volume metrics beyond bytes (``simulate``).
+Out of scope: choosing batches and placements (``compare``, ``plan``), running collectives and timing them
+(``rank``), the volume metrics beyond bytes (``simulate``).
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from moetrace.errors import MoetraceError
 from moetrace.placement.simulate import layer_copies
 from moetrace.placement.step_model import copy_model
 
-__all__ = ["A2AMismatchError", "Phase", "check_against_simulator", "rank_link_bytes", "send_matrices"]
+__all__ = ["PHASES", "A2AMismatchError", "Phase", "check_against_simulator", "rank_link_bytes", "send_matrices"]
 
 Phase = Literal["dispatch", "combine"]
+#: the two collectives of a MoE layer, in order (the phase axis of the replay's records)
+PHASES: tuple[Phase, Phase] = ("dispatch", "combine")
 
 
 class A2AMismatchError(MoetraceError):
