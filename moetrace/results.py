@@ -26,8 +26,8 @@ written or read.
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,8 +55,13 @@ __all__ = [
     "read_result_manifest",
     "read_table_format",
     "kind_of_format",
+    "sniff_format",
+    "describe_foreign",
+    "TRACE_KIND",
 ]
 
+#: the largest result JSON read (a manifest, a placement file)
+MAX_RESULT_JSON_BYTES = 256 << 20
 #: Arrow schema metadata keys of a result table
 FORMAT_KEY = b"moetrace.format"
 VERSION_KEY = b"moetrace.version"
@@ -172,6 +177,62 @@ ADVICE = ResultKind(
 KINDS: tuple[ResultKind, ...] = (ANALYSIS, COMPARE, PLACEMENT, A2A, ADVICE)
 
 
+#: a trace directory, as the owner of an output path (not a result: ``moetrace.tracer.trace`` owns its format)
+TRACE_KIND = ResultKind(
+    name="trace",
+    format="moetrace.trace",
+    version=1,
+    command="moetrace collect / import / synth",
+    manifest="manifest.json",
+)
+_FORMAT_RE = re.compile(rb'"format"\s*:\s*"([^"\\]{1,100})"')
+_SNIFF_BYTES = 4096
+
+
+def sniff_format(path: str | os.PathLike) -> str | None:
+    """The ``format`` a moetrace JSON file names near its start (first 4 KiB); None for anything else
+    (not a regular file, not a JSON object, no format). Never blocks (``moetrace.inputs.open_input``)."""
+    from moetrace.errors import MoetraceError
+    from moetrace.inputs import open_input
+
+    try:
+        with open_input(path) as f:
+            head = f.read(_SNIFF_BYTES)
+    except (OSError, MoetraceError):
+        return None
+    if not head.lstrip().startswith(b"{"):
+        return None
+    m = _FORMAT_RE.search(head)
+    return m.group(1).decode("utf-8", "replace") if m else None
+
+
+def describe_foreign(path: str | os.PathLike, own: ResultKind | None) -> str | None:
+    """What stands at ``path`` that is not ``own``'s output (None: nothing foreign): for a directory, a
+    results manifest of another kind, a trace's manifest, or a manifest by ``own``'s name that ``own``
+    did not write; for a file, a moetrace JSON of another format. ``--overwrite`` never replaces it."""
+    p = Path(path)
+    if p.is_dir():
+        names = dict.fromkeys(k.manifest for k in (*KINDS, TRACE_KIND) if k.manifest is not None)
+        for name in names:
+            f = p / name
+            if not f.is_file():
+                continue
+            fmt = sniff_format(f)
+            if own is not None and fmt == own.format:
+                continue
+            found = next((k for k in (*KINDS, TRACE_KIND) if k.format == fmt and k.manifest == name), None)
+            if found is not None:
+                return "a trace" if found is TRACE_KIND else f"`{found.command}` results ({name})"
+            if own is not None and name == own.manifest:
+                return f"a {name} that `{own.command}` did not write"
+        return None
+    if p.is_file():
+        fmt = sniff_format(p)
+        if fmt is not None and fmt.startswith("moetrace.") and (own is None or fmt != own.format):
+            return f"a {fmt} file"
+    return None
+
+
 def kind_of_format(fmt: object) -> ResultKind | None:
     """The kind whose manifest has format ``fmt``, or None when no kind has it."""
     return next((k for k in KINDS if k.format == fmt), None)
@@ -281,14 +342,16 @@ def read_result_manifest(path: str | os.PathLike) -> tuple[ResultKind, dict[str,
         f = next((p / n for n in names if (p / n).is_file()), None)
         if f is None:
             raise TraceFormatError(f"{p}: holds no {' or '.join(names)}, so it is no moetrace results directory")
-    elif p.is_file():
-        f = p
+    elif os.path.exists(p):
+        f = p  # a pipe or device is refused by the read, never opened
     else:
         raise TraceFormatError(f"{p}: no such file or directory")
+    from moetrace.inputs import read_input_json
+
     try:
-        obj = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceFormatError(f"{f}: unreadable as JSON ({exc})") from None
+        obj = read_input_json(f, max_bytes=MAX_RESULT_JSON_BYTES)  # regular file, bounded size and integers
+    except OSError as exc:
+        raise TraceFormatError(f"{f}: unreadable ({exc.strerror or exc})") from None
     return check_result_json(f, obj), obj
 
 

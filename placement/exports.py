@@ -306,28 +306,14 @@ def check_placement_file(pf: PlacementFile, *, where: str) -> None:
 
 
 def _read_json(path: Path, where: str) -> Any:
-    """The JSON of a placement file: UTF-8 text of a bounded size, nested no deeper than Python parses."""
-    try:
-        size = path.stat().st_size
-        if not path.is_file():
-            raise TraceFormatError(f"{where}: not a regular file; pass a placement JSON written by `moetrace place`")
-        if size > MAX_PLACEMENT_BYTES:
-            raise TraceFormatError(
-                f"{where}: {size:,} bytes is larger than any placement file ({MAX_PLACEMENT_BYTES >> 20} MiB at most)"
-            )
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise TraceFormatError(f"{where}: no such placement file (write one with `moetrace place`)") from None
-    except UnicodeDecodeError as exc:
-        raise TraceFormatError(
-            f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start}); a placement file is UTF-8 JSON"
-        ) from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{where}: not valid JSON ({exc})") from None
-    except RecursionError:
-        raise TraceFormatError(f"{where}: JSON nested too deeply to be a placement file") from None
+    """The JSON of a placement file: a regular file (a pipe or device is refused, never read) of UTF-8
+    text of a bounded size, integers of at most 4,300 digits, nested no deeper than Python parses
+    (``moetrace.inputs``)."""
+    from moetrace.inputs import read_input_json
+
+    if not os.path.lexists(path):
+        raise TraceFormatError(f"{where}: no such placement file (write one with `moetrace place`)")
+    return read_input_json(path, what=where, max_bytes=MAX_PLACEMENT_BYTES)
 
 
 def _full_layer_map(pf: PlacementFile) -> np.ndarray:

@@ -157,6 +157,11 @@ def _into_trace(tmp: Path, args: Callable[[Path], list[str]]) -> list[str]:
     return args(t)
 
 
+def _other(tmp: Path) -> Path:
+    """Another trace, the input of a command aimed into ``tmp / "t"`` (its own input: test_hostile_round3.py)."""
+    return write_small_trace(tmp / "s", num_requests=8)
+
+
 def _trace_intact(tmp: Path) -> None:
     t = tmp / "t"
     assert (t / "manifest.json").read_bytes() == (tmp / "manifest.before").read_bytes()
@@ -385,30 +390,35 @@ CASES: dict[str, Case] = {
     ),
     # ---- every output path: never into a trace, over a file, through a link or into a device
     "dashboard -o TRACE/manifest.json": Case(
-        lambda d: _into_trace(d, lambda t: ["dashboard", str(t), "-o", str(t / "manifest.json")]),
+        lambda d: _into_trace(d, lambda t: ["dashboard", str(_other(d)), "-o", str(t / "manifest.json")]),
         2,
         r"is inside the trace .*--overwrite",
         _trace_intact,
     ),
     "export -o into a trace": Case(
         lambda d: _into_trace(
-            d, lambda t: ["export", str(t), "--format", "sglang-logical-count", "-o", str(t / "c.json")]
+            d, lambda t: ["export", str(_other(d)), "--format", "sglang-logical-count", "-o", str(t / "c.json")]
         ),
         2,
         r"is inside the trace",
         _trace_intact,
     ),
     "analyze -o a trace directory": Case(
-        lambda d: _into_trace(d, lambda t: ["analyze", str(t), "-o", str(t)]), 2, r"holds a trace", _trace_intact
+        lambda d: _into_trace(d, lambda t: ["analyze", str(_other(d)), "-o", str(t)]),
+        2,
+        r"holds a trace",
+        _trace_intact,
     ),
     "analyze -o a folder inside a trace": Case(
-        lambda d: _into_trace(d, lambda t: ["analyze", str(t), "-o", str(t / "routing" / "x")]),
+        lambda d: _into_trace(d, lambda t: ["analyze", str(_other(d)), "-o", str(t / "routing" / "x")]),
         2,
         r"is inside the trace",
         _trace_intact,
     ),
     "place -o into a trace": Case(
-        lambda d: _into_trace(d, lambda t: ["place", str(t), *DEPLOY[:4], "-o", str(t / "requests" / "p.json")]),
+        lambda d: _into_trace(
+            d, lambda t: ["place", str(_other(d)), *DEPLOY[:4], "-o", str(t / "requests" / "p.json")]
+        ),
         2,
         r"is inside the trace",
         _trace_intact,

@@ -233,7 +233,8 @@ def test_broken_compare_json_is_one_clean_line(corrupt, fragment, tmp_path):
     (tmp_path / "compare.json").write_text(json.dumps(obj))
     with pytest.raises(TraceFormatError, match=re.escape(fragment)):
         detect(tmp_path)
-    r = runner.invoke(app, ["dashboard", str(tmp_path), "-o", str(tmp_path / "r.html")])
+    out = tmp_path.parent / f"{tmp_path.name}.html"  # not inside its input (reliability.md)
+    r = runner.invoke(app, ["dashboard", str(tmp_path), "-o", str(out)])
     assert r.exit_code == 2 and fragment in r.output.replace("\n", "") and "Traceback" not in r.output
 
 

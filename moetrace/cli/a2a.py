@@ -115,6 +115,7 @@ def a2a_cmd(
     On 8 GPUs:
       torchrun --nproc-per-node 8 -m moetrace a2a ... --torchrun
     """
+    from moetrace.atomic import replacing_directory
     from moetrace.placement import replay as rp
     from moetrace.placement.compare import CompareConfig, load_trace_data
     from moetrace.placement.deployment import parse_deployment
@@ -129,7 +130,10 @@ def a2a_cmd(
     if torchrun and emulate_nodes:
         raise ConfigError("--emulate-nodes is for a local run; under --torchrun the ranks use the real nodes' links")
     # before any work; held while the ranks run: no second run writes into the same folder
-    with claim_output(out if lead else None, kind="results", overwrite=overwrite, command="moetrace a2a", result=A2A):
+    inputs = [trace, *(placement or [])]
+    with claim_output(
+        out if lead else None, kind="results", overwrite=overwrite, command="moetrace a2a", result=A2A, inputs=inputs
+    ):
         names = tuple(s.strip() for s in strategies.split(",") if s.strip())
         cfg = CompareConfig(
             deployment=parse_deployment(config, num_gpus_per_node=gpus_per_node),
@@ -178,7 +182,8 @@ def a2a_cmd(
         if run is None:  # a torchrun rank other than 0: rank 0 reports
             return
         assert out is not None  # required without --smoke (checked above)
-        files = run.write(out)
+        with replacing_directory(out) as building:  # built beside -o, swapped in whole: a kill leaves old or new
+            files = run.write(building)
         typer.echo(run.summary())
         typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
         run.check()

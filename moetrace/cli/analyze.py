@@ -79,6 +79,7 @@ def analyze_cmd(
         --only imbalance,correlation --batch-size 128
     """
     from moetrace.analysis.run import DEFAULT_ANALYSES, AnalyzeConfig, analyze, format_summary
+    from moetrace.atomic import replacing_directory
     from moetrace.results import ANALYSIS, ANALYSIS_MANIFEST
 
     config = AnalyzeConfig(
@@ -93,7 +94,10 @@ def analyze_cmd(
     )
     log = log_lines(quiet)
     with (
-        claim_output(out, kind="results", overwrite=overwrite, command="moetrace analyze", result=ANALYSIS),
+        claim_output(
+            out, kind="results", overwrite=overwrite, command="moetrace analyze", result=ANALYSIS, inputs=[trace]
+        ),
+        replacing_directory(out) as building,  # built beside -o, swapped in whole: a kill leaves old or new
         progress_bar("counting", "tokens", quiet=quiet) as bar,
     ):
         last = [-1]
@@ -107,6 +111,6 @@ def analyze_cmd(
                 last[0] = pct // 10
                 log(f"  counted {done:,} / {total:,} tokens ({pct}%)")
 
-        summary = analyze(trace, out, config=config, overwrite=overwrite, log=log, progress=None if quiet else progress)
+        summary = analyze(trace, building, config=config, log=log, progress=None if quiet else progress)
     typer.echo(format_summary(summary))
     typer.echo(f"\nresults in {out} ({summary['seconds']:.1f} s); files are listed in {out / ANALYSIS_MANIFEST}")

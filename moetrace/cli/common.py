@@ -13,7 +13,7 @@ import functools
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
@@ -80,12 +80,15 @@ ModelConfigOpt = Annotated[
 ]
 
 
+#: the largest --model-config file read (an HF config.json is a few KiB)
+MAX_CONFIG_BYTES = 16 << 20
+
+
 def read_model_config(path: Path | None) -> dict[str, Any] | None:
     """The ``--model-config`` file parsed (a JSON object; a directory: its ``config.json``), None without
     one; ``ConfigError`` naming the file and what is wrong with it (missing, unreadable, not JSON, not an object)."""
-    import json
-
     from moetrace.errors import ConfigError
+    from moetrace.inputs import read_input_json
 
     if path is None:
         return None
@@ -94,16 +97,10 @@ def read_model_config(path: Path | None) -> dict[str, Any] | None:
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model-config {path}: a directory without config.json; pass the model's config.json")
         path = path / "config.json"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"--model-config {path}: no such file (pass the model's config.json)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--model-config {path}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--model-config {path}: not JSON ({exc})") from None
+    if not path.exists():
+        raise ConfigError(f"--model-config {path}: no such file (pass the model's config.json)")
+    # a regular file only (a pipe never blocks), UTF-8 JSON of bounded size and bounded integers
+    cfg = read_input_json(path, what=f"--model-config {path}", max_bytes=MAX_CONFIG_BYTES, error=ConfigError)
     if not isinstance(cfg, dict):
         raise ConfigError(f"--model-config {path}: an HF config.json is a JSON object, got {type(cfg).__name__}")
     return cfg
@@ -115,11 +112,15 @@ def err(message: str) -> None:
 
 
 def friendly_errors(fn: F) -> F:
-    """Turn moetrace's domain errors into a message and exit code 2 instead of a traceback."""
+    """Turn moetrace's domain errors into a message and exit code 2 instead of a traceback; refuse integer
+    options of 2**63 or more in magnitude first (``moetrace.inputs.check_int_options``)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from moetrace.inputs import check_int_options
+
         try:
+            check_int_options(kwargs)  # --window-tokens 2**63 and the like: one line, before any work
             return fn(*args, **kwargs)
         except TraceValidationError as exc:
             err(f"{len(exc.problems)} problem(s) found:")
@@ -154,6 +155,58 @@ def _describe_os_error(exc: OSError) -> str:
 OutputKind = Literal["file", "results", "directory", "trace"]
 
 
+def _refuse_input_overlap(p: Path, inputs: Sequence[str | os.PathLike], command: str) -> None:
+    """Refuse an -o equal to, inside or containing one of the command's inputs (whatever --overwrite says)."""
+    out = Path(os.path.realpath(p))
+    for i in inputs:
+        src = Path(os.path.realpath(i))
+        if out == src:
+            how = "is"
+        elif out.is_relative_to(src):
+            how = "is inside"
+        elif src.is_relative_to(out):
+            how = "contains"
+        else:
+            continue
+        raise OutputExistsError(
+            f"-o {p} {how} the input {i} of `{command}`; a command never writes over its own input, "
+            "--overwrite or not: choose another -o"
+        )
+
+
+def _refuse_foreign_output(p: Path, kind: OutputKind, result: ResultKind | None, command: str) -> None:
+    """Refuse replacing what another kind of command wrote (``--overwrite`` replaces only one's own kind):
+    a trace or another kind's results folder at a results -o, a results folder at a trace -o, a trace's or
+    a results folder's file (or another kind's moetrace JSON) at a file -o."""
+    from moetrace.results import TRACE_KIND, describe_foreign
+    from moetrace.tracer.trace.layout import is_trace_directory
+
+    def refuse(what: str) -> None:
+        raise OutputExistsError(
+            f"-o {p} holds {what}; `{command} --overwrite` replaces only its own output: choose another -o "
+            "(or remove it yourself)"
+        )
+
+    if kind != "file" and p.is_dir():
+        if is_trace_directory(p):
+            if kind != "trace":
+                refuse("a trace")
+            return  # a trace's writer replaces a trace, even a damaged one
+        own = TRACE_KIND if kind == "trace" else result
+        other = describe_foreign(p, own)
+        if other is not None:
+            refuse(other)
+    elif kind == "file" and p.is_file():
+        for d in p.parents:
+            if is_trace_directory(d):
+                refuse(f"a file of the trace {d}")
+        if describe_foreign(p.parent, None) is not None:
+            refuse(f"a file of the results folder {p.parent}")
+        other = describe_foreign(p, result)
+        if other is not None:
+            refuse(other)
+
+
 def _owned_directory(start: Path) -> tuple[Path, bool] | None:
     """The nearest directory at or above ``start`` that a writer owns: ``(dir, True)`` for a trace
     directory, ``(dir, False)`` for a results folder with a writer lock; None when there is none."""
@@ -177,6 +230,7 @@ def claim_output(
     command: str,
     result: ResultKind | None = None,
     shard: bool = False,
+    inputs: Sequence[str | os.PathLike] = (),
 ) -> Iterator[Path | None]:
     """Check that ``command`` may write ``path`` (its -o) and hold what keeps others out while it does.
 
@@ -192,11 +246,17 @@ def claim_output(
     - a results folder is locked for the block (``lock.lock_results``): two runs never mix their files;
       a trace output's lock is probed now (``collect`` then loads no model for a trace being written).
 
+    - ``path`` equal to, inside or containing one of ``inputs`` (the command's input files and
+      folders) is refused whatever ``overwrite`` says;
+    - with ``overwrite``, only an output of the command's own kind is replaced: a trace or another
+      kind's results folder at a results ``path``, results at a trace ``path``, a file of a trace or
+      of a results folder (or another kind's moetrace JSON) at a file ``path`` are refused;
+
     Yields ``path``; ``path=None`` (a command writing nothing) checks nothing. A results folder this
     created and left holding nothing but its lock is removed again. Raises ``OutputExistsError`` /
     ``TraceBusyError`` with one line naming the fix.
     """
-    from moetrace.atomic import check_regular_target
+    from moetrace.atomic import check_regular_target, recover_directory
     from moetrace.results import check_output
     from moetrace.tracer.trace.lock import TRACE_LOCK, WriterLock, lock_results, lock_trace, probe_lock
 
@@ -204,9 +264,12 @@ def claim_output(
         yield None
         return
     p = Path(path)
+    if kind != "file":
+        recover_directory(p)  # a folder swap killed between its two renames (no exchange here): the old one back
     st = os.lstat(p) if os.path.lexists(p) else None
     if st is not None and stat.S_ISLNK(st.st_mode):
         raise OutputExistsError(f"{p} is a symbolic link; moetrace never writes through one: choose another -o")
+    _refuse_input_overlap(p, inputs, command)  # first: no --overwrite and no kind changes it
     if kind == "file":
         check_regular_target(p)
     elif st is not None and not stat.S_ISDIR(st.st_mode):
@@ -220,13 +283,17 @@ def claim_output(
             d, is_trace = owner
             if is_trace and not overwrite:
                 where = "holds a trace" if d == here else f"is inside the trace {d}"
+                fix = (
+                    "Choose another -o" if d == here else "Choose another -o, or pass --overwrite to write there anyway"
+                )
                 raise OutputExistsError(
-                    f"{p} {where}; only the trace's own writer (collect, import, synth) writes there. "
-                    "Choose another -o, or pass --overwrite to write there anyway"
+                    f"{p} {where}; only the trace's own writer (collect, import, synth) writes there. {fix}"
                 )
             probe_lock(d)
             if is_trace and d != here:
                 held.append(lock_trace(d))
+        if st is not None:  # after the lock probe: a running writer is named first
+            _refuse_foreign_output(p, kind, result, command)
         if result is not None:  # first: its message names what is there
             check_output(p, result, overwrite=overwrite)
         if kind == "file" and st is not None and not overwrite:

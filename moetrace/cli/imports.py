@@ -132,6 +132,7 @@ def import_cmd(
     from moetrace.tracer.presets import resolve
     from moetrace.tracer.trace.writer import replacing_trace
 
+    inputs = [source, *[p for p in (physical_map, model) if p is not None and Path(p).exists()]]
     options = ImportOptions(
         physical_map=physical_map,
         prompt_tokens=prompt_tokens,
@@ -151,7 +152,7 @@ def import_cmd(
         info = resolve(model).model_info()
     if fmt is not None and fmt.produces == "profile":  # aggregate counts: a load profile file, not a trace directory
         with (
-            claim_output(out, kind="file", overwrite=overwrite, command="moetrace import"),
+            claim_output(out, kind="file", overwrite=overwrite, command="moetrace import", inputs=inputs),
             progress_bar("import", "files", quiet=quiet) as bar,
         ):
             prof = import_profile(
@@ -171,7 +172,7 @@ def import_cmd(
         )
         return
     with (
-        claim_output(out, kind="trace", overwrite=overwrite, command="moetrace import"),
+        claim_output(out, kind="trace", overwrite=overwrite, command="moetrace import", inputs=inputs),
         replacing_trace(out, overwrite=overwrite) as target,  # a failed import leaves the old trace whole
         progress_bar("import", "bytes", quiet=quiet) as bar,
     ):

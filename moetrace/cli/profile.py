@@ -39,7 +39,7 @@ def profile_cmd(
     from moetrace.tracer.trace.profile import profile_from_trace, write_profile
 
     with (
-        claim_output(out, kind="file", overwrite=overwrite, command="moetrace profile"),  # before the pass
+        claim_output(out, kind="file", overwrite=overwrite, command="moetrace profile", inputs=[trace]),
         progress_bar("profile", "tokens", quiet=quiet) as bar,
     ):
         prof = profile_from_trace(trace, window_tokens=window_tokens, allow_incomplete=allow_incomplete, progress=bar)

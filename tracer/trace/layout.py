@@ -15,13 +15,13 @@ Out of scope: the columns (``schema``), writing (``writer``), reading rows (``re
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 from moetrace.errors import TraceFormatError
+from moetrace.inputs import loads_json, read_input_text
 
 MANIFEST = "manifest.json"
 ROUTING_DIR = "routing"
@@ -58,6 +58,8 @@ def shard_manifest_name(shard: int) -> str:
 
 #: how much of a manifest :func:`is_trace_directory` reads to find its format
 _HEAD_BYTES = 4096
+#: the largest manifest.json read (a part list of a million parts is about 200 MiB)
+MAX_MANIFEST_BYTES = 1 << 30
 _TRACE_FORMAT_RE = re.compile(rb'"format"\s*:\s*"moetrace\.trace"')
 
 
@@ -86,16 +88,11 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
         raise TraceFormatError(f"{path} is a file; a trace is a directory (manifest.json, requests/, routing/)")
     if not Path(path).is_dir():
         raise TraceFormatError(f"{path}: no such trace directory")
-    if not mpath.exists():
+    if not os.path.lexists(mpath):
         raise TraceFormatError(f"{path}: no {MANIFEST}; not a moetrace trace directory")
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise TraceFormatError(
-            f"{mpath}: not UTF-8 text ({exc.reason} at byte {exc.start}); not a moetrace manifest"
-        ) from None
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise TraceFormatError(f"{mpath}: not valid JSON ({str(exc)[:200]})") from None
+    # a regular file only (a named pipe never blocks), bounded size, bounded integers
+    text = read_input_text(mpath, max_bytes=MAX_MANIFEST_BYTES)
+    manifest = loads_json(text, where=str(mpath))
     if not isinstance(manifest, dict):
         raise TraceFormatError(f"{mpath}: expected a JSON object")
     return manifest

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 import numpy as np
 
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
+from moetrace.inputs import loads_json, open_input
 from moetrace.tracer.trace.schema import STAGE_DECODE, STAGE_PREFILL, ModelInfo, is_whole, stages_of
 
 if TYPE_CHECKING:
@@ -143,6 +144,8 @@ class LoadProfile:
                 "use longer windows"
             )
         object.__setattr__(self, "counts", counts)
+        for s, c in counts.items():
+            _check_sum([c], f"counts[{s!r}]")
         totals = {s: c.sum(axis=0) for s, c in counts.items()}
         if self.datasets is not None:
             if set(self.datasets) != set(counts):
@@ -155,6 +158,7 @@ class LoadProfile:
                 if not per or any(not isinstance(k, str) or not k for k in per):
                     raise TraceFormatError(f"datasets[{s!r}] must map non-empty labels to counts")
                 ds[s] = {k: _counts(per[k], 2, (L, E), f"datasets[{s!r}][{k!r}]") for k in sorted(per)}
+                _check_sum(list(ds[s].values()), f"datasets[{s!r}]")
                 if not np.array_equal(sum(ds[s].values()), totals[s]):
                     raise TraceFormatError(f"datasets[{s!r}] do not add up to the stage's counts")
             labels = {tuple(v) for v in ds.values()}
@@ -165,6 +169,8 @@ class LoadProfile:
             if set(self.ranks) != set(counts):
                 raise TraceFormatError(f"ranks are given for stages {sorted(self.ranks)}, counts for {sorted(counts)}")
             rk = {s: _counts(self.ranks[s], 3, (L, E), f"ranks[{s!r}]") for s in counts}
+            for s, r in rk.items():
+                _check_sum([r], f"ranks[{s!r}]")
             if len({r.shape[0] for r in rk.values()}) != 1 or any(r.shape[0] == 0 for r in rk.values()):
                 raise TraceFormatError("every stage holds the same number of source ranks, at least 1")
             for s, r in rk.items():
@@ -233,6 +239,17 @@ def _same_nested(
     if a is None or b is None:
         return a is b
     return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+
+
+#: the most a block of counts may add up to: every total and partial sum of it then fits int64
+MAX_COUNT_SUM = 1 << 62
+
+
+def _check_sum(arrays: list[np.ndarray], what: str) -> None:
+    """Refuse counts (>= 0) adding up to 2**62 or more (the float sum errs far below that)."""
+    total = sum(float(a.sum(dtype=np.float64)) for a in arrays)
+    if total >= MAX_COUNT_SUM:
+        raise TraceFormatError(f"{what} add up to {total:.3g}, more than 2**62: their totals would overflow")
 
 
 def _counts(x: object, ndim: int, tail: tuple[int, int], what: str) -> np.ndarray:
@@ -351,7 +368,7 @@ def is_profile(path: str | os.PathLike) -> bool:
     try:
         if not p.is_file():
             return False
-        with open(p, "rb") as f:
+        with open_input(p) as f:  # never blocks on a pipe swapped in
             if f.read(4) != _MAGIC:
                 return False
         meta = pq.read_schema(p).metadata or {}
@@ -364,10 +381,7 @@ def _read_header(p: Path, meta: dict[bytes, bytes] | None) -> dict[str, Any]:
     raw = (meta or {}).get(HEADER_KEY)
     if raw is None:
         raise TraceFormatError(f"{p}: a Parquet file without a `moetrace.profile` header; not a moetrace load profile")
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise TraceFormatError(f"{p}: the profile header is not JSON ({str(exc)[:120]})") from None
+    header = loads_json(raw, where=f"{p}: the profile header")  # bounded integers
     if not isinstance(header, dict):
         raise TraceFormatError(f"{p}: the profile header must be a JSON object")
     if header.get("format") != PROFILE_FORMAT:
@@ -392,10 +406,8 @@ def open_profile(path: str | os.PathLike) -> LoadProfile:
     p = Path(path)
     if p.is_dir():
         raise TraceFormatError(f"{p} is a directory; a load profile is one file (`moetrace profile` writes one)")
-    if not p.is_file():
-        raise TraceFormatError(f"{p}: no such file")
     try:
-        with open(p, "rb") as f:
+        with open_input(p, what=str(p)) as f:  # a regular file only: a pipe or device is refused, never read
             if f.read(4) != _MAGIC:
                 raise TraceFormatError(f"{p}: not a Parquet file; not a moetrace load profile")
         pf = pq.ParquetFile(p)

@@ -17,8 +17,12 @@ whose manifest lists parts that are not on disk (naming them), or, when complete
 does not list; :attr:`Trace.request_arrays` refuses a complete trace whose ``totals`` (requests,
 tokens) are not what its parts hold (older traces carry no part list; their totals still catch a
 lost part). ``require_complete=False`` (the CLI's ``--allow-incomplete``) reads what is there
-instead. :meth:`Trace.verify_checksums` compares every part with the SHA-256 its writer recorded
-(``validate`` always does).
+instead. Every part is checked against the SHA-256 its writer recorded as it is read
+(:class:`PartHashes`: the file hashed on a background thread beside the read; the requests parts by
+:attr:`Trace.request_arrays`, each routing part by :meth:`Trace.iter_token_arrays` once its rows are
+read, before any total is taken), so bit rot or an edit that keeps the rows valid stops the reader
+with one line naming the part and ``moetrace validate``. :meth:`Trace.verify_checksums` hashes every
+part at once.
 
 Any violation raises :class:`~moetrace.errors.TraceFormatError` naming the file, the first
 problem and ``moetrace validate``, so nothing is ever counted twice, as expert 0, or at a position
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -59,6 +64,7 @@ from moetrace.tracer.trace.checks import (
     totals_problems,
     unreadable,
 )
+from moetrace.tracer.trace.checksum import hash_files
 from moetrace.tracer.trace.layout import (
     MANIFEST,
     REQUESTS_DIR,
@@ -163,27 +169,30 @@ class Trace:
         if not files:
             raise TraceFormatError(f"{self.path}: the trace holds no committed requests")
         cols = ["request_id", "dataset", "prompt_tokens", "output_tokens"]
-        try:
-            table = pa.concat_tables([pq.read_table(f, columns=cols) for f in files], promote_options="permissive")
-        except (pa.ArrowException, OSError, KeyError) as exc:
-            raise TraceFormatError(
-                f"{self.path}: a requests part cannot be read ({exc}); run `moetrace validate {self.path}`"
-            ) from exc
-        self._refuse(
-            self.path,
-            column_problems(table.schema, REQUIRED_REQUESTS, exact=False)
-            or null_problems({c: table.column(c) for c in cols}),
-        )
-        rid = table.column("request_id").to_numpy().astype(np.int64)
-        ptok = table.column("prompt_tokens").to_numpy()
-        otok = table.column("output_tokens").to_numpy()
-        self._refuse(self.path, duplicate_request_ids(rid) or request_lengths(rid, ptok, otok))
-        claimed = int(ptok.astype(np.int64).sum() + otok.astype(np.int64).sum())
-        rows = self.num_tokens()
-        self._refuse(
-            self.path, claimed_tokens(claimed, rows, limit=rows)
-        )  # before one byte per claimed token is allocated
-        self._check_totals(num_requests=len(rid), num_tokens=None)
+        with PartHashes(self, REQUESTS_DIR, files) as hashes:  # hashed while read
+            try:
+                table = pa.concat_tables([pq.read_table(f, columns=cols) for f in files], promote_options="permissive")
+            except (pa.ArrowException, OSError, KeyError) as exc:
+                raise TraceFormatError(
+                    f"{self.path}: a requests part cannot be read ({exc}); run `moetrace validate {self.path}`"
+                ) from exc
+            self._refuse(
+                self.path,
+                column_problems(table.schema, REQUIRED_REQUESTS, exact=False)
+                or null_problems({c: table.column(c) for c in cols}),
+            )
+            rid = table.column("request_id").to_numpy().astype(np.int64)
+            ptok = table.column("prompt_tokens").to_numpy()
+            otok = table.column("output_tokens").to_numpy()
+            self._refuse(self.path, duplicate_request_ids(rid) or request_lengths(rid, ptok, otok))
+            claimed = int(ptok.astype(np.int64).sum() + otok.astype(np.int64).sum())
+            rows = self.num_tokens()
+            self._refuse(
+                self.path, claimed_tokens(claimed, rows, limit=rows)
+            )  # before one byte per claimed token is allocated
+            self._check_totals(num_requests=len(rid), num_tokens=None)
+            for f in files:  # the specific problems above first, then the bytes against the manifest
+                hashes.check(f)
         order = np.argsort(rid, kind="stable")
         dataset = np.asarray(table.column("dataset").to_pylist(), dtype=str)[order]
         return RequestArrays(rid[order], dataset, ptok[order].astype(np.int32), otok[order].astype(np.int32))
@@ -236,29 +245,32 @@ class Trace:
         rows = RowCheck(self.model, RequestIndex.of(req.request_id_R, req.prompt_tokens_R, req.output_tokens_R))
         L, K = self.model.num_moe_layers, self.model.top_k
         num_read = 0
-        for f in self.routing_files():
-            try:
-                # pre_buffer=False: read a column chunk when its batch needs it, not a whole row group's
-                # worth ahead (at 65,536 tokens per batch that halves the peak of reading a part)
-                pf = pq.ParquetFile(f, pre_buffer=False)
-                self._refuse(f, routing_schema_problems(pf.schema_arrow, self.model, exact=False))
-                batches = pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "experts"])
-                for rb in batches:
-                    b, problems = rows.batch(rb)
-                    self._refuse(f, problems or rows.totals())
-                    assert b is not None  # a batch without arrays has problems
-                    num_read += rb.num_rows
-                    yield TokenArrays(
-                        b.request_id_T,
-                        b.position_T.astype(np.int32),
-                        b.position_T >= req.prompt_tokens_R[b.row_T],
-                        b.ids_N.astype(np.int16, copy=False).reshape(rb.num_rows, L, K),
-                        b.row_T,
-                    )
-            except (pa.ArrowException, OSError, KeyError) as exc:
-                raise TraceFormatError(
-                    f"{f}: {unreadable(exc)}; run `moetrace validate {self.path}` for details"
-                ) from exc
+        files = self.routing_files()
+        with PartHashes(self, ROUTING_DIR, files) as hashes:  # hashed on a background thread while read
+            for f in files:
+                try:
+                    # pre_buffer=False: read a column chunk when its batch needs it, not a whole row group's
+                    # worth ahead (at 65,536 tokens per batch that halves the peak of reading a part)
+                    pf = pq.ParquetFile(f, pre_buffer=False)
+                    self._refuse(f, routing_schema_problems(pf.schema_arrow, self.model, exact=False))
+                    batches = pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "experts"])
+                    for rb in batches:
+                        b, problems = rows.batch(rb)
+                        self._refuse(f, problems or rows.totals())
+                        assert b is not None  # a batch without arrays has problems
+                        num_read += rb.num_rows
+                        yield TokenArrays(
+                            b.request_id_T,
+                            b.position_T.astype(np.int32),
+                            b.position_T >= req.prompt_tokens_R[b.row_T],
+                            b.ids_N.astype(np.int16, copy=False).reshape(rb.num_rows, L, K),
+                            b.row_T,
+                        )
+                except (pa.ArrowException, OSError, KeyError) as exc:
+                    raise TraceFormatError(
+                        f"{f}: {unreadable(exc)}; run `moetrace validate {self.path}` for details"
+                    ) from exc
+                hashes.check(f)  # the bytes just read are the ones the writer recorded
         self._check_totals(num_requests=None, num_tokens=num_read)
 
     def token_arrays(self) -> TokenArrays:
@@ -274,6 +286,54 @@ class Trace:
                 np.zeros(0, np.int64),
             )
         return TokenArrays(*(np.concatenate(cols) for cols in zip(*parts)))
+
+
+class PartHashes:
+    """The SHA-256 of part files of ``trace`` (``sub``: ``routing`` or ``requests``), computed on one
+    background thread while the caller reads the same files (``hashlib`` releases the GIL: the cost is a
+    second core and a second read of bytes the page cache holds), checked part by part against what the
+    manifest's ``parts`` recorded. Parts the manifest records nothing for (an older trace, a part
+    committed after an incomplete trace's manifest was written) are not checked; ``validate`` says so."""
+
+    def __init__(self, trace: Trace, sub: str, files: list[Path]) -> None:
+        parts = trace.manifest.get("parts")
+        parts = parts if isinstance(parts, dict) else {}
+        key = f"{sub}_sha256"
+        self._trace, self._sub = trace, sub
+        self._expected: dict[Path, str] = {}
+        for f in files:
+            entry = parts.get(f.name)
+            if isinstance(entry, dict) and isinstance(entry.get(key), str):
+                self._expected[f] = entry[key]
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: dict[Path, Future[str]] = {}
+
+    def __enter__(self) -> PartHashes:
+        if self._expected:
+            self._pool, futures = hash_files(list(self._expected))
+            self._futures = dict(zip(self._expected, futures))
+        return self
+
+    def check(self, f: Path) -> None:
+        """Wait for ``f``'s hash; raise ``TraceFormatError`` naming the part and ``validate`` when it differs."""
+        fut = self._futures.get(f)
+        if fut is None:
+            return
+        try:
+            digest = fut.result()
+        except OSError as exc:
+            raise TraceFormatError(f"{f}: {unreadable(exc)}; run `moetrace validate {self._trace.path}`") from None
+        want = self._expected[f]
+        if digest != want:
+            raise TraceFormatError(
+                f"{self._trace.path}: part {self._sub}/{f.name} is not the file its writer recorded (SHA-256 "
+                f"{digest[:12]}..., the manifest says {want[:12]}...): bit rot, an edit or a bad copy; nothing "
+                f"was written from it. Run `moetrace validate {self._trace.path}`"
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _num_rows(f: Path, trace_path: Path) -> int:

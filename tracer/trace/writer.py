@@ -35,8 +35,6 @@ import json
 import os
 import re
 import secrets
-import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +45,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moetrace import lifetime
 from moetrace.atomic import write_json_atomic
 from moetrace.errors import EncoderError, OutputExistsError, TraceFormatError, WriteError
 from moetrace.tracer.trace.checksum import SYNC_EVERY, HashingFile, file_sha256
@@ -613,34 +610,23 @@ def replacing_trace(path: str | os.PathLike, *, overwrite: bool) -> Iterator[Pat
 
     Without ``overwrite``, or when ``path`` holds no trace, yields ``path`` itself. Otherwise takes
     ``path``'s writer lock (refused while another writer holds it), yields a fresh hidden directory
-    beside it (``.<name>.<random>.new``) to write the new trace into and, when the block succeeds,
-    swaps it in (the old directory is renamed aside, then removed); when the block fails, the new
-    directory is removed and the old trace is untouched. For producers that cannot resume (``import``).
+    beside it to write the new trace into and, when the block succeeds, swaps it in whole
+    (``moetrace.atomic.replacing_directory``: one atomic exchange on Linux, so ``path`` is never
+    missing); when the block fails, the new directory is removed and the old trace is untouched. For
+    producers that cannot resume (``import``).
     """
+    from moetrace.atomic import recover_directory, replacing_directory
     from moetrace.tracer.trace.layout import is_trace_directory
 
     p = Path(path)
+    recover_directory(p)  # a two-rename swap killed half-way: the old trace goes back first
     if not overwrite or not p.is_dir() or not is_trace_directory(p):
         yield p
         return
     lock = lock_trace(p)
     try:
-        new = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".new", dir=p.parent))
-        # the new directory goes however this ends, a SIGKILL included (lifetime.guard's supervisor)
-        with lifetime.guard(paths=[new], kill_descendants=False):
-            try:
-                os.chmod(new, p.stat().st_mode & 0o7777)  # mkdtemp's is private; keep the old trace's mode
-                yield new
-                aside = Path(tempfile.mkdtemp(prefix=f".{p.name}.", suffix=".old", dir=p.parent))
-                os.rename(p, aside / p.name)
-                try:
-                    os.rename(new, p)
-                except BaseException:
-                    os.rename(aside / p.name, p)  # put the old trace back
-                    raise
-                shutil.rmtree(aside, ignore_errors=True)
-            finally:
-                shutil.rmtree(new, ignore_errors=True)  # a failed block's new trace (gone already on success)
+        with replacing_directory(p) as new:
+            yield new
     finally:
         lock.release()
 
