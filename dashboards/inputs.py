@@ -22,7 +22,6 @@ Out of scope: reading the results themselves (``section_*``); the file names and
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,9 +56,12 @@ class Input:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     """The JSON object in ``path``, or None when it is unreadable or not an object."""
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    from moetrace.errors import MoetraceError
+    from moetrace.inputs import read_input_json
+
+    try:  # a regular file of bounded size and bounded integers (a 4,400-digit number is not a manifest)
+        obj = read_input_json(path, max_bytes=256 << 20)
+    except (OSError, MoetraceError):
         return None
     return obj if isinstance(obj, dict) else None
 

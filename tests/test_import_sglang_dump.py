@@ -196,6 +196,10 @@ HOSTILE = {
         lambda o, r: r["topk_ids_of_layer"].__setitem__((0, 0, 0), 500),
         r"record 0 \(forward pass 0\), token 0, layer 0: physical id 500 outside the map's 0..65",
     ),
+    "complex-typed ids": (
+        lambda o, r: r.update(topk_ids_of_layer=r["topk_ids_of_layer"].to(torch.complex64)),
+        "must be an integer tensor",
+    ),
     "no map anywhere": (lambda o, r: o.pop("last_physical_to_logical_map"), "pass --physical-map FILE"),
     "a map that misses an expert": (
         lambda o, r: o["last_physical_to_logical_map"].fill_(0),

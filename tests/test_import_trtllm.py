@@ -78,6 +78,21 @@ def test_a_missing_rank_file_is_named(tmp_path):
         import_profile(src, out=tmp_path / "p.parquet", model=SMALL)
 
 
+def test_two_files_naming_one_rank_are_refused_not_merged(tmp_path):
+    src, _ = _stats(tmp_path / "stats", ranks=2)
+    (src / "rank01.safetensors").write_bytes((src / "rank1.safetensors").read_bytes())  # rank1 and rank01
+    with pytest.raises(TraceFormatError, match=r"rank01.safetensors and rank1.safetensors both name rank 1"):
+        import_profile(src, out=tmp_path / "p.parquet", model=SMALL)
+    assert not (tmp_path / "p.parquet").exists()
+
+
+def test_a_meta_info_with_a_huge_integer_is_one_error(tmp_path):
+    src, _ = _stats(tmp_path / "stats")
+    (src / "meta_info.json").write_text('{"num_experts": ' + "9" * 4400 + ', "num_experts_per_token": 2}')
+    with pytest.raises(TraceFormatError, match="digits"):
+        import_profile(src, out=tmp_path / "p.parquet", model=SMALL)
+
+
 @FUZZ
 @given(
     meta=st.binary(max_size=80) | st.just(json.dumps({"num_experts": E, "num_experts_per_token": K}).encode()),

@@ -40,7 +40,6 @@ profile), the ``/generate`` responses (``sglang``).
 
 from __future__ import annotations
 
-import json
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,12 +114,10 @@ def _load_pt(src: Path) -> tuple[Any, dict[str, Any]]:
 def _load_json(src: Path) -> Any:
     import numpy as np
 
-    if src.stat().st_size > _MAX_JSON:
-        raise TraceFormatError(f"{src}: larger than {_MAX_JSON:,} bytes; not a logical_count file")
-    try:
-        obj = json.loads(src.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise TraceFormatError(f"{src}: not valid JSON ({str(exc)[:160]})") from None
+    from moetrace.inputs import read_input_json
+
+    # a regular file only (a pipe never blocks), at most _MAX_JSON bytes, integers of bounded digits
+    obj = read_input_json(src, max_bytes=_MAX_JSON)
     if not isinstance(obj, dict) or KEY not in obj:
         raise TraceFormatError(f'{src}: expected {{"{KEY}": [[...]]}} as SGLang\'s --init-expert-location takes')
     try:
@@ -198,9 +195,10 @@ def read_profile(
     options: ImportOptions | None = None,
 ) -> LoadProfile:
     """The load profile of one SGLang stat dump (``.pt``) or logical_count JSON (module docstring)."""
+    from moetrace.inputs import open_input
     from moetrace.tracer.trace.profile import LoadProfile, Window
 
-    with open(src, "rb") as f:
+    with open_input(src) as f:  # a regular file only: a named pipe is refused, never waited on
         is_zip = f.read(4) == _ZIP
     counts, extra = _load_pt(src) if is_zip else (_load_json(src), {})
     c_NLE = logical_count_to_NLE(counts, info=info, where=str(src))

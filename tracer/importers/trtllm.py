@@ -31,7 +31,6 @@ forks is ignored).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,7 +57,11 @@ def _rank_files(src: Path) -> dict[int, Path]:
     for p in src.iterdir():
         m = RANK_RE.match(p.name)
         if m and p.is_file():
-            out[int(m.group(1))] = p
+            r = int(m.group(1))
+            if r in out:  # rank1 and rank01 name one rank: neither may silently replace the other
+                a, b = sorted((out[r].name, p.name))
+                raise TraceFormatError(f"{src}: {a} and {b} both name rank {r}; keep one of them")
+            out[r] = p
     return out
 
 
@@ -72,10 +75,9 @@ def detect(head: bytes, src: Path) -> bool:
 
 def _meta(src: Path, info: ModelInfo) -> None:
     p = src / META
-    try:
-        meta = json.loads(p.read_bytes()[: 1 << 20])
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise TraceFormatError(f"{p}: not readable JSON ({str(exc)[:160]})") from None
+    from moetrace.inputs import read_input_json
+
+    meta = read_input_json(p, max_bytes=1 << 20)  # a regular file (a pipe never blocks), bounded integers
     if not isinstance(meta, dict):
         raise TraceFormatError(
             f"{p}: expected {{'num_experts': E, 'num_experts_per_token': K}}, got {meta!r:.80} (rank 0 recorded nothing?)"
