@@ -43,7 +43,7 @@ def dashboard_cmd(
     from moetrace.dashboards.report import DashboardConfig, write_dashboard
 
     with (
-        claim_output(out, kind="file", overwrite=overwrite, command="moetrace dashboard"),
+        claim_output(out, kind="file", overwrite=overwrite, command="moetrace dashboard", inputs=inputs),
         progress_bar("dashboard", "steps", quiet=quiet) as bar,
     ):
         rep = write_dashboard(

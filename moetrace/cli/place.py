@@ -210,7 +210,8 @@ def place_cmd(
         model_config=read_model_config(model_config),
     )
     # before minutes of work
-    with claim_output(out, kind="file", overwrite=overwrite, command="moetrace place", result=PLACEMENT):
+    inputs = [trace, *([model_config] if model_config is not None else [])]
+    with claim_output(out, kind="file", overwrite=overwrite, command="moetrace place", result=PLACEMENT, inputs=inputs):
         check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
         data, cfg = load_data(trace, cfg, asked=True, allow_incomplete=allow_incomplete, quiet=quiet)
         ps = place_with_sum(data, cfg, strategy, eplb_sum=eplb_sum)
@@ -366,14 +367,14 @@ def export_cmd(
       moetrace export traces/dsv3 --format aisimulate-popularity \\
         -o bundles/deepseek-ai--DeepSeek-V3
     """
-    from moetrace.atomic import atomic_path, write_text_atomic
+    from moetrace.atomic import atomic_path, replacing_directory, write_text_atomic
     from moetrace.errors import ConfigError
     from moetrace.placement.exports import BUNDLE_EXPORTS, export_bundle, export_file
 
     if model_id is not None and fmt not in BUNDLE_EXPORTS:
         raise ConfigError(f"--model-id applies to --format {', '.join(BUNDLE_EXPORTS)}")
     if fmt in BUNDLE_EXPORTS:
-        with claim_output(out, kind="directory", overwrite=overwrite, command="moetrace export"):
+        with claim_output(out, kind="directory", overwrite=overwrite, command="moetrace export", inputs=[source]):
             with progress_bar("counting", "tokens", quiet=quiet) as bar:
                 files = export_bundle(
                     source,
@@ -384,13 +385,12 @@ def export_cmd(
                     folder_name=out.name,
                     progress=bar,
                 )
-            out.mkdir(parents=True, exist_ok=True)
-            for name, data in files.items():
-                with atomic_path(out / name) as tmp:
-                    tmp.write_bytes(data)
+            with replacing_directory(out) as building:  # the bundle replaces -o whole, or not at all
+                for name, data in files.items():
+                    (building / name).write_bytes(data)
         typer.echo(f"wrote {fmt} bundle ({', '.join(files)}) to {out}")
         return
-    with claim_output(out, kind="file", overwrite=overwrite, command="moetrace export"):
+    with claim_output(out, kind="file", overwrite=overwrite, command="moetrace export", inputs=[source]):
         with progress_bar("counting", "tokens", quiet=quiet) as bar:
             content = export_file(source, fmt=fmt, stage=stage, allow_incomplete=allow_incomplete, progress=bar)
         if isinstance(content, bytes):
