@@ -40,8 +40,12 @@ def _reference_lines(fig: Any, reference: dict[str, float] | None) -> None:
         )
 
 
-def _colorbar(title: str) -> dict[str, Any]:
-    return {"title": {"text": title, "side": "right"}, "thickness": 14}
+def _colorbar(title: str, value_format: str = "") -> dict[str, Any]:
+    """The colour bar, in the cells' unit (percentages when the cells are)."""
+    bar: dict[str, Any] = {"title": {"text": title, "side": "right"}, "thickness": 14}
+    if value_format.endswith("%"):
+        bar["tickformat"] = ".0%"
+    return bar
 
 
 def heatmap(z_YZ: np.ndarray, *, height: int = 460, **style: Any) -> Any:
@@ -92,7 +96,7 @@ def heatmaps_by_layer(
                 zmin=lo,
                 zmax=hi,
                 zmid=zmid,
-                colorbar=_colorbar(value_title),
+                colorbar=_colorbar(value_title, value_format),
                 visible=i == 0,
                 name=None if layer_labels is None else f"layer {layer_labels[i]}",
                 hovertemplate=("" if layer_labels is None else f"layer {layer_labels[i]}<br>")

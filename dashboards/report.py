@@ -84,6 +84,7 @@ def build_sections(
     from moetrace.dashboards.section_overview import overview_section
     from moetrace.dashboards.section_placement import placement_section
     from moetrace.dashboards.summary import a2a_headline, analysis_skipped_notes, imbalance_headline, placement_headline
+    from moetrace.dashboards.summary_advice import advice_headline, compare_relation_line
     from moetrace.tracer.trace.reader import open_trace
 
     traces = [i for i in inputs if i.kind == "trace"]
@@ -167,15 +168,36 @@ def build_sections(
         )
     # the decision first: (summary card), advice, placement and measured all-to-all, load, structure, the trace.
     sections = [*advice, *decision, *load, *structure, *overview]
+    # the card: the decision first (advise's, then compare's with how the two relate), measured all-to-all,
+    # then the load; a trace with seeded random weights last, said in its title (its numbers mean nothing)
     headlines: list[Headline] = []
-    for results, prefix, headline in ((analyses, "a", imbalance_headline), (placements, "p", placement_headline),
-                                      (a2as, "m", a2a_headline)):  # fmt: skip
+    real = [r for r in analyses if not _random_weights(r)]
+    for results, prefix, headline in ((advices, "v", advice_headline), (placements, "p", placement_headline),
+                                      (a2as, "m", a2a_headline), (analyses, "a", imbalance_headline)):  # fmt: skip
         many = len(results) > 1
-        for n, r in enumerate(results):
+        for n, r in sorted(enumerate(results), key=lambda nr: results is analyses and nr[1] not in real):
             h = headline(r, key_prefix=f"{prefix}{n}-" if many else "", suffix=f": {r.trace_label}" if many else "")
+            if h is not None and results is analyses and r not in real:
+                h = replace(h, title=f"{h.title} (random weights)")
+            if h is not None and results is placements and advices:  # the decision is advise's card
+                title = h.title.replace("Best deployable placement", "Best of the compared strategies")
+                h = replace(h, title=title, lines=(*h.lines, compare_relation_line(advices[0], r)))
             if h is not None:
                 headlines.append(h)
     return Built(sections=sections, headlines=headlines, omitted=list(dict.fromkeys(omitted)), steps=done)
+
+
+def _random_weights(r) -> bool:
+    """Whether the results' trace had seeded random weights (a ``-tiny`` preset's collection)."""
+    from moetrace.dashboards.section_overview import random_weights
+
+    tp = r.trace_path
+    if tp is None or not (tp / "manifest.json").is_file():
+        return False
+    try:
+        return bool(random_weights(json.loads((tp / "manifest.json").read_text())))
+    except (OSError, ValueError):
+        return False
 
 
 def _with_random_weights_banner(build):

@@ -117,7 +117,10 @@ def advice_section(res: Results, *, key_prefix: str = "") -> tuple[Section | Non
         for steps in dict.fromkeys(rows.filter(pl.col("stage") == st)["steps"].to_list())
     ]
     figures = [] if layers is None else [_figure(res, layers, stage=st, kp=kp) for st in m.get("recorded_stages", [])]
-    verdicts = [str(v.get("text")) for v in m.get("verdicts", []) if isinstance(v, dict)]
+    from moetrace.placement.advise_files import best_lines
+
+    decision = " ".join(line.strip() for line in best_lines(m))  # the decision per stage first, then why
+    verdicts = [decision, *(str(v.get("text")) for v in m.get("verdicts", []) if isinstance(v, dict))]
     intro = (
         f"{m.get('deployment', '?')} on nodes of {m.get('gpus_per_node', '?')} GPUs; reference: "
         f"{m.get('reference', '?')}; EPLB swept over {m.get('redundancy_sweep')} redundant experts "

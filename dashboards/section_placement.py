@@ -836,7 +836,11 @@ def _share_figure(held: dict[str, NodeHoldings], res: Results, *, key: str) -> F
                 texttemplate="%{z:.0%}",
                 visible=i == 0,
                 name=STRATEGY_NAMES.get(s, s),
-                colorbar={"title": {"text": f"share (even: {100 / G:.0f}%)", "side": "right"}, "thickness": 14},
+                colorbar={
+                    "title": {"text": f"share (even: {100 / G:.0f}%)", "side": "right"},
+                    "thickness": 14,
+                    "tickformat": ".0%",  # the cells' unit
+                },
                 hovertemplate=f"{STRATEGY_NAMES.get(s, s)}<br>%{{y}} holds the experts of %{{z:.1%}} of %{{x}}'s "
                 "activations<extra></extra>",
             )

@@ -42,6 +42,7 @@ import moetrace.results as rf
 from moetrace.dashboards.page import Headline
 from moetrace.dashboards.results import Results
 from moetrace.dashboards.section_imbalance import _stages
+from moetrace.placement.decision import StageChoice
 from moetrace.stats import mean_skip_nan
 
 
@@ -171,7 +172,16 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
             f"{name(fastest)} would be {_change(fv)[1:]} faster but sends "
             f"{'-' if load is None else f'{load:.2f}'}× an even share to one node{limit}"
         )
-    if best_v is not None and best_v < 1.0:
+    winners = stage_winners(res)
+    dec = next((w.choice for w in winners if w.stage == "decode" and w.choice is not None), None)
+    keep = False
+    if dec is not None and dec.strategy in within:  # the one rule (decision.choose): ties, the 3 % floor
+        best, best_v = [dec.strategy], within[dec.strategy]
+        keep = dec.decision == dec.reference
+    if keep and best and best[0] != ref:
+        value = f"keep {ref}"
+        label = f"{dec.why if dec is not None else ''}; closest: {name(best[0])}: {facts(best[0])}"
+    elif best_v is not None and best_v < 1.0 and not keep:
         value = _change(best_v)
         label = f"{' = '.join(name(s) for s in best)}: {facts(best[0])}"
     else:
@@ -194,8 +204,22 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
                 if moe is not None
                 else "MoE-layer time not predicted: the model's expert size is unknown"
             )
+        kinds = (("MoE layers", "moe"), ("all-to-all", "a2a"))  # the verdict's measure first
+        pre = {
+            what_: finite(r.get(f"prefill_{c}_time_normalized_median"))
+            for what_, c in (kinds if moe_verdict else kinds[::-1])
+        } | {"inter-node bytes": finite(r.get("prefill_inter_node_normalized_median"))}
         if prefill is not None:
-            also.append(f"its prefill {'MoE layers' if moe_verdict else 'all-to-all'} {_change(prefill)}")
+            also.append("its prefill " + ", ".join(f"{w} {_change(v)}" for w, v in pre.items() if v is not None))
+        costs = {
+            "decode MoE layers": moe,
+            "decode all-to-all": a2a,
+            "decode inter-node bytes": finite(r.get("inter_node_normalized_median")),
+            **{f"prefill {w}": v for w, v in pre.items()},
+        }
+        worse = [f"{w} {_change(v)}" for w, v in costs.items() if v is not None and round(v, 3) > 1.0]
+        if worse and not note and best[0] != ref and value not in ("none", f"keep {ref}"):
+            note = f"{name(best[0])} is worse than {ref} in: {', '.join(worse)}"
     bounds = [f"{name(s)} {_change(float(b[col]))}" for s, b in rows.items() if s != ref and s not in REGISTERED]
     links = links_text(m)
     limit = (
@@ -228,13 +252,13 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
         link="Placement and all-to-all volume",
         source=res.source(rf.COMPARE_SUMMARY),
         note=note,
-        lines=tuple(w.text() for w in stage_winners(res)),
+        lines=tuple(w.text() for w in winners),
     )
 
 
 @dataclass(frozen=True, kw_only=True)
 class StageWinner:
-    """The fastest deployable strategy of one simulated stage (``stage_winners``)."""
+    """The decision of one simulated stage (``stage_winners``)."""
 
     stage: str  # "decode" or "prefill"
     copies: str  # the stage's copy model in words (``section_placement.COPY_MODELS``)
@@ -242,13 +266,17 @@ class StageWinner:
     ratio: float | None  # its predicted time per step in ``what`` / the reference's median (< 1: faster)
     reference: str  # the strategy it is compared with (``compare.json`` ``reference``)
     what: str = "all-to-all time"  # the measure: compare's verdict's (MoE-layer time), or all-to-all time
+    choice: StageChoice | None = None  # compare.json's ``verdict.stages`` (the one rule, every cost)
 
     def text(self) -> str:
-        """``decode (one copy per ...): joint (ours) −12% predicted all-to-all time per step vs linear``;
-        says so when no deployable strategy beats the reference."""
+        """``decode (one copy per ...): joint: MoE-layer time −17 %, all-to-all −20 %, inter-node bytes
+        −21 %`` (``decision.StageChoice.text``); results written before it: the fastest strategy in
+        ``what``, or that none beats the reference."""
         from moetrace.dashboards.section_placement import STRATEGY_NAMES
 
         head = f"{self.stage} ({self.copies})"
+        if self.choice is not None:
+            return f"{head}{self.choice.text().removeprefix(self.stage)}"
         if self.strategy is None or self.ratio is None:
             return f"{head}: no strategy with a predicted time"
         name = STRATEGY_NAMES.get(self.strategy, self.strategy)
@@ -264,10 +292,12 @@ _MOE_STAGE_COLUMNS = (("decode", "moe_time_normalized_median"), ("prefill", "pre
 
 
 def stage_winners(res: Results) -> list[StageWinner]:
-    """Per simulated stage (decode, then prefill when prefill steps were simulated), the deployable
-    strategy with the lowest predicted all-to-all time per step, from ``summary.parquet``: registered
-    strategies other than the reference and within ``max_node_load`` (bounds are never winners).
-    Each stage names the copy model it was simulated with (decode: ``dedup``, prefill:
+    """Per simulated stage (decode, then prefill when prefill steps were simulated), its decision:
+    compare.json's ``verdict.stages`` (``decision.choose``, the rule ``advise`` applies too: MoE-layer
+    time, under 3 % saved keep the reference, with every cost of the best option); for results written
+    before it, the deployable strategy with the lowest predicted time per step from ``summary.parquet``:
+    registered strategies other than the reference and within ``max_node_load`` (bounds are never
+    winners). Each stage names the copy model it was simulated with (decode: ``dedup``, prefill:
     ``prefill_dedup``). Empty for results written before the cost model."""
     from moetrace.dashboards.section_placement import finite, has_time, stage_copy_model
     from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
@@ -276,6 +306,23 @@ def stage_winners(res: Results) -> list[StageWinner]:
     if summary is None or not has_time(summary):
         return []
     m = res.compare
+    stages = (m.verdict or {}).get("stages") or {}
+    if stages:
+        out = []
+        for stage, obj in stages.items():
+            ch = StageChoice.from_json(obj)
+            out.append(
+                StageWinner(
+                    stage=stage,
+                    copies=stage_copy_model(m, stage),
+                    strategy=ch.strategy,
+                    ratio=None if ch.best is None else ch.time,
+                    reference=m.reference,
+                    what=ch.measure,
+                    choice=ch,
+                )
+            )
+        return out
     out = []
     moe_verdict = _moe_verdict(res)
     for stage, col in _MOE_STAGE_COLUMNS if moe_verdict else _STAGE_COLUMNS:

@@ -69,11 +69,13 @@ from moetrace.placement.advise_options import (
 )
 from moetrace.placement.advise_rearrange import Rearrangement
 from moetrace.placement.advise_types import Advice, Option
-from moetrace.placement.advise_verdicts import best_eplb, verdicts
+from moetrace.placement.advise_verdicts import best_eplb, stage_choices, verdicts
+from moetrace.placement.decision import stage_choices_json
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.eplb import ACCUMULATE, Accumulate
 from moetrace.placement.eplb_replicas import ReplicaRule, check_rule, rule_copies, slot_shares
 from moetrace.placement.hardware import CostModel, Hardware, default_hardware
+from moetrace.placement.held_out import held_out_R
 from moetrace.placement.maps import Placement
 from moetrace.placement.step_model import DedupUnit, copy_model, layer_seconds
 
@@ -646,6 +648,10 @@ def advise_arrays(
         missing=tuple(missing),
         rearrangement=cfg.rearrangement,
     )
+    best = stage_choices(rows, stages=list(stages), ref_key=ref_opt.key)  # the one rule (decision.choose)
+    recommended = list(
+        dict.fromkeys([*recommended, *((c.stage, c.decision) for c in best if c.decision != ref_opt.key)])
+    )
     placements = {
         f"{st}-{key}": next(o for o in options[st] if o.key == key) for st, key in recommended if st in options
     }
@@ -684,6 +690,7 @@ def advise_arrays(
         "drift_estimated": drift_estimated,
         "drift": drift,
         "verdicts": verdict_list,
+        "best": stage_choices_json(best),
         "recommended": [
             {"stage": st, "option": key, "placement": f"placements/{st}-{key}.json"} for st, key in recommended
         ],
@@ -864,10 +871,7 @@ def _load_trace(
     R = counts.num_requests
     if R < 4:
         raise TraceFormatError(f"{trace}: {R} requests; advise needs at least 4 (some to fit, some to evaluate)")
-    rng = np.random.default_rng(cfg.seed)  # compare's split (load_trace_data), so the same seed splits alike
-    n_test = min(max(1, int(round(R * cfg.test_fraction))), R - 1)
-    is_test = np.zeros(R, dtype=bool)
-    is_test[rng.permutation(R)[:n_test]] = True
+    is_test = held_out_R(R, test_fraction=cfg.test_fraction, seed=cfg.seed)  # compare's split: one seed, one split
     return TraceData(
         model=tr.model,
         trace_path=str(trace),
@@ -1074,7 +1078,7 @@ def advise_profile_counts(
         raise ConfigError("the profile holds neither prefill nor decode counts")
     missing = [
         "A load profile holds counts, not tokens: distinct destination ranks per token are n/a, the copy model "
-        "is one copy per (token, expert) whatever --dedup says, and ours (joint) and the other grouped strategies "
+        "is one copy per (token, expert) in both stages (a trace's prefill steps count one per node), and ours (joint) and the other grouped strategies "
         "need per-request routing."
     ]
     if mixed:

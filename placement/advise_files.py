@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,11 +19,12 @@ from moetrace import results as rf
 from moetrace.errors import TraceFormatError
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.eplb import ACCUMULATE_WHO
+from moetrace.placement.legends import ADVISE_LEGEND, legend_lines
 
 if TYPE_CHECKING:
     from moetrace.placement.advise_types import Advice
 
-__all__ = ["commands", "format_advice", "read_advice", "write_advice"]
+__all__ = ["best_lines", "commands", "format_advice", "read_advice", "write_advice"]
 
 
 # ------------------------------------------------------------------------------ commands
@@ -42,6 +44,7 @@ def commands(advice: Advice, *, out: str | os.PathLike) -> list[dict[str, Any]]:
         st, key = rec["stage"], rec["option"]
         opt = advice.placements[f"{st}-{key}"]
         path = f"{out}/{rec['placement']}"
+        exported = f"{out}/exports/{st}-{key}"  # beside the results they come from, one name per (stage, option)
         place = None
         eplb = opt.name in EPLB_STRATEGIES
         grouped = opt.name in STRATEGY_NAMES and get_strategy(opt.name).grouped
@@ -50,15 +53,16 @@ def commands(advice: Advice, *, out: str | os.PathLike) -> list[dict[str, Any]]:
             esum = f" --eplb-sum {man['eplb_sum']}" if eplb and man["eplb_sum"] != "float64" else ""
             place = (
                 f"moetrace place {input_path} --config {config}{gpn} --strategy {opt.name}{red}{esum} "
-                f"--test-fraction {man['test_fraction']} --seed {man['seed']} -o {st}-{key}.json"
+                f"--test-fraction {man['test_fraction']} --seed {man['seed']} -o {exported}.place.json"
             )
         exports: dict[str, str] = {
-            fmt: f"moetrace export {path} --format {fmt} -o {st}-{key}.{fmt}.{suffix[fmt]}" for fmt in PLACEMENT_EXPORTS
+            fmt: f"moetrace export {path} --format {fmt} -o {exported}.{fmt}.{suffix[fmt]}" for fmt in PLACEMENT_EXPORTS
         }
         if man["input_kind"] == "trace" and eplb:
             stage_arg = "both" if st == "both" else st
             exports["sglang (counts; SGLang runs its own EPLB)"] = (
-                f"moetrace export {input_path} --format sglang-logical-count --stage {stage_arg} -o logical_count.json"
+                f"moetrace export {input_path} --format sglang-logical-count --stage {stage_arg} "
+                f"-o {out}/exports/{st}-logical_count.json"
             )
         out_cmds.append({"stage": st, "option": key, "placement": path, "place": place, "export": exports})
     return out_cmds
@@ -154,14 +158,38 @@ def format_advice(advice: Advice, *, out: str | os.PathLike) -> str:
                     f"{r['activated_experts_per_gpu_max']:>7.2f} {sr:>9} {t:>9.3f} [{t10:.3f}, {t90:.3f}] "
                     f"{r['inter_node_vs_ref']:>8.3f} {moved:>9}"
                 )
-    lines.append("")
+    lines += ["", *legend_lines(ADVISE_LEGEND, indent="")]
+    lines += ["", *best_lines(man)]
+    lines.append("\nWhy, per stage (EPLB's sweep, the other strategies, what a rearrangement costs):")
     lines += [v["text"] for v in man["verdicts"]]
+    if commands(advice, out=out):
+        lines.append(f"\ncommands (each writes under {out}/exports/):")
     for c in commands(advice, out=out):
         lines.append(f"\n{c['stage']}: {c['option']} (placement file {c['placement']})")
         if c["place"]:
             lines.append(f"  {c['place']}")
         lines += [f"  {cmd}" for cmd in c["export"].values()]
     return "\n".join(lines)
+
+
+def best_lines(man: dict[str, Any]) -> list[str]:
+    """``Decision per stage ...``: advice.json's ``best`` (``decision.choose`` over every option) in words,
+    with how it relates to ``compare``."""
+    from moetrace.placement.decision import MIN_GAIN, StageChoice, objective, relation
+
+    best = man.get("best") or {}
+    if not best:
+        return []
+    ref = man["reference"]
+    choices = [StageChoice.from_json(b) for b in best.values()]
+    rule = objective(choices[0].measure)
+    head = f"Decision per stage (the rule compare applies too: {rule}; under {MIN_GAIN:.0%} saved: keep {ref}):"
+    texts = [ch.text() for ch in choices]
+    texts.append(relation(command="advise", strategies=man.get("strategies", [])))
+    out = textwrap.wrap(head, width=100, subsequent_indent="  ")
+    for t in texts:
+        out += textwrap.wrap(t, width=100, initial_indent="  ", subsequent_indent="    ")
+    return out
 
 
 def read_advice(path: str | os.PathLike) -> dict[str, Any]:

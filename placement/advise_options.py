@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from moetrace.errors import ConfigError
+from moetrace.placement.decision import EPLB_STRATEGIES
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.eplb import Accumulate, rebalance
 from moetrace.placement.maps import Placement
@@ -54,7 +55,6 @@ __all__ = [
 #: EPLB's policies as advise names them
 EplbPolicy = Literal["hierarchical", "global"]
 #: the strategies swept over redundant slots
-EPLB_STRATEGIES: tuple[str, ...] = ("eplb", "eplb_global")
 #: what advise evaluates when --strategies is not given (joint where per-request routing allows)
 DEFAULT_STRATEGIES: tuple[str, ...] = ("linear", "round_robin", "eplb", "eplb_global", "joint")
 

@@ -23,15 +23,22 @@ import numpy as np
 
 from moetrace.placement.advise_options import EPLB_STRATEGIES
 from moetrace.placement.advise_rearrange import Rearrangement, rearrangement_cost, rearrangement_text
+from moetrace.placement.decision import MIN_GAIN, WITHIN_BEST, Candidate, StageChoice, choose, pct
 
-__all__ = ["BALANCED", "DRIFT_GAP", "MIN_GAIN", "SEPARATE_BELOW", "WITHIN_BEST", "best_eplb", "pct", "verdicts"]
+__all__ = [
+    "BALANCED",
+    "DRIFT_GAP",
+    "MIN_GAIN",
+    "SEPARATE_BELOW",
+    "WITHIN_BEST",
+    "best_eplb",
+    "pct",
+    "stage_choices",
+    "verdicts",
+]
 
-#: a gain below this share of the reference's predicted MoE-layer time is reported as no gain
-MIN_GAIN = 0.03
 #: a reference at least this balanced (vLLM's figure, median over steps) is "already balanced"
 BALANCED = 0.90
-#: EPLB sweep points within this share of the best predicted time count as equally good (the fewest slots win)
-WITHIN_BEST = 0.01
 #: balancedness a placement refitted on the window before must gain over a static one to call the load moving
 DRIFT_GAP = 0.02
 #: prefill and decode loads correlating below this are better balanced separately
@@ -53,12 +60,6 @@ def best_eplb(cand: list[dict[str, Any]]) -> dict[str, Any] | None:
         return min((r for r in cand if r[key] >= best - WITHIN_BEST), key=lambda r: (r["num_redundant"], -r[key]))
     best = min(r[key] for r in cand)
     return min((r for r in cand if r[key] <= best * (1 + WITHIN_BEST)), key=lambda r: (r["num_redundant"], r[key]))
-
-
-def pct(x: float) -> str:
-    """A ratio as a signed change: ``0.83`` -> ``−17 %``, ``1.004`` -> ``+0.4 %``."""
-    v = (x - 1.0) * 100
-    return (f"{v:+.1f} %" if abs(v) < 9.95 else f"{v:+.0f} %").replace("-", "−")
 
 
 def _gb(x: float | None) -> str:
@@ -272,3 +273,28 @@ def verdicts(
     for miss in missing:
         out.append({"stage": None, "verdict": "missing", "option": None, "text": miss})
     return out, list(dict.fromkeys(recommended))
+
+
+def stage_choices(rows: list[dict[str, Any]], *, stages: list[str], ref_key: str) -> list[StageChoice]:
+    """Per stage (prefill, decode: each placement fitted on the stage it serves, on that stage's steps),
+    the decision over every evaluated option by ``decision.choose``: the rule ``compare`` and the
+    dashboard card use (MoE-layer time per step; all-to-all time when the expert size is unknown)."""
+    out = []
+    for st in (s for s in stages if s != "both"):
+        here = [r for r in rows if r["stage"] == st and r["steps"] == st]
+        if not here:
+            continue
+        tk, what = _time_key(next(r for r in here if r["option"] == ref_key))
+        cands = [
+            Candidate(
+                option=r["option"],
+                strategy=r["strategy"],
+                num_redundant=int(r["num_redundant"]),
+                time=float(r[f"{tk}_vs_ref"]),
+                a2a=float(r["a2a_vs_ref"]),
+                inter=float(r["inter_node_vs_ref"]),
+            )
+            for r in here
+        ]
+        out.append(choose(st, cands, reference=ref_key, measure=what.removeprefix("predicted ")))
+    return out

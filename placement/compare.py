@@ -41,6 +41,7 @@ from moetrace.placement.deployment import Deployment
 from moetrace.placement.exports import PlacementFile
 from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters
 from moetrace.placement.hardware import CostModel, Hardware, default_hardware
+from moetrace.placement.held_out import held_out_R
 from moetrace.placement.joint import effective_node_load_limit
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy
@@ -255,10 +256,8 @@ def load_trace_data(
     R = len(tr.request_arrays.request_id_R)
     if R < 4:
         raise TraceFormatError(f"{trace}: {R} requests; placement needs at least 4 (some to train, some to test)")
-    rng = np.random.default_rng(seed)
-    n_test = min(max(1, int(round(R * test_fraction))), R - 1)
-    is_test_all = np.zeros(R, dtype=bool)
-    is_test_all[rng.permutation(R)[:n_test]] = True
+    is_test_all = held_out_R(R, test_fraction=test_fraction, seed=seed)
+    n_test = int(is_test_all.sum())
     keep_rng = np.random.default_rng([seed, 27])  # its own stream: the split is the same with or without caps
     keep = np.sort(
         np.concatenate(
@@ -937,7 +936,8 @@ def run_compare(
         num_prefill_batches=cfg.num_prefill_batches if prefill else 0,
         expert=None if stepper.expert is None else stepper.expert.to_json(),
         skipped=skipped,
-        verdict=compare_verdict(metrics, placed, todo, reference=reference, measure=measure),
+        verdict=compare_verdict(metrics, placed, todo, reference=reference, measure=measure)
+        | {"stages": _stage_choices(metrics, prefill, placed, todo, reference, measure, cfg.num_redundant)},
         bound_failures=bound_failures,
         tokens_from=data.tokens_from,
         **request_caps(data),
@@ -1051,6 +1051,48 @@ def compare_verdict(
         "time_normalized": {s: ratio(s, measure) for s in strategies},
         "a2a_time_normalized": {s: ratio(s, "a2a") for s in strategies},
     }
+
+
+def _stage_choices(
+    decode: dict[str, dict[str, np.ndarray]],
+    prefill: dict[str, dict[str, np.ndarray]],
+    placed: dict[str, PlacedStrategy],
+    strategies: Sequence[str],
+    reference: str,
+    measure: Measure,
+    num_redundant: int,
+) -> dict[str, dict[str, Any]]:
+    """compare.json's ``verdict.stages``: per simulated stage the decision over ``strategies`` (bounds
+    never) by ``decision.choose``, the rule ``advise`` and the dashboard card apply too."""
+    from moetrace.placement.decision import Candidate, choose, option_key, stage_choices_json
+
+    def over(x: float, r: float) -> float:
+        return x / r if r > 0 else float("nan")
+
+    def inter(m: dict[str, np.ndarray]) -> float:
+        return float(np.median(_inter_BL(m).sum(1)))
+
+    out = []
+    for stage, metrics in (("decode", decode), ("prefill", prefill)):
+        if reference not in metrics:
+            continue
+        ref = metrics[reference]
+        cands = [
+            Candidate(
+                option=option_key(s, num_redundant),
+                strategy=s,
+                num_redundant=num_redundant,
+                time=over(seconds_median(metrics[s], measure), seconds_median(ref, measure)),
+                a2a=over(seconds_median(metrics[s], "a2a"), seconds_median(ref, "a2a")),
+                inter=over(inter(metrics[s]), inter(ref)),
+                deployable=within_limit(placed[s]),
+            )
+            for s in strategies
+            if s in metrics
+        ]
+        what = "MoE-layer time" if measure == "moe" else "all-to-all time"
+        out.append(choose(stage, cands, reference=option_key(reference, num_redundant), measure=what))
+    return stage_choices_json(out)
 
 
 def validation_pricer(data: TraceData, cfg: CompareConfig) -> Callable[..., dict[str, dict[str, float]]] | None:

@@ -17,9 +17,13 @@ Out of scope: computing anything (``compare``); colours and streams (the CLI dec
 
 from __future__ import annotations
 
+import textwrap
+
 from moetrace.placement.compare import MIN_HELD_OUT_REQUESTS, CompareResult, PlacedStrategy
 from moetrace.placement.compare_manifest import CompareManifest
 from moetrace.placement.cost import expert_unknown_reason
+from moetrace.placement.decision import MIN_GAIN, StageChoice, objective, relation
+from moetrace.placement.legends import COMPARE_LEGEND, WORSE, legend_lines
 from moetrace.placement.strategies import get_strategy
 from moetrace.sizes import human_bytes
 
@@ -98,20 +102,33 @@ def what_if_line(n: int) -> str:
     )
 
 
+def _mark(x: float, width: int) -> str:
+    """A ratio over linear's, ``WORSE`` after it when worse (above 1.000 at three decimals)."""
+    if x != x:
+        return f"{'n/a':>{width}} "
+    return f"{x:>{width}.3f}{WORSE if round(x, 3) > 1.0 else ' '}"
+
+
+def _captured(cap: float | None) -> str:
+    """``of oracle``: the share of the oracle's saving reached, never shown past 0-100 % without a mark
+    (``>100%``: the bound was beaten; ``<0%``: slower than linear)."""
+    if cap is None:
+        return "-"
+    c = round(cap, 2)
+    return "<0%" if c < 0 else ">100%" if c > 1.0 else f"{c or 0.0:.0%}"
+
+
 def format_compare_summary(result: CompareResult) -> str:
-    """Header lines (deployment, split, batches, the copy model and links), then one aligned row per
-    strategy and the bounds: predicted decode MoE-layer time per step over linear's median (p10, p90;
-    the verdict's measure, all-to-all time when the expert size is unknown), predicted all-to-all time
-    beside it, then inter-node bytes (a means, not the verdict), router match rate,
-    node load (held-out requests routed to the busiest node over an even share; ``!`` over the limit),
-    the busiest GPU's tokens over the mean GPU's, and the share of the oracle's byte saving reached;
-    with prefill steps, their all-to-all time too."""
+    """Header lines (deployment, split, steps, the copy model and links), then one table per simulated
+    stage, each with every cost over linear's median: decode (MoE-layer time with p10 and p90, all-to-all
+    time, inter-node bytes and the bytes themselves, router match rate, node load, GPU load, the share of
+    the oracle's saving reached) and prefill (MoE-layer time, all-to-all time, inter-node bytes); a figure
+    worse than linear's is marked ``WORSE``. Then the best option per stage by the one rule
+    (``decision``), how it relates to ``advise``, the legend and the ranking (``verdict``)."""
     c = result.manifest
     pre = bool(result.prefill_metrics)
     measure = result.measure
-    lead, beside = ("moe", "a2a") if measure == "moe" else ("a2a", "moe")
-    first = f"{'strategy':<16} {'MoE time' if lead == 'moe' else 'a2a time':>8}"
-    second = "a2a time" if lead == "moe" else "MoE time"
+    lead, beside = ("moe", "a2a") if measure == "moe" else ("a2a", "moe")  # the decisions' measure first
     lines = [
         f"{c.deployment} ({c.num_nodes} nodes), "
         + (
@@ -129,51 +146,91 @@ def format_compare_summary(result: CompareResult) -> str:
         + (f", {c.num_prefill_batches} prefill steps of {c.prefill_tokens_per_node} tokens per node" if pre else ""),
         copy_model_line(c),
         *([what_if_line(c.route_first_decode)] if c.route_first_decode else []),
-        f"predicted time per step over linear's median (lower is better); the verdict is {_MEASURE_WORDS[measure]}, "
-        + ("all-to-all time (dispatch + combine) beside it; " if measure == "moe" else "")
-        + "inter-node bytes likewise",
-        f"{first:<16} {'p10':>6} {'p90':>6} {second:>8} {'inter bytes':>11} {'/batch':>9} "
-        f"{'router':>7} {'node load':>9} {'GPU load':>8} {'of oracle':>9}"
-        + (f" {'prefill MoE' if lead == 'moe' else 'prefill a2a':>11}" if pre else ""),
+        f"every figure over linear's median (lower is better; {WORSE}: worse than linear); decisions rank by "
+        f"{_MEASURE_WORDS[measure]}",
+        "",
+        "decode steps:",
+        f"{'strategy':<16} {_NAME[lead]:>9} {'p10':>6} {'p90':>6} {_NAME[beside]:>9} {'inter B':>8} {'/step':>9} "
+        f"{'router':>7} {'node load':>9} {'GPU load':>8} {'of oracle':>9}",
     ]
     rows = result.summary_rows()
+    beaten = False
     for i, r in enumerate(rows):
         if r["is_bound"] and (i == 0 or not rows[i - 1]["is_bound"]):
-            kinds = sorted({k for k in c.bound_kinds.values() if k})
-            lines.append(
-                "upper bounds (they see the held-out requests' decode; not deployable"
-                + (f"; best found: from {', '.join(kinds)}" if kinds and kinds != ["joint"] else "")
-                + "):"
-            )
+            lines.append(_bounds_header(c))
         router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
         load = r.get("busiest_node_load")
         load_s = "-" if load is None else f"{load:.2f}" + ("!" if r["over_node_load_limit"] else "")
-        cap = r["oracle_captured"]
-        # worse than linear: "<0%" (the ratio explodes when the oracle saves little); no "-0%"
-        captured = "-" if cap is None else "<0%" if round(cap, 2) < 0 else f"{round(cap, 2) or 0.0:.0%}"
+        captured = _captured(r["oracle_captured"])
+        beaten |= captured == ">100%"
         lines.append(
-            f"{r['strategy']:<16} {_ratio(r[f'{lead}_time_normalized_median']):>8} "
+            f"{r['strategy']:<16} {_mark(r[f'{lead}_time_normalized_median'], 8)}"
             f"{_ratio(r[f'{lead}_time_normalized_p10']):>6} {_ratio(r[f'{lead}_time_normalized_p90']):>6} "
-            f"{_ratio(r[f'{beside}_time_normalized_median']):>8} "
-            f"{r['inter_node_normalized_median']:>11.3f} {human_bytes(r['inter_node_bytes_per_batch_median']):>9} "
+            f"{_mark(r[f'{beside}_time_normalized_median'], 8)}{_mark(r['inter_node_normalized_median'], 7)}"
+            f"{human_bytes(r['inter_node_bytes_per_batch_median']):>9} "
             f"{router:>7} {load_s:>9} {r['busiest_gpu_load']:>8.2f} {captured:>9}"
-            + (f" {_ratio(r[f'prefill_{lead}_time_normalized_median']):>11}" if pre else "")
         )
     if c.expert_copy_floor is not None:  # dedup expert, no redundancy: a proven bound, not a placement
         J = result.model.num_experts // c.num_nodes
         lines.append(
-            f"{'floor':<16} {'':>8} {'':>6} {'':>6} {'':>8} {c.expert_copy_floor:>11.3f}  inter-node bytes, proven for any "
-            f"placement: each held-out request on a node of its own top {J} experts per layer"
+            f"{'floor':<16} {'':>9} {'':>6} {'':>6} {'':>9} {max(c.expert_copy_floor, 0.0):>7.3f}  inter-node bytes, proven "
+            f"for any placement: each held-out request on a node of its own top {J} experts per layer"
         )
+    if pre:
+        lines += ["", "prefill steps:", f"{'strategy':<16} {_NAME[lead]:>9} {_NAME[beside]:>9} {'inter B':>8}"]
+        for i, r in enumerate(rows):
+            if r["is_bound"] and (i == 0 or not rows[i - 1]["is_bound"]):
+                lines.append("the bounds above, on prefill steps (not deployable):")
+            lines.append(
+                f"{r['strategy']:<16} {_mark(r[f'prefill_{lead}_time_normalized_median'], 8)}"
+                f"{_mark(r[f'prefill_{beside}_time_normalized_median'], 8)}"
+                f"{_mark(r['prefill_inter_node_normalized_median'], 7)}"
+            )
     over = [r["strategy"] for r in rows if r["over_node_load_limit"] and not r["is_bound"]]
     if over:
         lines.append(
             f"! node load over --max-node-load {c.max_node_load:g}: {', '.join(over)} (that node is every step's "
             "straggler, or its queue grows; bounds keep within the limit)"
         )
+    if beaten:
+        lines.append(
+            "of oracle >100%: a deployable row beat the oracle bound (the best placement a solver found seeing the "
+            "held-out decode, not a proof; small held-out sets make it overfit them)"
+        )
+    lines += ["", *legend_lines(COMPARE_LEGEND, indent="")]
+    lines += ["", *decision_lines(c)]
     if c.verdict is not None:
         lines.append(verdict_line(c.verdict, reference=c.reference))
     return "\n".join(lines)
+
+
+#: the time columns' headers
+_NAME = {"moe": "MoE time", "a2a": "a2a time"}
+
+
+def _bounds_header(c: CompareManifest) -> str:
+    kinds = sorted({k for k in c.bound_kinds.values() if k})
+    return (
+        "upper bounds (they see the held-out requests' decode; not deployable"
+        + (f"; best found: from {', '.join(kinds)}" if kinds and kinds != ["joint"] else "")
+        + "):"
+    )
+
+
+def decision_lines(c: CompareManifest) -> list[str]:
+    """``best per stage ...``: compare.json's ``verdict.stages`` in words, and how it relates to advise."""
+    stages = (c.verdict or {}).get("stages") or {}
+    if not stages:
+        return []
+    choices = [StageChoice.from_json(st) for st in stages.values()]
+    rule = objective(choices[0].measure)
+    head = f"best per stage (the rule advise applies too: {rule}; under {MIN_GAIN:.0%} saved: keep linear):"
+    texts = [ch.text() for ch in choices]
+    texts.append(relation(command="compare", strategies=c.strategies, num_redundant=c.num_redundant))
+    out = textwrap.wrap(head, width=100, subsequent_indent="  ")
+    for t in texts:
+        out += textwrap.wrap(t, width=100, initial_indent="  ", subsequent_indent="    ")
+    return out
 
 
 #: the verdict's measure in words
@@ -234,9 +291,17 @@ def compare_notes(result: CompareResult) -> list[str]:
             + "; read the figures as an illustration of the placement, not of a serving engine's requests"
         )
     notes += [f"note: {c.tokens_from}"] if c.tokens_from is not None else []
+    few = c.num_test_requests < MIN_HELD_OUT_REQUESTS * c.num_nodes  # too few to reach every node by chance
     notes += [
         f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
-        "to them; those nodes idled in every step (more requests or fewer clusters avoid this)"
+        "to them; those nodes idled in every step "
+        + (
+            "(more held-out requests or fewer clusters avoid this)"
+            if few
+            else f"although {c.num_test_requests} requests were held out: its router sends whole clusters to "
+            "nodes and none chose these (fewer --clusters, or joint/ours, whose routers keep every node within "
+            "--max-node-load)"
+        )
         for r in result.summary_rows()
         if r["groups_without_routed_requests"]
     ]

@@ -222,14 +222,20 @@ def test_summary_card_comes_first_with_the_results_numbers(loaded):
         assert card["first"] == "summary"
         assert card["bottom"] <= card["section_top"] and 0 <= card["top"] < 900  # first, on the first screen
         by = {h["key"]: h for h in card["headlines"]}
-        assert list(by) == ["imbalance", "placement"] == list(rep.headlines)  # no a2a results: no a2a headline
+        assert list(by) == ["placement", "imbalance"] == list(rep.headlines)  # decision first; no a2a: no a2a headline
         assert by["imbalance"]["value"] == f"{mean_if:.2f}×"
         assert f"worst layer {worst['model_layer']}: {worst['imbalance_factor']:.2f}×" in by["imbalance"]["detail"]
         assert f"median {summary['imbalance']['batch_if']['all']['prefill']:.2f}×" in by["imbalance"]["detail"]
         if timed:
             from moetrace.dashboards.section_placement import STRATEGY_NAMES
 
-            if best < 1.0:
+            stages = (json.loads((p.compare / "compare.json").read_text()).get("verdict") or {}).get("stages") or {}
+            dec = stages.get("decode") or {}
+            if dec.get("decision") == "linear" and dec.get("best") not in (None, "linear"):
+                # the one rule (placement.decision): under 3 % saved the card says to keep linear, closest named
+                assert by["placement"]["value"] == "keep linear"
+                assert f"closest: {STRATEGY_NAMES[dec['strategy']]}" in by["placement"]["label"]
+            elif best < 1.0:
                 assert by["placement"]["value"] == by["placement"]["label"].split(": ", 1)[1].split()[0]
                 assert by["placement"]["value"].startswith("−")
                 # the fastest row names the card, with the rows tied with it ("joint (ours) = ours")

@@ -40,6 +40,7 @@ def test_prints_each_step_as_a_command_to_copy_and_the_dashboard_path(demo):
         "validate",
         "analyze",
         "compare",
+        "advise",
         "place",
         "export",
         "export",
@@ -73,19 +74,21 @@ def test_report_opens_offline(demo):
     assert len(html) > 1_000_000 and "<script src=" not in html  # plotly.js is embedded, nothing fetched
 
 
-def test_closes_with_the_winner_of_each_stage_and_its_copy_model(demo):
-    """The last lines name the fastest deployable placement of decode and of prefill, each with the
-    copies its kernel sends, as the compare results hold them."""
-    import polars as pl
-
-    from moetrace.dashboards.section_placement import STRATEGY_NAMES
+def test_closes_with_the_decision_of_each_stage_and_how_compare_relates(demo):
+    """The last lines name each stage's decision by the one rule (advise's options: advice.json
+    ``best``), then compare's best of its strategies (compare.json ``verdict.stages``) with the copies
+    each stage's kernel sends, and what place wrote."""
+    from moetrace.placement.decision import StageChoice
 
     out, output = demo
-    tail = output.split("winner per stage", 1)[1].splitlines()[1:3]
-    assert tail[0].startswith("  decode (one copy per (token, expert)")
-    assert tail[1].startswith("  prefill (one copy per node")
-    summary = pl.read_parquet(out / "results" / "synth-dsv3-compare" / "summary.parquet")
-    ok = summary.filter(~pl.col("is_bound") & ~pl.col("over_node_load_limit") & (pl.col("strategy") != "linear"))
-    for line, col in zip(tail, ("a2a_time_normalized_median", "prefill_a2a_time_normalized_median")):
-        best = ok.sort(col).row(0, named=True)
-        assert STRATEGY_NAMES[best["strategy"]] in line
+    advised = json.loads((out / "results" / "synth-dsv3-advice" / "advice.json").read_text())["best"]
+    tail = output.split("decision per stage (advise", 1)[1].splitlines()
+    for stage in ("prefill", "decode"):
+        assert f"  {StageChoice.from_json(advised[stage]).text()}" in tail
+    compared = json.loads((out / "results" / "synth-dsv3-compare" / "compare.json").read_text())["verdict"]["stages"]
+    rest = output.split("compare's best per stage among its strategies", 1)[1].splitlines()[1:3]
+    assert rest[0].startswith("  decode (one copy per (token, expert)")
+    assert rest[1].startswith("  prefill (one copy per node")
+    for line, stage in zip(rest, ("decode", "prefill")):
+        assert StageChoice.from_json(compared[stage]).text().removeprefix(stage) in line
+    assert "place wrote" in output and "ours chose" in output

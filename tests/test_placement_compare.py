@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -363,7 +364,9 @@ def test_compare_prints_the_library_summary(planted):
         ],
     )
     assert r.exit_code == 0, r.output
-    lines = r.output.splitlines()
+    assert r.output.startswith("note: no -o: the results are printed, nothing is saved")  # said before the work
+    assert r.output.rstrip().endswith("nothing saved (no -o): add -o DIR to keep the results for `moetrace dashboard`")
+    lines = r.output.splitlines()[1:]
     assert lines[0].startswith("DP2TP4EP8 (2 nodes), 64 train / 16 test requests, 10 decode steps of 8 requests")
     assert (
         lines[1].startswith("copies: decode: one copy per (token, expert)")
@@ -371,17 +374,18 @@ def test_compare_prints_the_library_summary(planted):
     )
     assert lines[2].startswith("step model: h100 (fitted to measured tables); decode kernel deepep-ll: dispatch fp8")
     assert lines[3].startswith("links: NVLink 254 GB/s") and "MoE-layer time n/a" in lines[3]
-    head = lines[5].split()
+    t = lines[:4] + lines[lines.index("decode steps:") :]  # the table under its stage's title
+    head = t[5].split()
     assert head[:3] == ["strategy", "a2a", "time"] and head.index("inter") > head.index(
         "MoE"
     )  # time first, bytes after
-    row = dict(zip(["strategy", "a2a", "p10", "p90", "moe", "bytes"], lines[6].split()))
+    row = dict(zip(["strategy", "a2a", "p10", "p90", "moe", "bytes"], t[6].split()))
     assert row["strategy"] == "linear" and row["a2a"] == "1.000" and row["bytes"] == "1.000" and row["moe"] == "n/a"
-    assert lines[6].split()[-5:-3] == ["-", "1.00"]  # linear routes nothing: even nodes
-    row = lines[7].split()
-    assert row[0] == "data" and row[-5] == "100%"  # every token local: the router matches its decode
-    assert lines[8].startswith("upper bounds (they see the held-out requests' decode; not deployable")
-    assert [ln.split()[0] for ln in lines[9:11]] == ["perfect_routing", "oracle"]
+    assert t[6].split()[-4:-2] == ["-", "1.00"]  # linear routes nothing: even nodes
+    row = t[7].split()
+    assert row[0] == "data" and row[-4] == "100%"  # every token local: the router matches its decode
+    assert t[8].startswith("upper bounds (they see the held-out requests' decode; not deployable")
+    assert [ln.split()[0] for ln in t[9:11]] == ["perfect_routing", "oracle"]
     data = load_trace_data(planted, test_fraction=0.2, seed=0)
     res = run_compare(
         data,
@@ -397,10 +401,12 @@ def test_compare_prints_the_library_summary(planted):
     held_out = "warning: 16 held-out request(s) (fewer than 20): every step draws from the same few"
     assert [n[: len(held_out)] for n in compare_notes(res)] == [held_out]  # 80 requests, a fifth held out
     res.placed["data"].extra["groups_without_routed_requests"] = [1]
-    assert compare_notes(res)[1:] == [
+    assert compare_notes(res)[1:] == [  # 16 held-out requests on 2 nodes: too few to reach both by chance
         "note: data: 1 group(s) had no held-out request routed to them; those nodes idled in every step "
-        "(more requests or fewer clusters avoid this)"
+        "(more held-out requests or fewer clusters avoid this)"
     ]
+    many = replace(res, manifest=replace(res.manifest, num_test_requests=2000))  # at scale: the router's doing
+    assert "although 2000 requests were held out" in compare_notes(many)[-1]
 
 
 def test_the_verdict_follows_moe_layer_time_where_all_to_all_time_ranks_otherwise():

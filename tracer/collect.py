@@ -120,7 +120,7 @@ class CollectResult:
             f"({rate:,.0f} tokens/s)",
             f"  {holds}: {s.num_requests} requests, {s.num_tokens} tokens, {s.num_parts} parts, "
             f"{human_bytes(s.bytes_on_disk)}",
-            f"  next: moetrace validate {out}   |   moetrace analyze {out} -o {Path(str(out) + '-analysis')}",
+            f"  next: moetrace validate {out}   |   moetrace analyze {out} -o {analysis_dir(Path(out))}",
         ]
         return lines
 
@@ -242,3 +242,12 @@ def collect(
         seconds=time.perf_counter() - t0,
         shard=shard,
     )
+
+
+def analysis_dir(trace: Path) -> Path:
+    """Where ``collect``'s ``next:`` hint puts the analysis: ``out/results/NAME-analysis`` for a trace in
+    ``out/traces/NAME`` (results beside the traces, as the README lays them out), else ``NAME-analysis``
+    beside the trace."""
+    if trace.parent.name == "traces":
+        return trace.parent.parent / "results" / f"{trace.name}-analysis"
+    return trace.with_name(f"{trace.name}-analysis")

@@ -21,6 +21,7 @@ from moetrace.cli.common import (
     read_model_config,
 )
 from moetrace.cli.place import ConfigOpt, EplbSumOpt, GpusPerNode, LinkOpt
+from moetrace.placement.legends import ADVISE_LEGEND, help_epilog
 from moetrace.placement.strategies import STRATEGY_NAMES
 
 #: advise's defaults, named once for the options' help (the library's: placement/advise*.py)
@@ -28,7 +29,11 @@ _DEFAULTS = "linear,round_robin,eplb,eplb_global,joint"
 
 
 def register(app: typer.Typer) -> None:
-    app.command("advise", short_help="Should I enable EPLB? With how many redundant experts?")(advise_cmd)
+    app.command(
+        "advise",
+        short_help="Should I enable EPLB? With how many redundant experts?",
+        epilog=help_epilog(ADVISE_LEGEND, title="The tables' columns (printed under them too):"),
+    )(advise_cmd)
 
 
 @friendly_errors

@@ -14,6 +14,15 @@ def register(app: typer.Typer) -> None:
     app.command("dashboard", short_help="Write the interactive offline HTML report.")(dashboard_cmd)
 
 
+def default_out(inputs: list[Path]) -> Path:
+    """``report.html`` in the deepest folder holding every input (``out/`` for ``out/traces/x`` and
+    ``out/results/y``), never the current directory unless the inputs are there."""
+    import os
+
+    parents = [str(p.resolve().parent) for p in inputs] or ["."]
+    return Path(os.path.commonpath(parents)) / "report.html"
+
+
 @friendly_errors
 def dashboard_cmd(
     inputs: Annotated[
@@ -23,7 +32,15 @@ def dashboard_cmd(
             show_default=False,
         ),
     ],
-    out: Annotated[Path, typer.Option("--out", "-o", help="The HTML file to write.")] = Path("report.html"),
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            "-o",
+            help="The HTML file to write (default: report.html in the folder holding the inputs).",
+            show_default=False,
+        ),
+    ] = None,
     max_points: Annotated[
         int, typer.Option(help="Most points drawn per scatter; larger clouds are sampled down (the cap is shown).")
     ] = 20_000,
@@ -42,6 +59,9 @@ def dashboard_cmd(
     """
     from moetrace.dashboards.report import DashboardConfig, write_dashboard
 
+    if out is None:
+        out = default_out(inputs)
+        typer.echo(f"no -o: writing {out} (beside the inputs)")
     with (
         claim_output(out, kind="file", overwrite=overwrite, command="moetrace dashboard", inputs=inputs),
         progress_bar("dashboard", "steps", quiet=quiet) as bar,

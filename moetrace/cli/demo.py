@@ -28,6 +28,11 @@ def compare_dir(out: Path) -> Path:
     return out / "results" / "synth-dsv3-compare"
 
 
+def advice_dir(out: Path) -> Path:
+    """Where the demo's ``advise`` step writes its results."""
+    return out / "results" / "synth-dsv3-advice"
+
+
 def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_requests: int, seed: int) -> list[list[str]]:
     """The demo's command lines (without the leading ``moetrace``)."""
     tiny, tiny_an = out / "traces" / "tiny-dsv3", out / "results" / "tiny-dsv3-analysis"
@@ -85,6 +90,7 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
             str(cmp_),
             "--overwrite",
         ],
+        ["advise", str(syn), "--config", "DP8TP8EP64", "--seed", str(seed), "-o", str(advice_dir(out)), "--overwrite"],
         [
             "place",
             str(syn),
@@ -123,6 +129,7 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
             str(syn),
             str(syn_an),
             str(cmp_),
+            str(advice_dir(out)),
             "-o",
             str(out / "report.html"),
             "--overwrite",
@@ -130,16 +137,55 @@ def demo_steps(out: Path, *, per_dataset: int, max_new_tokens: int, synth_reques
     ]
 
 
-def winners_text(results: Path) -> str:
-    """The closing lines: the fastest deployable placement of each simulated stage, with the copy
-    model (kernel) that stage was simulated with, read from the ``compare`` results."""
+def winners_text(results: Path, advice: Path | None = None, placement: Path | None = None) -> str:
+    """The closing lines: the decision of each stage by the one rule (``placement.decision``: MoE-layer
+    time per step, under 3 % saved keep linear) over advise's options when ``advice`` is given, then
+    compare's over its strategy list (each stage with the copy model it was simulated with), how the
+    two relate, and what ``place`` wrote."""
     from moetrace.dashboards.inputs import detect
     from moetrace.dashboards.results import Results
     from moetrace.dashboards.summary import stage_winners
+    from moetrace.placement.decision import relation
 
-    winners = stage_winners(Results.from_input(detect(results)))
-    head = "winner per stage (held-out requests; each stage with the copies its kernel sends):"
-    return "\n".join([head, *(f"  {w.text()}" for w in winners)])
+    lines = []
+    decided: dict[str, str] = {}
+    if advice is not None and (advice / "advice.json").is_file():
+        from moetrace.placement.advise_files import read_advice
+        from moetrace.placement.decision import StageChoice
+
+        best = read_advice(advice).get("best") or {}
+        if best:
+            lines.append("decision per stage (advise: every option, each fitted on the stage it serves):")
+            for st, obj in best.items():
+                ch = StageChoice.from_json(obj)
+                decided[st] = ch.decision
+                lines.append(f"  {ch.text()}")
+    res = Results.from_input(detect(results))
+    winners = stage_winners(res)
+    head = "compare's best per stage among its strategies (held-out requests; each stage with its kernel's copies):"
+    lines += [head, *(f"  {w.text()}" for w in winners)]
+    differ = [
+        w.stage
+        for w in winners
+        if w.choice is not None and w.stage in decided and w.choice.decision != decided[w.stage]
+    ]
+    if differ:
+        v = res.compare
+        lines.append(
+            f"  they differ on {', '.join(differ)}: "
+            + relation(command="compare", strategies=v.strategies, num_redundant=v.num_redundant)
+        )
+    if placement is not None and placement.is_file():
+        import json
+
+        obj = json.loads(placement.read_text())
+        choice = (obj.get("provenance") or obj.get("source") or {}).get("ours_choice")
+        lines.append(
+            f"place wrote {placement}"
+            + (f" (ours chose {choice})" if choice else "")
+            + f": {relation(command='place', strategies=())}"
+        )
+    return "\n".join(lines)
 
 
 @friendly_errors
@@ -156,8 +202,9 @@ def demo_cmd(
 
     Collects a trace with the tiny DeepSeek-V3 on the bundled prompts, validates and analyzes it,
     synthesizes a DeepSeek-V3-scale trace with planted domain structure, compares expert placements
-    at DP8TP8EP64 on held-out requests, exports the recommended one, writes report.html and names
-    the fastest placement of each stage (decode, prefill).
+    at DP8TP8EP64 on held-out requests, advises per stage (EPLB, redundant experts, ours), exports
+    the recommended placement, writes report.html and names the decision of each stage (decode,
+    prefill) by one rule: predicted MoE-layer time per step.
 
     Example: moetrace demo -o demo-out
     """
@@ -177,6 +224,6 @@ def demo_cmd(
         typer.echo(f"  ({time.perf_counter() - t0:.1f}s)")
     report = (out / "report.html").resolve()
     typer.secho(f"\ndemo finished in {time.perf_counter() - t_all:.0f}s", fg=typer.colors.GREEN, bold=True)
-    typer.echo(winners_text(compare_dir(out)))
+    typer.echo(winners_text(compare_dir(out), advice_dir(out), out / "placement" / f"{RECOMMENDED}.json"))
     typer.echo(f"dashboard: {report}")
     typer.echo(f"open it in a browser: file://{report}")

@@ -24,6 +24,7 @@ from moetrace.cli.common import (
     read_model_config,
 )
 from moetrace.errors import ConfigError
+from moetrace.placement.legends import COMPARE_LEGEND, help_epilog
 from moetrace.placement.strategies import RECOMMENDED, STRATEGIES, STRATEGY_NAMES
 
 if TYPE_CHECKING:
@@ -101,7 +102,11 @@ StrategiesOpt = Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.
 
 def register(app: typer.Typer) -> None:
     app.command("place", short_help="Compute one expert placement (placement JSON).")(place_cmd)
-    app.command("compare", short_help="Rank placement strategies on held-out requests.")(compare_cmd)
+    app.command(
+        "compare",
+        short_help="Rank placement strategies on held-out requests.",
+        epilog=help_epilog(COMPARE_LEGEND, title="The table's columns (printed under it too):"),
+    )(compare_cmd)
     app.command("export", short_help="Convert a placement to a serving engine's format.")(export_cmd)
 
 
@@ -219,6 +224,20 @@ def place_cmd(
     used = ps.extra.get("eplb_sum")
     summed = f" (EPLB summed in {used}, {ACCUMULATE_WHO[used]})" if used else ""
     typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)}{summed} -> {out}")
+    typer.echo(place_relation(strategy, redundancy))
+
+
+def place_relation(strategy: str, redundancy: int) -> str:
+    """How ``place``'s answer relates to ``compare``'s and ``advise``'s (``decision.relation``)."""
+    from moetrace.placement.decision import relation
+
+    if strategy == RECOMMENDED:
+        return f"note: {relation(command='place', strategies=())}"
+    return (
+        f"note: the strategy you named ({strategy}{f', {redundancy} redundant' if redundancy else ''}), one "
+        "placement for both "
+        "stages; the best option per stage by the same objective: `moetrace advise` (or `moetrace compare`)"
+    )
 
 
 @friendly_errors
@@ -287,6 +306,8 @@ def compare_cmd(
         seed=seed,
         route_first_decode=parse_route_on(route_on),
     )
+    if out is None:  # said before minutes of work, and again at the end
+        typer.secho("note: no -o: the results are printed, nothing is saved", fg=typer.colors.YELLOW, err=True)
     # before minutes of work
     with claim_output(out, kind="results", overwrite=overwrite, command="moetrace compare", result=COMPARE):
         check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
@@ -301,6 +322,8 @@ def compare_cmd(
         if out is not None:
             files = write_results(result, out)
             typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
+        else:
+            typer.echo("nothing saved (no -o): add -o DIR to keep the results for `moetrace dashboard`")
 
 
 @friendly_errors
