@@ -23,9 +23,7 @@ Out of scope: TensorRT-LLM's YAML (read it back with ``moetrace place``' own fil
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -87,19 +85,13 @@ def read_current(path: str | os.PathLike, *, model: ModelInfo, num_ranks: int) -
     from moetrace.placement.exports import load_placement
 
     where = str(path)
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise TraceFormatError(
-            f"{where}: no such file (--current takes a placement or an engine's expert map)"
-        ) from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        raise TraceFormatError(
-            f"{where}: not JSON; --current reads moetrace's placement JSON, SGLang's physical_to_logical_map, "
-            "vLLM's list of rows or vllm-ascend's expert map"
-        ) from None
+    from moetrace.inputs import read_input_json
+    from moetrace.placement.exports import MAX_PLACEMENT_BYTES
+
+    if not os.path.lexists(path):
+        raise TraceFormatError(f"{where}: no such file (--current takes a placement or an engine's expert map)")
+    # a regular file only (a pipe never blocks), UTF-8 JSON of bounded size, integers of bounded digits
+    obj = read_input_json(path, what=f"--current {where}", max_bytes=MAX_PLACEMENT_BYTES)
     if isinstance(obj, dict) and obj.get("format") == PLACEMENT.format:
         pf = load_placement(path)
         if pf.model.num_experts != model.num_experts or tuple(pf.model.moe_layers) != tuple(model.moe_layers):

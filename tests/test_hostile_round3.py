@@ -189,6 +189,16 @@ CASES: dict[str, Case] = {
         r"is the input",
     ),
     "import F -o F --overwrite": Case(lambda d: _import(_jsonl(d), d / "in.jsonl"), r"is the input"),
+    "compare T -o T --overwrite": Case(
+        lambda d: ["compare", str(_trace(d)), *DEPLOY, "-o", str(d / "t"), "--overwrite"], r"is the input"
+    ),
+    "advise T -o parent-of-T --overwrite": Case(
+        lambda d: ["advise", str(_trace(d)), *DEPLOY, "-o", str(d), "--overwrite"], r"contains the input"
+    ),
+    "advise with --current a pipe": Case(
+        lambda d: ["advise", str(_trace(d)), *DEPLOY, "--current", str(_fifo(d / "cur.json")), "-o", str(d / "a")],
+        r"cur\.json is a named pipe",
+    ),
     # ---- --overwrite replaces only the command's own kind of output
     "analyze over compare results": Case(
         lambda d: [

@@ -125,7 +125,14 @@ def advise_cmd(
         hardware=load_hardware(link),
         model_config=read_model_config(model_config),
     )
-    with claim_output(out, kind="results", overwrite=overwrite, command="moetrace advise", result=ADVICE):
+    inputs = [
+        source,
+        *([current] if current is not None else []),
+        *([model_config] if model_config is not None else []),
+    ]
+    with claim_output(
+        out, kind="results", overwrite=overwrite, command="moetrace advise", result=ADVICE, inputs=inputs
+    ):
         with (
             progress_bar("counting", "tokens", quiet=quiet) as count_bar,
             progress_bar("options", "runs", quiet=quiet) as bar,

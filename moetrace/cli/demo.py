@@ -176,9 +176,9 @@ def winners_text(results: Path, advice: Path | None = None, placement: Path | No
             + relation(command="compare", strategies=v.strategies, num_redundant=v.num_redundant)
         )
     if placement is not None and placement.is_file():
-        import json
+        from moetrace.inputs import read_input_json
 
-        obj = json.loads(placement.read_text())
+        obj = read_input_json(placement)
         choice = (obj.get("provenance") or obj.get("source") or {}).get("ours_choice")
         lines.append(
             f"place wrote {placement}"

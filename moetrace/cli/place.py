@@ -309,7 +309,10 @@ def compare_cmd(
     if out is None:  # said before minutes of work, and again at the end
         typer.secho("note: no -o: the results are printed, nothing is saved", fg=typer.colors.YELLOW, err=True)
     # before minutes of work
-    with claim_output(out, kind="results", overwrite=overwrite, command="moetrace compare", result=COMPARE):
+    inputs = [trace, *([model_config] if model_config is not None else [])]
+    with claim_output(
+        out, kind="results", overwrite=overwrite, command="moetrace compare", result=COMPARE, inputs=inputs
+    ):
         check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
         data, cfg = load_data(
             trace, cfg, asked=strategies != DEFAULT_STRATEGIES, allow_incomplete=allow_incomplete, quiet=quiet
@@ -320,7 +323,10 @@ def compare_cmd(
         for note in compare_notes(result):
             typer.secho(note, fg=typer.colors.YELLOW, err=True)
         if out is not None:
-            files = write_results(result, out)
+            from moetrace.atomic import replacing_directory
+
+            with replacing_directory(out) as building:  # built beside -o, swapped in whole: a kill leaves old or new
+                files = write_results(result, building)
             typer.echo(f"wrote {', '.join(f.name for f in files)} to {out}")
         else:
             typer.echo("nothing saved (no -o): add -o DIR to keep the results for `moetrace dashboard`")
