@@ -238,7 +238,7 @@ def test_read_model_config(tmp_path):
     assert read_model_config(good) == {"moe_intermediate_size": 256}
     assert read_model_config(tmp_path) == {"moe_intermediate_size": 256}  # a checkpoint directory
     bad = tmp_path / "bad.json"
-    for text, why in (("{not json", "not JSON"), ("[1, 2]", "JSON object")):
+    for text, why in (("{not json", "not valid JSON"), ("[1, 2]", "JSON object")):
         bad.write_text(text)
         with pytest.raises(ConfigError, match=f"--model-config {bad}: .*{why}"):
             read_model_config(bad)
@@ -260,7 +260,7 @@ def test_the_commands_refuse_an_unreadable_model_config_at_once(tmp_path, comman
         app, [command, str(tmp_path / "no-trace"), "--config", "DP2TP1EP2", "--model-config", str(bad), "-o", str(out)]
     )
     assert res.exit_code == 2, res.output
-    assert f"--model-config {bad}: not JSON" in res.output.replace("\n", "")
+    assert f"--model-config {bad}: not valid JSON" in res.output.replace("\n", "")
 
 
 def test_compare_prices_a_non_preset_model_from_its_config_and_says_why_when_it_cannot(tmp_path):

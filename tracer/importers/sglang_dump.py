@@ -92,7 +92,13 @@ def _pass_ids(rec: dict[str, Any], info: ModelInfo, where: str) -> np.ndarray:
 
     torch = require("torch", purpose="reading SGLang's .pt dumps")
     t = rec.get("topk_ids_of_layer")
-    if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dim() != 3
+        or t.dtype.is_floating_point
+        or t.dtype.is_complex
+        or t.dtype == torch.bool
+    ):
         raise TraceFormatError(
             f"{where}: `topk_ids_of_layer` must be an integer tensor [layers, tokens, top-k], got "
             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
