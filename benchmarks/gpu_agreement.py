@@ -40,6 +40,7 @@ def run_vllm(source: str, info, prompts, *, max_new_tokens: int, gpu_memory_util
     from moetrace.tracer.backends.vllm import (
         VllmEngineConfig,
         _encode_all,
+        _max_prompt,
         check_environment,
         run_engine_loop,
     )
@@ -54,7 +55,7 @@ def run_vllm(source: str, info, prompts, *, max_new_tokens: int, gpu_memory_util
     llm = vllm.LLM(source, seed=0, **engine.llm_kwargs(capture=capture), kv_cache_memory_bytes=4 << 30)
     outputs: list = []
     work = _encode_all(
-        prompts, llm.get_tokenizer(), chat_template=False, max_prompt=2048 - max_new_tokens, truncated=[]
+        prompts, llm.get_tokenizer(), chat_template=False, max_prompt=_max_prompt(llm, max_new_tokens), truncated=[]
     )
     run_engine_loop(llm, work, vllm=vllm, num_inflight=256, generation=generation, emit=outputs.extend)
     K, L = info.top_k, info.num_moe_layers

@@ -73,7 +73,6 @@ def main() -> None:
     gen_tokens = a.requests * a.new_tokens
 
     def timed(llm):
-        torch.cuda.synchronize() if torch.cuda.is_initialized() else None
         t = time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)
         return time.perf_counter() - t, outs

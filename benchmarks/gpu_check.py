@@ -43,7 +43,7 @@ class Runner:
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
-    def run(self, name: str, cmd: list[str], *, timeout: float, gpu: bool = True) -> bool:
+    def run(self, name: str, cmd: list[str], *, timeout: float) -> bool:
         """Run ``cmd`` (logged to work/logs/NAME.log); False when it failed, timed out or was skipped."""
         left = self.deadline - self.elapsed()
         rec: dict = {"step": name, "cmd": " ".join(cmd), "start_s": round(self.elapsed(), 1)}
@@ -97,7 +97,7 @@ def main() -> None:
             ("mixtral", [*mt, "make-checkpoint", "mixtral-8x7b", "-o", str(ck / "mixtral")]),
         ]
         for key, cmd in jobs:
-            cpu_ok[key] = r.run(f"prep-{key}", cmd, timeout=240, gpu=False)
+            cpu_ok[key] = r.run(f"prep-{key}", cmd, timeout=240)
             cpu_done[key].set()
 
     threading.Thread(target=cpu_lane, daemon=True).start()
@@ -166,72 +166,21 @@ def main() -> None:
             ],
             timeout=180,
         )
-        if ok and r.run(f"validate-{key}", [*mt, "validate", str(out)], timeout=60, gpu=False):
-            r.run(f"info-{key}", [*mt, "info", str(out)], timeout=60, gpu=False)
+        if ok and r.run(f"validate-{key}", [*mt, "validate", str(out)], timeout=60):
+            r.run(f"info-{key}", [*mt, "info", str(out)], timeout=60)
             collected.append(key)
-    # 2. HF vs vLLM agreement, 3. capture overhead
-    bench = ROOT / "benchmarks"
+    # 2. HF vs vLLM agreement, 3. capture overhead: (step, script, checkpoint, extra arguments)
+    second = "dsv3" if "dsv3" in collected else "mixtral" if "mixtral" in collected else None
     plan = [
-        (
-            "agreement-qwen",
-            [py, str(bench / "gpu_agreement.py"), str(ck / "qwen"), "--out", str(a.out / "agreement-qwen.json")],
-            180,
-        ),
-        (
-            "overhead-eager",
-            [
-                py,
-                str(bench / "gpu_capture_overhead.py"),
-                str(ck / "qwen"),
-                "--mode",
-                "eager",
-                "--out",
-                str(a.out / "overhead-eager.json"),
-            ],
-            180,
-        ),
+        ("agreement-qwen", "gpu_agreement.py", "qwen", []),
+        ("overhead-eager", "gpu_capture_overhead.py", "qwen", ["--mode", "eager"]),
+        *([(f"agreement-{second}", "gpu_agreement.py", second, [])] if second else []),
+        ("overhead-graphs", "gpu_capture_overhead.py", "qwen", ["--mode", "graphs"]),
     ]
-    if "dsv3" in collected:
-        plan.append(
-            (
-                "agreement-dsv3",
-                [py, str(bench / "gpu_agreement.py"), str(ck / "dsv3"), "--out", str(a.out / "agreement-dsv3.json")],
-                180,
-            )
-        )
-    elif "mixtral" in collected:
-        plan.append(
-            (
-                "agreement-mixtral",
-                [
-                    py,
-                    str(bench / "gpu_agreement.py"),
-                    str(ck / "mixtral"),
-                    "--out",
-                    str(a.out / "agreement-mixtral.json"),
-                ],
-                180,
-            )
-        )
-    plan.append(
-        (
-            "overhead-graphs",
-            [
-                py,
-                str(bench / "gpu_capture_overhead.py"),
-                str(ck / "qwen"),
-                "--mode",
-                "graphs",
-                "--out",
-                str(a.out / "overhead-graphs.json"),
-            ],
-            180,
-        )
-    )
-    for name, cmd, timeout in plan:
-        if "qwen" in cmd[2] and not cpu_ok.get("qwen"):
-            continue
-        r.run(name, cmd, timeout=timeout)
+    for name, script, key, extra in plan:
+        if cpu_ok.get(key):
+            cmd = [py, str(ROOT / "benchmarks" / script), str(ck / key), *extra, "--out", str(a.out / f"{name}.json")]
+            r.run(name, cmd, timeout=180)
 
     with open(a.out / "logs.txt", "w") as f:
         for log in sorted((a.work / "logs").glob("*.log")):
