@@ -12,7 +12,9 @@ MoE-layer time: dispatch + the slowest GPU's experts, memory-bound reads of its 
 compute-bound pairs + combine, under the deployment's copy models; the time to serve the validation
 requests, decode and prefill steps together, over linear's). The cheapest wins, so ours is never
 priced worse than EPLB on the validation split in that measure; a router is kept only when it beats
-the best router-free candidate by ``min_router_gain`` (what the router adds is recorded either way).
+the best router-free candidate by ``min_router_gain`` (what the router adds is recorded either way),
+and the router-free joint placement is served instead of EPLB only when it beats EPLB's better policy
+by ``min_placement_gain`` (ties go to what the engines compute themselves).
 
 Without ``price`` (library callers with counts only, no tokens) the candidates are priced by the
 expected busiest-GPU link time of decode copies per (token, expert) (``step_search.expected_step_seconds``),
@@ -33,7 +35,7 @@ import numpy as np
 
 from moetrace.placement.maps import Placement
 
-__all__ = ["CANDIDATES", "MIN_ROUTER_GAIN", "choose_ours"]
+__all__ = ["CANDIDATES", "MIN_PLACEMENT_GAIN", "MIN_ROUTER_GAIN", "choose_ours"]
 
 #: the candidates, in the order they are reported
 CANDIDATES = ("joint", "joint_free", "eplb", "eplb_global")
@@ -41,6 +43,11 @@ CANDIDATES = ("joint", "joint_free", "eplb", "eplb_global")
 #: the least share of the best router-free candidate's validation time the router must save to be kept
 #: (a tenth of a point: below it the validation steps cannot tell the two apart, and a router is infrastructure)
 MIN_ROUTER_GAIN = 0.001
+
+#: the least share of EPLB's validation time the router-free joint placement must save to be served
+#: instead of EPLB (the engines compute EPLB themselves; below a tenth of a point the validation steps
+#: cannot tell the two apart, and a placement file to ship is infrastructure too)
+MIN_PLACEMENT_GAIN = 0.001
 
 
 def choose_ours(
@@ -50,6 +57,7 @@ def choose_ours(
     validation_fraction: float = 0.2,
     max_node_load: float = 1.10,
     min_router_gain: float = MIN_ROUTER_GAIN,
+    min_placement_gain: float = MIN_PLACEMENT_GAIN,
     price: Any = None,
     refit: bool = True,
 ) -> tuple[Placement, dict[str, Any]]:
@@ -123,7 +131,8 @@ def choose_ours(
             for c in CANDIDATES
         }
         measure = "expected decode link time of the busiest GPU, copies per (token, expert)"
-    best_free = min(("joint_free", "eplb", "eplb_global"), key=lambda c: score[c])
+    best_eplb = min(("eplb", "eplb_global"), key=lambda c: score[c])
+    best_free = "joint_free" if score["joint_free"] < score[best_eplb] * (1.0 - min_placement_gain) else best_eplb
     choice = "joint" if score["joint"] < score[best_free] * (1.0 - min_router_gain) else best_free
     # the chosen method refitted on every training request (the validation split chose the method, not
     # the fit): the same placement as the strategy's own row

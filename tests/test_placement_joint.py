@@ -503,7 +503,7 @@ def test_ours_chooses_by_simulated_moe_layer_time_on_its_validation_split(tmp_pa
     ``MIN_ROUTER_GAIN``), so never worse than either EPLB policy there; the chosen method is refitted
     on every training request, so an EPLB choice is EPLB's own placement."""
     from moetrace.placement.compare import make_placement
-    from moetrace.placement.ours import MIN_ROUTER_GAIN
+    from moetrace.placement.ours import MIN_PLACEMENT_GAIN, MIN_ROUTER_GAIN
 
     trace = _block_trace(tmp_path / "b", num_requests=160, noise=noise, model=SIZED)
     data = load_trace_data(trace, test_fraction=0.25, seed=0)
@@ -517,8 +517,12 @@ def test_ours_chooses_by_simulated_moe_layer_time_on_its_validation_split(tmp_pa
         assert v[choice] <= min(v["eplb"], v["eplb_global"]) + 1e-12  # never worse than EPLB, by construction
         assert set(detail["joint"]) == {"decode_moe", "decode_a2a", "prefill_moe", "prefill_a2a"}
         assert all(np.isfinite(x) for d in detail.values() for x in d.values())
-        free = min(v["joint_free"], v["eplb"], v["eplb_global"])
+        eplb = min(v["eplb"], v["eplb_global"])
+        # the router-free joint placement replaces EPLB only where it saves MIN_PLACEMENT_GAIN
+        free = v["joint_free"] if v["joint_free"] < eplb * (1 - MIN_PLACEMENT_GAIN) else eplb
         assert (choice == "joint") == (v["joint"] < free * (1 - MIN_ROUTER_GAIN))
+        if choice == "joint_free":
+            assert v["joint_free"] < eplb * (1 - MIN_PLACEMENT_GAIN)
         assert ps.extra["ours_router_gain"] == pytest.approx(1 - v["joint"] / v["joint_free"], abs=1e-5)
         if choice in ("eplb", "eplb_global"):  # refitted: the strategy's own placement
             own = make_placement(data, cfg, choice).placement.phy2log
@@ -562,3 +566,50 @@ def test_compare_ranks_by_moe_layer_time_when_the_expert_size_is_known(tmp_path)
     write_results(res, out)
     assert read_compare_manifest(out).verdict == v
     assert dataclasses.replace(res.manifest, verdict=None).to_json().get("verdict", "absent") == "absent"
+
+
+@pytest.mark.parametrize(
+    ("joint", "joint_free", "expected"),
+    [
+        (0.9850, 0.9795, "eplb"),  # router-free joint within a tenth of a point of EPLB: EPLB, and no router
+        (0.9700, 0.9700, "joint_free"),  # router buys nothing over the same placement: no router
+        (0.9700, 0.9500, "joint_free"),
+        (0.9500, 0.9790, "joint"),
+    ],
+)
+def test_ours_serves_eplb_when_its_own_placement_only_ties_it(joint, joint_free, expected):
+    """Ties on the validation split go to what the engines compute themselves: the router-free joint
+    placement is served instead of EPLB only when it saves ``MIN_PLACEMENT_GAIN`` of EPLB's time."""
+    from moetrace.placement.ours import choose_ours
+    from moetrace.placement.strategies import PlacementInputs
+
+    rng = np.random.default_rng(0)
+    R, L, E, G = 40, 2, 16, 2
+    decode_RLE = rng.integers(0, 5, size=(R, L, E)).astype(np.float64)
+    x = PlacementInputs(
+        num_layers=L,
+        num_experts=E,
+        num_slots=E,
+        num_ranks=4,
+        num_nodes=G,
+        ranks_per_node=2,
+        router_groups=1,
+        seed=0,
+        load_LE=decode_RLE.sum(0),
+        decode_RLE=decode_RLE,
+        prefill_RLE=decode_RLE.copy(),
+        train_rows=np.arange(R),
+    )
+    scores = {"joint": joint, "joint_free": joint_free, "eplb": 0.98, "eplb_global": 0.99}
+
+    def build_joint(xx):
+        from moetrace.placement.baselines import linear
+
+        return linear(num_layers=L, num_experts=E, num_slots=E, num_ranks=4), {"router_price": np.zeros(G)}
+
+    def price(val, candidates):
+        return {c: {"score": scores[c]} for c in candidates}
+
+    _, extra = choose_ours(x, build_joint=build_joint, price=price, refit=False)
+    assert extra["ours_choice"] == expected
+    assert extra["served_router"] == ("price" if expected == "joint" else "none")
