@@ -57,7 +57,8 @@ import numpy as np
 from moetrace.placement.compare import CompareConfig, TraceData, load_trace_data, run_compare
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.strategies import LABELS
-from moetrace.tracer.importers import ImportOptions, esft, import_trace
+from moetrace.tracer.importers import ImportOptions, chaos, esft, import_trace
+from moetrace.tracer.presets import resolve
 from moetrace.tracer.trace.reader import open_trace
 
 STRATEGIES = ("linear", "eplb", "eplb_global", "data", "joint", "joint_free", "ours")
@@ -101,6 +102,20 @@ def _is_bare_git(path: Path) -> bool:
     return (path / "HEAD").is_file() and (path / "objects").is_dir()
 
 
+def _write_blobs(git_dir: Path, files: list[tuple[str, str]], dest: Path) -> None:
+    """Write the blobs ``files`` (sha, path) of ``git_dir`` under ``dest`` (one ``git cat-file --batch``)."""
+    out = _git(git_dir, "cat-file", "--batch", stdin="".join(sha + "\n" for sha, _ in files).encode())
+    at = 0
+    for sha, p in files:
+        header_end = out.index(b"\n", at)
+        got_sha, _, size = out[at:header_end].decode().split()
+        assert got_sha == sha, (got_sha, sha)
+        body = out[header_end + 1 : header_end + 1 + int(size)]
+        at = header_end + 1 + int(size) + 1
+        (dest / p).parent.mkdir(parents=True, exist_ok=True)
+        (dest / p).write_bytes(body)
+
+
 def esft_source(path: Path, work: Path) -> tuple[Path, str]:
     """The folder to import and what it is (``commit <sha>`` of a git directory, else the path).
 
@@ -119,16 +134,7 @@ def esft_source(path: Path, work: Path) -> tuple[Path, str]:
         files = [(sha, p) for sha, p in files if esft.LAYER_FILE.match(Path(p).name)]
         if not files:
             raise SystemExit(f"{path}: HEAD has no results/expert_scores/*/expert_weights_*.txt")
-        out = _git(path, "cat-file", "--batch", stdin="".join(sha + "\n" for sha, _ in files).encode())
-        at = 0
-        for sha, p in files:
-            header_end = out.index(b"\n", at)
-            got_sha, _, size = out[at:header_end].decode().split()
-            assert got_sha == sha, (got_sha, sha)
-            body = out[header_end + 1 : header_end + 1 + int(size)]
-            at = header_end + 1 + int(size) + 1
-            (dest / p).parent.mkdir(parents=True, exist_ok=True)
-            (dest / p).write_bytes(body)
+        _write_blobs(path, files, dest)
         stamp.write_text(commit)
         log(f"esft: {len(files)} layer files of {path} at {commit[:12]} written to {dest}")
         return dest / "results" / "expert_scores", f"commit {commit}"
@@ -156,6 +162,50 @@ def esft_trace(src: Path, what: str, work: Path, *, prompt_fraction: float) -> P
     )
     stamp.write_text(key)
     log(f"esft: {stats.num_requests} requests, {stats.num_tokens} tokens imported in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def chaos_source(path: Path, work: Path) -> tuple[Path, str]:
+    """The folder of "Patterns behind Chaos" request files to import and what it is.
+
+    A bare git directory (a mirror of a repository holding the files, e.g. andronius-yang/cse223b-proj):
+    every ``<folder>/<n>.json`` blob of its HEAD is written into ``work/chaos-src`` under its path. A
+    plain directory is read where it is."""
+    if _is_bare_git(path):
+        commit = _git(path, "rev-parse", "HEAD").decode().strip()
+        dest = work / "chaos-src"
+        stamp = dest / ".commit"
+        if stamp.is_file() and stamp.read_text() == commit:
+            return dest, f"commit {commit}"
+        shutil.rmtree(dest, ignore_errors=True)
+        rows = _git(path, "ls-tree", "-r", "HEAD").decode().splitlines()
+        files = [(r.split()[2], r.split("\t", 1)[1]) for r in rows if r.split()[1] == "blob"]
+        files = [(sha, p) for sha, p in files if "/" in p and chaos.REQUEST_FILE.match(Path(p).name)]
+        if not files:
+            raise SystemExit(f"{path}: HEAD has no <folder>/<n>.json request files")
+        _write_blobs(path, files, dest)
+        stamp.write_text(commit)
+        log(f"chaos: {len(files)} request files of {path} at {commit[:12]} written to {dest}")
+        return dest, f"commit {commit}"
+    if path.is_dir() and chaos.detect(b"", path):
+        return path, str(path)
+    raise SystemExit(f"{path}: neither a git directory nor a folder of expert-selection request files")
+
+
+def chaos_trace(src: Path, what: str, work: Path, *, model: str) -> Path:
+    """``work/chaos-trace``, imported from ``src`` unless it already holds this source for this model."""
+    out = work / "chaos-trace"
+    stamp = work / "chaos-trace.source"
+    key = json.dumps({"source": what, "model": model})
+    if out.exists() and stamp.is_file() and stamp.read_text() == key:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    stats = import_trace(
+        src, out=out, model=resolve(model).model_info(), source_format="chaos", options=ImportOptions()
+    )
+    stamp.write_text(key)
+    log(f"chaos: {stats.num_requests} requests, {stats.num_tokens} tokens imported in {time.perf_counter() - t0:.1f} s")
     return out
 
 
@@ -277,43 +327,26 @@ def goal_check(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-# --------------------------------------------------------------------------------------------------- main
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--esft", type=Path, required=True, help="deepseek-ai/ESFT: a checkout, a bare git dir, or its logs"
-    )
-    ap.add_argument("--work", type=Path, default=Path("/tmp/bench_real"))
-    ap.add_argument("--nodes", default="2,4,8")
-    ap.add_argument("--dedup", default="expert,node", help="decode copy models (compare --dedup)")
-    ap.add_argument("--seeds", default="0,1,2", help="train/held-out splits (compare --seed)")
-    ap.add_argument("--orders", default="shuffled,bursts", help=f"held-out arrival orders: {', '.join(ORDERS)}")
-    ap.add_argument("--batches", type=int, default=200, help="decode steps simulated per run")
-    ap.add_argument("--test-fraction", type=float, default=0.3)
-    ap.add_argument("--prompt-fraction", type=float, default=esft.DEFAULT_PROMPT_FRACTION)
-    ap.add_argument("--max-node-load", type=float, default=1.10)
-    ap.add_argument("--json", type=Path, default=None, help="all rows (default WORK/rows.json)")
-    args = ap.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
+# -------------------------------------------------------------------------------------------------- runs
+def run_source(
+    source: str, trace: Path, header: str, args: argparse.Namespace, *, t_start: float
+) -> tuple[list[dict[str, Any]], str]:
+    """Every (seed, order, nodes, copy model) run of ``compare`` on one imported capture: its rows and
+    the table header (``header`` plus the request count)."""
     nodes_list = [int(x) for x in args.nodes.split(",")]
-    dedups = args.dedup.split(",")
-    seeds = [int(x) for x in args.seeds.split(",")]
-    orders = args.orders.split(",")
-
-    t_start = time.perf_counter()
-    src, what = esft_source(args.esft, args.work)
-    trace = esft_trace(src, what, args.work, prompt_fraction=args.prompt_fraction)
+    dedups, seeds, orders = args.dedup.split(","), [int(x) for x in args.seeds.split(",")], args.orders.split(",")
     model = open_trace(trace).model
     rows: list[dict[str, Any]] = []
     runs = len(seeds) * len(orders) * len(nodes_list) * len(dedups)
-    done = 0
+    done, num_requests = 0, 0
     for seed in seeds:
         t0 = time.perf_counter()
         data = load_trace_data(trace, test_fraction=args.test_fraction, seed=seed)
-        count_s = time.perf_counter() - t0
+        num_requests = len(data.is_test_R)
         n_test = int(data.is_test_R.sum())
         log(
-            f"seed {seed}: {len(data.is_test_R) - n_test} training, {n_test} held-out requests; counted in {count_s:.1f} s"
+            f"{source}, seed {seed}: {num_requests - n_test} training, {n_test} held-out requests; "
+            f"counted in {time.perf_counter() - t0:.1f} s"
         )
         for order, nodes, dedup in itertools.product(orders, nodes_list, dedups):
             arranged = arrange_held_out(data, order, seed=seed)
@@ -332,17 +365,18 @@ def main() -> None:
             res = run_compare(arranged, cfg)
             wall = time.perf_counter() - t1
             done += 1
+            ours_extra = res.placed["ours"].extra
             for r in res.summary_rows():
                 rows.append(
                     {
-                        "source": "esft",
+                        "source": source,
                         "model": model.name,
                         "seed": seed,
                         "order": order,
                         "nodes": nodes,
                         "deployment": config,
                         "dedup": dedup,
-                        "num_train_requests": len(data.is_test_R) - n_test,
+                        "num_train_requests": num_requests - n_test,
                         "num_test_requests": n_test,
                         "batches": args.batches,
                         "batch_requests": cfg.batch_requests,
@@ -350,7 +384,7 @@ def main() -> None:
                         **{k: r[k] for k in COLUMNS if k in r},
                         **(
                             {
-                                k: res.placed["ours"].extra.get(k)
+                                k: ours_extra.get(k)
                                 for k in (
                                     "ours_choice",
                                     "ours_validation",
@@ -365,19 +399,110 @@ def main() -> None:
                 )
             by = {r["strategy"]: r for r in res.summary_rows()}
             log(
-                f"[{done}/{runs}] seed {seed}, {order}, {config}, dedup {dedup}: {wall:.1f} s; ours -> "
-                f"{res.placed['ours'].extra.get('ours_choice')}: MoE {by['ours']['moe_time_normalized_median']:.4f} "
+                f"[{source} {done}/{runs}] seed {seed}, {order}, {config}, dedup {dedup}: {wall:.1f} s; ours -> "
+                f"{ours_extra.get('ours_choice')}: MoE {by['ours']['moe_time_normalized_median']:.4f} "
                 f"a2a {by['ours']['a2a_time_normalized_median']:.4f}; EPLB MoE {by['eplb']['moe_time_normalized_median']:.4f} "
                 f"a2a {by['eplb']['a2a_time_normalized_median']:.4f}; joint MoE {by['joint']['moe_time_normalized_median']:.4f} "
                 f"a2a {by['joint']['a2a_time_normalized_median']:.4f} ({time.perf_counter() - t_start:.0f} s so far)"
             )
+    header = (
+        f"{header}: {num_requests} requests ({args.test_fraction:.0%} held out), {args.batches} decode steps, "
+        f"DP(8n)TP1EP(8n) on nodes of {GPUS_PER_NODE} GPUs"
+    )
+    return rows, header
+
+
+def gap_summary(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's averages: ours' lead over the better EPLB policy in all-to-all time (points of
+    linear's), and the share of the gap from EPLB to the oracle bound it takes, per copy model."""
+    out = []
+    for dedup in dict.fromkeys(r["dedup"] for r in rows):
+        runs = dict.fromkeys((r["seed"], r["order"], r["nodes"]) for r in rows if r["dedup"] == dedup)
+        lead, share = [], []
+        for run in runs:
+            by = {r["strategy"]: r for r in rows if r["dedup"] == dedup and (r["seed"], r["order"], r["nodes"]) == run}
+            col = "a2a_time_normalized_median"
+            eplb = min(_num(by[s][col]) for s in ("eplb", "eplb_global") if s in by)
+            lead.append(eplb - _num(by["ours"][col]))
+            if "oracle" in by and eplb - _num(by["oracle"][col]) > 1e-6:
+                share.append((eplb - _num(by["ours"][col])) / (eplb - _num(by["oracle"][col])))
+        out.append(
+            f"copies per {dedup}: ours leads the better EPLB policy by {100 * float(np.mean(lead)):.2f} points of linear's "
+            f"all-to-all time on average over {len(runs)} runs"
+            + (
+                f"; takes {100 * float(np.median(share)):.0f} % (median) of the gap from EPLB to the oracle"
+                if share
+                else ""
+            )
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--esft", type=Path, default=None, help="deepseek-ai/ESFT: a checkout, a bare git dir, or its logs")
+    ap.add_argument(
+        "--chaos",
+        type=Path,
+        default=None,
+        help='"Patterns behind Chaos" request files: a folder of them, or a bare git dir holding them',
+    )
+    ap.add_argument("--chaos-model", default="llama4-maverick", help="the model of the --chaos files (a preset)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/bench_real"))
+    ap.add_argument("--nodes", default="2,4,8")
+    ap.add_argument("--dedup", default="expert,node", help="decode copy models (compare --dedup)")
+    ap.add_argument("--seeds", default="0,1,2", help="train/held-out splits (compare --seed)")
+    ap.add_argument("--orders", default="shuffled,bursts", help=f"held-out arrival orders: {', '.join(ORDERS)}")
+    ap.add_argument("--batches", type=int, default=200, help="decode steps simulated per run")
+    ap.add_argument("--test-fraction", type=float, default=0.3)
+    ap.add_argument("--prompt-fraction", type=float, default=esft.DEFAULT_PROMPT_FRACTION, help="ESFT only")
+    ap.add_argument("--max-node-load", type=float, default=1.10)
+    ap.add_argument("--json", type=Path, default=None, help="all rows (default WORK/rows.json)")
+    args = ap.parse_args()
+    if args.esft is None and args.chaos is None:
+        ap.error("give --esft, --chaos or both: the captures to run on")
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    t_start = time.perf_counter()
+    traces: list[tuple[str, Path, str]] = []
+    sources: dict[str, Any] = {}
+    if args.esft is not None:
+        src, what = esft_source(args.esft, args.work)
+        traces.append(
+            (
+                "esft",
+                esft_trace(src, what, args.work, prompt_fraction=args.prompt_fraction),
+                f"ESFT (DeepSeek-V2-Lite, {what[:19]}), prompt = first {args.prompt_fraction:g} of each",
+            )
+        )
+        sources["esft"] = {"repository": "deepseek-ai/ESFT", "read": what, "licence": "MIT"}
+    if args.chaos is not None:
+        src, what = chaos_source(args.chaos, args.work)
+        traces.append(
+            (
+                "chaos",
+                chaos_trace(src, what, args.work, model=args.chaos_model),
+                f"Patterns behind Chaos ({args.chaos_model}, {what[:19]}), SGLang prefill + 128 decode tokens",
+            )
+        )
+        sources["chaos"] = {
+            "dataset": "core12345/MoE_expert_selection_trace (subset)",
+            "read": what,
+            "model": args.chaos_model,
+            "licence": "none stated: read in place, not vendored",
+        }
+    rows: list[dict[str, Any]] = []
+    headers: dict[str, str] = {}
+    for source, trace, header in traces:
+        got, headers[source] = run_source(source, trace, header, args, t_start=t_start)
+        rows += got
     out = args.json or args.work / "rows.json"
     out.write_text(
         json.dumps(
             {
                 "format": "moetrace.bench_real",
-                "sources": {"esft": {"repository": "deepseek-ai/ESFT", "read": what, "licence": "MIT"}},
-                "model": model.name,
+                "sources": sources,
                 "config": {
                     "strategies": STRATEGIES,
                     "gpus_per_node": GPUS_PER_NODE,
@@ -385,8 +510,8 @@ def main() -> None:
                     "prompt_fraction": args.prompt_fraction,
                     "batches": args.batches,
                     "max_node_load": args.max_node_load,
-                    "seeds": seeds,
-                    "orders": orders,
+                    "seeds": args.seeds,
+                    "orders": args.orders,
                 },
                 "wall_seconds": round(time.perf_counter() - t_start, 1),
                 "rows": rows,
@@ -395,15 +520,13 @@ def main() -> None:
             default=lambda o: o.item() if isinstance(o, np.generic) else str(o),
         )
     )
-    header = (
-        f"ESFT (DeepSeek-V2-Lite, {what[:19]}): {len(data.is_test_R)} requests "
-        f"({args.test_fraction:.0%} held out, prompt = first {args.prompt_fraction:g} of each), {args.batches} decode steps, "
-        f"DP(8n)TP1EP(8n) on nodes of {GPUS_PER_NODE} GPUs"
-    )
-    print_tables(rows, seeds=seeds, max_node_load=args.max_node_load, header=header)
-    print()
-    for line in goal_check(rows):
-        print(f"- {line}")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    for source, header in headers.items():
+        part = [r for r in rows if r["source"] == source]
+        print_tables(part, seeds=seeds, max_node_load=args.max_node_load, header=header)
+        print()
+        for line in goal_check(part) + gap_summary(part):
+            print(f"- {source}: {line}")
     log(f"{len(rows)} rows written to {out}; {time.perf_counter() - t_start:.0f} s in all")
 
 

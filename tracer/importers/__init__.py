@@ -9,6 +9,8 @@
 - ``megatron-router`` (``megatron.py``): a directory of Megatron-Core router traces, one JSONL per rank;
 - ``esft`` (``esft.py``): DeepSeek's ESFT expert logs (``expert_weights_<layer>.txt``, per-token routing of
   DeepSeek-V2-Lite, teacher-forced); the one format that names its model (``ImportFormat.model``);
+- ``chaos`` (``chaos.py``): the "Patterns behind Chaos" expert-selection traces (one JSON per request:
+  the prefill step, then one decode token per step; Llama-4-Maverick, DeepSeek-R1, Qwen3-235B on MMLU...);
 - ``vllm-responses`` (``vllm_responses.py``): JSONL of vLLM OpenAI-compatible server responses carrying
   ``routed_experts`` (``enable_return_routed_experts``);
 - ``llmd-moetrace`` (``llmd_moetrace.py``): llm-d-inference-sim's binary ``.moetrace`` trace (magic ``MOETRC01``;
@@ -49,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
 from moetrace.tracer.importers import (
+    chaos,
     esft,
     llmd_moetrace,
     megatron,
@@ -126,6 +129,7 @@ FORMATS: tuple[ImportFormat, ...] = (
     sglang_dump.FORMAT,
     megatron.FORMAT,
     esft.FORMAT,
+    chaos.FORMAT,
     vllm_responses.FORMAT,
     llmd_moetrace.FORMAT,
     sglang_stat.FORMAT,  # a load profile (aggregate counts)
