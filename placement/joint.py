@@ -48,8 +48,9 @@ import numpy as np
 
 from moetrace._deps import require
 from moetrace.errors import ConfigError
-from moetrace.placement.cost import Links
+from moetrace.placement.cost import ExpertCompute, Links
 from moetrace.placement.data_placement import check_usage, expected_slot_load, spread_in_nodes
+from moetrace.placement.expert_layout import choose_layouts
 from moetrace.placement.improved import optimal_members
 from moetrace.placement.maps import Placement, placement_from_phy2log
 from moetrace.placement.step_search import expected_step_seconds, improve_layout
@@ -90,6 +91,8 @@ class JointPlacement:
     # the GPU-balance search's expected busiest-GPU link time after / before it (training requests, re-routed);
     # None when it did not run (``links`` None)
     layout_gain: float | None = None
+    # layers whose GPUs were laid out by expected expert seconds (``expert_layout``); None: not asked
+    layers_spread_by_experts: int | None = None
 
 
 def _shares(x_RLE: np.ndarray, rows: np.ndarray, lo: int, dtype: type = np.float32) -> np.ndarray:
@@ -334,6 +337,9 @@ def joint_placement(
     tol: float = 1e-4,
     router_groups: int | None = None,
     links: Links | None = None,
+    expert: ExpertCompute | None = None,
+    copies_per_step: float = 0.0,
+    copy_bytes: float = 0.0,
 ) -> JointPlacement:
     """Alternate exact membership and balanced routing from ``init_group_R``; the best iterate.
 
@@ -343,7 +349,11 @@ def joint_placement(
     their starting nodes in 0..``num_groups``-1. Stops after ``num_iters`` iterations, when the
     routing no longer changes, or when the objective (mean local decode share, in [0, 1]) gained
     less than ``tol``. ``router_groups``: keep a group-limited router's expert groups whole on nodes
-    (``aligned_members``) instead of choosing every expert's node freely (None).
+    (``aligned_members``) instead of choosing every expert's node freely (None). With ``links``,
+    ``expert`` (the routed experts' cost), ``copies_per_step`` (decode (token, expert) copies of one
+    step) and ``copy_bytes`` (one dispatch plus one combine copy) each layer keeps, of its link-balanced
+    layout and the same nodes' experts spread by expected expert seconds, the one with the lower
+    expected MoE-layer time (``expert_layout.choose_layouts``).
     """
     rows = np.arange(decode_RLE.shape[0]) if rows is None else np.asarray(rows)
     group = np.asarray(init_group_R, dtype=np.int64)
@@ -380,7 +390,7 @@ def joint_placement(
     obj, member, usage_GLE, price, group = best
     E = decode_RLE.shape[2]
     phy2log = spread_in_nodes(member, expected_slot_load(member, usage_GLE), ranks_per_group=ranks_per_group)
-    placement, gain = placement_from_phy2log(phy2log, num_experts=E), None
+    placement, gain, layers_spread = placement_from_phy2log(phy2log, num_experts=E), None, None
     if links is not None:  # the busiest GPU charged: slots moved to lower the expected link time, then re-routed
         W = G * ranks_per_group
         before = expected_step_seconds(phy2log, usage_GLE, num_ranks=W, links=links)
@@ -392,6 +402,19 @@ def joint_placement(
             phy2log, group_usage(decode_RLE, group, num_groups=G, rows=rows), num_ranks=W, links=links
         )
         gain = after / before if before > 0 else None
+        if expert is not None and copies_per_step > 0 and copy_bytes > 0:
+            usage = group_usage(decode_RLE, group, num_groups=G, rows=rows)
+            phy2log, layers_spread = choose_layouts(
+                phy2log,
+                member,
+                usage,
+                ranks_per_group=ranks_per_group,
+                links=links,
+                expert=expert,
+                copies_per_step=copies_per_step,
+                copy_bytes=copy_bytes,
+            )
+            placement = placement_from_phy2log(phy2log, num_experts=E)  # same nodes: routing and prices hold
     return JointPlacement(
         placement=placement,
         member_LGE=member,
@@ -400,4 +423,5 @@ def joint_placement(
         objective_history=history,
         num_iters=len(history),
         layout_gain=gain,
+        layers_spread_by_experts=layers_spread,
     )

@@ -66,6 +66,7 @@ __all__ = [
     "LayerSeconds",
     "phase_seconds_BW",
     "search_links",
+    "copy_pair_bytes",
     "layer_seconds",
 ]
 
@@ -342,6 +343,11 @@ class Kernel:
             "reduce_bytes_per_s": self.reduce_bytes_per_s,
             "source": self.source,
         }
+
+
+def copy_pair_bytes(kernel: Kernel, *, hidden_size: int) -> float:
+    """Bytes of one dispatch copy plus one combine copy of a token (what ``search_links``' times are per)."""
+    return kernel.dispatch.value.bytes_per_token(hidden_size) + kernel.combine.value.bytes_per_token(hidden_size)
 
 
 def search_links(kernel: Kernel, *, hidden_size: int) -> Links:

@@ -34,7 +34,7 @@ from moetrace.errors import ConfigError
 if TYPE_CHECKING:  # the placers (and numpy) load when a strategy is built, so `moetrace --help` stays light
     import numpy as np
 
-    from moetrace.placement.cost import Links
+    from moetrace.placement.cost import ExpertCompute, Links
     from moetrace.placement.maps import Placement
     from moetrace.placement.routers import RouterKind
     from moetrace.tracer.trace.schema import ModelInfo
@@ -78,6 +78,11 @@ class PlacementInputs:
     # how ``ours`` prices its candidates on its validation split (``compare.validation_pricer``: simulated
     # MoE-layer time of the validation requests' own tokens); None: expected link time from counts
     price_validation: Callable[..., dict[str, dict[str, float]]] | None = None
+    # the routed experts' cost (``cost.expert_compute_for``): the joint placer lays out each node's GPUs by
+    # expected MoE-layer time, expert reads included; None: by link time only (the model's size unknown)
+    expert: ExpertCompute | None = None
+    decode_copies_per_step: float = 0.0  # (token, expert) copies of one decode step (batch tokens x top-k); 0: unknown
+    copy_bytes: float = 0.0  # bytes of one dispatch copy plus one combine copy (the kernel's value types)
 
     @property
     def shape(self) -> dict[str, int]:
@@ -210,12 +215,20 @@ def _joint_with(x: PlacementInputs, router_groups: int | None) -> tuple[Placemen
         rows=x.train_rows,
         router_groups=router_groups,
         links=x.links or DEFAULT_LINKS,
+        expert=x.expert,
+        copies_per_step=x.decode_copies_per_step,
+        copy_bytes=x.copy_bytes,
     )
     return jp.placement, {
         "router_price": [round(float(p), 9) for p in jp.price_G],
         "joint_iterations": jp.num_iters,
         "joint_objective": [round(v, 6) for v in jp.objective_history],
         **({} if jp.layout_gain is None else {"joint_layout_gain": round(jp.layout_gain, 6)}),
+        **(
+            {}
+            if jp.layers_spread_by_experts is None
+            else {"joint_layers_spread_by_expert_time": jp.layers_spread_by_experts}
+        ),
     }
 
 
