@@ -165,6 +165,16 @@ def esft_trace(src: Path, what: str, work: Path, *, prompt_fraction: float) -> P
     return out
 
 
+def _below_single_folders(path: Path) -> Path:
+    """``path``, or the folder below it while it holds nothing but one folder (``traffic-gen/``), so the
+    datasets are named by the subject folders alone."""
+    while True:
+        entries = [e for e in path.iterdir() if not e.name.startswith(".")]
+        if len(entries) != 1 or not entries[0].is_dir():
+            return path
+        path = entries[0]
+
+
 def chaos_source(path: Path, work: Path) -> tuple[Path, str]:
     """The folder of "Patterns behind Chaos" request files to import and what it is.
 
@@ -176,7 +186,7 @@ def chaos_source(path: Path, work: Path) -> tuple[Path, str]:
         dest = work / "chaos-src"
         stamp = dest / ".commit"
         if stamp.is_file() and stamp.read_text() == commit:
-            return dest, f"commit {commit}"
+            return _below_single_folders(dest), f"commit {commit}"
         shutil.rmtree(dest, ignore_errors=True)
         rows = _git(path, "ls-tree", "-r", "HEAD").decode().splitlines()
         files = [(r.split()[2], r.split("\t", 1)[1]) for r in rows if r.split()[1] == "blob"]
@@ -186,7 +196,7 @@ def chaos_source(path: Path, work: Path) -> tuple[Path, str]:
         _write_blobs(path, files, dest)
         stamp.write_text(commit)
         log(f"chaos: {len(files)} request files of {path} at {commit[:12]} written to {dest}")
-        return dest, f"commit {commit}"
+        return _below_single_folders(dest), f"commit {commit}"
     if path.is_dir() and chaos.detect(b"", path):
         return path, str(path)
     raise SystemExit(f"{path}: neither a git directory nor a folder of expert-selection request files")
@@ -196,7 +206,7 @@ def chaos_trace(src: Path, what: str, work: Path, *, model: str) -> Path:
     """``work/chaos-trace``, imported from ``src`` unless it already holds this source for this model."""
     out = work / "chaos-trace"
     stamp = work / "chaos-trace.source"
-    key = json.dumps({"source": what, "model": model})
+    key = json.dumps({"source": what, "folder": src.name, "model": model})
     if out.exists() and stamp.is_file() and stamp.read_text() == key:
         return out
     shutil.rmtree(out, ignore_errors=True)
