@@ -1,7 +1,34 @@
 """Domain errors. The CLI turns every ``MoetraceError`` into a clean message and exit code 2.
 
-Messages quote the offending values and say how to fix the problem.
+Messages quote the offending values and say how to fix the problem. A sentence of a message that names an
+option only some commands have is registered with ``option_hint`` where it is raised; the CLI drops it
+(``for_command``) from the message of a command without that option, so messages name only options the
+command has.
 """
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+#: registered sentences (``option_hint``) -> the option each names
+_OPTION_HINTS: dict[str, str] = {}
+
+
+def option_hint(option: str, sentence: str) -> str:
+    """Register ``sentence`` (part of a message; it names ``option``) and return it, to be put in the message."""
+    _OPTION_HINTS[sentence] = option
+    return sentence
+
+
+def for_command(message: str, options: Collection[str] | None) -> str:
+    """``message`` without the registered sentences naming an option not in ``options`` (a command's options;
+    None: outside a command, the message as it is)."""
+    if options is None:
+        return message
+    for sentence, option in _OPTION_HINTS.items():
+        if option not in options and sentence in message:
+            message = message.replace(sentence, "")
+    return message
 
 
 class MoetraceError(Exception):

@@ -9,7 +9,11 @@
   4,300 digits (where Python's ``int`` gives up), nesting deeper than Python parses, and malformed
   text are refused with one line naming the file; each reader then bounds its fields by name.
 - :func:`check_int_options`: the integer options of every command (``friendly_errors`` calls it) are
-  refused at ``2**63`` or more in magnitude, before any work.
+  refused at ``2**63`` or more in magnitude, before any work (typer itself refuses an ``int`` option
+  written with other than ASCII digits).
+- :func:`option_int`: a whole number written inside a text option (``--route-on first-decode:N``,
+  ``--config DP8TP8EP64``): ASCII digits only (Python's ``int`` also takes ``'٣'`` and ``'３'``, and
+  fails on ``'²'`` with a bare ``ValueError``), at most 19 of them, within the option's range.
 
 Errors are ``moetrace.errors`` classes (``TraceFormatError`` by default), so the CLI prints one line.
 
@@ -152,9 +156,22 @@ def check_int_options(values: Mapping[str, object]) -> None:
                 )
 
 
+def option_int(text: str, *, option: str, low: int = 0, high: int = INT_LIMIT - 1, form: str = "") -> int:
+    """The whole number ``text`` of a text option, ASCII digits only, in ``low..high``; ``ConfigError`` naming
+    ``option`` (as the user wrote it, e.g. ``--route-on first-decode:N``) and ``form`` (what to write) else."""
+    t = text.strip()
+    if not (t.isascii() and t.isdigit()):
+        what = "a whole number written with the digits 0-9" if not t.isascii() else "a whole number"
+        raise ConfigError(f"{option}: {text[:40]!r} is not {what}{f'; write {form}' if form else ''}")
+    if len(t.lstrip("0")) > 19 or not low <= int(t) <= high:
+        raise ConfigError(f"{option}: {t[:24]}{'...' if len(t) > 24 else ''} is outside {low:,}..{high:,}")
+    return int(t)
+
+
 __all__ = [
     "MAX_INT_DIGITS",
     "check_int_options",
+    "option_int",
     "check_regular_input",
     "loads_json",
     "open_input",

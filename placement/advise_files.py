@@ -69,10 +69,16 @@ def commands(advice: Advice, *, out: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------ result files
-def write_advice(advice: Advice, out: str | os.PathLike, *, deployment: Deployment) -> list[Path]:
+def write_advice(
+    advice: Advice, out: str | os.PathLike, *, deployment: Deployment, final_dir: str | os.PathLike | None = None
+) -> list[Path]:
     """Write the advice directory (``moetrace.results.ADVICE``): ``options.parquet``, ``layers.parquet``,
     the recommended placements under ``placements/``, and ``advice.json`` (with the ``commands``) last.
-    Returns the paths."""
+    Returns the paths.
+
+    ``final_dir``: where the files will be read from when ``out`` is a folder built beside it and
+    swapped in later (``moetrace.atomic.replacing_directory``); the commands and the recorded input
+    paths name it, never ``out``. None: ``out`` itself."""
     import polars as pl
 
     from moetrace.placement.exports import PlacementFile, save_placement
@@ -80,6 +86,7 @@ def write_advice(advice: Advice, out: str | os.PathLike, *, deployment: Deployme
     from moetrace.tracer.trace.schema import ModelInfo
 
     out = Path(out)
+    final = out if final_dir is None else Path(final_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     model = ModelInfo.from_dict(advice.manifest["model"])
@@ -92,7 +99,7 @@ def write_advice(advice: Advice, out: str | os.PathLike, *, deployment: Deployme
             placement=opt.placement,
             router=opt.router if opt.router is not None else NoRouter(),
             source={
-                "advise": rf.recorded_path(advice.manifest["input"], results_dir=p.parent),
+                "advise": rf.recorded_path(advice.manifest["input"], results_dir=final / "placements"),
                 "fitted_on": opt.fitted_on or None,
                 "option": opt.key,
             },
@@ -101,10 +108,10 @@ def write_advice(advice: Advice, out: str | os.PathLike, *, deployment: Deployme
         written.append(p)
     written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_OPTIONS, pl.DataFrame(advice.rows)))
     written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_LAYERS, pl.DataFrame(advice.layer_rows)))
-    body = {**advice.manifest, "commands": commands(advice, out=out)}
+    body = {**advice.manifest, "commands": commands(advice, out=final)}
     for key in ("input", "trace"):  # relative to the results: no absolute path of the user's machine
         if isinstance(body.get(key), str):
-            body[key] = rf.recorded_path(body[key], results_dir=out)
+            body[key] = rf.recorded_path(body[key], results_dir=final)
     written.append(rf.write_result_json(out, rf.ADVICE, rf.ADVICE_MANIFEST, _plain(body)))
     return written
 

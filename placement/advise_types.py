@@ -1,5 +1,10 @@
-"""The records ``moetrace advise`` passes between its modules: an evaluated ``Option`` and the
-``Advice`` (summary rows, per-layer rows, verdicts, placements).
+"""The records ``moetrace advise`` passes between its modules: an evaluated ``Option``, the
+``Advice`` (summary rows, per-layer rows, verdicts, placements), what it evaluates (``AdviseInputs``:
+per recorded stage a ``StageInput``, a trace's simulated steps as ``StepTokens``) and what one option
+on one stage's steps measures (``StepMetrics``); the stage names.
+
+Shape legend (docs/architecture.md): N windows, B steps, L MoE layers, E logical experts, T tokens,
+K top-k slots.
 
 Out of scope: computing them (``advise``), writing them (``advise_files``).
 """
@@ -7,7 +12,7 @@ Out of scope: computing them (``advise``), writing them (``advise_files``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -16,8 +21,19 @@ from moetrace.placement.maps import Placement
 
 if TYPE_CHECKING:
     from moetrace.placement.routers import Router
+    from moetrace.tracer.trace.schema import ModelInfo
 
-__all__ = ["Advice", "Option"]
+__all__ = [
+    "STAGES",
+    "Advice",
+    "AdviseInputs",
+    "Option",
+    "Stage",
+    "StageInput",
+    "StepMetrics",
+    "StepTokens",
+    "Steps",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,3 +77,60 @@ class Advice:
     @property
     def verdicts(self) -> list[str]:
         return [v["text"] for v in self.manifest["verdicts"]]
+
+
+Stage = Literal["prefill", "decode", "both"]
+Steps = Literal["prefill", "decode"]
+STAGES: tuple[Stage, ...] = ("prefill", "decode", "both")
+
+
+class StepTokens(NamedTuple):
+    """Simulated steps of one stage on a trace: every token's routed ids, step and source rank."""
+
+    topk_ids_TLK: np.ndarray  # int16 [T, L, K] (-1: not recorded)
+    step_T: np.ndarray  # int64 [T] step of each token (0..num_steps-1)
+    src_rank_T: np.ndarray  # int64 [T] EP rank each token leaves from
+    num_steps: int  # B
+
+
+class StepMetrics(NamedTuple):
+    """One option on one stage's steps; arrays float64 [B, L] (B steps or windows) but ``send_ranks_L``."""
+
+    balancedness_BL: np.ndarray  # mean / max (token, expert) pairs per rank
+    vllm_balancedness_B: np.ndarray  # [B] what vLLM logs for the step: sum_l mean / sum_l max
+    busiest_BL: np.ndarray  # pairs of the busiest rank
+    mean_rank_BL: np.ndarray  # pairs of the mean rank
+    active_max_BL: np.ndarray  # activated experts (slots with >= 1 token) of the GPU activating most
+    active_mean_BL: np.ndarray  # the mean over GPUs
+    send_ranks_L: np.ndarray  # [L] distinct destination ranks per token, mean over tokens (NaN: a profile)
+    inter_bytes_BL: np.ndarray  # inter-node bytes, dispatch + combine
+    a2a_seconds_BL: np.ndarray  # predicted dispatch + combine seconds
+    moe_seconds_BL: np.ndarray  # predicted dispatch + experts + combine seconds (NaN: expert size unknown)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageInput:
+    """One recorded stage: the load placements fit and how options are evaluated on it."""
+
+    fit_LE: np.ndarray  # float64 [L, E] the tokens per (layer, expert) placements are fitted on
+    windows_NLE: np.ndarray  # float64 [N, L, E] the load per window in arrival order (drift check)
+    tokens: StepTokens | None = None  # a trace's simulated steps (None: evaluate on counts)
+    counts_NLE: np.ndarray | None = None  # a profile's evaluation windows (float64 [N, L, E])
+    pairs_per_step: float = 0.0  # (token, expert) pairs of one step (a profile's windows are scaled to it)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdviseInputs:
+    """Everything ``advise_arrays`` reads, as arrays: from a trace (``advise_trace``) or a profile."""
+
+    model: ModelInfo  # the model (its E, layers, router groups, expert size)
+    source: str  # the input's path and kind, for the result
+    kind: Literal["trace", "profile"]  # what the input was
+    stages: dict[Steps, StageInput]  # the recorded stages
+    current: Placement | None = None  # --current (None: linear is the reference)
+    current_format: str = ""  # the format --current was read as
+    extra: tuple[Option, ...] = ()  # grouped strategies built from the trace's requests (joint...), fitted on decode
+    # their steps where their router sends requests elsewhere: (option key, steps) -> steps drawn through it
+    extra_tokens: dict[tuple[str, Steps], StepTokens] = field(default_factory=dict)
+    routable: bool = False  # per-request prefill and decode recorded (grouped strategies can be built)
+    missing: tuple[str, ...] = ()  # what the input lacks, in words (said in the verdicts)

@@ -312,7 +312,7 @@ def _term(text: str, spec: str) -> HoldOut:
         )
     name, op, value = m.groups()
     if name == "every":
-        if op != "=" or not value.isdigit() or int(value) < 2:
+        if op != "=" or not (value.isascii() and value.isdigit() and len(value) <= 9) or int(value) < 2:
             raise ConfigError(f"--hold-out {spec!r}: every=N needs a whole N >= 2")
         n = int(value)
         return lambda row, i: (i + 1) % n == 0
@@ -322,6 +322,8 @@ def _term(text: str, spec: str) -> HoldOut:
     numeric = name in ("ep", "gpn", "nodes", "hidden", "topk", "experts", "tokens")
     values = value.split("|") if op in ("=", "!=") else [value]
     try:
+        if numeric and not all(v.isascii() and len(v) <= 19 for v in values):  # int() takes '٣' and 4,300 digits
+            raise ValueError(value)
         parsed = [int(v) if numeric else v.lower() for v in values]
     except ValueError:
         raise ConfigError(f"--hold-out {spec!r}: {name} takes whole numbers, got {value!r}") from None

@@ -144,7 +144,7 @@ def label(option: str) -> str:
     """An option key as the commands name it: ``eplb-64`` -> ``eplb with 64 redundant``, ``eplb-0`` ->
     ``eplb without redundant``; a strategy name as it is (``--strategy`` takes it)."""
     base, _, red = option.rpartition("-")
-    if base and red.isdigit():
+    if base and red.isascii() and red.isdigit():
         return f"{base} with {red} redundant" if int(red) else f"{base} without redundant"
     return option
 

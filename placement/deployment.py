@@ -23,7 +23,10 @@ from moetrace.errors import ConfigError
 
 __all__ = ["Deployment", "parse_deployment"]
 
-_RE = re.compile(r"^DP(\d+)TP(\d+)EP(\d+)(?:TP(\d+))?$", re.IGNORECASE)
+#: ASCII digits only (``\d`` alone also matches ``٣`` and ``３``, which ``int`` reads)
+_RE = re.compile(r"^DP(\d+)TP(\d+)EP(\d+)(?:TP(\d+))?$", re.IGNORECASE | re.ASCII)
+#: the most digits of one count (a billion GPUs)
+_MAX_DIGITS = 9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,5 +140,7 @@ def parse_deployment(spec: str, *, num_gpus_per_node: int = 8) -> Deployment:
         raise ConfigError(
             f"deployment {spec!r} is not of the form DPaTPbEPc or DPaTPbEPcTPd (e.g. DP8TP8EP64, DP8TP8EP32TP2)"
         )
+    if any(x is not None and len(x.lstrip("0")) > _MAX_DIGITS for x in m.groups()):
+        raise ConfigError(f"deployment {spec[:40]!r}: a count of more than {_MAX_DIGITS} digits (e.g. DP8TP8EP64)")
     a, b, c, d = (int(x) if x else 1 for x in m.groups())
     return Deployment(num_dp=a, num_tp=b, num_ep=c, num_ep_tp=d, num_gpus_per_node=num_gpus_per_node)

@@ -157,7 +157,7 @@ class KernelRow:
         for name in ("dispatch_type", "combine_type"):
             if getattr(self, name) not in VALUE_NAMES:
                 raise ConfigError(f"{where}: `{name}` {getattr(self, name)!r} is not one of {', '.join(VALUE_NAMES)}")
-        m = re.fullmatch(r"grouped:(\d+)", self.routing)
+        m = re.fullmatch(r"grouped:(\d{1,9})", self.routing, re.ASCII)  # ASCII digits, a count int() reads
         if self.routing not in ("uniform", "balanced") and not (m and 1 <= int(m.group(1)) <= self.nodes):
             raise ConfigError(
                 f"{where}: `routing` {self.routing!r} is not uniform, balanced or grouped:N (N <= nodes = {self.nodes})"

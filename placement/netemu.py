@@ -104,11 +104,15 @@ class Link:
         return f"{round(self.latency_s * 1e6)}us"
 
 
+#: a number and its unit in ``--link``: ASCII digits (``\d`` alone matches ``٣``), at most 15 before the point
+_NUMBER_UNIT = r"(\d{1,15}(?:\.\d{1,15})?)\s*([a-zA-Z]+)"
+
+
 def parse_link(spec: str) -> Link:
     """``RATE[,LATENCY]`` with RATE in bit/kbit/mbit/gbit/tbit (per second) and LATENCY in s/ms/us/ns,
     e.g. ``1Gbit,50us`` or ``200Mbit`` (no added latency)."""
     parts = [p.strip() for p in spec.split(",")]
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]+)", parts[0]) if parts[0] else None
+    m = re.fullmatch(_NUMBER_UNIT, parts[0], re.ASCII) if parts[0] else None
     unit = m.group(2).lower() if m else ""
     if len(parts) > 2 or m is None or unit not in _RATE_UNITS:
         raise ConfigError(
@@ -120,7 +124,7 @@ def parse_link(spec: str) -> Link:
         raise ConfigError(f"--link {spec!r}: the rate must be at least 8kbit")
     latency = 0.0
     if len(parts) == 2:
-        t = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]+)", parts[1])
+        t = re.fullmatch(_NUMBER_UNIT, parts[1], re.ASCII)
         if t is None or t.group(2).lower() not in _TIME_UNITS:
             raise ConfigError(
                 f"--link {spec!r}: latency {parts[1]!r} is not a number with a unit "

@@ -254,3 +254,102 @@ def test_import_overwrite_killed_at_each_rename_of_the_fallback(imported, monkey
     assert r.exit_code == 0, r.output
     assert tree_hashes(out) != old and find_problems(out) == []
     shutil.rmtree(out)
+
+
+# ---------------------------------------------------------------------------------------- advise
+def _advise_args(t: Path, out: Path, steps: int) -> list[str]:
+    """Steps large enough that advise recommends a placement: advice.json then holds commands naming -o."""
+    step_tokens = ["--decode-tokens-per-gpu", "64", "--prefill-tokens-per-gpu", "512"]
+    deployment = ["--config", "DP2TP2EP4", "--gpus-per-node", "2"]
+    return ["advise", str(t), *deployment, *step_tokens, "--steps", str(steps), "-q", "-o", str(out)]
+
+
+@pytest.fixture
+def advised(tmp_path):
+    from test_advise import _trace
+
+    t = _trace(tmp_path / "t")
+    out = tmp_path / "a"
+    r = runner.invoke(app, _advise_args(t, out, 8))
+    assert r.exit_code == 0, r.output
+    return t, out, tree_hashes(out)
+
+
+def _advise_again(t: Path, out: Path):
+    return runner.invoke(app, [*_advise_args(t, out, 12), "--overwrite"])
+
+
+def _is_new_advice(out: Path) -> bool:
+    """The second run's advice (12 steps), whose commands and placement files name -o, never the folder
+    it was built in."""
+    from moetrace.placement.advise_files import read_advice
+
+    man = read_advice(out)
+    text = "".join(p.read_text() for p in sorted(out.rglob("*.json")))
+    return (
+        man["num_steps"]["decode"] == 12
+        and f".{out.name}." not in text
+        and bool(man["commands"])
+        and all(c["placement"].startswith(f"{out}/") for c in man["commands"])
+    )
+
+
+def _beside(out: Path) -> list[str]:
+    """What a swap of ``out`` left beside it (its building folder, an old folder set aside)."""
+    return [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def test_advise_names_its_output_folder_not_the_one_it_built_in(advised):
+    t, out, _ = advised
+    r = _advise_again(t, out)
+    assert r.exit_code == 0, r.output
+    assert _is_new_advice(out) and not _beside(out)
+    assert f".{out.name}." not in r.output  # the printed commands name -o too
+
+
+@pytest.mark.parametrize(
+    "kill, new",
+    [(_die_at_exchange, False), (_die_at_rmtree, True)],
+    ids=["at the exchange", "removing the old folder"],
+)
+def test_advise_overwrite_killed_at_each_step(advised, monkeypatch, kill, new):
+    t, out, old = advised
+    kill(monkeypatch)
+    with pytest.raises(Killed):
+        _advise_again(t, out)
+    monkeypatch.undo()
+    if new:
+        assert _is_new_advice(out) and tree_hashes(out) != old
+    else:
+        assert tree_hashes(out) == old
+    assert not _beside(out)  # the building folder is gone (the guard removes it when the process dies)
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_advise_overwrite_killed_at_each_rename_of_the_fallback(advised, monkeypatch, at):
+    t, out, old = advised
+    _no_exchange(monkeypatch)
+    monkeypatch.setattr(atomic, "os", _DyingOs(at))
+    with pytest.raises(Killed):
+        _advise_again(t, out)
+    monkeypatch.undo()
+    atomic.recover_directory(out)  # what the next run does first
+    assert tree_hashes(out) == old and not _beside(out)
+    r = _advise_again(t, out)  # and the next run then replaces it
+    assert r.exit_code == 0, r.output
+    assert _is_new_advice(out) and not _beside(out)
+
+
+def test_advise_overwrite_that_fails_while_writing_keeps_the_old_results(advised, monkeypatch):
+    from moetrace.placement import advise
+
+    t, out, old = advised
+
+    def half_written(advice, building, **_kw):
+        (Path(building) / "options.parquet").write_bytes(b"half")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(advise, "write_advice", half_written)
+    r = _advise_again(t, out)
+    assert r.exit_code != 0
+    assert tree_hashes(out) == old and not _beside(out)

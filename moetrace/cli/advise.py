@@ -6,7 +6,7 @@ A thin layer over ``moetrace.placement.advise`` (docs/advise.md).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -21,6 +21,7 @@ from moetrace.cli.common import (
     read_model_config,
 )
 from moetrace.cli.place import ConfigOpt, EplbSumOpt, GpusPerNode, LinkOpt
+from moetrace.errors import ConfigError
 from moetrace.placement.legends import ADVISE_LEGEND, help_epilog
 from moetrace.placement.strategies import STRATEGY_NAMES
 
@@ -125,6 +126,7 @@ def advise_cmd(
         hardware=load_hardware(link),
         model_config=read_model_config(model_config),
     )
+    _check_sizes(cfg)
     inputs = [
         source,
         *([current] if current is not None else []),
@@ -138,6 +140,31 @@ def advise_cmd(
             progress_bar("options", "runs", quiet=quiet) as bar,
         ):
             advice = advise_input(source, cfg, current=current, progress=bar, count_progress=count_bar)
-        write_advice(advice, out, deployment=dep)
+        from moetrace.atomic import replacing_directory
+
+        with replacing_directory(out) as building:  # built beside -o, swapped in whole: a kill leaves old or new
+            write_advice(advice, building, deployment=dep, final_dir=out)  # the commands name -o, not building
     typer.echo(format_advice(advice, out=out))
     typer.echo(f"\nwrote {out}")
+
+
+def _check_sizes(cfg: Any) -> None:
+    """Refuse, in advise's own options' names, the sizes the simulation (``CompareConfig``, shared with
+    ``compare``, whose messages name compare's options) would refuse: the simulated decode tokens and the
+    prefill tokens of one step."""
+    from moetrace.placement.compare_config import MAX_SIMULATED_TOKENS
+
+    dep = cfg.deployment
+    simulated = cfg.num_steps * cfg.step_requests
+    if simulated > MAX_SIMULATED_TOKENS:
+        raise ConfigError(
+            f"--steps {cfg.num_steps} x {cfg.step_requests:,} decode tokens per step (--decode-tokens-per-gpu "
+            f"{cfg.decode_tokens_per_gpu} x {dep.num_ep} GPUs) = {simulated:,} simulated tokens; at most "
+            f"{MAX_SIMULATED_TOKENS:,} per run: lower --steps or --decode-tokens-per-gpu"
+        )
+    most = (1 << 22) // (dep.ranks_per_node * dep.num_groups)
+    if cfg.prefill_tokens_per_gpu > most:
+        raise ConfigError(
+            f"--prefill-tokens-per-gpu {cfg.prefill_tokens_per_gpu}: at most {most:,} on {dep.name} "
+            f"({dep.ranks_per_node} GPUs per node, {dep.num_groups} node(s))"
+        )

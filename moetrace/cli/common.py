@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from moetrace.results import ResultKind
 
 from moetrace.environ import environ
-from moetrace.errors import MoetraceError, OutputExistsError, TraceValidationError
+from moetrace.errors import MoetraceError, OutputExistsError, TraceValidationError, for_command
 from moetrace.sizes import human_bytes  # noqa: F401  (re-exported for the command modules)
 
 F = TypeVar("F", bound=Callable)
@@ -125,10 +125,10 @@ def friendly_errors(fn: F) -> F:
         except TraceValidationError as exc:
             err(f"{len(exc.problems)} problem(s) found:")
             for p in exc.problems:
-                typer.echo(f"  - {p}", err=True)
+                typer.echo(f"  - {for_command(p, _command_options(kwargs))}", err=True)
             raise typer.Exit(1) from None
         except MoetraceError as exc:
-            err(str(exc))
+            err(for_command(str(exc), _command_options(kwargs)))  # no hint naming an option this command lacks
             raise typer.Exit(2) from None
         except OSError as exc:  # a path that cannot be read or written: say which, no traceback
             err(_describe_os_error(exc))
@@ -138,6 +138,17 @@ def friendly_errors(fn: F) -> F:
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _command_options(kwargs: dict[str, object]) -> set[str]:
+    """The long options of the command running (``moetrace.errors.for_command``): its click command's where
+    click has one current, else its keyword arguments' names (``allow_incomplete`` -> ``--allow-incomplete``)."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        return {o for p in ctx.command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")}
+    return {"--" + name.replace("_", "-") for name in kwargs}
 
 
 def _describe_os_error(exc: OSError) -> str:

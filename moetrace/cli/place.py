@@ -71,6 +71,23 @@ MaxNodeLoad = Annotated[
 PrefillTokens = Annotated[
     int, typer.Option(help="Chunked-prefill tokens per node and prefill step at an even share (0: decode only).")
 ]
+
+
+def _route_on_text(text: str) -> str:
+    """``--route-on`` with the N of ``first-decode:N`` checked (``moetrace.inputs.option_int``: ASCII digits,
+    within 1..the compare's limit) before ``parse_route_on`` reads it."""
+    from moetrace.inputs import option_int
+    from moetrace.placement.compare import MAX_ROUTE_FIRST_DECODE
+
+    head, sep, n = text.strip().partition(":")
+    if head == "first-decode" and sep:
+        n_ok = option_int(
+            n, option="--route-on first-decode:N", low=1, high=MAX_ROUTE_FIRST_DECODE, form="e.g. first-decode:16"
+        )
+        return f"first-decode:{n_ok}"
+    return text
+
+
 RouteOnOpt = Annotated[
     str,
     typer.Option(
@@ -304,7 +321,7 @@ def compare_cmd(
         replica_policy=replica_policy,
         oracle=oracle,
         seed=seed,
-        route_first_decode=parse_route_on(route_on),
+        route_first_decode=parse_route_on(_route_on_text(route_on)),
     )
     if out is None:  # said before minutes of work, and again at the end
         typer.secho("note: no -o: the results are printed, nothing is saved", fg=typer.colors.YELLOW, err=True)

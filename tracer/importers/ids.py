@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 CHUNK_TOKENS = 1 << 15
 #: the most bytes a map file may have (a DeepSeek-V3 map of 61 layers x 288 slots is ~100 KB)
 MAX_MAP_BYTES = 1 << 26
+#: the most physical slots per layer a map may have (physical ids are read into int16 rows: 0..32767)
+MAX_SLOTS = 1 << 15
 
 
 #: names row ``t`` of the ids and MoE layer ``l`` (its ordinal) in the input: "in.jsonl:12: request 3, position 7, layer 5"
@@ -150,6 +152,11 @@ def physical_map_from_array(value: Any, info: ModelInfo, *, where: str) -> np.nd
             f"shape {arr.shape} of {arr.dtype}"
         )
     H, L, E = info.num_hidden_layers, info.num_moe_layers, info.num_experts
+    if arr.shape[1] > MAX_SLOTS:  # before the map is copied: a tensor view may declare any width
+        raise TraceFormatError(
+            f"{where}: the physical-to-logical map declares {arr.shape[1]:,} physical slots per layer, more than "
+            f"the {MAX_SLOTS:,} physical ids a trace can hold; a map of {info.name} has {E} slots or a few more"
+        )
     if arr.shape[0] == H:
         arr = arr[list(info.moe_layers)]
     elif arr.shape[0] != L:

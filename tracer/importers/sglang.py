@@ -41,7 +41,7 @@ from moetrace.tracer.importers.jsonl import (
     iter_json_lines,
     whole,
 )
-from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions
+from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions, check_allocation
 
 if TYPE_CHECKING:  # numpy and the writer load when a file is read, so `moetrace --help` stays light
     import numpy as np
@@ -102,10 +102,13 @@ def decode_sglang_routed_experts(
 
 
 def sglang_response_rows(
-    resp: dict[str, Any], *, info: ModelInfo, physical: bool = False
+    resp: dict[str, Any], *, info: ModelInfo, physical: bool = False, options: ImportOptions | None = None
 ) -> tuple[int, int, np.ndarray]:
     """``(prompt_tokens, output_tokens, topk_ids_TX)`` of one SGLang ``/generate`` response; ``physical``: the ids
-    are physical slots (converted by the caller), so ids of ``E`` and more are kept for the map."""
+    are physical slots (converted by the caller), so ids of ``E`` and more are kept for the map. What the
+    conversion holds at once is estimated from the token counts the response declares and checked against
+    the import's memory budget (``options``) first: a short line may declare a long request whose positions
+    before ``routed_experts_start_len`` the payload leaves out."""
     import numpy as np
 
     from moetrace.tracer.backends.vllm_convert import routed_experts_to_rows
@@ -136,14 +139,15 @@ def sglang_response_rows(
     arr = decode_sglang_routed_experts(
         payload, num_rows=T - 1 - start, top_k=info.top_k, dtype_name=meta.get("routed_experts_dtype")
     )
+    H = arr.shape[1] if arr.size else info.num_hidden_layers
+    K, L = info.top_k, info.num_moe_layers
+    # the padded ids (int32, H layers), their MoE layers (int32), the range check (bool), the rows (int16)
+    peak = (T - 1) * K * (4 * H + 4 * L + L) + T * L * K * 2
+    check_allocation(peak, f"a request of {P:,}+{O:,} tokens from position {start:,}", options=options)
     if start:  # positions before the start were not returned: nothing recorded
-        H = arr.shape[1] if arr.size else info.num_hidden_layers
-        arr = np.concatenate(
-            [
-                np.full((start, H, info.top_k), NO_EXPERT, dtype=np.int32),
-                arr.reshape(-1, H, info.top_k).astype(np.int32),
-            ]
-        )
+        padded = np.full((T - 1, H, K), NO_EXPERT, dtype=np.int32)
+        padded[start:] = arr.reshape(-1, H, K)
+        arr = padded
     try:
         rows = routed_experts_to_rows(
             arr,
@@ -190,7 +194,7 @@ def parse(
             except TraceFormatError as exc:
                 raise TraceFormatError(f"{src}:{n}: {exc}") from exc
             try:
-                P, O, rows = sglang_response_rows(resp, info=info, physical=physical)
+                P, O, rows = sglang_response_rows(resp, info=info, physical=physical, options=options)
             except (TraceFormatError, KeyError, TypeError, ValueError) as exc:
                 raise TraceFormatError(f"{src}:{n}: request {rid}: {exc}") from exc
             yield Requests(

@@ -57,7 +57,7 @@ from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Parsed, Requests, StagesMode
 from moetrace.tracer.importers.ids import physical_map_from_array
 from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions, check_allocation
-from moetrace.tracer.importers.sglang_pt import dump_files, load_dump, pickle_head, record_int
+from moetrace.tracer.importers.sglang_pt import check_tensor, dump_files, load_dump, pickle_head, record_int
 
 if TYPE_CHECKING:
     import numpy as np
@@ -86,7 +86,7 @@ def detect(head: bytes, src: Path) -> bool:
     return head.startswith(b"PK\x03\x04") and _is_dump(pickle_head(src))
 
 
-def _pass_ids(rec: dict[str, Any], info: ModelInfo, where: str) -> np.ndarray:
+def _pass_ids(rec: dict[str, Any], info: ModelInfo, where: str, options: ImportOptions) -> np.ndarray:
     """One record's ``topk_ids_of_layer`` as int64 ``[N, L, K]`` physical ids (MoE layers, the model's top-k)."""
     import numpy as np
 
@@ -103,6 +103,7 @@ def _pass_ids(rec: dict[str, Any], info: ModelInfo, where: str) -> np.ndarray:
             f"{where}: `topk_ids_of_layer` must be an integer tensor [layers, tokens, top-k], got "
             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
         )
+    check_tensor(t, f"{where}: `topk_ids_of_layer`", options, copies=3)  # int64, its MoE layers, [N, L, K]
     ids_HNK = t.numpy().astype(np.int64, copy=False)
     H, N, C = ids_HNK.shape
     K = info.top_k
@@ -194,6 +195,7 @@ def parse(
                     "with)"
                 )
             m = obj["last_physical_to_logical_map"]
+            check_tensor(m, f"{path.name}: last_physical_to_logical_map", options)
             map_LP = physical_map_from_array(
                 m.numpy() if hasattr(m, "numpy") else m, info, where=f"{path.name}: last_physical_to_logical_map"
             )
@@ -217,7 +219,7 @@ def parse(
             same_pass = passes.setdefault(fid, {})
             if rank in same_pass:
                 raise TraceFormatError(f"{where}: rank {rank} recorded forward pass {fid} twice ({same_pass[rank][0]})")
-            ids_NLK = _pass_ids(rec, info, where)
+            ids_NLK = _pass_ids(rec, info, where, options)
             if len(ids_NLK) != len(input_ids):
                 raise TraceFormatError(f"{where}: {len(ids_NLK)} tokens of ids but {len(input_ids)} input_ids")
             key = _pass_fingerprint(rec, input_ids, ids_NLK)

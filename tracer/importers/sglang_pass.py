@@ -57,7 +57,7 @@ from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Progress, StagesMode
 from moetrace.tracer.importers.ids import physical_map_from_array, read_physical_map
 from moetrace.tracer.importers.options import PHYSICAL_MAP, ImportOptions
-from moetrace.tracer.importers.sglang_pt import dump_files, load_dump, pickle_head, record_int
+from moetrace.tracer.importers.sglang_pt import check_tensor, dump_files, load_dump, pickle_head, record_int
 
 if TYPE_CHECKING:
     import numpy as np
@@ -86,7 +86,9 @@ def detect(head: bytes, src: Path) -> bool:
     return head.startswith(b"PK\x03\x04") and _is_pass_dump(pickle_head(src))
 
 
-def _map_of(obj: dict[str, Any], path: Path, info: ModelInfo, user_map: np.ndarray | None) -> np.ndarray:
+def _map_of(
+    obj: dict[str, Any], path: Path, info: ModelInfo, user_map: np.ndarray | None, options: ImportOptions
+) -> np.ndarray:
     """The ``[L, P]`` physical-to-logical map that converts this file's counts."""
     if user_map is not None:
         return user_map
@@ -96,12 +98,13 @@ def _map_of(obj: dict[str, Any], path: Path, info: ModelInfo, user_map: np.ndarr
             f"{path.name}: no last_physical_to_logical_map; pass --physical-map FILE (the map SGLang served with)"
         )
     torch = require("torch", purpose="reading SGLang's .pt dumps")
+    check_tensor(m, f"{path.name}: last_physical_to_logical_map", options)
     return physical_map_from_array(
         m.numpy() if isinstance(m, torch.Tensor) else m, info, where=f"{path.name}: last_physical_to_logical_map"
     )
 
 
-def _pass_counts(rec: dict[str, Any], info: ModelInfo, P: int, where: str) -> np.ndarray:
+def _pass_counts(rec: dict[str, Any], info: ModelInfo, P: int, where: str, options: ImportOptions) -> np.ndarray:
     """One record's ``global_physical_count`` as int64 ``[L, P]`` at the model's MoE layers."""
     import numpy as np
 
@@ -114,6 +117,7 @@ def _pass_counts(rec: dict[str, Any], info: ModelInfo, P: int, where: str) -> np
         )
     if t.dtype == torch.bool:
         raise TraceFormatError(f"{where}: `{KEY}` must hold whole counts, got booleans")
+    check_tensor(t, f"{where}: `{KEY}`", options, copies=2)  # int64, then its MoE layers
     c_HP = t.numpy().astype(np.int64, copy=False)
     H, slots = c_HP.shape
     if slots != P:
@@ -185,7 +189,7 @@ def read_profile(
             raise TraceFormatError(
                 f"{path.name}: a per_token dump (ids per token): import it as a trace with --format sglang-dump"
             )
-        map_LP = _map_of(obj, path, info, user_map)
+        map_LP = _map_of(obj, path, info, user_map, options)
         for j, rec in enumerate(records):
             fid_seen = rec.get("forward_pass_id") if isinstance(rec, dict) else "?"
             where = f"{path.name}: record {j} (forward pass {fid_seen})"
@@ -204,7 +208,7 @@ def read_profile(
                     f"{where}: more than {len(pass_LE):,} forward passes x {L} layers x {E} experts, over the "
                     f"{MAX_CELLS:,} counts one profile holds; import fewer passes (one dump per recording window)"
                 )
-            c_LE = physical_to_logical_counts(_pass_counts(rec, info, map_LP.shape[1], where), map_LP, E)
+            c_LE = physical_to_logical_counts(_pass_counts(rec, info, map_LP.shape[1], where, options), map_LP, E)
             seen[(fid, rank)] = (where, hashlib.blake2b(c_LE.tobytes(), digest_size=16).digest() if c_LE.any() else b"")
             pass_LE[fid] = pass_LE[fid] + c_LE if fid in pass_LE else c_LE
             rank_LE[rank] = rank_LE[rank] + c_LE if rank in rank_LE else c_LE

@@ -1,7 +1,8 @@
 """What SGLang's expert-distribution recorder dumps share, whatever their mode: the ``.pt`` files
 (``torch.save`` of ``{"records": [...], "last_physical_to_logical_map": ...}``, one per rank, named
 ``expert_distribution_recorder_*.pt``), how detection peeks at their pickle, how they are loaded
-(``torch.load(weights_only=True)`` only, sizes checked against the memory budget first) and how a
+(``torch.load(weights_only=True)`` only, sizes checked against the memory budget first, and each
+tensor's declared shape before it is converted: ``check_tensor``) and how a
 record's integer fields are read. Read from ``python/sglang/srt/eplb/expert_distribution.py``
 (sgl-project/sglang, commit 02295fe5ac5c).
 
@@ -19,9 +20,18 @@ from typing import Any
 
 from moetrace._deps import require
 from moetrace.errors import TraceFormatError
-from moetrace.tracer.importers.options import ImportOptions, check_allocation
+from moetrace.tracer.importers.options import ImportOptions, check_allocation, check_declared_shape
 
-__all__ = ["DUMP_NAME", "DETECT_BYTES", "pickle_head", "dump_files", "load_dump", "record_int"]
+__all__ = [
+    "DUMP_NAME",
+    "DETECT_BYTES",
+    "check_declared_bytes",
+    "check_tensor",
+    "dump_files",
+    "load_dump",
+    "pickle_head",
+    "record_int",
+]
 
 #: the dump files a directory holds
 DUMP_NAME = re.compile(r"^expert_distribution_recorder_.*\.pt$")
@@ -49,18 +59,34 @@ def dump_files(src: Path) -> list[Path]:
     return [src]
 
 
-def load_dump(path: Path, options: ImportOptions, *, mode: str) -> dict[str, Any]:
-    """``torch.load(weights_only=True)`` of one dump, its declared sizes checked against the budget first;
-    ``mode`` (``per_token``, ``per_pass``) names what was expected in the refusal of anything else."""
-    torch = require("torch", purpose="reading SGLang's .pt dumps")
-    if not path.is_file():
-        raise TraceFormatError(f"{path.name}: not a regular file")
+def check_declared_bytes(path: Path, options: ImportOptions | None) -> None:
+    """Refuse, before ``torch.load``, a ``.pt`` whose zip declares more bytes than the memory budget (twice
+    what it declares: the loaded tensors and their conversion); ``path`` must be a regular file."""
+    from moetrace.inputs import check_regular_input
+
+    check_regular_input(path, what=path.name)  # a pipe or device is never opened
     try:
         with zipfile.ZipFile(path) as z:
             declared = sum(i.file_size for i in z.infolist())
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         raise TraceFormatError(f"{path.name}: not a torch .pt file ({exc})") from None
     check_allocation(2 * declared, f"{path.name} declares {declared:,} bytes of tensors", options=options)
+
+
+def check_tensor(t: Any, where: str, options: ImportOptions | None, *, copies: int = 1) -> None:
+    """Refuse a loaded tensor whose declared shape, read as ``copies`` int64 arrays, is over the budget
+    (``options.check_declared_shape``: ``torch.save`` keeps views, so the shape may be far larger than the
+    file); anything that is not a tensor is left to the caller's own check."""
+    shape = getattr(t, "shape", None)
+    if shape is not None and hasattr(t, "numel"):
+        check_declared_shape(tuple(shape), where, options=options, copies=copies)
+
+
+def load_dump(path: Path, options: ImportOptions, *, mode: str) -> dict[str, Any]:
+    """``torch.load(weights_only=True)`` of one dump, its declared sizes checked against the budget first;
+    ``mode`` (``per_token``, ``per_pass``) names what was expected in the refusal of anything else."""
+    torch = require("torch", purpose="reading SGLang's .pt dumps")
+    check_declared_bytes(path, options)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # a damaged or hostile file makes the unpickler raise anything; said, never a traceback

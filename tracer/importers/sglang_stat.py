@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Progress, StagesMode
-from moetrace.tracer.importers.options import ImportOptions
+from moetrace.tracer.importers.options import ImportOptions, check_allocation, check_declared_shape
 
 if TYPE_CHECKING:
     import numpy as np
@@ -60,6 +60,8 @@ KEY = "logical_count"
 _MAX_PICKLE = 1 << 20
 #: the largest JSON file read (a [N, H, E] list of ints)
 _MAX_JSON = 1 << 30
+#: bytes in memory per byte of a JSON file of counts, at most (``"0,"``: an 8-byte pointer, then 8 in the array)
+_JSON_BYTES_PER_BYTE = 8
 #: the largest count read from a float (2**53: beyond it a float is no longer an exact whole number)
 _MAX_FLOAT_COUNT = float(2**53)
 _ZIP = b"PK\x03\x04"
@@ -87,10 +89,12 @@ def detect(head: bytes, src: Path) -> bool:
     return text.startswith(b"{") and b'"' + KEY.encode() + b'"' in head
 
 
-def _load_pt(src: Path) -> tuple[Any, dict[str, Any]]:
+def _load_pt(src: Path, options: ImportOptions | None) -> tuple[Any, dict[str, Any]]:
     from moetrace._deps import require
+    from moetrace.tracer.importers.sglang_pt import check_declared_bytes
 
     torch = require("torch", purpose="reading SGLang's expert-distribution .pt dumps")
+    check_declared_bytes(src, options)
     try:
         obj = torch.load(src, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many kinds (UnpicklingError, RuntimeError, ...) for a bad file
@@ -104,6 +108,9 @@ def _load_pt(src: Path) -> tuple[Any, dict[str, Any]]:
     counts = obj[KEY]
     if not isinstance(counts, torch.Tensor):
         raise TraceFormatError(f"{src}: {KEY!r} must be a tensor, got {type(counts).__name__}")
+    # a view's shape, not its storage: a 2 KB file may declare [10**7, 61, 256] over one stored count; read as
+    # int64, its MoE layers picked and its empty passes dropped (three copies), before anything is computed
+    check_declared_shape(tuple(counts.shape), f"{src}: {KEY!r}", options=options, copies=3)
     extra = {"rank": obj.get("rank")} if isinstance(obj.get("rank"), int) else {}
     rate = obj.get("average_utilization_rate_over_window")
     if isinstance(rate, (int, float)) and not isinstance(rate, bool):
@@ -111,12 +118,17 @@ def _load_pt(src: Path) -> tuple[Any, dict[str, Any]]:
     return counts.detach().cpu().numpy(), extra
 
 
-def _load_json(src: Path) -> Any:
+def _load_json(src: Path, options: ImportOptions | None) -> Any:
     import numpy as np
 
     from moetrace.inputs import read_input_json
 
-    # a regular file only (a pipe never blocks), at most _MAX_JSON bytes, integers of bounded digits
+    # a regular file only (a pipe never blocks), at most _MAX_JSON bytes, integers of bounded digits; its lists
+    # in memory (a pointer, then an int64, per number of at least two bytes of text) checked against the budget
+    check_allocation(
+        src.stat().st_size * _JSON_BYTES_PER_BYTE, f"{src}: a JSON file of {src.stat().st_size:,} bytes",
+        options=options, kind="parsed counts",
+    )  # fmt: skip
     obj = read_input_json(src, max_bytes=_MAX_JSON)
     if not isinstance(obj, dict) or KEY not in obj:
         raise TraceFormatError(f'{src}: expected {{"{KEY}": [[...]]}} as SGLang\'s --init-expert-location takes')
@@ -200,7 +212,7 @@ def read_profile(
 
     with open_input(src) as f:  # a regular file only: a named pipe is refused, never waited on
         is_zip = f.read(4) == _ZIP
-    counts, extra = _load_pt(src) if is_zip else (_load_json(src), {})
+    counts, extra = _load_pt(src, options) if is_zip else (_load_json(src, options), {})
     c_NLE = logical_count_to_NLE(counts, info=info, where=str(src))
     keep = c_NLE.reshape(c_NLE.shape[0], -1).any(axis=1)
     if not keep.any():

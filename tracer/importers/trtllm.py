@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from moetrace.errors import TraceFormatError
 from moetrace.tracer.importers.base import ImportFormat, Progress, StagesMode
-from moetrace.tracer.importers.options import ImportOptions
+from moetrace.tracer.importers.options import ImportOptions, check_allocation
 
 if TYPE_CHECKING:
     from moetrace.tracer.trace.profile import LoadProfile
@@ -49,6 +49,10 @@ KEY_RE = re.compile(r"^(\d+)_(\d+)$")
 #: the most ranks and (iteration, layer) keys one import reads
 MAX_RANKS = 1 << 14
 MAX_KEYS = 1 << 22
+#: the most counts (iterations x layers x experts) one profile of this format holds
+MAX_CELLS = 1 << 27
+#: the most tokens all counts together may add up to (every sum then fits int64)
+MAX_TOTAL = float(1 << 62)
 _STAGE = {"both": "mixed", "decode-only": "decode", "prefill-only": "prefill"}
 
 
@@ -123,6 +127,7 @@ def read_profile(
     ordinal = {layer: i for i, layer in enumerate(info.moe_layers)}
     L, E = info.num_moe_layers, info.num_experts
     cells: dict[tuple[int, int, int], np.ndarray] = {}  # (rank, iteration, MoE ordinal) -> [E]
+    total = 0.0  # every count read so far (a float: the bound is checked, never the exact sum)
     for done, r in enumerate(sorted(files)):
         f = files[r]
         try:
@@ -147,6 +152,13 @@ def read_profile(
                         )
                     if a.size and int(a.min()) < 0:
                         raise TraceFormatError(f"{f}: {key!r} holds a negative count")
+                    # every count non-negative: no partial sum exceeds the grand total, kept below 2**62 (int64)
+                    total += float(a.sum(dtype=np.float64))
+                    if total >= MAX_TOTAL:
+                        raise TraceFormatError(
+                            f"{f}: {key!r}: the counts add up to 2**62 or more tokens, past what a profile's "
+                            "totals hold; the file is damaged"
+                        )
                     cells[(r, it, ordinal[layer])] = a.astype(np.int64)
         except TraceFormatError:
             raise
@@ -161,19 +173,31 @@ def read_profile(
     iters = sorted({it for _, it, _ in cells})
     col = {it: i for i, it in enumerate(iters)}
     N = len(iters)
-    if N * L * E > 1 << 27:
-        raise TraceFormatError(f"{src}: {N:,} iterations x {L} layers x {E} experts: too many counts for one profile")
-    per_WNLE = np.zeros((W, N, L, E), np.int64)
+    if N * L * E > MAX_CELLS:
+        raise TraceFormatError(
+            f"{src}: {N:,} iterations x {L} layers x {E} experts: more than the {MAX_CELLS:,} counts one profile "
+            "holds; record fewer iterations (EXPERT_STATISTIC_ITER_RANGE)"
+        )
+    # the windows' and the ranks' counts, summed as they are placed (never a [ranks, iterations, ...] array: a
+    # few files naming many ranks and iterations would ask for W times the profile), and the profile's copies
+    check_allocation(
+        (N + W) * L * E * 8 * 2,
+        f"{src}: {W} ranks, {N:,} iterations x {L} layers x {E} experts",
+        options=options,
+        kind="counts",
+    )
+    counts = np.zeros((N, L, E), np.int64)
+    per_WLE = np.zeros((W, L, E), np.int64)
     for (r, it, l), a in cells.items():
-        per_WNLE[r, col[it], l] = a
+        counts[col[it], l] += a
+        per_WLE[r, l] += a
     stage = _STAGE[stages]
-    counts = per_WNLE.sum(axis=0)
     return LoadProfile(
         model=info,
         counts={stage: counts},
         window_tokens=Window(unit="iterations", size=1) if N > 1 else None,
         datasets=None if label is None else {stage: {label: counts.sum(axis=0)}},
-        ranks={stage: per_WNLE.sum(axis=1)},
+        ranks={stage: per_WLE},
         source={
             "source_format": "trtllm-stats",
             "source_file": src.name,  # the directory's name only

@@ -56,12 +56,12 @@ from moetrace.tracer.importers.jsonl import (
     iter_json_lines,
     whole,
 )
+from moetrace.tracer.importers.options import ImportOptions, check_allocation
 
 if TYPE_CHECKING:  # numpy and the writer load when a file is read, so `moetrace --help` stays light
     import numpy as np
 
     from moetrace.tracer.backends.vllm_convert import LayerAxis
-    from moetrace.tracer.importers.options import ImportOptions
     from moetrace.tracer.trace.schema import ModelInfo
 
 #: the ``object`` of the responses read
@@ -84,8 +84,12 @@ def _token_count(value: Any, name: str) -> int | None:
     return len(value)
 
 
-def choice_rows(resp: dict[str, Any], c: int, *, info: ModelInfo) -> tuple[int, int, np.ndarray, str]:
-    """``(prompt_tokens, output_tokens, topk_ids_TX, layer_axis)`` of choice ``c`` of one response."""
+def choice_rows(
+    resp: dict[str, Any], c: int, *, info: ModelInfo, options: ImportOptions | None = None
+) -> tuple[int, int, np.ndarray, str]:
+    """``(prompt_tokens, output_tokens, topk_ids_TX, layer_axis)`` of choice ``c`` of one response. The
+    conversion's memory, estimated from the declared token counts and the payload's layers, is checked
+    against the import's budget (``options``) before the positions the payload leaves out are padded."""
     import numpy as np
 
     from moetrace.tracer.backends.vllm_convert import routed_experts_array, routed_experts_to_rows
@@ -151,6 +155,10 @@ def choice_rows(resp: dict[str, Any], c: int, *, info: ModelInfo) -> tuple[int, 
                 f"routed_experts covers {N} positions; a request of {P}+{O} tokens needs {T - 1} (or fewer by a "
                 "routed_experts_prompt_start of at most the prompt)"
             )
+        H, K, L = arr.shape[1], arr.shape[2], info.num_moe_layers
+        # the padded ids (int32), their MoE layers (int32), the range check (bool), the rows (int16)
+        peak = T * K * (4 * H + 4 * L + L) + T * L * info.top_k * 2
+        check_allocation(peak, f"a request of {P:,}+{O:,} tokens of {H} layers x {K}", options=options)
         if start:  # routed_experts_prompt_start: the first `start` prompt positions were not returned
             arr = np.concatenate([np.full((start, *arr.shape[1:]), -1, dtype=np.int32), arr.astype(np.int32)])
         layer_axis = "decoder"
@@ -187,7 +195,7 @@ def parse(
     """Every choice of every response of ``src``, one ``Requests`` each (module docstring); progress in bytes."""
     import numpy as np
 
-    del stages, options, with_weights  # a response carries both stages; no option applies
+    del stages, with_weights  # a response carries both stages
     axes: set[str] = set()
     index = 0
     size = src.stat().st_size
@@ -212,7 +220,7 @@ def parse(
             for c in range(len(resp["choices"])):
                 rid = base + c
                 try:
-                    P, O, rows, axis = choice_rows(resp, c, info=info)
+                    P, O, rows, axis = choice_rows(resp, c, info=info, options=options)
                 except (TraceFormatError, KeyError, TypeError, ValueError) as exc:
                     raise TraceFormatError(f"{src}:{n}: request {rid} (choice {c}): {exc}") from exc
                 axes.add(axis)

@@ -49,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moetrace.errors import TraceFormatError
+from moetrace.errors import TraceFormatError, option_hint
 from moetrace.tracer.trace.checks import (
     RequestIndex,
     RowCheck,
@@ -81,6 +81,12 @@ from moetrace.tracer.trace.schema import (
 
 if TYPE_CHECKING:
     import polars as pl
+
+
+#: the hints naming ``--allow-incomplete``, dropped by the CLI for a command without it (``errors.option_hint``)
+_READ_WHAT_IS_THERE = option_hint("--allow-incomplete", " (pass --allow-incomplete to read what is there)")
+_READ_COMMITTED = option_hint("--allow-incomplete", " Pass --allow-incomplete to read the committed part.")
+_PASS_ALLOW_INCOMPLETE = option_hint("--allow-incomplete", " Pass --allow-incomplete to read what is there")
 
 
 class RequestArrays(NamedTuple):
@@ -211,7 +217,7 @@ class Trace:
         self._refuse(
             self.path,
             [
-                f"{p}; parts were lost or added after it was written (pass --allow-incomplete to read what is there)"
+                f"{p}; parts were lost or added after it was written{_READ_WHAT_IS_THERE}"
                 for p in totals_problems(totals, num_requests=num_requests or 0, num_tokens=num_tokens or 0)
             ],
         )
@@ -355,8 +361,8 @@ def open_trace(path: str | os.PathLike, *, require_complete: bool = True) -> Tra
     if require_complete and not manifest.get("complete"):
         raise TraceFormatError(
             f"{p}: the trace is incomplete (manifest `complete: false`): its collection was interrupted or is "
-            "still running. Resume it by re-running the same command with --resume, or pass "
-            "--allow-incomplete to read the committed part."
+            "still running. Resume it with `moetrace collect --resume` (an import or a synth runs again)."
+            f"{_READ_COMMITTED}"
         )
     requests = {f.name for f in (p / REQUESTS_DIR).glob("*.parquet")}
     routing = {f.name for f in (p / ROUTING_DIR).glob("*.parquet")}
@@ -373,7 +379,6 @@ def open_trace(path: str | os.PathLike, *, require_complete: bool = True) -> Tra
     problems = part_list_problems(parts, requests=requests, routing=routing, complete=bool(manifest.get("complete")))
     if problems and require_complete:
         raise TraceFormatError(
-            f"{p}: {problems[0]}; the trace is damaged (run `moetrace validate {p}`). Pass --allow-incomplete "
-            "to read what is there"
+            f"{p}: {problems[0]}; the trace is damaged (run `moetrace validate {p}`).{_PASS_ALLOW_INCOMPLETE}"
         )
     return Trace(p, manifest, strict=require_complete)

@@ -1,0 +1,289 @@
+"""What ``compare``, ``place`` and ``advise`` read from a trace: ``TraceData`` (per-request counts per
+stage, the held-out split, the held-out requests' tokens), ``load_trace_data`` (count, split, cap the
+requests kept) and ``with_held_out_tokens`` (one more pass for the held-out tokens); the request caps
+as compare.json records them and the check that data and config agree on them.
+
+Shape legend (docs/architecture.md): R requests, L MoE layers, E logical experts, K top-k slots,
+T tokens.
+
+Out of scope: the config (``compare_config``); placing (``compare_placing``); a load profile's
+drawn tokens (``profile_batches``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from moetrace.errors import ConfigError, TraceFormatError
+from moetrace.placement.compare_config import MAX_TEST_REQUESTS, MAX_TRAIN_REQUESTS, CompareConfig
+from moetrace.placement.held_out import held_out_R
+
+if TYPE_CHECKING:
+    from moetrace.tracer.trace.schema import ModelInfo
+
+__all__ = [
+    "MAX_PREFILL_TOKENS",
+    "TraceData",
+    "check_caps",
+    "load_trace_data",
+    "request_caps",
+    "with_held_out_tokens",
+]
+
+
+#: the most held-out prompt tokens kept for the prefill steps (a uniform, seeded sample of them beyond)
+MAX_PREFILL_TOKENS = 1 << 17
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceData:
+    """What placement and evaluation read from a trace."""
+
+    model: ModelInfo  # the traced model
+    trace_path: str  # where it came from
+    prefill_RLE: np.ndarray  # [R, L, E] prefill token counts, unsigned (count_trace's smallest safe dtype)
+    decode_RLE: np.ndarray  # [R, L, E] decode token counts, same dtype
+    is_test_R: np.ndarray  # bool [R] held out from placement
+    test_topk_ids_TLK: (
+        np.ndarray | None
+    )  # int16 [T, L, K] held-out decode tokens with a recorded id (None: not read yet)
+    test_req_T: (
+        np.ndarray | None
+    )  # int64 [T] row (0..R-1) of each held-out token's request, ascending (None: not read yet)
+    test_prefill_ids_TLK: np.ndarray | None = (
+        None  # int16 [T', L, K] a seeded sample (MAX_PREFILL_TOKENS) of the held-out prompt tokens
+    )
+    test_prefill_req_T: np.ndarray | None = None  # int64 [T'] row of each one's request, ascending
+    stages: frozenset[str] = frozenset({"prefill", "decode"})  # routing stages the trace recorded (schema.stages_of)
+    allow_incomplete: bool = False  # read from a trace without its completion mark (for the held-out tokens' pass)
+    # N > 0: ``prefill_RLE`` holds each request's first N generated tokens (what the routers see, a what-if),
+    # and ``decode_RLE`` and the held-out tokens only the later ones
+    route_first_decode: int = 0
+    request_unit: str = "request"  # what a trace request is (manifest collection.request_unit; "forward pass": an import without request ids)
+    # int64 [R] the row in the trace's requests table (``Trace.request_arrays``) of each row here, ascending;
+    # None: every request of the trace, in that order (or no trace: a load profile)
+    trace_rows_R: np.ndarray | None = None
+    num_trace_requests: int | None = None  # requests in the trace (R when nothing was capped; None: a load profile)
+    num_trace_train_requests: int | None = None  # training requests of the split before the cap (None: a load profile)
+    num_trace_test_requests: int | None = None  # held-out requests of the split before the cap
+    max_train_requests: int | None = None  # the cap applied to the training requests (None: a load profile)
+    max_test_requests: int | None = None  # the cap applied to the held-out requests
+
+    @property
+    def routable(self) -> bool:
+        """Whether a router has something to route on: prefill routing, or the first generated tokens."""
+        return "prefill" in self.stages or self.route_first_decode > 0
+
+    tokens_from: str | None = (
+        None  # None: the trace's held-out requests; else how the tokens were drawn (profile_batches)
+    )
+
+
+def load_trace_data(
+    trace: str | os.PathLike,
+    *,
+    test_fraction: float,
+    seed: int,
+    allow_incomplete: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    held_out_tokens: bool = True,
+    route_first_decode: int = 0,
+    max_train_requests: int = MAX_TRAIN_REQUESTS,
+    max_test_requests: int = MAX_TEST_REQUESTS,
+) -> TraceData:
+    """Count the trace, split train/test and (``held_out_tokens``) keep the held-out requests' decode
+    tokens (streamed once more; ``with_held_out_tokens`` reads them later instead, so that placing
+    and holding the tokens never add up in memory).
+
+    Bounded memory: after the split (every request of the trace, as without caps), at most
+    ``max_train_requests`` training and ``max_test_requests`` held-out requests are kept (seeded
+    uniform samples of each, ``CompareConfig``'s fields of the same names); only they are counted and
+    only their tokens read, so the counts hold at most the sum of the caps' rows. The rows of the
+    result are the kept requests in trace order (``TraceData.trace_rows_R``); below both caps they are
+    every request, and nothing changes.
+
+    ``progress(tokens_done, tokens_total)`` is passed to the counting pass (``count_trace``).
+    ``route_first_decode`` N > 0: the what-if of ``CompareConfig.route_first_decode`` (one more pass
+    counts each request's first N generated tokens).
+    """
+    from moetrace.analysis.counts import count_trace
+    from moetrace.tracer.trace.reader import open_trace
+    from moetrace.tracer.trace.schema import STAGE_DECODE, stages_of
+
+    tr = open_trace(trace, require_complete=not allow_incomplete)
+    stages = stages_of(tr)
+    if STAGE_DECODE not in stages:
+        raise TraceFormatError(
+            f"{trace}: recorded prefill routing only (manifest collection.stages); placements are built "
+            "from decode counts and the all-to-all model simulates decode steps: use a trace with "
+            "decode routing"
+        )
+    if max_train_requests < 1 or max_test_requests < 1:
+        raise ConfigError(f"request caps must be >= 1, got {max_train_requests}, {max_test_requests}")
+    R = len(tr.request_arrays.request_id_R)
+    if R < 4:
+        raise TraceFormatError(f"{trace}: {R} requests; placement needs at least 4 (some to train, some to test)")
+    is_test_all = held_out_R(R, test_fraction=test_fraction, seed=seed)
+    n_test = int(is_test_all.sum())
+    keep_rng = np.random.default_rng([seed, 27])  # its own stream: the split is the same with or without caps
+    keep = np.sort(
+        np.concatenate(
+            [
+                _sample_rows(np.flatnonzero(~is_test_all), max_train_requests, keep_rng),
+                _sample_rows(np.flatnonzero(is_test_all), max_test_requests, keep_rng),
+            ]
+        )
+    )
+    capped = len(keep) < R
+    counts = count_trace(tr, allow_incomplete=allow_incomplete, progress=progress, rows=keep if capped else None)
+    is_test = is_test_all[keep]
+    _release_arrow_memory()
+    route_RLE, decode_RLE = counts.stage("prefill"), counts.stage("decode")  # views of one counts array
+    if route_first_decode > 0:  # one more pass: each request's first N generated tokens
+        prompt_R = tr.request_arrays.prompt_tokens_R
+        route_RLE = count_trace(
+            tr,
+            stages=[STAGE_DECODE],
+            allow_incomplete=allow_incomplete,
+            rows=keep,
+            keep_T=lambda ta: ta.position_T - prompt_R[ta.row_T] < route_first_decode,
+        ).stage(STAGE_DECODE)
+        _release_arrow_memory()
+        decode_RLE = decode_RLE - route_RLE  # the later tokens (the first ones are a subset: never below 0)
+    data = TraceData(
+        model=tr.model,
+        trace_path=str(trace),
+        prefill_RLE=route_RLE,
+        decode_RLE=decode_RLE,
+        is_test_R=is_test,
+        test_topk_ids_TLK=None,
+        test_req_T=None,
+        stages=stages,
+        allow_incomplete=allow_incomplete,
+        route_first_decode=route_first_decode,
+        request_unit=str((tr.manifest.get("collection") or {}).get("request_unit") or "request"),
+        trace_rows_R=keep if capped else None,
+        num_trace_requests=R,
+        num_trace_train_requests=R - n_test,
+        num_trace_test_requests=n_test,
+        max_train_requests=max_train_requests,
+        max_test_requests=max_test_requests,
+    )
+    return with_held_out_tokens(data) if held_out_tokens else data
+
+
+def _sample_rows(rows: np.ndarray, cap: int, rng: np.random.Generator) -> np.ndarray:
+    """``rows`` itself when it has at most ``cap`` entries, else a uniform sample of ``cap`` of them
+    (without replacement, ascending)."""
+    if len(rows) <= cap:
+        return rows
+    return np.sort(rng.choice(rows, size=cap, replace=False))
+
+
+def _release_arrow_memory() -> None:
+    """Give back the pages Arrow's allocator keeps after a pass over the trace (RSS, not correctness)."""
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
+
+
+def with_held_out_tokens(data: TraceData) -> TraceData:
+    """``data`` with ``test_topk_ids_TLK`` / ``test_req_T`` read from its trace (itself if they are).
+
+    The held-out decode rows are written in place into one array sized from the requests table (an
+    upper bound: rows with no recorded id are skipped): no list of parts and no concatenated copy,
+    and pages never written are never resident.
+    """
+    from moetrace.tracer.trace.reader import open_trace
+
+    if data.test_topk_ids_TLK is not None:
+        return data
+    tr = open_trace(data.trace_path, require_complete=not data.allow_incomplete)
+    L, K = tr.model.num_moe_layers, tr.model.top_k
+    req_table = tr.request_arrays  # sorted by request id (the rows of the counts when nothing was capped)
+    is_test = data.is_test_R
+    trace_rows = np.arange(len(is_test)) if data.trace_rows_R is None else data.trace_rows_R
+    row_map = np.full(len(req_table.request_id_R), -1, dtype=np.int64)  # trace row -> row of data (-1: not kept)
+    row_map[trace_rows] = np.arange(len(trace_rows))
+    is_test_x = np.append(is_test, False)  # indexed by row_map: -1 (a request not kept) reads False
+    bound = int(req_table.output_tokens_R[trace_rows[is_test]].sum(dtype=np.int64))
+    ids = np.empty((bound, L, K), dtype=np.int16)
+    req_parts, n = [], 0
+    with_prefill = "prefill" in data.stages
+    p_bound = int(req_table.prompt_tokens_R[trace_rows[is_test]].sum(dtype=np.int64)) if with_prefill else 0
+    keep_share = min(1.0, MAX_PREFILL_TOKENS / max(p_bound, 1))  # a uniform sample of the prompt tokens
+    p_ids = np.empty((min(p_bound, MAX_PREFILL_TOKENS + (1 << 14)), L, K), dtype=np.int16)
+    p_req_parts: list[np.ndarray] = []
+    pn = 0
+    p_rng = np.random.default_rng([len(is_test), 11])
+    for ta in tr.iter_token_arrays(batch_tokens=1 << 14):
+        trace_row = np.searchsorted(req_table.request_id_R, ta.request_id_T)
+        row = row_map[trace_row]
+        recorded = (ta.topk_ids_TLK >= 0).any(axis=(1, 2))
+        keep = ta.is_decode_T & is_test_x[row] & recorded
+        if data.route_first_decode:  # the router saw the first N generated tokens: simulate the later ones
+            keep &= ta.position_T - req_table.prompt_tokens_R[trace_row] >= data.route_first_decode
+        k = int(keep.sum())
+        if n + k > bound:  # the reader checked every row against the requests table, so this cannot happen
+            raise AssertionError(f"{data.trace_path}: more held-out decode rows than the requests table claims")
+        ids[n : n + k] = ta.topk_ids_TLK[keep]
+        req_parts.append(row[keep])
+        n += k
+        if with_prefill:
+            pkeep = ~ta.is_decode_T & is_test_x[row] & recorded & (p_rng.random(len(row)) < keep_share)
+            pk = min(int(pkeep.sum()), len(p_ids) - pn)
+            sel = np.flatnonzero(pkeep)[:pk]
+            p_ids[pn : pn + pk] = ta.topk_ids_TLK[sel]
+            p_req_parts.append(row[sel])
+            pn += pk
+    _release_arrow_memory()
+    if n == 0:
+        raise TraceFormatError(
+            f"{data.trace_path}: the held-out requests have no decode tokens; the volume model needs decode steps"
+        )
+    req = np.concatenate(req_parts)
+    ids = ids[:n]
+    if (np.diff(req) < 0).any():  # rows not in request order (e.g. shards interleaved): one reordered copy
+        order = np.argsort(req, kind="stable")
+        ids, req = ids[order], req[order]
+    p_req = np.concatenate(p_req_parts) if p_req_parts else np.zeros(0, dtype=np.int64)
+    p_out = p_ids[:pn]
+    if (np.diff(p_req) < 0).any():
+        order = np.argsort(p_req, kind="stable")
+        p_out, p_req = p_out[order], p_req[order]
+    return replace(
+        data,
+        test_topk_ids_TLK=ids,
+        test_req_T=req,
+        test_prefill_ids_TLK=p_out if pn else None,
+        test_prefill_req_T=p_req if pn else None,
+    )
+
+
+def check_caps(data: TraceData, cfg: CompareConfig) -> None:
+    """``ConfigError`` when ``data`` was loaded with other request caps than ``cfg`` asks for."""
+    if data.max_train_requests is None:  # a load profile: no requests to cap
+        return
+    if (data.max_train_requests, data.max_test_requests) != (cfg.max_train_requests, cfg.max_test_requests):
+        raise ConfigError(
+            f"the trace data was loaded with request caps {data.max_train_requests} train / {data.max_test_requests} "
+            f"held out, the config asks for {cfg.max_train_requests} / {cfg.max_test_requests}: pass the config's "
+            "max_train_requests and max_test_requests to load_trace_data"
+        )
+
+
+def request_caps(data: TraceData) -> dict[str, int | None]:
+    """What compare.json and a placement file's ``source`` record of the request caps: the trace's
+    requests and split before them, and the caps (None each for a load profile)."""
+    return {
+        "num_trace_requests": data.num_trace_requests,
+        "num_trace_train_requests": data.num_trace_train_requests,
+        "num_trace_test_requests": data.num_trace_test_requests,
+        "max_train_requests": data.max_train_requests,
+        "max_test_requests": data.max_test_requests,
+    }
