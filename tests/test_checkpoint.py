@@ -212,6 +212,11 @@ def test_overwrite_replaces_the_directory_with_the_same_seeded_weights(checkpoin
     assert not (out / "stale.bin").exists() and _leftovers(tmp_path) == []
     assert (out / "model.safetensors").read_bytes() == (checkpoint.path / "model.safetensors").read_bytes()
     assert info.num_parameters == checkpoint.num_parameters
+    # through the CLI with -q: the one result line on stdout, nothing on stderr (no transformers progress bar)
+    res = runner.invoke(app, ["make-checkpoint", PRESET, "-o", str(out), "--overwrite", "-q"])
+    assert res.exit_code == 0, res.output
+    assert res.stderr == "" and res.stdout.count("\n") == 1 and "parameters" in res.stdout
+    assert (out / "model.safetensors").read_bytes() == (checkpoint.path / "model.safetensors").read_bytes()
 
 
 # ------------------------------------------------------------------------------------- refusals

@@ -70,7 +70,13 @@ class CheckpointInfo:
 
 
 def make_checkpoint(
-    preset: str, *, out: str | os.PathLike, seed: int = 0, dtype: str = "bfloat16", overwrite: bool = False
+    preset: str,
+    *,
+    out: str | os.PathLike,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    progress: bool = True,
 ) -> CheckpointInfo:
     """Write the vLLM-sized tiny checkpoint of ``preset`` (a preset name, e.g. ``deepseek-v3``) to ``out``.
 
@@ -80,7 +86,8 @@ def make_checkpoint(
     architecture vLLM does not serve or that has no vLLM-sized config (``ModelError``), an unknown
     dtype (``ModelError``), and an ``out`` that is a file, or a non-empty directory without
     ``overwrite`` (``OutputExistsError``). With ``overwrite`` the old directory is replaced only
-    once the new one is complete.
+    once the new one is complete. ``progress`` False: no progress bar from transformers while the
+    weights are written.
     """
     p = _vllm_preset(preset)
     if dtype not in DTYPES:
@@ -98,7 +105,16 @@ def make_checkpoint(
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is shared like any directory
         model, _ = build_tiny_model(p.name + TINY_SUFFIX, seed=seed, dtype="float32", engine="vllm")
         num_parameters = sum(t.numel() for t in model.parameters())
-        model.to(getattr(torch, dtype)).save_pretrained(tmp, save_original_format=True)
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        if not progress:
+            hf_logging.disable_progress_bar()
+        try:
+            model.to(getattr(torch, dtype)).save_pretrained(tmp, save_original_format=True)
+        finally:
+            if bars and not progress:
+                hf_logging.enable_progress_bar()
         _complete_config(tmp / "config.json", p)
         save_tiny_tokenizer(tmp)
         _write_json(tmp / PROVENANCE_FILE, _provenance(p, seed=seed, dtype=dtype, num_parameters=num_parameters))

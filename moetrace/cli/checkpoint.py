@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from moetrace.cli.common import OutDir, Overwrite, Seed, claim_output, friendly_errors, human_bytes
+from moetrace.cli.common import OutDir, Overwrite, Quiet, Seed, claim_output, friendly_errors, human_bytes
 
 
 def register(app: typer.Typer) -> None:
@@ -24,6 +24,7 @@ def make_checkpoint_cmd(
         Literal["bfloat16", "float16", "float32"], typer.Option(help="Weight dtype on disk.")
     ] = "bfloat16",
     overwrite: Overwrite = False,
+    quiet: Quiet = False,
 ) -> None:
     """Write a tiny checkpoint of a preset (config.json, tokenizer, safetensors) that both backends run.
 
@@ -41,7 +42,7 @@ def make_checkpoint_cmd(
     from moetrace.tracer.checkpoint import make_checkpoint
 
     with claim_output(out, kind="directory", overwrite=overwrite, command="moetrace make-checkpoint"):
-        info = make_checkpoint(preset, out=out, seed=seed, dtype=dtype, overwrite=overwrite)
+        info = make_checkpoint(preset, out=out, seed=seed, dtype=dtype, overwrite=overwrite, progress=not quiet)
     typer.echo(
         f"{info.path}: {info.preset} ({info.architecture}), {info.num_parameters / 1e6:.1f}M parameters, "
         f"{human_bytes(info.bytes_on_disk)} ({dtype})"
