@@ -29,15 +29,38 @@ from moetrace.dashboards.theme import (
 )
 
 
-def _reference_lines(fig: Any, reference: dict[str, float] | None) -> None:
-    """A dotted horizontal line, labelled with its value, per named reference level."""
+def _reference_lines(fig: Any, reference: dict[str, float] | None, *, label_above: bool = False) -> None:
+    """A dotted horizontal line, labelled with its value, per named reference level. ``label_above``:
+    the labels sit in one row above the plot area, never on the data (line charts, whose lines
+    cross the reference); else at the line's left end."""
     for name, value in (reference or {}).items():
+        label: dict[str, Any] = {
+            "annotation": {"text": f"{name} ({value:.3g})", "font": {"size": 11, "color": REFERENCE_LINE}},
+            "annotation_position": "top left",
+        }
         fig.add_hline(
-            y=value,
-            line={"color": REFERENCE_LINE, "dash": "dot", "width": 1.5},
-            annotation={"text": f"{name} ({value:.3g})", "font": {"size": 11, "color": REFERENCE_LINE}},
-            annotation_position="top left",
+            y=value, line={"color": REFERENCE_LINE, "dash": "dot", "width": 1.5}, **({} if label_above else label)
         )
+    if label_above and reference:
+        fig.add_annotation(
+            text="dotted: " + ", ".join(f"{name} ({value:.3g})" for name, value in reference.items()),
+            xref="paper", yref="paper", x=0, y=1.0, xanchor="left", yanchor="bottom", yshift=4, showarrow=False,
+            font={"size": 11, "color": REFERENCE_LINE},
+        )  # fmt: skip
+
+
+def same_series(series: dict[str, np.ndarray], order: Sequence[str]) -> dict[str, str]:
+    """Series equal, value for value (NaN where the other is NaN), to one drawn before them in ``order``:
+    {series: the first one it equals}. Drawn one on the other, the later would hide the first."""
+    out: dict[str, str] = {}
+    for i, name in enumerate(order):
+        a = np.asarray(series[name], dtype=np.float64)
+        for other in order[:i]:
+            b = np.asarray(series[other], dtype=np.float64)
+            if other not in out and a.shape == b.shape and np.allclose(a, b, rtol=1e-9, atol=0.0, equal_nan=True):
+                out[name] = other
+                break
+    return out
 
 
 def _colorbar(title: str, value_format: str = "") -> dict[str, Any]:
@@ -148,8 +171,12 @@ def lines_by_layer(
     xs = [int(v) if isinstance(v, (int, np.integer)) else v for v in layers]
     names = list(series)
     rank = {n: (0 if n == emphasis else 1 + (1000 if n in groups else 0) + i) for i, n in enumerate(names)}
+    order = [n for n in names if n != emphasis] + [n for n in names if n == emphasis]
+    # a series equal to one drawn before it would vanish under it: drawn dashed, with rings for markers
+    # and a wider line, and the figure says which equal which
+    same = same_series(series, [n for n in names if n == emphasis] + [n for n in names if n != emphasis])
     titled: set[str] = set()
-    for name in [n for n in names if n != emphasis] + [n for n in names if n == emphasis]:
+    for name in order:
         group = groups.get(name)
         extra: dict[str, Any] = {}
         if group is not None:
@@ -157,6 +184,8 @@ def lines_by_layer(
             if group not in titled:  # the group's title is drawn once, over its first entry
                 extra["legendgrouptitle"] = {"text": group}
                 titled.add(group)
+        width = 4.5 if name == emphasis else 1.5 if group is not None else 2
+        twin = same.get(name)
         fig.add_trace(
             go.Scatter(
                 x=xs,
@@ -166,19 +195,46 @@ def lines_by_layer(
                 legendrank=rank[name],
                 line={
                     "color": colours.get(name),
-                    "dash": (dash or {}).get(name, "solid"),
-                    "width": 4.5 if name == emphasis else 1.5 if group is not None else 2,
+                    "dash": "dash" if twin is not None else (dash or {}).get(name, "solid"),
+                    "width": width,
                 },
-                marker={"size": 8 if name == emphasis else 5},
-                hovertemplate=f"{name}<br>layer %{{x}}<br>{y_title} %{{y:.3f}}<extra></extra>",
+                marker={"size": 8 if name == emphasis else 5}
+                if twin is None
+                else {"size": 11, "symbol": "circle-open", "line": {"width": 1.5}},
+                hovertemplate=f"{name}<br>layer %{{x}}<br>{y_title} %{{y:.3f}}"
+                + (f"<br>(the same as {twin} at every layer)" if twin is not None else "")
+                + "<extra></extra>",
                 **extra,
             )
         )
-    _reference_lines(fig, reference)
-    fig.update_layout(xaxis={"title": {"text": "layer (model index)"}}, yaxis={"title": {"text": y_title}})
+    _reference_lines(fig, reference, label_above=True)
+    if same:
+        fig.add_annotation(
+            text="the same at every layer: " + "; ".join(f"{n} = {t}" for n, t in same.items()) + " (dashed, rings)",
+            xref="paper", yref="paper", x=0, y=0, xanchor="left", yanchor="top", yshift=-62, showarrow=False,
+            font={"size": 11, "color": REFERENCE_LINE},
+        )  # fmt: skip
+    fig.update_layout(
+        xaxis={"title": {"text": "layer (model index)"}},
+        yaxis={"title": {"text": wrap_title(y_title)}},
+    )
     if y_range is not None:
         fig.update_yaxes(range=list(y_range))
-    return finish(fig, what=what, source=source, height=height)
+    top, bottom = (96 if reference else 80), (100 if same else 60)
+    rows = len(names) + len(set(groups.values()))  # legend entries and group titles, ~30 px each
+    finish(fig, what=what, source=source, height=max(height, top + bottom + 30 * (rows + 1)))
+    fig.update_layout(margin={"t": top, "b": bottom})  # the legend never runs past the plot's bottom
+    return fig
+
+
+def wrap_title(text: str, *, width: int = 34) -> str:
+    """An axis title on at most two lines (``<br>`` at the space nearest the middle) when it is longer
+    than ``width`` characters: a y title longer than the plot is tall is cut off at the figure's edges."""
+    if len(text) <= width or " " not in text:
+        return text
+    mid = len(text) // 2
+    cut = min((i for i, c in enumerate(text) if c == " "), key=lambda i: abs(i - mid))
+    return text[:cut] + "<br>" + text[cut + 1 :]
 
 
 def distributions(

@@ -12,7 +12,8 @@ A directory is one of:
 
 Result manifests are read and checked by ``moetrace.results.read_result_manifest`` (format name and
 version; a ``compare.json`` without a format was written by an older moetrace and says so); a
-``compare.json`` is then read into its typed record (``placement.compare_manifest.CompareManifest``).
+``compare.json`` is then read into its typed record (``placement.compare_manifest.CompareManifest``),
+an ``a2a.json`` or ``advice.json`` into theirs (``records``).
 Anything else is an error that names the directory and what was expected, so a typo in a path
 never yields a silently empty report.
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from moetrace.dashboards.records import A2AManifest, AdviceManifest
 from moetrace.errors import TraceFormatError
 from moetrace.placement.compare_manifest import CompareManifest
 from moetrace.results import A2A, ADVICE, ANALYSIS, COMPARE, KINDS, read_result_manifest
@@ -52,6 +54,8 @@ class Input:
     path: Path  # the directory
     manifest: dict[str, Any]  # its manifest, parsed
     compare: CompareManifest | None = None  # a compare result's manifest, typed (None for other kinds)
+    a2a: A2AManifest | None = None  # an a2a result's manifest, typed (None for other kinds)
+    advice: AdviceManifest | None = None  # an advice result's manifest, typed (None for other kinds)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -87,13 +91,16 @@ def detect(path: str | os.PathLike) -> Input:
             return Input(kind="trace", path=p, manifest=obj)
         if obj is not None and (fmt in result_formats or fmt is None):
             kind, manifest = read_result_manifest(f)  # raises: older moetrace (no format), unsupported version
+            where = str(f)
             if kind is COMPARE:
-                return Input(
-                    kind=DRAWN[kind.name],
-                    path=p,
-                    manifest=manifest,
-                    compare=CompareManifest.from_json(manifest, where=str(f)),
-                )
+                typed = CompareManifest.from_json(manifest, where=where)
+                return Input(kind=DRAWN[kind.name], path=p, manifest=manifest, compare=typed)
+            if kind is A2A:
+                a2a = A2AManifest.from_json(manifest, where=where)
+                return Input(kind=DRAWN[kind.name], path=p, manifest=manifest, a2a=a2a)
+            if kind is ADVICE:
+                advice = AdviceManifest.from_json(manifest, where=where)
+                return Input(kind=DRAWN[kind.name], path=p, manifest=manifest, advice=advice)
             if kind.name in DRAWN:
                 return Input(kind=DRAWN[kind.name], path=p, manifest=manifest)
         seen.append(f"{name} (format {fmt!r})" if obj is not None else f"{name} (unreadable)")

@@ -1,7 +1,7 @@
 """``write_dashboard``: turn any mix of traces and result directories into one HTML report.
 
 Each input directory is recognised by its manifest (``inputs``); every section whose results are
-present is rendered, the decision first: the summary card, placement (``compare``) and measured
+present is rendered (``sections.SECTIONS``: one row per section, in page order), the decision first: the summary card, placement (``compare``) and measured
 all-to-all (``a2a``), then load (imbalance), then structure (correlations, clusters, classifiers),
 then the trace overview. Every section whose results are absent is listed in
 ``DashboardReport.omitted`` with the reason (and in the page's footer), never an error. A summary
@@ -25,6 +25,7 @@ from pathlib import Path
 from moetrace.atomic import write_text_atomic
 from moetrace.dashboards.inputs import Input, detect
 from moetrace.dashboards.page import Headline, Section, render_page
+from moetrace.dashboards.sections import INPUT_KINDS, SECTIONS, kind_row
 from moetrace.errors import ConfigError, OutputExistsError, TraceFormatError
 
 
@@ -72,30 +73,20 @@ def build_sections(
 ) -> Built:
     """The sections and summary headlines for these inputs, and notes on the sections left out.
 
+    One section per row of ``sections.SECTIONS`` (in page order) and input of the kind it needs.
     ``progress`` is called with ``(done, total)`` before the first section and after each one built;
     ``total`` counts ``extra_steps`` more that the caller does afterwards (writing the page).
     """
     from moetrace.dashboards.results import Results
-    from moetrace.dashboards.section_a2a import a2a_section
-    from moetrace.dashboards.section_advice import advice_section
-    from moetrace.dashboards.section_clusters import classifiers_section, clusters_section
-    from moetrace.dashboards.section_correlation import correlation_section
-    from moetrace.dashboards.section_imbalance import imbalance_section
-    from moetrace.dashboards.section_overview import overview_section
-    from moetrace.dashboards.section_placement import placement_section
     from moetrace.dashboards.summary import a2a_headline, analysis_skipped_notes, imbalance_headline, placement_headline
     from moetrace.dashboards.summary_advice import advice_headline, compare_relation_line
-    from moetrace.tracer.trace.reader import open_trace
 
     traces = [i for i in inputs if i.kind == "trace"]
-    analyses = [Results.from_input(i) for i in inputs if i.kind == "analysis"]
-    placements = [Results.from_input(i) for i in inputs if i.kind == "placement"]
-    a2as = [Results.from_input(i) for i in inputs if i.kind == "a2a"]
-    advices = [Results.from_input(i) for i in inputs if i.kind == "advice"]
+    results = [Results.from_input(i) for i in inputs if i.kind != "trace"]
     # a results directory names its trace: show that trace's overview too when it is at hand
     given = {t.path.resolve() for t in traces}
     omitted: list[str] = []
-    for r in [*analyses, *placements, *a2as, *advices]:
+    for r in results:
         tp = r.trace_path
         if tp is not None and tp.resolve() not in given and (tp / "manifest.json").is_file():
             try:
@@ -103,13 +94,11 @@ def build_sections(
                 given.add(tp.resolve())
             except TraceFormatError as exc:  # rewritten since the results were computed: say so, show the rest
                 omitted.append(f"overview of {tp} (named by {r.path}): {exc}")
-    builders = (
-        lambda r, kp: imbalance_section(r, key_prefix=kp),
-        lambda r, kp: correlation_section(r, key_prefix=kp),
-        lambda r, kp: clusters_section(r, max_points=config.max_points, seed=config.seed, key_prefix=kp),
-        lambda r, kp: classifiers_section(r, key_prefix=kp),
-    )
-    total = len(traces) + len(builders) * len(analyses) + len(placements) + len(a2as) + len(advices) + extra_steps
+    by_kind: dict[str, list] = {k.kind: [r for r in results if r.kind == k.kind] for k in INPUT_KINDS}
+    by_kind["trace"] = traces
+    analyses = by_kind["analysis"]
+    options = {"max_points": config.max_points, "seed": config.seed, "analyses": analyses}
+    total = sum(len(by_kind[row.needs]) for row in SECTIONS) + extra_steps
     done = 0
 
     def step() -> None:
@@ -118,68 +107,44 @@ def build_sections(
         progress(done, total)
 
     progress(0, total)
-    overview: list[Section] = []
-    advice: list[Section] = []  # `moetrace advise` results: first when present
-    _add_sections(advice, omitted, advices, lambda r, kp: advice_section(r, key_prefix=kp), "v", step)
-    for n, t in enumerate(traces):
-        if t.manifest.get("complete"):  # a finished trace is checked against its manifest (parts, totals)
-            try:
-                trace = open_trace(t.path)
-            except TraceFormatError as exc:  # damaged since it was written: say so, never show the rest as whole
-                omitted.append(f"overview of {t.path}: {exc}")
-                step()
-                continue
-        else:  # a collection still running: what it committed so far (the overview says so)
-            trace = open_trace(t.path, require_complete=False)
-        if trace.part_names():
-            _ = trace.request_arrays  # checks the requests table and every routing part's footer, like analyze does
-        overview.append(overview_section(trace, key_prefix=f"t{n}-" if len(traces) > 1 else ""))
-        step()
-    profiles = sorted({p.name for r in [*analyses, *placements] if (p := r.profile_path) is not None})
+    sections: list[Section] = []  # in page order: the table's
+    for row in SECTIONS:
+        build = row.build()
+        kw = {o: options[o] for o in row.options}
+
+        def built(src, kp, build=build, kw=kw):
+            return build(src, key_prefix=kp, **kw)
+
+        kind = kind_row(row.needs)
+        _add_sections(
+            sections,
+            omitted,
+            by_kind[row.needs],
+            _with_random_weights_banner(built) if row.banner else built,
+            kind.prefix,
+            step,
+            retitle=kind.retitle,
+        )
+    omitted.extend(note for r in analyses for note in analysis_skipped_notes(r))  # what analyze skipped, and why
+    profiles = sorted({p.name for r in [*analyses, *by_kind["placement"]] if (p := r.profile_path) is not None})
     if not traces and profiles:
         omitted.append(f"overview: the results are of a load profile ({', '.join(profiles)}): it holds no requests")
     elif not traces:
         omitted.append("overview: no trace directory among the inputs (and the results name none that exists)")
-
-    load: list[Section] = []  # imbalance
-    structure: list[Section] = []  # correlations, clusters, classifiers
-    for i, build in enumerate(builders):
-        _add_sections(load if i == 0 else structure, omitted, analyses, _with_random_weights_banner(build), "a", step)
-    omitted.extend(note for r in analyses for note in analysis_skipped_notes(r))  # what analyze skipped, and why
-    if not analyses:
-        omitted.append(
-            "load imbalance, correlations, clusters, classifiers: no `moetrace analyze` results among the inputs"
-        )
-    decision: list[Section] = []  # placement, then measured all-to-all
-    _add_sections(
-        decision,
-        omitted,
-        placements,
-        _with_random_weights_banner(lambda r, kp: placement_section(r, key_prefix=kp, analyses=analyses)),
-        "p",
-        step,
-    )
-    if not placements:
-        omitted.append("placement: no `moetrace compare` results among the inputs")
-    _add_sections(decision, omitted, a2as, lambda r, kp: a2a_section(r, key_prefix=kp), "m", step)
-    if not a2as:
-        omitted.append(
-            "all-to-all measurements vs predictions: no measured all-to-all results among the inputs (run `moetrace a2a`)"
-        )
-    # the decision first: (summary card), advice, placement and measured all-to-all, load, structure, the trace.
-    sections = [*advice, *decision, *load, *structure, *overview]
+    omitted.extend(k.missing for k in INPUT_KINDS if k.missing is not None and not by_kind[k.kind])
     # the card: the decision first (advise's, then compare's with how the two relate), measured all-to-all,
     # then the load; a trace with seeded random weights last, said in its title (its numbers mean nothing)
+    advices, placements = by_kind["advice"], by_kind["placement"]
     headlines: list[Headline] = []
     real = [r for r in analyses if not _random_weights(r)]
-    for results, prefix, headline in ((advices, "v", advice_headline), (placements, "p", placement_headline),
-                                      (a2as, "m", a2a_headline), (analyses, "a", imbalance_headline)):  # fmt: skip
-        many = len(results) > 1
-        for n, r in sorted(enumerate(results), key=lambda nr: results is analyses and nr[1] not in real):
+    for results_, prefix, headline in ((advices, "v", advice_headline), (placements, "p", placement_headline),
+                                       (by_kind["a2a"], "m", a2a_headline), (analyses, "a", imbalance_headline)):  # fmt: skip
+        many = len(results_) > 1
+        for n, r in sorted(enumerate(results_), key=lambda nr: results_ is analyses and nr[1] not in real):
             h = headline(r, key_prefix=f"{prefix}{n}-" if many else "", suffix=f": {r.trace_label}" if many else "")
-            if h is not None and results is analyses and r not in real:
+            if h is not None and results_ is analyses and r not in real:
                 h = replace(h, title=f"{h.title} (random weights)")
-            if h is not None and results is placements and advices:  # the decision is advise's card
+            if h is not None and results_ is placements and advices:  # the decision is advise's card
                 title = h.title.replace("Best deployable placement", "Best of the compared strategies")
                 h = replace(h, title=title, lines=(*h.lines, compare_relation_line(advices[0], r)))
             if h is not None:
@@ -221,15 +186,22 @@ def _with_random_weights_banner(build):
 
 
 def _add_sections(
-    sections: list[Section], omitted: list[str], results: Sequence, build, prefix: str, step: Callable[[], None]
+    sections: list[Section],
+    omitted: list[str],
+    results: Sequence,
+    build,
+    prefix: str,
+    step: Callable[[], None],
+    *,
+    retitle: bool = True,
 ) -> None:
-    """One section per results directory from ``build(results, key_prefix)``; several directories of one
-    kind get distinct keys and their trace's name in the title. ``step()`` after each."""
+    """One section per input from ``build(input, key_prefix)``; several inputs of one kind get distinct
+    keys and (``retitle``) their trace's name in the title. ``step()`` after each."""
     many = len(results) > 1
     for n, r in enumerate(results):
         sec, notes = build(r, f"{prefix}{n}-" if many else "")
         if sec is not None:
-            sections.append(replace(sec, title=f"{sec.title}: {r.trace_label}") if many else sec)
+            sections.append(replace(sec, title=f"{sec.title}: {r.trace_label}") if many and retitle else sec)
         omitted.extend(notes)
         step()
 

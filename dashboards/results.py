@@ -1,8 +1,9 @@
 """Read access to a results directory for the sections: its tables, its trace, its label.
 
-A results directory is what ``moetrace analyze``, ``moetrace compare`` or ``moetrace a2a`` wrote: a
-manifest (``manifest.json``, ``compare.json`` or ``a2a.json``) naming the trace it was computed from and a set of
-Parquet/JSON files. A section asks for a file by its name in ``moetrace.results`` and gets ``None``
+A results directory is what ``moetrace analyze``, ``compare``, ``a2a`` or ``advise`` wrote: a manifest
+(``manifest.json``, ``compare.json``, ``a2a.json`` or ``advice.json``; the last three typed, read by
+the sections as ``compare``, ``a2a`` and ``advice``) naming the trace it was computed from and a set
+of Parquet/JSON files. A section asks for a file by its name in ``moetrace.results`` and gets ``None``
 when it is absent (that section is then left out, with a note).
 
 Out of scope: recognising directories (``inputs``), drawing (``section_*``), the file names and
@@ -22,6 +23,7 @@ import polars as pl
 from moetrace import results as rf
 from moetrace.dashboards.inputs import Input
 from moetrace.dashboards.page import Figure
+from moetrace.dashboards.records import A2AManifest, AdviceManifest
 from moetrace.placement.compare_manifest import CompareManifest
 
 
@@ -31,12 +33,21 @@ class Results:
 
     path: Path  # the directory
     manifest: dict[str, Any]  # its manifest
-    kind: str  # "analysis", "placement" or "a2a"
+    kind: str  # "analysis", "placement", "a2a" or "advice"
     compare_manifest: CompareManifest | None = None  # the typed compare.json of a "placement" result
+    a2a_manifest: A2AManifest | None = None  # the typed a2a.json of an "a2a" result
+    advice_manifest: AdviceManifest | None = None  # the typed advice.json of an "advice" result
 
     @classmethod
     def from_input(cls, inp: Input) -> Results:
-        return cls(path=inp.path, manifest=inp.manifest, kind=inp.kind, compare_manifest=inp.compare)
+        return cls(
+            path=inp.path,
+            manifest=inp.manifest,
+            kind=inp.kind,
+            compare_manifest=inp.compare,
+            a2a_manifest=inp.a2a,
+            advice_manifest=inp.advice,
+        )
 
     @property
     def compare(self) -> CompareManifest:
@@ -44,6 +55,20 @@ class Results:
         if self.compare_manifest is None:
             raise ValueError(f"{self.path}: {self.kind} results, not `moetrace compare` results")
         return self.compare_manifest
+
+    @property
+    def a2a(self) -> A2AManifest:
+        """The typed ``a2a.json`` of a ``moetrace a2a`` results directory (``ValueError`` for other kinds)."""
+        if self.a2a_manifest is None:
+            raise ValueError(f"{self.path}: {self.kind} results, not `moetrace a2a` results")
+        return self.a2a_manifest
+
+    @property
+    def advice(self) -> AdviceManifest:
+        """The typed ``advice.json`` of a ``moetrace advise`` results directory (``ValueError`` for other kinds)."""
+        if self.advice_manifest is None:
+            raise ValueError(f"{self.path}: {self.kind} results, not `moetrace advise` results")
+        return self.advice_manifest
 
     def has(self, name: str) -> bool:
         return (self.path / name).is_file()

@@ -13,6 +13,8 @@ with ``measured_{intra,inter}_bytes``, ``predicted_{intra,inter}_bytes`` and ``s
   the median over batches and ranks of ``seconds``.
 - The per-strategy summary of ``a2a.json`` (``summary``) as a table above the figures.
 
+``a2a.json`` is read as its typed record (``records.A2AManifest``, ``Results.a2a``), never by key.
+
 Shape legend (docs/architecture.md): V strategies, B batches, L MoE layers, W EP ranks.
 
 Out of scope: running collectives (``moetrace.placement.a2a_run``).
@@ -20,7 +22,7 @@ Out of scope: running collectives (``moetrace.placement.a2a_run``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
@@ -32,6 +34,9 @@ from moetrace.dashboards.results import Results, layer_order
 from moetrace.dashboards.section_placement import STRATEGY_NAMES, strategy_colours
 from moetrace.dashboards.theme import REFERENCE_LINE, finish, plotly_go
 
+if TYPE_CHECKING:
+    from moetrace.placement.replay.network import Network
+
 #: the colour of the mismatch warning drawn on the bytes figure
 WARNING_COLOUR = "#D55E00"
 
@@ -39,7 +44,7 @@ WARNING_COLOUR = "#D55E00"
 def _strategies(res: Results, df: pl.DataFrame) -> list[str]:
     """Strategies in run order (``a2a.json`` ``strategies``), then any others the table holds."""
     have = df["strategy"].unique().to_list()
-    order = [s for s in res.manifest.get("strategies", []) if isinstance(s, str) and s in have]
+    order = [s for s in res.a2a.strategies if s in have]
     return order + sorted(s for s in have if s not in order)
 
 
@@ -61,33 +66,28 @@ def mismatches(df: pl.DataFrame) -> int:
 
 def a2a_section(res: Results, *, key_prefix: str = "") -> tuple[Section | None, list[str]]:
     kp = f"{key_prefix}a2a"
-    m = res.manifest
+    m = res.a2a
     df = res.table(rf.A2A_COLLECTIVES)
     if df is None or df.height == 0:
         return None, [f"all-to-all measurements vs predictions: no {rf.A2A_COLLECTIVES} in {res.path}"]
-    backend = str(m.get("backend", "?"))
-    device = str(m.get("device", "?"))
     setup = (
-        f"{m.get('deployment', '?')} on {m.get('num_nodes', '?')} node(s) of {m.get('gpus_per_node', '?')} GPUs, "
-        f"{m.get('world_size', '?')} EP ranks on {backend} ({device}); {m.get('num_batches', '?')} global batches of "
-        f"{m.get('batch_requests', '?')} requests; token rows of {m.get('hidden_size', '?')} {m.get('dtype', '?')} values "
-        f"({m.get('bytes_per_token', '?')} bytes)."
+        f"{m.deployment} on {m.num_nodes} node(s) of {m.gpus_per_node} GPUs, {m.world_size} EP ranks on "
+        f"{m.backend} ({m.device}); {m.num_batches} global batches of {m.batch_requests} requests; token rows of "
+        f"{m.hidden_size} {m.dtype} values ({m.bytes_per_token} bytes)."
     )
     notes: list[str] = []
     bad = mismatches(df)
-    if bad or m.get("bytes_match") is False:
-        first = m.get("first_mismatch")
+    if bad or not m.bytes_match:
+        first = m.first_mismatch
         notes.append(
             f"WARNING: measured all-to-all bytes differ from the simulator's prediction in {bad} (collective, rank) "
             f"pair(s) of {df.height}" + (f"; first: {first}" if first else "") + ". The predictions cannot be trusted."
         )
 
     tables: list[Table] = []
-    summary = m.get("summary")
-    if isinstance(summary, list) and summary:
+    if m.summary:
         from moetrace.sizes import human_bytes
 
-        ref = summary[0].get("reference", "linear")
         tables.append(
             Table(
                 key=f"{kp}-summary",
@@ -101,18 +101,17 @@ def a2a_section(res: Results, *, key_prefix: str = "") -> tuple[Section | None, 
                 ),
                 rows=tuple(
                     (
-                        _label(str(r.get("strategy"))),
-                        r.get("measured_inter_node_normalized_median"),
-                        r.get("simulated_inter_node_normalized_median"),
-                        human_bytes(float(r.get("measured_inter_node_bytes_per_batch_median") or 0.0)),
-                        f"{1e6 * float(r.get('dispatch_seconds_median') or 0.0):.1f} µs",
-                        f"{1e6 * float(r.get('combine_seconds_median') or 0.0):.1f} µs",
+                        _label(r.strategy),
+                        r.measured_inter_node_normalized_median,
+                        r.simulated_inter_node_normalized_median,
+                        human_bytes(r.measured_inter_node_bytes_per_batch_median),
+                        f"{1e6 * r.dispatch_seconds_median:.1f} µs",
+                        f"{1e6 * r.combine_seconds_median:.1f} µs",
                     )
-                    for r in summary
-                    if isinstance(r, dict)
+                    for r in m.summary
                 ),
-                caption=f"Normalized to the median of {_label(str(ref))}. Times: median over batches and layers of the "
-                "slowest rank of each collective.",
+                caption=f"Normalized to the median of {_label(m.reference)}. Times: median over batches and layers "
+                "of the slowest rank of each collective.",
             )
         )
 
@@ -211,6 +210,7 @@ def _bytes_figure(df: pl.DataFrame, res: Results, *, key: str, mismatched: int) 
 
 
 def _time_figure(df: pl.DataFrame, res: Results, *, key: str) -> Figure:
+    m = res.a2a
     strategies = _strategies(res, df)
     colours_s = strategy_colours(strategies)
     _, model_L = layer_order(df)
@@ -240,22 +240,18 @@ def _time_figure(df: pl.DataFrame, res: Results, *, key: str) -> Figure:
     return res.figure(
         key, fig, file=rf.A2A_COLLECTIVES,
         caption="Per layer: the median over batches and EP ranks of each rank's all_to_all_single wall time (barrier "
-        f"first); dispatch solid, combine dotted. {links_caption(res.manifest)}",
+        f"first); dispatch solid, combine dotted. {links_caption(backend=m.backend, device=m.device, network=m.network)}",
     )  # fmt: skip
 
 
-def links_caption(manifest: dict[str, Any]) -> str:
+def links_caption(*, backend: str, device: str, network: Network | None) -> str:
     """How the run's links between nodes were realized, from ``a2a.json``'s ``network.mode``:
     ``emulated`` (a network namespace per node, inter-node links shaped to ``network.link``),
     ``loopback`` (one machine, nothing shaped), ``torchrun`` (the job's own hosts); with the backend."""
-    backend = str(manifest.get("backend", "?"))
-    device = str(manifest.get("device", "?"))
-    raw = manifest.get("network")
-    net: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    mode = str(net.get("mode", ""))
+    mode = "" if network is None else network.mode
     run = f"This run: {backend} on {device}"
-    if mode == "emulated":
-        shaped = f"{net.get('link') or '?'}" + (f", {net['qdisc']}" if net.get("qdisc") else "")
+    if network is not None and mode == "emulated":
+        shaped = (network.link or "?") + (f", {network.qdisc}" if network.qdisc else "")
         return (
             f"{run}, each node a network namespace behind an emulated, shaped inter-node link ({shaped}); "
             "intra-node traffic stays inside a namespace (loopback), so only inter-node time is emulated."

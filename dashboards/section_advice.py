@@ -6,6 +6,9 @@ rank, activated experts per GPU, destination ranks per token, predicted time and
 over the reference, weights that move), and one figure: balancedness per MoE layer, a line per
 option, for each stage's own steps (``layers.parquet``).
 
+``advice.json`` is read as its typed record (``records.AdviceManifest``, ``Results.advice``), never by
+key; ``options.parquet`` and ``layers.parquet`` by their columns.
+
 Shape legend (docs/architecture.md): L MoE layers, V options.
 
 Out of scope: computing the advice (``moetrace.placement.advise``).
@@ -105,33 +108,28 @@ def _figure(res: Results, layers: pl.DataFrame, *, stage: str, kp: str) -> Figur
 def advice_section(res: Results, *, key_prefix: str = "") -> tuple[Section | None, list[str]]:
     """The Advice section of one ``moetrace advise`` results directory, or None and why."""
     kp = f"{key_prefix}advice"
-    m = res.manifest
+    m = res.advice
     rows = res.table(rf.ADVICE_OPTIONS)
     if rows is None or rows.height == 0:
         return None, [f"advice: no {rf.ADVICE_OPTIONS} in {res.path}"]
     layers = res.table(rf.ADVICE_LAYERS)
-    time = "moe" if m.get("expert") else "a2a"
+    time = "moe" if m.expert else "a2a"
     tables = [
         _stage_table(res, rows, stage=st, steps=steps, kp=kp, time=time)
-        for st in m.get("stages", [])
+        for st in m.stages
         for steps in dict.fromkeys(rows.filter(pl.col("stage") == st)["steps"].to_list())
     ]
-    figures = [] if layers is None else [_figure(res, layers, stage=st, kp=kp) for st in m.get("recorded_stages", [])]
-    from moetrace.placement.advise_files import best_lines
+    figures = [] if layers is None else [_figure(res, layers, stage=st, kp=kp) for st in m.recorded_stages]
+    from moetrace.placement.advise_files import best_lines  # the words `moetrace advise` prints, said once
 
-    decision = " ".join(line.strip() for line in best_lines(m))  # the decision per stage first, then why
-    verdicts = [decision, *(str(v.get("text")) for v in m.get("verdicts", []) if isinstance(v, dict))]
+    decision = " ".join(line.strip() for line in best_lines(m.to_json()))  # the decision per stage, then why
+    verdicts = [decision, *(v.text for v in m.verdicts)]
     intro = (
-        f"{m.get('deployment', '?')} on nodes of {m.get('gpus_per_node', '?')} GPUs; reference: "
-        f"{m.get('reference', '?')}; EPLB swept over {m.get('redundancy_sweep')} redundant experts "
-        f"(at most {m.get('max_slots_per_gpu')} slots per GPU); input: {m.get('input')} ({m.get('input_kind')}). "
-        + " ".join(verdicts)
+        f"{m.deployment} on nodes of {m.gpus_per_node} GPUs; reference: {m.reference}; EPLB swept over "
+        f"{list(m.redundancy_sweep)} redundant experts (at most {m.max_slots_per_gpu} slots per GPU); input: "
+        f"{m.input} ({m.input_kind}). " + " ".join(verdicts)
     )
-    notes = [
-        f"{c.get('stage')}: {c.get('option')}: " + "; ".join(str(v) for v in (c.get("export") or {}).values())
-        for c in m.get("commands", [])
-        if isinstance(c, dict)
-    ]
+    notes = [f"{c.stage}: {c.option}: " + "; ".join(c.export.values()) for c in m.commands]
     return Section(
         key=kp, title="Advice", intro=intro, tables=tuple(tables), figures=tuple(figures), notes=tuple(notes)
     ), []

@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from moetrace.dashboards.inputs import Input
 from moetrace.dashboards.page import Figure, Section, Table
 from moetrace.dashboards.theme import category_colours, finish, plotly_go
-from moetrace.tracer.trace.reader import Trace
+from moetrace.errors import TraceFormatError
+from moetrace.tracer.trace.reader import Trace, open_trace
 
 
 def trace_label(trace: Trace) -> str:
@@ -64,6 +66,23 @@ def _stages_line(trace: Trace) -> str:
     unknown = (trace.manifest.get("collection") or {}).get("prompt_lengths_known") is False
     note = "; prompt lengths unknown (one placeholder prompt row per request)" if unknown else ""
     return f"{only} only (the other stage's rows hold -1){note}"
+
+
+def trace_overview_section(inp: Input, *, key_prefix: str = "") -> tuple[Section | None, list[str]]:
+    """The overview of one trace directory, opened and checked here: a finished trace against its
+    manifest (parts, totals; damaged since it was written: no section, and why), a collection still
+    running as far as it committed (the overview says so). The requests table and every routing
+    part's footer are read, as ``analyze`` reads them."""
+    if inp.manifest.get("complete"):
+        try:
+            trace = open_trace(inp.path)
+        except TraceFormatError as exc:  # damaged since it was written: say so, never show the rest as whole
+            return None, [f"overview of {inp.path}: {exc}"]
+    else:
+        trace = open_trace(inp.path, require_complete=False)
+    if trace.part_names():
+        _ = trace.request_arrays  # checks the requests table and every routing part's footer, like analyze does
+    return overview_section(trace, key_prefix=key_prefix), []
 
 
 def overview_section(trace: Trace, *, key_prefix: str = "") -> Section:

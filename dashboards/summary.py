@@ -33,6 +33,7 @@ one number each), the card's HTML (``page``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -401,32 +402,30 @@ def a2a_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> Hea
     from moetrace.dashboards.section_a2a import mismatches
     from moetrace.dashboards.section_placement import STRATEGY_NAMES
 
-    rows = [r for r in res.manifest.get("summary") or [] if isinstance(r, dict)]
+    m = res.a2a
     df = res.table(rf.A2A_COLLECTIVES)
-    if not rows or df is None or df.height == 0:
+    if not m.summary or df is None or df.height == 0:
         return None
-    ref = str(rows[0].get("reference", "linear"))
-    measured = "measured_inter_node_normalized_median"
-    others = [r for r in rows if r.get("strategy") != ref and r.get(measured) is not None] or [
-        r for r in rows if r.get(measured) is not None
-    ]
+    ref = m.reference
+    finite = [r for r in m.summary if math.isfinite(r.measured_inter_node_normalized_median)]
+    others = [r for r in finite if r.strategy != ref] or finite
     if not others:
         return None
-    best = min(others, key=lambda r: float(r[measured]))
-    name = STRATEGY_NAMES.get(str(best["strategy"]), str(best["strategy"]))
+    best = min(others, key=lambda r: r.measured_inter_node_normalized_median)
+    name = STRATEGY_NAMES.get(best.strategy, best.strategy)
     bad = mismatches(df)
-    flagged = res.manifest.get("bytes_match") is False
+    flagged = not m.bytes_match
     if bad:
         check = f"WARNING: {bad} of {df.height:,} (collective, rank) pairs sent other bytes than predicted"
     elif flagged:
-        check = f"WARNING: the replay reported a mismatch ({res.manifest.get('first_mismatch')})"
+        check = f"WARNING: the replay reported a mismatch ({m.first_mismatch})"
     else:
         check = f"all {df.height:,} (collective, rank) pairs sent exactly the predicted bytes"
-    backend = f"{res.manifest.get('backend', '?')} on {res.manifest.get('device', '?')}"
+    backend = f"{m.backend} on {m.device}"
     return Headline(
         key=f"{key_prefix}a2a",
         title="Measured vs predicted all-to-all" + suffix,
-        value=f"{_x(float(best[measured]))} / {_x(float(best['simulated_inter_node_normalized_median']))}",
+        value=f"{_x(best.measured_inter_node_normalized_median)} / {_x(best.simulated_inter_node_normalized_median)}",
         label=f"{name}: measured / predicted, vs {ref}",
         detail=f"Median inter-node bytes per batch / {ref}'s, sent by real collectives ({backend}) / by the simulator; "
         f"{check}.",

@@ -19,22 +19,21 @@ __all__ = ["advice_headline", "compare_relation_line"]
 def advice_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> Headline | None:
     """``Decision per stage``: decode's decision as the number, one line per stage (None when the
     advice has no ``best``: written before it)."""
-    best = res.manifest.get("best") or {}
-    if not best:
+    m = res.advice
+    choices = m.best
+    if not choices:
         return None
-    choices = {st: StageChoice.from_json(obj) for st, obj in best.items()}
-    ref = str(res.manifest.get("reference", "linear"))
+    ref = m.reference
     lead = choices.get("decode") or next(iter(choices.values()))
     if lead.decision == ref or lead.best is None:
         value, label_ = f"keep {ref}", f"{lead.stage}: {lead.why}"
     else:
         value, label_ = pct(lead.time).replace(" ", ""), f"{lead.stage}: {label(lead.decision)}"
-    m = res.manifest
     detail = (
         f"Per stage, the option to deploy by one rule, the one compare applies too: {objective(lead.measure)}; "
-        f"under {MIN_GAIN:.0%} saved, keep {ref}. Options: {', '.join(m.get('strategies', []))}, EPLB swept over "
-        f"{m.get('redundancy_sweep')} redundant experts, each fitted on the stage it serves; {m.get('deployment')} "
-        f"on nodes of {m.get('gpus_per_node')} GPUs."
+        f"under {MIN_GAIN:.0%} saved, keep {ref}. Options: {', '.join(m.strategies)}, EPLB swept over "
+        f"{list(m.redundancy_sweep)} redundant experts, each fitted on the stage it serves; {m.deployment} "
+        f"on nodes of {m.gpus_per_node} GPUs."
     )
     return Headline(
         key=f"{key_prefix}decision",
@@ -52,14 +51,19 @@ def advice_headline(res: Results, *, key_prefix: str = "", suffix: str = "") -> 
 def compare_relation_line(advice: Results, compare: Results) -> str:
     """One line for compare's card when advice is on the page too: where the two answers differ and
     why (the option sets), or that they agree."""
-    best = advice.manifest.get("best") or {}
-    stages = (compare.compare.verdict or {}).get("stages") or {}
-    differ = [
-        st for st, obj in stages.items() if st in best and obj.get("decision") != best[st].get("decision")
-    ]  # fmt: skip
+    best = advice.advice.best
+    stages = compare_stage_choices(compare)
+    differ = [st for st, ch in stages.items() if st in best and ch.decision != best[st].decision]
     if not differ:
         return "compare's best per stage agrees with the decision (advise)"
     c = compare.compare
     return f"differs from the decision (advise) on {', '.join(differ)}: " + relation(
         command="compare", strategies=c.strategies, num_redundant=c.num_redundant
     )
+
+
+def compare_stage_choices(compare: Results) -> dict[str, StageChoice]:
+    """compare.json's decision per stage (``verdict.stages``, ``placement.decision.StageChoice``);
+    empty for results written before it."""
+    stages = (compare.compare.verdict or {}).get("stages") or {}
+    return {str(st): StageChoice.from_json(obj) for st, obj in stages.items()}

@@ -46,11 +46,16 @@ PLOTLY_CONFIG = {
 
 #: category order: Okabe-Ito without black, yellow last (it is faint on white)
 _CATEGORY_ORDER = (0, 1, 2, 4, 5, 6, 3)
+#: after Okabe-Ito's seven: dark colours of Paul Tol's muted scheme, apart from those seven and from the
+#: greys of bounds, so the registry's eleven strategies never share a colour (joint was linear's orange)
+MORE_CATEGORIES = ("#332288", "#882255", "#999933", "#661100")
 
 
 def category_colour(i: int) -> str:
-    """Colour of the i-th category (datasets, strategies), cycling through Okabe-Ito without black."""
-    return OKABE_ITO[_CATEGORY_ORDER[i % len(_CATEGORY_ORDER)]]
+    """Colour of the i-th category (datasets, strategies): Okabe-Ito without black, then
+    ``MORE_CATEGORIES``, then again from the start."""
+    palette = [OKABE_ITO[j] for j in _CATEGORY_ORDER] + list(MORE_CATEGORIES)
+    return palette[i % len(palette)]
 
 
 def category_colours(names: Sequence[str]) -> dict[str, str]:

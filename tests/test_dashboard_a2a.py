@@ -90,11 +90,25 @@ def test_links_caption_reads_the_network_mode():
     """The time figure's caption says how the run's links were realized (a2a.json ``network.mode``),
     never "loopback" for a run on emulated, shaped links."""
     from moetrace.dashboards.section_a2a import links_caption
+    from moetrace.placement.replay.network import Network
 
     emulated = links_caption(
-        {"backend": "gloo", "device": "cpu", "network": {"mode": "emulated", "link": "1Gbit,50us", "qdisc": "netem"}}
+        backend="gloo", device="cpu", network=Network(mode="emulated", link="1Gbit,50us", qdisc="netem")
     )
     assert "emulated, shaped inter-node link (1Gbit,50us, netem)" in emulated and "indicative only" not in emulated
-    loop = links_caption({"backend": "gloo", "device": "cpu", "network": {"mode": "loopback"}})
+    loop = links_caption(backend="gloo", device="cpu", network=Network(mode="loopback"))
     assert "every link local loopback" in loop and "emulated" not in loop
-    assert "torchrun job" in links_caption({"backend": "nccl", "device": "cuda", "network": {"mode": "torchrun"}})
+    assert "torchrun job" in links_caption(backend="nccl", device="cuda", network=Network(mode="torchrun"))
+
+
+def test_a2a_json_reads_into_its_record_and_back_byte_for_byte(runs):
+    """What `moetrace a2a` writes is what ``A2AManifest.from_json`` takes, and ``to_json`` gives it
+    back: the same bytes once format and version lead (``write_result_json``)."""
+    from moetrace.dashboards.records import A2AManifest
+
+    _, a2a = runs
+    text = (a2a / rf.A2A_MANIFEST).read_text()
+    rec = A2AManifest.from_json(json.loads(text), where="a2a.json")
+    assert json.dumps({**rf.json_header(rf.A2A), **rec.to_json()}, indent=2) + "\n" == text
+    assert rec.strategies == ("linear", "eplb") and [r.strategy for r in rec.summary] == ["linear", "eplb"]
+    assert detect(a2a).a2a == rec  # the dashboard's inputs carry the same record

@@ -8,6 +8,14 @@ from typing import Annotated
 import typer
 
 from moetrace.cli.common import Overwrite, Quiet, Seed, claim_output, friendly_errors, human_bytes, progress_bar
+from moetrace.dashboards.sections import INPUT_KINDS, SECTIONS
+
+#: what the inputs may be, from the dashboard's table of input kinds
+_INPUTS_HELP = (
+    "Trace directories and output directories of "
+    + " / ".join(f"`{k.command}`" for k in INPUT_KINDS if k.kind != "trace")
+    + ", in any mix."
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -28,7 +36,7 @@ def dashboard_cmd(
     inputs: Annotated[
         list[Path],
         typer.Argument(
-            help="Trace directories and output directories of `moetrace analyze` / `compare` / `a2a`, in any mix.",
+            help=_INPUTS_HELP,
             show_default=False,
         ),
     ],
@@ -49,8 +57,7 @@ def dashboard_cmd(
     overwrite: Overwrite = False,
     quiet: Quiet = False,
 ) -> None:
-    """Write an interactive, offline HTML report: overview, load imbalance, correlations, clusters,
-    classifiers, placements, all-to-all volume and measured all-to-all, for whatever results are given.
+    """Write an interactive, offline HTML report, a section for each result given: {sections}.
 
     \b
     Example:
@@ -73,3 +80,9 @@ def dashboard_cmd(
     typer.echo(f"sections: {', '.join(rep.sections)}")
     for note in rep.omitted:
         typer.echo(f"not shown: {note}")
+
+
+# the sections named in --help are the dashboard's table's (moetrace.dashboards.sections), in page order
+dashboard_cmd.__doc__ = (dashboard_cmd.__doc__ or "").replace(
+    "{sections}", ", ".join(row.title[0].lower() + row.title[1:] for row in SECTIONS)
+)
