@@ -1,13 +1,19 @@
 """Placement on public real routing captures: linear, EPLB, ours (joint) and the bounds, at 2, 4 and 8 nodes.
 
-Source (downloaded, never vendored): deepseek-ai/ESFT (MIT), ``results/expert_scores/<task>/
-expert_weights_<layer>.txt``: DeepSeek-V2-Lite's per-token routing of 213 teacher-forced sequences of
-four task domains of unequal size (intent 127, law 33, summary 13, translation 40). ``--esft`` takes
-the repository (a plain checkout, or a bare git directory such as a mirror of it, whose files are
-read with ``git cat-file``), its
-``results/expert_scores`` folder, or one task folder. The logs are imported with ``--format esft``
-(``tracer/importers/esft.py``; each sequence a request, its first ``--prompt-fraction`` of tokens
-its prefill) into ``WORK/esft-trace`` (kept and reused while the commit and fraction are the same).
+Sources (downloaded, never vendored), one or both:
+
+- ``--esft``: deepseek-ai/ESFT (MIT), ``results/expert_scores/<task>/expert_weights_<layer>.txt``:
+  DeepSeek-V2-Lite's per-token routing of 213 teacher-forced sequences of four task domains of
+  unequal size (intent 127, law 33, summary 13, translation 40). Takes the repository (a plain
+  checkout, or a bare git directory such as a mirror of it, whose files are read with ``git
+  cat-file``), its ``results/expert_scores`` folder, or one task folder. Imported with ``--format
+  esft`` (``tracer/importers/esft.py``; each sequence a request, its first ``--prompt-fraction`` of
+  tokens its prefill) into ``WORK/esft-trace`` (kept and reused while the commit and fraction are the same).
+- ``--chaos``: the "Patterns behind Chaos" expert-selection request files (``<n>.json`` per request
+  in subject folders; Llama-4-Maverick on MMLU in the public subset at andronius-yang/cse223b-proj,
+  no licence stated: read in place). Takes a folder of them or a bare git directory holding them
+  (every ``<folder>/<n>.json`` blob of HEAD is written into ``WORK/chaos-src``). Imported with
+  ``--format chaos --model`` ``--chaos-model`` (default ``llama4-maverick``) into ``WORK/chaos-trace``.
 
 Then, for each of ``--seeds`` train/held-out splits (``--test-fraction`` of the requests held out),
 each held-out arrival order, node count and copy model, ``run_compare`` (what ``moetrace compare``
@@ -33,7 +39,7 @@ mean over the seeds with its [min, max] (node load: the largest over the seeds, 
 the limit). Written to ``--json``: every row of every run (``summary_rows`` of ``run_compare`` plus
 the run's seed, order, nodes, copy model and wall time).
 
-Run: .venv/bin/python benchmarks/bench_real.py --esft PATH/TO/ESFT \\
+Run: .venv/bin/python benchmarks/bench_real.py --esft PATH/TO/ESFT --chaos PATH/TO/cse223b-proj \\
     [--work /tmp/bench_real] [--nodes 2,4,8] [--dedup expert,node] [--seeds 0,1,2] \\
     [--orders shuffled,bursts] [--batches 200] [--test-fraction 0.3] [--json /tmp/bench_real/rows.json]
 """
