@@ -7,7 +7,9 @@ the placement comparison); each test reads one part of its output. Slow tier (te
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,12 +23,53 @@ from moetrace.tracer.trace.validate import find_problems
 ARGS = ["--per-dataset", "2", "--max-new-tokens", "4", "--synth-requests", "140"]
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _repo_status() -> str | None:
+    """``git status --porcelain`` of the checkout (None outside a git checkout)."""
+    if not (REPO / ".git").exists():
+        return None
+    return subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=all"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("demo") / "demo"
-    res = CliRunner().invoke(app, ["demo", "-o", str(out), *ARGS])
+def demo_run(tmp_path_factory) -> tuple[Path, str, dict[str, list[str] | None]]:
+    """The demo run as the README runs it, ``-o`` a relative folder, from an empty working directory and
+    with an empty home: its output folder, what it printed, and what it wrote outside ``-o``."""
+    cwd, home = tmp_path_factory.mktemp("cwd"), tmp_path_factory.mktemp("home")
+    before = _repo_status()
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        res = CliRunner().invoke(app, ["demo", "-o", "out", *ARGS], env={"HOME": str(home)})
+    finally:
+        os.chdir(old)
     assert res.exit_code == 0, res.output
-    return out, res.output
+    outside = {
+        "cwd": sorted(p.name for p in cwd.iterdir() if p.name != "out"),
+        "home": sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file()),
+        "repo": None if before is None else sorted(set(_repo_status().splitlines()) - set(before.splitlines())),
+    }
+    return cwd / "out", res.output, outside
+
+
+@pytest.fixture(scope="module")
+def demo(demo_run) -> tuple[Path, str]:
+    return demo_run[0], demo_run[1]
+
+
+def test_writes_nothing_outside_out(demo_run):
+    """Nothing in the working directory beside ``out/``, nothing in the home directory, nothing new in
+    the checkout: every file the demo makes is under its ``-o``."""
+    outside = demo_run[2]
+    assert outside["cwd"] == [] and outside["home"] == [], outside
+    assert not outside["repo"], outside["repo"]
 
 
 def test_prints_each_step_as_a_command_to_copy_and_the_dashboard_path(demo):
