@@ -1,4 +1,4 @@
-"""Calibration (placement/calibrate.py, placement/kernel_tables.py, `moetrace calibrate` / `moetrace cost`):
+"""Calibration (placement/calibrate*.py, placement/kernel_tables.py, `moetrace calibrate` / `moetrace cost`):
 a fit recovers known parameters from a table the step model itself generated, the readers, the
 hold-out rule, the links file the CLI writes, and `cost` printing what `predict` computes."""
 
@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from moetrace.cli import app
 from moetrace.errors import ConfigError
 from moetrace.placement import calibrate as C
+from moetrace.placement import calibrate_fit, calibrate_traffic
 from moetrace.placement.cost import Link, Links
 from moetrace.placement.hardware import PRESETS, load_hardware
 from moetrace.placement.kernel_tables import (
@@ -117,7 +118,7 @@ def test_fast_evaluation_is_layer_seconds():
     rows = _shapes(tokens=(1, 37, 600, 3000))  # 3000 > TOKENS_SIMULATED: a scaled draw
     d, c = C.predict(rows, kernel)
     for ph, want in (("dispatch", d), ("combine", c)):
-        ev = C._PhaseEval(rows, ph)
+        ev = calibrate_fit._PhaseEval(rows, ph)
         p = getattr(kernel, ph)
         got = ev.seconds(p.links, p.fixed_s, kernel.reduce_bytes_per_s) * 1e6
         np.testing.assert_allclose(got, want, rtol=1e-12)
@@ -180,7 +181,7 @@ def test_single_node_rows_take_the_inter_link_from_the_base():
 
 def test_grouped_routing_matches_the_brute_force_draw():
     rng = np.random.default_rng(1)
-    ids = C._grouped_ids(rng, 20000, 256, 8, 8, 4)
+    ids = calibrate_traffic._grouped_ids(rng, 20000, 256, 8, 8, 4)
     s = np.sort(ids, axis=1)
     assert (s[:, 1:] != s[:, :-1]).all() and ids.min() >= 0 and ids.max() < 256
     nodes = np.array([len(set(r)) for r in ids // 32])

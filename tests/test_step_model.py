@@ -153,8 +153,8 @@ def test_node_copies_time_the_forwarding_on_the_receiving_node():
 
 
 def test_uniform_traffic_sends_k_copies_per_token_and_spreads_them():
-    """The uniform routing calibrate prices measured rows on (``calibrate._traffic``), through a copy model."""
-    from moetrace.placement.calibrate import _traffic
+    """The uniform routing calibrate prices measured rows on (``calibrate_traffic._traffic``), through a copy model."""
+    from moetrace.placement.calibrate_traffic import _traffic
 
     t = _traffic(8, 8, 64, 64, 4, "expert", "uniform", 1, None)  # EP 8 on one node, 64 tokens a GPU, top-4 of 64
     sent = t.send_intra + t.send_inter
