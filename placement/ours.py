@@ -60,6 +60,7 @@ def choose_ours(
     min_placement_gain: float = MIN_PLACEMENT_GAIN,
     price: Any = None,
     refit: bool = True,
+    refit_joint: bool = False,
 ) -> tuple[Placement, dict[str, Any]]:
     """The placement and provenance of ours on ``x`` (``strategies.PlacementInputs``).
 
@@ -70,9 +71,13 @@ def choose_ours(
     (``ours_choice``), whether it is served with the price router (``served_router``: "price" or
     "none"), every candidate's score (``ours_validation``), the measure (``ours_measure``), the details
     (``ours_validation_detail``) and what the router adds over the same placement served without it
-    (``ours_router_gain``, a share of the router-free time). ``refit``: the chosen candidate is
-    fitted again on every training request (the split chose the method; the strategy's own row's
-    placement), else the one fitted on the fitting part is returned.
+    (``ours_router_gain``, a share of the router-free time). ``refit``: an EPLB choice is fitted
+    again on every training request (EPLB is a fixed function of the counts: more counts, the same
+    method; the strategy's own row's placement), else the one fitted on the fitting part is returned.
+    ``refit_joint``: the same for a joint choice; off by default, because the joint placer is a
+    search whose outcome varies with its input (on the Llama-4 capture a refit on every training
+    request lost 1.7 points of MoE-layer time to the placement the split had scored, and went from
+    1.2 points under EPLB to 0.6 over it): the placement served is the one measured.
     """
     from moetrace.placement.baselines import linear
     from moetrace.placement.cost import DEFAULT_LINKS
@@ -134,10 +139,10 @@ def choose_ours(
     best_eplb = min(("eplb", "eplb_global"), key=lambda c: score[c])
     best_free = "joint_free" if score["joint_free"] < score[best_eplb] * (1.0 - min_placement_gain) else best_eplb
     choice = "joint" if score["joint"] < score[best_free] * (1.0 - min_router_gain) else best_free
-    # the chosen method refitted on every training request (the validation split chose the method, not
-    # the fit): the same placement as the strategy's own row
+    # an EPLB choice refitted on every training request (the same placement as the strategy's own row);
+    # a joint choice served as the placement the validation split scored, unless refit_joint
     if choice in ("joint", "joint_free"):
-        chosen, joint_extra = build_joint(x) if refit else (joint_pl, joint_extra)
+        chosen, joint_extra = build_joint(x) if refit_joint else (joint_pl, joint_extra)
         extra = dict(joint_extra)
     else:
         groups, nodes = (x.router_groups, x.num_nodes) if choice == "eplb" else (1, 1)
@@ -147,7 +152,7 @@ def choose_ours(
     extra.update(
         {
             "router_price": joint_extra["router_price"],  # read only when served with the router
-            "ours_refitted": bool(refit),
+            "ours_refitted": bool(refit_joint if choice in ("joint", "joint_free") else refit),
             "ours_choice": choice,
             "served_router": "price" if choice == "joint" else "none",
             "ours_measure": measure,

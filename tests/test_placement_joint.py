@@ -602,14 +602,23 @@ def test_ours_serves_eplb_when_its_own_placement_only_ties_it(joint, joint_free,
     )
     scores = {"joint": joint, "joint_free": joint_free, "eplb": 0.98, "eplb_global": 0.99}
 
+    fitted_on: list[int] = []
+
     def build_joint(xx):
         from moetrace.placement.baselines import linear
 
+        fitted_on.append(len(xx.train_rows))
         return linear(num_layers=L, num_experts=E, num_slots=E, num_ranks=4), {"router_price": np.zeros(G)}
 
     def price(val, candidates):
         return {c: {"score": scores[c]} for c in candidates}
 
-    _, extra = choose_ours(x, build_joint=build_joint, price=price, refit=False)
+    _, extra = choose_ours(x, build_joint=build_joint, price=price)
     assert extra["ours_choice"] == expected
     assert extra["served_router"] == ("price" if expected == "joint" else "none")
+    # the joint placement served is the one the validation split scored (fitted once, on the fitting
+    # part), never a refit on every training request; an EPLB choice is refitted (its own row's placement)
+    assert len(fitted_on) == 1 and fitted_on[0] < R
+    assert extra["ours_refitted"] == (expected == "eplb")
+    _, extra = choose_ours(x, build_joint=build_joint, price=price, refit_joint=True)
+    assert fitted_on[1:] == ([fitted_on[0], R] if expected.startswith("joint") else [fitted_on[0]])
