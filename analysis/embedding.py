@@ -117,14 +117,21 @@ def reduce_pca(features_NF: np.ndarray, *, num_components: int = 50, seed: int =
 
 
 def project(features_NF: np.ndarray, *, method: Method, seed: int) -> np.ndarray:
-    """2-D projection float32 ``[N, 2]`` with t-SNE (scikit-learn) or UMAP (umap-learn), seeded."""
+    """2-D projection float32 ``[N, 2]`` with t-SNE or UMAP (umap-learn), seeded.
+
+    t-SNE: ``analysis.tsne`` (scikit-learn's method and defaults, exact gradient) up to
+    ``EXACT_MAX_POINTS`` points, scikit-learn's Barnes-Hut ``TSNE`` above."""
     N = features_NF.shape[0]
     if N < 5:
         raise ConfigError(f"an embedding needs at least 5 requests with tokens, have {N}")
     if method == "tsne":
-        manifold = require("sklearn.manifold", purpose="t-SNE embeddings")
+        from moetrace.analysis.tsne import EXACT_MAX_POINTS, tsne_2d
+
         x = reduce_pca(features_NF, num_components=50, seed=seed)
         perplexity = float(min(30.0, (N - 1) / 3))
+        if N <= EXACT_MAX_POINTS:  # the exact gradient: faster than Barnes-Hut at this size, and as good
+            return tsne_2d(x, perplexity=perplexity)
+        manifold = require("sklearn.manifold", purpose="t-SNE embeddings")
         return (
             manifold.TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed)
             .fit_transform(x)

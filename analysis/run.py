@@ -7,6 +7,10 @@ name and the version come from ``moetrace.results`` (``ANALYSIS``), and every fi
 moetrace version and parameters, and under ``skipped`` each analysis (or part) that did not run with
 its one-line reason; ``summary.json`` holds the headline numbers (and the same ``skipped``).
 
+Affinity reads the trace a second time and needs no counts: it starts on a background thread once the
+counts are done and runs beside the other steps; its tables are written in its turn (last), so the results
+are the same as run one after another.
+
 Partial captures (a public capture of one MoE layer of 24; only some layers recorded): a layer
 where no request has a recorded id in a stage is *empty* (``RequestCounts.empty_layers``, listed
 in ``summary.json`` ``layers.empty``); its per-layer numbers are NaN (null for ids), every mean over
@@ -31,6 +35,7 @@ import datetime as dt
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -39,6 +44,7 @@ import numpy as np
 import polars as pl
 
 from moetrace import results as rf
+from moetrace.analysis.embedding_step import embedding_line, run_embedding_one_thread
 from moetrace.errors import ConfigError
 from moetrace.stats import mean_skip_nan
 from moetrace.tracer.trace.reader import open_trace
@@ -210,6 +216,12 @@ def analyze(
         summary["counts_rows"] = n
         timings["counts_table"] = time.perf_counter() - t0
 
+    # affinity reads the trace again and needs no counts: it starts now on a background thread (its numba
+    # kernel and pyarrow's decoding release the GIL) and is written in its turn, last, as if it ran there
+    early: dict[str, Future[tuple[dict[str, Any], list[tuple[str, pl.DataFrame, str]], float]]] = {}
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrace-affinity")
+    if "affinity" in config.only:
+        early["affinity"] = background.submit(_deferred, lambda w: _run_affinity(trace, config, w))
     steps = (  # (analysis, what it does, step) in the order they run
         ("imbalance", "expert load and imbalance factor", lambda: _run_imbalance(counts, config, write)),
         (
@@ -224,8 +236,8 @@ def analyze(
         ),
         (
             "embedding",
-            _embedding_line(config),
-            lambda: _run_embedding_one_thread(counts, config, write),
+            embedding_line(config),
+            lambda: run_embedding_one_thread(counts, config, write),
         ),
         (
             "affinity",
@@ -233,15 +245,23 @@ def analyze(
             lambda: _run_affinity(trace, config, write),
         ),
     )
-    for name, what, step in steps:
-        if name in config.only:
-            say(f"{name}: {what}")
-            t0 = time.perf_counter()
-            summary[name] = step()
-            timings[name] = time.perf_counter() - t0
-            for part, why in _skips(name, summary[name]):
-                skipped[part] = why
-                say(f"{part}: skipped ({why})")
+    try:
+        for name, what, step in steps:
+            if name in config.only:
+                say(f"{name}: {what}")
+                t0 = time.perf_counter()
+                if name in early:  # ran in the background: its tables are written now, in this step's turn
+                    summary[name], tables, timings[name] = early[name].result()
+                    for table in tables:
+                        write(*table)
+                else:
+                    summary[name] = step()
+                    timings[name] = time.perf_counter() - t0
+                for part, why in _skips(name, summary[name]):
+                    skipped[part] = why
+                    say(f"{part}: skipped ({why})")
+    finally:
+        background.shutdown(wait=False, cancel_futures=True)
 
     summary["skipped"] = skipped
     summary["seconds"] = round(time.perf_counter() - t_start, 3)
@@ -403,124 +423,6 @@ def _run_classify(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
     }
 
 
-def _embedding_line(config: AnalyzeConfig) -> str:
-    """The progress line of the embedding step: what it fits, what it places, what it compiles."""
-    names = {"tsne": "t-SNE", "umap": "UMAP"}
-    methods = " and ".join(names[m] for m in config.embedding_methods)
-    cap = "every request" if config.embedding_max_requests is None else f"up to {config.embedding_max_requests}"
-    line = (
-        f"{methods} of normalized per-request vectors ({cap} per stage; fitted on up to "
-        f"{config.embedding_fit_requests}, the rest placed by their nearest fitted requests)"
-    )
-    if "umap" in config.embedding_methods:
-        line += "; UMAP compiles its numba kernels first (about 10 s once per process, longer on a busy machine)"
-    return line
-
-
-def _run_embedding_one_thread(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
-    """Embeddings with one thread in every native pool (BLAS and OpenMP: PCA, t-SNE, K-means,
-    silhouette). Spinning worker threads on a busy box made t-SNE of 1000 requests 9x slower
-    (107 s against 12 s measured under load 11); see classify for BLAS."""
-    from moetrace._deps import require
-
-    # threadpoolctl limits only the libraries already loaded: load scikit-learn's (its OpenMP) first
-    for module in ("sklearn.decomposition", "sklearn.manifold", "sklearn.cluster", "sklearn.neighbors"):
-        require(module, purpose="embeddings")
-    with require("threadpoolctl", purpose="embeddings").threadpool_limits(limits=1):
-        return _run_embedding(counts, config, write)
-
-
-def _run_embedding(counts, config: AnalyzeConfig, write) -> dict[str, Any]:
-    from moetrace.analysis.embedding import (
-        PLACEMENT,
-        cluster_scores,
-        fit_pca,
-        place_by_neighbours,
-        project,
-        request_features,
-        silhouette_2d,
-        stratified_subsample,
-    )
-
-    layer_pos = None if config.embedding_layer is None else counts.layers.index(config.embedding_layer)
-    layer_name = -1 if layer_pos is None else config.embedding_layer
-    chunk = 4096  # requests whose float32 features are built at once (DeepSeek-V3: 4096 x 14848 x 4 B = 243 MB)
-    frames, scores = [], []
-    why: dict[str, str] = {}  # stage -> reason its embedding was skipped
-    for stage in counts.stages:
-        counts_RLE = counts.stage(stage)
-        sel_RLE = counts_RLE[:, layer_pos : layer_pos + 1] if layer_pos is not None else counts_RLE
-        has = np.flatnonzero(
-            np.concatenate([sel_RLE[lo : lo + chunk].any(axis=(1, 2)) for lo in range(0, counts.num_requests, chunk)])
-            if counts.num_requests
-            else np.zeros(0, bool)
-        )
-        cap = has.size if config.embedding_max_requests is None else config.embedding_max_requests
-        pick = has[stratified_subsample(counts.dataset_R[has], max_requests=cap, seed=config.seed)]
-        if pick.size < 5:
-            where = "" if layer_pos is None else f" at MoE layer {layer_name}"
-            why[stage] = (
-                f"needs at least 5 requests with recorded {stage} routing{where}, the trace has {has.size}; "
-                "trace more requests" + (" or embed another layer (--embedding-layer)" if where else "")
-            )
-            continue
-        lab = counts.dataset_R[pick]
-        fit_pos = stratified_subsample(lab, max_requests=config.embedding_fit_requests, seed=config.seed)
-        fitted = np.zeros(pick.size, bool)
-        fitted[fit_pos] = True
-        reduce = fit_pca(
-            request_features(counts_RLE[pick[fit_pos]], layer=layer_pos), num_components=50, seed=config.seed
-        )
-        x = np.concatenate(
-            [
-                reduce(request_features(counts_RLE[pick[lo : lo + chunk]], layer=layer_pos))
-                for lo in range(0, pick.size, chunk)
-            ]
-        )
-        cs = cluster_scores(x, lab, seed=config.seed)
-        row: dict[str, Any] = {
-            "stage": stage,
-            "layer": layer_name,
-            "num_requests": int(pick.size),
-            "num_datasets": cs.num_datasets,
-            "silhouette": cs.silhouette,
-            "adjusted_rand": cs.adjusted_rand,
-            "num_fitted": int(fit_pos.size),
-        }
-        for method in config.embedding_methods:
-            xy = np.empty((pick.size, 2), np.float32)
-            xy[fitted] = project(x[fitted], method=method, seed=config.seed)
-            xy[~fitted] = place_by_neighbours(x[fitted], xy[fitted], x[~fitted])
-            row[f"silhouette_{method}"] = silhouette_2d(xy, lab, seed=config.seed)
-            frames.append(
-                pl.DataFrame(
-                    {
-                        "request_id": counts.request_id_R[pick],
-                        "dataset": lab,
-                        "stage": [stage] * pick.size,
-                        "method": [method] * pick.size,
-                        "layer": np.full(pick.size, layer_name, np.int32),
-                        "x": xy[:, 0],
-                        "y": xy[:, 1],
-                        "fitted": fitted,
-                    }
-                )
-            )
-        scores.append(row)
-    if frames:
-        write(rf.EMBEDDING, pl.concat(frames), "2-D request embeddings (t-SNE/UMAP) per stage")
-    if scores:
-        write(rf.EMBEDDING_SCORES, pl.DataFrame(scores), "cluster quality vs dataset labels per stage")
-    out: dict[str, Any] = {  # placement: how the requests outside the fit sample got their position
-        r["stage"]: {**{k: v for k, v in r.items() if k != "stage"}, "placement": PLACEMENT} for r in scores
-    }
-    if why and not scores:
-        out["skipped"] = "; ".join(f"{s}: {w}" for s, w in why.items())
-    elif why:
-        out["skipped_parts"] = {f"embedding.{s}": w for s, w in why.items()}
-    return out
-
-
 def _run_affinity(trace, config: AnalyzeConfig, write) -> dict[str, Any]:
     from moetrace.analysis.affinity import affinity_table, coactivation_table, pair_counts
 
@@ -548,6 +450,14 @@ def _run_affinity(trace, config: AnalyzeConfig, write) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------- helpers
+def _deferred(step: Callable[[Callable[[str, pl.DataFrame, str], None]], dict[str, Any]]):
+    """Run ``step(write)`` keeping what it writes: (its summary entry, its tables in order, its seconds)."""
+    tables: list[tuple[str, pl.DataFrame, str]] = []
+    t0 = time.perf_counter()
+    result = step(lambda name, df, what: tables.append((name, df, what)))
+    return result, tables, time.perf_counter() - t0
+
+
 def _mean(s: pl.Series) -> float | None:
     """Mean of the defined values (NaN and null left out); None when there is none."""
     v, _ = mean_skip_nan(s.cast(pl.Float64).to_numpy())

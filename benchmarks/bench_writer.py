@@ -7,9 +7,10 @@ peak memory), alternating the variants:
   ids, lz4);
 - ``pyarrow encoder``: this checkout's ``TraceWriter(encoder="pyarrow")``, the escape hatch
   (``MOETRACE_PARQUET_ENCODER=pyarrow``): the same files written by plain pyarrow;
-- ``before`` (with ``--baseline PATH``): another version of ``tracer/trace/writer.py``, e.g. HEAD's from a
-  ``git worktree add --detach /tmp/wt-writer HEAD``, loaded from its file under another module name (its
-  imports resolve to this checkout's ``moetrace``, so only the writer module differs);
+- ``before`` (with ``--baseline PATH``): another version of the writer. PATH a directory: a whole checkout
+  (``git archive HEAD | tar -x -C /tmp/head``), put first on the child's ``PYTHONPATH``, so its writer,
+  encoder and checksum modules are all its own; PATH a file: another ``tracer/trace/writer.py``, loaded under
+  another module name (its imports resolve to this checkout's ``moetrace``, so only that module differs);
 - ``pyarrow ceiling``: one ``pyarrow.parquet.write_table`` of the bare ``experts`` column, plain encoding,
   no compression (what the Parquet library alone does with the column);
 - ``disk floor``: T x X bytes (one byte an id, what the encoded part holds) written in 1 MiB chunks, then one
@@ -20,8 +21,8 @@ per variant: best and median tokens/s (wall clock), CPU seconds (the least of th
 growth of the child while writing (MiB; the ids are loaded before the baseline is taken), bytes per token
 on disk.
 
-    python benchmarks/bench_writer.py [--tokens 400000] [--reps 3] [--baseline /tmp/wt-writer/tracer/trace/writer.py]
-                                      [--last-token-unrecorded]
+    python benchmarks/bench_writer.py [--tokens 400000] [--reps 3] [--baseline /tmp/head]
+                                      [--last-token-unrecorded] [--skip pyarrow,ceiling]
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _rss_mib() -> float:
 
 
 def _load_writer(path: str | None):
-    if path is None:
+    if path is None or Path(path).is_dir():  # a directory: already first on this child's PYTHONPATH
         from moetrace.tracer.trace.writer import TraceWriter
 
         return TraceWriter
@@ -136,6 +137,7 @@ def main() -> None:
         action="store_true",
         help="-1 in every slot of each request's last row, as HF and vLLM traces have",
     )
+    ap.add_argument("--skip", default="", help="variants left out, comma-separated: pyarrow, ceiling, disk")
     ap.add_argument("--child", nargs=4, metavar=("VARIANT", "IDS", "OUT", "WRITER"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -164,7 +166,7 @@ def main() -> None:
     variants = (
         [("after", "-")]
         + ([("before", str(Path(args.baseline).resolve()))] if args.baseline else [])
-        + [("pyarrow", "-"), ("ceiling", "-"), ("disk", "-")]
+        + [(v, "-") for v in ("pyarrow", "ceiling", "disk") if v not in args.skip.split(",")]
     )
     res: dict[str, list[dict]] = {v: [] for v, _ in variants}
     for rep in range(args.reps):
@@ -173,8 +175,11 @@ def main() -> None:
             out = root / "out"
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
-            cmd = [sys.executable, __file__, "--child", variant, str(ids_path), str(out), writer]
-            r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, str(ids_path), str(out), writer]
+            env = dict(os.environ)
+            if writer != "-" and Path(writer).is_dir():
+                env["PYTHONPATH"] = os.pathsep.join(x for x in (writer, env.get("PYTHONPATH")) if x)
+            r = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
             res[variant].append(json.loads(r.stdout.strip().splitlines()[-1]))
     shutil.rmtree(root)
 
@@ -199,7 +204,7 @@ def main() -> None:
             f"  {names[variant]:<60} {rates[-1]:7.3f} {float(np.median(rates)):7.3f}          "
             f"{min(r['cpu'] for r in runs):6.2f}  {max(r['peak_mib'] for r in runs):8.0f}  {runs[0]['bytes_per_token']:7.0f}"
         )
-    for other in ("pyarrow", "ceiling", "disk", *(("before",) if args.baseline else ())):
+    for other in [v for v, _ in variants if v != "after"]:
         best = {v: min(r["wall"] for r in res[v]) for v in ("after", other)}
         cpu = {v: min(r["cpu"] for r in res[v]) for v in ("after", other)}
         print(

@@ -54,7 +54,10 @@ def demo_run(tmp_path_factory) -> tuple[Path, str, dict[str, list[str] | None]]:
     outside = {
         "cwd": sorted(p.name for p in cwd.iterdir() if p.name != "out"),
         "home": sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.is_file()),
-        "repo": None if before is None else sorted(set(_repo_status().splitlines()) - set(before.splitlines())),
+        # new untracked files only: a tracked file edited meanwhile (a developer at work) is not the demo's
+        "repo": None
+        if before is None
+        else sorted(l for l in set(_repo_status().splitlines()) - set(before.splitlines()) if l.startswith("??")),
     }
     return cwd / "out", res.output, outside
 

@@ -34,6 +34,10 @@ fast encoder writes what the installed pyarrow writes for a small probe (same co
 column-metadata fields, same encodings, codec, size statistics, same decoded table); anything else it
 cannot handle later is an ``EncoderError`` whose message names the escape hatch.
 
+Where. This module writes the part (narrow columns copied from pyarrow, row groups, footer) and holds the
+fence; ``parquet_pages`` encodes the ``experts`` pages, ``parquet_thrift`` reads and writes the Thrift structs
+of footers and page headers.
+
 Shape legend (docs/architecture.md): T tokens, X = L*K ids per token.
 """
 
@@ -44,19 +48,57 @@ import io
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol, TypeAlias
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace.errors import ConfigError, EncoderError
+from moetrace.tracer.trace.parquet_pages import _Bytes, _ExpertsEncoder, _page_compressor
+from moetrace.tracer.trace.parquet_thrift import (
+    _CC_FILE_OFFSET,
+    _CC_META,
+    _CM_BLOOM_LENGTH,
+    _CM_BLOOM_OFFSET,
+    _CM_CODEC,
+    _CM_COMPRESSED,
+    _CM_DATA_OFFSET,
+    _CM_DICT_OFFSET,
+    _CM_ENCODING_STATS,
+    _CM_ENCODINGS,
+    _CM_INDEX_OFFSET,
+    _CM_LAYOUT_FIELDS,
+    _CM_NUM_VALUES,
+    _CM_PATH,
+    _CM_SIZE_STATS,
+    _CM_UNCOMPRESSED,
+    _ENC_PLAIN,
+    _ENC_RLE,
+    _ENC_RLE_DICT,
+    _PAGE_DATA,
+    _PAGE_DICT,
+    _RG_ORDINAL,
+    _T_BINARY,
+    _T_I16,
+    _T_I32,
+    _T_I64,
+    _T_LIST,
+    _T_STRUCT,
+    ENCODER_ENV,
+    ESCAPE_HATCH,
+    _chunk_of,
+    _footer,
+    _get,
+    _ids,
+    _row_groups,
+    _set,
+    _Struct,
+    _thrift_bytes,
+)
 
 Encoder = Literal["fast", "pyarrow"]
 ENCODERS: tuple[Encoder, ...] = ("fast", "pyarrow")
-#: the environment variable that picks the encoder when the writer is not told
-ENCODER_ENV = "MOETRACE_PARQUET_ENCODER"
-ESCAPE_HATCH = f"set {ENCODER_ENV}=pyarrow to write through plain pyarrow (slower, same trace format)"
 
 #: routing columns that are dictionary-encoded, and the only ones with statistics (Parquet column paths)
 ROUTING_DICTIONARY = ["stage", "experts.list.element"]
@@ -441,402 +483,3 @@ class _FastPart:
 
     def abort(self) -> None:
         self.f.close()
-
-
-#: what the encoder writes: page headers (bytes), page bodies (numpy's memoryview), compressed bodies (pa.Buffer)
-_Bytes: TypeAlias = "bytes | memoryview | pa.Buffer"
-#: indices per data page of the vectorized encoder (pyarrow's default data page holds ~1 MiB)
-_PAGE_IDS = 1 << 20
-
-# Parquet enums used below (parquet.thrift)
-_PAGE_DATA, _PAGE_DICT = 0, 2
-_ENC_PLAIN, _ENC_RLE, _ENC_RLE_DICT = 0, 3, 8
-_CODEC_NONE, _CODEC_SNAPPY, _CODEC_LZ4_HADOOP, _CODEC_ZSTD, _CODEC_LZ4_RAW = 0, 1, 5, 6, 7
-# RowGroup, ColumnChunk and ColumnMetaData field ids
-_RG_ORDINAL = 7
-_CC_FILE_OFFSET, _CC_META = 2, 3
-_CM_ENCODINGS, _CM_PATH, _CM_CODEC, _CM_NUM_VALUES, _CM_UNCOMPRESSED, _CM_COMPRESSED = 2, 3, 4, 5, 6, 7
-_CM_DATA_OFFSET, _CM_INDEX_OFFSET, _CM_DICT_OFFSET, _CM_ENCODING_STATS = 9, 10, 11, 13
-_CM_BLOOM_OFFSET, _CM_BLOOM_LENGTH, _CM_SIZE_STATS = 14, 15, 16
-#: ColumnMetaData fields that differ between two encodings of the same rows (sizes, offsets)
-_CM_LAYOUT_FIELDS = (_CM_UNCOMPRESSED, _CM_COMPRESSED, _CM_DATA_OFFSET, _CM_INDEX_OFFSET, _CM_DICT_OFFSET)
-
-
-def _row_groups(footer: _Struct) -> list[_Struct]:
-    return _get(footer, 4, (None, []))[1]
-
-
-def _chunk_of(rg: _Struct, path: str) -> _Struct:
-    """The ``ColumnChunk`` of the leaf column ``path`` (``experts.list.element``) in row group ``rg``."""
-    for cc in _get(rg, 1)[1]:
-        if ".".join(x.decode() for x in _get(_get(cc, _CC_META), _CM_PATH)[1]) == path:
-            return cc
-    raise EncoderError(f"pyarrow {pa.__version__} wrote no column chunk {path}; {ESCAPE_HATCH}")
-
-
-def _ids(fields: _Struct) -> list[int]:
-    return sorted(f for f, _, _ in fields)
-
-
-def _page_compressor(codec: int) -> Callable[[np.ndarray], list[_Bytes]] | None:
-    """For a Parquet codec id: ``body (uint8 array) -> list of byte chunks`` (the compressed page body), or None
-    where the vectorized encoder does not support the codec."""
-    if codec == _CODEC_NONE:
-        return lambda body: [body.data]
-    if codec == _CODEC_LZ4_HADOOP:  # Hadoop framing: big-endian raw size and compressed size, then an LZ4 block
-        lz4 = pa.Codec("lz4_raw")
-
-        def framed(body: np.ndarray) -> list[_Bytes]:
-            c = lz4.compress(body)
-            return [body.size.to_bytes(4, "big") + c.size.to_bytes(4, "big"), c]
-
-        return framed
-    names = {_CODEC_SNAPPY: "snappy", _CODEC_ZSTD: "zstd", _CODEC_LZ4_RAW: "lz4_raw"}
-    if codec in names:
-        c = pa.Codec(names[codec])
-        return lambda body: [c.compress(body)]
-    return None
-
-
-def _rle_run(count: int, value: int, width_bytes: int) -> bytes:
-    """One run of the RLE/bit-packed hybrid: ``count`` copies of ``value``."""
-    return _varint(count << 1) + value.to_bytes(width_bytes, "little")
-
-
-def _pack_bits(idx: np.ndarray, width: int) -> np.ndarray:
-    """Bit-pack ``idx`` (uint8 ``[8 * G]``, each < 2**width, ``width`` in 1..7) least significant bit first:
-    every 8 values become ``width`` bytes; uint8 ``[G * width]``."""
-    v = idx.reshape(-1, 8).T.astype(np.uint64)
-    word = v[0].copy()
-    for i in range(1, 8):
-        word |= v[i] << np.uint64(width * i)
-    return word.view(np.uint8).reshape(-1, 8)[:, :width].reshape(-1)
-
-
-class _Plan(NamedTuple):
-    """How the vectorized encoder writes one row group's ``experts`` chunk."""
-
-    hi: int  # the largest id (-1 if none): the dictionary holds ids 0..hi
-    neg: bool  # -1 occurs: the dictionary ends with -1, index hi + 1
-    width: int  # bits of a dictionary index (at most 8 are packed; see _ExpertsEncoder)
-    runs: list[tuple[list[np.ndarray], bool]]  # consecutive row blocks (int16 [n_i, X]) and whether all are -1
-
-
-def _pages(blocks: list[np.ndarray], rows_per_page: int) -> list[list[np.ndarray]]:
-    """Consecutive row blocks (int16 ``[n_i, X]``) cut into pages of ``rows_per_page`` rows (the last one
-    shorter), each page the list of its row-block views."""
-    pages: list[list[np.ndarray]] = []
-    page: list[np.ndarray] = []
-    n = 0
-    for a in blocks:
-        s = 0
-        while s < a.shape[0]:
-            take = min(rows_per_page - n, a.shape[0] - s)
-            page.append(a[s : s + take])
-            n, s = n + take, s + take
-            if n == rows_per_page:
-                pages.append(page)
-                page, n = [], 0
-    if page:
-        pages.append(page)
-    return pages
-
-
-class _ExpertsEncoder:
-    """Encode the ``experts`` column chunk (int16 ``[T, X]``) in pyarrow's encoding, vectorized with numpy.
-
-    The dictionary page holds ids ``0..hi`` then, if it occurs, ``-1`` (``hi``: the largest id of the row group,
-    at most 255), PLAIN int32. Data pages (about 1 Mi ids each, whole rows, across the row blocks it is given)
-    hold repetition levels (one 0 then X-1 ones per row: RLE runs, or for short rows one bit-packed run), one
-    RLE run of definition level 1, and the
-    dictionary indices as one bit-packed run of as many bits as the largest index needs (an index is the id
-    itself, -1's is ``hi + 1``), as pyarrow packs them. When id 255 and -1 both occur (257 entries), rows
-    without -1 are 8-bit pages and rows of only -1 are RLE pages of index 256; a row mixing both, an id above
-    255 or below -1 is not covered (``plan`` returns None).
-    """
-
-    def __init__(self, X: int, compress: Callable[[np.ndarray], list[_Bytes]]) -> None:
-        self.X = X
-        self.compress = compress
-        self.rows_per_page = max(1, _PAGE_IDS // X)
-        # repetition levels of one row: a run of one 0 then X-1 ones (bit width 1)
-        self.rep_row = np.frombuffer(_rle_run(1, 0, 1) + (_rle_run(X - 1, 1, 1) if X > 1 else b""), np.uint8)
-
-    def _rep_levels(self, n: int) -> bytes | None:
-        """The repetition levels of ``n`` rows as one run where that is shorter than a pair of RLE runs per
-        row (``rep_row``, written by the caller: None): all zeros for X = 1, else one bit-packed run (a 0 then
-        X-1 ones per row, least significant bit first), which is shorter for short rows, as pyarrow chooses."""
-        X = self.X
-        if X == 1:
-            return _rle_run(n, 0, 1)
-        groups = -(-n * X // 8)
-        head = _varint(groups << 1 | 1)
-        if len(head) + groups >= n * self.rep_row.size:
-            return None
-        levels = np.ones(groups * 8, np.uint8)
-        levels[: n * X : X] = 0
-        levels[n * X :] = 0
-        return head + np.packbits(levels, bitorder="little").tobytes()
-
-    def plan(self, ids_list: list[np.ndarray]) -> _Plan | None:
-        """The plan for the row group ``ids_list`` (C-contiguous int16 ``[T_i, X]`` arrays in row order), or
-        None if not covered."""
-        row_min = [a.min(axis=1) for a in ids_list]  # int16 [T_i]: the smallest id of every row
-        lo = min((int(m.min()) for m in row_min if m.size), default=0)
-        hi = max((int(a.max()) for a in ids_list if a.size), default=0)
-        if lo < -1 or hi > 255:
-            return None
-        hi, neg = max(hi, -1), lo < 0
-        width = max(1, (hi + neg).bit_length())  # indices 0..hi, and hi+1 for -1
-        if width <= 8 or not neg:
-            return _Plan(hi, neg, width, [(list(ids_list), False)])
-        runs: list[tuple[list[np.ndarray], bool]] = []
-        for ids_TX, m in zip(ids_list, row_min):
-            neg_T = m < 0
-            if neg_T.any() and (ids_TX[neg_T].max(axis=1) >= 0).any():
-                return None  # a row mixes -1 and recorded ids: index 256 would need 9-bit packed pages
-            bounds = np.concatenate([[0], np.flatnonzero(np.diff(neg_T.view(np.int8))) + 1, [neg_T.size]]).tolist()
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                if b > a:
-                    if runs and runs[-1][1] == bool(neg_T[a]):
-                        runs[-1][0].append(ids_TX[a:b])
-                    else:
-                        runs.append(([ids_TX[a:b]], bool(neg_T[a])))
-        return _Plan(hi, neg, width, runs)
-
-    def _page(
-        self, write: Callable[[_Bytes], None], page_type: int, body: np.ndarray, sub_header: _Struct
-    ) -> tuple[int, int]:
-        """Write one page (header, compressed body); returns (uncompressed, compressed) bytes with the header."""
-        chunks = self.compress(body)
-        size = sum(
-            c.size if isinstance(c, pa.Buffer) else c.nbytes if isinstance(c, memoryview) else len(c) for c in chunks
-        )
-        header = _thrift_bytes(
-            [
-                (1, _T_I32, page_type),
-                (2, _T_I32, body.nbytes),
-                (3, _T_I32, size),
-                (5 if page_type == _PAGE_DATA else 7, _T_STRUCT, sub_header),
-            ]
-        )
-        write(header)
-        for c in chunks:
-            write(c)
-        return len(header) + body.nbytes, len(header) + size
-
-    def write(self, plan: _Plan, write: Callable[[_Bytes], None]) -> dict[str, int]:
-        """Write the chunk of ``plan`` through ``write(bytes-like)``; returns its sizes and page count."""
-        hi, neg, width, runs = plan
-        X = self.X
-        dictionary = np.concatenate([np.arange(hi + 1, dtype="<i4"), np.array([-1] if neg else [], "<i4")])
-        dict_u, dict_c = self._page(
-            write, _PAGE_DICT, dictionary.view(np.uint8), [(1, _T_I32, dictionary.size), (2, _T_I32, _ENC_PLAIN)]
-        )
-        sizes = {"uncompressed": dict_u, "compressed": dict_c, "dict_size": dict_c, "pages": 0, "num_values": 0}
-        for blocks, all_neg in runs:
-            for page in _pages(blocks, self.rows_per_page):
-                n = sum(a.shape[0] for a in page)
-                rep = self._rep_levels(n)
-                rep_size = len(rep) if rep is not None else n * self.rep_row.size
-                dfn = _rle_run(n * X, 1, 1)
-                if all_neg:
-                    values = np.frombuffer(b"\x09" + _rle_run(n * X, hi + 2 - 1, 2), np.uint8)
-                    w = values.size
-                else:
-                    bits = min(width, 8)
-                    groups = -(-n * X // 8)
-                    vhead = bytes([bits]) + _varint(groups << 1 | 1)
-                    w = len(vhead) + groups * bits
-                body = np.empty(4 + rep_size + 4 + len(dfn) + w, np.uint8)
-                body[:4] = np.frombuffer(rep_size.to_bytes(4, "little"), np.uint8)
-                o = 4
-                if rep is not None:
-                    body[o : o + rep_size] = np.frombuffer(rep, np.uint8)
-                else:
-                    body[o : o + rep_size].reshape(n, -1)[:] = self.rep_row
-                o += rep_size
-                body[o : o + 4] = np.frombuffer(len(dfn).to_bytes(4, "little"), np.uint8)
-                body[o + 4 : o + 4 + len(dfn)] = np.frombuffer(dfn, np.uint8)
-                o += 4 + len(dfn)
-                if all_neg:
-                    body[o:] = values
-                else:
-                    body[o : o + len(vhead)] = np.frombuffer(vhead, np.uint8)
-                    o += len(vhead)
-                    if bits == 8:
-                        dst = body[o : o + n * X]
-                        body[o + n * X :] = 0
-                    else:
-                        dst = np.zeros(groups * 8, np.uint8)
-                    k = 0
-                    for a in page:  # int16 -> uint8: -1 wraps to 255
-                        np.copyto(dst[k : k + a.size], a.reshape(-1), casting="unsafe")
-                        k += a.size
-                    if neg and hi < 254 and min(int(a.min()) for a in page) < 0:
-                        dst[dst == 255] = hi + 1  # the index of -1
-                    if bits < 8:
-                        body[o:] = _pack_bits(dst, bits)
-                u, c = self._page(
-                    write,
-                    _PAGE_DATA,
-                    body,
-                    [(1, _T_I32, n * X), (2, _T_I32, _ENC_RLE_DICT), (3, _T_I32, _ENC_RLE), (4, _T_I32, _ENC_RLE)],
-                )
-                sizes["uncompressed"] += u
-                sizes["compressed"] += c
-                sizes["pages"] += 1
-                sizes["num_values"] += n * X
-        return sizes
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Thrift compact protocol (the encoding of Parquet footers and page headers): type codes
-_T_TRUE, _T_FALSE, _T_BYTE, _T_I16, _T_I32, _T_I64, _T_DOUBLE, _T_BINARY, _T_LIST, _T_SET, _T_MAP, _T_STRUCT = range(
-    1, 13
-)
-# a decoded struct: [(field id, type code, value)], in field order; a list value: (element type, [values])
-_Struct = list
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _zigzag(n: int) -> int:
-    return (n << 1) ^ (n >> 63)
-
-
-class _ThriftReader:
-    """Decode Thrift compact-protocol bytes (pyarrow's footers) into ``_Struct`` trees (no schema needed)."""
-
-    def __init__(self, data: bytes, pos: int = 0) -> None:
-        self.data, self.pos = data, pos
-
-    def _uvarint(self) -> int:
-        shift = result = 0
-        while True:
-            b = self.data[self.pos]
-            self.pos += 1
-            result |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return result
-            shift += 7
-
-    def _value(self, t: int) -> Any:
-        if t in (_T_I16, _T_I32, _T_I64):
-            n = self._uvarint()
-            return (n >> 1) ^ -(n & 1)
-        if t == _T_BINARY:
-            n = self._uvarint()
-            self.pos += n
-            return self.data[self.pos - n : self.pos]
-        if t == _T_STRUCT:
-            return self.struct()
-        if t in (_T_LIST, _T_SET):
-            h = self.data[self.pos]
-            self.pos += 1
-            size, et = h >> 4, h & 0x0F
-            if size == 15:
-                size = self._uvarint()
-            if et in (_T_TRUE, _T_FALSE):
-                raise EncoderError(
-                    f"pyarrow {pa.__version__} wrote a list of booleans in a Parquet footer, which the "
-                    f"fast Parquet encoder does not read; {ESCAPE_HATCH}"
-                )
-            return (et, [self._value(et) for _ in range(size)])
-        if t == _T_BYTE:
-            self.pos += 1
-            return int.from_bytes(self.data[self.pos - 1 : self.pos], "little", signed=True)
-        if t == _T_DOUBLE:
-            self.pos += 8
-            return self.data[self.pos - 8 : self.pos]
-        raise EncoderError(
-            f"pyarrow {pa.__version__} wrote Thrift type {t} in a Parquet footer, which the fast "
-            f"Parquet encoder does not read; {ESCAPE_HATCH}"
-        )
-
-    def struct(self) -> _Struct:
-        fields: _Struct = []
-        last = 0
-        while True:
-            b = self.data[self.pos]
-            self.pos += 1
-            if b == 0:
-                return fields
-            t, delta = b & 0x0F, b >> 4
-            if delta:
-                fid = last + delta
-            else:
-                n = self._uvarint()
-                fid = (n >> 1) ^ -(n & 1)
-            last = fid
-            fields.append((fid, t, t == _T_TRUE) if t in (_T_TRUE, _T_FALSE) else (fid, t, self._value(t)))
-
-
-def _thrift_value(out: bytearray, t: int, v: Any) -> None:
-    if t in (_T_I16, _T_I32, _T_I64):
-        out += _varint(_zigzag(v))
-    elif t == _T_BINARY:
-        out += _varint(len(v))
-        out += v
-    elif t == _T_STRUCT:
-        _thrift_struct(out, v)
-    elif t in (_T_LIST, _T_SET):
-        et, items = v
-        out.append((len(items) << 4 | et) if len(items) < 15 else (0xF0 | et))
-        if len(items) >= 15:
-            out += _varint(len(items))
-        for item in items:
-            _thrift_value(out, et, item)
-    elif t == _T_BYTE:
-        out += int(v).to_bytes(1, "little", signed=True)
-    elif t == _T_DOUBLE:
-        out += v
-    else:
-        raise EncoderError(f"the fast Parquet encoder cannot write Thrift type {t}; {ESCAPE_HATCH}")
-
-
-def _thrift_struct(out: bytearray, fields: _Struct) -> None:
-    last = 0
-    for fid, t, v in fields:
-        if t in (_T_TRUE, _T_FALSE):
-            t = _T_TRUE if v else _T_FALSE
-        if 0 < fid - last <= 15:
-            out.append((fid - last) << 4 | t)
-        else:
-            out.append(t)
-            out += _varint(_zigzag(fid))
-        last = fid
-        if t not in (_T_TRUE, _T_FALSE):
-            _thrift_value(out, t, v)
-    out.append(0)
-
-
-def _thrift_bytes(fields: _Struct) -> bytes:
-    out = bytearray()
-    _thrift_struct(out, fields)
-    return bytes(out)
-
-
-def _get(fields: _Struct, fid: int, default: Any = None) -> Any:
-    return next((v for f, _, v in fields if f == fid), default)
-
-
-def _set(fields: _Struct, fid: int, t: int, v: Any) -> _Struct:
-    """``fields`` with field ``fid`` set to ``v`` (added in field order if absent)."""
-    out = [x for x in fields if x[0] != fid] + [(fid, t, v)]
-    return sorted(out, key=lambda x: x[0])
-
-
-def _footer(data: bytes) -> _Struct:
-    """The decoded ``FileMetaData`` of a whole Parquet file held in ``data``."""
-    if data[:4] != b"PAR1" or data[-4:] != b"PAR1":
-        raise EncoderError(f"pyarrow {pa.__version__} produced a Parquet buffer without PAR1 magic; {ESCAPE_HATCH}")
-    n = int.from_bytes(data[-8:-4], "little")
-    return _ThriftReader(data, len(data) - 8 - n).struct()

@@ -23,15 +23,14 @@ format v1 to every reader.
 
 Shape legend (docs/architecture.md): T tokens, R requests, L MoE layers, K top-k, X = L*K.
 
-Out of scope: what the rows mean (``schema``), file names (``layout``), the Parquet encoding of routing
-parts (``parquet_encoder``), reading (``reader``), checking (``validate``), producing the rows (``moetrace.tracer.backends``, ``synth``, ``importers``).
+Out of scope: what the rows mean (``schema``), file names (``layout``), creating, syncing and resuming the
+files on disk and replacing a whole trace (``writer_files``), the Parquet encoding of routing parts
+(``parquet_encoder``), reading (``reader``), checking (``validate``), producing the rows (``moetrace.tracer.backends``, ``synth``, ``importers``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import json
 import os
 import re
 import secrets
@@ -46,8 +45,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moetrace.atomic import write_json_atomic
-from moetrace.errors import EncoderError, OutputExistsError, TraceFormatError, WriteError
-from moetrace.tracer.trace.checksum import SYNC_EVERY, HashingFile, file_sha256
+from moetrace.errors import EncoderError, OutputExistsError, WriteError
+from moetrace.tracer.trace.checksum import SYNC_EVERY, HashingFile
 from moetrace.tracer.trace.layout import MANIFEST, PART_RE, REQUESTS_DIR, ROUTING_DIR, lock_name, part_name
 from moetrace.tracer.trace.lock import lock_trace
 from moetrace.tracer.trace.parquet_encoder import (
@@ -61,11 +60,19 @@ from moetrace.tracer.trace.schema import (
     STAGE_DECODE,
     STAGE_PREFILL,
     ModelInfo,
-    check_manifest_header,
     new_manifest,
     requests_schema,
     routing_schema,
 )
+from moetrace.tracer.trace.writer_files import (
+    _create_hashed,
+    _describe_write_error,
+    _fsync_dir,
+    _fsync_file,
+    _part_entry,
+    check_resumable,
+)
+from moetrace.tracer.trace.writer_files import replacing_trace as replacing_trace  # its import name since issue 38
 
 OnExisting = Literal["refuse", "resume", "overwrite"]
 
@@ -241,60 +248,16 @@ class TraceWriter:
                 _fsync_dir(d)
 
     def _check_resumable(self, *, backend: dict, collection: dict) -> dict[str, Any]:
-        if not self._manifest_path.exists():
-            raise OutputExistsError(
-                f"{self.path} has no {self._manifest_path.name} (a damaged trace, or an --overwrite that was "
-                "interrupted); use --overwrite to start afresh"
-            )
-        try:
-            manifest = json.loads(self._manifest_path.read_text(encoding="utf-8"))
-            if not isinstance(manifest, dict):
-                raise TraceFormatError(f"{self._manifest_path}: expected a JSON object")
-            check_manifest_header(manifest, where=str(self._manifest_path))
-        except (TraceFormatError, ValueError, RecursionError) as exc:
-            raise OutputExistsError(f"{str(exc)[:300]}. Use --overwrite to replace it.") from None
-        old = manifest.get("model", {})
-        new = self.model.to_dict()
-        model_keys = ("source", "architecture", "moe_layers", "num_experts", "top_k")
-        diff = [
-            f"{k}: {old.get(k)!r} (on disk) vs {new.get(k)!r} (now)" for k in model_keys if old.get(k) != new.get(k)
-        ]
-        if diff:
-            raise OutputExistsError(
-                f"{self.path} holds a trace of a different model ({'; '.join(diff)}). "
-                "Use another -o, or --overwrite to replace it."
-            )
-        old_w = manifest.get("writer", {})
-        for key, mine in (("with_weights", self.with_weights), ("with_text", self.with_text)):
-            if key in old_w and bool(old_w[key]) != mine:
-                raise OutputExistsError(
-                    f"{self.path} was written with {key}={old_w[key]}, this run has {key}={mine}; "
-                    "use the same options to resume, or --overwrite"
-                )
-        # everything that decides which prompt a request id is (or how it is rendered and sampled):
-        # resuming with another value would skip or repeat requests under the wrong ids
-        keys = (
-            "datasets",
-            "per_dataset",
-            "num_requests",
-            "prompt_field",
-            "chat_template",
-            "seed",
-            "max_new_tokens",
-            "sampling",
-            "num_shards",
+        """The manifest of the trace being resumed, refused unless it is this writer's model, options and
+        collection settings (``writer_files.check_resumable``)."""
+        return check_resumable(
+            self.path,
+            self._manifest_path,
+            model=self.model,
+            with_weights=self.with_weights,
+            with_text=self.with_text,
+            collection=collection,
         )
-        for key in keys:
-            if (
-                key in manifest.get("collection", {})
-                and key in collection
-                and manifest["collection"][key] != collection[key]
-            ):
-                raise OutputExistsError(
-                    f"{self.path} was collected with {key}={manifest['collection'][key]!r}, this run asks for "
-                    f"{key}={collection[key]!r}; resume with the same settings, or --overwrite"
-                )
-        return manifest
 
     def _cleanup_uncommitted(self) -> None:
         """Remove temporary files and orphan routing parts (no matching requests part)."""
@@ -604,88 +567,9 @@ class TraceWriter:
         )
 
 
-@contextlib.contextmanager
-def replacing_trace(path: str | os.PathLike, *, overwrite: bool) -> Iterator[Path]:
-    """Where to write a trace that replaces the one at ``path`` only once it is whole.
-
-    Without ``overwrite``, or when ``path`` holds no trace, yields ``path`` itself. Otherwise takes
-    ``path``'s writer lock (refused while another writer holds it), yields a fresh hidden directory
-    beside it to write the new trace into and, when the block succeeds, swaps it in whole
-    (``moetrace.atomic.replacing_directory``: one atomic exchange on Linux, so ``path`` is never
-    missing); when the block fails, the new directory is removed and the old trace is untouched. For
-    producers that cannot resume (``import``).
-    """
-    from moetrace.atomic import recover_directory, replacing_directory
-    from moetrace.tracer.trace.layout import is_trace_directory
-
-    p = Path(path)
-    recover_directory(p)  # a two-rename swap killed half-way: the old trace goes back first
-    if not overwrite or not p.is_dir() or not is_trace_directory(p):
-        yield p
-        return
-    lock = lock_trace(p)
-    try:
-        with replacing_directory(p) as new:
-            yield new
-    finally:
-        lock.release()
-
-
 def _stage_strings(is_decode_T: np.ndarray) -> pa.StringArray:
     """The ``stage`` column (``prefill`` / ``decode`` per token): ``is_decode_T`` bool [T]. (The two words'
     array is built on the first call: ``pa.array`` imports pandas, which a module that ``validate`` imports
     must not do at start-up.)"""
     words = pa.array([STAGE_PREFILL, STAGE_DECODE])
     return words.take(pa.array(is_decode_T.view(np.int8)))
-
-
-def _describe_write_error(exc: BaseException, path: Path) -> str:
-    code = getattr(exc, "errno", None)
-    if code == errno.ENOSPC or "No space left on device" in str(exc):
-        cause = "no space left on device"
-    elif code == errno.EDQUOT:
-        cause = "disk quota exceeded"
-    else:
-        cause = str(exc).splitlines()[0]
-    return (
-        f"cannot write the trace {path}: {cause}. The requests committed so far are kept; free space, then run "
-        "the same command again (with --resume where the command has it)"
-    )
-
-
-def _create_hashed(path: Path, *, sync_every: int | None = None) -> HashingFile:
-    """Create ``path`` exclusively, never through a link (module docstring), open for writing and hashed
-    (``sync_every``: see ``HashingFile``)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        f = os.fdopen(fd, "wb")
-    except BaseException:
-        os.close(fd)
-        raise
-    return HashingFile(f, sync_every=sync_every)
-
-
-def _part_entry(num_requests: int, num_tokens: int, routing: Path, requests: Path) -> dict[str, Any]:
-    """A part's entry in the manifest's ``parts``: its requests, tokens and both files' SHA-256."""
-    return {
-        "num_requests": int(num_requests),
-        "num_tokens": int(num_tokens),
-        "routing_sha256": file_sha256(routing),
-        "requests_sha256": file_sha256(requests),
-    }
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
