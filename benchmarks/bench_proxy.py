@@ -7,9 +7,15 @@ price-routed DeepSeek-V3 placement, DP64TP1EP64 on 8 nodes), and an open-loop cl
 ``/v1/completions`` at ``--rate`` requests/s. The same client also makes the two engine calls itself,
 prefill then decode, without the proxy: the **added latency** is the proxy's percentile minus that
 direct path's. The proxy's own ``decision_seconds`` histogram (reading the routed experts and
-``ExpertRouter.route``) is read from ``/metrics``.
+``ExpertRouter.route``) is read from ``/metrics``. **Proxy CPU per request** (user + system time of
+the proxy process over its run, /proc, Linux) is the figure least moved by other jobs on a shared
+machine: one free core serves at most 1000 / that many requests per second. The load average
+(``os.getloadavg``) is printed with each row.
 
     python benchmarks/bench_proxy.py [--rate 1000] [--seconds 5] [--tokens 32,128]
+
+A baseline tree: ``PYTHONPATH=/tmp/before python benchmarks/bench_proxy.py ...`` (this script
+imports ``moetrace`` from there, in every process it starts).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import sys
 import tempfile
 import time
@@ -93,6 +100,15 @@ async def open_loop(urls: list[str], *, rate: float, seconds: float, direct: boo
     return lat, achieved
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def histogram_quantile(text: str, q: float) -> float:
     """The bucket bound (ms) under which a share ``q`` of decisions fell, from /metrics."""
     rows = []
@@ -112,8 +128,11 @@ def main() -> None:
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     print(f"open loop at {args.rate:.0f} requests/s for {args.seconds:.0f} s; latency in ms")
-    print("| prompt tokens | path | p50 | p99 | achieved req/s | added p50 | added p99 | decision p50 / p99 (bucket) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| prompt tokens | path | p50 | p99 | achieved req/s | added p50 | added p99 | decision p50 / p99 (bucket) "
+        "| proxy CPU ms / request | load (1 min) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as d:
         placement = str(Path(d) / "placement.json")
         make_placement(Path(placement))
@@ -128,7 +147,11 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             asyncio.run(open_loop([url], rate=100, seconds=1, direct=False))  # warm-up
             direct, ach_d = asyncio.run(open_loop([pre, dec], rate=args.rate, seconds=args.seconds, direct=True))
+            load_d = os.getloadavg()[0]
+            cpu0 = cpu_seconds(proxy.pid)
             via, ach_p = asyncio.run(open_loop([url], rate=args.rate, seconds=args.seconds, direct=False))
+            cpu_ms = (cpu_seconds(proxy.pid) - cpu0) * 1e3 / int(args.rate * args.seconds)
+            load_p = os.getloadavg()[0]
 
             async def metrics(url: str = url) -> str:
                 up = Upstream(url)
@@ -141,11 +164,13 @@ def main() -> None:
             dp50, dp99 = histogram_quantile(m, 0.5), histogram_quantile(m, 0.99)
             p = {k: (np.percentile(v, 50), np.percentile(v, 99)) for k, v in (("direct", direct), ("proxy", via))}
             print(
-                f"| {T} | direct (prefill, then decode) | {p['direct'][0]:.2f} | {p['direct'][1]:.2f} | {ach_d:.0f} | | | |"
+                f"| {T} | direct (prefill, then decode) | {p['direct'][0]:.2f} | {p['direct'][1]:.2f} | {ach_d:.0f} "
+                f"| | | | | {load_d:.1f} |"
             )
             print(
                 f"| {T} | through the proxy | {p['proxy'][0]:.2f} | {p['proxy'][1]:.2f} | {ach_p:.0f} | "
-                f"{p['proxy'][0] - p['direct'][0]:.2f} | {p['proxy'][1] - p['direct'][1]:.2f} | ≤ {dp50:g} / ≤ {dp99:g} |"
+                f"{p['proxy'][0] - p['direct'][0]:.2f} | {p['proxy'][1] - p['direct'][1]:.2f} | ≤ {dp50:g} / ≤ {dp99:g} "
+                f"| {cpu_ms:.2f} | {load_p:.1f} |"
             )
             proxy.terminate()
             engines.terminate()

@@ -8,6 +8,8 @@ engine server's base URL with a pool of kept-alive connections; ``Upstream.reque
 back to the pool only after its body was read to the end and the server did not ask to close it.
 
 Limits (bytes): a request or response head 64 KiB, a request body ``max_body``. Times are seconds.
+``within(awaitable, seconds)`` bounds a wait: ``asyncio.timeout`` where it exists (Python ≥ 3.11: a
+timer, no extra task per wait as ``asyncio.wait_for`` makes before 3.12).
 
 Out of scope: TLS (run the proxy next to the engines, or behind a TLS terminator), HTTP/2,
 ``Expect: 100-continue``, pipelining.
@@ -16,11 +18,24 @@ Out of scope: TLS (run the proxy next to the engines, or behind a TLS terminator
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import urlsplit
 
-__all__ = ["ChunkedWriter", "HttpError", "Request", "Response", "Upstream", "read_request", "write_response"]
+T = TypeVar("T")
+
+__all__ = [
+    "ChunkedWriter",
+    "HttpError",
+    "Request",
+    "Response",
+    "Upstream",
+    "read_request",
+    "within",
+    "write_response",
+]
 
 MAX_HEAD = 64 * 1024
 REASONS = {
@@ -34,6 +49,20 @@ REASONS = {
     503: "Service Unavailable",
     504: "Gateway Timeout",
 }
+
+
+if sys.version_info >= (3, 11):
+
+    async def within(aw: Awaitable[T], seconds: float) -> T:
+        """``await aw``, or ``TimeoutError`` after ``seconds``."""
+        async with asyncio.timeout(seconds):
+            return await aw
+
+else:
+
+    async def within(aw: Awaitable[T], seconds: float) -> T:
+        """``await aw``, or ``TimeoutError`` after ``seconds``."""
+        return await asyncio.wait_for(aw, seconds)
 
 
 class HttpError(Exception):
@@ -214,7 +243,22 @@ class Response:
             self.close()
 
     async def read(self, *, limit: int = 1 << 30) -> bytes:
-        return b"".join([c async for c in self.iter_body(limit=limit)])
+        """The whole body (a ``Content-Length`` one in one read, without joining pieces)."""
+        length = self.headers.get("content-length")
+        if length is None or self.headers.get("transfer-encoding", "").lower() == "chunked":
+            return b"".join([c async for c in self.iter_body(limit=limit)])
+        try:
+            n = int(length)
+            if n > limit:
+                raise HttpError(f"body over {limit} bytes")
+            try:
+                data = await self._reader.readexactly(n) if n > 0 else b""
+            except asyncio.IncompleteReadError:
+                raise HttpError("connection closed inside a response body") from None
+            self._done = True
+            return data
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Give the connection back (body read to the end) or drop it (anything else). Idempotent."""
@@ -230,7 +274,7 @@ class Response:
 class Upstream:
     """One engine server (``http://host:port``) with kept-alive connections."""
 
-    def __init__(self, base_url: str, *, max_idle: int = 64) -> None:
+    def __init__(self, base_url: str, *, max_idle: int = 512) -> None:
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"engine URL must be http://HOST:PORT, got {base_url!r}")

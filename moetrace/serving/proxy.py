@@ -62,6 +62,7 @@ from moetrace.serving.http11 import (
     Response,
     Upstream,
     read_request,
+    within,
     write_response,
 )
 from moetrace.serving.metrics import ProxyMetrics
@@ -89,7 +90,7 @@ class ProxyConfig:
     fallback: Fallback = "least_loaded"  # unreadable routing: the least-loaded rank, or "error" (HTTP 502)
     prefill_timeout_s: float = 60.0  # a prefill reply, whole
     first_byte_timeout_s: float = 60.0  # a decode server's response head
-    idle_timeout_s: float = 120.0  # the longest wait for the next piece of a decode answer
+    idle_timeout_s: float = 120.0  # the longest wait for the next piece of a streamed answer (a whole one: its body)
     health_interval_s: float = 2.0  # between two rounds of GET /health on every server
     health_timeout_s: float = 1.0  # one GET /health
     health_failures_down: int = 3  # consecutive failed GET /health before a server counts as down
@@ -171,8 +172,8 @@ class Proxy:
     # ---- health --------------------------------------------------------------------------------
     async def _probe(self, up: Upstream) -> bool:
         try:
-            resp = await asyncio.wait_for(up.request("GET", "/health"), self.config.health_timeout_s)
-            await asyncio.wait_for(resp.read(limit=1 << 20), self.config.health_timeout_s)
+            resp = await within(up.request("GET", "/health"), self.config.health_timeout_s)
+            await within(resp.read(limit=1 << 20), self.config.health_timeout_s)
             return resp.status == 200
         except UPSTREAM_ERRORS:
             return False
@@ -288,8 +289,8 @@ class Proxy:
             if not up:
                 continue
             try:
-                resp = await asyncio.wait_for(self.decode[d].request("GET", path), self.config.health_timeout_s * 5)
-                body = await asyncio.wait_for(resp.read(limit=1 << 24), self.config.health_timeout_s * 5)
+                resp = await within(self.decode[d].request("GET", path), self.config.health_timeout_s * 5)
+                body = await within(resp.read(limit=1 << 24), self.config.health_timeout_s * 5)
             except UPSTREAM_ERRORS:
                 continue
             await write_response(writer, resp.status, body, content_type=resp.headers.get("content-type", "text/plain"))
@@ -346,9 +347,7 @@ class Proxy:
             hop = self.wire.prefill_hop(path, body, rid)
             self.prefill_busy[p] += 1
             try:
-                status, data = await asyncio.wait_for(
-                    self._send_whole(self.prefill[p], hop), self.config.prefill_timeout_s
-                )
+                status, data = await within(self._send_whole(self.prefill[p], hop), self.config.prefill_timeout_s)
             except UPSTREAM_ERRORS as exc:
                 kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "connection"
                 self.metrics.engine_errors[("prefill", kind)] += 1
@@ -364,7 +363,7 @@ class Proxy:
                 problems.append(f"{self.prefill[p].base_url}: HTTP {status} {data[:200]!r}")
                 continue
             try:
-                return json.loads(data), p
+                return self.wire.parse_reply(data), p
             except ValueError:
                 self.metrics.engine_errors[("prefill", "not JSON")] += 1
                 problems.append(f"{self.prefill[p].base_url}: a reply that is not JSON ({data[:80]!r})")
@@ -433,7 +432,7 @@ class Proxy:
             t.add_done_callback(self._tasks.discard)
         cfg = self.config
         try:
-            resp = await asyncio.wait_for(
+            resp = await within(
                 up.request("POST", main.path, json.dumps(main.body).encode(), _json_headers(main.headers)),
                 cfg.first_byte_timeout_s,
             )
@@ -445,7 +444,7 @@ class Proxy:
         ctype = resp.headers.get("content-type", "application/json")
         if resp.status != 200 or not stream:
             try:
-                data = b"".join([c async for c in _pieces(resp, cfg.idle_timeout_s)])
+                data = await within(resp.read(), cfg.idle_timeout_s)
             except UPSTREAM_ERRORS as exc:
                 raise _Retry(f"{up.base_url}: the answer broke off ({type(exc).__name__}: {exc})") from None
             await write_response(writer, resp.status, data, content_type=ctype)
@@ -482,7 +481,7 @@ class Proxy:
 
     async def _side_hop(self, up: Upstream, hop: Hop) -> None:
         try:
-            status, data = await asyncio.wait_for(self._send_whole(up, hop), self.config.prefill_timeout_s)
+            status, data = await within(self._send_whole(up, hop), self.config.prefill_timeout_s)
             if status != 200:
                 self.metrics.engine_errors[("prefill", f"HTTP {status}")] += 1
                 logger.warning("the PD prefill on %s answered HTTP %d: %r", up.base_url, status, data[:200])
@@ -496,7 +495,7 @@ async def _pieces(resp: Response, idle_s: float):
     try:
         while True:
             try:
-                piece = await asyncio.wait_for(it.__anext__(), idle_s)
+                piece = await within(it.__anext__(), idle_s)
             except StopAsyncIteration:
                 return
             yield piece
@@ -506,7 +505,7 @@ async def _pieces(resp: Response, idle_s: float):
 
 async def _read_some(resp: Response, idle_s: float) -> bytes:
     try:
-        return await asyncio.wait_for(resp.read(limit=1 << 16), idle_s)
+        return await within(resp.read(limit=1 << 16), idle_s)
     except (*UPSTREAM_ERRORS, ValueError):
         return b""
 
