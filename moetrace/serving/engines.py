@@ -151,7 +151,8 @@ def npy_array(data: bytes | np.ndarray) -> np.ndarray:
             count = int(np.prod(shape)) if shape else 1
             flat = np.frombuffer(data, dtype=dtype, count=count, offset=start + n)
             return flat.reshape(shape, order="F" if m.group(2) == "True" else "C")
-    arr = np.load(io.BytesIO(data), allow_pickle=False)
+    raw = data if isinstance(data, bytes) else np.asarray(data).tobytes()  # the rare header np.load must read
+    arr = np.load(io.BytesIO(raw), allow_pickle=False)
     if arr.dtype.kind not in "iu":
         raise ValueError(f"expected integer ids, got {arr.dtype}")
     return arr
