@@ -54,6 +54,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -108,8 +109,19 @@ def _is_bare_git(path: Path) -> bool:
     return (path / "HEAD").is_file() and (path / "objects").is_dir()
 
 
-def _write_blobs(git_dir: Path, files: list[tuple[str, str]], dest: Path) -> None:
-    """Write the blobs ``files`` (sha, path) of ``git_dir`` under ``dest`` (one ``git cat-file --batch``)."""
+def _extract_head(git_dir: Path, dest: Path, *, keep: Callable[[str], bool], what: str) -> str:
+    """Write the blobs of ``git_dir``'s HEAD whose path ``keep`` accepts under ``dest`` (``git ls-tree`` +
+    one ``git cat-file --batch``), unless ``dest`` already holds this commit; the commit."""
+    commit = _git(git_dir, "rev-parse", "HEAD").decode().strip()
+    stamp = dest / ".commit"
+    if stamp.is_file() and stamp.read_text() == commit:
+        return commit
+    shutil.rmtree(dest, ignore_errors=True)
+    rows = _git(git_dir, "ls-tree", "-r", "HEAD").decode().splitlines()
+    files = [(r.split()[2], r.split("\t", 1)[1]) for r in rows if r.split()[1] == "blob"]
+    files = [(sha, p) for sha, p in files if keep(p)]
+    if not files:
+        raise SystemExit(f"{git_dir}: HEAD has no {what}")
     out = _git(git_dir, "cat-file", "--batch", stdin="".join(sha + "\n" for sha, _ in files).encode())
     at = 0
     for sha, p in files:
@@ -120,29 +132,42 @@ def _write_blobs(git_dir: Path, files: list[tuple[str, str]], dest: Path) -> Non
         at = header_end + 1 + int(size) + 1
         (dest / p).parent.mkdir(parents=True, exist_ok=True)
         (dest / p).write_bytes(body)
+    stamp.write_text(commit)
+    log(f"{len(files)} {what} of {git_dir} at {commit[:12]} written to {dest}")
+    return commit
+
+
+def _imported(src: Path, out: Path, key: dict[str, Any], **how: Any) -> Path:
+    """``out``, imported from ``src`` (``import_trace(src, out=out, **how)``) unless it already holds the
+    import ``key`` describes (a stamp beside it)."""
+    stamp = out.with_name(out.name + ".source")
+    text = json.dumps(key)
+    if out.exists() and stamp.is_file() and stamp.read_text() == text:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    stats = import_trace(src, out=out, **how)
+    stamp.write_text(text)
+    log(
+        f"{out.name}: {stats.num_requests} requests, {stats.num_tokens} tokens imported in {time.perf_counter() - t0:.1f} s"
+    )
+    return out
 
 
 def esft_source(path: Path, work: Path) -> tuple[Path, str]:
     """The folder to import and what it is (``commit <sha>`` of a git directory, else the path).
 
-    A bare git directory: ``results/expert_scores`` of its HEAD is written into ``work/esft-src``
-    (``git ls-tree`` + one ``git cat-file --batch``). A plain directory: the repository root (its
-    ``results/expert_scores``), that folder itself, or one task folder."""
+    A bare git directory: ``results/expert_scores`` of its HEAD is written into ``work/esft-src``. A
+    plain directory: the repository root (its ``results/expert_scores``), that folder itself, or one
+    task folder."""
     if _is_bare_git(path):
-        commit = _git(path, "rev-parse", "HEAD").decode().strip()
         dest = work / "esft-src"
-        stamp = dest / ".commit"
-        if stamp.is_file() and stamp.read_text() == commit:
-            return dest / "results" / "expert_scores", f"commit {commit}"
-        shutil.rmtree(dest, ignore_errors=True)
-        rows = _git(path, "ls-tree", "-r", "HEAD", "--", "results/expert_scores").decode().splitlines()
-        files = [(r.split()[2], r.split("\t", 1)[1]) for r in rows if r.split()[1] == "blob"]
-        files = [(sha, p) for sha, p in files if esft.LAYER_FILE.match(Path(p).name)]
-        if not files:
-            raise SystemExit(f"{path}: HEAD has no results/expert_scores/*/expert_weights_*.txt")
-        _write_blobs(path, files, dest)
-        stamp.write_text(commit)
-        log(f"esft: {len(files)} layer files of {path} at {commit[:12]} written to {dest}")
+        commit = _extract_head(
+            path,
+            dest,
+            keep=lambda p: p.startswith("results/expert_scores/") and bool(esft.LAYER_FILE.match(Path(p).name)),
+            what="results/expert_scores/*/expert_weights_*.txt layer files",
+        )
         return dest / "results" / "expert_scores", f"commit {commit}"
     for cand in (path / "results" / "expert_scores", path):
         if cand.is_dir() and esft.detect(b"", cand):
@@ -152,23 +177,14 @@ def esft_source(path: Path, work: Path) -> tuple[Path, str]:
 
 def esft_trace(src: Path, what: str, work: Path, *, prompt_fraction: float) -> Path:
     """``work/esft-trace``, imported from ``src`` unless it already holds this source at this fraction."""
-    out = work / "esft-trace"
-    stamp = work / "esft-trace.source"
-    key = json.dumps({"source": what, "prompt_fraction": prompt_fraction})
-    if out.exists() and stamp.is_file() and stamp.read_text() == key:
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
-    stats = import_trace(
+    return _imported(
         src,
-        out=out,
+        work / "esft-trace",
+        {"source": what, "prompt_fraction": prompt_fraction},
         model=esft.model_info(),
         source_format="esft",
         options=ImportOptions(prompt_fraction=prompt_fraction),
     )
-    stamp.write_text(key)
-    log(f"esft: {stats.num_requests} requests, {stats.num_tokens} tokens imported in {time.perf_counter() - t0:.1f} s")
-    return out
 
 
 def _below_single_folders(path: Path) -> Path:
@@ -188,20 +204,13 @@ def chaos_source(path: Path, work: Path) -> tuple[Path, str]:
     every ``<folder>/<n>.json`` blob of its HEAD is written into ``work/chaos-src`` under its path. A
     plain directory is read where it is."""
     if _is_bare_git(path):
-        commit = _git(path, "rev-parse", "HEAD").decode().strip()
         dest = work / "chaos-src"
-        stamp = dest / ".commit"
-        if stamp.is_file() and stamp.read_text() == commit:
-            return _below_single_folders(dest), f"commit {commit}"
-        shutil.rmtree(dest, ignore_errors=True)
-        rows = _git(path, "ls-tree", "-r", "HEAD").decode().splitlines()
-        files = [(r.split()[2], r.split("\t", 1)[1]) for r in rows if r.split()[1] == "blob"]
-        files = [(sha, p) for sha, p in files if "/" in p and chaos.REQUEST_FILE.match(Path(p).name)]
-        if not files:
-            raise SystemExit(f"{path}: HEAD has no <folder>/<n>.json request files")
-        _write_blobs(path, files, dest)
-        stamp.write_text(commit)
-        log(f"chaos: {len(files)} request files of {path} at {commit[:12]} written to {dest}")
+        commit = _extract_head(
+            path,
+            dest,
+            keep=lambda p: "/" in p and bool(chaos.REQUEST_FILE.match(Path(p).name)),
+            what="<folder>/<n>.json request files",
+        )
         return _below_single_folders(dest), f"commit {commit}"
     if path.is_dir() and chaos.detect(b"", path):
         return path, str(path)
@@ -210,19 +219,14 @@ def chaos_source(path: Path, work: Path) -> tuple[Path, str]:
 
 def chaos_trace(src: Path, what: str, work: Path, *, model: str) -> Path:
     """``work/chaos-trace``, imported from ``src`` unless it already holds this source for this model."""
-    out = work / "chaos-trace"
-    stamp = work / "chaos-trace.source"
-    key = json.dumps({"source": what, "folder": src.name, "model": model})
-    if out.exists() and stamp.is_file() and stamp.read_text() == key:
-        return out
-    shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
-    stats = import_trace(
-        src, out=out, model=resolve(model).model_info(), source_format="chaos", options=ImportOptions()
+    return _imported(
+        src,
+        work / "chaos-trace",
+        {"source": what, "folder": src.name, "model": model},
+        model=resolve(model).model_info(),
+        source_format="chaos",
+        options=ImportOptions(),
     )
-    stamp.write_text(key)
-    log(f"chaos: {stats.num_requests} requests, {stats.num_tokens} tokens imported in {time.perf_counter() - t0:.1f} s")
-    return out
 
 
 # ------------------------------------------------------------------------------ the held-out arrival order

@@ -23,7 +23,8 @@ from moetrace.errors import ConfigError
 from moetrace.placement.compare_config import CompareConfig
 from moetrace.placement.compare_data import TraceData, request_caps
 from moetrace.placement.compare_pricer import validation_pricer
-from moetrace.placement.compare_steps import Stepper, time_hidden_size
+from moetrace.placement.compare_steps import time_hidden_size
+from moetrace.placement.cost import expert_compute_for
 from moetrace.placement.exports import PlacementFile
 from moetrace.placement.grouping import Grouping, fit_grouping, groups_of_clusters
 from moetrace.placement.maps import Placement
@@ -109,7 +110,7 @@ def make_placement(
         init_group_N=init_group_N,
         links=search_links(kernel, hidden_size=hidden),
         # the joint placer lays out each node's GPUs by expected MoE-layer time, expert reads included
-        expert=Stepper.of(m, cfg).expert,
+        expert=expert_compute_for(m, config=cfg.model_config),
         decode_copies_per_step=float(cfg.batch_requests * m.top_k),
         copy_bytes=copy_pair_bytes(kernel, hidden_size=hidden),
         max_node_load=cfg.max_node_load,

@@ -398,16 +398,14 @@ def joint_placement(
         placement = placement_from_phy2log(phy2log, num_experts=E)
         member = members_of_placement(placement, num_groups=G, num_experts=E)  # the membership the moves left
         group, price = balanced_assign(node_scores(route_RLE, member, rows=rows), balance_slack=balance_slack)
-        after = expected_step_seconds(
-            phy2log, group_usage(decode_RLE, group, num_groups=G, rows=rows), num_ranks=W, links=links
-        )
+        usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows)  # as the re-fitted router leaves it
+        after = expected_step_seconds(phy2log, usage_GLE, num_ranks=W, links=links)
         gain = after / before if before > 0 else None
         if expert is not None and copies_per_step > 0 and copy_bytes > 0:
-            usage = group_usage(decode_RLE, group, num_groups=G, rows=rows)
             phy2log, layers_spread = choose_layouts(
                 phy2log,
                 member,
-                usage,
+                usage_GLE,
                 ranks_per_group=ranks_per_group,
                 links=links,
                 expert=expert,

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import resource
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 import typer
 from test_hostile_round3 import CASES as ROUND3
-from test_hostile_round3 import DEPLOY, Case, _trace, tree_hashes
+from test_hostile_round3 import DEPLOY, Case, _trace, run_case
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -227,34 +226,14 @@ def _command_options() -> dict[str, set[str]]:
 OPTIONS = _command_options()
 
 
-def _alarm(*_args: object) -> None:
-    raise TimeoutError("the command ran past 60 s (a hang, or work on a declared shape)")
-
-
 def _run(case: Case, tmp_path: Path, name: str) -> str:
-    args = case.build(tmp_path)
-    before = tree_hashes(tmp_path)
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(60)
-    try:
-        r = runner.invoke(app, args)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-    out = r.output
-    assert r.exit_code == case.exit_code, f"{name}: exit {r.exit_code}\n{out}"
-    assert "Traceback" not in out and (r.exception is None or isinstance(r.exception, SystemExit)), f"{name}\n{out}"
-    errors = [line for line in out.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, f"{name}: expected one error line\n{out}"
-    assert re.search(case.message, errors[0]), f"{name}: {errors[0]!r} does not match {case.message!r}"
-    after = tree_hashes(tmp_path)
-    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
-    assert not changed, f"{name}: changed {sorted(changed)}"
-    own = re.sub(r"`moetrace [a-z-]+[^`]*`", "", errors[0])  # `moetrace collect --resume`: another command's, named
+    """``run_case`` (round three's checks), then: every option the error names is one of its command's."""
+    args, error = run_case(case, tmp_path, name)
+    own = re.sub(r"`moetrace [a-z-]+[^`]*`", "", error)  # `moetrace collect --resume`: another command's, named
     named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", own))
     foreign = named - OPTIONS[args[0]]
-    assert not foreign, f"{name}: `moetrace {args[0]}` has no {sorted(foreign)}: {errors[0]!r}"
-    return errors[0]
+    assert not foreign, f"{name}: `moetrace {args[0]}` has no {sorted(foreign)}: {error!r}"
+    return error
 
 
 @pytest.mark.parametrize("name", CASES)

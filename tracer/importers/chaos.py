@@ -79,14 +79,15 @@ def _request_files(folder: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _folders(src: Path) -> list[Path]:
-    """``src`` and every folder below it that holds request files, sorted by path (symlinks not followed)."""
+def _folders(src: Path) -> list[tuple[Path, list[Path]]]:
+    """``src`` and every folder below it that holds request files, each with its files, sorted by path
+    (symlinks not followed)."""
     out = []
     for root, dirs, _ in os.walk(src):
         dirs.sort()
-        if _request_files(Path(root)):
-            out.append(Path(root))
-    return sorted(out, key=lambda p: p.relative_to(src).parts)
+        if files := _request_files(Path(root)):
+            out.append((Path(root), files))
+    return sorted(out, key=lambda f: f[0].relative_to(src).parts)
 
 
 def _looks_like_request(path: Path) -> bool:
@@ -206,12 +207,11 @@ def parse(
     if src.is_file():
         groups = [(src.parent, [src], label)]
     else:
-        groups = [
-            (f, _request_files(f), label if f == src else "/".join(f.relative_to(src).parts)) for f in _folders(src)
-        ]
+        groups = [(f, files, label if f == src else "/".join(f.relative_to(src).parts)) for f, files in _folders(src)]
         if not groups:
             raise TraceFormatError(f"{src}: no <n>.json request files here or below; not expert-selection traces")
-    total = sum(p.stat().st_size for _, files, _ in groups for p in files)
+    size = {p: p.stat().st_size for _, files, _ in groups for p in files}
+    total = sum(size.values())
     done, next_id = 0, 0
     L, K = info.num_moe_layers, info.top_k
     for _, files, dataset in groups:
@@ -223,7 +223,7 @@ def parse(
                 p, ids_TLK = parse_request(steps, info=info, where=str(path))
                 prompt_R.append(p)
                 ids.append(ids_TLK)
-                done += path.stat().st_size
+                done += size[path]
             T_R = np.array([len(a) for a in ids], dtype=np.int64)
             check_allocation(int(T_R.sum()) * L * K * 2 * 2, f"{len(chunk)} requests of {dataset}", options=options)
             R = len(chunk)
