@@ -37,8 +37,8 @@ def validation_pricer(data: TraceData, cfg: CompareConfig) -> Callable[..., dict
     per candidate ``score`` (the time to serve the validation requests over linear's: decode steps
     ``decode tokens / batch_requests`` times the median decode step plus prefill steps ``prompt tokens /
     (prefill_tokens_per_node * G)`` times the median prefill step, in the verdict's measure), and the
-    decode and prefill medians of both measures over linear's (``decode_moe``, ``decode_a2a``,
-    ``prefill_moe``, ``prefill_a2a``; NaN where not simulated)."""
+    the same in all-to-all time (``a2a_score``), and the decode and prefill medians of both measures over
+    linear's (``decode_moe``, ``decode_a2a``, ``prefill_moe``, ``prefill_a2a``; NaN where not simulated)."""
     if data.tokens_from is not None:
         return None
     from moetrace.placement.baselines import linear
@@ -98,7 +98,7 @@ def validation_pricer(data: TraceData, cfg: CompareConfig) -> Callable[..., dict
             prompt_tokens = float(data.prefill_RLE[val_rows, 0, :].sum(dtype=np.float64)) / max(m.top_k, 1)
         prefill_steps = prompt_tokens / max(cfg.prefill_tokens_per_node * G, 1)
 
-        def served(med: dict[str, float]) -> float:
+        def served(med: dict[str, float], w: str = w) -> float:
             pre = med[f"prefill_{w}"] if prefill_steps > 0 else 0.0
             return decode_steps * med[f"decode_{w}"] + prefill_steps * pre
 
@@ -108,6 +108,7 @@ def validation_pricer(data: TraceData, cfg: CompareConfig) -> Callable[..., dict
             med = medians[name]
             out[name] = {
                 "score": served(med) / served(ref),
+                "a2a_score": served(med, "a2a") / served(ref, "a2a"),
                 **{k: (v / ref[k] if ref[k] > 0 else float("nan")) for k, v in med.items()},
             }
         return out

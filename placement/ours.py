@@ -14,7 +14,9 @@ requests, decode and prefill steps together, over linear's). The cheapest wins, 
 priced worse than EPLB on the validation split in that measure; a router is kept only when it beats
 the best router-free candidate by ``min_router_gain`` (what the router adds is recorded either way),
 and the router-free joint placement is served instead of EPLB only when it beats EPLB's better policy
-by ``min_placement_gain`` (ties go to what the engines compute themselves).
+by ``min_placement_gain`` (ties go to what the engines compute themselves). Where the price also
+gives all-to-all time (``a2a_score``), a joint candidate must not be slower than that EPLB policy in
+it either (``A2A_TOLERANCE``): ours is then at most EPLB in both measures on the validation split.
 
 Without ``price`` (library callers with counts only, no tokens) the candidates are priced by the
 expected busiest-GPU link time of decode copies per (token, expert) (``step_search.expected_step_seconds``),
@@ -35,7 +37,7 @@ import numpy as np
 
 from moetrace.placement.maps import Placement
 
-__all__ = ["CANDIDATES", "MIN_PLACEMENT_GAIN", "MIN_ROUTER_GAIN", "choose_ours"]
+__all__ = ["A2A_TOLERANCE", "CANDIDATES", "MIN_PLACEMENT_GAIN", "MIN_ROUTER_GAIN", "choose_ours"]
 
 #: the candidates, in the order they are reported
 CANDIDATES = ("joint", "joint_free", "eplb", "eplb_global")
@@ -48,6 +50,12 @@ MIN_ROUTER_GAIN = 0.001
 #: instead of EPLB (the engines compute EPLB themselves; below a tenth of a point the validation steps
 #: cannot tell the two apart, and a placement file to ship is infrastructure too)
 MIN_PLACEMENT_GAIN = 0.001
+
+#: how much slower in all-to-all time than the better EPLB policy (a share of its validation time) a
+#: joint candidate may be and still replace it: none beyond float rounding. The choice is made in
+#: MoE-layer time, but a placement that wins there by reading fewer experts while sending more bytes
+#: than EPLB is not served: ours stays at most EPLB in both measures the deployment is judged by
+A2A_TOLERANCE = 1e-9
 
 
 def choose_ours(
@@ -120,10 +128,12 @@ def choose_ours(
         max_node_load=max_node_load,
     )
     detail: dict[str, dict[str, float]] = {}
+    a2a: dict[str, float] = {}
     if price is not None:
         priced = price(val, {c: (placements[c], routed_R if c == "joint" else None) for c in CANDIDATES})
         score = {c: float(priced[c]["score"]) for c in CANDIDATES}
         detail = {c: {k: round(float(v), 6) for k, v in priced[c].items() if k != "score"} for c in CANDIDATES}
+        a2a = {c: float(priced[c]["a2a_score"]) for c in CANDIDATES if "a2a_score" in priced[c]}
         measure = "MoE-layer time to serve the validation requests (decode and prefill steps), simulated"
     else:
         usage = {c: even_GLE for c in CANDIDATES}
@@ -137,8 +147,16 @@ def choose_ours(
         }
         measure = "expected decode link time of the busiest GPU, copies per (token, expert)"
     best_eplb = min(("eplb", "eplb_global"), key=lambda c: score[c])
-    best_free = "joint_free" if score["joint_free"] < score[best_eplb] * (1.0 - min_placement_gain) else best_eplb
-    choice = "joint" if score["joint"] < score[best_free] * (1.0 - min_router_gain) else best_free
+
+    def no_slower_link(c: str) -> bool:  # all-to-all time no worse than the EPLB it would replace
+        return len(a2a) < len(CANDIDATES) or not a2a[c] > a2a[best_eplb] * (1.0 + A2A_TOLERANCE)
+
+    free_pays = score["joint_free"] < score[best_eplb] * (1.0 - min_placement_gain)
+    best_free = "joint_free" if free_pays and no_slower_link("joint_free") else best_eplb
+    router_pays = score["joint"] < score[best_free] * (1.0 - min_router_gain)
+    choice = "joint" if router_pays and no_slower_link("joint") else best_free
+    # candidates that paid in MoE-layer time but were refused for sending slower than EPLB
+    refused = [c for c, pays in (("joint_free", free_pays), ("joint", router_pays)) if pays and not no_slower_link(c)]
     # an EPLB choice refitted on every training request (the same placement as the strategy's own row);
     # a joint choice served as the placement the validation split scored, unless refit_joint
     if choice in ("joint", "joint_free"):
@@ -157,6 +175,8 @@ def choose_ours(
             "served_router": "price" if choice == "joint" else "none",
             "ours_measure": measure,
             "ours_validation": {c: round(float(v), 6) for c, v in score.items()},
+            **({"ours_validation_a2a": {c: round(v, 6) for c, v in a2a.items()}} if a2a else {}),
+            **({"ours_refused_slower_a2a": refused} if refused else {}),
             **({"ours_validation_detail": detail} if detail else {}),
             "ours_validation_requests": int(len(val)),
             "ours_router_gain": round(float(1.0 - score["joint"] / score["joint_free"]), 6),

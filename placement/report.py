@@ -337,4 +337,9 @@ def format_placement_summary(ps: PlacedStrategy, *, deployment: str) -> str:
                 else " (routing buys too little to pay for one: recommended router-free, as engines serve today)"
             )
         )
+        if refused := ps.extra.get("ours_refused_slower_a2a"):
+            line += (
+                f"; not served though faster in MoE-layer time: {', '.join(refused)} "
+                f"(slower than EPLB in all-to-all time on the validation requests)"
+            )
     return line

@@ -515,12 +515,16 @@ def test_ours_chooses_by_simulated_moe_layer_time_on_its_validation_split(tmp_pa
         v, choice, detail = ps.extra["ours_validation"], ps.extra["ours_choice"], ps.extra["ours_validation_detail"]
         assert ps.extra["ours_measure"].startswith("MoE-layer time")
         assert v[choice] <= min(v["eplb"], v["eplb_global"]) + 1e-12  # never worse than EPLB, by construction
-        assert set(detail["joint"]) == {"decode_moe", "decode_a2a", "prefill_moe", "prefill_a2a"}
+        assert set(detail["joint"]) == {"a2a_score", "decode_moe", "decode_a2a", "prefill_moe", "prefill_a2a"}
         assert all(np.isfinite(x) for d in detail.values() for x in d.values())
-        eplb = min(v["eplb"], v["eplb_global"])
-        # the router-free joint placement replaces EPLB only where it saves MIN_PLACEMENT_GAIN
-        free = v["joint_free"] if v["joint_free"] < eplb * (1 - MIN_PLACEMENT_GAIN) else eplb
-        assert (choice == "joint") == (v["joint"] < free * (1 - MIN_ROUTER_GAIN))
+        best_eplb = min(("eplb", "eplb_global"), key=lambda c: v[c])
+        eplb, a2a = v[best_eplb], ps.extra["ours_validation_a2a"]
+        assert a2a[choice] <= a2a[best_eplb] * (1 + 1e-9)  # and never slower than EPLB in all-to-all time
+        # the router-free joint placement replaces EPLB only where it saves MIN_PLACEMENT_GAIN (and sends no more)
+        free_ok = v["joint_free"] < eplb * (1 - MIN_PLACEMENT_GAIN) and a2a["joint_free"] <= a2a[best_eplb] * (1 + 1e-9)
+        free = v["joint_free"] if free_ok else eplb
+        joint_ok = v["joint"] < free * (1 - MIN_ROUTER_GAIN) and a2a["joint"] <= a2a[best_eplb] * (1 + 1e-9)
+        assert (choice == "joint") == joint_ok
         if choice == "joint_free":
             assert v["joint_free"] < eplb * (1 - MIN_PLACEMENT_GAIN)
         assert ps.extra["ours_router_gain"] == pytest.approx(1 - v["joint"] / v["joint_free"], abs=1e-5)
@@ -622,3 +626,86 @@ def test_ours_serves_eplb_when_its_own_placement_only_ties_it(joint, joint_free,
     assert extra["ours_refitted"] == (expected == "eplb")
     _, extra = choose_ours(x, build_joint=build_joint, price=price, refit_joint=True)
     assert fitted_on[1:] == ([fitted_on[0], R] if expected.startswith("joint") else [fitted_on[0]])
+
+
+def _tiny_ours_inputs():
+    from moetrace.placement.baselines import linear
+    from moetrace.placement.strategies import PlacementInputs
+
+    rng = np.random.default_rng(1)
+    R, L, E, G = 40, 2, 16, 2
+    decode_RLE = rng.integers(0, 5, size=(R, L, E)).astype(np.float64)
+    x = PlacementInputs(
+        num_layers=L,
+        num_experts=E,
+        num_slots=E,
+        num_ranks=4,
+        num_nodes=G,
+        ranks_per_node=2,
+        router_groups=1,
+        seed=0,
+        load_LE=decode_RLE.sum(0),
+        decode_RLE=decode_RLE,
+        prefill_RLE=decode_RLE.copy(),
+        train_rows=np.arange(R),
+    )
+
+    def build_joint(xx):
+        return linear(num_layers=L, num_experts=E, num_slots=E, num_ranks=4), {"router_price": np.zeros(G)}
+
+    return x, build_joint
+
+
+@pytest.mark.parametrize(
+    ("a2a_joint", "a2a_free", "expected"),
+    [
+        (0.95, 0.96, "joint_free"),  # both send less than EPLB: the MoE-layer-time choice stands
+        (0.95, 0.99, "joint"),  # router-free sends more than EPLB: the routed placement, which sends less
+        (0.99, 0.99, "eplb"),  # both send more than EPLB: EPLB, though both are faster in MoE-layer time
+        (0.98, 0.98, "joint_free"),  # equal to EPLB in all-to-all time: allowed (at most, not under)
+    ],
+)
+def test_ours_never_serves_a_placement_slower_than_eplb_in_all_to_all_time(a2a_joint, a2a_free, expected):
+    """On the Llama-4-Maverick capture the router-free joint placement won MoE-layer time by reading
+    fewer experts while sending up to 0.7 points more than EPLB: where the price gives all-to-all time
+    too, a joint candidate replaces EPLB only if it is no slower there either, and the refusal is
+    recorded."""
+    from moetrace.placement.ours import choose_ours
+
+    x, build_joint = _tiny_ours_inputs()
+    moe = {"joint": 0.955, "joint_free": 0.955, "eplb": 0.98, "eplb_global": 0.99}  # router buys nothing
+    a2a = {"joint": a2a_joint, "joint_free": a2a_free, "eplb": 0.98, "eplb_global": 0.97}
+
+    def price(val, candidates):
+        return {c: {"score": moe[c], "a2a_score": a2a[c]} for c in candidates}
+
+    _, extra = choose_ours(x, build_joint=build_joint, price=price)
+    assert extra["ours_choice"] == expected
+    assert extra["ours_validation_a2a"] == a2a
+    chosen_a2a = a2a[expected]
+    assert chosen_a2a <= a2a["eplb"]  # the better EPLB policy in the verdict's measure is "eplb" here
+    refused = extra.get("ours_refused_slower_a2a", [])
+    assert ("joint_free" in refused) == (a2a_free > 0.98)
+    assert ("joint" in refused) == (expected == "eplb")  # both paid in MoE-layer time; refused only for a2a
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(0.5, 1.5), min_size=4, max_size=4),
+    st.lists(st.floats(0.5, 1.5), min_size=4, max_size=4),
+)
+def test_ours_is_at_most_eplb_in_both_measures_on_its_validation_split(moe_s, a2a_s):
+    """Whatever the candidates' validation times, ours' choice is at most the better EPLB policy (in
+    MoE-layer time) in MoE-layer time and in all-to-all time."""
+    from moetrace.placement.ours import CANDIDATES, choose_ours
+
+    x, build_joint = _tiny_ours_inputs()
+    moe, a2a = dict(zip(CANDIDATES, moe_s, strict=True)), dict(zip(CANDIDATES, a2a_s, strict=True))
+
+    def price(val, candidates):
+        return {c: {"score": moe[c], "a2a_score": a2a[c]} for c in candidates}
+
+    _, extra = choose_ours(x, build_joint=build_joint, price=price)
+    c = extra["ours_choice"]
+    best = min(("eplb", "eplb_global"), key=lambda e: moe[e])
+    assert moe[c] <= moe[best] and a2a[c] <= a2a[best] * (1 + 1e-9)
