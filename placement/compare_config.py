@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moetrace.errors import ConfigError
+from moetrace.errors import ConfigError, option_hint
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.hardware import Hardware, default_hardware
 from moetrace.placement.replica_routing import ReplicaPolicy
@@ -29,6 +29,16 @@ __all__ = [
 
 #: the most tokens one comparison simulates (batches x requests per batch), so a typo cannot ask for terabytes
 MAX_SIMULATED_TOKENS = 20_000_000
+
+
+#: the most prompt tokens one simulated prefill step holds, over all nodes
+MAX_PREFILL_STEP_TOKENS = 1 << 22
+
+#: the fixes naming options only some commands building a CompareConfig have (compare has them, a2a only the
+#: first two, place none): dropped from the message of a command without the option (``errors.option_hint``)
+_LOWER_BATCHES = option_hint("--batches", ": lower --batches or --batch-requests")
+_OR_LOWER_BATCHES = option_hint("--batches", ", or lower --batches or --batch-requests")
+_OR_LOWER_PREFILL_TOKENS = option_hint("--prefill-tokens", ", or lower --prefill-tokens")
 
 
 #: the most generated tokens ``--route-on first-decode:N`` lets a router see
@@ -92,19 +102,37 @@ class CompareConfig:
             raise ConfigError(f"test fraction must be in (0, 1), got {self.test_fraction}")
         simulated = self.num_batches * self.batch_requests
         if simulated > MAX_SIMULATED_TOKENS:  # bounded work: checked before anything is allocated
+            G = self.deployment.num_groups
+            per, fix = (f" (32 for each of {G:,} nodes)", ": deploy on fewer nodes" + _OR_LOWER_BATCHES)
+            if self.num_batch_requests:
+                per, fix = "", _LOWER_BATCHES
             raise ConfigError(
-                f"--batches {self.num_batches} x {self.batch_requests} requests per batch = {simulated:,} simulated tokens; "
-                f"at most {MAX_SIMULATED_TOKENS:,} per run (about 100 bytes of memory each): lower --batches or --batch-requests"
+                f"{self.num_batches:,} batches x {self.batch_requests:,} requests per batch{per} = {simulated:,} "
+                f"simulated tokens; at most {MAX_SIMULATED_TOKENS:,} per run (about 100 bytes of memory each){fix}"
             )
-        if self.num_batches < 1 or self.num_batch_requests < 0 or self.num_clusters < 0:
-            raise ConfigError("--batches must be >= 1, --batch-requests and --clusters >= 0")
+        wrong = [  # each its own line: place has --clusters, not --batches
+            f"{option} must be >= {low}, got {value}"
+            for option, low, value in (
+                ("--batches", 1, self.num_batches),
+                ("--batch-requests", 0, self.num_batch_requests),
+                ("--clusters", 0, self.num_clusters),
+            )
+            if value < low
+        ]
+        if wrong:
+            raise ConfigError("; ".join(wrong))
         if not (1.0 <= self.max_node_load < 100.0):
             raise ConfigError(
                 f"--max-node-load must be in [1, 100) (1.10: 10% over an even share), got {self.max_node_load}"
             )
-        if self.prefill_tokens_per_node < 0 or self.prefill_tokens_per_node * self.deployment.num_groups > 1 << 22:
+        G, per_node = self.deployment.num_groups, self.prefill_tokens_per_node
+        if per_node < 0:
+            raise ConfigError(f"--prefill-tokens must be >= 0, got {per_node}")
+        if per_node * G > MAX_PREFILL_STEP_TOKENS:  # a2a and place take the default: their fix is fewer nodes
             raise ConfigError(
-                f"--prefill-tokens must be in 0..{(1 << 22) // self.deployment.num_groups:,} per node, got {self.prefill_tokens_per_node}"
+                f"{per_node:,} prefill tokens per node x {G:,} nodes = {per_node * G:,} prompt tokens per simulated "
+                f"prefill step; at most {MAX_PREFILL_STEP_TOKENS:,} ({MAX_PREFILL_STEP_TOKENS // G:,} per node): deploy "
+                "on fewer nodes" + _OR_LOWER_PREFILL_TOKENS
             )
 
     @property

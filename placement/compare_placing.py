@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from moetrace import results as rf
-from moetrace.errors import ConfigError
+from moetrace.errors import ConfigError, option_hint
 from moetrace.placement.compare_config import CompareConfig
 from moetrace.placement.compare_data import TraceData, request_caps
 from moetrace.placement.compare_pricer import validation_pricer
@@ -33,6 +33,13 @@ from moetrace.placement.step_model import copy_pair_bytes, search_links
 from moetrace.placement.strategies import STRATEGIES, PlacementInputs, get_strategy
 
 __all__ = ["PlacedStrategy", "make_placement", "place_strategies", "placement_file"]
+
+
+#: compare's what-if for a decode-only capture, dropped from the message of a command without --route-on
+#: (a2a, place: ``errors.option_hint``)
+_OR_ROUTE_ON = option_hint(
+    "--route-on", ", or the what-if --route-on first-decode:N (routes on each request's first N generated tokens)"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,9 +81,9 @@ def make_placement(
     if spec.grouped and not data.routable:
         raise ConfigError(
             f"strategy {strategy!r} groups requests and routes each by its prefill routing, but {data.trace_path} recorded "
-            f"decode only (manifest collection.stages, e.g. import --stages decode-only); choose an ungrouped strategy "
-            f"({', '.join(s.name for s in STRATEGIES if not s.grouped)}), a trace with both stages, or the what-if "
-            "--route-on first-decode:N (routes on each request's first N generated tokens)"
+            f"decode only (manifest collection.stages, e.g. `moetrace import --stages decode-only`); choose an "
+            f"ungrouped strategy ({', '.join(s.name for s in STRATEGIES if not s.grouped)}) or a trace with both "
+            f"stages{_OR_ROUTE_ON}"
         )
     if spec.grouped:
         if grouping is None:

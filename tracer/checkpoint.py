@@ -18,7 +18,7 @@ The directory is a self-contained HF checkpoint, laid out like a released model'
 - ``moetrace-checkpoint.json``: provenance (preset, seed, dtype, dims, parameter count, moetrace version).
 
 The directory is built beside ``out`` and renamed into place when complete, so ``out`` never holds
-half a checkpoint.
+half a checkpoint; a write that fails (a full disk) removes the partial copy and says so in one line.
 
 Out of scope: what a model name means (``presets.resolve``: the written directory is then a "local"
 name), running it (``backends.hf``, ``backends.vllm``), downloading anything, quantized weights,
@@ -27,8 +27,10 @@ multi-file (sharded) checkpoints, and the ``-tiny`` presets' toy dims (built in 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from typing import Any
 
 from moetrace import __version__
 from moetrace._deps import require
-from moetrace.errors import ModelError, OutputExistsError
+from moetrace.errors import ModelError, OutputExistsError, WriteError
 from moetrace.tracer.presets import TINY_SUFFIX, Preset, list_presets, resolve
 
 #: the provenance file of a checkpoint directory
@@ -86,7 +88,8 @@ def make_checkpoint(
     architecture vLLM does not serve or that has no vLLM-sized config (``ModelError``), an unknown
     dtype (``ModelError``), and an ``out`` that is a file, or a non-empty directory without
     ``overwrite`` (``OutputExistsError``). With ``overwrite`` the old directory is replaced only
-    once the new one is complete. ``progress`` False: no progress bar from transformers while the
+    once the new one is complete. A write that fails (disk full, quota, I/O error) raises ``WriteError``
+    naming the cause, with the partial copy removed and an old checkpoint kept. ``progress`` False: no progress bar from transformers while the
     weights are written.
     """
     p = _vllm_preset(preset)
@@ -99,8 +102,12 @@ def make_checkpoint(
     require("safetensors", purpose="writing a checkpoint's weights")
     from moetrace.tracer.backends.hf import build_tiny_model, save_tiny_tokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    had = out.is_dir() and any(out.iterdir())  # an old checkpoint --overwrite replaces (kept if this one fails)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as exc:
+        raise WriteError(_write_failure(exc, out, kept=had, partial=False)) from exc
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is shared like any directory
         model, _ = build_tiny_model(p.name + TINY_SUFFIX, seed=seed, dtype="float32", engine="vllm")
@@ -120,13 +127,48 @@ def make_checkpoint(
         _write_json(tmp / PROVENANCE_FILE, _provenance(p, seed=seed, dtype=dtype, num_parameters=num_parameters))
         _finish_files(tmp)
         _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint never stays, not even under a hidden name
+        if _is_write_failure(exc):
+            raise WriteError(_write_failure(exc, out, kept=had, partial=True)) from exc
         raise
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     return CheckpointInfo(
         path=out, preset=p.name, architecture=p.architecture, num_parameters=num_parameters, bytes_on_disk=size
     )
+
+
+#: how the Rust writers under transformers report a failed write: safetensors as ``SafetensorError("Error while
+#: serializing: I/O error: No space left on device (os error 28)")``, tokenizers as a bare
+#: ``Exception("No space left on device (os error 28)")``
+_RUST_IO_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _errno(exc: BaseException) -> int | None:
+    """The OS error number of a failed write: an ``OSError``'s, or the one a Rust writer's message names."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    m = _RUST_IO_ERROR.search(str(exc))
+    return int(m.group(1)) if m else None
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    """``exc`` is a write that failed (an ``OSError``, or a Rust writer's error naming the OS error), not one of
+    moetrace's own errors or an interruption."""
+    if isinstance(exc, WriteError) or not isinstance(exc, Exception):
+        return False
+    return isinstance(exc, OSError) or _errno(exc) is not None
+
+
+def _write_failure(exc: BaseException, out: Path, *, kept: bool, partial: bool) -> str:
+    """The one line for a checkpoint that could not be written (disk full, quota, I/O error): the cause, that
+    nothing is at ``out`` (or that the old checkpoint there is kept) and what to do."""
+    code = _errno(exc)
+    cause = os.strerror(code) if code else (str(exc).splitlines() or [type(exc).__name__])[0]
+    where = "the checkpoint there before is kept as it was" if kept else f"nothing was written at {out}"
+    removed = " (the partial copy beside it was removed)" if partial else ""
+    fix = "free space, then run the same command again" if code in (errno.ENOSPC, errno.EDQUOT) else "run it again"
+    return f"cannot write the checkpoint {out}: {cause[:1].lower()}{cause[1:]}; {where}{removed}: {fix}"
 
 
 def _vllm_preset(name: str) -> Preset:

@@ -61,6 +61,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from importlib import resources
 from multiprocessing import get_all_start_methods, get_context
@@ -70,7 +71,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from moetrace.atomic import atomic_path
-from moetrace.errors import ConfigError, OutputExistsError
+from moetrace.errors import CollectionError, ConfigError, OutputExistsError
 from moetrace.lifetime import die_with_parent
 from moetrace.sizes import check_memory
 from moetrace.tracer.trace.schema import NO_EXPERT, ModelInfo
@@ -836,7 +837,10 @@ def _worker_chunk(c: int) -> Chunk:
 
 
 def iter_chunks(sampler: _Sampler, chunks: list[int], *, workers: int) -> Iterator[Chunk]:
-    """Generated chunks in the order of ``chunks``; ``workers`` > 1 uses a process pool, 2*workers in flight."""
+    """Generated chunks in the order of ``chunks``; ``workers`` > 1 uses a process pool, 2*workers in flight.
+
+    A worker that dies (a signal: the out-of-memory killer, ``kill -9``) raises ``CollectionError`` at once:
+    the pool breaks and no chunk of it is waited for."""
     if workers <= 1:
         for c in chunks:
             yield generate_chunk(sampler, c)
@@ -854,7 +858,12 @@ def iter_chunks(sampler: _Sampler, chunks: list[int], *, workers: int) -> Iterat
             if len(pending) >= 2 * workers:
                 break
         while pending:
-            done = pending.pop(0).result()
+            try:
+                done = pending.pop(0).result()
+            except BrokenProcessPool as exc:
+                raise CollectionError(
+                    "a synth worker process ended abruptly (killed by a signal: the out-of-memory killer, kill -9)"
+                ) from exc
             nxt = next(it, None)
             if nxt is not None:
                 pending.append(ex.submit(_worker_chunk, nxt))
@@ -917,18 +926,25 @@ def synthesize(
         names = np.array(plan.datasets, dtype=object)
         n_req, n_tok = 0, 0
         n_chunks = -(-plan.num_requests // plan.num_chunk_requests)
-        for ch in iter_chunks(sampler, list(range(n_chunks)), workers=workers):
-            w.add_requests(
-                request_id_R=ch.request_id_R,
-                dataset_R=names[ch.dataset_R].tolist(),
-                prompt_tokens_R=ch.prompt_tokens_R,
-                output_tokens_R=ch.output_tokens_R,
-                topk_ids_TX=ch.topk_ids_TX,
-            )
-            n_req += ch.request_id_R.shape[0]
-            n_tok += ch.topk_ids_TX.shape[0]
-            if progress is not None:
-                progress(n_req, n_tok)
+        try:
+            for ch in iter_chunks(sampler, list(range(n_chunks)), workers=workers):
+                w.add_requests(
+                    request_id_R=ch.request_id_R,
+                    dataset_R=names[ch.dataset_R].tolist(),
+                    prompt_tokens_R=ch.prompt_tokens_R,
+                    output_tokens_R=ch.output_tokens_R,
+                    topk_ids_TX=ch.topk_ids_TX,
+                )
+                n_req += ch.request_id_R.shape[0]
+                n_tok += ch.topk_ids_TX.shape[0]
+                if progress is not None:
+                    progress(n_req, n_tok)
+        except CollectionError as exc:  # the writer then closes the trace as incomplete (complete: false)
+            raise CollectionError(
+                f"{exc}; {out} is left an incomplete trace ({n_req:,} of {plan.num_requests:,} requests generated; "
+                "its manifest says `complete: false`, so no reader takes it for a whole trace): run the same command "
+                "again with --overwrite (synth is deterministic: the same trace)"
+            ) from exc
         stats = w.close()
     return SynthSummary(
         path=Path(out),

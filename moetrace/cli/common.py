@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from moetrace.results import ResultKind
 
 from moetrace.environ import environ
-from moetrace.errors import MoetraceError, OutputExistsError, TraceValidationError, for_command
+from moetrace.errors import MoetraceError, OutputExistsError, TraceValidationError, for_command, option_hint
 from moetrace.sizes import human_bytes  # noqa: F401  (re-exported for the command modules)
 
 F = TypeVar("F", bound=Callable)
@@ -131,10 +131,10 @@ def friendly_errors(fn: F) -> F:
             err(for_command(str(exc), _command_options(kwargs)))  # no hint naming an option this command lacks
             raise typer.Exit(2) from None
         except OSError as exc:  # a path that cannot be read or written: say which, no traceback
-            err(_describe_os_error(exc))
+            err(for_command(_describe_os_error(exc), _command_options(kwargs)))
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
-            err("interrupted; committed work is kept (re-run with --resume where the command has it)")
+            err(for_command("interrupted; committed work is kept" + _RERUN_WITH_RESUME, _command_options(kwargs)))
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
@@ -151,11 +151,16 @@ def _command_options(kwargs: dict[str, object]) -> set[str]:
     return {"--" + name.replace("_", "-") for name in kwargs}
 
 
+#: dropped from the messages of a command without --resume (``moetrace.errors.option_hint``)
+_WITH_RESUME = option_hint("--resume", " (with --resume)")
+_RERUN_WITH_RESUME = option_hint("--resume", " (re-run with --resume)")
+
+
 def _describe_os_error(exc: OSError) -> str:
     cause = (exc.strerror or str(exc)).rstrip(".")
     where = f": {exc.filename}" if exc.filename else ""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"{cause.lower()}{where}; free space, then run the command again (with --resume where it has one)"
+        return f"{cause.lower()}{where}; free space, then run the command again{_WITH_RESUME}"
     return f"{cause}{where}"
 
 

@@ -89,6 +89,26 @@ _READ_COMMITTED = option_hint("--allow-incomplete", " Pass --allow-incomplete to
 _PASS_ALLOW_INCOMPLETE = option_hint("--allow-incomplete", " Pass --allow-incomplete to read what is there")
 
 
+def _scan_parts(files: list[Path]) -> pl.LazyFrame:
+    """The parts as one lazy frame over the union of their columns: a column only some parts hold (an extra
+    text column, ``prompt_text`` written into one part) is null in the others, and an integer column of
+    another width, or a string column large or dictionary-encoded, is read at the wider type, as the
+    readers accept them; one ``scan_parquet`` of them all takes the first part's columns for every part and
+    stops at the first that differs."""
+    import polars as pl
+
+    return pl.concat([pl.scan_parquet(f) for f in files], how="diagonal_relaxed")
+
+
+def _decoded(table: pa.Table) -> pa.Table:
+    """``table`` with its dictionary-encoded columns decoded (a part may store ``dataset`` dictionary-encoded
+    and the next one plainly: the format allows both, and only decoded columns concatenate)."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_dictionary(f.type):
+            table = table.set_column(i, f.with_type(f.type.value_type), table.column(i).cast(f.type.value_type))
+    return table
+
+
 class RequestArrays(NamedTuple):
     """The requests table as arrays sorted by request id (one row per request, R rows).
 
@@ -151,7 +171,7 @@ class Trace:
             empty = pl.from_arrow(requests_schema(with_text=False).empty_table())
             assert isinstance(empty, pl.DataFrame)  # from_arrow is typed DataFrame | Series; a Table gives a DataFrame
             return pl.LazyFrame(schema=pl.Schema(empty.schema))
-        return pl.scan_parquet(files)
+        return _scan_parts(files)
 
     def routing(self) -> pl.LazyFrame:
         """One row per token: ``request_id, position, stage, experts`` (``Array[i16, L*K]``)."""
@@ -162,7 +182,7 @@ class Trace:
             frame = pl.from_arrow(routing_schema(self.model.ids_per_token, with_weights=False).empty_table())
             assert isinstance(frame, pl.DataFrame)  # from_arrow is typed DataFrame | Series; a Table gives a DataFrame
             return frame.lazy()
-        return pl.scan_parquet(files)
+        return _scan_parts(files)
 
     def num_tokens(self) -> int:
         """Routing rows in the committed parts (from the Parquet footers; nothing is decoded)."""
@@ -177,7 +197,9 @@ class Trace:
         cols = ["request_id", "dataset", "prompt_tokens", "output_tokens"]
         with PartHashes(self, REQUESTS_DIR, files) as hashes:  # hashed while read
             try:
-                table = pa.concat_tables([pq.read_table(f, columns=cols) for f in files], promote_options="permissive")
+                table = pa.concat_tables(
+                    [_decoded(pq.read_table(f, columns=cols)) for f in files], promote_options="permissive"
+                )
             except (pa.ArrowException, OSError, KeyError) as exc:
                 raise TraceFormatError(
                     f"{self.path}: a requests part cannot be read ({exc}); run `moetrace validate {self.path}`"

@@ -296,8 +296,10 @@ def check_requests_parts(run: _Run) -> list[str]:
             ]
         nulls = [] if bad else null_problems({c: t.column(c) for c in REQUIRED_REQUESTS})
         problems += [f"{where}: {p}" for p in nulls]
-        if not bad and not nulls:
-            tables.append(t.select(list(REQUIRED_REQUESTS)))
+        if not bad and not nulls:  # `dataset` as plain strings: parts may encode it differently (large, dictionary)
+            t = t.select(list(REQUIRED_REQUESTS))
+            i = t.schema.get_field_index("dataset")
+            tables.append(t.set_column(i, t.schema.field(i).with_type(pa.string()), t.column(i).cast(pa.string())))
     if tables:
         run.requests_table = pa.concat_tables(tables, promote_options="permissive")  # nullable or not: same values
     return problems

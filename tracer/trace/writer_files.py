@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from moetrace.errors import OutputExistsError, TraceFormatError
+from moetrace.errors import OutputExistsError, TraceFormatError, option_hint
 from moetrace.tracer.trace.checksum import HashingFile, file_sha256
 from moetrace.tracer.trace.lock import lock_trace
 from moetrace.tracer.trace.schema import ModelInfo, check_manifest_header
@@ -128,8 +128,12 @@ def _describe_write_error(exc: BaseException, path: Path) -> str:
         cause = str(exc).splitlines()[0]
     return (
         f"cannot write the trace {path}: {cause}. The requests committed so far are kept; free space, then run "
-        "the same command again (with --resume where the command has it)"
+        f"the same command again{_WITH_RESUME}"
     )
+
+
+#: dropped from the message of a writer without --resume (import, synth: ``moetrace.errors.option_hint``)
+_WITH_RESUME = option_hint("--resume", " (with --resume)")
 
 
 def _create_hashed(path: Path, *, sync_every: int | None = None) -> HashingFile:
