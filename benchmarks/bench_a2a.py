@@ -114,11 +114,11 @@ def main() -> None:
     wall = time.perf_counter() - t0
     ar.raise_on_mismatch(plan, records)
 
-    rows = {r["strategy"]: r for r in ar.summary_rows(plan, records, net)}
+    rows = {r.strategy: r for r in ar.summary_rows(plan, records, net)}
     cost = ar.replay_cost(plan, records, net)
     # the shapers' counters (everything that crossed, barriers and probes included) over the inter-node payload
     counted = sum(out for out, _ in net.link_bytes_G2) / max(2 * float(plan.sim_inter_VBL.sum()), 1.0)
-    best = min(grouped, key=lambda s: rows[s]["simulated_inter_node_bytes_per_batch_median"])
+    best = min(grouped, key=lambda s: rows[s].simulated_inter_node_bytes_per_batch_median)
     B, L = plan.sends_VBLWW.shape[1:3]
 
     def opt(x: float | None, fmt: str) -> str:
@@ -127,11 +127,11 @@ def main() -> None:
     def line(s: str) -> str:
         r = rows[s]
         return (
-            f"| {s} | {r['simulated_inter_node_bytes_per_batch_median'] / 2**20:.2f} | "
-            f"{r['simulated_inter_node_normalized_median']:.3f} | "
-            f"{opt(r['predicted_seconds_per_batch_median'], '.3f')} | {r['measured_seconds_per_batch_median']:.3f} | "
-            f"{opt(r['predicted_time_normalized_median'], '.3f')} | {r['measured_time_normalized_median']:.3f} | "
-            f"{opt(r['predicted_over_measured'], '.3f')} |"
+            f"| {s} | {r.simulated_inter_node_bytes_per_batch_median / 2**20:.2f} | "
+            f"{r.simulated_inter_node_normalized_median:.3f} | "
+            f"{opt(r.predicted_seconds_per_batch_median, '.3f')} | {r.measured_seconds_per_batch_median:.3f} | "
+            f"{opt(r.predicted_time_normalized_median, '.3f')} | {r.measured_time_normalized_median:.3f} | "
+            f"{opt(r.predicted_over_measured, '.3f')} |"
         )
 
     links = (

@@ -53,9 +53,9 @@ def main() -> None:
                 t0 = time.perf_counter()
                 adv = advise_profile(prof, cfg)
                 wall = time.perf_counter() - t0
-                st = adv.manifest["stages"][0]
+                st = adv.manifest.stages[0]
                 rows = [r for r in adv.rows if r["stage"] == st]
-                ref = next(r for r in rows if r["option"] == adv.manifest["reference"])
+                ref = next(r for r in rows if r["option"] == adv.manifest.reference)
                 print(f"\n{config}, {args.stage} file, {n} tokens per GPU and step ({wall:.1f} s):")
                 print(f"  linear: balancedness {ref['balancedness_vllm']:.3f}")
                 for strategy in ("eplb", "eplb_global"):

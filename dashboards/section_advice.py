@@ -122,7 +122,7 @@ def advice_section(res: Results, *, key_prefix: str = "") -> tuple[Section | Non
     figures = [] if layers is None else [_figure(res, layers, stage=st, kp=kp) for st in m.recorded_stages]
     from moetrace.placement.advise_files import best_lines  # the words `moetrace advise` prints, said once
 
-    decision = " ".join(line.strip() for line in best_lines(m.to_json()))  # the decision per stage, then why
+    decision = " ".join(line.strip() for line in best_lines(m))  # the decision per stage, then why
     verdicts = [decision, *(v.text for v in m.verdicts)]
     intro = (
         f"{m.deployment} on nodes of {m.gpus_per_node} GPUs; reference: {m.reference}; EPLB swept over "

@@ -81,7 +81,7 @@ def links_text(m: CompareManifest, *, latency: bool = False) -> str:
         return f"{name} {links[f'{cls}_bytes_per_s'] / 1e9:.3g} GB/s{lat}"
 
     per = "per GPU" if links["inter_nic"] == "gpu" else "per node, shared by its GPUs"
-    hw = f"{m.hardware['name']}: " if m.hardware else ""
+    hw = f"{m.hardware.name}: " if m.hardware is not None else ""
     return f"{hw}{one('NVLink', 'intra')}, {one('RDMA', 'inter')} {per}"
 
 

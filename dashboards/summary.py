@@ -307,11 +307,10 @@ def stage_winners(res: Results) -> list[StageWinner]:
     if summary is None or not has_time(summary):
         return []
     m = res.compare
-    stages = (m.verdict or {}).get("stages") or {}
+    stages = m.verdict.stages if m.verdict is not None else {}
     if stages:
         out = []
-        for stage, obj in stages.items():
-            ch = StageChoice.from_json(obj)
+        for stage, ch in stages.items():
             out.append(
                 StageWinner(
                     stage=stage,
@@ -353,7 +352,7 @@ def _moe_verdict(res: Results) -> bool:
     """Whether compare ranked by MoE-layer time (``compare.json`` ``verdict``; results written before it
     ranked by all-to-all time)."""
     v = res.compare.verdict
-    return v is not None and v.get("measure") == "moe_time"
+    return v is not None and v.by_moe_time
 
 
 def _bytes_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suffix: str) -> Headline | None:

@@ -65,5 +65,5 @@ def compare_relation_line(advice: Results, compare: Results) -> str:
 def compare_stage_choices(compare: Results) -> dict[str, StageChoice]:
     """compare.json's decision per stage (``verdict.stages``, ``placement.decision.StageChoice``);
     empty for results written before it."""
-    stages = (compare.compare.verdict or {}).get("stages") or {}
-    return {str(st): StageChoice.from_json(obj) for st, obj in stages.items()}
+    v = compare.compare.verdict
+    return {} if v is None else dict(v.stages)

@@ -17,7 +17,9 @@ Readers dispatch on that format, never on which keys a file happens to hold.
 
 Adding a kind is one ``ResultKind`` entry (plus the names of its files) in ``KINDS``; write its
 files with ``write_result_table`` / ``write_result_json`` and read its manifest with
-``read_result_manifest``.
+``read_result_manifest``. A manifest's typed record (``placement.compare_manifest``,
+``placement.a2a_manifest``, ``placement.advise_manifest``) reads its keys through ``ManifestFields``:
+a missing key or one of the wrong type is one ``TraceFormatError`` naming it.
 
 Out of scope: what the files hold (columns, keys: their writers and docs); the trace format
 (``moetrace.tracer.trace``). A core module: imports no stage; pyarrow is imported when a table is
@@ -28,12 +30,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from moetrace.atomic import atomic_path, write_json_atomic
-from moetrace.errors import OutputExistsError, TraceFormatError
+from moetrace.errors import MoetraceError, OutputExistsError, TraceFormatError
 
 __all__ = [
     "recorded_path",
@@ -58,7 +61,10 @@ __all__ = [
     "sniff_format",
     "describe_foreign",
     "TRACE_KIND",
+    "ManifestFields",
 ]
+
+_T = TypeVar("_T")
 
 #: the largest result JSON read (a manifest, a placement file)
 MAX_RESULT_JSON_BYTES = 256 << 20
@@ -379,3 +385,78 @@ def resolve_recorded(recorded: str, *, results_dir: str | os.PathLike) -> Path:
     ``results_dir``; absolute ones (files written by an older moetrace) as they are."""
     p = Path(recorded)
     return p if p.is_absolute() else Path(os.path.normpath(Path(results_dir) / p))
+
+
+class ManifestFields:
+    """Typed access to the keys of one JSON object of a result manifest (what a record's ``to_json``
+    wrote, read back): ``later`` maps the keys that files written before them lack to what such a file
+    means; a key missing otherwise, or of another type, is a ``TraceFormatError`` naming ``where``, the
+    key and the command that writes the file again (``kind.command``)."""
+
+    def __init__(self, obj: object, where: str, *, kind: ResultKind, later: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(obj, dict):
+            raise TraceFormatError(f"{where}: expected an object, got {type(obj).__name__}; re-run `{kind.command}`")
+        self.obj: dict[str, Any] = obj
+        self.where, self.command = where, kind.command
+        self.later: Mapping[str, Any] = later or {}
+
+    def get(self, key: str, typ: type | tuple[type, ...], *, optional: bool = False) -> Any:
+        """The value at ``key``, of type ``typ`` (a bool is no int), or null when ``optional``."""
+        if key not in self.obj:
+            if key in self.later:
+                return self.later[key]
+            raise TraceFormatError(f"{self.where}: no `{key}`; re-run `{self.command}`")
+        v = self.obj[key]
+        types = typ if isinstance(typ, tuple) else (typ,)
+        if (v is None and optional) or (isinstance(v, types) and (bool in types or not isinstance(v, bool))):
+            return v
+        raise TraceFormatError(
+            f"{self.where}: `{key}` is {v!r}, expected {' or '.join(t.__name__ for t in types)}"
+            f"{' or null' if optional else ''}; re-run `{self.command}`"
+        )
+
+    def integer(self, key: str) -> int:
+        return int(self.get(key, int))
+
+    def number(self, key: str, *, optional: bool = False) -> Any:
+        """A float (an integer written as one too); None for null when ``optional``."""
+        v = self.get(key, (int, float), optional=optional)
+        return None if v is None else float(v)
+
+    def text(self, key: str, *, optional: bool = False) -> Any:
+        return self.get(key, str, optional=optional)
+
+    def names(self, key: str) -> tuple[str, ...]:
+        v = self.get(key, (list, tuple))
+        if not all(isinstance(s, str) for s in v):
+            raise TraceFormatError(f"{self.where}: `{key}` must be a list of names; re-run `{self.command}`")
+        return tuple(v)
+
+    def ints(self, key: str) -> tuple[int, ...]:
+        v = self.get(key, (list, tuple))
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise TraceFormatError(f"{self.where}: `{key}` must be a list of integers; re-run `{self.command}`")
+        return tuple(v)
+
+    def numbers(self, key: str) -> dict[str, float]:
+        """An object of numbers by name (NaN as written)."""
+        v = self.get(key, dict)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values()):
+            raise TraceFormatError(f"{self.where}: `{key}` must map names to numbers; re-run `{self.command}`")
+        return {str(k): float(x) for k, x in v.items()}
+
+    def parsed(self, key: str, parse: Callable[[Any], _T], *, typ: type | tuple[type, ...] = dict) -> _T:
+        """``parse`` of the value at ``key`` (of type ``typ``, or its ``later`` value); what ``parse``
+        refuses (a ``MoetraceError``, ``TypeError`` or ``ValueError``) is a ``TraceFormatError`` naming ``where``."""
+        return self._parse(self.get(key, typ), parse)
+
+    def parsed_or_none(self, key: str, parse: Callable[[Any], _T]) -> _T | None:
+        """``parsed`` of an object that may be null (None then)."""
+        v = self.get(key, dict, optional=True)
+        return None if v is None else self._parse(v, parse)
+
+    def _parse(self, v: Any, parse: Callable[[Any], _T]) -> _T:
+        try:
+            return parse(v)
+        except (MoetraceError, TypeError, ValueError) as exc:
+            raise TraceFormatError(f"{self.where}: {exc}") from None

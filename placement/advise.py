@@ -45,9 +45,11 @@ time-varying rebalancing schedules beyond the stall's cost: every option is a st
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -58,6 +60,7 @@ from moetrace.placement.advise_evaluate import evaluate_counts, evaluate_tokens
 from moetrace.placement.advise_files import commands, format_advice, read_advice, write_advice
 from moetrace.placement.advise_fit import stage_options
 from moetrace.placement.advise_inputs import profile_inputs, trace_inputs
+from moetrace.placement.advise_manifest import AdviceManifest, AdviceVerdict, Recommended, plain_json
 from moetrace.placement.advise_options import data_free_placement, resolve_strategies
 from moetrace.placement.advise_rows import add_layer_rows, layer_arrays, migration_row, summary_row, weight_bytes
 from moetrace.placement.advise_types import (
@@ -72,11 +75,12 @@ from moetrace.placement.advise_types import (
     StepTokens,
 )
 from moetrace.placement.advise_verdicts import stage_choices, verdicts
-from moetrace.placement.decision import stage_choices_json
 from moetrace.placement.eplb_replicas import slot_shares
 from moetrace.placement.hardware import CostModel
 
 if TYPE_CHECKING:
+    from moetrace.placement.cost import ExpertCompute
+    from moetrace.placement.decision import StageChoice
     from moetrace.placement.maps import Placement
     from moetrace.tracer.trace.schema import ModelInfo
 
@@ -104,31 +108,52 @@ __all__ = [
 ]
 
 
-def advise_arrays(
-    inputs: AdviseInputs, cfg: AdviseConfig, *, progress: Callable[[int, int], None] | None = None
-) -> Advice:
-    """Evaluate every option on every recorded stage of ``inputs``, then word the verdicts.
+@dataclass(frozen=True, kw_only=True)
+class _Run:
+    """What one advise run fixes before evaluating: the stages, the options per stage and how a step is priced."""
 
-    ``progress(done, total)`` after each (option, steps) evaluation.
-    """
+    recorded: list[Steps]  # the recorded stages, whose steps are evaluated
+    stages: list[Stage]  # the placements advised: each recorded stage, and both when two are
+    sweep: list[int]  # redundant slots per layer EPLB is swept over
+    names: tuple[str, ...]  # the strategies evaluated (``resolve_strategies``)
+    notes: list[str]  # what the output must say about the strategies chosen
+    expert: ExpertCompute | None  # the experts' size (None: unknown, no MoE-layer time)
+    cost: CostModel  # kernels and expert computation
+    bytes_per_token: int  # bytes of one token row on the wire
+    time_hidden: int  # values per token row the step model prices
+    ref: Option  # the reference every option is measured against (``--current`` or linear)
+    options: dict[Stage, list[Option]]  # stage -> the reference, then the options fitted for it
+
+    @property
+    def plan(self) -> list[tuple[Stage, Steps]]:
+        """(placement's stage, steps it is evaluated on): each stage on its own steps, both on each recorded one."""
+        return [(st, steps) for st in self.stages for steps in (self.recorded if st == "both" else [st])]
+
+
+#: an evaluation's key: (the stage the option was fitted on, its key, the steps)
+_JobKey = tuple[str, str, Steps]
+
+
+def _job_key(opt: Option, steps: Steps) -> _JobKey:
+    return (opt.fitted_on, opt.key, steps)
+
+
+def _prepare(inputs: AdviseInputs, cfg: AdviseConfig) -> _Run:
+    """Step 1: the stages, the strategies, the cost model, the reference and every stage's options."""
     from moetrace.placement.cost import expert_compute_for
 
     m, dep = inputs.model, cfg.deployment
     E = m.num_experts
     sweep = cfg.sweep(E)
     expert = expert_compute_for(m, config=cfg.model_config)
-    cost = CostModel(hardware=cfg.hardware, expert=expert)
-    bytes_per_token = m.hidden_size * 2
-    time_hidden = expert.hidden_size if expert is not None else m.hidden_size
     recorded: list[Steps] = [s for s in ("prefill", "decode") if s in inputs.stages]
     stages: list[Stage] = list(recorded)
     if len(recorded) == 2:
         stages.append("both")
-
     names, notes = resolve_strategies(
         cfg.strategies, model=m, deployment=dep, routable=inputs.routable, kind=inputs.kind
     )
-    ref_opt = (
+    ref = (
         Option(name="current", num_redundant=inputs.current.phy2log.shape[1] - E, placement=inputs.current)
         if inputs.current is not None
         else Option(
@@ -140,100 +165,137 @@ def advise_arrays(
     options: dict[Stage, list[Option]] = {}
     for st in stages:
         here = stage_options(inputs, cfg, names, stage=st, sweep=sweep)
-        options[st] = [ref_opt, *(o for o in here if o.key != ref_opt.key)]
-    shares: dict[tuple[str, str], np.ndarray] = {}  # a profile's slot shares under the replica rule, per option
+        options[st] = [ref, *(o for o in here if o.key != ref.key)]
+    return _Run(
+        recorded=recorded,
+        stages=stages,
+        sweep=sweep,
+        names=names,
+        notes=notes,
+        expert=expert,
+        cost=CostModel(hardware=cfg.hardware, expert=expert),
+        bytes_per_token=m.hidden_size * 2,
+        time_hidden=expert.hidden_size if expert is not None else m.hidden_size,
+        ref=ref,
+        options=options,
+    )
 
-    def slot_share(opt: Option) -> np.ndarray | None:
-        if cfg.replica_policy != "sglang":  # the other rules split evenly on average
-            return None
+
+def _evaluate_one(
+    job: tuple[Option, Steps],
+    *,
+    inputs: AdviseInputs,
+    cfg: AdviseConfig,
+    run: _Run,
+    shares: dict[tuple[str, str], np.ndarray],
+) -> StepMetrics:
+    """One option on one recorded stage's steps: a trace's simulated steps (the steps its router draws
+    for a grouped option), or a profile's windows of counts (``shares``: a cache of slot shares under
+    SGLang's replica rule)."""
+    opt, steps = job
+    dep = cfg.deployment
+    si = inputs.stages[steps]
+    dedup = cfg.decode_dedup if steps == "decode" else cfg.prefill_dedup
+    toks = inputs.extra_tokens.get((opt.key, steps), si.tokens)
+    if toks is not None:
+        return evaluate_tokens(
+            toks,
+            opt.placement,
+            deployment=dep,
+            dedup=dedup,
+            cost=run.cost,
+            bytes_per_token=run.bytes_per_token,
+            hidden_size=run.time_hidden,
+            rule=cfg.replica_policy,
+        )
+    assert si.counts_NLE is not None  # a profile stage
+    share = None
+    if cfg.replica_policy == "sglang":  # the other rules split evenly on average
         k = (opt.fitted_on, opt.key)
         if k not in shares:
             shares[k] = slot_shares(
                 opt.placement, rule=cfg.replica_policy, num_ranks=dep.num_ep, ranks_per_node=dep.ranks_per_node
             )
-        return shares[k]
+        share = shares[k]
+    return evaluate_counts(
+        si.counts_NLE,
+        opt.placement,
+        deployment=dep,
+        cost=run.cost,
+        dedup=dedup,
+        pairs_per_step=si.pairs_per_step,
+        bytes_per_token=run.bytes_per_token,
+        hidden_size=run.time_hidden,
+        slot_share_LP=share,
+    )
 
-    def job_key(opt: Option, steps: Steps) -> tuple[str, str, Steps]:
-        return (opt.fitted_on, opt.key, steps)
 
-    def evaluate(job: tuple[Option, Steps]) -> StepMetrics:
-        opt, steps = job
-        si = inputs.stages[steps]
-        toks = inputs.extra_tokens.get((opt.key, steps), si.tokens)
-        if toks is not None:
-            return evaluate_tokens(
-                toks,
-                opt.placement,
-                deployment=dep,
-                dedup=cfg.decode_dedup if steps == "decode" else cfg.prefill_dedup,
-                cost=cost,
-                bytes_per_token=bytes_per_token,
-                hidden_size=time_hidden,
-                rule=cfg.replica_policy,
-            )
-        assert si.counts_NLE is not None  # a profile stage
-        return evaluate_counts(
-            si.counts_NLE,
-            opt.placement,
-            deployment=dep,
-            cost=cost,
-            dedup=cfg.decode_dedup if steps == "decode" else cfg.prefill_dedup,
-            pairs_per_step=si.pairs_per_step,
-            bytes_per_token=bytes_per_token,
-            hidden_size=time_hidden,
-            slot_share_LP=slot_share(opt),
-        )
-
-    plan = [(st, steps) for st in stages for steps in (recorded if st == "both" else [st])]
-    jobs: dict[tuple[str, str, Steps], tuple[Option, Steps]] = {}
-    for st, steps in plan:
-        for opt in [ref_opt, *options[st]]:
-            jobs.setdefault(job_key(opt, steps), (opt, steps))
-    evals: dict[tuple[str, str, Steps], StepMetrics] = {}
+def _evaluate(
+    inputs: AdviseInputs, cfg: AdviseConfig, run: _Run, *, progress: Callable[[int, int], None] | None
+) -> dict[_JobKey, StepMetrics]:
+    """Step 2: every (option, steps) of the plan evaluated once (an option shared by stages too), on two
+    threads; ``progress(done, total)`` after each."""
+    jobs: dict[_JobKey, tuple[Option, Steps]] = {}
+    for st, steps in run.plan:
+        for opt in [run.ref, *run.options[st]]:
+            jobs.setdefault(_job_key(opt, steps), (opt, steps))
+    one = functools.partial(_evaluate_one, inputs=inputs, cfg=cfg, run=run, shares={})
+    evals: dict[_JobKey, StepMetrics] = {}
     # numpy's sorts and bincounts release the GIL: two threads keep two cores busy (results do not depend on it)
     with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        for n, (k, em) in enumerate(zip(jobs, pool.map(evaluate, jobs.values())), start=1):
+        for n, (k, em) in enumerate(zip(jobs, pool.map(one, jobs.values())), start=1):
             evals[k] = em
             if progress is not None:
                 progress(n, len(jobs))
-    moved: dict[tuple[str, str], dict[str, Any]] = {}
+    return evals
 
+
+#: the columns of layers.parquet, in order
+_LAYER_COLUMNS = (
+    "stage",
+    "steps",
+    "option",
+    "layer",
+    "model_layer",
+    "balancedness",
+    "busiest_rank_tokens",
+    "activated_experts_per_gpu_max",
+    "send_ranks_per_token",
+    "inter_node_bytes",
+    "moe_seconds",
+)
+
+
+def _rows(
+    inputs: AdviseInputs, cfg: AdviseConfig, run: _Run, evals: dict[_JobKey, StepMetrics]
+) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+    """Step 3: the summary row of every (stage, steps, option) against the reference on the same steps,
+    with its migration from the reference (options.parquet), and the per-layer rows (layers.parquet)."""
+    m = inputs.model
+    moved: dict[tuple[str, str], dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
-    layer_cols: dict[str, list[Any]] = {
-        k: []
-        for k in (
-            "stage",
-            "steps",
-            "option",
-            "layer",
-            "model_layer",
-            "balancedness",
-            "busiest_rank_tokens",
-            "activated_experts_per_gpu_max",
-            "send_ranks_per_token",
-            "inter_node_bytes",
-            "moe_seconds",
-        )
-    }
-    for st, steps in plan:
-        ref = evals[job_key(ref_opt, steps)]
-        for opt in options[st]:
-            em = evals[job_key(opt, steps)]
+    layer_cols: dict[str, list[Any]] = {k: [] for k in _LAYER_COLUMNS}
+    for st, steps in run.plan:
+        ref = evals[_job_key(run.ref, steps)]
+        for opt in run.options[st]:
+            em = evals[_job_key(opt, steps)]
             row = summary_row(em, ref, option=opt, stage=st, steps=steps, model=m)
             if (opt.fitted_on, opt.key) not in moved:
                 moved[(opt.fitted_on, opt.key)] = migration_row(
-                    ref_opt, opt, dep=dep, model=m, weight_bytes=weight_bytes(cost)
+                    run.ref, opt, dep=cfg.deployment, model=m, weight_bytes=weight_bytes(run.cost)
                 )
             row.update(moved[(opt.fitted_on, opt.key)])
             rows.append(row)
             add_layer_rows(layer_cols, em, stage=st, steps=steps, option=opt.key, model=m)
+    return rows, layer_arrays(layer_cols)
 
-    correlation = stage_correlation(inputs)
-    drift = {st: stage_drift(inputs, st, cfg=cfg, rows=rows) for st in stages}
-    drift_estimated = all("skipped" not in d for d in drift.values())
-    missing = [*inputs.missing, *notes]
+
+def _missing(inputs: AdviseInputs, run: _Run, *, drift_estimated: bool) -> list[str]:
+    """Step 4: what the input lacks and what the strategies' choice leaves out, in words; without a
+    drift estimate, why and what to record to get one."""
+    missing = [*inputs.missing, *run.notes]
     if not drift_estimated:
-        n = min(len(inputs.stages[s].windows_NLE) for s in recorded)
+        n = min(len(inputs.stages[s].windows_NLE) for s in run.recorded)
         missing.append(
             f"No drift estimate: the input has {n} window(s) of counts (a drift estimate needs {MIN_DRIFT_WINDOWS}); "
             + (
@@ -245,70 +307,120 @@ def advise_arrays(
                 else "whether the load moves faster than a static placement follows is unknown."
             )
         )
+    return missing
+
+
+def _recommended(recommended: list[tuple[str, str]], best: list[StageChoice], *, ref_key: str) -> list[tuple[str, str]]:
+    """Step 5: the (stage, option key) pairs whose placements are written: the verdicts' recommendations,
+    then each stage's decision by the one rule where it is not the reference, each once."""
+    return list(dict.fromkeys([*recommended, *((c.stage, c.decision) for c in best if c.decision != ref_key)]))
+
+
+def _manifest(
+    inputs: AdviseInputs,
+    cfg: AdviseConfig,
+    run: _Run,
+    *,
+    missing: list[str],
+    correlation: float | None,
+    drift: dict[str, dict[str, Any]],
+    drift_estimated: bool,
+    verdicts: list[AdviceVerdict],
+    best: list[StageChoice],
+    recommended: list[tuple[str, str]],
+) -> AdviceManifest:
+    """Step 6: advice.json (without the commands, which name where it is written: ``write_advice``)."""
+    m, dep = inputs.model, cfg.deployment
+    return AdviceManifest(
+        input=inputs.source,
+        input_kind=inputs.kind,
+        trace=inputs.source if inputs.kind == "trace" else None,  # the dashboard shows its overview too
+        model=m,
+        deployment=dep.name,
+        gpus_per_node=dep.num_gpus_per_node,
+        num_ep=dep.num_ep,
+        num_nodes=dep.num_nodes,
+        reference=run.ref.key,
+        current_format=inputs.current_format or None,
+        stages=tuple(run.stages),
+        recorded_stages=tuple(run.recorded),
+        missing=tuple(missing),
+        redundancy_sweep=tuple(plain_json(run.sweep)),
+        max_slots_per_gpu=plain_json(cfg.slot_limit(m.num_experts)),
+        num_steps={s: int(_num_steps(inputs, s)) for s in run.recorded},
+        decode_dedup=cfg.decode_dedup,
+        prefill_dedup=cfg.prefill_dedup,
+        hardware=cfg.hardware,
+        expert=None if run.expert is None else plain_json(run.expert.to_json()),
+        test_fraction=cfg.test_fraction,
+        seed=cfg.seed,
+        strategies=run.names,
+        eplb_sum=cfg.eplb_sum,
+        replica_policy=cfg.replica_policy,
+        step_tokens_per_gpu={"decode": cfg.decode_tokens_per_gpu, "prefill": cfg.prefill_tokens_per_gpu},
+        rearrangement=cfg.rearrangement,
+        prefill_decode_correlation=plain_json(correlation),
+        drift_estimated=drift_estimated,
+        drift=plain_json(drift),
+        verdicts=tuple(verdicts),
+        best={c.stage: c for c in best},
+        recommended=tuple(
+            Recommended(stage=st, option=key, placement=f"placements/{st}-{key}.json") for st, key in recommended
+        ),
+    )
+
+
+def advise_arrays(
+    inputs: AdviseInputs, cfg: AdviseConfig, *, progress: Callable[[int, int], None] | None = None
+) -> Advice:
+    """Evaluate every option on every recorded stage of ``inputs``, then word the verdicts, in six
+    steps: the options (``_prepare``), their evaluation (``_evaluate``), the rows (``_rows``), what the
+    input lacks (``_missing``), the recommended placements (``_recommended``) and advice.json (``_manifest``).
+
+    ``progress(done, total)`` after each (option, steps) evaluation.
+    """
+    run = _prepare(inputs, cfg)
+    evals = _evaluate(inputs, cfg, run, progress=progress)
+    rows, layer_rows = _rows(inputs, cfg, run, evals)
+    correlation = stage_correlation(inputs)
+    drift: dict[str, dict[str, Any]] = {st: stage_drift(inputs, st, cfg=cfg, rows=rows) for st in run.stages}
+    drift_estimated = all("skipped" not in d for d in drift.values())
+    missing = _missing(inputs, run, drift_estimated=drift_estimated)
     verdict_list, recommended = verdicts(
         rows,
-        stages=list(stages),
-        ref_key=ref_opt.key,
-        ref_label=ref_opt.label,
-        drift={str(k): v for k, v in drift.items()},
+        stages=list(run.stages),
+        ref_key=run.ref.key,
+        ref_label=run.ref.label,
+        drift=drift,
         correlation=correlation,
         weights=stage_weights(inputs),
         missing=tuple(missing),
         rearrangement=cfg.rearrangement,
     )
-    best = stage_choices(rows, stages=list(stages), ref_key=ref_opt.key)  # the one rule (decision.choose)
-    recommended = list(
-        dict.fromkeys([*recommended, *((c.stage, c.decision) for c in best if c.decision != ref_opt.key)])
+    best = stage_choices(rows, stages=list(run.stages), ref_key=run.ref.key)  # the one rule (decision.choose)
+    recommended = _recommended(recommended, best, ref_key=run.ref.key)
+    manifest = _manifest(
+        inputs,
+        cfg,
+        run,
+        missing=missing,
+        correlation=correlation,
+        drift=drift,
+        drift_estimated=drift_estimated,
+        verdicts=verdict_list,
+        best=best,
+        recommended=recommended,
     )
-    placements = {
-        f"{st}-{key}": next(o for o in options[st] if o.key == key) for st, key in recommended if st in options
-    }
-    manifest = {
-        "input": inputs.source,
-        "input_kind": inputs.kind,
-        "trace": inputs.source if inputs.kind == "trace" else None,  # the dashboard shows its overview too
-        "model": m.to_dict(),
-        "deployment": dep.name,
-        "gpus_per_node": dep.num_gpus_per_node,
-        "num_ep": dep.num_ep,
-        "num_nodes": dep.num_nodes,
-        "reference": ref_opt.key,
-        "current_format": inputs.current_format or None,
-        "stages": list(stages),
-        "recorded_stages": list(recorded),
-        "missing": missing,
-        "redundancy_sweep": sweep,
-        "max_slots_per_gpu": cfg.slot_limit(E),
-        "num_steps": {s: int(_num_steps(inputs, s)) for s in recorded},
-        "decode_dedup": cfg.decode_dedup,
-        "prefill_dedup": cfg.prefill_dedup,
-        "hardware": cfg.hardware.to_json(),
-        "expert": None if expert is None else expert.to_json(),
-        "test_fraction": cfg.test_fraction,
-        "seed": cfg.seed,
-        "strategies": list(names),
-        "eplb_sum": cfg.eplb_sum,
-        "replica_policy": cfg.replica_policy,
-        "step_tokens_per_gpu": {"decode": cfg.decode_tokens_per_gpu, "prefill": cfg.prefill_tokens_per_gpu},
-        "rearrangement": {
-            "stall_seconds": cfg.rearrangement.stall_seconds,
-            "interval_steps": cfg.rearrangement.interval_steps,
-        },
-        "prefill_decode_correlation": correlation,
-        "drift_estimated": drift_estimated,
-        "drift": drift,
-        "verdicts": verdict_list,
-        "best": stage_choices_json(best),
-        "recommended": [
-            {"stage": st, "option": key, "placement": f"placements/{st}-{key}.json"} for st, key in recommended
-        ],
-    }
     return Advice(
         manifest=manifest,
         rows=rows,
-        layer_rows=layer_arrays(layer_cols),
-        placements=placements,
-        options={f"{st}-{o.key}": o for st in stages for o in options[st]},
+        layer_rows=layer_rows,
+        placements={
+            r.stem: next(o for o in run.options[r.stage] if o.key == r.option)
+            for r in manifest.recommended
+            if r.stage in run.options
+        },
+        options={f"{st}-{o.key}": o for st in run.stages for o in run.options[st]},
     )
 
 

@@ -1,12 +1,15 @@
-"""``moetrace advise``'s result files and printed text: ``advice.json`` (with the commands that
-reproduce and export each recommended placement), ``options.parquet``, ``layers.parquet``, the
+"""``moetrace advise``'s result files and printed text: ``advice.json`` (the typed
+``advise_manifest.AdviceManifest`` with the commands that reproduce and export each recommended
+placement, written through its ``to_json``), ``options.parquet``, ``layers.parquet``, the
 placements, and the table and verdicts the command prints.
 
-Out of scope: computing the advice (``advise``), its verdicts (``advise_verdicts``).
+Out of scope: computing the advice (``advise``), its verdicts (``advise_verdicts``), the record
+itself (``advise_manifest``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import textwrap
@@ -17,6 +20,7 @@ import numpy as np
 
 from moetrace import results as rf
 from moetrace.errors import TraceFormatError
+from moetrace.placement.advise_manifest import AdviceCommand, AdviceManifest
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.eplb import ACCUMULATE_WHO
 from moetrace.placement.legends import ADVISE_LEGEND, legend_lines
@@ -28,7 +32,7 @@ __all__ = ["best_lines", "commands", "format_advice", "read_advice", "write_advi
 
 
 # ------------------------------------------------------------------------------ commands
-def commands(advice: Advice, *, out: str | os.PathLike) -> list[dict[str, Any]]:
+def commands(advice: Advice, *, out: str | os.PathLike) -> list[AdviceCommand]:
     """The ``moetrace place`` / ``moetrace export`` commands of every recommended option, per engine
     (``out``: the advice directory holding its placement files)."""
     from moetrace.placement.advise_options import EPLB_STRATEGIES
@@ -38,33 +42,33 @@ def commands(advice: Advice, *, out: str | os.PathLike) -> list[dict[str, Any]]:
     out_cmds = []
     suffix = {"sglang": "json", "trtllm": "yaml", "vllm": "json", "vllm-ascend": "json", "llmd-fixed-placement": "json"}
     man = advice.manifest
-    input_path, config = man["input"], man["deployment"]
-    gpn = f" --gpus-per-node {man['gpus_per_node']}" if man["gpus_per_node"] != 8 else ""
-    for rec in man["recommended"]:
-        st, key = rec["stage"], rec["option"]
-        opt = advice.placements[f"{st}-{key}"]
-        path = f"{out}/{rec['placement']}"
-        exported = f"{out}/exports/{st}-{key}"  # beside the results they come from, one name per (stage, option)
+    input_path, config = man.input, man.deployment
+    gpn = f" --gpus-per-node {man.gpus_per_node}" if man.gpus_per_node != 8 else ""
+    for rec in man.recommended:
+        st, key = rec.stage, rec.option
+        opt = advice.placements[rec.stem]
+        path = f"{out}/{rec.placement}"
+        exported = f"{out}/exports/{rec.stem}"  # beside the results they come from, one name per (stage, option)
         place = None
         eplb = opt.name in EPLB_STRATEGIES
         grouped = opt.name in STRATEGY_NAMES and get_strategy(opt.name).grouped
-        if man["input_kind"] == "trace" and (st == "decode" and eplb or grouped):
+        if man.input_kind == "trace" and (st == "decode" and eplb or grouped):
             red = f" --redundancy {opt.num_redundant}" if opt.num_redundant else ""
-            esum = f" --eplb-sum {man['eplb_sum']}" if eplb and man["eplb_sum"] != "float64" else ""
+            esum = f" --eplb-sum {man.eplb_sum}" if eplb and man.eplb_sum != "float64" else ""
             place = (
                 f"moetrace place {input_path} --config {config}{gpn} --strategy {opt.name}{red}{esum} "
-                f"--test-fraction {man['test_fraction']} --seed {man['seed']} -o {exported}.place.json"
+                f"--test-fraction {man.test_fraction} --seed {man.seed} -o {exported}.place.json"
             )
         exports: dict[str, str] = {
             fmt: f"moetrace export {path} --format {fmt} -o {exported}.{fmt}.{suffix[fmt]}" for fmt in PLACEMENT_EXPORTS
         }
-        if man["input_kind"] == "trace" and eplb:
+        if man.input_kind == "trace" and eplb:
             stage_arg = "both" if st == "both" else st
             exports["sglang (counts; SGLang runs its own EPLB)"] = (
                 f"moetrace export {input_path} --format sglang-logical-count --stage {stage_arg} "
                 f"-o {out}/exports/{st}-logical_count.json"
             )
-        out_cmds.append({"stage": st, "option": key, "placement": path, "place": place, "export": exports})
+        out_cmds.append(AdviceCommand(stage=st, option=key, placement=path, place=place, export=exports))
     return out_cmds
 
 
@@ -83,23 +87,22 @@ def write_advice(
 
     from moetrace.placement.exports import PlacementFile, save_placement
     from moetrace.placement.routers import NoRouter
-    from moetrace.tracer.trace.schema import ModelInfo
 
     out = Path(out)
     final = out if final_dir is None else Path(final_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    model = ModelInfo.from_dict(advice.manifest["model"])
+    man = advice.manifest
     for stem, opt in advice.placements.items():
         p = out / "placements" / f"{stem}.json"
         pf = PlacementFile(
-            model=model,
+            model=man.model,
             deployment=deployment,
             strategy=opt.name,
             placement=opt.placement,
             router=opt.router if opt.router is not None else NoRouter(),
             source={
-                "advise": rf.recorded_path(advice.manifest["input"], results_dir=final / "placements"),
+                "advise": rf.recorded_path(man.input, results_dir=final / "placements"),
                 "fitted_on": opt.fitted_on or None,
                 "option": opt.key,
             },
@@ -108,46 +111,33 @@ def write_advice(
         written.append(p)
     written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_OPTIONS, pl.DataFrame(advice.rows)))
     written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_LAYERS, pl.DataFrame(advice.layer_rows)))
-    body = {**advice.manifest, "commands": commands(advice, out=final)}
-    for key in ("input", "trace"):  # relative to the results: no absolute path of the user's machine
-        if isinstance(body.get(key), str):
-            body[key] = rf.recorded_path(body[key], results_dir=final)
-    written.append(rf.write_result_json(out, rf.ADVICE, rf.ADVICE_MANIFEST, _plain(body)))
+    body = dataclasses.replace(
+        man,
+        # relative to the results: no absolute path of the user's machine
+        input=rf.recorded_path(man.input, results_dir=final),
+        trace=None if man.trace is None else rf.recorded_path(man.trace, results_dir=final),
+        commands=tuple(commands(advice, out=final)),
+    )
+    written.append(rf.write_result_json(out, rf.ADVICE, rf.ADVICE_MANIFEST, body.to_json()))
     return written
-
-
-def _plain(x: Any) -> Any:
-    """``x`` with numpy scalars as Python numbers and NaN as null (strict JSON)."""
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_plain(v) for v in x]
-    if isinstance(x, np.integer | bool):
-        return x if isinstance(x, bool) else int(x)
-    if isinstance(x, float | np.floating):
-        return None if np.isnan(x) else float(x)
-    return x
 
 
 def format_advice(advice: Advice, *, out: str | os.PathLike) -> str:
     """The verdicts, a table of the options per stage and the commands, as ``moetrace advise`` prints them."""
     man = advice.manifest
-    steps = man["step_tokens_per_gpu"]
+    steps = man.step_tokens_per_gpu or {}
     lines = [
-        f"moetrace advise: {man['input']} ({man['input_kind']}), {man['deployment']}, reference {man['reference']}",
-        f"EPLB summed in {man['eplb_sum']} ({ACCUMULATE_WHO[man['eplb_sum']]}); replica policy {man['replica_policy']}; "
+        f"moetrace advise: {man.input} ({man.input_kind}), {man.deployment}, reference {man.reference}",
+        f"EPLB summed in {man.eplb_sum} ({ACCUMULATE_WHO[man.eplb_sum or 'float64']}); replica policy {man.replica_policy}; "
         f"steps of {steps['decode']} decode and {steps['prefill']} prefill tokens per GPU; "
-        + (
-            "drift estimated over the windows" if man["drift_estimated"] else "no drift estimate (fewer than 4 windows)"
-        ),
+        + ("drift estimated over the windows" if man.drift_estimated else "no drift estimate (fewer than 4 windows)"),
     ]
-    if man.get("expert") is None:  # the time column is then all-to-all time; say why and how to give the size
+    if man.expert is None:  # the time column is then all-to-all time; say why and how to give the size
         from moetrace.placement.cost import expert_unknown_reason
-        from moetrace.tracer.trace.schema import ModelInfo
 
-        reason = expert_unknown_reason(ModelInfo.from_dict(man["model"]))
+        reason = expert_unknown_reason(man.model)
         lines.append(reason or "MoE-layer time n/a: the expert size is unknown")
-    for st in man["stages"]:
+    for st in man.stages:
         for steps in dict.fromkeys(r["steps"] for r in advice.rows if r["stage"] == st):
             lines.append(f"\n{st} placement, {steps} steps:")
             lines.append(
@@ -168,31 +158,31 @@ def format_advice(advice: Advice, *, out: str | os.PathLike) -> str:
     lines += ["", *legend_lines(ADVISE_LEGEND, indent="")]
     lines += ["", *best_lines(man)]
     lines.append("\nWhy, per stage (EPLB's sweep, the other strategies, what a rearrangement costs):")
-    lines += [v["text"] for v in man["verdicts"]]
-    if commands(advice, out=out):
+    lines += advice.verdicts
+    cmds = commands(advice, out=out)
+    if cmds:
         lines.append(f"\ncommands (each writes under {out}/exports/):")
-    for c in commands(advice, out=out):
-        lines.append(f"\n{c['stage']}: {c['option']} (placement file {c['placement']})")
-        if c["place"]:
-            lines.append(f"  {c['place']}")
-        lines += [f"  {cmd}" for cmd in c["export"].values()]
+    for c in cmds:
+        lines.append(f"\n{c.stage}: {c.option} (placement file {c.placement})")
+        if c.place:
+            lines.append(f"  {c.place}")
+        lines += [f"  {cmd}" for cmd in c.export.values()]
     return "\n".join(lines)
 
 
-def best_lines(man: dict[str, Any]) -> list[str]:
+def best_lines(man: AdviceManifest) -> list[str]:
     """``Decision per stage ...``: advice.json's ``best`` (``decision.choose`` over every option) in words,
     with how it relates to ``compare``."""
-    from moetrace.placement.decision import MIN_GAIN, StageChoice, objective, relation
+    from moetrace.placement.decision import MIN_GAIN, objective, relation
 
-    best = man.get("best") or {}
-    if not best:
+    if not man.best:
         return []
-    ref = man["reference"]
-    choices = [StageChoice.from_json(b) for b in best.values()]
+    ref = man.reference
+    choices = list(man.best.values())
     rule = objective(choices[0].measure)
     head = f"Decision per stage (the rule compare applies too: {rule}; under {MIN_GAIN:.0%} saved: keep {ref}):"
     texts = [ch.text() for ch in choices]
-    texts.append(relation(command="advise", strategies=man.get("strategies", [])))
+    texts.append(relation(command="advise", strategies=man.strategies))
     out = textwrap.wrap(head, width=100, subsequent_indent="  ")
     for t in texts:
         out += textwrap.wrap(t, width=100, initial_indent="  ", subsequent_indent="    ")

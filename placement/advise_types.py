@@ -1,7 +1,8 @@
 """The records ``moetrace advise`` passes between its modules: an evaluated ``Option``, the
-``Advice`` (summary rows, per-layer rows, verdicts, placements), what it evaluates (``AdviseInputs``:
-per recorded stage a ``StageInput``, a trace's simulated steps as ``StepTokens``) and what one option
-on one stage's steps measures (``StepMetrics``); the stage names.
+``Advice`` (its ``advice.json`` as ``advise_manifest.AdviceManifest``, summary rows, per-layer rows,
+placements), what it evaluates (``AdviseInputs``: per recorded stage a ``StageInput``, a trace's
+simulated steps as ``StepTokens``) and what one option on one stage's steps measures
+(``StepMetrics``); the stage names.
 
 Shape legend (docs/architecture.md): N windows, B steps, L MoE layers, E logical experts, T tokens,
 K top-k slots.
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
+from moetrace.placement.advise_manifest import AdviceManifest
 from moetrace.placement.advise_options import EPLB_STRATEGIES, EplbPolicy, option_label
 from moetrace.placement.maps import Placement
 
@@ -68,7 +70,7 @@ class Option:
 class Advice:
     """What ``advise_arrays`` found: summary rows, per-layer rows, verdicts, commands, placements."""
 
-    manifest: dict[str, Any]  # the advice.json body (config, verdicts, commands, correlations, drift)
+    manifest: AdviceManifest  # advice.json (config, verdicts, decision, correlations, drift; commands when written)
     rows: list[dict[str, Any]]  # one per (stage, steps, option): the summary (options.parquet)
     layer_rows: dict[str, np.ndarray]  # columns of layers.parquet (stage, steps, option, layer, measures)
     placements: dict[str, Option] = field(default_factory=dict)  # file stem -> a recommended option to write
@@ -76,7 +78,8 @@ class Advice:
 
     @property
     def verdicts(self) -> list[str]:
-        return [v["text"] for v in self.manifest["verdicts"]]
+        """The verdicts in words, in the order the command prints them."""
+        return [v.text for v in self.manifest.verdicts]
 
 
 Stage = Literal["prefill", "decode", "both"]

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from moetrace.placement.advise_manifest import AdviceVerdict, plain_json
 from moetrace.placement.advise_options import EPLB_STRATEGIES
 from moetrace.placement.advise_rearrange import Rearrangement, rearrangement_cost, rearrangement_text
 from moetrace.placement.decision import MIN_GAIN, WITHIN_BEST, Candidate, StageChoice, choose, pct
@@ -167,11 +168,11 @@ def verdicts(
     weights: dict[str, float],
     missing: tuple[str, ...],
     rearrangement: Rearrangement,
-) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+) -> tuple[list[AdviceVerdict], list[tuple[str, str]]]:
     """One verdict per stage in plain words, with the numbers behind it; and the recommended (stage,
     option key) pairs (their placement files and commands). The placement of ``both`` serves prefill
     and decode steps, weighed by ``weights`` (the steps each stage's traffic takes)."""
-    out: list[dict[str, Any]] = []
+    out: list[AdviceVerdict] = []
     recommended: list[tuple[str, str]] = []
     for st in stages:
         here = [r for r in rows if r["stage"] == st]
@@ -186,7 +187,7 @@ def verdicts(
                 )
                 text += more
                 recommended += [(st, k) for k in keys]
-            out.append({"stage": st, "verdict": "not evaluated", "option": None, "text": text})
+            out.append(AdviceVerdict(stage=st, verdict="not evaluated", option=None, text=text))
             continue
         if st == "both":
             # one row per option: its step time weighed over both stages, over the reference's
@@ -256,10 +257,10 @@ def verdicts(
             )
             text += more
             recommended += [(st, k) for k in keys]
-        out.append({"stage": st, "verdict": verdict, "option": option, "text": text, **info})
+        out.append(AdviceVerdict(stage=st, verdict=verdict, option=option, text=text, info=plain_json(info)))
     if correlation is not None and "both" in stages:
         sep = correlation < SEPARATE_BELOW
-        gains = any(v["verdict"] == "enable" for v in out)
+        gains = any(v.verdict == "enable" for v in out)
         advice = (
             "balance them separately (one placement per stage, as with prefill/decode disaggregation)."
             if sep and gains
@@ -269,9 +270,9 @@ def verdicts(
         )
         sep = sep and gains
         text = f"Prefill and decode loads correlate {correlation:.2f}: {advice}"
-        out.append({"stage": "both", "verdict": "separate" if sep else "together", "option": None, "text": text})
+        out.append(AdviceVerdict(stage="both", verdict="separate" if sep else "together", option=None, text=text))
     for miss in missing:
-        out.append({"stage": None, "verdict": "missing", "option": None, "text": miss})
+        out.append(AdviceVerdict(stage=None, verdict="missing", option=None, text=miss))
     return out, list(dict.fromkeys(recommended))
 
 

@@ -3,8 +3,11 @@
 ``CompareManifest`` is what ``moetrace compare -o`` writes as ``compare.json`` (``to_json``; its
 ``format`` and ``version`` come from ``moetrace.results.COMPARE``) and what every reader gets back
 (``from_json``, ``read_compare_manifest``): ``compare``'s printed summary and the dashboard read its
-fields, never the JSON's keys. Keys that files written by older moetrace lack (``LATER_KEYS``) get
-their meaning from before they existed, here and nowhere else.
+fields, never the JSON's keys. Its parts are records too: the clustering of each grouped strategy
+(``GroupingRecord``), the ranking and decision per stage (``CompareVerdict``, built by
+``compare_verdict.compare_verdict``) and the step model (``placement.hardware.Hardware``). Keys that
+files written by older moetrace lack (``LATER_KEYS``, ``VERDICT_LATER_KEYS``) get their meaning from
+before they existed, here and nowhere else.
 
 Out of scope: the tables of a compare results directory (``compare.write_results``, docs/placement.md);
 the run itself (``compare.run_compare``); file names, formats, versions (``moetrace.results``).
@@ -15,13 +18,24 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetrace.errors import TraceFormatError
-from moetrace.results import COMPARE, COMPARE_MANIFEST, read_result_manifest
+from moetrace.placement.decision import StageChoice
+from moetrace.results import COMPARE, COMPARE_MANIFEST, ManifestFields, read_result_manifest
 from moetrace.tracer.trace.schema import ModelInfo
 
-__all__ = ["LATER_KEYS", "CompareManifest", "GroupingRecord", "read_compare_manifest"]
+if TYPE_CHECKING:
+    from moetrace.placement.hardware import Hardware
+
+__all__ = [
+    "LATER_KEYS",
+    "VERDICT_LATER_KEYS",
+    "CompareManifest",
+    "CompareVerdict",
+    "GroupingRecord",
+    "read_compare_manifest",
+]
 
 #: keys added to compare.json after its format was stamped -> their value in files that lack them
 LATER_KEYS: dict[str, Any] = {
@@ -101,6 +115,70 @@ class GroupingRecord:
         }
 
 
+#: keys compare.json's ``verdict`` gained after it was first written -> their value in files that lack them
+VERDICT_LATER_KEYS: dict[str, Any] = {
+    "stages": {},  # the decision per stage by the one rule (issue 39) came later
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareVerdict:
+    """compare.json's ``verdict`` (``compare_verdict.compare_verdict``): the deployable strategies within
+    the node-load limit ranked by the verdict's measure (median per step, over the reference's), and per
+    simulated stage the decision by the one rule (``decision.choose``, the rule ``advise`` applies too)."""
+
+    measure: str  # "moe_time" (MoE-layer time per step), or "a2a_time" (all-to-all time: expert size unknown)
+    ranking: tuple[str, ...]  # the deployable strategies within the node-load limit, fastest first
+    recommended: str | None  # the first of them; None: none within the limit
+    over_node_load_limit: tuple[str, ...]  # the strategies whose router sends a node more than the limit
+    time_normalized: dict[str, float]  # strategy -> its median in the measure over the reference's (NaN: ref 0)
+    a2a_time_normalized: dict[str, float]  # strategy -> its median all-to-all time over the reference's
+    stages: dict[str, StageChoice] = field(default_factory=dict)  # stage -> its decision; empty: an older file
+
+    @property
+    def by_moe_time(self) -> bool:
+        """Ranked by MoE-layer time (else by all-to-all time: the expert size was unknown)."""
+        return self.measure == "moe_time"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "measure": self.measure,
+            "ranking": list(self.ranking),
+            "recommended": self.recommended,
+            "over_node_load_limit": list(self.over_node_load_limit),
+            "time_normalized": dict(self.time_normalized),
+            "a2a_time_normalized": dict(self.a2a_time_normalized),
+            "stages": {st: ch.to_json() for st, ch in self.stages.items()},
+        }
+
+    @classmethod
+    def from_json(cls, obj: object, *, where: str) -> CompareVerdict:
+        r = ManifestFields(obj, where, kind=COMPARE, later=VERDICT_LATER_KEYS)
+        return cls(
+            measure=r.text("measure"),
+            ranking=r.names("ranking"),
+            recommended=r.text("recommended", optional=True),
+            over_node_load_limit=r.names("over_node_load_limit"),
+            time_normalized=r.numbers("time_normalized"),
+            a2a_time_normalized=r.numbers("a2a_time_normalized"),
+            stages=r.parsed("stages", _choices),
+        )
+
+
+def _choices(obj: dict[str, Any]) -> dict[str, StageChoice]:
+    """``verdict.stages``: stage -> its decision (``StageChoice.from_json``: null figures as NaN)."""
+    try:
+        return {str(st): StageChoice.from_json(ch) for st, ch in obj.items()}
+    except (TypeError, AttributeError) as exc:  # a key missing or unknown, a decision not an object
+        raise TypeError(f"`verdict.stages` holds a malformed decision ({exc}); re-run `{COMPARE.command}`") from None
+
+
+def _hardware(obj: dict[str, Any]) -> Hardware:
+    from moetrace.placement.hardware import hardware_from_json
+
+    return hardware_from_json(obj, name="`hardware`")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CompareManifest:
     """One compare run (fields in the order compare.json holds them; the first fifteen are
@@ -120,8 +198,8 @@ class CompareManifest:
     seed: int  # split, K-means, random placement, batch sampling
     oracle: bool  # the upper bounds were asked for
     prefill_dedup: str | None = None  # copy model of the prefill stage; None: written before the cost model
-    # the step model's kernels per copy model (hardware.Hardware.to_json); None: written before it
-    hardware: dict[str, Any] | None = None
+    # the step model's kernels per copy model (written as ``Hardware.to_json``); None: written before it
+    hardware: Hardware | None = None
     max_node_load: float | None = None  # routers over this load (busiest node / even share) are flagged
     prefill_tokens_per_node: int = 0  # chunked-prefill tokens per node and step at an even share
     # N > 0: a what-if, not deployable: routers saw each request's first N generated tokens, not its prefill
@@ -150,9 +228,8 @@ class CompareManifest:
     # bound -> the deployable rows within the node-load limit that beat it: the bound failed (not hidden)
     bound_failures: dict[str, list[str]] = field(default_factory=dict)
     # the deployable strategies within the node-load limit ranked by MoE-layer time per step (all-to-all time
-    # when the expert size is unknown): measure, ranking, recommended, over_node_load_limit, time_normalized,
-    # a2a_time_normalized (compare.compare_verdict); None: a file from before it
-    verdict: dict[str, Any] | None = None
+    # when the expert size is unknown), and the decision per stage (compare_verdict); None: a file from before it
+    verdict: CompareVerdict | None = None
     # what one trace request is: "request", or "forward pass" (imports that carry no request ids)
     request_unit: str = "request"
     tokens_from: str | None = None  # None: held-out requests of the trace; else how the tokens were drawn (a profile)
@@ -186,6 +263,8 @@ class CompareManifest:
                 v = v.to_dict()
             elif f.name == "grouping":
                 v = {s: g.to_json() for s, g in v.items()}
+            elif f.name in ("verdict", "hardware") and v is not None:
+                v = v.to_json()
             out[f.name] = v
         return out
 
@@ -193,52 +272,48 @@ class CompareManifest:
     def from_json(cls, obj: dict[str, Any], *, where: str) -> CompareManifest:
         """The manifest in ``obj`` (compare.json read from ``where``, format and version already
         checked); ``TraceFormatError`` naming the first key that is missing or of the wrong type."""
-        r = _Reader(obj, where)
-        try:
-            model = ModelInfo.from_dict(r.get("model", dict))
-        except TraceFormatError as exc:
-            raise TraceFormatError(f"{where}: {exc}") from None
-        floor = r.get("expert_copy_floor", (int, float), optional=True)
+        r = ManifestFields(obj, where, kind=COMPARE, later=LATER_KEYS)
+        verdict = r.get("verdict", dict, optional=True)
         return cls(
             strategies=r.names("strategies"),
-            num_clusters=r.count("num_clusters"),
-            num_redundant=r.count("num_redundant"),
-            test_fraction=float(r.get("test_fraction", (int, float))),
-            num_batches=r.count("num_batches"),
-            num_batch_requests=r.count("num_batch_requests"),
+            num_clusters=r.integer("num_clusters"),
+            num_redundant=r.integer("num_redundant"),
+            test_fraction=r.number("test_fraction"),
+            num_batches=r.integer("num_batches"),
+            num_batch_requests=r.integer("num_batch_requests"),
             dedup=r.get("dedup", str),
             replica_policy=r.get("replica_policy", str),
-            bytes_per_value=r.count("bytes_per_value"),
-            seed=r.count("seed"),
+            bytes_per_value=r.integer("bytes_per_value"),
+            seed=r.integer("seed"),
             oracle=r.get("oracle", bool),
             deployment=r.get("deployment", str),
-            gpus_per_node=r.count("gpus_per_node"),
-            batch_requests=r.count("batch_requests"),
-            num_ep=r.count("num_ep"),
-            num_nodes=r.count("num_nodes"),
-            ranks_per_node=r.count("ranks_per_node"),
+            gpus_per_node=r.integer("gpus_per_node"),
+            batch_requests=r.integer("batch_requests"),
+            num_ep=r.integer("num_ep"),
+            num_nodes=r.integer("num_nodes"),
+            ranks_per_node=r.integer("ranks_per_node"),
             bounds=r.names("bounds"),
             trace=r.get("trace", str),
-            num_train_requests=r.count("num_train_requests"),
-            num_test_requests=r.count("num_test_requests"),
+            num_train_requests=r.integer("num_train_requests"),
+            num_test_requests=r.integer("num_test_requests"),
             bound_kinds={str(k): (None if v is None else str(v)) for k, v in r.get("bound_kinds", dict).items()},
-            expert_copy_floor=None if floor is None else float(floor),
+            expert_copy_floor=r.number("expert_copy_floor", optional=True),
             reference=r.get("reference", str),
-            model=model,
+            model=r.parsed("model", ModelInfo.from_dict),
             grouping={str(s): _grouping(g, where, s) for s, g in r.get("grouping", dict).items()},
             prefill_dedup=r.get("prefill_dedup", str, optional=True),
-            max_node_load=_opt_float(r.get("max_node_load", (int, float), optional=True)),
-            prefill_tokens_per_node=r.count("prefill_tokens_per_node"),
-            num_prefill_batches=r.count("num_prefill_batches"),
+            max_node_load=r.number("max_node_load", optional=True),
+            prefill_tokens_per_node=r.integer("prefill_tokens_per_node"),
+            num_prefill_batches=r.integer("num_prefill_batches"),
             links=r.get("links", dict, optional=True),
             expert=r.get("expert", dict, optional=True),
             skipped={str(k): str(v) for k, v in r.get("skipped", dict).items()},
             bound_failures={str(k): [str(x) for x in v] for k, v in r.get("bound_failures", dict).items()},
-            verdict=r.get("verdict", dict, optional=True),
-            route_first_decode=r.count("route_first_decode"),
+            verdict=None if verdict is None else CompareVerdict.from_json(verdict, where=f"{where} verdict"),
+            route_first_decode=r.integer("route_first_decode"),
             request_unit=r.get("request_unit", str),
             tokens_from=r.get("tokens_from", str, optional=True),
-            hardware=r.get("hardware", dict, optional=True),
+            hardware=r.parsed_or_none("hardware", _hardware),
             model_config=r.get("model_config", dict, optional=True),
             **{k: r.get(k, int, optional=True) for k in _CAP_KEYS},
         )
@@ -254,10 +329,6 @@ class CompareManifest:
         return self.links is not None
 
 
-def _opt_float(v: object) -> float | None:
-    return None if v is None else float(v)  # type: ignore[arg-type]  # checked int or float by the reader
-
-
 def read_compare_manifest(path: str | os.PathLike) -> CompareManifest:
     """The ``compare.json`` of the results directory ``path`` (or that file itself), its format and
     version checked; ``TraceFormatError`` naming the problem."""
@@ -268,45 +339,14 @@ def read_compare_manifest(path: str | os.PathLike) -> CompareManifest:
     return CompareManifest.from_json(obj, where=where)
 
 
-class _Reader:
-    """Typed access to compare.json's keys; ``LATER_KEYS`` fill those older files lack."""
-
-    def __init__(self, obj: dict[str, Any], where: str) -> None:
-        self.obj, self.where = obj, where
-
-    def get(self, key: str, typ: type | tuple[type, ...], *, optional: bool = False) -> Any:
-        if key not in self.obj:
-            if key in LATER_KEYS:
-                return LATER_KEYS[key]
-            raise TraceFormatError(f"{self.where}: no `{key}`; re-run `{COMPARE.command}`")
-        v = self.obj[key]
-        types = typ if isinstance(typ, tuple) else (typ,)
-        if (v is None and optional) or (isinstance(v, types) and (bool in types or not isinstance(v, bool))):
-            return v
-        raise TraceFormatError(
-            f"{self.where}: `{key}` is {v!r}, expected {' or '.join(t.__name__ for t in types)}; "
-            f"re-run `{COMPARE.command}`"
-        )
-
-    def count(self, key: str) -> int:
-        return int(self.get(key, int))
-
-    def names(self, key: str) -> tuple[str, ...]:
-        v = self.get(key, (list, tuple))
-        if not all(isinstance(s, str) for s in v):
-            raise TraceFormatError(f"{self.where}: `{key}` must be a list of names; re-run `{COMPARE.command}`")
-        return tuple(v)
-
-
 def _grouping(g: object, where: str, strategy: str) -> GroupingRecord:
     if not isinstance(g, dict):
         raise TraceFormatError(f"{where}: `grouping` of {strategy!r} must be an object; re-run `{COMPARE.command}`")
-    r = _Reader(g, f"{where} grouping {strategy!r}")
+    r = ManifestFields(g, f"{where} grouping {strategy!r}", kind=COMPARE, later=LATER_KEYS)
     c2g = r.get("cluster_to_groups", list)
-    rate = r.get("router_match_rate", (int, float), optional=True)
     return GroupingRecord(
-        num_clusters=r.count("num_clusters"),
+        num_clusters=r.integer("num_clusters"),
         cluster_to_groups=tuple(tuple(int(x) for x in gs) for gs in c2g),
-        router_match_rate=None if rate is None else float(rate),
+        router_match_rate=r.number("router_match_rate", optional=True),
         groups_without_routed_requests=tuple(int(x) for x in r.get("groups_without_routed_requests", list)),
     )

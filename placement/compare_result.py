@@ -91,7 +91,7 @@ class CompareResult:
         """What the verdict ranks by (``compare_verdict``): ``moe`` (MoE-layer time), or ``a2a`` when the
         model's expert size is unknown."""
         v = self.manifest.verdict
-        return "a2a" if v is None or v.get("measure") == "a2a_time" else "moe"
+        return "moe" if v is not None and v.by_moe_time else "a2a"
 
     def summary_rows(self) -> list[dict[str, Any]]:
         """One row per strategy and bound. ``oracle_captured``: the share of the oracle's saving over

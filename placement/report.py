@@ -20,9 +20,10 @@ from __future__ import annotations
 import textwrap
 
 from moetrace.placement.compare import MIN_HELD_OUT_REQUESTS, CompareResult, PlacedStrategy
-from moetrace.placement.compare_manifest import CompareManifest
+from moetrace.placement.compare_manifest import CompareManifest, CompareVerdict
 from moetrace.placement.cost import expert_unknown_reason
-from moetrace.placement.decision import MIN_GAIN, StageChoice, objective, relation
+from moetrace.placement.decision import MIN_GAIN, objective, relation
+from moetrace.placement.hardware import Hardware
 from moetrace.placement.legends import COMPARE_LEGEND, WORSE, legend_lines
 from moetrace.placement.strategies import get_strategy
 from moetrace.sizes import human_bytes
@@ -75,19 +76,18 @@ def copy_model_line(c: CompareManifest) -> str:
     return line
 
 
-def hardware_line(hw: dict, copies: str) -> str:
+def hardware_line(hw: Hardware, copies: str) -> str:
     """Which step model priced the run (the preset or links file; its ``source`` is in compare.json)
     and what the decode kernel sends: value types and fixed costs per collective."""
-    k = hw.get("kernels", {}).get(copies, {})
-    d, c = k.get("dispatch", {}), k.get("combine", {})
+    k = hw.kernels.get(copies)
     kern = (
-        f"; decode kernel {k.get('name', copies)}: dispatch {d.get('value', {}).get('name', '?')} "
-        f"+{d.get('fixed_s', 0) * 1e6:.3g} us, combine {c.get('value', {}).get('name', '?')} +{c.get('fixed_s', 0) * 1e6:.3g} us"
-        if k
+        f"; decode kernel {k.name}: dispatch {k.dispatch.value.name} +{k.dispatch.fixed_s * 1e6:.3g} us, "
+        f"combine {k.combine.value.name} +{k.combine.fixed_s * 1e6:.3g} us"
+        if k is not None
         else ""
     )
-    measured = "fitted to measured tables" if str(hw.get("source", "")).startswith("moetrace calibrate") else "hand-set"
-    return f"step model: {hw.get('name', '?')} ({measured}){kern}"
+    measured = "fitted to measured tables" if hw.source.startswith("moetrace calibrate") else "hand-set"
+    return f"step model: {hw.name} ({measured}){kern}"
 
 
 def _ratio(x: float) -> str:
@@ -219,10 +219,9 @@ def _bounds_header(c: CompareManifest) -> str:
 
 def decision_lines(c: CompareManifest) -> list[str]:
     """``best per stage ...``: compare.json's ``verdict.stages`` in words, and how it relates to advise."""
-    stages = (c.verdict or {}).get("stages") or {}
-    if not stages:
+    if c.verdict is None or not c.verdict.stages:
         return []
-    choices = [StageChoice.from_json(st) for st in stages.values()]
+    choices = list(c.verdict.stages.values())
     rule = objective(choices[0].measure)
     head = f"best per stage (the rule advise applies too: {rule}; under {MIN_GAIN:.0%} saved: keep linear):"
     texts = [ch.text() for ch in choices]
@@ -240,17 +239,17 @@ _MEASURE_WORDS = {
 }
 
 
-def verdict_line(v: dict, *, reference: str) -> str:
+def verdict_line(v: CompareVerdict, *, reference: str) -> str:
     """``verdict (MoE-layer time): ours 0.971 of linear (all-to-all 0.951), then eplb 0.980 (0.967), ...``:
     compare.json's ``verdict``, the deployable strategies within the node-load limit in rank order."""
-    what = "MoE-layer time" if v["measure"] == "moe_time" else "all-to-all time"
-    t, a = v["time_normalized"], v["a2a_time_normalized"]
-    ranking = v["ranking"]
+    what = "MoE-layer time" if v.by_moe_time else "all-to-all time"
+    t, a = v.time_normalized, v.a2a_time_normalized
+    ranking = v.ranking
     if not ranking:
         return f"verdict ({what}): no deployable strategy within the node-load limit"
     best = ranking[0]
-    beside = f" (all-to-all {a[best]:.3f})" if v["measure"] == "moe_time" else ""
-    rest = ", ".join(f"{s} {t[s]:.3f}" + (f" ({a[s]:.3f})" if v["measure"] == "moe_time" else "") for s in ranking[1:])
+    beside = f" (all-to-all {a[best]:.3f})" if v.by_moe_time else ""
+    rest = ", ".join(f"{s} {t[s]:.3f}" + (f" ({a[s]:.3f})" if v.by_moe_time else "") for s in ranking[1:])
     head = (
         f"verdict ({what}, deployable within the node-load limit): recommended {best} {t[best]:.3f} of {reference}{beside}"
         if best != reference

@@ -113,6 +113,9 @@ class Strategy:
     requires: Callable[[ModelInfo, int], None] | None = None
     # the builder reads ``usage_GLE`` (the training requests' decode tokens summed per group of the clustering)
     uses_group_usage: bool = False
+    # the builder reads the load (``load_LE``, the requests): False for data-free placements (linear, round
+    # robin, random), which ``advise`` builds once for every stage instead of fitting one per stage
+    uses_load: bool = True
 
     def check(self, model: ModelInfo, *, num_nodes: int) -> None:
         """``ConfigError`` naming why this strategy cannot place ``model`` (a ModelInfo) on ``num_nodes``."""
@@ -264,9 +267,19 @@ STRATEGIES: tuple[Strategy, ...] = (
         _linear,
         "vLLM default: slot p holds expert p mod E",
         keeps_router_groups="without_redundancy",
+        uses_load=False,
     ),
-    Strategy("round_robin", "round robin", False, _round_robin, "vLLM round robin: expert e on GPU e mod W"),
-    Strategy("random", "random", False, _random, "every expert once plus random replicas, shuffled per layer (seeded)"),
+    Strategy(
+        "round_robin", "round robin", False, _round_robin, "vLLM round robin: expert e on GPU e mod W", uses_load=False
+    ),
+    Strategy(
+        "random",
+        "random",
+        False,
+        _random,
+        "every expert once plus random replicas, shuffled per layer (seeded)",
+        uses_load=False,
+    ),
     Strategy(
         "eplb", "EPLB", False, _eplb, "DeepSeek EPLB on the training requests' decode load", keeps_router_groups="yes"
     ),  # its hierarchical policy

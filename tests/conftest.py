@@ -1,4 +1,5 @@
-"""Shared fixtures (small traces written with the real writer) and the slow tier's list."""
+"""Shared fixtures (small traces written with the real writer; the builders are in ``factories``) and
+the slow tier's list."""
 
 from __future__ import annotations
 
@@ -8,53 +9,35 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
+from factories import SMALL, planted_trace, register_planted_backend, write_small_trace
 from hypothesis import settings
-
-from moetrace.tracer.trace.schema import ModelInfo
-from moetrace.tracer.trace.writer import TraceWriter
 
 # property tests check behaviour, not speed (timings live in benchmarks/): no per-example deadline, which a
 # loaded 2-core machine trips on the first, import-warming example
 settings.register_profile("moetrace", deadline=None)
 settings.load_profile("moetrace")
 
-SMALL = ModelInfo(
-    name="small",
-    source="test",
-    architecture="TestMoe",
-    num_hidden_layers=4,
-    moe_layers=(1, 2, 3),
-    num_experts=16,
-    top_k=2,
-    num_shared_experts=0,
-    hidden_size=32,
-)
-
-
-def write_small_trace(path, *, num_requests: int = 6, seed: int = 0, model: ModelInfo = SMALL, **writer_kw):
-    """A valid trace of random routing: request r has 3+r prompt and 2+r%3 output tokens."""
-    rng = np.random.default_rng(seed)
-    with TraceWriter(path, model=model, backend={"name": "synthetic"}, collection={"seed": seed}, **writer_kw) as w:
-        for r in range(num_requests):
-            P, O = 3 + r, 2 + r % 3
-            ex = np.stack(
-                [
-                    np.stack(
-                        [rng.choice(model.num_experts, model.top_k, replace=False) for _ in range(model.num_moe_layers)]
-                    )
-                    for _ in range(P + O)
-                ]
-            )
-            ex[-1] = -1
-            w.add_request(request_id=r, dataset=["a", "b"][r % 2], prompt_tokens=P, topk_ids_TX=ex)
-    return path
+#: importable from here too, for modules that still import them from conftest (``factories`` owns them)
+__all__ = ["SMALL", "write_small_trace"]
 
 
 @pytest.fixture
 def small_trace(tmp_path):
     return write_small_trace(tmp_path / "trace")
+
+
+@pytest.fixture(scope="module")
+def replay_trace(tmp_path_factory):
+    """The structured planted trace the all-to-all replay tests share (40 requests, parity domains)."""
+    return planted_trace(tmp_path_factory.mktemp("t") / "planted", structured=True, num_requests=40)
+
+
+@pytest.fixture
+def planted_backend(monkeypatch):
+    """Backend ``planted`` registered first (``factories.register_planted_backend``): its built objects
+    (``built``) and whether the next one fails (``fail_in_run``)."""
+    return register_planted_backend(monkeypatch)
 
 
 # ---------------------------------------------------------------- the two tiers

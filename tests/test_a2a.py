@@ -20,15 +20,9 @@ from moetrace.placement.maps import placement_from_phy2log
 from moetrace.placement.replay import results as replay_results
 from moetrace.placement.replay.sends import A2AMismatchError, check_against_simulator, rank_link_bytes, send_matrices
 from moetrace.placement.simulate import simulate_volume
-from tests.test_placement_compare import _planted_trace
 
 DEP = dict(config="DP2TP2EP4", gpus_per_node=2)
 HIDDEN = 16
-
-
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    return _planted_trace(tmp_path_factory.mktemp("t") / "planted", structured=True, num_requests=40)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +37,8 @@ def cfg():
 
 
 @pytest.fixture(scope="module")
-def data(trace, cfg):
-    return load_trace_data(trace, test_fraction=cfg.test_fraction, seed=cfg.seed)
+def data(replay_trace, cfg):
+    return load_trace_data(replay_trace, test_fraction=cfg.test_fraction, seed=cfg.seed)
 
 
 @pytest.fixture(scope="module")
@@ -149,14 +143,19 @@ def test_gloo_collectives_move_exactly_the_predicted_bytes(plan, records):
 
 def test_ranking_by_measured_bytes_equals_simulators(plan, records):
     rows = ar.summary_rows(plan, records)
-    measured = [r["measured_inter_node_bytes_per_batch_median"] for r in rows]
-    simulated = [r["simulated_inter_node_bytes_per_batch_median"] for r in rows]
+    measured = [r.measured_inter_node_bytes_per_batch_median for r in rows]
+    simulated = [r.simulated_inter_node_bytes_per_batch_median for r in rows]
     assert measured == simulated
-    by = lambda key: [r["strategy"] for r in sorted(rows, key=lambda r: (r[key], r["strategy"]))]  # noqa: E731
-    assert by("measured_inter_node_normalized_median") == by("simulated_inter_node_normalized_median")
-    assert rows[0]["strategy"] == "linear" and rows[0]["measured_inter_node_normalized_median"] == 1.0
-    data_row = next(r for r in rows if r["strategy"] == "data")
-    assert data_row["measured_inter_node_normalized_median"] < 1.0  # the planted structure pays off on the wire
+    by_measured = [
+        r.strategy for r in sorted(rows, key=lambda r: (r.measured_inter_node_normalized_median, r.strategy))
+    ]
+    by_simulated = [
+        r.strategy for r in sorted(rows, key=lambda r: (r.simulated_inter_node_normalized_median, r.strategy))
+    ]
+    assert by_measured == by_simulated
+    assert rows[0].strategy == "linear" and rows[0].measured_inter_node_normalized_median == 1.0
+    data_row = next(r for r in rows if r.strategy == "data")
+    assert data_row.measured_inter_node_normalized_median < 1.0  # the planted structure pays off on the wire
 
 
 def test_results_files_carry_format_and_version(plan, records, tmp_path):
@@ -250,12 +249,13 @@ def test_predicted_time_ratios_follow_the_busiest_node_link(plan):
     for v, r in enumerate(rows):
         pred = np.median(want[v]) / np.median(want[0])
         meas = np.median(secs_VB[v]) / np.median(secs_VB[0])
-        assert r["predicted_time_normalized_median"] == pytest.approx(pred)
-        assert r["measured_time_normalized_median"] == pytest.approx(meas)
-        assert r["predicted_over_measured"] == pytest.approx(pred / meas)
-        assert r["predicted_seconds_per_batch_median"] == pytest.approx(np.median(want[v]))
+        assert r.predicted_time_normalized_median == pytest.approx(pred)
+        assert r.measured_time_normalized_median == pytest.approx(meas)
+        assert r.predicted_over_measured == pytest.approx(pred / meas)
+        assert r.predicted_seconds_per_batch_median == pytest.approx(np.median(want[v]))
     data_row = rows[plan.strategies.index("data")]
-    assert data_row["predicted_time_normalized_median"] < 1.0  # fewer inter-node bytes: less predicted time
+    assert data_row.predicted_time_normalized_median is not None
+    assert data_row.predicted_time_normalized_median < 1.0  # fewer inter-node bytes: less predicted time
     text = ar.format_summary(plan, recs, network)
     assert "cost model: inter 7.488 Mbit/s of payload per node" in text and "fixed 2.00 ms per collective" in text
 
@@ -295,6 +295,25 @@ def test_replay_traffic_is_the_cost_models(data, cfg, dedup):
     assert sim["dispatch_seconds"].max() > 0
 
 
+def test_a2a_json_is_its_typed_record_written_through_to_json(plan, tmp_path):
+    """The writer builds ``A2AManifest`` (``replay.a2a_manifest``, its rows ``A2ASummaryRow``) and writes
+    its ``to_json``: the file reads back into the same record and writes back the same bytes."""
+    from moetrace.placement.a2a_manifest import A2AManifest, A2ASummaryRow
+
+    recs, network = _fake_records(plan, fixed_s=1e-3, intra_s=2e-3)
+    out = tmp_path / "out"
+    ar.write_a2a_results(out, plan, recs, network)
+    text = (out / rf.A2A_MANIFEST).read_text()
+    rec = A2AManifest.from_json(json.loads(text), where="a2a.json")
+    assert rec == ar.a2a_manifest(plan, recs, network, out=out)
+    assert json.dumps({**rf.json_header(rf.A2A), **rec.to_json()}, indent=2) + "\n" == text
+    assert all(isinstance(r, A2ASummaryRow) for r in rec.summary) and rec.summary == tuple(
+        ar.summary_rows(plan, recs, network)
+    )
+    assert rec.network == network and rec.cost_model is not None and rec.strategies == plan.strategies
+    assert rec.bytes_match and rec.first_mismatch is None and rec.reference == "linear"
+
+
 def test_no_time_prediction_without_emulated_links(plan):
     """Loopback (or torchrun) links: the model's link classes mean nothing there; no predicted time, and the
     summary says why."""
@@ -302,16 +321,16 @@ def test_no_time_prediction_without_emulated_links(plan):
     loop = ar.Network(mode="loopback", note="n")
     assert ar.replay_cost(plan, recs, loop) is None
     rows = ar.summary_rows(plan, recs, loop)
-    assert all(r["predicted_time_normalized_median"] is None and r["predicted_over_measured"] is None for r in rows)
-    assert rows[0]["measured_time_normalized_median"] == 1.0
+    assert all(r.predicted_time_normalized_median is None and r.predicted_over_measured is None for r in rows)
+    assert rows[0].measured_time_normalized_median == 1.0
     assert "time prediction: none" in ar.format_summary(plan, recs, loop)
 
 
-def test_cli_a2a_end_to_end(trace, tmp_path, monkeypatch):
+def test_cli_a2a_end_to_end(replay_trace, tmp_path, monkeypatch):
     out = tmp_path / "a2a"
     args = [
         "a2a",
-        str(trace),
+        str(replay_trace),
         "--config",
         DEP["config"],
         "--gpus-per-node",
@@ -347,7 +366,7 @@ def test_cli_a2a_end_to_end(trace, tmp_path, monkeypatch):
     )
 
 
-def test_cli_nccl_without_gpus_says_so(trace, tmp_path):
+def test_cli_nccl_without_gpus_says_so(replay_trace, tmp_path):
     import torch
 
     if torch.cuda.device_count() >= 4:
@@ -356,7 +375,7 @@ def test_cli_nccl_without_gpus_says_so(trace, tmp_path):
         app,
         [
             "a2a",
-            str(trace),
+            str(replay_trace),
             "--config",
             DEP["config"],
             "--gpus-per-node",
@@ -370,14 +389,14 @@ def test_cli_nccl_without_gpus_says_so(trace, tmp_path):
     assert r.exit_code == 2 and "--backend nccl needs one GPU per rank: 4 ranks" in r.output
 
 
-def test_torchrun_flag_without_torchrun_env(trace, tmp_path, monkeypatch):
+def test_torchrun_flag_without_torchrun_env(replay_trace, tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     r = CliRunner().invoke(
         app,
         [
             "a2a",
-            str(trace),
+            str(replay_trace),
             "--config",
             DEP["config"],
             "--gpus-per-node",
@@ -396,7 +415,7 @@ def test_torchrun_flag_without_torchrun_env(trace, tmp_path, monkeypatch):
     assert r.exit_code == 2 and "RANK and WORLD_SIZE are not set" in r.output
 
 
-def test_cli_a2a_from_placement_files(data, cfg, trace, tmp_path):
+def test_cli_a2a_from_placement_files(data, cfg, replay_trace, tmp_path):
     from moetrace.placement.compare import placement_file
     from moetrace.placement.exports import load_placement, save_placement
     from moetrace.placement.replay import placed_from_file
@@ -412,7 +431,7 @@ def test_cli_a2a_from_placement_files(data, cfg, trace, tmp_path):
         np.testing.assert_array_equal(got.group_of_test_R[test], made[s].group_of_test_R[test])
     base = [
         "a2a",
-        str(trace),
+        str(replay_trace),
         "--gpus-per-node",
         "2",
         "--batches",

@@ -13,7 +13,6 @@ from moetrace.errors import ConfigError
 from moetrace.placement import replay as ar
 from moetrace.placement.compare import CompareConfig, load_trace_data
 from moetrace.placement.deployment import parse_deployment
-from tests.test_placement_compare import _planted_trace
 
 
 def test_auto_uses_nccl_only_with_a_gpu_per_rank():
@@ -53,13 +52,19 @@ def test_smoke_needs_one_gpu_and_no_torchrun():
             ar.choose_backend(world_size=4, num_gpus=1, smoke=True, **kw)
 
 
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    return _planted_trace(tmp_path_factory.mktemp("t") / "planted", structured=True, num_requests=40)
-
-
-def test_cli_smoke_without_gpu_and_out_rules(trace, tmp_path):
-    base = ["a2a", str(trace), "--config", "DP2TP2EP4", "--gpus-per-node", "2", "--batches", "1", "--redundancy", "4"]
+def test_cli_smoke_without_gpu_and_out_rules(replay_trace, tmp_path):
+    base = [
+        "a2a",
+        str(replay_trace),
+        "--config",
+        "DP2TP2EP4",
+        "--gpus-per-node",
+        "2",
+        "--batches",
+        "1",
+        "--redundancy",
+        "4",
+    ]
     r = CliRunner().invoke(app, [*base, "--smoke", "-o", str(tmp_path / "x")])
     assert r.exit_code == 2 and "--smoke prints its check and writes no results; drop -o" in r.output
     r = CliRunner().invoke(app, base)
@@ -70,7 +75,7 @@ def test_cli_smoke_without_gpu_and_out_rules(trace, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the NCCL smoke check runs on cuda:0)")
-def test_smoke_runs_nccl_all_to_all_on_one_gpu(trace):
+def test_smoke_runs_nccl_all_to_all_on_one_gpu(replay_trace):
     cfg = CompareConfig(
         deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2),
         strategies=("linear", "data"),
@@ -79,7 +84,7 @@ def test_smoke_runs_nccl_all_to_all_on_one_gpu(trace):
         num_redundant=4,
     )
     plan = ar.build_plan(
-        load_trace_data(trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=64, backend="nccl"
+        load_trace_data(replay_trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=64, backend="nccl"
     )
     rows = ar.run_smoke(plan)
     B, L = plan.sim_inter_VBL.shape[1:]

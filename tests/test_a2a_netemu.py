@@ -20,15 +20,9 @@ from moetrace.placement import netemu
 from moetrace.placement import replay as ar
 from moetrace.placement.compare import CompareConfig, load_trace_data
 from moetrace.placement.deployment import parse_deployment
-from tests.test_placement_compare import _planted_trace
 
 CAN_EMULATE, WHY_NOT = netemu.probe()
 needs_netns = pytest.mark.skipif(not CAN_EMULATE, reason=f"network namespaces cannot be made here: {WHY_NOT}")
-
-
-@pytest.fixture(scope="module")
-def trace(tmp_path_factory):
-    return _planted_trace(tmp_path_factory.mktemp("t") / "planted", structured=True, num_requests=40)
 
 
 def _namespaces() -> set[str]:
@@ -63,13 +57,13 @@ def test_probe_can_be_forced_off(monkeypatch):
     assert netemu.probe() == (False, f"{netemu.NO_NETNS_ENV} is set")
 
 
-def test_emulate_required_but_impossible_is_one_line(trace, monkeypatch):
+def test_emulate_required_but_impossible_is_one_line(replay_trace, monkeypatch):
     """--emulate-nodes where namespaces cannot be made stops before starting any rank."""
     monkeypatch.setenv(netemu.NO_NETNS_ENV, "1")
     cfg = CompareConfig(
         deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2), strategies=("linear",), num_batches=1
     )
-    plan = ar.build_plan(load_trace_data(trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=4)
+    plan = ar.build_plan(load_trace_data(replay_trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=4)
     with pytest.raises(
         ConfigError,
         match=r"^--emulate-nodes: network namespaces cannot be made here \(MOETRACE_NO_NETNS "
@@ -78,7 +72,7 @@ def test_emulate_required_but_impossible_is_one_line(trace, monkeypatch):
         ar.run_a2a(plan, emulate=True)
 
 
-def test_without_namespaces_says_so_and_still_measures_bytes_tpd2(trace, tmp_path, monkeypatch):
+def test_without_namespaces_says_so_and_still_measures_bytes_tpd2(replay_trace, tmp_path, monkeypatch):
     """Forced off (as without root): one note that inter-node time is not emulated, bytes still exact.
     The deployment has TP2 after EP: replayed as one process per EP rank, with a note."""
     monkeypatch.setenv(netemu.NO_NETNS_ENV, "1")
@@ -87,7 +81,7 @@ def test_without_namespaces_says_so_and_still_measures_bytes_tpd2(trace, tmp_pat
         app,
         [
             "a2a",
-            str(trace),
+            str(replay_trace),
             "--config",
             "DP4TP2EP4TP2",
             "--gpus-per-node",
@@ -118,12 +112,12 @@ def test_without_namespaces_says_so_and_still_measures_bytes_tpd2(trace, tmp_pat
     assert m["network"]["mode"] == "loopback" and m["world_size"] == 4 and m["num_nodes"] == 2 and m["bytes_match"]
 
 
-def test_bad_link_fails_before_any_work(trace, tmp_path):
+def test_bad_link_fails_before_any_work(replay_trace, tmp_path):
     r = CliRunner().invoke(
         app,
         [
             "a2a",
-            str(trace),
+            str(replay_trace),
             "--config",
             "DP2TP2EP4",
             "--gpus-per-node",
@@ -160,7 +154,7 @@ def test_namespaces_are_unique_and_always_removed():
 
 
 @needs_netns
-def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace, capfd):
+def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(replay_trace, capfd):
     cfg = CompareConfig(
         deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2),
         strategies=("linear", "data"),
@@ -169,7 +163,7 @@ def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace, capfd
         num_redundant=4,
     )
     plan = ar.build_plan(
-        load_trace_data(trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=64, backend="gloo"
+        load_trace_data(replay_trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=64, backend="gloo"
     )
     notes: list[str] = []
     records, net = ar.run_a2a(plan, emulate=None, link="500Mbit", log=notes.append)  # auto: root can, so it does
@@ -186,7 +180,8 @@ def test_replay_on_emulated_nodes_moves_exactly_the_predicted_bytes(trace, capfd
     assert cost.links.inter.bytes_per_s * netemu.WIRE_BYTES_PER_PAYLOAD_BYTE == pytest.approx(500e6 / 8)
     assert cost.fixed_seconds > 0 and cost.links.intra.bytes_per_s > 0
     rows = ar.summary_rows(plan, records, net)
-    assert rows[0]["predicted_time_normalized_median"] == 1.0 and rows[1]["predicted_over_measured"] > 0
+    assert rows[0].predicted_time_normalized_median == 1.0
+    assert rows[1].predicted_over_measured is not None and rows[1].predicted_over_measured > 0
     # the ranks start with c10d's log at ERROR: no per-connection "cannot resolve the hostname" noise
     assert "hostname of the client socket" not in capfd.readouterr().err
 

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from factories import ADVISE_MODEL, zipf_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -23,6 +24,7 @@ from moetrace.placement.advise import (
     write_advice,
 )
 from moetrace.placement.advise_current import read_current
+from moetrace.placement.advise_manifest import AdviceManifest
 from moetrace.placement.advise_metrics import (
     balancedness,
     expected_traffic,
@@ -40,21 +42,9 @@ from moetrace.placement.exports import PlacementFile, export_placement, load_pla
 from moetrace.placement.hardware import CostModel, hardware_of_links
 from moetrace.placement.maps import placement_from_phy2log
 from moetrace.placement.simulate import simulate_volume
-from moetrace.tracer.trace.schema import ModelInfo
-from moetrace.tracer.trace.writer import TraceWriter
 
 L, E, K = 2, 16, 2
-MODEL = ModelInfo(
-    name="advise-test",
-    source="test",
-    architecture="TestMoe",
-    num_hidden_layers=3,
-    moe_layers=(1, 2),
-    num_experts=E,
-    top_k=K,
-    num_shared_experts=0,
-    hidden_size=64,
-)
+MODEL = ADVISE_MODEL  # L MoE layers of E experts, top-K
 DEP = parse_deployment("DP2TP2EP4", num_gpus_per_node=2)  # 4 EP ranks on 2 nodes of 2 GPUs
 
 
@@ -215,45 +205,25 @@ def test_current_maps_read_back_from_every_engine_format(tmp_path):
         read_current(tmp_path / "odd", model=MODEL, num_ranks=4)
 
 
-# ---------------------------------------------------------------- traces
-def _trace(path, *, n=48, skew=2.0, stages=("prefill", "decode"), seed=0):
-    """Requests whose tokens favour low expert ids (Zipf-like ``skew``; 0: uniform)."""
-    rng = np.random.default_rng(seed)
-    p = 1.0 / np.arange(1, E + 1) ** skew
-    p /= p.sum()
-    collection = {"seed": seed} if len(stages) == 2 else {"seed": seed, "stages": list(stages)}
-    with TraceWriter(path, model=MODEL, backend={"name": "synthetic"}, collection=collection) as w:
-        for r in range(n):
-            P, O = 12, 10
-            ex = np.stack([rng.choice(E, K, replace=False, p=p) for _ in range((P + O) * L)]).reshape(P + O, L * K)
-            ex[-1] = -1
-            if "prefill" not in stages:
-                ex[:P] = -1
-            if "decode" not in stages:
-                ex[P:] = -1
-            w.add_request(request_id=r, dataset="d", prompt_tokens=P, topk_ids_TX=ex)
-    return path
-
-
 CFG = AdviseConfig(
     deployment=DEP, num_steps=20, decode_tokens_per_gpu=2, prefill_tokens_per_gpu=16, max_slots_per_gpu=6
 )
 
 
 def test_trace_advice_stays_within_the_slot_limit_and_writes_its_files(tmp_path):
-    adv = advise_trace(_trace(tmp_path / "t"), CFG)
-    assert adv.manifest["stages"] == ["prefill", "decode", "both"]
-    assert adv.manifest["redundancy_sweep"] == [0, 4, 8]  # 16 + R over 4 ranks within 6 slots per GPU
+    adv = advise_trace(zipf_trace(tmp_path / "t"), CFG)
+    assert adv.manifest.stages == ("prefill", "decode", "both")
+    assert adv.manifest.redundancy_sweep == (0, 4, 8)  # 16 + R over 4 ranks within 6 slots per GPU
     for r in adv.rows:
         assert (E + r["num_redundant"]) / DEP.num_ep <= 6
-        if r["option"] == adv.manifest["reference"]:
+        if r["option"] == adv.manifest.reference:
             assert r["experts_moved"] == 0 and r["a2a_vs_ref"] == pytest.approx(1.0, abs=0.05)
         assert (
             np.isnan(r["moe_vs_ref"]) and r["bytes_moved"] is None
         )  # not a preset: expert size unknown, never guessed
     strategies = {r["strategy"] for r in adv.rows}
     assert strategies == {"linear", "round_robin", "eplb", "joint"}
-    assert [v["stage"] for v in adv.manifest["verdicts"][:3]] == ["prefill", "decode", "both"]
+    assert [v.stage for v in adv.manifest.verdicts[:3]] == ["prefill", "decode", "both"]
     assert any("correlate" in v for v in adv.verdicts)
     files = write_advice(adv, tmp_path / "out", deployment=DEP)
     man = read_advice(tmp_path / "out")
@@ -263,13 +233,20 @@ def test_trace_advice_stays_within_the_slot_limit_and_writes_its_files(tmp_path)
         cmds = next(c for c in man["commands"] if c["option"] == rec["option"] and c["stage"] == rec["stage"])
         assert set(cmds["export"]) >= {"sglang", "trtllm", "vllm", "vllm-ascend"}
     assert files[-1].name == "advice.json"
+    # the record advise returns is the file's, once the commands and the recorded paths are in
+    written = AdviceManifest.from_json(man, where="advice.json")
+    assert written.recommended == adv.manifest.recommended and len(written.commands) == len(written.recommended)
+    assert written == dataclasses.replace(
+        adv.manifest, input=written.input, trace=written.trace, commands=written.commands
+    )
+    assert written.input == "../t" and written.hardware == CFG.hardware and written.rearrangement == CFG.rearrangement
 
 
 def test_eplb_advised_for_decode_is_what_place_writes(tmp_path):
     """The decode EPLB placement advise evaluates is the one `moetrace place --strategy eplb` writes."""
     from moetrace.placement.compare import CompareConfig, load_trace_data, make_placement
 
-    t = _trace(tmp_path / "t")
+    t = zipf_trace(tmp_path / "t")
     adv = advise_trace(t, CFG)
     data = load_trace_data(t, test_fraction=0.2, seed=0, held_out_tokens=False)
     ps = make_placement(data, CompareConfig(deployment=DEP, strategies=("eplb",), num_redundant=4), "eplb")
@@ -280,15 +257,15 @@ def test_eplb_advised_for_decode_is_what_place_writes(tmp_path):
 
 @pytest.mark.parametrize(("stages", "lacks"), [(("decode",), "prefill"), (("prefill",), "decode")])
 def test_single_stage_traces_advise_on_what_they_have_and_say_what_they_lack(tmp_path, stages, lacks):
-    adv = advise_trace(_trace(tmp_path / "t", stages=stages), CFG)
-    assert adv.manifest["stages"] == list(stages)
+    adv = advise_trace(zipf_trace(tmp_path / "t", stages=stages), CFG)
+    assert adv.manifest.stages == stages
     assert {r["stage"] for r in adv.rows} == set(stages) and "joint" not in {r["strategy"] for r in adv.rows}
     assert adv.verdicts[0].startswith(stages[0].capitalize())
     assert any(f"no advice on {lacks} steps" in v and "correlation" in v for v in adv.verdicts)
 
 
 def test_current_is_the_reference_and_migration_is_counted_from_it(tmp_path):
-    t = _trace(tmp_path / "t")
+    t = zipf_trace(tmp_path / "t")
     pf = PlacementFile(
         model=MODEL,
         deployment=DEP,
@@ -298,7 +275,7 @@ def test_current_is_the_reference_and_migration_is_counted_from_it(tmp_path):
     save_placement(pf, tmp_path / "cur.json")
     (tmp_path / "cur.sglang.json").write_text(export_placement(pf, fmt="sglang"))
     adv = advise_trace(t, CFG, current=tmp_path / "cur.sglang.json")
-    assert adv.manifest["reference"] == "current" and adv.manifest["current_format"] == "sglang"
+    assert adv.manifest.reference == "current" and adv.manifest.current_format == "sglang"
     cur = {r["stage"]: r for r in adv.rows if r["option"] == "current"}
     lin = {r["stage"]: r for r in adv.rows if r["option"] == "linear"}
     assert all(cur[s]["experts_moved"] == 0 == lin[s]["experts_moved"] for s in cur)  # current is linear
@@ -318,16 +295,16 @@ WIDE = dataclasses.replace(MODEL, hidden_size=7168)
 
 def test_profile_advice_is_counts_only_and_says_so():
     adv = advise_profile_counts(WIDE, {"decode": _profile(1.5)}, CFG, source="mem")
-    assert adv.manifest["input_kind"] == "profile" and adv.manifest["stages"] == ["decode"]
+    assert adv.manifest.input_kind == "profile" and adv.manifest.stages == ("decode",)
     assert all(np.isnan(r["send_ranks_per_token"]) for r in adv.rows)
     assert any("n/a" in v and "destination ranks" in v for v in adv.verdicts)
-    assert adv.manifest["verdicts"][0]["verdict"] == "enable"
+    assert adv.manifest.verdicts[0].verdict == "enable"
 
 
 def test_a_balanced_profile_gets_no_gain_with_its_reason():
     adv = advise_profile_counts(WIDE, {"decode": _profile(0.0), "prefill": _profile(0.0, seed=1)}, CFG, source="mem")
-    first = adv.manifest["verdicts"][0]
-    assert first["verdict"] == "no gain" and "already balanced" in first["text"]
+    first = adv.manifest.verdicts[0]
+    assert first.verdict == "no gain" and "already balanced" in first.text
 
 
 def test_a_load_that_moves_every_window_is_named_as_such():
@@ -337,9 +314,9 @@ def test_a_load_that_moves_every_window_is_named_as_such():
     mix = np.linspace(0.0, 1.0, 16)[:, None, None]
     w = np.round((1 - mix) * a + mix * b).astype(np.int64)
     adv = advise_profile_counts(WIDE, {"decode": w}, CFG, source="mem")
-    d = adv.manifest["drift"]["decode"]
+    d = adv.manifest.drift["decode"]
     assert d["lagged"] > d["static"] + 0.05 and d["own"] >= d["lagged"] - 0.01
-    assert "rebalance periodically" in adv.manifest["verdicts"][0]["text"]
+    assert "rebalance periodically" in adv.manifest.verdicts[0].text
 
 
 def test_a_load_drawn_anew_every_window_cannot_be_followed():
@@ -349,13 +326,13 @@ def test_a_load_drawn_anew_every_window_cannot_be_followed():
     w = np.stack([_profile(3.0, N=1, seed=i)[0][:, rng.permutation(E)] for i in range(16)])
     cfg = dataclasses.replace(CFG, hardware=hardware_of_links(DEFAULT_LINKS))
     adv = advise_profile_counts(WIDE, {"decode": w}, cfg, source="mem")
-    first = adv.manifest["verdicts"][0]
-    assert first["verdict"] == "no gain" and "faster than any placement can follow" in first["text"]
+    first = adv.manifest.verdicts[0]
+    assert first.verdict == "no gain" and "faster than any placement can follow" in first.text
 
 
 # ---------------------------------------------------------------- the command
 def test_cli_writes_the_advice_and_prints_verdicts(tmp_path):
-    t = _trace(tmp_path / "t")
+    t = zipf_trace(tmp_path / "t")
     res = CliRunner().invoke(
         app,
         [
@@ -385,7 +362,7 @@ def test_cli_writes_the_advice_and_prints_verdicts(tmp_path):
 def test_the_dashboard_shows_the_advice_first(tmp_path):
     from moetrace.dashboards.report import write_dashboard
 
-    t = _trace(tmp_path / "t")
+    t = zipf_trace(tmp_path / "t")
     write_advice(advise_trace(t, CFG), tmp_path / "a", deployment=DEP)
     rep = write_dashboard([t, tmp_path / "a"], out=tmp_path / "r.html")
     assert rep.sections[0] == "advice" and "overview" in rep.sections

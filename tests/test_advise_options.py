@@ -37,8 +37,8 @@ def _stats(seed: int = 0) -> np.ndarray:
 
 def test_one_statistics_file_gets_an_answer_and_says_there_is_no_drift_estimate():
     adv = advise_profile_counts(SMALL, {"decode": _stats()}, AdviseConfig(deployment=EP64), source="stats")
-    assert adv.manifest["verdicts"][0]["verdict"] == "enable"
-    assert adv.manifest["drift_estimated"] is False and "skipped" in adv.manifest["drift"]["decode"]
+    assert adv.manifest.verdicts[0].verdict == "enable"
+    assert adv.manifest.drift_estimated is False and "skipped" in adv.manifest.drift["decode"]
     assert any(v.startswith("No drift estimate: the input has 1 window(s)") and "in-sample" in v for v in adv.verdicts)
 
 
@@ -50,9 +50,9 @@ def test_the_global_policy_is_offered_at_ep64_and_chosen_when_better():
     assert {"eplb-64", "eplb_global-64"} <= set(rows)
     assert rows["eplb-64"]["eplb_policy"] == "hierarchical" and rows["eplb_global-64"]["eplb_policy"] == "global"
     assert rows["eplb_global-64"]["balancedness_vllm"] > rows["eplb-64"]["balancedness_vllm"] + 0.3
-    first = adv.manifest["verdicts"][0]
-    assert first["option"].startswith("eplb_global-") and "enable EPLB's global policy" in first["text"]
-    assert "Hierarchical policy at its best" in first["text"]
+    first = adv.manifest.verdicts[0]
+    assert first.option is not None and first.option.startswith("eplb_global-")
+    assert "enable EPLB's global policy" in first.text and "Hierarchical policy at its best" in first.text
 
 
 def test_one_node_evaluates_eplb_once_and_says_why():
@@ -69,13 +69,12 @@ def test_the_decode_step_size_changes_the_verdict():
     large = advise_profile_counts(
         SMALL, {"decode": _stats()}, AdviseConfig(deployment=EP32, decode_tokens_per_gpu=128), source="s"
     )
-    a, b = small.manifest["verdicts"][0], large.manifest["verdicts"][0]
-    assert a["rearrangement"]["worth_it"] is False and b["rearrangement"]["worth_it"] is True
-    assert (
-        small.manifest["step_tokens_per_gpu"]["decode"] == 4 and large.manifest["step_tokens_per_gpu"]["decode"] == 128
-    )
+    a, b = small.manifest.verdicts[0], large.manifest.verdicts[0]
+    assert a.info["rearrangement"]["worth_it"] is False and b.info["rearrangement"]["worth_it"] is True
+    assert small.manifest.step_tokens_per_gpu == {"decode": 4, "prefill": 128}
+    assert large.manifest.step_tokens_per_gpu == {"decode": 128, "prefill": 128}
     gain = {
-        s: 1 - next(r for r in adv.rows if r["option"] == v["option"])["moe_vs_ref"]
+        s: 1 - next(r for r in adv.rows if r["option"] == v.option)["moe_vs_ref"]
         for s, adv, v in (("a", small, a), ("b", large, b))
     }
     assert gain["b"] > gain["a"] + 0.2
@@ -84,12 +83,13 @@ def test_the_decode_step_size_changes_the_verdict():
 def test_the_stall_and_its_payback_are_in_the_verdict():
     r = Rearrangement(stall_seconds=2.0, interval_steps=100)
     adv = advise_profile_counts(SMALL, {"decode": _stats()}, AdviseConfig(deployment=EP32, rearrangement=r), source="s")
-    v = adv.manifest["verdicts"][0]
-    cost = v["rearrangement"]
-    assert "stalls serving ~2 s" in v["text"] and "not worth it" in v["text"]
+    v = adv.manifest.verdicts[0]
+    cost = v.info["rearrangement"]
+    assert "stalls serving ~2 s" in v.text and "not worth it" in v.text
     assert cost["payback_steps"] == pytest.approx(2.0 / cost["saving_seconds"])
     assert cost["stall_steps"] == pytest.approx(2.0 / cost["step_seconds"])
-    assert adv.manifest["rearrangement"] == {"stall_seconds": 2.0, "interval_steps": 100}
+    assert adv.manifest.rearrangement == r
+    assert adv.manifest.to_json()["rearrangement"] == {"stall_seconds": 2.0, "interval_steps": 100}
     with pytest.raises(ConfigError, match="--stall-seconds"):
         Rearrangement(stall_seconds=-1.0)
 
@@ -146,7 +146,7 @@ def test_the_replica_rule_changes_the_balance_as_the_engines_say():
             model, {"decode": c}, dataclasses.replace(cfg, replica_policy=rule), source="s", current=pl
         )
         b[rule] = next(r for r in adv.rows if r["option"] == "current")["balancedness_vllm"]
-        assert adv.manifest["replica_policy"] == rule
+        assert adv.manifest.replica_policy == rule
     assert b["vllm"] == pytest.approx((1 / 4) / (2 / 3)) and b["same_node"] == b["vllm"]
     assert b["sglang"] == pytest.approx((1 / 4) / (1 / 2))
 
@@ -167,7 +167,7 @@ def test_advise_eplb_sum_float32_is_deepseeks_reference_and_float64_the_engines(
         cfg = AdviseConfig(deployment=dep, eplb_sum=eplb_sum, strategies=("eplb",))
         adv = advise_profile_counts(model, {"decode": load.astype(np.float64)[None]}, cfg, source="golden")
         np.testing.assert_array_equal(adv.options[f"decode-eplb-{R}"].placement.phy2log, np.asarray(case[want]))
-        assert adv.manifest["eplb_sum"] == eplb_sum
+        assert adv.manifest.eplb_sum == eplb_sum
         direct = eplb_option_placement(
             load, strategy="eplb", model=model, deployment=dep, num_redundant=R, eplb_sum=eplb_sum
         )

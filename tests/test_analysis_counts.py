@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pytest
+from factories import stage_mask, tiny_model, write_trace
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_analysis_planted import stage_mask, tiny_model, write_trace
 
 from moetrace.analysis.counts import count_arrays, count_trace, write_counts_table
 from moetrace.errors import ConfigError, TraceFormatError
@@ -153,9 +153,10 @@ def test_id_out_of_range_is_an_error():
 
 def test_corrupt_part_is_a_clean_error(tmp_path):
     """A truncated routing part gives a TraceFormatError naming the file, not a pyarrow traceback."""
+    from factories import write_small_trace
+
     from moetrace.analysis.counts import count_trace
     from moetrace.errors import TraceFormatError
-    from tests.conftest import write_small_trace
 
     path = write_small_trace(tmp_path / "t")
     part = sorted((path / "routing").glob("*.parquet"))[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pytest
-from test_analysis_planted import profile_trace, stage_mask, tiny_model, write_trace
+from factories import profile_trace, stage_mask, tiny_model, write_trace
 
 from moetrace.analysis.affinity import affinity_table, coactivation_lift_LEE, pair_counts
 from moetrace.analysis.classify import classify_layers

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from test_analysis_planted import profile_trace
+from factories import profile_trace
 from typer.testing import CliRunner
 
 from moetrace.analysis.run import AnalyzeConfig, analyze

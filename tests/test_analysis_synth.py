@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import polars as pl
-from test_analysis_planted import tiny_model
+from factories import tiny_model
 
 import moetrace.tracer.synth as synth
 from moetrace.analysis.affinity import affinity_table, pair_counts

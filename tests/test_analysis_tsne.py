@@ -90,7 +90,7 @@ def test_projection_above_the_exact_limit_uses_barnes_hut(monkeypatch):
 
 def test_embedding_step_is_the_same_on_one_or_two_threads(monkeypatch, tmp_path):
     import polars as pl
-    from test_analysis_planted import profile_trace
+    from factories import profile_trace
 
     from moetrace.analysis import embedding_step, run
 

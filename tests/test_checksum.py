@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_small_trace
+from factories import write_small_trace
 
 from moetrace.errors import WriteError
 from moetrace.tracer.trace.checksum import HashingFile, file_sha256, hash_files
@@ -62,7 +62,7 @@ def test_resumed_parts_without_checksums_are_hashed_from_disk(tmp_path):
     for entry in m["parts"].values():  # as a run killed before close leaves them: committed, not listed
         del entry["routing_sha256"]
     (path / "manifest.json").write_text(json.dumps(m))
-    from conftest import SMALL
+    from factories import SMALL
 
     with TraceWriter(
         path, model=SMALL, backend={"name": "synthetic"}, collection={"seed": 0}, on_existing="resume"
@@ -88,7 +88,7 @@ def test_hash_files_in_the_background(tmp_path):
 
 def test_a_failed_part_write_leaves_no_part_and_no_temporary(tmp_path, monkeypatch):
     """A write that fails half-way (disk full) leaves neither a final-named part nor a temporary file."""
-    from conftest import SMALL
+    from factories import SMALL
 
     calls = {"n": 0}
     real = HashingFile.write

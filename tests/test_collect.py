@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from factories import planted_rows
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -228,84 +229,7 @@ def test_bad_generation_settings_fail_before_anything_is_written(tmp_path, flag,
 # ---------------------------------------------------------------------------- the backend seam
 
 
-def _planted_rows(request_id: int, num_tokens: int, *, num_layers: int, num_experts: int, top_k: int) -> np.ndarray:
-    """int16 [T, L*K]: distinct experts per (token, layer), seeded by the request id; last row -1."""
-    rng = np.random.default_rng(request_id)
-    ids_TLK = np.argsort(rng.random((num_tokens, num_layers, num_experts)), axis=-1)[..., :top_k].astype(np.int16)
-    ids_TLK[-1] = -1  # the last generated token is never fed back
-    return ids_TLK.reshape(num_tokens, num_layers * top_k)
-
-
-class _PlantedBackend:
-    """A backend with no engine: it writes planted routing through the same protocol HF and vLLM use."""
-
-    def __init__(self, *, fail_in_run: bool = False) -> None:
-        self.calls: list[str] = []
-        self.fail_in_run = fail_in_run
-
-    def check_environment(self, generation):
-        self.calls.append("check_environment")
-
-    def load(self, resolved, generation):
-        self.calls.append("load")
-        return resolved.model_info()
-
-    def describe(self):
-        from moetrace.tracer.backends.base import BackendDescription
-
-        self.calls.append("describe")
-        return BackendDescription(versions={"planted": "1.0"}, settings={"rows": "seeded by request id"})
-
-    def run(self, prompts, *, writer, generation, on_progress=None):
-        self.calls.append("run")
-        if self.fail_in_run:
-            raise RuntimeError("the engine died")
-        m = writer.model
-        for p in prompts:
-            if p.request_id in writer.completed_request_ids:
-                continue
-            num_prompt = 2 + p.request_id % 3
-            rows = _planted_rows(
-                p.request_id,
-                num_prompt + generation.max_new_tokens,
-                num_layers=m.num_moe_layers,
-                num_experts=m.num_experts,
-                top_k=m.top_k,
-            )
-            writer.add_request(request_id=p.request_id, dataset=p.dataset, prompt_tokens=num_prompt, topk_ids_TX=rows)
-            writer.commit()
-            if on_progress is not None:
-                on_progress(writer.num_requests_written, writer.num_tokens_written)
-
-
-@pytest.fixture
-def planted(monkeypatch):
-    """Registers backend ``planted`` first in the registry (so ``auto`` picks it); returns where its
-    built objects go (``built``) and whether the next one fails (``fail_in_run``)."""
-    from types import SimpleNamespace
-
-    from moetrace.tracer.backends import registry
-
-    state = SimpleNamespace(built=[], fail_in_run=False)
-
-    def build(settings):
-        state.built.append(_PlantedBackend(fail_in_run=state.fail_in_run))
-        return state.built[-1]
-
-    entry = registry.BackendEntry(
-        name="planted",
-        description="planted rows (test)",
-        build=build,
-        auto_here=lambda s: True,
-        auto_when="always",
-        auto_on_ray=False,
-        num_gpus=lambda s: 0.0,
-    )
-    monkeypatch.setattr(registry, "BACKENDS", {"planted": entry, **registry.BACKENDS})
-    return state
-
-
-def test_a_backend_is_one_registry_row_through_collect(planted, tmp_path):
+def test_a_backend_is_one_registry_row_through_collect(planted_backend, tmp_path):
     """`auto` reads the registry, `collect` drives the backend only through the protocol, once each
     step, and the manifest's backend section has the one key style; resume and progress work as for
     every backend."""
@@ -318,7 +242,7 @@ def test_a_backend_is_one_registry_row_through_collect(planted, tmp_path):
         config, out=out, on_start=lambda *a: started.append(a), on_progress=lambda r, t: progress.append(r)
     )
     assert result.backend == "planted" and result.num_new_requests == 6
-    assert planted.built[0].calls == ["check_environment", "load", "describe", "run"]
+    assert planted_backend.built[0].calls == ["check_environment", "load", "describe", "run"]
     assert started == [(6, 6)] and progress == [1, 2, 3, 4, 5, 6]
     assert "backend planted, model mixtral-8x7b" in "\n".join(result.summary_lines())
     assert find_problems(out) == []
@@ -327,19 +251,19 @@ def test_a_backend_is_one_registry_row_through_collect(planted, tmp_path):
     ta = t.token_arrays()
     for rid in range(6):
         sel = ta.request_id_T == rid
-        want = _planted_rows(rid, int(sel.sum()), num_layers=32, num_experts=8, top_k=2).reshape(-1, 32, 2)
+        want = planted_rows(rid, int(sel.sum()), num_layers=32, num_experts=8, top_k=2).reshape(-1, 32, 2)
         assert np.array_equal(ta.topk_ids_TLK[sel][np.argsort(ta.position_T[sel])], want)
 
     again = run_collection(config, out=out, backend="planted", on_existing="resume")
     assert again.num_new_requests == 0 and again.stats.num_requests == 6
-    assert planted.built[1].calls == ["check_environment", "load", "describe", "run"]
+    assert planted_backend.built[1].calls == ["check_environment", "load", "describe", "run"]
 
 
-def test_a_backend_that_fails_leaves_no_fresh_directory(planted, tmp_path):
+def test_a_backend_that_fails_leaves_no_fresh_directory(planted_backend, tmp_path):
     from moetrace.tracer.collect import CollectConfig, collect
 
     config = CollectConfig(model="mixtral-8x7b", datasets=("chat",), num_requests=2)
-    planted.fail_in_run = True
+    planted_backend.fail_in_run = True
     with pytest.raises(RuntimeError, match="the engine died"):
         collect(config, out=tmp_path / "t", backend="planted")
     assert not (tmp_path / "t").exists()

@@ -679,7 +679,7 @@ def test_dashboard_on_a_load_profiles_results(trace, tmp_path, monkeypatch):
 def test_dashboard_refuses_to_show_a_complete_trace_that_lost_parts(tmp_path):
     """A finished trace is checked against its manifest before its overview is drawn (issue #25): a
     lost requests+routing pair is named, never shown as a smaller whole trace."""
-    from conftest import write_small_trace
+    from factories import write_small_trace
 
     trace = write_small_trace(tmp_path / "t", num_requests=8, part_tokens=20)
     parts = sorted((trace / "requests").glob("*.parquet"))
@@ -698,7 +698,14 @@ def test_the_card_ranks_by_moe_layer_time_when_compare_did(tmp_path):
     strategy faster in all-to-all time but slower in MoE-layer time is not named."""
     rows = dict(TIMED)
     rows["eplb"] = (0.95, 0.80, 0.98, 1.0, False)  # slower all-to-all than data (0.80), faster MoE layer (0.90)
-    verdict = {"measure": "moe_time", "ranking": ["eplb", "data", "linear"], "recommended": "eplb"}
+    verdict = {  # as compare writes it (compare_verdict), without the decision per stage (written before it)
+        "measure": "moe_time",
+        "ranking": ["eplb", "data", "linear"],
+        "recommended": "eplb",
+        "over_node_load_limit": [],
+        "time_normalized": {"linear": 1.0, "data": 0.9, "eplb": 0.8},
+        "a2a_time_normalized": {"linear": 1.0, "data": 0.8, "eplb": 0.95},
+    }
     h = _headline(_timed_compare(tmp_path / "m", rows, verdict=verdict))
     assert h.value == "−20%" and h.label.startswith("EPLB: −20% predicted MoE-layer time per step")
     assert "its all-to-all (dispatch + combine) −5.0%" in h.detail and h.detail.startswith("Decode MoE layers")

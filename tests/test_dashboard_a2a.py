@@ -8,19 +8,19 @@ import json
 import polars as pl
 import pytest
 from browser.figjson import figures_from_html
+from factories import planted_trace
 from typer.testing import CliRunner
 
 from moetrace import results as rf
 from moetrace.cli import app
 from moetrace.dashboards.inputs import detect
 from moetrace.dashboards.report import write_dashboard
-from tests.test_placement_compare import _planted_trace
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dash-a2a")
-    trace = _planted_trace(tmp / "planted", structured=True, num_requests=40)
+    trace = planted_trace(tmp / "planted", structured=True, num_requests=40)
     out = tmp / "a2a"
     r = CliRunner().invoke(app, ["a2a", str(trace), "--config", "DP2TP2EP4", "--gpus-per-node", "2", "--strategies",
                                  "linear,eplb", "--batches", "2", "--batch-requests", "8", "--hidden-size", "16",

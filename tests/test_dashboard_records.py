@@ -1,5 +1,6 @@
-"""The typed a2a.json and advice.json (``moetrace.dashboards.records``): what the writers write reads
-into the records and back, byte for byte, and a damaged file is a one-line error naming the key.
+"""The typed a2a.json and advice.json the dashboard reads (``placement.a2a_manifest``,
+``placement.advise_manifest``, re-exported by ``moetrace.dashboards.records``): what the writers write
+reads into the records and back, byte for byte, and a damaged file is a one-line error naming the key.
 
 a2a.json's round trip on a real gloo replay is in ``test_dashboard_a2a.py`` (slow tier).
 """
@@ -16,10 +17,12 @@ from typer.testing import CliRunner
 
 from moetrace import results as rf
 from moetrace.cli import app
+from moetrace.dashboards import records
 from moetrace.dashboards.inputs import detect
-from moetrace.dashboards.records import A2AManifest, AdviceManifest
 from moetrace.dashboards.report import write_dashboard
 from moetrace.errors import TraceFormatError
+from moetrace.placement.a2a_manifest import A2AManifest
+from moetrace.placement.advise_manifest import AdviceManifest
 from moetrace.tracer.trace.writer import TraceWriter
 
 
@@ -122,3 +125,8 @@ def test_a_damaged_a2a_json_names_its_key():
         A2AManifest.from_json(body, where="a2a.json")
     with pytest.raises(TraceFormatError, match=r"`num_ep` is True, expected int"):
         A2AManifest.from_json({**body, "num_ep": True}, where="a2a.json")
+
+
+def test_the_dashboard_reads_the_records_its_writers_build():
+    """``dashboards.records`` names the records the writers build, not copies of them."""
+    assert records.A2AManifest is A2AManifest and records.AdviceManifest is AdviceManifest

@@ -8,12 +8,12 @@ import math
 
 import numpy as np
 import pytest
+from factories import zipf_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app
 from moetrace.placement.decision import MIN_GAIN, Candidate, StageChoice, choose
 from moetrace.placement.exports import load_placement
-from tests.test_advise import _trace
 
 
 def _c(option: str, time: float, *, red: int = 0, ok: bool = True) -> Candidate:
@@ -51,7 +51,7 @@ def test_compare_advise_and_place_name_the_same_best_option_per_stage(tmp_path):
     and copy models; EPLB without redundant slots, which compare's --redundancy 0 evaluates): the same
     decision per stage, or the output says why the answers differ (compare fits every placement on
     decode load, advise each stage's on its own). place writes the decode decision advise evaluated."""
-    t = _trace(tmp_path / "t", n=64, skew=2.0)
+    t = zipf_trace(tmp_path / "t", n=64, skew=2.0)
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 7168, "moe_intermediate_size": 2048}))
     model = ["--model-config", str(tmp_path / "config.json")]  # the expert size: MoE-layer time, as for a preset
     dep = ["--config", "DP2TP2EP4", "--gpus-per-node", "2", *model]
@@ -92,7 +92,7 @@ def test_advise_commands_write_beside_the_advice_with_distinct_names(tmp_path):
     """Every printed command writes under the advice directory's exports/, no two to one file."""
     import shlex
 
-    t = _trace(tmp_path / "t", n=48, skew=2.0)
+    t = zipf_trace(tmp_path / "t", n=48, skew=2.0)
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 7168, "moe_intermediate_size": 2048}))
     out = tmp_path / "a"
     _run(
@@ -111,7 +111,7 @@ def test_advise_commands_write_beside_the_advice_with_distinct_names(tmp_path):
 
 
 def test_dashboard_without_out_writes_beside_its_inputs_and_says_where(tmp_path):
-    t = _trace(tmp_path / "traces" / "t", n=24)
+    t = zipf_trace(tmp_path / "traces" / "t", n=24)
     output = _run(["dashboard", str(t), "-q"])
     assert f"no -o: writing {(tmp_path / 'traces' / 'report.html').resolve()}" in output
     assert (tmp_path / "traces" / "report.html").is_file()

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from factories import SMALL, write_small_trace
 from typer.testing import CliRunner
 
 from moetrace.cli.common import read_model_config
@@ -22,7 +23,6 @@ from moetrace.placement.cost import (
 from moetrace.tracer.presets import expert_sizes_from_hf_config, model_info_for, model_info_from_hf_config
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.schema import ModelInfo
-from tests.conftest import SMALL, write_small_trace
 
 #: a model that is no preset, its expert sizes recorded (as a trace collected from its config.json has them)
 OWN = dataclasses.replace(

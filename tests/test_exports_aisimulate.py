@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from test_analysis_planted import write_trace
+from factories import write_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app

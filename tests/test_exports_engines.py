@@ -16,7 +16,7 @@ from typing import get_args, get_type_hints
 
 import numpy as np
 import pytest
-from test_analysis_planted import stage_mask, write_trace
+from factories import stage_mask, write_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app

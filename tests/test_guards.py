@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from factories import SMALL, write_small_trace
 from typer.testing import CliRunner
 
 from moetrace import results as rf
@@ -24,7 +25,6 @@ from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.replay import capacity as replay_capacity
 from moetrace.placement.replay import run as replay_run
 from moetrace.tracer.trace.writer import TraceWriter
-from tests.conftest import SMALL, write_small_trace
 
 DEP = ["--config", "DP2TP2EP4", "--gpus-per-node", "2"]
 SMALL_RUN = ["--batches", "2", "--batch-requests", "4", "--strategies", "linear,eplb"]

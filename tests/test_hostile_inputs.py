@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_small_trace
+from factories import write_small_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -233,7 +233,7 @@ def _big_model(tmp: Path) -> Path:
     """A tiny trace of a model with 64 MoE layers x top-512 (32,768 ids per token)."""
     from dataclasses import replace
 
-    from conftest import SMALL
+    from factories import SMALL
 
     model = replace(SMALL, num_hidden_layers=64, moe_layers=tuple(range(64)), num_experts=1024, top_k=512)
     return write_small_trace(tmp / "t", num_requests=4, model=model)

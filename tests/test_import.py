@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from factories import MAV, planted_ids, sglang_response
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -18,55 +19,11 @@ from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.schema import stages_of
 from moetrace.tracer.trace.validate import find_problems
 
-MAV = model_info_for("llama4-maverick-tiny")  # 48 layers, MoE every 2nd (1, 3, ..., 47), 128 experts, top-1
 OLMOE = model_info_for("olmoe-1b-7b-tiny")  # 16 layers all MoE, 64 experts, top-8
 
 
-def planted(n: int, info, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return np.stack(
-        [np.stack([rng.choice(info.num_experts, info.top_k, replace=False) for _ in info.moe_layers]) for _ in range(n)]
-    ).astype(np.int32)
-
-
-def sglang_response(
-    prompt: int,
-    output: int,
-    truth_NLK: np.ndarray,
-    info,
-    *,
-    start: int = 0,
-    all_layers=True,
-    dtype: str | None = None,
-    **top,
-):
-    """A /generate response as SGLang returns it: base64 of little-endian ids [rows, layers, top_k], rows
-    covering [start, prompt+output-1); the layer axis over all decoder layers (dense = 0). The ids are
-    int32, or with ``dtype`` the compact encoding named in ``meta_info.routed_experts_dtype``
-    (uint8/uint16/int32, SGLang PR #31219)."""
-    rows = truth_NLK[start:]
-    if all_layers:
-        full = np.zeros((len(rows), info.num_hidden_layers, info.top_k), dtype="<i4")
-        full[:, list(info.moe_layers)] = rows
-        rows = full
-    wire = {None: "<i4", "int32": "<i4", "uint16": "<u2", "uint8": "u1"}[dtype]
-    meta = {
-        "id": "a1b2",
-        "prompt_tokens": prompt,
-        "completion_tokens": output,
-        "cached_tokens": 0,
-        "finish_reason": {"type": "length", "length": output},
-        "routed_experts": base64.b64encode(np.ascontiguousarray(rows, dtype=wire).tobytes()).decode(),
-    }
-    if dtype is not None:
-        meta["routed_experts_dtype"] = dtype
-    if start:
-        meta["routed_experts_start_len"] = start
-    return {"text": "...", "output_ids": list(range(output)), "meta_info": meta, **top}
-
-
 def test_sglang_response_rows_drop_dense_layers_and_mark_final_token():
-    truth = planted(5 + 3 - 1, MAV, 0)
+    truth = planted_ids(5 + 3 - 1, MAV, 0)
     P, O, rows = sglang_response_rows(sglang_response(5, 3, truth, MAV), info=MAV)
     assert (P, O) == (5, 3) and rows.shape == (8, 24)
     np.testing.assert_array_equal(rows[:-1], truth.reshape(7, 24))
@@ -75,7 +32,7 @@ def test_sglang_response_rows_drop_dense_layers_and_mark_final_token():
 
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32", " UINT8 "])
 def test_sglang_routed_experts_dtype_is_honoured(dtype):
-    truth = planted(5 + 3 - 1, MAV, 2)  # Maverick: 128 experts fit uint8
+    truth = planted_ids(5 + 3 - 1, MAV, 2)  # Maverick: 128 experts fit uint8
     resp = sglang_response(5, 3, truth, MAV, dtype=dtype.strip().lower())
     resp["meta_info"]["routed_experts_dtype"] = dtype  # SGLang strips and lower-cases the name
     P, O, rows = sglang_response_rows(resp, info=MAV)
@@ -85,7 +42,7 @@ def test_sglang_routed_experts_dtype_is_honoured(dtype):
 
 def test_sglang_uint16_with_start_len_and_more_than_256_experts():
     info = dataclasses.replace(OLMOE, num_experts=300)
-    truth = planted(6 + 2 - 1, info, 5)
+    truth = planted_ids(6 + 2 - 1, info, 5)
     assert truth.max() >= 256  # needs uint16
     resp = sglang_response(6, 2, truth, info, start=3, all_layers=False, dtype="uint16")
     P, O, rows = sglang_response_rows(resp, info=info)
@@ -94,7 +51,7 @@ def test_sglang_uint16_with_start_len_and_more_than_256_experts():
 
 
 def test_sglang_wrong_dtype_is_a_clean_error(tmp_path):
-    truth = planted(4, MAV, 0)
+    truth = planted_ids(4, MAV, 0)
     resp = sglang_response(3, 2, truth, MAV, dtype="uint8")
     as_int32 = dict(resp, meta_info={k: v for k, v in resp["meta_info"].items() if k != "routed_experts_dtype"})
     with pytest.raises(TraceFormatError, match="12 layers; expected 48"):
@@ -116,7 +73,7 @@ def test_sglang_wrong_dtype_is_a_clean_error(tmp_path):
 
 
 def test_sglang_start_len_leaves_skipped_prefix_unrecorded():
-    truth = planted(6 + 2 - 1, OLMOE, 1)
+    truth = planted_ids(6 + 2 - 1, OLMOE, 1)
     P, O, rows = sglang_response_rows(sglang_response(6, 2, truth, OLMOE, start=4, all_layers=False), info=OLMOE)
     assert (rows[:4] == -1).all() and (rows[-1] == -1).all()
     np.testing.assert_array_equal(rows[4:7], truth[4:].reshape(3, -1))
@@ -124,7 +81,7 @@ def test_sglang_start_len_leaves_skipped_prefix_unrecorded():
 
 def test_sglang_jsonl_several_requests_batched_line_and_labels(tmp_path):
     shapes = [(5, 3), (2, 1), (7, 4)]
-    truths = [planted(p + o - 1, MAV, i) for i, (p, o) in enumerate(shapes)]
+    truths = [planted_ids(p + o - 1, MAV, i) for i, (p, o) in enumerate(shapes)]
     resps = [sglang_response(p, o, t, MAV) for (p, o), t in zip(shapes, truths)]
     resps[2]["dataset"] = "code"
     src = tmp_path / "gsm8k-run.jsonl"
@@ -144,18 +101,18 @@ def test_sglang_jsonl_several_requests_batched_line_and_labels(tmp_path):
 
 
 def test_sglang_errors_name_the_fix(tmp_path):
-    resp = sglang_response(3, 2, planted(4, MAV, 0), MAV)
+    resp = sglang_response(3, 2, planted_ids(4, MAV, 0), MAV)
     del resp["meta_info"]["routed_experts"]
     src = tmp_path / "r.jsonl"
     src.write_text(json.dumps(resp) + "\n")
     with pytest.raises(TraceFormatError, match=r"r.jsonl:1: .*--enable-return-routed-experts"):
         import_trace(src, out=tmp_path / "t", model=MAV)
-    short = sglang_response(3, 2, planted(4, MAV, 0), MAV)
+    short = sglang_response(3, 2, planted_ids(4, MAV, 0), MAV)
     short["meta_info"]["completion_tokens"] = 5  # rows no longer match the token counts
     src.write_text(json.dumps(short) + "\n")
     with pytest.raises(TraceFormatError, match="not a multiple|cover"):
         import_trace(src, out=tmp_path / "t2", model=MAV)
-    wrong_model = sglang_response(3, 2, planted(4, MAV, 0), MAV)
+    wrong_model = sglang_response(3, 2, planted_ids(4, MAV, 0), MAV)
     src.write_text(json.dumps(wrong_model) + "\n")
     with pytest.raises(TraceFormatError):
         import_trace(src, out=tmp_path / "t3", model=OLMOE)
@@ -182,7 +139,7 @@ def token_records(truths: dict, prompts: dict, info, *, skip=()):
 
 
 def test_tokens_jsonl_round_trip_with_gaps(tmp_path):
-    truths = {"req-b": planted(6, MAV, 3), "req-a": planted(4, MAV, 4)}
+    truths = {"req-b": planted_ids(6, MAV, 3), "req-a": planted_ids(4, MAV, 4)}
     prompts = {"req-b": 4, "req-a": 1}
     recs = token_records(truths, prompts, MAV, skip={("req-b", 2, 5)})
     for r in recs:
@@ -209,7 +166,7 @@ def test_tokens_jsonl_round_trip_with_gaps(tmp_path):
 
 
 def test_tokens_errors(tmp_path):
-    t = planted(3, MAV, 0)
+    t = planted_ids(3, MAV, 0)
     bad_layer = token_records({0: t}, {0: 2}, MAV)
     bad_layer[0]["layer"] = 2  # a dense layer of Maverick
     src = tmp_path / "x.jsonl"
@@ -257,7 +214,7 @@ def test_model_from_hf_config_file(tmp_path):
 
 
 def test_cli_import_and_clean_errors(tmp_path):
-    truth = planted(4, OLMOE, 0)
+    truth = planted_ids(4, OLMOE, 0)
     src = tmp_path / "s.jsonl"
     src.write_text(json.dumps(sglang_response(3, 2, truth, OLMOE)) + "\n")
     runner = CliRunner()
@@ -293,7 +250,7 @@ def test_tokens_wrong_field_types_are_clean_errors_and_leave_nothing(tmp_path, c
 
 
 def test_sglang_bad_or_duplicate_request_ids_are_clean_errors(tmp_path):
-    resp = sglang_response(3, 2, planted(4, OLMOE, 0), OLMOE, request_id=7)
+    resp = sglang_response(3, 2, planted_ids(4, OLMOE, 0), OLMOE, request_id=7)
     src = tmp_path / "r.jsonl"
     src.write_text(json.dumps(resp) + "\n" + json.dumps(resp) + "\n")
     with pytest.raises(TraceFormatError, match="r.jsonl:2: request_id 7 appears twice"):

@@ -231,7 +231,7 @@ def _routes(rng: np.random.Generator, T: int, L: int, E: int, K: int) -> np.ndar
 
 
 def _write_trace(path: Path, model: ModelInfo, seed: int) -> tuple[Path, np.ndarray, np.ndarray, np.ndarray]:
-    from test_analysis_planted import write_trace
+    from factories import write_trace
 
     rng = np.random.default_rng(seed)
     R = 5
@@ -275,7 +275,7 @@ def test_llmd_sim_24c1e2a0_export_is_their_converters_bytes_and_imports_back(tmp
 
 
 def test_llmd_sim_24c1e2a0_export_refuses_unrecorded_routes(tmp_path):
-    from test_analysis_planted import write_trace
+    from factories import write_trace
 
     model = _model(8, 2, (1, 2))
     rng = np.random.default_rng(3)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from factories import write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -61,11 +62,6 @@ def lines(step: int, rank: int, pass_NLK: np.ndarray, *, mtp: bool = False, base
     return out
 
 
-def write(path: Path, recs: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return path
-
-
 def test_rank_files_merge_by_step_one_request_per_pass(tmp_path):
     d = tmp_path / "trace"
     d.mkdir()
@@ -75,7 +71,7 @@ def test_rank_files_merge_by_step_one_request_per_pass(tmp_path):
         for s in range(2):
             a, b = lines(s, r, p[(s, r, 0)], mtp=True), lines(s, r, p[(s, r, 1)])
             recs += a + b
-        write(d / f"router_trace_rank{r}.jsonl", recs)
+        write_jsonl(d / f"router_trace_rank{r}.jsonl", recs)
     (d / "logits_rank0.bin").write_bytes(b"\0" * 16)  # a sidecar: not read
     assert detect_format(d).name == "megatron-router"
     res = runner.invoke(app, ["import", str(d), "-m", "mixtral-8x7b-tiny", "-o", str(tmp_path / "t")])
@@ -93,13 +89,13 @@ def test_rank_files_merge_by_step_one_request_per_pass(tmp_path):
 
 def test_one_rank_file_imports_and_tp_duplicates_are_refused(tmp_path):
     a = ids(4, 0)
-    f = write(tmp_path / "router_trace_rank0.jsonl", lines(0, 0, a) + lines(1, 0, ids(2, 1)))
+    f = write_jsonl(tmp_path / "router_trace_rank0.jsonl", lines(0, 0, a) + lines(1, 0, ids(2, 1)))
     import_trace(f, out=tmp_path / "t", model=MIXTRAL)
     assert open_trace(tmp_path / "t").token_arrays().topk_ids_TLK.shape[0] == 6
     d = tmp_path / "tp"
     d.mkdir()
-    write(d / "router_trace_rank0.jsonl", lines(0, 0, a))
-    write(d / "router_trace_rank1.jsonl", lines(0, 1, a))  # tensor parallel: the same tokens on both ranks
+    write_jsonl(d / "router_trace_rank0.jsonl", lines(0, 0, a))
+    write_jsonl(d / "router_trace_rank1.jsonl", lines(0, 1, a))  # tensor parallel: the same tokens on both ranks
     with pytest.raises(TraceFormatError, match="same ids as rank 0 for step 0.*import one rank's file"):
         import_trace(d, out=tmp_path / "t2", model=MIXTRAL)
 
@@ -128,7 +124,7 @@ def test_core_v0_19_0_inference_traces_numbered_from_1_import(tmp_path, info, ma
         d = tmp_path / f"from{base}"
         d.mkdir()
         for r in range(2):  # advance_step() after each forward pass: one step per pass
-            write(
+            write_jsonl(
                 d / f"router_trace_rank{r}.jsonl",
                 [x for s in range(3) for x in lines(s, r, p[(s, r)], base=base, info=info)],
             )
@@ -148,7 +144,7 @@ def test_a_layer_outside_the_model_names_the_numbering_read(tmp_path):
     recs[3]["layer"] = 40  # numbered from 1 (the others are 1..32), and 40 is past Mixtral's 32 layers
     d = tmp_path / "trace"
     d.mkdir()
-    write(d / "router_trace_rank0.jsonl", recs)
+    write_jsonl(d / "router_trace_rank0.jsonl", recs)
     with pytest.raises(
         TraceFormatError, match=r"layer 40 is not a MoE layer .*numbered from 1 .*1\.\.32.*Wrong --model"
     ):
@@ -232,7 +228,7 @@ def test_fuzz_router_traces_never_a_traceback(tmp_path, recs):
     d = Path(tempfile.mkdtemp(dir=tmp_path))
     try:
         (d / "in").mkdir()
-        write(d / "in" / "router_trace_rank0.jsonl", recs)
+        write_jsonl(d / "in" / "router_trace_rank0.jsonl", recs)
         res = runner.invoke(
             app, ["import", str(d / "in"), "-m", "mixtral-8x7b-tiny", "-o", str(d / "t"), "--format", "megatron-router"]
         )

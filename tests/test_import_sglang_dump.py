@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from factories import save_expert_dump
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -75,14 +76,6 @@ def record(fid: int, rank: int, mode: int, logical_NLK: np.ndarray, info, map_HP
     }
 
 
-def dump(path: Path, records: list[dict], map_HP: np.ndarray | None) -> Path:
-    obj: dict = {"records": records}
-    if map_HP is not None:
-        obj["last_physical_to_logical_map"] = torch.from_numpy(map_HP)
-    torch.save(obj, path)
-    return path
-
-
 def test_per_token_dump_imports_logical_ids_one_request_per_pass(tmp_path):
     mp = phy2log_of(DSV3, redundant=4, seed=0)
     truths = [logical_tokens(n, DSV3, s) for s, n in enumerate((5, 3, 3))]
@@ -92,7 +85,7 @@ def test_per_token_dump_imports_logical_ids_one_request_per_pass(tmp_path):
         record(2, 0, 2, truths[1], DSV3, mp),  # decode: 3 requests' one token each
         record(3, 0, 3, truths[2], DSV3, mp),  # mixed: counted as prefill
     ]
-    src = dump(tmp_path / "expert_distribution_recorder_1700000000.0_0.pt", records, mp)
+    src = save_expert_dump(tmp_path / "expert_distribution_recorder_1700000000.0_0.pt", records, mp)
     assert detect_format(src).name == "sglang-dump"
     res = runner.invoke(app, ["import", str(src), "-m", "deepseek-v3-tiny", "-o", str(tmp_path / "t")])
     assert res.exit_code == 0, res.output
@@ -117,15 +110,17 @@ def test_a_user_map_takes_precedence_and_a_directory_of_ranks_merges(tmp_path):
     a, b = logical_tokens(4, OLMOE, 3), logical_tokens(2, OLMOE, 4)
     d = tmp_path / "dumps"
     d.mkdir()
-    dump(d / "expert_distribution_recorder_1.0_0.pt", [record(0, 0, 1, a, OLMOE, mp)], other)  # stale map inside
+    save_expert_dump(
+        d / "expert_distribution_recorder_1.0_0.pt", [record(0, 0, 1, a, OLMOE, mp)], other
+    )  # stale map inside
     r1 = record(0, 1, 1, b, OLMOE, mp)
-    dump(d / "expert_distribution_recorder_1.0_1.pt", [r1], other)
+    save_expert_dump(d / "expert_distribution_recorder_1.0_1.pt", [r1], other)
     (tmp_path / "map.json").write_text('{"physical_to_logical_map": ' + str(mp.tolist()) + "}")
     import_trace(d, out=tmp_path / "t", model=OLMOE, options=_opts(physical_map=tmp_path / "map.json"))
     ids = open_trace(tmp_path / "t").token_arrays().topk_ids_TLK
     np.testing.assert_array_equal(ids, np.concatenate([a, b]))
     # tensor parallelism without DP attention: every rank records the same pass
-    dump(d / "expert_distribution_recorder_1.0_1.pt", [record(0, 1, 1, a, OLMOE, mp)], other)
+    save_expert_dump(d / "expert_distribution_recorder_1.0_1.pt", [record(0, 1, 1, a, OLMOE, mp)], other)
     with pytest.raises(TraceFormatError, match="the same pass as .*import one rank's file"):
         import_trace(d, out=tmp_path / "t2", model=OLMOE)
 
@@ -150,7 +145,7 @@ def test_sglang_0_5_23_dp_attention_ranks_decoding_the_same_token_are_not_tp_cop
             else:
                 rec.update(input_ids=[200 + 5 * rank + t for t in range(n)])
             recs.append(rec)
-        dump(d / f"expert_distribution_recorder_1700000000.0_{rank}.pt", recs, mp)
+        save_expert_dump(d / f"expert_distribution_recorder_1700000000.0_{rank}.pt", recs, mp)
     tr_dir = tmp_path / "t"
     import_trace(d, out=tr_dir, model=OLMOE)
     assert find_problems(tr_dir) == []
@@ -267,7 +262,7 @@ def test_fuzz_dumps_never_a_traceback(tmp_path, mode, ids, tokens, layers, cols,
             "forward_mode": mode,
             "topk_ids_of_layer": torch.from_numpy(arr),
         }
-        src = dump(d / "expert_distribution_recorder_1.0_0.pt", [rec], mp)
+        src = save_expert_dump(d / "expert_distribution_recorder_1.0_0.pt", [rec], mp)
         res = runner.invoke(app, ["import", str(src), "-m", "olmoe-1b-7b-tiny", "-o", str(d / "t")])
         assert res.exit_code in (0, 2), res.output
         assert "Traceback" not in res.output

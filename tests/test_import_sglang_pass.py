@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from factories import SMALL, save_expert_dump
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -30,7 +31,6 @@ from moetrace.errors import MoetraceError, TraceFormatError
 from moetrace.tracer.importers import ImportOptions, detect_format, import_profile, import_trace
 from moetrace.tracer.importers.sglang_pass import physical_to_logical_counts
 from moetrace.tracer.trace.profile import open_profile
-from tests.conftest import SMALL
 
 H, E, K = SMALL.num_hidden_layers, SMALL.num_experts, SMALL.top_k  # 4 layers (0 dense), 16 experts, top-2
 runner = CliRunner()
@@ -69,11 +69,7 @@ def rec(fid: int, rank: int, count: torch.Tensor) -> dict:
 
 
 def save(path: Path, records: list[dict], map_HP: np.ndarray | None = MAP_HP) -> Path:
-    obj: dict = {"records": records}
-    if map_HP is not None:
-        obj["last_physical_to_logical_map"] = torch.from_numpy(map_HP)
-    torch.save(obj, path)
-    return path
+    return save_expert_dump(path, records, map_HP)
 
 
 def logical_LE(logical_TLK: np.ndarray) -> np.ndarray:

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from factories import SMALL
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moetrace.errors import MoetraceError, TraceFormatError
 from moetrace.tracer.importers import detect_format, import_profile
 from moetrace.tracer.trace.profile import open_profile
-from tests.conftest import SMALL
 
 H, E = SMALL.num_hidden_layers, SMALL.num_experts
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from factories import write_jsonl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -50,11 +51,6 @@ def planted(n: int, info, seed: int) -> np.ndarray:
     ).astype(np.int64)
 
 
-def write(path: Path, recs) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return path
-
-
 def cli(*args: str):
     return runner.invoke(app, ["import", *args])
 
@@ -75,7 +71,7 @@ def test_teacher_forced_import_decode_span_equals_a_collected_trace(tmp_path):
     with rec, torch.inference_mode():
         model(input_ids=seq)
     tf_TLK = torch.stack([x[0].reshape(P + O, -1) for x in rec.ids], dim=1).numpy()  # one pass: [T, L, K]
-    src = write(tmp_path / "tf.jsonl", records(tf_TLK, info))  # no stage: one pass over prompt + response
+    src = write_jsonl(tmp_path / "tf.jsonl", records(tf_TLK, info))  # no stage: one pass over prompt + response
     res = cli(str(src), "-m", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t"), "--prompt-tokens", str(P))
     assert res.exit_code == 0, res.output
     tr = open_trace(tmp_path / "t")
@@ -92,9 +88,9 @@ def test_teacher_forced_import_decode_span_equals_a_collected_trace(tmp_path):
 
 def test_prompt_span_from_records_option_or_fraction(tmp_path):
     truth = planted(10, OLMOE, 1)
-    per_request = write(tmp_path / "a.jsonl", records(truth, OLMOE, prompt=4))
+    per_request = write_jsonl(tmp_path / "a.jsonl", records(truth, OLMOE, prompt=4))
     import_trace(per_request, out=tmp_path / "a", model=OLMOE)
-    fraction = write(tmp_path / "b.jsonl", records(truth, OLMOE))
+    fraction = write_jsonl(tmp_path / "b.jsonl", records(truth, OLMOE))
     import_trace(fraction, out=tmp_path / "b", model=OLMOE, options=ImportOptions(prompt_fraction=0.4))
     for t in ("a", "b"):
         req = open_trace(tmp_path / t).requests().collect()
@@ -109,7 +105,7 @@ def test_prompt_span_from_records_option_or_fraction(tmp_path):
     uneven = records(truth, OLMOE, prompt=4)
     uneven[7]["prompt_tokens"] = 5
     with pytest.raises(TraceFormatError, match=r"u.jsonl:8: request 0: `prompt_tokens` 5 differs"):
-        import_trace(write(tmp_path / "u.jsonl", uneven), out=tmp_path / "c", model=OLMOE)
+        import_trace(write_jsonl(tmp_path / "u.jsonl", uneven), out=tmp_path / "c", model=OLMOE)
     res = cli(str(fraction), "-m", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "d"), "--prompt-tokens", "2",
               "--prompt-fraction", "0.5")  # fmt: skip
     assert res.exit_code == 2 and "not both" in res.output and "Traceback" not in res.output
@@ -122,7 +118,7 @@ def test_weights_are_kept_in_the_weights_column(tmp_path):
     for r in recs:
         r["weights"] = w[r["position"], OLMOE.moe_layers.index(r["layer"])].tolist()
     del recs[20]  # a missing (position, layer): ids -1, weights 0
-    import_trace(write(tmp_path / "w.jsonl", recs), out=tmp_path / "t", model=OLMOE)
+    import_trace(write_jsonl(tmp_path / "w.jsonl", recs), out=tmp_path / "t", model=OLMOE)
     tr = open_trace(tmp_path / "t")
     assert tr.manifest["writer"]["with_weights"] is True
     got = np.array(tr.routing().collect()["weights"].to_list(), dtype=np.float32).reshape(w.shape)
@@ -131,10 +127,10 @@ def test_weights_are_kept_in_the_weights_column(tmp_path):
     np.testing.assert_array_equal(got, want)
     recs[3].pop("weights")
     with pytest.raises(TraceFormatError, match=r"w2.jsonl:4: no `weights`"):
-        import_trace(write(tmp_path / "w2.jsonl", recs), out=tmp_path / "t2", model=OLMOE)
+        import_trace(write_jsonl(tmp_path / "w2.jsonl", recs), out=tmp_path / "t2", model=OLMOE)
     recs[3]["weights"] = [0.5] * 7
     with pytest.raises(TraceFormatError, match=r"w3.jsonl:4: 7 weights; one per expert"):
-        import_trace(write(tmp_path / "w3.jsonl", recs), out=tmp_path / "t3", model=OLMOE)
+        import_trace(write_jsonl(tmp_path / "w3.jsonl", recs), out=tmp_path / "t3", model=OLMOE)
 
 
 # ------------------------------------------------------------------ leniency closed (issue #25 item 6)
@@ -144,14 +140,14 @@ def test_mixed_integer_and_string_request_ids_are_refused_naming_the_line(tmp_pa
     )
     recs[40]["request"] = "a"
     with pytest.raises(TraceFormatError, match=r"m.jsonl:33: `request` mixes integer and string ids"):
-        import_trace(write(tmp_path / "m.jsonl", recs), out=tmp_path / "t", model=OLMOE)
+        import_trace(write_jsonl(tmp_path / "m.jsonl", recs), out=tmp_path / "t", model=OLMOE)
     assert not (tmp_path / "t").exists()
 
 
 def test_a_request_without_prefill_is_refused_under_stages_both(tmp_path):
     good = records(planted(4, OLMOE, 5), OLMOE, request=0, stage_from=2)
     gen_only = [r for r in records(planted(4, OLMOE, 6), OLMOE, request=1, stage_from=2) if r["stage"] == "decode"]
-    src = write(tmp_path / "n.jsonl", good + gen_only)
+    src = write_jsonl(tmp_path / "n.jsonl", good + gen_only)
     res = cli(str(src), "-m", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t"))
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert "n.jsonl:65: request 1: no prefill record" in res.output and "--stages decode-only" in res.output
@@ -162,7 +158,7 @@ def test_a_request_without_prefill_is_refused_under_stages_both(tmp_path):
 def test_ids_that_do_not_fit_the_model_are_refused_and_what_was_not_checked_is_said(tmp_path):
     truth = planted(3, OLMOE, 7)
     recs = records(truth, OLMOE, stage_from=2)
-    src = write(tmp_path / "ok.jsonl", recs)
+    src = write_jsonl(tmp_path / "ok.jsonl", recs)
     res = cli(str(src), "-m", "olmoe-1b-7b-tiny", "-o", str(tmp_path / "t"))
     assert res.exit_code == 0
     assert "note: the ids fit olmoe-1b-7b-tiny (64 experts, top-k 8, 16 MoE layers)" in res.output
@@ -172,11 +168,11 @@ def test_ids_that_do_not_fit_the_model_are_refused_and_what_was_not_checked_is_s
     dup = [dict(r) for r in recs]
     dup[5]["experts"] = [3, 3, 1, 2, 4, 5, 6, 7]
     with pytest.raises(TraceFormatError, match=r"d.jsonl:6: request 0, position 0, layer 5: expert 3 appears twice"):
-        import_trace(write(tmp_path / "d.jsonl", dup), out=tmp_path / "t1", model=OLMOE)
+        import_trace(write_jsonl(tmp_path / "d.jsonl", dup), out=tmp_path / "t1", model=OLMOE)
     phys = [dict(r) for r in recs]
     phys[9]["experts"] = [70, 1, 2, 3, 4, 5, 6, 7]
     with pytest.raises(TraceFormatError, match=r"p.jsonl:10: .*expert id 70, .*look like physical.*--physical-map"):
-        import_trace(write(tmp_path / "p.jsonl", phys), out=tmp_path / "t2", model=OLMOE)
+        import_trace(write_jsonl(tmp_path / "p.jsonl", phys), out=tmp_path / "t2", model=OLMOE)
 
 
 def _dsv3_tokens(n: int, seed: int) -> np.ndarray:
@@ -200,7 +196,7 @@ def test_group_limited_router_ids_spanning_too_many_groups_look_physical_and_the
     phy2log = np.stack([np.concatenate([rng.permutation(E), rng.choice(E, 4)]) for _ in DSV3.moe_layers])
     log2slot = np.argsort(phy2log[:, :E], axis=1)  # one slot of each logical expert
     physical = np.stack([log2slot[i][truth[:, i]] for i in range(DSV3.num_moe_layers)], axis=1)
-    src = write(tmp_path / "phys.jsonl", records(physical, DSV3, stage_from=2))
+    src = write_jsonl(tmp_path / "phys.jsonl", records(physical, DSV3, stage_from=2))
     with pytest.raises(TraceFormatError, match=r"expert groups.*look\s+like physical ids of an EPLB-remapped capture"):
         import_trace(src, out=tmp_path / "t0", model=DSV3)
     mp = tmp_path / "map.json"
@@ -275,7 +271,7 @@ def test_a_named_pipe_or_device_is_refused_not_read(tmp_path, kind):
 def test_the_manifest_keeps_no_directories_of_the_source(tmp_path):
     deep = tmp_path / "deep" / "er"
     deep.mkdir(parents=True)
-    src = write(deep / "cap.jsonl", records(planted(3, OLMOE, 9), OLMOE, stage_from=2))
+    src = write_jsonl(deep / "cap.jsonl", records(planted(3, OLMOE, 9), OLMOE, stage_from=2))
     import_trace(src, out=tmp_path / "t", model=OLMOE, options=ImportOptions())
     text = (tmp_path / "t" / "manifest.json").read_text()
     assert "cap.jsonl" in text and str(tmp_path) not in text
@@ -314,7 +310,7 @@ def test_fuzz_tokens_import_never_a_traceback(tmp_path, recs, span):
 
     d = Path(tempfile.mkdtemp(dir=tmp_path))
     try:
-        src = write(d / "f.jsonl", recs)
+        src = write_jsonl(d / "f.jsonl", recs)
         res = cli(str(src), "-m", "olmoe-1b-7b-tiny", "-o", str(d / "t"), *span)
         assert res.exit_code in (0, 2), res.output
         assert "Traceback" not in res.output

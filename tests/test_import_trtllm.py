@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from factories import SMALL
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -20,7 +21,6 @@ from safetensors.torch import save_file
 from moetrace.errors import MoetraceError, TraceFormatError
 from moetrace.tracer.importers import detect_format, import_profile
 from moetrace.tracer.trace.profile import open_profile
-from tests.conftest import SMALL
 
 E, K = SMALL.num_experts, SMALL.top_k
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pytest
-from test_analysis_planted import sample_topk, tiny_model, write_trace
+from factories import (
+    PARTIAL_E,
+    PARTIAL_K,
+    PARTIAL_L,
+    PARTIAL_RECORDED,
+    partial_trace,
+)
 from typer.testing import CliRunner
 
 from moetrace.analysis.run import AnalyzeConfig, analyze, format_summary
@@ -24,42 +29,7 @@ from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.summary import recorded_tokens
 
 runner = CliRunner()
-L, RECORDED, E, K = 4, 2, 8, 2
-
-
-def partial_trace(
-    path: Path,
-    *,
-    recorded_layers: tuple[int, ...] = (RECORDED,),
-    requests_per_dataset: int = 20,
-    prompt_tokens: int = 12,
-    output_tokens: int = 8,
-    decode_only: bool = False,
-    seed: int = 0,
-) -> Path:
-    """Two datasets with distinct hot experts; ids -1 at every layer not in ``recorded_layers``
-    (and, ``decode_only``, at every prompt position: the manifest then says ``stages: [decode]``)."""
-    rng = np.random.default_rng(seed)
-    R = 2 * requests_per_dataset
-    lens = np.full(R, prompt_tokens + output_tokens)
-    d_T = np.repeat(np.arange(R) % 2, lens)
-    p_TLE = np.ones((int(lens.sum()), L, E))
-    p_TLE[d_T == 0, :, :3] = 10.0
-    p_TLE[d_T == 1, :, 5:] = 10.0
-    ids = sample_topk(rng, p_TLE, K)
-    ids[:, [l for l in range(L) if l not in recorded_layers]] = -1
-    if decode_only:
-        pos_T = np.arange(ids.shape[0]) % lens[0]
-        ids[pos_T < prompt_tokens] = -1
-    return write_trace(
-        path,
-        model=tiny_model(num_layers=L, num_experts=E, top_k=K),
-        dataset_R=[f"ds{r % 2}" for r in range(R)],
-        prompt_tokens_R=np.full(R, prompt_tokens),
-        output_tokens_R=np.full(R, output_tokens),
-        topk_ids_TLK=ids,
-        collection={"stages": ["decode"]} if decode_only else None,
-    )
+L, RECORDED, E, K = PARTIAL_L, PARTIAL_RECORDED, PARTIAL_E, PARTIAL_K
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from factories import PLANTED, planted_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -20,55 +21,19 @@ from moetrace.placement.exports import export_placement, load_placement
 from moetrace.placement.report import compare_notes, format_compare_summary
 from moetrace.placement.routers import CentroidRouter
 from moetrace.placement.strategies import STRATEGIES, STRATEGY_NAMES
-from moetrace.tracer.trace.schema import ModelInfo
-from moetrace.tracer.trace.writer import TraceWriter
 
 E, K, L = 16, 2, 2
-MODEL = ModelInfo(
-    name="planted",
-    source="test",
-    architecture="Test",
-    num_hidden_layers=3,
-    moe_layers=(1, 2),
-    num_experts=E,
-    top_k=K,
-    num_shared_experts=0,
-    hidden_size=8,
-)
-
-
-def _planted_trace(path, *, structured: bool, num_requests: int = 80, seed: int = 0):
-    """Two domains; domain d routes only to experts with e % 2 == d (prefill and decode alike)."""
-    rng = np.random.default_rng(seed)
-    rows, ptok, otok = [], [], []
-    for r in range(num_requests):
-        d = r % 2
-        pool = np.arange(d, E, 2) if structured else np.arange(E)
-        p, o = 6, 10
-        ids = np.stack([np.stack([rng.choice(pool, K, replace=False) for _ in range(L)]) for _ in range(p + o)])
-        ids[-1] = -1  # the final generated token is never forwarded
-        rows.append(ids.reshape(p + o, L * K))
-        ptok.append(p)
-        otok.append(o)
-    with TraceWriter(path, model=MODEL, backend={"name": "synthetic"}, collection={"planted": "parity domains"}) as w:
-        w.add_requests(
-            request_id_R=np.arange(num_requests),
-            dataset_R=[f"d{r % 2}" for r in range(num_requests)],
-            prompt_tokens_R=np.array(ptok),
-            output_tokens_R=np.array(otok),
-            topk_ids_TX=np.concatenate(rows),
-        )
-    return path
+MODEL = PLANTED  # 2 MoE layers of E experts, top-K
 
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    return _planted_trace(tmp_path_factory.mktemp("t") / "planted", structured=True)
+    return planted_trace(tmp_path_factory.mktemp("t") / "planted", structured=True)
 
 
 @pytest.fixture(scope="module")
 def flat(tmp_path_factory):
-    return _planted_trace(tmp_path_factory.mktemp("t") / "flat", structured=False)
+    return planted_trace(tmp_path_factory.mktemp("t") / "flat", structured=False)
 
 
 def _cfg(**kw):
@@ -437,11 +402,12 @@ def test_the_verdict_follows_moe_layer_time_where_all_to_all_time_ranks_otherwis
         for s in m
     }
     v = compare_verdict(m, placed, list(m), reference="linear", measure="moe")
-    assert v["measure"] == "moe_time" and v["ranking"] == ["moe_fast", "linear", "a2a_fast"]
-    assert v["recommended"] == "moe_fast" and v["over_node_load_limit"] == ["over"]
-    assert v["time_normalized"]["a2a_fast"] == pytest.approx(1.05) and v["a2a_time_normalized"]["a2a_fast"] == 0.8
+    assert v.measure == "moe_time" and v.by_moe_time and v.ranking == ("moe_fast", "linear", "a2a_fast")
+    assert v.recommended == "moe_fast" and v.over_node_load_limit == ("over",)
+    assert v.time_normalized["a2a_fast"] == pytest.approx(1.05) and v.a2a_time_normalized["a2a_fast"] == 0.8
     a2a = compare_verdict(m, placed, list(m), reference="linear", measure="a2a")  # expert size unknown
-    assert a2a["ranking"] == ["a2a_fast", "moe_fast", "linear"] and a2a["recommended"] == "a2a_fast"
+    assert a2a.ranking == ("a2a_fast", "moe_fast", "linear") and a2a.recommended == "a2a_fast"
+    assert not a2a.by_moe_time and a2a.stages == {}
     line = verdict_line(v, reference="linear")
     assert line.startswith(
         "verdict (MoE-layer time, deployable within the node-load limit): recommended moe_fast 0.900"

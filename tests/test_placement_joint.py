@@ -553,11 +553,11 @@ def test_compare_ranks_by_moe_layer_time_when_the_expert_size_is_known(tmp_path)
     assert res.measure == "moe"
     rows = {r["strategy"]: r for r in res.summary_rows()}
     v = res.manifest.verdict
-    assert v is not None and v["measure"] == "moe_time"
+    assert v is not None and v.measure == "moe_time" and set(v.stages) == {"decode", "prefill"}
     deployable = [s for s in ("linear", "eplb", "joint", "ours") if not rows[s]["over_node_load_limit"]]
     best = min(rows[s]["moe_time_normalized_median"] for s in deployable)
-    assert rows[v["recommended"]]["moe_time_normalized_median"] == pytest.approx(best)
-    assert v["ranking"] == sorted(v["ranking"], key=lambda s: rows[s]["moe_time_normalized_median"])
+    assert v.recommended is not None and rows[v.recommended]["moe_time_normalized_median"] == pytest.approx(best)
+    assert list(v.ranking) == sorted(v.ranking, key=lambda s: rows[s]["moe_time_normalized_median"])
     for b in ("perfect_routing", "oracle"):  # a bound beaten in MoE-layer time is named, never substituted
         for s in deployable:
             beats = rows[s]["moe_time_normalized_median"] < rows[b]["moe_time_normalized_median"] - 1e-12
@@ -565,7 +565,7 @@ def test_compare_ranks_by_moe_layer_time_when_the_expert_size_is_known(tmp_path)
     lines = format_compare_summary(res).splitlines()
     head = next(ln for ln in lines if ln.startswith("strategy"))
     assert head.split()[:3] == ["strategy", "MoE", "time"] and head.index("a2a time") > head.index("MoE time")
-    assert lines[-1].startswith("verdict (MoE-layer time") and v["recommended"] in lines[-1]
+    assert lines[-1].startswith("verdict (MoE-layer time") and v.recommended in lines[-1]
     out = tmp_path / "res"
     write_results(res, out)
     assert read_compare_manifest(out).verdict == v

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from factories import SMALL, write_small_trace
 from typer.testing import CliRunner
 
 from moetrace.analysis.counts import count_trace
@@ -26,7 +27,6 @@ from moetrace.tracer.trace.profile import (
     write_profile,
 )
 from moetrace.tracer.trace.reader import open_trace
-from tests.conftest import SMALL, write_small_trace
 
 runner = CliRunner()
 

@@ -6,11 +6,11 @@ import json
 from dataclasses import replace
 
 import pytest
+from factories import write_small_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app, common
 from moetrace.cli.common import ProgressBar, RequestProgress, show_progress
-from tests.conftest import write_small_trace
 
 runner = CliRunner()
 
@@ -100,11 +100,12 @@ def test_compare_simulation_progress(tmp_path):
 
 
 def test_import_progress(tmp_path):
+    from factories import MAV, planted_ids, sglang_response
+
     from moetrace.tracer.importers import import_trace
-    from tests.test_import import MAV, planted, sglang_response
 
     shapes = [(3, 2)] * 600  # more than one committed batch of 512
-    lines = [json.dumps(sglang_response(p, o, planted(p + o - 1, MAV, i), MAV)) for i, (p, o) in enumerate(shapes)]
+    lines = [json.dumps(sglang_response(p, o, planted_ids(p + o - 1, MAV, i), MAV)) for i, (p, o) in enumerate(shapes)]
     src = tmp_path / "resp.jsonl"
     src.write_text("\n".join(lines) + "\n")
     calls, cb = _recorder()

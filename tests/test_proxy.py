@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from factories import TINY_MOE as MODEL
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -30,19 +31,7 @@ from moetrace.serving.engines import SglangWire, VllmWire, moe_layers_of
 from moetrace.serving.http11 import Upstream
 from moetrace.serving.proxy import Proxy, ProxyConfig
 from moetrace.serving.standin import StandinEngine
-from moetrace.tracer.trace.schema import ModelInfo
 
-MODEL = ModelInfo(  # layer 0 dense: engines return all 4 decoder layers, the router reads the 3 MoE ones
-    name="tiny-moe",
-    source="test/tiny-moe",
-    architecture="Test",
-    num_hidden_layers=4,
-    moe_layers=(1, 2, 3),
-    num_experts=16,
-    top_k=2,
-    num_shared_experts=0,
-    hidden_size=64,
-)
 L, E, K = 3, 16, 2
 
 

@@ -16,21 +16,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from factories import TINY_MOE as MODEL
 
 from moetrace.serving.engines import SglangWire, VllmWire, b64decode, loads_lifted, moe_layers_of
-from moetrace.tracer.trace.schema import ModelInfo
-
-MODEL = ModelInfo(
-    name="tiny-moe",
-    source="test/tiny-moe",
-    architecture="Test",
-    num_hidden_layers=4,
-    moe_layers=(1, 2, 3),
-    num_experts=16,
-    top_k=2,
-    num_shared_experts=0,
-    hidden_size=64,
-)
 
 
 def _ids(T: int, seed: int = 0) -> np.ndarray:

@@ -13,7 +13,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import SMALL, write_small_trace
+from factories import SMALL, write_small_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import write_small_trace
+from factories import write_small_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner

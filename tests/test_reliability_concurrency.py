@@ -25,9 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import write_small_trace
-from test_collect import planted  # noqa: F401  (the fixture: a backend registered for the test)
-from test_writer_lock import _finish, _start_holder
+from factories import finish_lock_holder, start_lock_holder, write_small_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -74,13 +72,13 @@ def other_trace(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("command", WRITERS)
 def test_no_command_writes_into_a_trace_being_collected(tmp_path, other_trace, command):
     trace = tmp_path / "t"
-    holder = _start_holder(trace)
+    holder = start_lock_holder(trace)
     try:
         t0 = time.perf_counter()
         r = runner.invoke(app, [*WRITERS[command](trace, other_trace), "--overwrite"])
         seconds = time.perf_counter() - t0
     finally:
-        _finish(holder)
+        finish_lock_holder(holder)
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
     errors = [line for line in r.output.splitlines() if line.startswith("Error:")]
@@ -91,18 +89,18 @@ def test_no_command_writes_into_a_trace_being_collected(tmp_path, other_trace, c
     assert sorted(p.name for p in trace.iterdir()) == [".writer.lock", "manifest.json", "requests", "routing"]
 
 
-def test_collect_is_refused_before_it_loads_a_model(planted, tmp_path):  # noqa: F811
+def test_collect_is_refused_before_it_loads_a_model(planted_backend, tmp_path):
     trace = tmp_path / "t"
-    holder = _start_holder(trace)
+    holder = start_lock_holder(trace)
     try:
         r = runner.invoke(app, ["collect", "--model", "mixtral-8x7b", "-o", str(trace), "--resume"])
     finally:
-        _finish(holder)
+        finish_lock_holder(holder)
     assert r.exit_code == 2 and f"pid {holder.pid}" in r.output, r.output
-    assert all("load" not in b.calls for b in planted.built)
+    assert all("load" not in b.calls for b in planted_backend.built)
 
 
-def test_a_collector_that_loses_a_lock_race_leaves_the_winners_directory(planted, tmp_path, monkeypatch):  # noqa: F811
+def test_a_collector_that_loses_a_lock_race_leaves_the_winners_directory(planted_backend, tmp_path, monkeypatch):
     """The winner creates the directory between the loser's checks and its writer: the loser is refused
     and must not remove the directory as one it created and left empty."""
     from moetrace.tracer import collect as collect_mod
@@ -112,7 +110,7 @@ def test_a_collector_that_loses_a_lock_race_leaves_the_winners_directory(planted
     holders = []
 
     def racing_writer(*args, **kw):
-        holders.append(_start_holder(trace))  # the winner appears just now
+        holders.append(start_lock_holder(trace))  # the winner appears just now
         return TraceWriter(*args, **kw)
 
     monkeypatch.setattr(collect_mod, "TraceWriter", racing_writer)
@@ -123,7 +121,7 @@ def test_a_collector_that_loses_a_lock_race_leaves_the_winners_directory(planted
         assert (trace / "requests").is_dir() and (trace / "manifest.json").is_file()
     finally:
         for h in holders:
-            _finish(h)
+            finish_lock_holder(h)
     assert open_trace(trace).requests().collect()["request_id"].to_list() == [100]
 
 
@@ -156,7 +154,7 @@ def test_a_results_folder_has_one_writer(tmp_path, other_trace):
 
 @pytest.mark.parametrize("stop_after", [1, 2, 3])  # unlinks done before the kill: manifest, then requests parts
 def test_an_overwrite_stopped_half_way_is_never_resumed_as_complete(tmp_path, monkeypatch, stop_after):
-    from conftest import SMALL
+    from factories import SMALL
 
     trace = write_small_trace(tmp_path / "t", num_requests=8, part_tokens=20)
     real_unlink, done = Path.unlink, []
@@ -178,7 +176,7 @@ def test_an_overwrite_stopped_half_way_is_never_resumed_as_complete(tmp_path, mo
 
 
 def test_resume_refuses_a_trace_that_lost_a_part(tmp_path):
-    from conftest import SMALL
+    from factories import SMALL
 
     trace = write_small_trace(tmp_path / "t", num_requests=8, part_tokens=20)
     sorted((trace / "routing").glob("*.parquet"))[1].unlink()
@@ -334,10 +332,10 @@ def test_merge_shards_is_refused_while_a_whole_trace_writer_runs(tmp_path, allow
     """`merge-shards` writes the trace's manifest: under the trace's lock (shards, which share it, may
     run with --allow-incomplete; a whole-trace writer never)."""
     trace = tmp_path / "t"
-    holder = _start_holder(trace)
+    holder = start_lock_holder(trace)
     try:
         r = runner.invoke(app, ["merge-shards", str(trace), *(["--allow-incomplete"] if allow_incomplete else [])])
     finally:
-        _finish(holder)
+        finish_lock_holder(holder)
     assert r.exit_code == 2 and f"pid {holder.pid}" in r.output and "Traceback" not in r.output, r.output
     assert open_trace(trace).requests().collect()["request_id"].to_list() == [100]  # its manifest untouched

@@ -15,8 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import write_small_trace
-from test_hostile_round3 import tree_hashes
+from factories import tree_hashes, write_small_trace
 from typer.testing import CliRunner
 
 from moetrace import atomic
@@ -266,9 +265,9 @@ def _advise_args(t: Path, out: Path, steps: int) -> list[str]:
 
 @pytest.fixture
 def advised(tmp_path):
-    from test_advise import _trace
+    from factories import zipf_trace
 
-    t = _trace(tmp_path / "t")
+    t = zipf_trace(tmp_path / "t")
     out = tmp_path / "a"
     r = runner.invoke(app, _advise_args(t, out, 8))
     assert r.exit_code == 0, r.output

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from test_placement_compare import _planted_trace
+from factories import planted_trace
 from typer.testing import CliRunner
 
 from moetrace import results as rf
@@ -23,7 +23,7 @@ DEPLOY = ["--config", "DP2TP4EP8", "--gpus-per-node", "4"]
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
-    return _planted_trace(tmp_path_factory.mktemp("results") / "trace", structured=True)
+    return planted_trace(tmp_path_factory.mktemp("results") / "trace", structured=True)
 
 
 @pytest.fixture(scope="module")
@@ -200,9 +200,35 @@ def test_compare_json_is_read_and_written_through_its_typed_record(compare_dir, 
     ours = read_compare_manifest(compare_dir)
     assert ours.strategies == ("linear", "eplb", "data") and ours.model.name == "planted"
     assert detect(compare_dir).compare == ours
+    # the verdict and the step model are records too, written back key for key
+    assert ours.verdict is not None and ours.verdict.ranking and set(ours.verdict.stages) >= {"decode"}
+    assert ours.hardware is not None and ours.hardware.name == "h100" and "expert" in ours.hardware.kernels
+    own = {
+        k: v
+        for k, v in json.loads((compare_dir / rf.COMPARE_MANIFEST).read_text()).items()
+        if k not in ("format", "version")
+    }
+    assert ours.to_json() == own
     assert CompareManifest.from_json(obj, where="x").to_json() == {
         k: v for k, v in obj.items() if k not in ("format", "version")
     }
+
+
+@pytest.mark.parametrize(
+    ("part", "value", "message"),
+    [
+        ("verdict", {"measure": "moe_time"}, r"compare.json verdict: no `ranking`; re-run `moetrace compare`"),
+        ("verdict", {"stages": {"decode": {"stage": "decode"}}}, r"`verdict.stages` holds a malformed decision"),
+        ("hardware", {"format": "x"}, r"compare.json: `hardware`: not a moetrace links file"),
+    ],
+)
+def test_a_damaged_verdict_or_step_model_names_its_key(compare_dir, part, value, message):
+    from moetrace.placement.compare_manifest import CompareManifest
+
+    obj = json.loads((compare_dir / rf.COMPARE_MANIFEST).read_text())
+    obj[part] = {**obj[part], **value} if part == "verdict" and "stages" in value else value
+    with pytest.raises(TraceFormatError, match=message):
+        CompareManifest.from_json(obj, where="compare.json")
 
 
 def test_compare_json_of_older_moetrace_gets_the_later_keys_once(tmp_path):

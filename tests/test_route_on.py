@@ -8,7 +8,8 @@ import json
 
 import numpy as np
 import pytest
-from test_partial_captures import L, partial_trace
+from factories import PARTIAL_L as L
+from factories import partial_trace
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -81,7 +82,7 @@ def test_compare_route_on_runs_grouped_and_bounds_and_says_what_if(decode_only, 
 
 
 def test_compare_on_forward_passes_says_they_are_not_requests(tmp_path):
-    from test_analysis_planted import sample_topk, tiny_model, write_trace
+    from factories import sample_topk, tiny_model, write_trace
 
     rng = np.random.default_rng(0)
     R, n = 40, 12

@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from factories import SMALL, write_small_trace
 
 from moetrace.errors import OutputExistsError, TraceFormatError
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.schema import ModelInfo, requests_schema, routing_schema
 from moetrace.tracer.trace.validate import find_problems
 from moetrace.tracer.trace.writer import TraceWriter
-from tests.conftest import SMALL, write_small_trace
 
 
 def test_roundtrip_rows_and_arrays(tmp_path):

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from factories import SHORT, small_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -47,26 +48,6 @@ from moetrace.tracer.synth_stats import (
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.schema import ModelInfo
 from moetrace.tracer.trace.validate import find_problems
-
-
-def small_model(*, L: int = 4, E: int = 32, K: int = 4) -> ModelInfo:
-    return ModelInfo(
-        name="test-moe",
-        source="test",
-        architecture="TestMoE",
-        num_hidden_layers=L,
-        moe_layers=tuple(range(L)),
-        num_experts=E,
-        top_k=K,
-        num_shared_experts=0,
-        hidden_size=64,
-    )
-
-
-#: short requests so a few hundred give enough tokens quickly
-SHORT = {
-    d: {"prompt_median": 40, "prompt_sigma": 0.2, "output_median": 40, "output_sigma": 0.2} for d in PAPER_DATASETS
-}
 
 
 def plan_for(num_requests: int = 280, seed: int = 0, **knobs) -> SynthPlan:

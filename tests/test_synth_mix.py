@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from factories import SHORT, small_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -24,7 +25,6 @@ from moetrace.tracer.synth import (
 from moetrace.tracer.synth_stats import counts_from_chunks, counts_from_trace
 from moetrace.tracer.trace.reader import open_trace
 from moetrace.tracer.trace.validate import find_problems
-from tests.test_synth import SHORT, small_model
 
 MIX = {"gsm8k": 0.6, "mbpp": 0.2, "humaneval": 0.1, "xsum": 0.1}
 

@@ -7,11 +7,11 @@ import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from factories import SMALL
 from typer.testing import CliRunner
 
 from moetrace.cli import app
 from moetrace.tracer.trace.validate import find_problems
-from tests.conftest import SMALL
 
 runner = CliRunner()
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import write_small_trace
+from factories import write_small_trace
 
 from moetrace.tracer.presets import model_info_for
 from moetrace.tracer.trace import group_limit

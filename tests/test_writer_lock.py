@@ -7,13 +7,10 @@ about crashes): it writes one committed request, says so on stdout, and waits fo
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
-from conftest import SMALL
+from factories import SMALL, finish_lock_holder, start_lock_holder
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -21,41 +18,6 @@ from moetrace.errors import TraceBusyError
 from moetrace.tracer.trace import TraceWriter, open_trace
 from moetrace.tracer.trace.layout import shard_manifest_name, shard_prefix
 from moetrace.tracer.trace.validate import find_problems
-
-HOLDER = textwrap.dedent(
-    """
-    import sys
-    import numpy as np
-    from moetrace.tracer.trace import TraceWriter
-    from moetrace.tracer.trace.layout import shard_manifest_name, shard_prefix
-    sys.path.insert(0, {tests!r})
-    from conftest import SMALL
-    shard = {shard!r}
-    kw = {{}} if shard is None else dict(part_prefix=shard_prefix(shard), manifest_name=shard_manifest_name(shard))
-    w = TraceWriter({path!r}, model=SMALL, backend={{"name": "synthetic"}}, collection={{}}, on_existing="resume", **kw)
-    ids = np.zeros((4, SMALL.ids_per_token), np.int16)
-    w.add_request(request_id=100 + (shard or 0), dataset="held", prompt_tokens=2, topk_ids_TX=ids)
-    w.commit()
-    print("holding", flush=True)
-    sys.stdin.readline()
-    w.close()
-    print("closed", flush=True)
-    """
-)
-
-
-def _start_holder(path, *, shard=None) -> subprocess.Popen:
-    from pathlib import Path
-
-    code = HOLDER.format(path=str(path), shard=shard, tests=str(Path(__file__).parent))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "holding"
-    return proc
-
-
-def _finish(proc: subprocess.Popen) -> None:
-    out, _ = proc.communicate("go\n", timeout=60)
-    assert proc.returncode == 0 and "closed" in out
 
 
 def _writer(path, on_existing, **kw) -> TraceWriter:
@@ -65,12 +27,12 @@ def _writer(path, on_existing, **kw) -> TraceWriter:
 @pytest.mark.parametrize("on_existing", ["overwrite", "resume", "refuse"])
 def test_second_writer_is_refused_and_the_first_keeps_its_data(tmp_path, on_existing):
     path = tmp_path / "t"
-    holder = _start_holder(path)
+    holder = start_lock_holder(path)
     try:
         with pytest.raises(TraceBusyError, match=rf"being written by pid {holder.pid} on .*started"):
             _writer(path, on_existing)
     finally:
-        _finish(holder)
+        finish_lock_holder(holder)
     assert find_problems(path) == []
     t = open_trace(path)
     assert t.requests().collect()["request_id"].to_list() == [100]
@@ -78,13 +40,13 @@ def test_second_writer_is_refused_and_the_first_keeps_its_data(tmp_path, on_exis
 
 def test_cli_overwrite_of_a_running_collection_is_refused_cleanly(tmp_path):
     path = tmp_path / "t"
-    holder = _start_holder(path)
+    holder = start_lock_holder(path)
     try:
         r = CliRunner().invoke(
             app, ["synth", "--model", "deepseek-v3-tiny", "--requests", "4", "-o", str(path), "--overwrite"]
         )
     finally:
-        _finish(holder)
+        finish_lock_holder(holder)
     assert r.exit_code == 2, r.output
     assert f"pid {holder.pid}" in r.output and "Traceback" not in r.output
     assert open_trace(path).requests().collect()["request_id"].to_list() == [100]
@@ -92,7 +54,7 @@ def test_cli_overwrite_of_a_running_collection_is_refused_cleanly(tmp_path):
 
 def test_a_killed_writer_releases_the_lock_and_its_trace_resumes(tmp_path):
     path = tmp_path / "t"
-    holder = _start_holder(path)
+    holder = start_lock_holder(path)
     holder.send_signal(signal.SIGKILL)
     holder.wait(timeout=30)
     with _writer(path, "resume") as w:  # not refused: the kernel dropped the dead holder's lock
@@ -106,7 +68,7 @@ def test_a_killed_writer_releases_the_lock_and_its_trace_resumes(tmp_path):
 
 def test_shards_share_a_trace_but_each_shard_has_one_writer(tmp_path):
     path = tmp_path / "t"
-    shard0 = _start_holder(path, shard=0)
+    shard0 = start_lock_holder(path, shard=0)
     try:
         shard1 = _writer(path, "resume", part_prefix=shard_prefix(1), manifest_name=shard_manifest_name(1))
         shard1.close()  # a second shard runs beside the first
@@ -115,5 +77,5 @@ def test_shards_share_a_trace_but_each_shard_has_one_writer(tmp_path):
         with pytest.raises(TraceBusyError, match="running shards"):
             _writer(path, "overwrite")  # a whole-trace overwrite would delete the shards' parts
     finally:
-        _finish(shard0)
+        finish_lock_holder(shard0)
     assert any(f.name.startswith(shard_prefix(0)) for f in (path / "requests").iterdir())

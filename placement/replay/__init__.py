@@ -13,7 +13,8 @@ One process per EP rank. The modules, in the order a replay runs them:
   ``netemu``), ``Network`` (``network``) saying how the links were realized;
 - ``smoke``: the 1-rank NCCL check on one GPU;
 - ``predict``: the step model's seconds on emulated nodes, its links as the run realised them;
-- ``results``: measured bytes against the plan's, the summary, ``collectives.parquet`` and ``a2a.json``;
+- ``results``: measured bytes against the plan's, the summary, ``collectives.parquet`` and ``a2a.json``
+  (the typed ``placement.a2a_manifest.A2AManifest``, written through its ``to_json``);
 - ``run``: the library call, ``replay(plan)`` -> ``ReplayRun`` (check, summary, write).
 
     plan = build_plan(load_trace_data(trace, test_fraction=0.2, seed=0), cfg=cfg, backend="gloo")
@@ -53,6 +54,7 @@ from moetrace.placement.replay.predict import (
 )
 from moetrace.placement.replay.rank import PROBE_INTRA_BYTES, PROBE_REPEATS, run_rank
 from moetrace.placement.replay.results import (
+    a2a_manifest,
     first_mismatch,
     format_summary,
     raise_on_mismatch,
@@ -75,6 +77,7 @@ __all__ = [
     "Network",
     "ReplayCost",
     "ReplayRun",
+    "a2a_manifest",
     "build_plan",
     "check_local_capacity",
     "choose_backend",

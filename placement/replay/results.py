@@ -2,8 +2,9 @@
 
 Records are what ``rank.run_rank`` gathers on rank 0 (one dict per rank). ``first_mismatch`` compares
 every rank's measured bytes per link class with the send matrices' (exact); ``summary_rows`` /
-``format_summary`` rank the strategies; ``write_a2a_results`` writes ``collectives.parquet`` and
-``a2a.json`` (``moetrace.results.A2A``).
+``format_summary`` rank the strategies (``a2a_manifest.A2ASummaryRow``); ``a2a_manifest`` builds the
+typed ``a2a.json`` (``placement.a2a_manifest.A2AManifest``) and ``write_a2a_results`` writes it through
+its ``to_json``, with ``collectives.parquet`` (``moetrace.results.A2A``).
 
 Shape legend (docs/architecture.md): B batches, L MoE layers, W EP ranks (GPUs), V strategies.
 
@@ -19,13 +20,16 @@ from typing import Any
 import numpy as np
 
 from moetrace import results as rf
+from moetrace.placement.a2a_manifest import A2AManifest, A2ASummaryRow
 from moetrace.placement.replay.network import Network, links_line
 from moetrace.placement.replay.plan import A2APlan
 from moetrace.placement.replay.predict import ReplayCost, predicted_seconds_VBL, replay_cost
 from moetrace.placement.replay.sends import PHASES, A2AMismatchError, rank_link_bytes
 from moetrace.sizes import human_bytes
+from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = [
+    "a2a_manifest",
     "first_mismatch",
     "format_summary",
     "raise_on_mismatch",
@@ -106,7 +110,7 @@ def result_table(plan: A2APlan, records: list[dict[str, Any]]):
     )
 
 
-def summary_rows(plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None) -> list[dict[str, Any]]:
+def summary_rows(plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None) -> list[A2ASummaryRow]:
     """Per strategy: measured and simulated inter-node bytes per batch normalized to the reference's
     median (``linear`` when present, else the first strategy), and the median collective times (the
     slowest rank of each collective): dispatch, combine, and both of one (batch, layer)
@@ -136,22 +140,22 @@ def summary_rows(plan: A2APlan, records: list[dict[str, Any]], network: Network 
         pred = None if pred_VB is None else norm(pred_VB, v)
         meas = norm(time_VB, v)
         rows.append(
-            {
-                "strategy": s,
-                "reference": plan.strategies[ref],
-                "measured_inter_node_normalized_median": norm(meas_VB, v),
-                "simulated_inter_node_normalized_median": norm(sim_VB, v),
-                "measured_inter_node_bytes_per_batch_median": float(np.median(meas_VB[v])),
-                "simulated_inter_node_bytes_per_batch_median": float(np.median(sim_VB[v])),
-                "dispatch_seconds_median": float(np.median(secs[v, ..., 0])),
-                "combine_seconds_median": float(np.median(secs[v, ..., 1])),
-                "layer_seconds_median": float(np.median(secs[v].sum(-1))),
-                "measured_seconds_per_batch_median": float(np.median(time_VB[v])),
-                "predicted_seconds_per_batch_median": None if pred_VB is None else float(np.median(pred_VB[v])),
-                "measured_time_normalized_median": meas,
-                "predicted_time_normalized_median": pred,
-                "predicted_over_measured": None if pred is None else pred / meas,
-            }
+            A2ASummaryRow(
+                strategy=s,
+                reference=plan.strategies[ref],
+                measured_inter_node_normalized_median=norm(meas_VB, v),
+                simulated_inter_node_normalized_median=norm(sim_VB, v),
+                measured_inter_node_bytes_per_batch_median=float(np.median(meas_VB[v])),
+                simulated_inter_node_bytes_per_batch_median=float(np.median(sim_VB[v])),
+                dispatch_seconds_median=float(np.median(secs[v, ..., 0])),
+                combine_seconds_median=float(np.median(secs[v, ..., 1])),
+                layer_seconds_median=float(np.median(secs[v].sum(-1))),
+                measured_seconds_per_batch_median=float(np.median(time_VB[v])),
+                predicted_seconds_per_batch_median=None if pred_VB is None else float(np.median(pred_VB[v])),
+                measured_time_normalized_median=meas,
+                predicted_time_normalized_median=pred,
+                predicted_over_measured=None if pred is None else pred / meas,
+            )
         )
     return rows
 
@@ -190,45 +194,67 @@ def format_summary(plan: A2APlan, records: list[dict[str, Any]], network: Networ
 
     for r in summary_rows(plan, records, network):
         lines.append(
-            f"{r['strategy']:<12} {r['measured_inter_node_normalized_median']:>23.3f} "
-            f"{r['simulated_inter_node_normalized_median']:>10.3f} "
-            f"{human_bytes(r['measured_inter_node_bytes_per_batch_median']):>12} "
-            f"{r['dispatch_seconds_median']:>11.2e} {r['combine_seconds_median']:>10.2e} "
-            f"{r['layer_seconds_median']:>9.2e} {r['measured_time_normalized_median']:>13.3f} "
-            f"{opt(r['predicted_time_normalized_median']):>10} {opt(r['predicted_over_measured']):>10}"
+            f"{r.strategy:<12} {r.measured_inter_node_normalized_median:>23.3f} "
+            f"{r.simulated_inter_node_normalized_median:>10.3f} "
+            f"{human_bytes(r.measured_inter_node_bytes_per_batch_median):>12} "
+            f"{r.dispatch_seconds_median:>11.2e} {r.combine_seconds_median:>10.2e} "
+            f"{r.layer_seconds_median:>9.2e} {r.measured_time_normalized_median:>13.3f} "
+            f"{opt(r.predicted_time_normalized_median):>10} {opt(r.predicted_over_measured):>10}"
         )
     return "\n".join(lines)
+
+
+def a2a_manifest(
+    plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None, *, out: str | os.PathLike
+) -> A2AManifest:
+    """The ``a2a.json`` of a replay written to the results directory ``out`` (the trace's path is
+    recorded relative to it): the plan's provenance (``config``), the run, the byte check, the summary
+    (``summary_rows``), the links (``network``) and, on emulated nodes, the cost model as realized."""
+    c = plan.config
+    mismatch = first_mismatch(plan, records)
+    cost = replay_cost(plan, records, network)
+    return A2AManifest(
+        deployment=c["deployment"],
+        gpus_per_node=c["gpus_per_node"],
+        num_ep=c["num_ep"],
+        num_nodes=c["num_nodes"],
+        ranks_per_node=c["ranks_per_node"],
+        num_batches=c["num_batches"],
+        batch_requests=c["batch_requests"],
+        dedup=c["dedup"],
+        replica_policy=c["replica_policy"],
+        seed=c["seed"],
+        test_fraction=c["test_fraction"],
+        trace=rf.recorded_path(c["trace"], results_dir=out),  # relative to the results
+        model=ModelInfo.from_dict(c["model"]),
+        strategies=tuple(plan.strategies),
+        backend=plan.backend,
+        world_size=plan.world_size,
+        hidden_size=plan.hidden_size,
+        dtype=plan.dtype,
+        bytes_per_token=plan.bytes_per_token,
+        device=records[0]["device"],
+        hosts=tuple(sorted({r["host"] for r in records})),
+        bytes_match=mismatch is None,
+        first_mismatch=mismatch,
+        summary=tuple(summary_rows(plan, records, network)),
+        network=network,
+        cost_model=None if cost is None else cost.to_json(),
+    )
 
 
 def write_a2a_results(
     out: str | os.PathLike, plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None
 ) -> list[Path]:
-    """Write ``collectives.parquet`` and ``a2a.json`` (names, format and version from
-    ``moetrace.results.A2A``; ``network``: how the links were realized); ``a2a.json`` last. Returns the paths."""
+    """Write ``collectives.parquet`` and ``a2a.json`` (``a2a_manifest``'s ``to_json``; names, format and
+    version from ``moetrace.results.A2A``; ``network``: how the links were realized); ``a2a.json`` last.
+    Returns the paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    mismatch = first_mismatch(plan, records)
-    cost = replay_cost(plan, records, network)
-    meta = {
-        **plan.config,
-        "trace": rf.recorded_path(plan.config["trace"], results_dir=out),  # relative to the results
-        "strategies": list(plan.strategies),
-        "backend": plan.backend,
-        "world_size": plan.world_size,
-        "hidden_size": plan.hidden_size,
-        "dtype": plan.dtype,
-        "bytes_per_token": plan.bytes_per_token,
-        "device": records[0]["device"],
-        "hosts": sorted({r["host"] for r in records}),
-        "bytes_match": mismatch is None,
-        "first_mismatch": mismatch,
-        "summary": summary_rows(plan, records, network),
-        "network": network.to_dict() if network is not None else None,
-        "cost_model": None if cost is None else cost.to_json(),
-    }
+    manifest = a2a_manifest(plan, records, network, out=out)
     return [
         rf.write_result_table(out, rf.A2A, rf.A2A_COLLECTIVES, result_table(plan, records)),
-        rf.write_result_json(out, rf.A2A, rf.A2A_MANIFEST, meta),
+        rf.write_result_json(out, rf.A2A, rf.A2A_MANIFEST, manifest.to_json()),
     ]
 
 
