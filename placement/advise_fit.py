@@ -13,8 +13,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moetrace.placement.advise_config import AdviseConfig
-from moetrace.placement.advise_options import EPLB_STRATEGIES, data_free_placement, eplb_option_placement, eplb_policy
+from moetrace.placement.advise_options import (
+    EPLB_STRATEGIES,
+    data_free_placement,
+    eplb_option_placement,
+    eplb_policy,
+    ungrouped_placement,
+)
 from moetrace.placement.advise_types import AdviseInputs, Option, Stage
+from moetrace.placement.strategies import get_strategy
 
 if TYPE_CHECKING:
     from moetrace.tracer.trace.schema import ModelInfo
@@ -45,7 +52,7 @@ def stage_options(
     for name in names:
         if name in EPLB_STRATEGIES:
             out += [eplb_fit(load, strategy=name, m=m, cfg=cfg, num_redundant=r, stage=stage) for r in sweep]
-        elif name in ("linear", "round_robin", "random"):
+        elif not get_strategy(name).uses_load:  # data-free (linear, round robin, random): one for every stage
             out.append(
                 Option(
                     name=name,
@@ -53,6 +60,9 @@ def stage_options(
                     placement=data_free_placement(name, model=m, deployment=dep, seed=cfg.seed),
                 )
             )
+        elif not get_strategy(name).grouped:  # any other registered strategy: fitted on the stage's load
+            placement = ungrouped_placement(name, load, model=m, deployment=dep, seed=cfg.seed)
+            out.append(Option(name=name, num_redundant=0, placement=placement, fitted_on=stage))
         elif stage != "both":
             out += [o for o in inputs.extra if o.name == name]
     return out

@@ -46,6 +46,7 @@ __all__ = [
     "EPLB_STRATEGIES",
     "EplbPolicy",
     "data_free_placement",
+    "ungrouped_placement",
     "eplb_option_placement",
     "eplb_policy",
     "option_label",
@@ -95,11 +96,24 @@ def eplb_option_placement(
 
 
 def data_free_placement(name: str, *, model: ModelInfo, deployment: Deployment, seed: int) -> Placement:
-    """The placement of an ungrouped, non-EPLB registry strategy (``linear``, ``round_robin``,
-    ``random``) at 0 redundant slots, built by its registry row (no load needed: a zero load is passed)."""
+    """The placement of an ungrouped, non-EPLB registry strategy that reads no load (``linear``,
+    ``round_robin``, ``random``: ``Strategy.uses_load`` False) at 0 redundant slots, built by its
+    registry row (a zero load is passed)."""
+    if get_strategy(name).uses_load:
+        raise ConfigError(f"{name!r} needs load or requests; it is not a data-free strategy")
+    E, L = model.num_experts, model.num_moe_layers
+    return ungrouped_placement(name, np.zeros((L, E), dtype=np.float32), model=model, deployment=deployment, seed=seed)
+
+
+def ungrouped_placement(
+    name: str, load_LE: np.ndarray, *, model: ModelInfo, deployment: Deployment, seed: int
+) -> Placement:
+    """The placement of an ungrouped, non-EPLB registry strategy at 0 redundant slots, built by its
+    registry row on ``load_LE`` (float [L, E], the tokens of the stage it is fitted on): whatever a
+    newly registered strategy is, ``advise --strategies NAME`` evaluates it."""
     spec = get_strategy(name)
     if spec.grouped or name in EPLB_STRATEGIES:
-        raise ConfigError(f"{name!r} needs load or requests; it is not a data-free strategy")
+        raise ConfigError(f"{name!r} needs requests or EPLB's sweep; it is not built here")
     E, L = model.num_experts, model.num_moe_layers
     x = PlacementInputs(
         num_layers=L,
@@ -110,7 +124,7 @@ def data_free_placement(name: str, *, model: ModelInfo, deployment: Deployment, 
         ranks_per_node=deployment.ranks_per_node,
         router_groups=model.n_group or 1,
         seed=seed,
-        load_LE=np.zeros((L, E), dtype=np.float32),
+        load_LE=load_LE,
     )
     return spec.build(x)[0]
 

@@ -230,3 +230,34 @@ def test_cli_advises_an_imported_sglang_stats_file_with_every_new_option(tmp_pat
         ],
     )
     assert bad.exit_code != 0 and "need a trace that recorded prefill and decode" in bad.output
+
+
+def test_a_newly_registered_strategy_is_advised_by_name(monkeypatch):
+    """The change path "a placement strategy" (docs/architecture.md) reaches advise with no other change:
+    a registered ungrouped strategy that reads load is fitted on each stage's load and evaluated by
+    name (advise once evaluated only the names it knew, and dropped any other without a word)."""
+    from moetrace.placement import advise_options, strategies
+    from moetrace.placement.maps import placement_from_phy2log
+
+    seen: list[float] = []
+
+    def hottest_last(x):  # a toy placer: each layer's experts in rising load, the load it reads recorded
+        seen.append(float(np.asarray(x.load_LE).sum()))
+        phy2log = np.argsort(np.asarray(x.load_LE), axis=1, kind="stable")
+        return placement_from_phy2log(phy2log, num_experts=x.num_experts), {}
+
+    row = strategies.Strategy("toy_sorted", "toy sorted", False, hottest_last, "toy: experts in rising load")
+    monkeypatch.setattr(strategies, "STRATEGIES", (*strategies.STRATEGIES, row))
+    monkeypatch.setattr(strategies, "STRATEGY_NAMES", (*strategies.STRATEGY_NAMES, row.name))
+    monkeypatch.setattr(advise_options, "STRATEGY_NAMES", (*advise_options.STRATEGY_NAMES, row.name))
+    stats = _stats()
+    adv = advise_profile_counts(
+        SMALL,
+        {"decode": stats},
+        AdviseConfig(deployment=EP32, strategies=("toy_sorted", "eplb")),
+        source="stats",
+    )
+    rows = {r["option"]: r for r in adv.rows}
+    assert "toy_sorted" in rows and np.isfinite(rows["toy_sorted"]["moe_vs_ref"])
+    assert rows["toy_sorted"]["fitted_on"] == "decode"
+    assert seen and seen[0] > 0  # fitted on the stage's load, not a zero load
