@@ -1,25 +1,24 @@
-"""Shared fixtures (small traces written with the real writer; the builders are in ``factories``) and
-the slow tier's list."""
+"""Shared fixtures (small traces written with the real writer, the builders being in ``factories``; a
+tiny tmpfs that fills) and the slow tier's list."""
 
 from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from factories import SMALL, planted_trace, register_planted_backend, write_small_trace
+from factories import planted_trace, register_planted_backend, write_small_trace
 from hypothesis import settings
 
 # property tests check behaviour, not speed (timings live in benchmarks/): no per-example deadline, which a
 # loaded 2-core machine trips on the first, import-warming example
 settings.register_profile("moetrace", deadline=None)
 settings.load_profile("moetrace")
-
-#: importable from here too, for modules that still import them from conftest (``factories`` owns them)
-__all__ = ["SMALL", "write_small_trace"]
 
 
 @pytest.fixture
@@ -38,6 +37,23 @@ def planted_backend(monkeypatch):
     """Backend ``planted`` registered first (``factories.register_planted_backend``): its built objects
     (``built``) and whether the next one fails (``fail_in_run``)."""
     return register_planted_backend(monkeypatch)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 3 MiB tmpfs mounted at ``tmp_path / "fs"`` for the test (a disk that fills); root only, skipped
+    where it cannot be mounted."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
 
 
 # ---------------------------------------------------------------- the two tiers

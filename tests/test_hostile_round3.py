@@ -4,59 +4,31 @@ inputs are regular files (a named pipe never hangs a command), over-long integer
 one line.
 
 Each case asserts the exit code, exactly one ``Error:`` line matching the expected message, no traceback,
-and that every file the case names as a target hashes the same before and after. A SIGALRM turns a hang
-into a failure. Kills of the replacing writers: tests/test_replace_kills.py.
+every ``--option`` the line names an option of that command, and that every file the case names as a target
+hashes the same before and after (``hostile.run_case_naming_own_options``). A SIGALRM turns a hang into a
+failure. Kills of the replacing writers: tests/test_replace_kills.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
-import signal
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_small_trace
+from hostile import DEPLOY, Case, run_case_naming_own_options, trace_in
 from typer.testing import CliRunner
 
 from moetrace.cli import app
 
 runner = CliRunner()
-DEPLOY = ["--config", "DP2TP1EP2", "--gpus-per-node", "1"]
-
-
-@dataclass(frozen=True)
-class Case:
-    build: Callable[[Path], list[str]]  # makes the inputs under a temp dir, returns the command line
-    message: str  # regex the one error line must match
-    exit_code: int = 2
-
-
-def tree_hashes(root: Path) -> dict[str, str]:
-    """SHA-256 of every file under ``root`` (or of ``root`` itself), by relative path; a pipe by its kind."""
-    if root.is_file() or root.is_fifo():
-        return {"": "fifo" if root.is_fifo() else hashlib.sha256(root.read_bytes()).hexdigest()}
-    out = {}
-    for p in sorted(root.rglob("*")):
-        if p.name == ".writer.lock" or p.is_dir():
-            continue
-        out[str(p.relative_to(root))] = "fifo" if p.is_fifo() else hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
-
-
-def _trace(tmp: Path, name: str = "t") -> Path:
-    return write_small_trace(tmp / name, num_requests=8)
 
 
 def _placement(tmp: Path) -> Path:
-    t = _trace(tmp)
+    t = trace_in(tmp)
     p = tmp / "p.json"
     r = runner.invoke(app, ["place", str(t), *DEPLOY, "-o", str(p)])
     assert r.exit_code == 0, r.output
@@ -85,7 +57,7 @@ def _import(src: Path, out: Path) -> list[str]:
 
 def _flip_id(tmp: Path) -> Path:
     """A trace whose first routing part has one expert id changed to another valid id (rows still valid)."""
-    t = _trace(tmp)
+    t = trace_in(tmp)
     f = sorted((t / "routing").glob("*.parquet"))[0]
     table = pq.read_table(f)
     flat = pa.compute.list_flatten(table.column("experts")).to_numpy().copy()
@@ -99,7 +71,7 @@ def _flip_id(tmp: Path) -> Path:
 def _shift_prompt(tmp: Path) -> Path:
     """A trace whose requests part says one more prompt token and one fewer output token for a request:
     every row stays valid, only the prefill/decode split moves (the checksum alone tells)."""
-    t = _trace(tmp)
+    t = trace_in(tmp)
     f = sorted((t / "requests").glob("*.parquet"))[0]
     table = pq.read_table(f)
     i = int(np.flatnonzero(table.column("output_tokens").to_numpy() > 0)[0])
@@ -119,7 +91,7 @@ def _shift_prompt(tmp: Path) -> Path:
 def _profile(tmp: Path, *, huge: bool = False) -> Path:
     """A load profile of the small trace; ``huge``: every count rewritten to 2**61 (totals past int64)."""
     p = tmp / "prof.parquet"
-    r = runner.invoke(app, ["profile", str(_trace(tmp)), "-o", str(p)])
+    r = runner.invoke(app, ["profile", str(trace_in(tmp)), "-o", str(p)])
     assert r.exit_code == 0, r.output
     if huge:
         table = pq.read_table(p)
@@ -132,7 +104,7 @@ def _profile(tmp: Path, *, huge: bool = False) -> Path:
 
 
 def _fifo_manifest(tmp: Path) -> Path:
-    t = _trace(tmp)
+    t = trace_in(tmp)
     (t / "manifest.json").unlink()
     os.mkfifo(t / "manifest.json")
     return t
@@ -144,7 +116,7 @@ def _fifo(p: Path) -> Path:
 
 
 def _long_int_manifest(tmp: Path) -> Path:
-    t = _trace(tmp)
+    t = trace_in(tmp)
     m = (t / "manifest.json").read_text()
     (t / "manifest.json").write_text(m.replace('"num_experts": 16', '"num_experts": ' + "7" * 5000, 1))
     assert "7" * 5000 in (t / "manifest.json").read_text()
@@ -167,21 +139,21 @@ def _long_int_placement(tmp: Path) -> Path:
 CASES: dict[str, Case] = {
     # ---- outputs never replace inputs (--overwrite or not)
     "analyze T -o T --overwrite": Case(
-        lambda d: ["analyze", str(_trace(d)), "-o", str(d / "t"), "--overwrite"], r"is the input"
+        lambda d: ["analyze", str(trace_in(d)), "-o", str(d / "t"), "--overwrite"], r"is the input"
     ),
     "analyze T -o parent-of-T --overwrite": Case(
-        lambda d: ["analyze", str(_trace(d)), "-o", str(d), "--overwrite"], r"contains the input"
+        lambda d: ["analyze", str(trace_in(d)), "-o", str(d), "--overwrite"], r"contains the input"
     ),
     "place T -o T/manifest.json --overwrite": Case(
-        lambda d: ["place", str(_trace(d)), *DEPLOY, "-o", str(d / "t" / "manifest.json"), "--overwrite"],
+        lambda d: ["place", str(trace_in(d)), *DEPLOY, "-o", str(d / "t" / "manifest.json"), "--overwrite"],
         r"is inside the input",
     ),
     "profile T -o T/manifest.json --overwrite": Case(
-        lambda d: ["profile", str(_trace(d)), "-o", str(d / "t" / "manifest.json"), "--overwrite"],
+        lambda d: ["profile", str(trace_in(d)), "-o", str(d / "t" / "manifest.json"), "--overwrite"],
         r"is inside the input",
     ),
     "dashboard T -o T/manifest.json --overwrite": Case(
-        lambda d: ["dashboard", str(_trace(d)), "-o", str(d / "t" / "manifest.json"), "--overwrite"],
+        lambda d: ["dashboard", str(trace_in(d)), "-o", str(d / "t" / "manifest.json"), "--overwrite"],
         r"is inside the input",
     ),
     "export P -o P --overwrite": Case(
@@ -190,20 +162,20 @@ CASES: dict[str, Case] = {
     ),
     "import F -o F --overwrite": Case(lambda d: _import(_jsonl(d), d / "in.jsonl"), r"is the input"),
     "compare T -o T --overwrite": Case(
-        lambda d: ["compare", str(_trace(d)), *DEPLOY, "-o", str(d / "t"), "--overwrite"], r"is the input"
+        lambda d: ["compare", str(trace_in(d)), *DEPLOY, "-o", str(d / "t"), "--overwrite"], r"is the input"
     ),
     "advise T -o parent-of-T --overwrite": Case(
-        lambda d: ["advise", str(_trace(d)), *DEPLOY, "-o", str(d), "--overwrite"], r"contains the input"
+        lambda d: ["advise", str(trace_in(d)), *DEPLOY, "-o", str(d), "--overwrite"], r"contains the input"
     ),
     "advise with --current a pipe": Case(
-        lambda d: ["advise", str(_trace(d)), *DEPLOY, "--current", str(_fifo(d / "cur.json")), "-o", str(d / "a")],
+        lambda d: ["advise", str(trace_in(d)), *DEPLOY, "--current", str(_fifo(d / "cur.json")), "-o", str(d / "a")],
         r"cur\.json is a named pipe",
     ),
     # ---- --overwrite replaces only the command's own kind of output
     "analyze over compare results": Case(
         lambda d: [
             "analyze",
-            str(_trace(d)),
+            str(trace_in(d)),
             "-o",
             str(_results(d, "compare.json", "moetrace.compare")),
             "--overwrite",
@@ -211,7 +183,7 @@ CASES: dict[str, Case] = {
         r"holds `moetrace compare` results.*replaces only its own",
     ),
     "analyze over another trace": Case(
-        lambda d: ["analyze", str(_trace(d)), "-o", str(_trace(d, "other")), "--overwrite"], r"holds a trace"
+        lambda d: ["analyze", str(trace_in(d)), "-o", str(trace_in(d, "other")), "--overwrite"], r"holds a trace"
     ),
     "import over analysis results": Case(
         lambda d: _import(_jsonl(d), _results(d, "manifest.json", "moetrace.analysis")),
@@ -224,7 +196,7 @@ CASES: dict[str, Case] = {
             "--format",
             "sglang",
             "-o",
-            str(_trace(d, "u") / "manifest.json"),
+            str(trace_in(d, "u") / "manifest.json"),
             "--overwrite",
         ],
         r"holds a file of the trace",
@@ -232,7 +204,7 @@ CASES: dict[str, Case] = {
     "place over a file of a results folder": Case(
         lambda d: [
             "place",
-            str(_trace(d)),
+            str(trace_in(d)),
             *DEPLOY,
             "-o",
             str(_results(d, "a2a.json", "moetrace.a2a") / "layers.parquet"),
@@ -241,7 +213,7 @@ CASES: dict[str, Case] = {
         r"a file of the results folder",
     ),  # fmt: skip
     "profile over a placement": Case(
-        lambda d: ["profile", str(_trace(d, "t2")), "-o", str(_placement(d)), "--overwrite"],
+        lambda d: ["profile", str(trace_in(d, "t2")), "-o", str(_placement(d)), "--overwrite"],
         r"holds a moetrace\.placement file",
     ),
     # ---- readers verify the checksums of what they stream
@@ -286,7 +258,7 @@ CASES: dict[str, Case] = {
     "place with --model-config a pipe": Case(
         lambda d: [
             "place",
-            str(_trace(d)),
+            str(trace_in(d)),
             *DEPLOY,
             "--model-config",
             str(_fifo(d / "c.json")),
@@ -303,7 +275,7 @@ CASES: dict[str, Case] = {
     "place with a 5000-digit --model-config": Case(
         lambda d: [
             "place",
-            str(_trace(d)),
+            str(trace_in(d)),
             *DEPLOY,
             "--model-config",
             str(_long_int_config(d)),
@@ -317,49 +289,20 @@ CASES: dict[str, Case] = {
         r"4,400 digits",
     ),
     "profile --window-tokens 2**63": Case(
-        lambda d: ["profile", str(_trace(d)), "-o", str(d / "p.parquet"), "--window-tokens", str(2**63)],
+        lambda d: ["profile", str(trace_in(d)), "-o", str(d / "p.parquet"), "--window-tokens", str(2**63)],
         r"--window-tokens must be below 2\*\*63",
     ),
     "analyze --batch-size 2**64": Case(
-        lambda d: ["analyze", str(_trace(d)), "-o", str(d / "a"), "--batch-size", str(2**64)],
+        lambda d: ["analyze", str(trace_in(d)), "-o", str(d / "a"), "--batch-size", str(2**64)],
         r"--batch-size must be below 2\*\*63",
     ),
     "a2a --hidden-size -2**63": Case(
-        lambda d: ["a2a", str(_trace(d)), *DEPLOY, "--hidden-size", str(-(2**63)), "-o", str(d / "a")],
+        lambda d: ["a2a", str(trace_in(d)), *DEPLOY, "--hidden-size", str(-(2**63)), "-o", str(d / "a")],
         r"--hidden-size must be below 2\*\*63",
     ),
 }
 
 
-def _alarm(*_args: object) -> None:
-    raise TimeoutError("the command ran past 60 s (a pipe read blocked, or work on a declared shape)")
-
-
-def run_case(case: Case, tmp_path: Path, name: str) -> tuple[list[str], str]:
-    """Run ``case`` through the CLI under a 60 s alarm and check what every hostile case must hold: its
-    exit code, no traceback, exactly one error line matching its message, nothing under ``tmp_path``
-    changed. Returns the command's arguments and its error line."""
-    args = case.build(tmp_path)
-    before = tree_hashes(tmp_path)
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(60)
-    try:
-        r = runner.invoke(app, args)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-    out = r.output
-    assert r.exit_code == case.exit_code, f"{name}: exit {r.exit_code}\n{out}"
-    assert "Traceback" not in out and (r.exception is None or isinstance(r.exception, SystemExit)), f"{name}\n{out}"
-    errors = [line for line in out.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, f"{name}: expected one error line\n{out}"
-    assert re.search(case.message, errors[0]), f"{name}: {errors[0]!r} does not match {case.message!r}"
-    after = tree_hashes(tmp_path)
-    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
-    assert not changed, f"{name}: changed {sorted(changed)}"
-    return args, errors[0]
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_round3(tmp_path, name):
-    run_case(CASES[name], tmp_path, name)
+    run_case_naming_own_options(CASES[name], tmp_path, name)

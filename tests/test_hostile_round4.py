@@ -5,31 +5,24 @@ messages name only options the command has.
 Each case asserts the exit code, exactly one ``Error:`` line matching the expected message, no traceback,
 every ``--option`` the line names an option of that command, and every file under the case's folder
 hashing the same before and after; a SIGALRM turns a hang (or minutes of work on a declared shape) into a
-failure. One case runs in a subprocess under ``RLIMIT_AS``: the default budget follows the limit.
+failure (``hostile.run_case_naming_own_options``, which round three's cases run through too). One case
+runs in a subprocess under ``RLIMIT_AS``: the default budget follows the limit.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import resource
 import subprocess
 import sys
 from pathlib import Path
 
-import click
 import numpy as np
 import pytest
-import typer
-from test_hostile_round3 import CASES as ROUND3
-from test_hostile_round3 import DEPLOY, Case, _trace, run_case
-from typer.testing import CliRunner
-
-from moetrace.cli import app
+from hostile import DEPLOY, Case, run_case_naming_own_options, trace_in
 
 torch = pytest.importorskip("torch")
-runner = CliRunner()
 TINY = "olmoe-1b-7b-tiny"  # 16 layers, all MoE, 64 experts, top-8
 
 
@@ -97,13 +90,13 @@ def _trtllm(d: Path, *, count: int = 1, iterations: int = 100) -> Path:
 
 
 def _lost_part(d: Path) -> Path:
-    t = _trace(d)
+    t = trace_in(d)
     sorted((t / "requests").glob("*.parquet"))[0].unlink()
     return t
 
 
 def _incomplete(d: Path) -> Path:
-    t = _trace(d)
+    t = trace_in(d)
     m = json.loads((t / "manifest.json").read_text())
     m["complete"] = False
     (t / "manifest.json").write_text(json.dumps(m))
@@ -146,25 +139,25 @@ CASES: dict[str, Case] = {
     ),
     # ---- integers inside text options: ASCII digits, bounded
     "compare --route-on first-decode:<Arabic-Indic 3>": Case(
-        lambda d: ["compare", str(_trace(d)), *DEPLOY, "--route-on", "first-decode:\u0663"],
+        lambda d: ["compare", str(trace_in(d)), *DEPLOY, "--route-on", "first-decode:\u0663"],
         r"--route-on first-decode:N: '\u0663' is not a whole number written with the digits 0-9",
     ),
     "compare --route-on first-decode:<full-width 3>": Case(
-        lambda d: ["compare", str(_trace(d)), *DEPLOY, "--route-on", "first-decode:\uff13"],
+        lambda d: ["compare", str(trace_in(d)), *DEPLOY, "--route-on", "first-decode:\uff13"],
         r"--route-on first-decode:N: '\uff13' is not a whole number written with the digits 0-9",
     ),
     "compare --route-on first-decode:<superscript 2>": Case(
-        lambda d: ["compare", str(_trace(d)), *DEPLOY, "--route-on", "first-decode:\u00b2"],
+        lambda d: ["compare", str(trace_in(d)), *DEPLOY, "--route-on", "first-decode:\u00b2"],
         r"is not a whole number written with the digits 0-9",
     ),
     "compare --route-on first-decode:<5000 digits>": Case(
-        lambda d: ["compare", str(_trace(d)), *DEPLOY, "--route-on", "first-decode:" + "1" * 5000],
+        lambda d: ["compare", str(trace_in(d)), *DEPLOY, "--route-on", "first-decode:" + "1" * 5000],
         r"--route-on first-decode:N: 1{24}\.\.\. is outside 1\.\.65,536",
     ),
     "place --config DP<full-width 2>TP1EP2": Case(
         lambda d: [
             "place",
-            str(_trace(d)),
+            str(trace_in(d)),
             "--config",
             "DP\uff12TP1EP2",
             "--gpus-per-node",
@@ -175,16 +168,16 @@ CASES: dict[str, Case] = {
         r"is not of the form DPaTPbEPc",
     ),
     "place --config with a 5000-digit count": Case(
-        lambda d: ["place", str(_trace(d)), "--config", "DP" + "1" * 5000 + "TP1EP2", "-o", str(d / "p.json")],
+        lambda d: ["place", str(trace_in(d)), "--config", "DP" + "1" * 5000 + "TP1EP2", "-o", str(d / "p.json")],
         r"a count of more than 9 digits",
     ),
     # ---- messages name only options the command has (advise shares compare's simulation)
     "advise --steps 10**12": Case(
-        lambda d: ["advise", str(_trace(d)), *DEPLOY, "--steps", str(10**12), "-o", str(d / "a")],
+        lambda d: ["advise", str(trace_in(d)), *DEPLOY, "--steps", str(10**12), "-o", str(d / "a")],
         r"--steps 1000000000000 x .*lower --steps or --decode-tokens-per-gpu",
     ),
     "advise --prefill-tokens-per-gpu 10**11": Case(
-        lambda d: ["advise", str(_trace(d)), *DEPLOY, "--prefill-tokens-per-gpu", str(10**11), "-o", str(d / "a")],
+        lambda d: ["advise", str(trace_in(d)), *DEPLOY, "--prefill-tokens-per-gpu", str(10**11), "-o", str(d / "a")],
         r"--prefill-tokens-per-gpu 100000000000: at most",
     ),
     "advise of a trace with a lost part": Case(
@@ -206,44 +199,15 @@ CASES: dict[str, Case] = {
         r"moetrace collect --resume.*Pass --allow-incomplete to read the committed part",
     ),
     "advise --decode-tokens-per-gpu 0": Case(
-        lambda d: ["advise", str(_trace(d)), *DEPLOY, "--decode-tokens-per-gpu", "0", "-o", str(d / "a")],
+        lambda d: ["advise", str(trace_in(d)), *DEPLOY, "--decode-tokens-per-gpu", "0", "-o", str(d / "a")],
         r"--decode-tokens-per-gpu and --prefill-tokens-per-gpu must be >= 1",
     ),
 }
 
 
-def _command_options() -> dict[str, set[str]]:
-    """Every command's long option names, as its --help lists them."""
-    group = typer.main.get_command(app)
-    ctx = click.Context(group)
-    out = {}
-    for name in group.list_commands(ctx):
-        cmd = group.get_command(ctx, name)
-        out[name] = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")}
-    return out
-
-
-OPTIONS = _command_options()
-
-
-def _run(case: Case, tmp_path: Path, name: str) -> str:
-    """``run_case`` (round three's checks), then: every option the error names is one of its command's."""
-    args, error = run_case(case, tmp_path, name)
-    own = re.sub(r"`moetrace [a-z-]+[^`]*`", "", error)  # `moetrace collect --resume`: another command's, named
-    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", own))
-    foreign = named - OPTIONS[args[0]]
-    assert not foreign, f"{name}: `moetrace {args[0]}` has no {sorted(foreign)}: {error!r}"
-    return error
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_round4(tmp_path, name):
-    _run(CASES[name], tmp_path, name)
-
-
-@pytest.mark.parametrize("name", ROUND3)
-def test_round3_messages_name_only_the_commands_options(tmp_path, name):
-    _run(ROUND3[name], tmp_path, name)
+    run_case_naming_own_options(CASES[name], tmp_path, name)
 
 
 def test_default_budget_follows_rlimit_as(tmp_path):

@@ -11,8 +11,9 @@
 - kill injection at each step of the dashboard's replacing write (the rename, the temporary's removal, a
   real SIGKILL) and of ``compare --overwrite``'s folder swap: afterwards exactly the old or the new output.
 
-Each failing case runs through ``run_case`` (round three: exit code, one ``Error:`` line, no traceback,
-every file under the case's folder hashing the same before and after, a 60 s alarm).
+Each failing case runs through ``run_case`` (tests/hostile.py: exit code, one ``Error:`` line, no traceback,
+every file under the case's folder hashing the same before and after, a 60 s alarm); the message cases
+through ``run_case_naming_own_options`` (round four's option check). Kill injection: tests/kills.py.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_hostile_round3 import DEPLOY, Case, _alarm, _trace, run_case, tree_hashes
-from test_reliability import tiny_fs  # noqa: F401  (a fixture: a 3 MiB tmpfs, root only)
-from test_replace_kills import Killed, _die_at_exchange, _die_at_rmtree, _DyingOs, _no_exchange
+from factories import tree_hashes, write_small_trace
+from hostile import DEPLOY, Case, run_case, run_case_naming_own_options, trace_in, under_alarm
+from kills import DyingOs, Killed, die_at_exchange, die_at_rmtree, no_exchange
 from typer.testing import CliRunner
 
 from moetrace import atomic
@@ -44,16 +45,11 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def _ok(args: list[str], root: Path) -> str:
-    """Run ``args`` under round three's 60 s alarm: exit 0, no traceback, no error line, nothing under
-    ``root`` (the inputs) changed. Returns the output."""
+    """Run ``args`` under the 60 s alarm (``hostile.under_alarm``): exit 0, no traceback, no error line,
+    nothing under ``root`` (the inputs) changed. Returns the output."""
     before = tree_hashes(root)
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(60)
-    try:
+    with under_alarm(60):
         r = runner.invoke(app, args)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
     assert r.exit_code == 0 and r.exception is None, r.output
     assert "Traceback" not in r.output and not [x for x in r.output.splitlines() if x.startswith("Error:")], r.output
     assert tree_hashes(root) == before
@@ -74,8 +70,6 @@ def _edit_part(t: Path, kind: str, edit, index: int = 1) -> Path:
 
 def _parts_trace(d: Path) -> Path:
     """The small trace in three parts (polars' scan takes the first part's columns for all of them)."""
-    from conftest import write_small_trace
-
     t = write_small_trace(d / "t", num_requests=8, part_tokens=20)
     assert len(list((t / "requests").glob("*.parquet"))) == 3
     return t
@@ -171,14 +165,14 @@ def _make_checkpoint(out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_make_checkpoint_on_a_full_disk_leaves_nothing(tiny_fs, tmp_path):  # noqa: F811
+def test_make_checkpoint_on_a_full_disk_leaves_nothing(tiny_fs, tmp_path):
     pytest.importorskip("transformers")
     case = Case(lambda d: _make_checkpoint(tiny_fs / "ck"), NO_SPACE + r"nothing was written at .*ck.*free space")
     run_case(case, tmp_path, "make-checkpoint on a full tmpfs")  # nothing under tmp_path: no -o, no hidden copy
 
 
 @pytest.mark.slow
-def test_make_checkpoint_overwrite_on_a_full_disk_keeps_the_old_one(tiny_fs, tmp_path):  # noqa: F811
+def test_make_checkpoint_overwrite_on_a_full_disk_keeps_the_old_one(tiny_fs, tmp_path):
     pytest.importorskip("transformers")
     case = Case(
         lambda d: _make_checkpoint(_old_checkpoint(tiny_fs / "ck"), "--overwrite"),
@@ -255,7 +249,7 @@ def _synth_beside_a_trace(out: Path, *extra: str) -> Case:
     """``synth -o out`` with a worker dying; a trace in the case's folder beside it, hashed before and after."""
 
     def build(d: Path) -> list[str]:
-        _trace(d, "neighbour")
+        trace_in(d, "neighbour")
         return [*SYNTH, "-o", str(out), *extra]
 
     return Case(build, WORKER_DIED)
@@ -321,7 +315,7 @@ def test_synth_worker_killed_from_outside(tmp_path):
 # ============================================================ messages name only the command's options
 def _decode_only(d: Path) -> Path:
     """The small trace, its manifest saying it recorded decode only (what `import --stages decode-only` writes)."""
-    t = _trace(d)
+    t = trace_in(d)
     m = json.loads((t / "manifest.json").read_text())
     m["collection"]["stages"] = ["decode"]
     (t / "manifest.json").write_text(json.dumps(m))
@@ -343,23 +337,23 @@ MESSAGES = {
         r"or a trace with both stages, or the what-if --route-on first-decode:N",
     ),
     "a2a on 8,192 nodes (prefill tokens per step)": Case(
-        lambda d: ["a2a", str(_trace(d)), *MANY_NODES, "-o", str(d / "a")],
+        lambda d: ["a2a", str(trace_in(d)), *MANY_NODES, "-o", str(d / "a")],
         r"1,024 prefill tokens per node x 8,192 nodes = 8,388,608 .*\(512 per node\): deploy on fewer nodes$",
     ),
     "compare on 8,192 nodes keeps --prefill-tokens": Case(
-        lambda d: ["compare", str(_trace(d)), *MANY_NODES, "--batches", "2"],
+        lambda d: ["compare", str(trace_in(d)), *MANY_NODES, "--batches", "2"],
         r"deploy on fewer nodes, or lower --prefill-tokens$",
     ),
     "place on 8,192 nodes (simulated tokens)": Case(
-        lambda d: ["place", str(_trace(d)), *MANY_NODES, "-o", str(d / "p.json")],
+        lambda d: ["place", str(trace_in(d)), *MANY_NODES, "-o", str(d / "p.json")],
         r"500 batches x 262,144 requests per batch \(32 for each of 8,192 nodes\) = .*: deploy on fewer nodes$",
     ),
     "a2a --batches 10**7 keeps its own options": Case(
-        lambda d: ["a2a", str(_trace(d)), *DEPLOY, "--batches", str(10**7), "--batch-requests", "100", "-o", str(d / "a")],
+        lambda d: ["a2a", str(trace_in(d)), *DEPLOY, "--batches", str(10**7), "--batch-requests", "100", "-o", str(d / "a")],
         r"10,000,000 batches x 100 requests per batch = .*: lower --batches or --batch-requests$",
     ),
     "place --clusters -1": Case(
-        lambda d: ["place", str(_trace(d)), *DEPLOY, "--clusters", "-1", "-o", str(d / "p.json")],
+        lambda d: ["place", str(trace_in(d)), *DEPLOY, "--clusters", "-1", "-o", str(d / "p.json")],
         r"^Error: --clusters must be >= 0, got -1$",
     ),
 }  # fmt: skip
@@ -367,9 +361,7 @@ MESSAGES = {
 
 @pytest.mark.parametrize("name", MESSAGES)
 def test_messages_name_only_the_commands_options(tmp_path, name):
-    from test_hostile_round4 import _run  # round three's checks, then every --option the line names is the command's
-
-    _run(MESSAGES[name], tmp_path, name)
+    run_case_naming_own_options(MESSAGES[name], tmp_path, name)  # run_case's checks, and every --option is its own
 
 
 # ============================================================ kill injection: the dashboard's replacing write
@@ -411,7 +403,7 @@ class _DyingUnlinkPath(type(Path())):  # type: ignore[misc]
 
 @pytest.fixture
 def reported(tmp_path):
-    t = _trace(tmp_path)
+    t = trace_in(tmp_path)
     out = tmp_path / "r.html"
     out.write_text(OLD_REPORT)
     return t, out, ["dashboard", str(t), "-o", str(out), "--overwrite", "-q"]
@@ -494,7 +486,7 @@ def _compare(t: Path, out: Path, batches: int, *extra: str) -> list[str]:
 
 @pytest.fixture
 def compared(tmp_path):
-    t = _trace(tmp_path)
+    t = trace_in(tmp_path)
     out = tmp_path / "c"
     r = runner.invoke(app, _compare(t, out, 2))
     assert r.exit_code == 0, r.output
@@ -511,7 +503,7 @@ def _beside(out: Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kill, new", [(_die_at_exchange, False), (_die_at_rmtree, True)], ids=["at the exchange", "removing the old folder"]
+    "kill, new", [(die_at_exchange, False), (die_at_rmtree, True)], ids=["at the exchange", "removing the old folder"]
 )
 def test_compare_overwrite_killed_at_each_step(compared, monkeypatch, kill, new):
     t, out, old = compared
@@ -530,8 +522,8 @@ def test_compare_overwrite_killed_at_each_step(compared, monkeypatch, kill, new)
 @pytest.mark.parametrize("at", [1, 2])
 def test_compare_overwrite_killed_at_each_rename_of_the_fallback(compared, monkeypatch, at):
     t, out, old = compared
-    _no_exchange(monkeypatch)
-    monkeypatch.setattr(atomic, "os", _DyingOs(at))
+    no_exchange(monkeypatch)
+    monkeypatch.setattr(atomic, "os", DyingOs(at))
     with pytest.raises(Killed):
         runner.invoke(app, _compare(t, out, 3, "--overwrite"), catch_exceptions=False)
     monkeypatch.undo()

@@ -1,7 +1,7 @@
 """Disk full on a real file system: one clean error naming the cause, no temporaries, a resumable trace;
 and fuzzing what issue #25 added: the manifest's part list, placement files, what stands at -o.
 
-The file system is a tmpfs of a few hundred KiB that the test mounts (root only; skipped elsewhere).
+The file system is a 3 MiB tmpfs that the test mounts (conftest's ``tiny_fs``; root only, skipped elsewhere).
 Hypothesis runs end in a clean exit with no traceback, and what must stay intact does.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -22,21 +21,6 @@ from typer.testing import CliRunner
 
 from moetrace.cli import app
 from moetrace.tracer.trace.validate import find_problems
-
-
-@pytest.fixture
-def tiny_fs(tmp_path):
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 @pytest.mark.parametrize("requests, filler_kib", [(200, 2800), (400, 0)])  # full at the side files / inside a part

@@ -5,17 +5,17 @@ never leaves ``-o`` missing (on Linux one exchange; the two-rename fallback is r
 
 A kill is simulated by raising ``Killed`` (a ``BaseException`` no handler catches) at step *i* and at
 every later step of the same kind (a dead process does nothing more): the exchange, each rename, the
-removal of the old folder.
+removal of the old folder (the injections: tests/kills.py).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 from factories import tree_hashes, write_small_trace
+from kills import DyingOs, Killed, die_at_exchange, die_at_rmtree, no_exchange
 from typer.testing import CliRunner
 
 from moetrace import atomic
@@ -23,51 +23,6 @@ from moetrace.cli import app
 from moetrace.tracer.trace.validate import find_problems
 
 runner = CliRunner()
-
-
-class Killed(BaseException):
-    """The process died here (no handler runs anything more of the swap)."""
-
-
-class _DyingOs:
-    """``os`` for moetrace.atomic whose ``rename`` dies from call ``at`` on (1-based)."""
-
-    def __init__(self, at: int) -> None:
-        self.at, self.calls = at, 0
-
-    def __getattr__(self, name: str):
-        return getattr(os, name)
-
-    def rename(self, a, b) -> None:
-        self.calls += 1
-        if self.calls >= self.at:
-            raise Killed(f"killed at rename {self.calls}")
-        os.rename(a, b)
-
-
-class _DyingShutil:
-    """``shutil`` for moetrace.atomic whose ``rmtree`` dies."""
-
-    def __getattr__(self, name: str):
-        return getattr(shutil, name)
-
-    def rmtree(self, *_a, **_k) -> None:
-        raise Killed("killed while removing the old folder")
-
-
-def _die_at_rmtree(monkeypatch) -> None:
-    monkeypatch.setattr(atomic, "shutil", _DyingShutil())
-
-
-def _no_exchange(monkeypatch) -> None:
-    monkeypatch.setattr(atomic, "exchange_paths", lambda a, b: False)
-
-
-def _die_at_exchange(monkeypatch) -> None:
-    def exchange(a, b):
-        raise Killed("killed at the exchange")
-
-    monkeypatch.setattr(atomic, "exchange_paths", exchange)
 
 
 def _folder(path: Path, files: dict[str, str]) -> Path:
@@ -103,7 +58,7 @@ def test_exchange_is_atomic_on_this_machine(tmp_path):
 
 @pytest.mark.parametrize(
     "kill, expect",
-    [(_die_at_exchange, OLD), (_die_at_rmtree, NEW)],
+    [(die_at_exchange, OLD), (die_at_rmtree, NEW)],
     ids=["at the exchange", "removing the old folder"],
 )
 def test_a_kill_at_each_step_of_the_exchange(tmp_path, monkeypatch, kill, expect):
@@ -119,8 +74,8 @@ def test_a_kill_at_each_step_of_the_exchange(tmp_path, monkeypatch, kill, expect
 @pytest.mark.parametrize("at", [1, 2])
 def test_a_kill_at_each_rename_of_the_fallback(tmp_path, monkeypatch, at):
     target = _folder(tmp_path / "out", OLD)
-    _no_exchange(monkeypatch)
-    monkeypatch.setattr(atomic, "os", _DyingOs(at))
+    no_exchange(monkeypatch)
+    monkeypatch.setattr(atomic, "os", DyingOs(at))
     with pytest.raises(Killed):
         _replace(target)
     monkeypatch.undo()
@@ -133,8 +88,8 @@ def test_a_kill_at_each_rename_of_the_fallback(tmp_path, monkeypatch, at):
 
 def test_a_kill_removing_the_aside_folder_of_the_fallback(tmp_path, monkeypatch):
     target = _folder(tmp_path / "out", OLD)
-    _no_exchange(monkeypatch)
-    _die_at_rmtree(monkeypatch)
+    no_exchange(monkeypatch)
+    die_at_rmtree(monkeypatch)
     with pytest.raises(Killed):
         _replace(target)
     monkeypatch.undo()
@@ -172,7 +127,7 @@ def _is_new_analysis(out: Path) -> bool:
 
 @pytest.mark.parametrize(
     "kill, new",
-    [(_die_at_exchange, False), (_die_at_rmtree, True)],
+    [(die_at_exchange, False), (die_at_rmtree, True)],
     ids=["at the exchange", "removing the old folder"],
 )
 def test_analyze_overwrite_killed_at_each_step(analysed, monkeypatch, kill, new):
@@ -189,8 +144,8 @@ def test_analyze_overwrite_killed_at_each_step(analysed, monkeypatch, kill, new)
 @pytest.mark.parametrize("at", [1, 2])
 def test_analyze_overwrite_killed_at_each_rename_of_the_fallback(analysed, monkeypatch, at):
     t, out, old = analysed
-    _no_exchange(monkeypatch)
-    monkeypatch.setattr(atomic, "os", _DyingOs(at))
+    no_exchange(monkeypatch)
+    monkeypatch.setattr(atomic, "os", DyingOs(at))
     with pytest.raises(Killed):
         _analyze_again(t, out)
     monkeypatch.undo()
@@ -227,7 +182,7 @@ def imported(tmp_path):
 
 @pytest.mark.parametrize(
     "kill, new",
-    [(_die_at_exchange, False), (_die_at_rmtree, True)],
+    [(die_at_exchange, False), (die_at_rmtree, True)],
     ids=["at the exchange", "removing the old trace"],
 )
 def test_import_overwrite_killed_at_each_step(imported, monkeypatch, kill, new):
@@ -242,8 +197,8 @@ def test_import_overwrite_killed_at_each_step(imported, monkeypatch, kill, new):
 @pytest.mark.parametrize("at", [1, 2])
 def test_import_overwrite_killed_at_each_rename_of_the_fallback(imported, monkeypatch, at):
     out, old, args = imported
-    _no_exchange(monkeypatch)
-    monkeypatch.setattr(atomic, "os", _DyingOs(at))
+    no_exchange(monkeypatch)
+    monkeypatch.setattr(atomic, "os", DyingOs(at))
     with pytest.raises(Killed):
         runner.invoke(app, args)
     monkeypatch.undo()
@@ -308,7 +263,7 @@ def test_advise_names_its_output_folder_not_the_one_it_built_in(advised):
 
 @pytest.mark.parametrize(
     "kill, new",
-    [(_die_at_exchange, False), (_die_at_rmtree, True)],
+    [(die_at_exchange, False), (die_at_rmtree, True)],
     ids=["at the exchange", "removing the old folder"],
 )
 def test_advise_overwrite_killed_at_each_step(advised, monkeypatch, kill, new):
@@ -327,8 +282,8 @@ def test_advise_overwrite_killed_at_each_step(advised, monkeypatch, kill, new):
 @pytest.mark.parametrize("at", [1, 2])
 def test_advise_overwrite_killed_at_each_rename_of_the_fallback(advised, monkeypatch, at):
     t, out, old = advised
-    _no_exchange(monkeypatch)
-    monkeypatch.setattr(atomic, "os", _DyingOs(at))
+    no_exchange(monkeypatch)
+    monkeypatch.setattr(atomic, "os", DyingOs(at))
     with pytest.raises(Killed):
         _advise_again(t, out)
     monkeypatch.undo()
