@@ -572,6 +572,38 @@ def test_compare_ranks_by_moe_layer_time_when_the_expert_size_is_known(tmp_path)
     assert dataclasses.replace(res.manifest, verdict=None).to_json().get("verdict", "absent") == "absent"
 
 
+def _tiny_ours_inputs(*, seed: int = 0, fitted_on: list[int] | None = None):
+    """40 requests of a 2-layer, 16-expert model on 2 nodes of 2 GPUs, and a joint builder (linear's
+    placement) that records how many training requests each fit saw in ``fitted_on``."""
+    from moetrace.placement.baselines import linear
+    from moetrace.placement.strategies import PlacementInputs
+
+    rng = np.random.default_rng(seed)
+    R, L, E, G = 40, 2, 16, 2
+    decode_RLE = rng.integers(0, 5, size=(R, L, E)).astype(np.float64)
+    x = PlacementInputs(
+        num_layers=L,
+        num_experts=E,
+        num_slots=E,
+        num_ranks=4,
+        num_nodes=G,
+        ranks_per_node=2,
+        router_groups=1,
+        seed=0,
+        load_LE=decode_RLE.sum(0),
+        decode_RLE=decode_RLE,
+        prefill_RLE=decode_RLE.copy(),
+        train_rows=np.arange(R),
+    )
+
+    def build_joint(xx):
+        if fitted_on is not None:
+            fitted_on.append(len(xx.train_rows))
+        return linear(num_layers=L, num_experts=E, num_slots=E, num_ranks=4), {"router_price": np.zeros(G)}
+
+    return x, build_joint
+
+
 @pytest.mark.parametrize(
     ("joint", "joint_free", "expected"),
     [
@@ -585,34 +617,11 @@ def test_ours_serves_eplb_when_its_own_placement_only_ties_it(joint, joint_free,
     """Ties on the validation split go to what the engines compute themselves: the router-free joint
     placement is served instead of EPLB only when it saves ``MIN_PLACEMENT_GAIN`` of EPLB's time."""
     from moetrace.placement.ours import choose_ours
-    from moetrace.placement.strategies import PlacementInputs
-
-    rng = np.random.default_rng(0)
-    R, L, E, G = 40, 2, 16, 2
-    decode_RLE = rng.integers(0, 5, size=(R, L, E)).astype(np.float64)
-    x = PlacementInputs(
-        num_layers=L,
-        num_experts=E,
-        num_slots=E,
-        num_ranks=4,
-        num_nodes=G,
-        ranks_per_node=2,
-        router_groups=1,
-        seed=0,
-        load_LE=decode_RLE.sum(0),
-        decode_RLE=decode_RLE,
-        prefill_RLE=decode_RLE.copy(),
-        train_rows=np.arange(R),
-    )
-    scores = {"joint": joint, "joint_free": joint_free, "eplb": 0.98, "eplb_global": 0.99}
 
     fitted_on: list[int] = []
-
-    def build_joint(xx):
-        from moetrace.placement.baselines import linear
-
-        fitted_on.append(len(xx.train_rows))
-        return linear(num_layers=L, num_experts=E, num_slots=E, num_ranks=4), {"router_price": np.zeros(G)}
+    x, build_joint = _tiny_ours_inputs(fitted_on=fitted_on)
+    R = len(x.train_rows)
+    scores = {"joint": joint, "joint_free": joint_free, "eplb": 0.98, "eplb_global": 0.99}
 
     def price(val, candidates):
         return {c: {"score": scores[c]} for c in candidates}
@@ -626,34 +635,6 @@ def test_ours_serves_eplb_when_its_own_placement_only_ties_it(joint, joint_free,
     assert extra["ours_refitted"] == (expected == "eplb")
     _, extra = choose_ours(x, build_joint=build_joint, price=price, refit_joint=True)
     assert fitted_on[1:] == ([fitted_on[0], R] if expected.startswith("joint") else [fitted_on[0]])
-
-
-def _tiny_ours_inputs():
-    from moetrace.placement.baselines import linear
-    from moetrace.placement.strategies import PlacementInputs
-
-    rng = np.random.default_rng(1)
-    R, L, E, G = 40, 2, 16, 2
-    decode_RLE = rng.integers(0, 5, size=(R, L, E)).astype(np.float64)
-    x = PlacementInputs(
-        num_layers=L,
-        num_experts=E,
-        num_slots=E,
-        num_ranks=4,
-        num_nodes=G,
-        ranks_per_node=2,
-        router_groups=1,
-        seed=0,
-        load_LE=decode_RLE.sum(0),
-        decode_RLE=decode_RLE,
-        prefill_RLE=decode_RLE.copy(),
-        train_rows=np.arange(R),
-    )
-
-    def build_joint(xx):
-        return linear(num_layers=L, num_experts=E, num_slots=E, num_ranks=4), {"router_price": np.zeros(G)}
-
-    return x, build_joint
 
 
 @pytest.mark.parametrize(
@@ -672,7 +653,7 @@ def test_ours_never_serves_a_placement_slower_than_eplb_in_all_to_all_time(a2a_j
     recorded."""
     from moetrace.placement.ours import choose_ours
 
-    x, build_joint = _tiny_ours_inputs()
+    x, build_joint = _tiny_ours_inputs(seed=1)
     moe = {"joint": 0.955, "joint_free": 0.955, "eplb": 0.98, "eplb_global": 0.99}  # router buys nothing
     a2a = {"joint": a2a_joint, "joint_free": a2a_free, "eplb": 0.98, "eplb_global": 0.97}
 
@@ -699,7 +680,7 @@ def test_ours_is_at_most_eplb_in_both_measures_on_its_validation_split(moe_s, a2
     MoE-layer time) in MoE-layer time and in all-to-all time."""
     from moetrace.placement.ours import CANDIDATES, choose_ours
 
-    x, build_joint = _tiny_ours_inputs()
+    x, build_joint = _tiny_ours_inputs(seed=1)
     moe, a2a = dict(zip(CANDIDATES, moe_s, strict=True)), dict(zip(CANDIDATES, a2a_s, strict=True))
 
     def price(val, candidates):
