@@ -152,8 +152,8 @@ def main() -> None:
     )
     c = plan.config
     out = [
-        f"{c['deployment']} on {c['num_nodes']} emulated nodes of {args.gpus_per_node} GPUs: {plan.world_size} gloo ranks "
-        f"(CPU), {B} held-out batches of {c['batch_requests']} requests x {L} MoE layers, copy model {c['dedup']}, "
+        f"{c.deployment} on {c.num_nodes} emulated nodes of {args.gpus_per_node} GPUs: {plan.world_size} gloo ranks "
+        f"(CPU), {B} held-out batches of {c.batch_requests} requests x {L} MoE layers, copy model {c.dedup}, "
         f"token rows of {plan.hidden_size} bf16 ({plan.bytes_per_token} B); links {links}; {model}",
         "",
         "| strategy | simulated inter-node MiB per batch | bytes / linear | predicted s per batch | measured s per batch "

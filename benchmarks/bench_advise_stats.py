@@ -54,16 +54,16 @@ def main() -> None:
                 adv = advise_profile(prof, cfg)
                 wall = time.perf_counter() - t0
                 st = adv.manifest.stages[0]
-                rows = [r for r in adv.rows if r["stage"] == st]
-                ref = next(r for r in rows if r["option"] == adv.manifest.reference)
+                rows = [r for r in adv.rows if r.stage == st]
+                ref = next(r for r in rows if r.option == adv.manifest.reference)
                 print(f"\n{config}, {args.stage} file, {n} tokens per GPU and step ({wall:.1f} s):")
-                print(f"  linear: balancedness {ref['balancedness_vllm']:.3f}")
+                print(f"  linear: balancedness {ref.balancedness_vllm:.3f}")
                 for strategy in ("eplb", "eplb_global"):
-                    b = best_eplb([r for r in rows if r["strategy"] == strategy])
+                    b = best_eplb([r for r in rows if r.strategy == strategy])
                     if b is not None:
                         print(
-                            f"  {b['label']:<28} balancedness {b['balancedness_vllm']:.3f}, "
-                            f"MoE-layer time {pct(b['moe_vs_ref'])}"
+                            f"  {b.label:<28} balancedness {b.balancedness_vllm:.3f}, "
+                            f"MoE-layer time {pct(b.vs_ref('moe'))}"
                         )
                 print("  " + adv.verdicts[0])
 

@@ -1,11 +1,12 @@
 """The typed result records the dashboard reads, by the names it imports them under: ``a2a.json``
-(``placement.a2a_manifest``: ``A2AManifest`` and its ``A2ASummaryRow``) and ``advice.json``
+(``placement.a2a_manifest``: ``A2AManifest`` and its ``A2ASummaryRow``), ``advice.json``
 (``placement.advise_manifest``: ``AdviceManifest``, its ``AdviceVerdict``, ``Recommended`` and
-``AdviceCommand``). ``compare.json`` is ``placement.compare_manifest.CompareManifest``.
+``AdviceCommand``) and ``options.parquet``'s rows (``placement.advise_option_row``: ``OptionRow``,
+its times read by ``Measure``). ``compare.json`` is ``placement.compare_manifest.CompareManifest``.
 
 The records live beside their writers (``placement.replay.results.write_a2a_results``,
-``placement.advise_files.write_advice``), which build them and write through their ``to_json``;
-the dashboard reads their fields, never the JSON's keys.
+``placement.advise_files.write_advice``), which build them and write through their ``to_json``
+(``to_row``); the dashboard reads their fields, never the JSON's keys or the table's column names.
 
 Out of scope: the records themselves (their modules above); recognising result directories (``inputs``).
 """
@@ -20,6 +21,7 @@ from moetrace.placement.advise_manifest import (
     AdviceVerdict,
     Recommended,
 )
+from moetrace.placement.advise_option_row import Measure, OptionRow
 
 __all__ = [
     "A2A_LATER_KEYS",
@@ -29,5 +31,7 @@ __all__ = [
     "AdviceCommand",
     "AdviceManifest",
     "AdviceVerdict",
+    "Measure",
+    "OptionRow",
     "Recommended",
 ]

@@ -7,7 +7,8 @@ over the reference, weights that move), and one figure: balancedness per MoE lay
 option, for each stage's own steps (``layers.parquet``).
 
 ``advice.json`` is read as its typed record (``records.AdviceManifest``, ``Results.advice``), never by
-key; ``options.parquet`` and ``layers.parquet`` by their columns.
+key; ``options.parquet`` as its typed rows (``records.OptionRow.from_row``), ``layers.parquet`` by its
+columns.
 
 Shape legend (docs/architecture.md): L MoE layers, V options.
 
@@ -24,6 +25,7 @@ import polars as pl
 from moetrace import results as rf
 from moetrace.dashboards.figures import lines_by_layer
 from moetrace.dashboards.page import Figure, Section, Table
+from moetrace.dashboards.records import Measure, OptionRow
 from moetrace.dashboards.results import Results
 from moetrace.dashboards.section_placement import strategy_colours
 
@@ -36,8 +38,14 @@ def _change(x: Any) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{(x - 1) * 100:+.1f} %"
 
 
-def _stage_table(res: Results, rows: pl.DataFrame, *, stage: str, steps: str, kp: str, time: str) -> Table:
-    sub = rows.filter((pl.col("stage") == stage) & (pl.col("steps") == steps))
+def _option_rows(res: Results, table: pl.DataFrame) -> list[OptionRow]:
+    """``options.parquet``'s rows, typed (a column missing or of another type: ``TraceFormatError``)."""
+    where = res.source(rf.ADVICE_OPTIONS)
+    return [OptionRow.from_row(r, where=where) for r in table.iter_rows(named=True)]
+
+
+def _stage_table(res: Results, rows: list[OptionRow], *, stage: str, steps: str, kp: str, time: Measure) -> Table:
+    sub = [r for r in rows if r.stage == stage and r.steps == steps]
     what = "MoE-layer time" if time == "moe" else "all-to-all time"
     return Table(
         key=f"{kp}-{stage}-{steps}",
@@ -55,18 +63,18 @@ def _stage_table(res: Results, rows: pl.DataFrame, *, stage: str, steps: str, kp
         ),
         rows=tuple(
             (
-                r["label"],
-                _num(r["balancedness_vllm"], ".3f"),
-                " / ".join(_num(r[f"balancedness_{q}"], ".2f") for q in ("min", "p50", "p90")),
-                _num(r["busiest_rank_tokens"], ".1f"),
-                _num(r["activated_experts_per_gpu_max"], ".2f"),
-                _num(r["send_ranks_per_token"], ".2f"),
-                f"{_change(r[f'{time}_vs_ref'])} [{_change(r[f'{time}_vs_ref_p10'])}, {_change(r[f'{time}_vs_ref_p90'])}]",
-                _change(r["inter_node_vs_ref"]),
-                "n/a" if r["bytes_moved"] is None else f"{r['bytes_moved'] / 1e9:.1f} GB",
-                "n/a" if r["extra_bytes_per_gpu"] is None else f"{r['extra_bytes_per_gpu'] / 1e9:.1f} GB",
+                r.label,
+                _num(r.balancedness_vllm, ".3f"),
+                " / ".join(_num(x, ".2f") for x in (r.balancedness_min, r.balancedness_p50, r.balancedness_p90)),
+                _num(r.busiest_rank_tokens, ".1f"),
+                _num(r.activated_experts_per_gpu_max, ".2f"),
+                _num(r.send_ranks_per_token, ".2f"),
+                f"{_change(r.vs_ref(time))} [{_change(r.vs_ref_p10(time))}, {_change(r.vs_ref_p90(time))}]",
+                _change(r.inter_node_vs_ref),
+                "n/a" if r.bytes_moved is None else f"{r.bytes_moved / 1e9:.1f} GB",
+                "n/a" if r.extra_bytes_per_gpu is None else f"{r.extra_bytes_per_gpu / 1e9:.1f} GB",
             )
-            for r in sub.iter_rows(named=True)
+            for r in sub
         ),
         caption=f"{stage} placement on {steps} steps (from {res.source(rf.ADVICE_OPTIONS)}): medians over steps; "
         "changes over the reference's median.",
@@ -109,15 +117,16 @@ def advice_section(res: Results, *, key_prefix: str = "") -> tuple[Section | Non
     """The Advice section of one ``moetrace advise`` results directory, or None and why."""
     kp = f"{key_prefix}advice"
     m = res.advice
-    rows = res.table(rf.ADVICE_OPTIONS)
-    if rows is None or rows.height == 0:
+    table = res.table(rf.ADVICE_OPTIONS)
+    if table is None or table.height == 0:
         return None, [f"advice: no {rf.ADVICE_OPTIONS} in {res.path}"]
+    rows = _option_rows(res, table)
     layers = res.table(rf.ADVICE_LAYERS)
-    time = "moe" if m.expert else "a2a"
+    time: Measure = "moe" if m.expert else "a2a"
     tables = [
         _stage_table(res, rows, stage=st, steps=steps, kp=kp, time=time)
         for st in m.stages
-        for steps in dict.fromkeys(rows.filter(pl.col("stage") == st)["steps"].to_list())
+        for steps in dict.fromkeys(r.steps for r in rows if r.stage == st)
     ]
     figures = [] if layers is None else [_figure(res, layers, stage=st, kp=kp) for st in m.recorded_stages]
     from moetrace.placement.advise_files import best_lines  # the words `moetrace advise` prints, said once

@@ -1,6 +1,10 @@
 """``a2a.json``, typed: one ``moetrace a2a`` run's configuration, checks and summary, written and read
 here only.
 
+``A2AConfig`` is the replay plan's provenance (``replay.plan.build_plan`` builds it as
+``A2APlan.config``): the deployment, the held-out batches, the copy model and the trace, the first
+thirteen keys of ``a2a.json``.
+
 ``A2AManifest`` is what ``placement.replay.results.write_a2a_results`` writes as ``a2a.json``
 (``to_json``; ``format`` and ``version`` from ``moetrace.results.A2A``, put first by
 ``moetrace.results.write_result_json``) and what every reader gets back (``from_json``; the
@@ -18,6 +22,7 @@ model, kept as the JSON it was written as (``replay.predict.ReplayCost.to_json``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +33,7 @@ from moetrace.tracer.trace.schema import ModelInfo
 if TYPE_CHECKING:  # imported where an a2a.json is read: the replay package is 0.3 s of imports
     from moetrace.placement.replay.network import Network
 
-__all__ = ["A2A_LATER_KEYS", "A2AManifest", "A2ASummaryRow"]
+__all__ = ["A2A_LATER_KEYS", "A2AConfig", "A2AManifest", "A2ASummaryRow"]
 
 #: keys a2a.json gained after ``moetrace.a2a`` v1 was stamped -> their value in files that lack them
 A2A_LATER_KEYS: dict[str, Any] = {
@@ -42,6 +47,62 @@ A2A_LATER_KEYS: dict[str, Any] = {
     "predicted_time_normalized_median": None,
     "predicted_over_measured": None,
 }
+
+
+@dataclass(frozen=True, kw_only=True)
+class A2AConfig:
+    """The replay plan's provenance (``A2APlan.config``; a2a.json's first thirteen keys, in this order)."""
+
+    deployment: str  # DPaTPbEPc[TPd]
+    gpus_per_node: int  # GPUs per node
+    num_ep: int  # W EP ranks
+    num_nodes: int  # G nodes
+    ranks_per_node: int  # EP ranks per node
+    num_batches: int  # global batches replayed
+    batch_requests: int  # requests per global batch
+    dedup: str  # copy model of the decode steps ("rank", "expert", "node")
+    replica_policy: str  # which replica serves a token
+    seed: int  # split and batch sampling
+    test_fraction: float  # share of requests held out
+    trace: str  # the trace's path: as the plan read it; in a2a.json relative to the results directory
+    model: ModelInfo  # the traced model
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "deployment": self.deployment,
+            "gpus_per_node": self.gpus_per_node,
+            "num_ep": self.num_ep,
+            "num_nodes": self.num_nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "num_batches": self.num_batches,
+            "batch_requests": self.batch_requests,
+            "dedup": self.dedup,
+            "replica_policy": self.replica_policy,
+            "seed": self.seed,
+            "test_fraction": self.test_fraction,
+            "trace": self.trace,
+            "model": self.model.to_dict(),
+        }
+
+    @classmethod
+    def from_json(cls, obj: object, *, where: str) -> A2AConfig:
+        """The provenance in ``obj`` (a2a.json, or any object holding its thirteen keys)."""
+        r = ManifestFields(obj, where, kind=A2A)
+        return cls(
+            deployment=r.text("deployment"),
+            gpus_per_node=r.integer("gpus_per_node"),
+            num_ep=r.integer("num_ep"),
+            num_nodes=r.integer("num_nodes"),
+            ranks_per_node=r.integer("ranks_per_node"),
+            num_batches=r.integer("num_batches"),
+            batch_requests=r.integer("batch_requests"),
+            dedup=r.text("dedup"),
+            replica_policy=r.text("replica_policy"),
+            seed=r.integer("seed"),
+            test_fraction=r.number("test_fraction"),
+            trace=r.text("trace"),
+            model=r.parsed("model", ModelInfo.from_dict),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +157,7 @@ _A2A_ROW_KEYS: tuple[str, ...] = (
 @dataclass(frozen=True, kw_only=True)
 class A2AManifest:
     """One ``moetrace a2a`` run (fields in the order a2a.json holds them; the first thirteen are the
-    replay plan's ``config``)."""
+    replay plan's ``A2AConfig``, ``config``)."""
 
     deployment: str  # DPaTPbEPc[TPd]
     gpus_per_node: int  # GPUs per node
@@ -125,22 +186,15 @@ class A2AManifest:
     network: Network | None  # how the links between nodes were realized; None: an older file
     cost_model: dict[str, Any] | None  # the step model's links as realized (replay.predict.ReplayCost), as written
 
+    @property
+    def config(self) -> A2AConfig:
+        """The replay plan's provenance as recorded (the trace relative to the results directory)."""
+        return A2AConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(A2AConfig)})
+
     def to_json(self) -> dict[str, Any]:
         """a2a.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
         return {
-            "deployment": self.deployment,
-            "gpus_per_node": self.gpus_per_node,
-            "num_ep": self.num_ep,
-            "num_nodes": self.num_nodes,
-            "ranks_per_node": self.ranks_per_node,
-            "num_batches": self.num_batches,
-            "batch_requests": self.batch_requests,
-            "dedup": self.dedup,
-            "replica_policy": self.replica_policy,
-            "seed": self.seed,
-            "test_fraction": self.test_fraction,
-            "trace": self.trace,
-            "model": self.model.to_dict(),
+            **self.config.to_json(),
             "strategies": list(self.strategies),
             "backend": self.backend,
             "world_size": self.world_size,
@@ -160,20 +214,9 @@ class A2AManifest:
     def from_json(cls, obj: dict[str, Any], *, where: str) -> A2AManifest:
         """The manifest in ``obj`` (a2a.json read from ``where``, format and version already checked)."""
         r = ManifestFields(obj, where, kind=A2A, later=A2A_LATER_KEYS)
+        config = A2AConfig.from_json(obj, where=where)
         return cls(
-            deployment=r.text("deployment"),
-            gpus_per_node=r.integer("gpus_per_node"),
-            num_ep=r.integer("num_ep"),
-            num_nodes=r.integer("num_nodes"),
-            ranks_per_node=r.integer("ranks_per_node"),
-            num_batches=r.integer("num_batches"),
-            batch_requests=r.integer("batch_requests"),
-            dedup=r.text("dedup"),
-            replica_policy=r.text("replica_policy"),
-            seed=r.integer("seed"),
-            test_fraction=r.number("test_fraction"),
-            trace=r.text("trace"),
-            model=r.parsed("model", ModelInfo.from_dict),
+            **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
             strategies=r.names("strategies"),
             backend=r.text("backend"),
             world_size=r.integer("world_size"),

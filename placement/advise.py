@@ -35,8 +35,8 @@ This module runs the evaluation (``advise_arrays``) and the three entry points (
 ``advise_profile_counts`` / ``advise_profile``, ``advise_input``); its parts live beside it, and the
 names other modules import are re-exported here: the config (``advise_config``), the records
 (``advise_types``), the inputs read from a trace or a profile (``advise_inputs``), the options fitted
-per stage (``advise_fit``), their evaluation (``advise_evaluate``), their rows (``advise_rows``), the
-stages' correlation and the drift (``advise_drift``).
+per stage (``advise_fit``), their evaluation (``advise_evaluate``), their rows (``advise_rows``, typed
+as ``advise_option_row.OptionRow``), the stages' correlation and the drift (``advise_drift``).
 
 Out of scope: the placers (``eplb``, ``baselines``, ``joint``), the volume and cost models
 (``simulate``, ``cost``), engine files (``exports``), the result files (``advise_files``);
@@ -61,8 +61,16 @@ from moetrace.placement.advise_files import commands, format_advice, read_advice
 from moetrace.placement.advise_fit import stage_options
 from moetrace.placement.advise_inputs import profile_inputs, trace_inputs
 from moetrace.placement.advise_manifest import AdviceManifest, AdviceVerdict, Recommended, plain_json
+from moetrace.placement.advise_option_row import OptionRow
 from moetrace.placement.advise_options import data_free_placement, resolve_strategies
-from moetrace.placement.advise_rows import add_layer_rows, layer_arrays, migration_row, summary_row, weight_bytes
+from moetrace.placement.advise_rows import (
+    MigrationRow,
+    add_layer_rows,
+    layer_arrays,
+    migration_row,
+    summary_row,
+    weight_bytes,
+)
 from moetrace.placement.advise_types import (
     STAGES,
     Advice,
@@ -92,6 +100,7 @@ __all__ = [
     "AdviseInputs",
     "Option",
     "Advice",
+    "OptionRow",
     "evaluate_tokens",
     "evaluate_counts",
     "advise_arrays",
@@ -268,24 +277,22 @@ _LAYER_COLUMNS = (
 
 def _rows(
     inputs: AdviseInputs, cfg: AdviseConfig, run: _Run, evals: dict[_JobKey, StepMetrics]
-) -> tuple[list[dict[str, Any]], dict[str, np.ndarray]]:
+) -> tuple[list[OptionRow], dict[str, np.ndarray]]:
     """Step 3: the summary row of every (stage, steps, option) against the reference on the same steps,
     with its migration from the reference (options.parquet), and the per-layer rows (layers.parquet)."""
     m = inputs.model
-    moved: dict[tuple[str, str], dict[str, Any]] = {}
-    rows: list[dict[str, Any]] = []
+    moved: dict[tuple[str, str], MigrationRow] = {}
+    rows: list[OptionRow] = []
     layer_cols: dict[str, list[Any]] = {k: [] for k in _LAYER_COLUMNS}
     for st, steps in run.plan:
         ref = evals[_job_key(run.ref, steps)]
         for opt in run.options[st]:
             em = evals[_job_key(opt, steps)]
-            row = summary_row(em, ref, option=opt, stage=st, steps=steps, model=m)
             if (opt.fitted_on, opt.key) not in moved:
                 moved[(opt.fitted_on, opt.key)] = migration_row(
                     run.ref, opt, dep=cfg.deployment, model=m, weight_bytes=weight_bytes(run.cost)
                 )
-            row.update(moved[(opt.fitted_on, opt.key)])
-            rows.append(row)
+            rows.append(summary_row(em, ref, option=opt, stage=st, steps=steps, moved=moved[(opt.fitted_on, opt.key)]))
             add_layer_rows(layer_cols, em, stage=st, steps=steps, option=opt.key, model=m)
     return rows, layer_arrays(layer_cols)
 

@@ -17,6 +17,7 @@ import numpy as np
 from moetrace.placement.advise_config import AdviseConfig
 from moetrace.placement.advise_fit import eplb_fit
 from moetrace.placement.advise_metrics import expected_rank_load, vllm_balancedness
+from moetrace.placement.advise_option_row import OptionRow
 from moetrace.placement.advise_options import EPLB_STRATEGIES, data_free_placement
 from moetrace.placement.advise_types import AdviseInputs, Stage, Steps
 from moetrace.placement.advise_verdicts import best_eplb
@@ -61,7 +62,7 @@ def _stage_windows(inputs: AdviseInputs, stage: Stage) -> np.ndarray:
     return inputs.stages[stage].windows_NLE
 
 
-def stage_drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def stage_drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: list[OptionRow]) -> dict[str, Any]:
     """Does the imbalance move faster than a static placement follows? On the windows in arrival order,
     balancedness (vLLM's figure, mean over the later half of the windows) of: the reference; EPLB fitted
     on the first half (``static``); EPLB refitted on the window before each one (``lagged``: a placement
@@ -77,12 +78,12 @@ def stage_drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: 
         return {"num_windows": N, "skipped": f"fewer than {MIN_DRIFT_WINDOWS} windows: no drift estimate"}
     half = N // 2
     own: Steps = "decode" if stage == "both" else stage
-    cand = [r for r in rows if r["stage"] == stage and r["strategy"] in EPLB_STRATEGIES and r["steps"] == own]
+    cand = [r for r in rows if r.stage == stage and r.strategy in EPLB_STRATEGIES and r.steps == own]
     if not cand:
         return {"num_windows": N, "skipped": "no EPLB option evaluated"}
     best = best_eplb(cand)
-    R = int(best["num_redundant"]) if best is not None else max(int(r["num_redundant"]) for r in cand)
-    strategy = str(best["strategy"]) if best is not None else "eplb"
+    R = int(best.num_redundant) if best is not None else max(int(r.num_redundant) for r in cand)
+    strategy = str(best.strategy) if best is not None else "eplb"
     W = dep.num_ep
 
     def fitted(load_LE: np.ndarray) -> Placement:

@@ -1,7 +1,8 @@
 """``moetrace advise``'s result files and printed text: ``advice.json`` (the typed
 ``advise_manifest.AdviceManifest`` with the commands that reproduce and export each recommended
-placement, written through its ``to_json``), ``options.parquet``, ``layers.parquet``, the
-placements, and the table and verdicts the command prints.
+placement, written through its ``to_json``), ``options.parquet`` (``advise_option_row.OptionRow``
+rows, written through their ``to_row``), ``layers.parquet``, the placements, and the table and
+verdicts the command prints.
 
 Out of scope: computing the advice (``advise``), its verdicts (``advise_verdicts``), the record
 itself (``advise_manifest``).
@@ -109,7 +110,8 @@ def write_advice(
         )
         save_placement(pf, p)
         written.append(p)
-    written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_OPTIONS, pl.DataFrame(advice.rows)))
+    options = pl.DataFrame([r.to_row() for r in advice.rows])
+    written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_OPTIONS, options))
     written.append(rf.write_result_table(out, rf.ADVICE, rf.ADVICE_LAYERS, pl.DataFrame(advice.layer_rows)))
     body = dataclasses.replace(
         man,
@@ -125,11 +127,11 @@ def write_advice(
 def format_advice(advice: Advice, *, out: str | os.PathLike) -> str:
     """The verdicts, a table of the options per stage and the commands, as ``moetrace advise`` prints them."""
     man = advice.manifest
-    steps = man.step_tokens_per_gpu or {}
+    step_tokens = man.step_tokens_per_gpu or {}
     lines = [
         f"moetrace advise: {man.input} ({man.input_kind}), {man.deployment}, reference {man.reference}",
         f"EPLB summed in {man.eplb_sum} ({ACCUMULATE_WHO[man.eplb_sum or 'float64']}); replica policy {man.replica_policy}; "
-        f"steps of {steps['decode']} decode and {steps['prefill']} prefill tokens per GPU; "
+        f"steps of {step_tokens['decode']} decode and {step_tokens['prefill']} prefill tokens per GPU; "
         + ("drift estimated over the windows" if man.drift_estimated else "no drift estimate (fewer than 4 windows)"),
     ]
     if man.expert is None:  # the time column is then all-to-all time; say why and how to give the size
@@ -138,22 +140,21 @@ def format_advice(advice: Advice, *, out: str | os.PathLike) -> str:
         reason = expert_unknown_reason(man.model)
         lines.append(reason or "MoE-layer time n/a: the expert size is unknown")
     for st in man.stages:
-        for steps in dict.fromkeys(r["steps"] for r in advice.rows if r["stage"] == st):
+        for steps in dict.fromkeys(r.steps for r in advice.rows if r.stage == st):
             lines.append(f"\n{st} placement, {steps} steps:")
             lines.append(
                 f"  {'option':<28} {'balanced':>8} {'busiest':>8} {'act/GPU':>7} {'ranks/tok':>9} {'MoE time':>9} "
                 f"{'[p10, p90]':>15} {'inter B':>8} {'moved':>9}"
             )
-            for r in (r for r in advice.rows if r["stage"] == st and r["steps"] == steps):
-                moved = "—" if r["bytes_moved"] is None else f"{r['bytes_moved'] / 1e9:.1f} GB"
-                t = r["moe_vs_ref"] if np.isfinite(r["moe_vs_ref"]) else r["a2a_vs_ref"]
-                t10 = r["moe_vs_ref_p10"] if np.isfinite(r["moe_vs_ref"]) else r["a2a_vs_ref_p10"]
-                t90 = r["moe_vs_ref_p90"] if np.isfinite(r["moe_vs_ref"]) else r["a2a_vs_ref_p90"]
-                sr = "n/a" if np.isnan(r["send_ranks_per_token"]) else f"{r['send_ranks_per_token']:.2f}"
+            for r in (r for r in advice.rows if r.stage == st and r.steps == steps):
+                moved = "—" if r.bytes_moved is None else f"{r.bytes_moved / 1e9:.1f} GB"
+                tk = r.measure  # MoE-layer time; all-to-all time when the expert size is unknown
+                t, t10, t90 = r.vs_ref(tk), r.vs_ref_p10(tk), r.vs_ref_p90(tk)
+                sr = "n/a" if np.isnan(r.send_ranks_per_token) else f"{r.send_ranks_per_token:.2f}"
                 lines.append(
-                    f"  {r['label']:<28} {r['balancedness_vllm']:>8.3f} {r['busiest_rank_tokens']:>8.1f} "
-                    f"{r['activated_experts_per_gpu_max']:>7.2f} {sr:>9} {t:>9.3f} [{t10:.3f}, {t90:.3f}] "
-                    f"{r['inter_node_vs_ref']:>8.3f} {moved:>9}"
+                    f"  {r.label:<28} {r.balancedness_vllm:>8.3f} {r.busiest_rank_tokens:>8.1f} "
+                    f"{r.activated_experts_per_gpu_max:>7.2f} {sr:>9} {t:>9.3f} [{t10:.3f}, {t90:.3f}] "
+                    f"{r.inter_node_vs_ref:>8.3f} {moved:>9}"
                 )
     lines += ["", *legend_lines(ADVISE_LEGEND, indent="")]
     lines += ["", *best_lines(man)]

@@ -1,8 +1,8 @@
 """The records ``moetrace advise`` passes between its modules: an evaluated ``Option``, the
-``Advice`` (its ``advice.json`` as ``advise_manifest.AdviceManifest``, summary rows, per-layer rows,
-placements), what it evaluates (``AdviseInputs``: per recorded stage a ``StageInput``, a trace's
+``Advice`` (its ``advice.json`` as ``advise_manifest.AdviceManifest``, summary rows as
+``advise_option_row.OptionRow``, per-layer rows, placements), what it evaluates (``AdviseInputs``: per recorded stage a ``StageInput``, a trace's
 simulated steps as ``StepTokens``) and what one option on one stage's steps measures
-(``StepMetrics``); the stage names.
+(``StepMetrics``); the stage names (defined beside ``OptionRow``).
 
 Shape legend (docs/architecture.md): N windows, B steps, L MoE layers, E logical experts, T tokens,
 K top-k slots.
@@ -13,11 +13,12 @@ Out of scope: computing them (``advise``), writing them (``advise_files``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 
 from moetrace.placement.advise_manifest import AdviceManifest
+from moetrace.placement.advise_option_row import STAGES, OptionRow, Stage, Steps
 from moetrace.placement.advise_options import EPLB_STRATEGIES, EplbPolicy, option_label
 from moetrace.placement.maps import Placement
 
@@ -71,7 +72,7 @@ class Advice:
     """What ``advise_arrays`` found: summary rows, per-layer rows, verdicts, commands, placements."""
 
     manifest: AdviceManifest  # advice.json (config, verdicts, decision, correlations, drift; commands when written)
-    rows: list[dict[str, Any]]  # one per (stage, steps, option): the summary (options.parquet)
+    rows: list[OptionRow]  # one per (stage, steps, option): the summary (options.parquet)
     layer_rows: dict[str, np.ndarray]  # columns of layers.parquet (stage, steps, option, layer, measures)
     placements: dict[str, Option] = field(default_factory=dict)  # file stem -> a recommended option to write
     options: dict[str, Option] = field(default_factory=dict)  # "<stage>-<option key>" -> every option evaluated
@@ -80,11 +81,6 @@ class Advice:
     def verdicts(self) -> list[str]:
         """The verdicts in words, in the order the command prints them."""
         return [v.text for v in self.manifest.verdicts]
-
-
-Stage = Literal["prefill", "decode", "both"]
-Steps = Literal["prefill", "decode"]
-STAGES: tuple[Stage, ...] = ("prefill", "decode", "both")
 
 
 class StepTokens(NamedTuple):

@@ -1,5 +1,5 @@
 """``moetrace advise``'s verdicts: one per stage in plain words from the evaluated options' summary
-rows (``advise.advise_arrays``), and which options to recommend.
+rows (``advise_option_row.OptionRow``, from ``advise.advise_arrays``), and which options to recommend.
 
 - **enable**: the best EPLB option over both policies (``best_eplb``: the fewest redundant slots
   within ``WITHIN_BEST`` of the best predicted time, then the faster), when it gains at least
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from moetrace.placement.advise_manifest import AdviceVerdict, plain_json
+from moetrace.placement.advise_option_row import Measure, OptionRow
 from moetrace.placement.advise_options import EPLB_STRATEGIES
 from moetrace.placement.advise_rearrange import Rearrangement, rearrangement_cost, rearrangement_text
 from moetrace.placement.decision import MIN_GAIN, WITHIN_BEST, Candidate, StageChoice, choose, pct
@@ -48,61 +49,65 @@ SEPARATE_BELOW = 0.80
 DATA_FREE = ("current", "linear", "round_robin", "random")
 
 
-def best_eplb(cand: list[dict[str, Any]]) -> dict[str, Any] | None:
+def best_eplb(cand: list[OptionRow]) -> OptionRow | None:
     """The smallest sweep point within ``WITHIN_BEST`` of the best predicted MoE-layer time (all-to-all
-    time when the expert size is unknown), the faster on equal slots (EPLB's two policies); None
-    without candidates."""
+    time when the expert size is unknown; balancedness when neither is known), the faster on equal
+    slots (EPLB's two policies); None without candidates."""
     if not cand:
         return None
-    key = "moe_vs_ref" if all(np.isfinite(r["moe_vs_ref"]) for r in cand) else "a2a_vs_ref"
-    if not all(np.isfinite(r[key]) for r in cand):
-        key = "balancedness_vllm"
-        best = max(r[key] for r in cand)
-        return min((r for r in cand if r[key] >= best - WITHIN_BEST), key=lambda r: (r["num_redundant"], -r[key]))
-    best = min(r[key] for r in cand)
-    return min((r for r in cand if r[key] <= best * (1 + WITHIN_BEST)), key=lambda r: (r["num_redundant"], r[key]))
+    tk: Measure = "moe" if all(np.isfinite(r.moe_vs_ref) for r in cand) else "a2a"
+    if not all(np.isfinite(r.vs_ref(tk)) for r in cand):
+        top = max(r.balancedness_vllm for r in cand)
+        return min(
+            (r for r in cand if r.balancedness_vllm >= top - WITHIN_BEST),
+            key=lambda r: (r.num_redundant, -r.balancedness_vllm),
+        )
+    best = min(r.vs_ref(tk) for r in cand)
+    return min(
+        (r for r in cand if r.vs_ref(tk) <= best * (1 + WITHIN_BEST)), key=lambda r: (r.num_redundant, r.vs_ref(tk))
+    )
 
 
 def _gb(x: float | None) -> str:
     return "n/a (expert size unknown)" if x is None else f"{x / 1e9:.1f} GB"
 
 
-def _time_key(r0: dict[str, Any]) -> tuple[str, str]:
+def _time_key(r0: OptionRow) -> tuple[Measure, str]:
     """The time a verdict ranks by: MoE-layer time, or all-to-all time when the expert size is unknown."""
-    if np.isfinite(r0["moe_vs_ref"]):
+    if r0.measure == "moe":
         return "moe", "predicted MoE-layer time"
     return "a2a", "predicted all-to-all time"
 
 
-def _eplb_name(r: dict[str, Any]) -> str:
-    return f"EPLB's {r['eplb_policy']} policy"
+def _eplb_name(r: OptionRow) -> str:
+    return f"EPLB's {r.eplb_policy} policy"
 
 
-def _enable_text(who: str, best: dict[str, Any], b0: float, change: str) -> str:
+def _enable_text(who: str, best: OptionRow, b0: float, change: str) -> str:
     red = (
-        f"with {best['num_redundant']} redundant experts"
-        if best["num_redundant"]
+        f"with {best.num_redundant} redundant experts"
+        if best.num_redundant
         else "without redundant experts (a rearrangement only)"
     )
     return (
-        f"{who}: enable {_eplb_name(best)} {red}: balancedness {b0:.2f} → {best['balancedness_vllm']:.2f}, {change}, "
-        f"{_gb(best['bytes_moved'])} of weights move once ({best['experts_moved']} expert copies), "
-        f"{_gb(best['extra_bytes_per_gpu'])} more per GPU for the redundant slots."
+        f"{who}: enable {_eplb_name(best)} {red}: balancedness {b0:.2f} → {best.balancedness_vllm:.2f}, {change}, "
+        f"{_gb(best.bytes_moved)} of weights move once ({best.experts_moved} expert copies), "
+        f"{_gb(best.extra_bytes_per_gpu)} more per GPU for the redundant slots."
     )
 
 
-def _other_policy(cand: list[dict[str, Any]], best: dict[str, Any], tk: str) -> str:
+def _other_policy(cand: list[OptionRow], best: OptionRow, tk: Measure) -> str:
     """The other EPLB policy's best point, for comparison ("" when only one policy was evaluated)."""
-    other = best_eplb([r for r in cand if r["eplb_policy"] != best["eplb_policy"]])
+    other = best_eplb([r for r in cand if r.eplb_policy != best.eplb_policy])
     if other is None:
         return ""
     return (
-        f" ({other['eplb_policy'].capitalize()} policy at its best, {other['num_redundant']} redundant: balancedness "
-        f"{other['balancedness_vllm']:.2f}, {pct(other[f'{tk}_vs_ref'])}.)"
+        f" ({str(other.eplb_policy).capitalize()} policy at its best, {other.num_redundant} redundant: balancedness "
+        f"{other.balancedness_vllm:.2f}, {pct(other.vs_ref(tk))}.)"
     )
 
 
-def _no_gain_reason(b0: float, best: dict[str, Any], drift: dict[str, Any]) -> str:
+def _no_gain_reason(b0: float, best: OptionRow, drift: dict[str, Any]) -> str:
     static, lagged, own = (drift.get(k, float("nan")) for k in ("static", "lagged", "own"))
     if np.isfinite(b0) and b0 >= BALANCED:
         return f"already balanced (balancedness {b0:.2f} ≥ {BALANCED:.2f})"
@@ -115,50 +120,50 @@ def _no_gain_reason(b0: float, best: dict[str, Any], drift: dict[str, Any]) -> s
             return f"the imbalance moves from window to window: a static placement cannot follow it ({seen}); rebalance periodically instead"
         if own - max(static, lagged) > 2 * DRIFT_GAP + 0.05:
             return f"the imbalance moves from window to window faster than any placement can follow ({seen})"
-    if best["balancedness_vllm"] - b0 < 0.05:
+    if best.balancedness_vllm - b0 < 0.05:
         return "the step-to-step imbalance is noise of small batches that no static placement removes"
     return "better balance does not shorten the step here (the all-to-all or the activated experts decide it)"
 
 
 def _others_text(
-    here: list[dict[str, Any]],
+    here: list[OptionRow],
     *,
     st: str,
-    tk: str,
+    tk: Measure,
     what: str,
-    best: dict[str, Any],
+    best: OptionRow,
     enabled: bool,
     ref_key: str,
     ref_label: str,
 ) -> tuple[str, list[str]]:
     """The sentences on the data-based strategies beyond EPLB (joint, data, ours...), and those to recommend."""
     text, keys = "", []
-    r0 = next(r for r in here if r["option"] == ref_key and r["steps"] == st)
+    r0 = next(r for r in here if r.option == ref_key and r.steps == st)
     for r in here:
-        if r["strategy"] in EPLB_STRATEGIES or r["strategy"] in DATA_FREE or r["option"] == ref_key:
+        if r.strategy in EPLB_STRATEGIES or r.strategy in DATA_FREE or r.option == ref_key:
             continue
-        name = "Ours (joint)" if r["strategy"] == "joint" else r["label"][:1].upper() + r["label"][1:]
-        jt = r[f"{tk}_vs_ref"]
+        name = "Ours (joint)" if r.strategy == "joint" else r.label[:1].upper() + r.label[1:]
+        jt = r.vs_ref(tk)
         base = best if enabled else r0
-        ib = base["inter_node_bytes_per_step"]
-        dbytes = r["inter_node_bytes_per_step"] / ib if ib else float("nan")
-        vs = f"that EPLB's {pct(best[f'{tk}_vs_ref'])}" if enabled else ref_label
-        if np.isfinite(jt) and 1.0 - jt >= MIN_GAIN and jt < best[f"{tk}_vs_ref"]:
+        ib = base.inter_node_bytes_per_step
+        dbytes = r.inter_node_bytes_per_step / ib if ib else float("nan")
+        vs = f"that EPLB's {pct(best.vs_ref(tk))}" if enabled else ref_label
+        if np.isfinite(jt) and 1.0 - jt >= MIN_GAIN and jt < best.vs_ref(tk):
             router = (
-                f", but needs the prefill router (placement file: placements/{st}-{r['option']}.json)"
-                if r["router"]
-                else f" (placement file: placements/{st}-{r['option']}.json)"
+                f", but needs the prefill router (placement file: placements/{st}-{r.option}.json)"
+                if r.router
+                else f" (placement file: placements/{st}-{r.option}.json)"
             )
             text += f" {name} reaches {what} {pct(jt)} (against {vs}) with {pct(dbytes)} inter-node bytes{router}."
-            keys.append(r["option"])
+            keys.append(r.option)
         else:
-            worth = "not worth its router here" if r["router"] else "no better here"
+            worth = "not worth its router here" if r.router else "no better here"
             text += f" {name}: {what} {pct(jt)}, inter-node bytes {pct(dbytes)}: {worth}."
     return text, keys
 
 
 def verdicts(
-    rows: list[dict[str, Any]],
+    rows: list[OptionRow],
     *,
     stages: list[str],
     ref_key: str,
@@ -175,10 +180,10 @@ def verdicts(
     out: list[AdviceVerdict] = []
     recommended: list[tuple[str, str]] = []
     for st in stages:
-        here = [r for r in rows if r["stage"] == st]
-        r0_by = {r["steps"]: r for r in here if r["option"] == ref_key}
+        here = [r for r in rows if r.stage == st]
+        r0_by: dict[str, OptionRow] = {r.steps: r for r in here if r.option == ref_key}
         tk, what = _time_key(next(iter(r0_by.values())))
-        if not any(r["strategy"] in EPLB_STRATEGIES for r in here):  # --strategies left EPLB out
+        if not any(r.strategy in EPLB_STRATEGIES for r in here):  # --strategies left EPLB out
             text = f"{st.capitalize() if st != 'both' else 'Both stages'}: EPLB not evaluated (not in --strategies)."
             if st != "both":
                 r0 = r0_by[st]
@@ -191,39 +196,41 @@ def verdicts(
             continue
         if st == "both":
             # one row per option: its step time weighed over both stages, over the reference's
-            def weighed(key: str, here: list[dict[str, Any]] = here, tk: str = tk) -> float:
-                return sum(weights[r["steps"]] * r[f"{tk}_seconds_per_step"] for r in here if r["option"] == key)
+            def weighed(key: str, here: list[OptionRow] = here, tk: Measure = tk) -> float:
+                return sum(weights[r.steps] * r.seconds_per_step(tk) for r in here if r.option == key)
 
             total0 = weighed(ref_key)
-            cand = []
-            for r in (r for r in here if r["strategy"] in EPLB_STRATEGIES and r["steps"] == "decode"):
-                cand.append({**r, f"{tk}_vs_ref": weighed(r["option"]) / total0 if total0 > 0 else float("nan")})
+            cand = [  # each EPLB option's decode row, its time weighed over both stages' steps
+                r.with_vs_ref(tk, weighed(r.option) / total0 if total0 > 0 else float("nan"))
+                for r in here
+                if r.strategy in EPLB_STRATEGIES and r.steps == "decode"
+            ]
             best = best_eplb(cand)
             assert best is not None
-            per = {r["steps"]: r for r in here if r["option"] == best["option"]}
+            per = {r.steps: r for r in here if r.option == best.option}
             change = (
-                f"{what} weighed over both stages {pct(best[f'{tk}_vs_ref'])} ("
-                + ", ".join(f"{s} steps {pct(per[s][f'{tk}_vs_ref'])}" for s in ("decode", "prefill") if s in per)
+                f"{what} weighed over both stages {pct(best.vs_ref(tk))} ("
+                + ", ".join(f"{s} steps {pct(per[s].vs_ref(tk))}" for s in ("decode", "prefill") if s in per)
                 + ")"
             )
-            b0 = r0_by["decode"]["balancedness_vllm"]
+            b0 = r0_by["decode"].balancedness_vllm
             who, own_steps = "Both stages with one placement", "decode"
             best_row = per["decode"]
         else:
             r0 = r0_by[st]
-            cand = [r for r in here if r["strategy"] in EPLB_STRATEGIES]
+            cand = [r for r in here if r.strategy in EPLB_STRATEGIES]
             best = best_eplb(cand)
             assert best is not None
-            spread = f"p10–p90 {pct(best[f'{tk}_vs_ref_p10'])}…{pct(best[f'{tk}_vs_ref_p90'])}"
-            change = f"{what} {pct(best[f'{tk}_vs_ref'])} ({spread})"
-            b0 = r0["balancedness_vllm"]
+            spread = f"p10–p90 {pct(best.vs_ref_p10(tk))}…{pct(best.vs_ref_p90(tk))}"
+            change = f"{what} {pct(best.vs_ref(tk))} ({spread})"
+            b0 = r0.balancedness_vllm
             who, own_steps, best_row = st.capitalize(), st, best
-        gain = 1.0 - best[f"{tk}_vs_ref"]
+        gain = 1.0 - best.vs_ref(tk)
         info: dict[str, Any] = {}
         if gain >= MIN_GAIN:
-            verdict, option = "enable", best["option"]
+            verdict, option = "enable", best.option
             text = _enable_text(who, best, b0, change) + _other_policy(cand, best, tk)
-            recommended.append((st, best["option"]))
+            recommended.append((st, best.option))
             d = drift.get(st, {})
             if d.get("lagged", float("nan")) - d.get("static", float("nan")) > DRIFT_GAP:
                 text += (
@@ -232,16 +239,14 @@ def verdicts(
                     "--eplb-config step_interval)."
                 )
             ref_row = r0_by[own_steps]
-            cost = rearrangement_cost(
-                ref_row[f"{tk}_seconds_per_step"], best_row[f"{tk}_seconds_per_step"], r=rearrangement
-            )
+            cost = rearrangement_cost(ref_row.seconds_per_step(tk), best_row.seconds_per_step(tk), r=rearrangement)
             text += rearrangement_text(cost, steps=own_steps, what=what)
             info["rearrangement"] = cost
         else:
             verdict, option = "no gain", None
             text = (
-                f"{who}: no gain from EPLB: the best sweep point ({_eplb_name(best)}, {best['num_redundant']} "
-                f"redundant) gives {change} (balancedness {b0:.2f} → {best['balancedness_vllm']:.2f}); "
+                f"{who}: no gain from EPLB: the best sweep point ({_eplb_name(best)}, {best.num_redundant} "
+                f"redundant) gives {change} (balancedness {b0:.2f} → {best.balancedness_vllm:.2f}); "
                 f"{_no_gain_reason(b0, best, drift.get(st, {}))}."
             )
         if st != "both":
@@ -276,24 +281,24 @@ def verdicts(
     return out, list(dict.fromkeys(recommended))
 
 
-def stage_choices(rows: list[dict[str, Any]], *, stages: list[str], ref_key: str) -> list[StageChoice]:
+def stage_choices(rows: list[OptionRow], *, stages: list[str], ref_key: str) -> list[StageChoice]:
     """Per stage (prefill, decode: each placement fitted on the stage it serves, on that stage's steps),
     the decision over every evaluated option by ``decision.choose``: the rule ``compare`` and the
     dashboard card use (MoE-layer time per step; all-to-all time when the expert size is unknown)."""
     out = []
     for st in (s for s in stages if s != "both"):
-        here = [r for r in rows if r["stage"] == st and r["steps"] == st]
+        here = [r for r in rows if r.stage == st and r.steps == st]
         if not here:
             continue
-        tk, what = _time_key(next(r for r in here if r["option"] == ref_key))
+        tk, what = _time_key(next(r for r in here if r.option == ref_key))
         cands = [
             Candidate(
-                option=r["option"],
-                strategy=r["strategy"],
-                num_redundant=int(r["num_redundant"]),
-                time=float(r[f"{tk}_vs_ref"]),
-                a2a=float(r["a2a_vs_ref"]),
-                inter=float(r["inter_node_vs_ref"]),
+                option=r.option,
+                strategy=r.strategy,
+                num_redundant=int(r.num_redundant),
+                time=float(r.vs_ref(tk)),
+                a2a=float(r.a2a_vs_ref),
+                inter=float(r.inter_node_vs_ref),
             )
             for r in here
         ]

@@ -4,6 +4,7 @@ exactly those bytes; results files; mismatches are reported."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -298,7 +299,7 @@ def test_replay_traffic_is_the_cost_models(data, cfg, dedup):
 def test_a2a_json_is_its_typed_record_written_through_to_json(plan, tmp_path):
     """The writer builds ``A2AManifest`` (``replay.a2a_manifest``, its rows ``A2ASummaryRow``) and writes
     its ``to_json``: the file reads back into the same record and writes back the same bytes."""
-    from moetrace.placement.a2a_manifest import A2AManifest, A2ASummaryRow
+    from moetrace.placement.a2a_manifest import A2AConfig, A2AManifest, A2ASummaryRow
 
     recs, network = _fake_records(plan, fixed_s=1e-3, intra_s=2e-3)
     out = tmp_path / "out"
@@ -312,6 +313,10 @@ def test_a2a_json_is_its_typed_record_written_through_to_json(plan, tmp_path):
     )
     assert rec.network == network and rec.cost_model is not None and rec.strategies == plan.strategies
     assert rec.bytes_match and rec.first_mismatch is None and rec.reference == "linear"
+    # the plan's provenance is typed too: a2a.json's first keys, the trace recorded relative to the results
+    assert isinstance(plan.config, A2AConfig) and rec.config == dataclasses.replace(plan.config, trace=rec.trace)
+    assert list(rec.to_json())[: len(plan.config.to_json())] == list(plan.config.to_json())
+    assert A2AConfig.from_json(plan.config.to_json(), where="config") == plan.config
 
 
 def test_no_time_prediction_without_emulated_links(plan):

@@ -215,13 +215,12 @@ def test_trace_advice_stays_within_the_slot_limit_and_writes_its_files(tmp_path)
     assert adv.manifest.stages == ("prefill", "decode", "both")
     assert adv.manifest.redundancy_sweep == (0, 4, 8)  # 16 + R over 4 ranks within 6 slots per GPU
     for r in adv.rows:
-        assert (E + r["num_redundant"]) / DEP.num_ep <= 6
-        if r["option"] == adv.manifest.reference:
-            assert r["experts_moved"] == 0 and r["a2a_vs_ref"] == pytest.approx(1.0, abs=0.05)
-        assert (
-            np.isnan(r["moe_vs_ref"]) and r["bytes_moved"] is None
-        )  # not a preset: expert size unknown, never guessed
-    strategies = {r["strategy"] for r in adv.rows}
+        assert (E + r.num_redundant) / DEP.num_ep <= 6
+        if r.option == adv.manifest.reference:
+            assert r.experts_moved == 0 and r.a2a_vs_ref == pytest.approx(1.0, abs=0.05)
+        assert np.isnan(r.moe_vs_ref) and r.bytes_moved is None  # not a preset: expert size unknown, never guessed
+        assert r.measure == "a2a" and r.vs_ref("a2a") == r.a2a_vs_ref
+    strategies = {r.strategy for r in adv.rows}
     assert strategies == {"linear", "round_robin", "eplb", "joint"}
     assert [v.stage for v in adv.manifest.verdicts[:3]] == ["prefill", "decode", "both"]
     assert any("correlate" in v for v in adv.verdicts)
@@ -259,7 +258,7 @@ def test_eplb_advised_for_decode_is_what_place_writes(tmp_path):
 def test_single_stage_traces_advise_on_what_they_have_and_say_what_they_lack(tmp_path, stages, lacks):
     adv = advise_trace(zipf_trace(tmp_path / "t", stages=stages), CFG)
     assert adv.manifest.stages == stages
-    assert {r["stage"] for r in adv.rows} == set(stages) and "joint" not in {r["strategy"] for r in adv.rows}
+    assert {r.stage for r in adv.rows} == set(stages) and "joint" not in {r.strategy for r in adv.rows}
     assert adv.verdicts[0].startswith(stages[0].capitalize())
     assert any(f"no advice on {lacks} steps" in v and "correlation" in v for v in adv.verdicts)
 
@@ -276,9 +275,9 @@ def test_current_is_the_reference_and_migration_is_counted_from_it(tmp_path):
     (tmp_path / "cur.sglang.json").write_text(export_placement(pf, fmt="sglang"))
     adv = advise_trace(t, CFG, current=tmp_path / "cur.sglang.json")
     assert adv.manifest.reference == "current" and adv.manifest.current_format == "sglang"
-    cur = {r["stage"]: r for r in adv.rows if r["option"] == "current"}
-    lin = {r["stage"]: r for r in adv.rows if r["option"] == "linear"}
-    assert all(cur[s]["experts_moved"] == 0 == lin[s]["experts_moved"] for s in cur)  # current is linear
+    cur = {r.stage: r for r in adv.rows if r.option == "current"}
+    lin = {r.stage: r for r in adv.rows if r.option == "linear"}
+    assert all(cur[s].experts_moved == 0 == lin[s].experts_moved for s in cur)  # current is linear
 
 
 # ---------------------------------------------------------------- profiles (counts only)
@@ -296,7 +295,7 @@ WIDE = dataclasses.replace(MODEL, hidden_size=7168)
 def test_profile_advice_is_counts_only_and_says_so():
     adv = advise_profile_counts(WIDE, {"decode": _profile(1.5)}, CFG, source="mem")
     assert adv.manifest.input_kind == "profile" and adv.manifest.stages == ("decode",)
-    assert all(np.isnan(r["send_ranks_per_token"]) for r in adv.rows)
+    assert all(np.isnan(r.send_ranks_per_token) for r in adv.rows)
     assert any("n/a" in v and "destination ranks" in v for v in adv.verdicts)
     assert adv.manifest.verdicts[0].verdict == "enable"
 

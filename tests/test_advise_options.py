@@ -46,10 +46,10 @@ def test_the_global_policy_is_offered_at_ep64_and_chosen_when_better():
     """Hot experts inside one router group: the hierarchical policy packs that group onto one node, the
     global one spreads its replicas; the verdict picks the global one and names the other's figure."""
     adv = advise_profile_counts(SMALL, {"decode": _stats()}, AdviseConfig(deployment=EP64), source="stats")
-    rows = {r["option"]: r for r in adv.rows}
+    rows = {r.option: r for r in adv.rows}
     assert {"eplb-64", "eplb_global-64"} <= set(rows)
-    assert rows["eplb-64"]["eplb_policy"] == "hierarchical" and rows["eplb_global-64"]["eplb_policy"] == "global"
-    assert rows["eplb_global-64"]["balancedness_vllm"] > rows["eplb-64"]["balancedness_vllm"] + 0.3
+    assert rows["eplb-64"].eplb_policy == "hierarchical" and rows["eplb_global-64"].eplb_policy == "global"
+    assert rows["eplb_global-64"].balancedness_vllm > rows["eplb-64"].balancedness_vllm + 0.3
     first = adv.manifest.verdicts[0]
     assert first.option is not None and first.option.startswith("eplb_global-")
     assert "enable EPLB's global policy" in first.text and "Hierarchical policy at its best" in first.text
@@ -58,8 +58,8 @@ def test_the_global_policy_is_offered_at_ep64_and_chosen_when_better():
 def test_one_node_evaluates_eplb_once_and_says_why():
     dep = parse_deployment("DP8TP1EP8", num_gpus_per_node=8)
     adv = advise_profile_counts(SMALL, {"decode": _stats()}, AdviseConfig(deployment=dep), source="stats")
-    assert not any(r["strategy"] == "eplb_global" for r in adv.rows)
-    assert {r["eplb_policy"] for r in adv.rows if r["strategy"] == "eplb"} == {"global"}
+    assert not any(r.strategy == "eplb_global" for r in adv.rows)
+    assert {r.eplb_policy for r in adv.rows if r.strategy == "eplb"} == {"global"}
     assert any("hierarchical policy does not apply" in v for v in adv.verdicts)
 
 
@@ -74,10 +74,25 @@ def test_the_decode_step_size_changes_the_verdict():
     assert small.manifest.step_tokens_per_gpu == {"decode": 4, "prefill": 128}
     assert large.manifest.step_tokens_per_gpu == {"decode": 128, "prefill": 128}
     gain = {
-        s: 1 - next(r for r in adv.rows if r["option"] == v.option)["moe_vs_ref"]
+        s: 1 - next(r for r in adv.rows if r.option == v.option).vs_ref("moe")
         for s, adv, v in (("a", small, a), ("b", large, b))
     }
     assert gain["b"] > gain["a"] + 0.2
+
+
+def test_option_rows_read_both_times_by_measure():
+    """``OptionRow``'s accessors read the MoE-layer or the all-to-all columns by ``Measure``; a row ranks
+    by MoE-layer time when the experts' size is known; ``with_vs_ref`` changes that ratio only."""
+    adv = advise_profile_counts(SMALL, {"decode": _stats()}, AdviseConfig(deployment=EP32), source="s")
+    r = next(r for r in adv.rows if r.strategy == "eplb_global")
+    assert r.measure == "moe" and r.vs_ref("moe") == r.moe_vs_ref and r.vs_ref("a2a") == r.a2a_vs_ref
+    assert (r.vs_ref_p10("moe"), r.vs_ref_p90("moe")) == (r.moe_vs_ref_p10, r.moe_vs_ref_p90)
+    assert (r.vs_ref_p10("a2a"), r.vs_ref_p90("a2a")) == (r.a2a_vs_ref_p10, r.a2a_vs_ref_p90)
+    assert r.seconds_per_step("moe") == r.moe_seconds_per_step > r.seconds_per_step("a2a") == r.a2a_seconds_per_step
+    w = r.with_vs_ref("a2a", 0.5)
+    assert w.a2a_vs_ref == 0.5 and r.with_vs_ref("moe", 0.25).vs_ref("moe") == 0.25
+    np.testing.assert_equal(dataclasses.replace(w, a2a_vs_ref=r.a2a_vs_ref).to_row(), r.to_row())  # NaN equal
+    assert list(r.to_row()) == [f.name for f in dataclasses.fields(r)]
 
 
 def test_the_stall_and_its_payback_are_in_the_verdict():
@@ -145,7 +160,7 @@ def test_the_replica_rule_changes_the_balance_as_the_engines_say():
         adv = advise_profile_counts(
             model, {"decode": c}, dataclasses.replace(cfg, replica_policy=rule), source="s", current=pl
         )
-        b[rule] = next(r for r in adv.rows if r["option"] == "current")["balancedness_vllm"]
+        b[rule] = next(r for r in adv.rows if r.option == "current").balancedness_vllm
         assert adv.manifest.replica_policy == rule
     assert b["vllm"] == pytest.approx((1 / 4) / (2 / 3)) and b["same_node"] == b["vllm"]
     assert b["sglang"] == pytest.approx((1 / 4) / (1 / 2))
@@ -257,7 +272,7 @@ def test_a_newly_registered_strategy_is_advised_by_name(monkeypatch):
         AdviseConfig(deployment=EP32, strategies=("toy_sorted", "eplb")),
         source="stats",
     )
-    rows = {r["option"]: r for r in adv.rows}
-    assert "toy_sorted" in rows and np.isfinite(rows["toy_sorted"]["moe_vs_ref"])
-    assert rows["toy_sorted"]["fitted_on"] == "decode"
+    rows = {r.option: r for r in adv.rows}
+    assert "toy_sorted" in rows and np.isfinite(rows["toy_sorted"].moe_vs_ref)
+    assert rows["toy_sorted"].fitted_on == "decode"
     assert seen and seen[0] > 0  # fitted on the stage's load, not a zero load

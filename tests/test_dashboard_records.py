@@ -1,6 +1,7 @@
-"""The typed a2a.json and advice.json the dashboard reads (``placement.a2a_manifest``,
-``placement.advise_manifest``, re-exported by ``moetrace.dashboards.records``): what the writers write
-reads into the records and back, byte for byte, and a damaged file is a one-line error naming the key.
+"""The typed a2a.json, advice.json and options.parquet the dashboard reads (``placement.a2a_manifest``,
+``placement.advise_manifest``, ``placement.advise_option_row``, re-exported by
+``moetrace.dashboards.records``): what the writers write reads into the records and back, byte for
+byte, and a damaged file is a one-line error naming the key (the column).
 
 a2a.json's round trip on a real gloo replay is in ``test_dashboard_a2a.py`` (slow tier).
 """
@@ -23,6 +24,7 @@ from moetrace.dashboards.report import write_dashboard
 from moetrace.errors import TraceFormatError
 from moetrace.placement.a2a_manifest import A2AManifest
 from moetrace.placement.advise_manifest import AdviceManifest
+from moetrace.placement.advise_option_row import OPTION_COLUMNS, OptionRow
 from moetrace.tracer.trace.writer import TraceWriter
 
 
@@ -127,6 +129,44 @@ def test_a_damaged_a2a_json_names_its_key():
         A2AManifest.from_json({**body, "num_ep": True}, where="a2a.json")
 
 
+def test_options_parquet_reads_into_its_rows_and_back_byte_for_byte(advice, tmp_path):
+    """Every column of options.parquet is a field of ``OptionRow`` (in order); the rows read back
+    (``from_row``) write the same file again (``to_row``)."""
+    import polars as pl
+
+    _, out = advice
+    table = pl.read_parquet(out / rf.ADVICE_OPTIONS)
+    assert tuple(table.columns) == OPTION_COLUMNS
+    rows = [OptionRow.from_row(r) for r in table.iter_rows(named=True)]
+    assert {r.measure for r in rows} == {"moe"}  # the experts have a size: MoE-layer time
+    ref = next(r for r in rows if r.option == "linear" and r.stage == r.steps == "decode")
+    assert ref.vs_ref("moe") == pytest.approx(1.0) and ref.seconds_per_step("moe") == ref.moe_seconds_per_step
+    again = rf.write_result_table(tmp_path, rf.ADVICE, rf.ADVICE_OPTIONS, pl.DataFrame([r.to_row() for r in rows]))
+    assert again.read_bytes() == (out / rf.ADVICE_OPTIONS).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "message"),
+    [
+        ("moe_vs_ref", None, r"options.parquet: no `moe_vs_ref`; re-run `moetrace advise`"),
+        ("router", "yes", r"`router` is 'yes', expected bool"),
+        ("stage", "middle", r"`stage` 'middle' or `steps` 'prefill' names no stage"),
+    ],
+)
+def test_a_damaged_options_row_names_its_column(advice, column, value, message):
+    import polars as pl
+
+    _, out = advice
+    row = next(pl.read_parquet(out / rf.ADVICE_OPTIONS).iter_rows(named=True))
+    if value is None:
+        del row[column]
+    else:
+        row[column] = value
+    with pytest.raises(TraceFormatError, match=message):
+        OptionRow.from_row(row)
+
+
 def test_the_dashboard_reads_the_records_its_writers_build():
     """``dashboards.records`` names the records the writers build, not copies of them."""
     assert records.A2AManifest is A2AManifest and records.AdviceManifest is AdviceManifest
+    assert records.OptionRow is OptionRow

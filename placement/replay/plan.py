@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import numpy as np
 
 from moetrace.errors import ConfigError, TraceFormatError
+from moetrace.placement.a2a_manifest import A2AConfig
 from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData, held_out_batches, place_strategies
 from moetrace.placement.exports import PlacementFile, load_placement
 from moetrace.placement.maps import Placement
@@ -48,9 +49,9 @@ class A2APlan:
     hidden_size: int  # values per token row
     dtype: str  # a key of DTYPE_BYTES
     backend: str  # "gloo" or "nccl" (resolved, never "auto")
+    config: A2AConfig  # provenance written to a2a.json (deployment, batches, trace, model)
     warmup: int = 1  # untimed collectives before the first timed one
     model_layers: tuple[int, ...] = ()  # the model's index of each MoE layer, [L]
-    config: dict[str, Any] = field(default_factory=dict)  # provenance written to a2a.json
 
     @property
     def world_size(self) -> int:
@@ -159,21 +160,21 @@ def build_plan(
         sends.append(s_BLWW)
         intra.append(sim["dispatch_intra_bytes"])
         inter.append(sim["dispatch_inter_bytes"])
-    conf = {
-        "deployment": dep.name,
-        "gpus_per_node": dep.num_gpus_per_node,
-        "num_ep": dep.num_ep,
-        "num_nodes": dep.num_nodes,
-        "ranks_per_node": dep.ranks_per_node,
-        "num_batches": cfg.num_batches,
-        "batch_requests": cfg.batch_requests,
-        "dedup": cfg.dedup,
-        "replica_policy": cfg.replica_policy,
-        "seed": cfg.seed,
-        "test_fraction": cfg.test_fraction,
-        "trace": data.trace_path,
-        "model": m.to_dict(),
-    }
+    conf = A2AConfig(
+        deployment=dep.name,
+        gpus_per_node=dep.num_gpus_per_node,
+        num_ep=dep.num_ep,
+        num_nodes=dep.num_nodes,
+        ranks_per_node=dep.ranks_per_node,
+        num_batches=cfg.num_batches,
+        batch_requests=cfg.batch_requests,
+        dedup=cfg.dedup,
+        replica_policy=cfg.replica_policy,
+        seed=cfg.seed,
+        test_fraction=cfg.test_fraction,
+        trace=data.trace_path,
+        model=m,
+    )
     return A2APlan(
         strategies=tuple(placed),
         sends_VBLWW=np.stack(sends),

@@ -26,7 +26,6 @@ from moetrace.placement.replay.plan import A2APlan
 from moetrace.placement.replay.predict import ReplayCost, predicted_seconds_VBL, replay_cost
 from moetrace.placement.replay.sends import PHASES, A2AMismatchError, rank_link_bytes
 from moetrace.sizes import human_bytes
-from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = [
     "a2a_manifest",
@@ -181,8 +180,8 @@ def format_summary(plan: A2APlan, records: list[dict[str, Any]], network: Networ
     emulated nodes only)."""
     c = plan.config
     lines = [
-        f"{c.get('deployment')} ({c.get('num_nodes')} nodes), {plan.world_size} ranks on {plan.backend} ({records[0]['device']}), "
-        f"{c.get('num_batches')} batches x {plan.sends_VBLWW.shape[2]} layers, hidden {plan.hidden_size} {plan.dtype}",
+        f"{c.deployment} ({c.num_nodes} nodes), {plan.world_size} ranks on {plan.backend} ({records[0]['device']}), "
+        f"{c.num_batches} batches x {plan.sends_VBLWW.shape[2]} layers, hidden {plan.hidden_size} {plan.dtype}",
         links_line(network),
         _cost_line(replay_cost(plan, records, network), network),
         f"{'strategy':<12} {'measured inter (norm.)':>23} {'simulated':>10} {'inter/batch':>12} {'dispatch s':>11} {'combine s':>10} "
@@ -214,19 +213,19 @@ def a2a_manifest(
     mismatch = first_mismatch(plan, records)
     cost = replay_cost(plan, records, network)
     return A2AManifest(
-        deployment=c["deployment"],
-        gpus_per_node=c["gpus_per_node"],
-        num_ep=c["num_ep"],
-        num_nodes=c["num_nodes"],
-        ranks_per_node=c["ranks_per_node"],
-        num_batches=c["num_batches"],
-        batch_requests=c["batch_requests"],
-        dedup=c["dedup"],
-        replica_policy=c["replica_policy"],
-        seed=c["seed"],
-        test_fraction=c["test_fraction"],
-        trace=rf.recorded_path(c["trace"], results_dir=out),  # relative to the results
-        model=ModelInfo.from_dict(c["model"]),
+        deployment=c.deployment,
+        gpus_per_node=c.gpus_per_node,
+        num_ep=c.num_ep,
+        num_nodes=c.num_nodes,
+        ranks_per_node=c.ranks_per_node,
+        num_batches=c.num_batches,
+        batch_requests=c.batch_requests,
+        dedup=c.dedup,
+        replica_policy=c.replica_policy,
+        seed=c.seed,
+        test_fraction=c.test_fraction,
+        trace=rf.recorded_path(c.trace, results_dir=out),  # relative to the results
+        model=c.model,
         strategies=tuple(plan.strategies),
         backend=plan.backend,
         world_size=plan.world_size,

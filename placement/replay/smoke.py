@@ -94,7 +94,7 @@ def run_smoke(plan: A2APlan, *, device_index: int = 0) -> list[dict[str, Any]]:
 def format_smoke(plan: A2APlan, rows: list[dict[str, Any]]) -> str:
     """Header line, column titles and one row per strategy of ``run_smoke``'s result."""
     lines = [
-        f"NCCL smoke check on 1 GPU ({rows[0]['device'] if rows else '?'}): each {plan.config.get('deployment')} "
+        f"NCCL smoke check on 1 GPU ({rows[0]['device'] if rows else '?'}): each {plan.config.deployment} "
         f"batch's dispatch ({plan.world_size} ranks' rows) as one all_to_all_single of world size 1, "
         f"hidden {plan.hidden_size} {plan.dtype}",
         f"{'strategy':<12} {'collectives':>11} {'bytes (median)':>15} {'seconds':>10} {'GB/s':>8}",
