@@ -106,6 +106,30 @@ def test_traces_are_valid_and_results_complete(demo):
     assert {"linear", "round_robin", "eplb", "data", "joint"} <= set(cmp_["strategies"])
 
 
+def test_place_starts_from_what_compare_read(demo):
+    """The demo's ``place`` does not read and cluster the trace again: it places ours from the counts and
+    request clusters ``compare`` read (``cli.place.sharing_placements``), and says so; the file is the one
+    ``place`` writes on its own (byte for byte: tests/test_place_reuse.py)."""
+    out, output = demo
+    place = output.split("] $ moetrace place ", 1)[1].split("\n[", 1)[0]
+    assert "(the trace's counts and request clusters `moetrace compare` read above, not read again" in place
+    assert json.loads((out / "placement" / "ours.json").read_text())["strategy"] == "ours"
+
+
+def test_the_card_opens_with_the_decision_and_puts_random_weights_last(demo):
+    """The report's first headline is the decision per stage (advise's), not an imbalance; the
+    random-weight trace's imbalance comes last, said in its title."""
+    import re
+
+    out, _ = demo
+    html = (out / "report.html").read_text()
+    card = html.split('<div id="summary"', 1)[1].split("</div></div>", 1)[0]
+    titles = re.findall(r'<div class="h-title">([^<]*)</div>', card)
+    assert titles[0] == "Decision per stage (advise)", titles
+    assert titles[-1].endswith("(random weights)") and "tiny-dsv3" in titles[-1], titles
+    assert sum("(random weights)" in t for t in titles) == 1, titles
+
+
 def test_exports_load_in_both_engines_formats(demo):
     out, _ = demo
     sg = json.loads((out / "placement" / "sglang-init-expert-location.json").read_text())

@@ -209,19 +209,21 @@ def demo_cmd(
     Example: moetrace demo -o demo-out
     """
     from moetrace.cli import app
+    from moetrace.cli.place import sharing_placements
 
     t_all = time.perf_counter()
     steps = demo_steps(
         out, per_dataset=per_dataset, max_new_tokens=max_new_tokens, synth_requests=synth_requests, seed=seed
     )
-    for i, args in enumerate(steps, 1):
-        typer.secho(f"\n[{i}/{len(steps)}] $ moetrace {shlex.join(args)}", fg=typer.colors.CYAN, bold=True)
-        t0 = time.perf_counter()
-        code = app(args, prog_name="moetrace", standalone_mode=False)
-        if code not in (None, 0):
-            err(f"step {i} failed (exit {code}); fix the problem above and re-run, or run the step alone")
-            raise typer.Exit(code)
-        typer.echo(f"  ({time.perf_counter() - t0:.1f}s)")
+    with sharing_placements():  # `place` starts from the counts and clusters `compare` read, not reading them again
+        for i, args in enumerate(steps, 1):
+            typer.secho(f"\n[{i}/{len(steps)}] $ moetrace {shlex.join(args)}", fg=typer.colors.CYAN, bold=True)
+            t0 = time.perf_counter()
+            code = app(args, prog_name="moetrace", standalone_mode=False)
+            if code not in (None, 0):
+                err(f"step {i} failed (exit {code}); fix the problem above and re-run, or run the step alone")
+                raise typer.Exit(code)
+            typer.echo(f"  ({time.perf_counter() - t0:.1f}s)")
     report = (out / "report.html").resolve()
     typer.secho(f"\ndemo finished in {time.perf_counter() - t_all:.0f}s", fg=typer.colors.GREEN, bold=True)
     typer.echo(winners_text(compare_dir(out), advice_dir(out), out / "placement" / f"{RECOMMENDED}.json"))

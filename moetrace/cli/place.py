@@ -1,11 +1,17 @@
 """Commands over placements: ``place``, ``compare``, ``export``.
 
 The strategy choices and their help come from the registry ``moetrace.placement.strategies``; the
-printed text from ``moetrace.placement.report``.
+printed text from ``moetrace.placement.report``. Inside ``sharing_placements()`` (what ``moetrace demo``
+opens) ``place`` starts from the counts, request clusters and placements a ``compare`` before it in
+the same process kept, and writes the file it would write on its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -28,7 +34,9 @@ from moetrace.placement.legends import COMPARE_LEGEND, help_epilog
 from moetrace.placement.strategies import RECOMMENDED, STRATEGIES, STRATEGY_NAMES
 
 if TYPE_CHECKING:
-    from moetrace.placement.compare import CompareConfig, TraceData
+    from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData
+    from moetrace.placement.eplb import Accumulate
+    from moetrace.placement.grouping import Grouping
 
 #: compare's strategies when none are named (on a load profile: its ungrouped ones)
 DEFAULT_STRATEGIES = "linear,eplb,data,joint,joint_free,ours"
@@ -187,6 +195,115 @@ def load_data(
     return data, cfg
 
 
+# ------------------------------------------------------------------ what compare read and placed, shared with place
+# Within ``sharing_placements()`` (the demo: ``compare`` then ``place`` on the same trace, in one process)
+# ``compare`` keeps the trace's counts, its request clusters and the placements it computed, and ``place``
+# starts from them instead of reading and clustering the trace again: a strategy ``compare`` placed is
+# written as it was placed; another is placed from the kept counts and clusters. Only when the trace (same
+# folder, unchanged) and every setting are the same. Outside the block (``moetrace place`` on its own)
+# nothing is kept; with or without, ``place`` writes the same file.
+
+#: what ``compare``'s simulation adds to a placement's ``extra`` (its held-out routing), never in a placement file
+SIMULATION_KEYS = ("groups_without_routed_requests", "busiest_node_load", "node_load_limit")
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """What one ``compare`` run read and placed, and from what."""
+
+    stamp: tuple[str, int, int]  # the trace: resolved path, its manifest's mtime and size
+    cfg: CompareConfig  # compare's settings, the strategy list left out (``_settings``)
+    allow_incomplete: bool
+    data: TraceData  # the training requests' counts, as ``load_data`` read them
+    grouping: Grouping | None  # the request clusters of the grouped strategies (one fit, shared)
+    placed: dict[str, PlacedStrategy]  # strategy -> its placement, as ``make_placement`` built it
+
+
+_shared: list[_Computed] | None = None
+
+
+@contextlib.contextmanager
+def sharing_placements() -> Iterator[None]:
+    """Within the block, ``compare`` keeps what it read and placed and ``place`` starts from it (see above)."""
+    global _shared
+    outer, _shared = _shared, []
+    try:
+        yield
+    finally:
+        _shared = outer
+
+
+def _settings(cfg: CompareConfig) -> CompareConfig:
+    """``cfg`` with its strategy list left out: the settings a placement depends on (and a few it does not)."""
+    return replace(cfg, strategies=("linear",))
+
+
+def _stamp(trace: Path) -> tuple[str, int, int] | None:
+    """A trace's identity: its resolved path, its manifest's mtime and size (None: not a trace folder,
+    e.g. a load profile, whose strategies ``load_data`` still has to check)."""
+    try:
+        resolved = trace.resolve()
+        st = os.stat(resolved / "manifest.json")
+    except OSError:
+        return None
+    return str(resolved), st.st_mtime_ns, st.st_size
+
+
+def _keep_for_place(
+    trace: Path, cfg: CompareConfig, *, allow_incomplete: bool, data: TraceData, placed: dict[str, PlacedStrategy]
+) -> None:
+    """Keep what ``compare`` read and placed for ``place`` (only inside ``sharing_placements``); each
+    placement's ``extra`` as the placer built it (what the simulation added is left out)."""
+    stamp = _stamp(trace)
+    if _shared is None or stamp is None:
+        return
+    kept = {
+        s: replace(ps, extra={k: v for k, v in ps.extra.items() if k not in SIMULATION_KEYS})
+        for s, ps in placed.items()
+    }
+    grouping = next((ps.grouping for ps in placed.values() if ps.grouping is not None), None)
+    _shared.append(_Computed(stamp, _settings(cfg), allow_incomplete, data, grouping, kept))
+
+
+def _kept(trace: Path, cfg: CompareConfig, *, allow_incomplete: bool) -> _Computed | None:
+    """What a ``compare`` in this ``sharing_placements`` block kept from the same trace with the same
+    settings, or None."""
+    if not _shared:
+        return None
+    stamp, asked = _stamp(trace), _settings(cfg)
+    for c in reversed(_shared):
+        if c.stamp == stamp and c.cfg == asked and c.allow_incomplete == allow_incomplete:
+            return c
+    return None
+
+
+def _place_from_kept(
+    kept: _Computed, trace: Path, cfg: CompareConfig, strategy: str, *, eplb_sum: Accumulate
+) -> tuple[TraceData, PlacedStrategy, str]:
+    """``place``'s data and placement from what ``compare`` kept, and a line saying what was reused:
+    compare's own placement of ``strategy`` (EPLB summed as compare sums it), else one placed from the
+    kept counts (and clusters, for a grouped strategy)."""
+    from moetrace.placement.compare import make_placement
+    from moetrace.placement.eplb_place import place_with_sum
+    from moetrace.placement.strategies import get_strategy
+
+    data = replace(kept.data, trace_path=str(trace))  # recorded in the file as place names it
+    if strategy in kept.placed and eplb_sum == "float64":
+        return (
+            data,
+            kept.placed[strategy],
+            (
+                f"(the {strategy} placement `moetrace compare` computed above from the same trace and settings, "
+                "not computed again; run alone, this command computes it)"
+            ),
+        )
+    said = "(the trace's counts `moetrace compare` read above, not read again; run alone, this command reads them)"
+    if get_strategy(strategy).grouped and kept.grouping is not None and eplb_sum == "float64":
+        said = said.replace("counts", "counts and request clusters")
+        return data, make_placement(data, cfg, strategy, grouping=kept.grouping), said
+    return data, place_with_sum(data, cfg, strategy, eplb_sum=eplb_sum), said
+
+
 @friendly_errors
 def place_cmd(
     trace: TraceArg,
@@ -233,14 +350,21 @@ def place_cmd(
     )
     # before minutes of work
     inputs = [trace, *([model_config] if model_config is not None else [])]
+    reused = None
     with claim_output(out, kind="file", overwrite=overwrite, command="moetrace place", result=PLACEMENT, inputs=inputs):
-        check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
-        data, cfg = load_data(trace, cfg, asked=True, allow_incomplete=allow_incomplete, quiet=quiet)
-        ps = place_with_sum(data, cfg, strategy, eplb_sum=eplb_sum)
+        kept = _kept(trace, cfg, allow_incomplete=allow_incomplete)
+        if kept is None:
+            check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
+            data, cfg = load_data(trace, cfg, asked=True, allow_incomplete=allow_incomplete, quiet=quiet)
+            ps = place_with_sum(data, cfg, strategy, eplb_sum=eplb_sum)
+        else:
+            data, ps, reused = _place_from_kept(kept, trace, cfg, strategy, eplb_sum=eplb_sum)
         save_placement(placement_file(data, cfg, ps, out=out), out)
     used = ps.extra.get("eplb_sum")
     summed = f" (EPLB summed in {used}, {ACCUMULATE_WHO[used]})" if used else ""
     typer.echo(f"{format_placement_summary(ps, deployment=cfg.deployment.name)}{summed} -> {out}")
+    if reused is not None:
+        typer.echo(reused)
     typer.echo(place_relation(strategy, redundancy))
 
 
@@ -336,6 +460,7 @@ def compare_cmd(
         )
         with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
             result = run_compare(data, cfg, progress=bar)
+        _keep_for_place(trace, cfg, allow_incomplete=allow_incomplete, data=data, placed=result.placed)
         typer.echo(format_compare_summary(result))
         for note in compare_notes(result):
             typer.secho(note, fg=typer.colors.YELLOW, err=True)

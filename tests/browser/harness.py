@@ -122,6 +122,52 @@ def screenshot_figures(
     return out
 
 
+# a PNG's size, colours and the share of its pixels not of its most common colour (the background)
+_PNG_JS = """
+async (src) => {
+  const img = new Image();
+  img.src = src;
+  await img.decode();
+  const c = document.createElement('canvas');
+  c.width = img.naturalWidth;
+  c.height = img.naturalHeight;
+  const g = c.getContext('2d');
+  g.drawImage(img, 0, 0);
+  const d = g.getImageData(0, 0, c.width, c.height).data;
+  const counts = new Map();
+  for (let i = 0; i < d.length; i += 4) {
+    const k = (d[i] << 16) | (d[i + 1] << 8) | d[i + 2];
+    counts.set(k, (counts.get(k) || 0) + 1);
+  }
+  let top = 0;
+  for (const v of counts.values()) top = Math.max(top, v);
+  return {width: c.width, height: c.height, colors: counts.size, ink: 1 - top / (c.width * c.height)};
+}
+"""
+
+
+def png_pixels(pngs: list[str | os.PathLike]) -> list[dict[str, Any]]:
+    """Per PNG, decoded by Chromium: ``width``, ``height`` (px), ``colors`` (distinct RGB values) and
+    ``ink`` (the share of pixels not of the most common colour: 0 for a blank image)."""
+    import base64
+
+    from playwright.sync_api import sync_playwright
+
+    exe = chromium_path()
+    if exe is None:
+        raise RuntimeError("chromium is not installed (apt-get install -y chromium)")
+    with tempfile.TemporaryDirectory(prefix="moetrace-chromium-") as profile, sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(profile, executable_path=exe, headless=True, args=LAUNCH_ARGS)
+        try:
+            page = ctx.new_page()
+            return [
+                page.evaluate(_PNG_JS, "data:image/png;base64," + base64.b64encode(Path(png).read_bytes()).decode())
+                for png in pngs
+            ]
+        finally:
+            ctx.close()
+
+
 # bounding boxes (relative to the figure's div) of the parts of a plotly figure that must not overlap
 _PARTS_JS = """
 (key) => {
