@@ -532,3 +532,21 @@ def test_compare_overwrite_killed_at_each_rename_of_the_fallback(compared, monke
     r = runner.invoke(app, _compare(t, out, 3, "--overwrite"))  # and the next run then replaces it
     assert r.exit_code == 0, r.output
     assert _is_new_compare(out) and not _beside(out)
+
+
+@pytest.mark.parametrize("command", ["place", "compare"])
+def test_memory_refusal_names_batches_only_where_the_command_has_them(tmp_path, monkeypatch, command):
+    """The memory check before the counting pass: compare names --batches, place (which has none) only
+    the memory to free."""
+    import moetrace.sizes as sizes
+
+    monkeypatch.setattr(sizes, "memory_available", lambda: 1)
+    t = write_small_trace(tmp_path / "t", num_requests=8)
+    args = [command, str(t), *DEPLOY, "-o", str(tmp_path / "out")]
+    if command == "place":
+        args += ["--strategy", "eplb"]
+    r = runner.invoke(app, args)
+    assert r.exit_code != 0 and "Traceback" not in r.output, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("Error:"))
+    assert "free memory" in line
+    assert ("--batches" in line) == (command == "compare"), line

@@ -145,6 +145,7 @@ def _cfg(config: str, gpus_per_node: int, **kw: Any) -> CompareConfig:
 def check_before_reading(trace: Path, cfg: CompareConfig, *, allow_incomplete: bool) -> None:
     """The checks that need no trace data, run before the counting pass (which takes minutes at scale):
     the trace's manifest (its model's E) against ``--redundancy`` and the deployment's EP ranks."""
+    from moetrace.errors import option_hint
     from moetrace.sizes import check_memory
     from moetrace.tracer.trace.profile import is_profile, open_profile
     from moetrace.tracer.trace.reader import open_trace
@@ -158,7 +159,7 @@ def check_before_reading(trace: Path, cfg: CompareConfig, *, allow_incomplete: b
     check_memory(
         simulated * model.ids_per_token * 2,
         what=f"simulating {simulated:,} tokens of {model.num_moe_layers} layers x top-{model.top_k}",
-        knob="lower --batches or --batch-requests",
+        knob="free memory" + option_hint("--batches", ", or lower --batches or --batch-requests"),
     )
 
 
