@@ -393,6 +393,7 @@ def advise_arrays(
     drift: dict[str, dict[str, Any]] = {st: stage_drift(inputs, st, cfg=cfg, rows=rows) for st in run.stages}
     drift_estimated = all("skipped" not in d for d in drift.values())
     missing = _missing(inputs, run, drift_estimated=drift_estimated)
+    best = stage_choices(rows, stages=list(run.stages), ref_key=run.ref.key)  # the one rule (decision.choose)
     verdict_list, recommended = verdicts(
         rows,
         stages=list(run.stages),
@@ -403,8 +404,8 @@ def advise_arrays(
         weights=stage_weights(inputs),
         missing=tuple(missing),
         rearrangement=cfg.rearrangement,
+        decisions={c.stage: c for c in best},
     )
-    best = stage_choices(rows, stages=list(run.stages), ref_key=run.ref.key)  # the one rule (decision.choose)
     recommended = _recommended(recommended, best, ref_key=run.ref.key)
     manifest = _manifest(
         inputs,

@@ -82,7 +82,7 @@ class AdviceVerdict:
     """One verdict of ``advice.json`` (``advise_verdicts.verdicts``): a stage's answer in words."""
 
     stage: str | None  # "prefill", "decode", "both"; None: about the input as a whole (what it lacks)
-    verdict: str  # "enable", "no gain", "not evaluated", "separate", "together", "missing", ...
+    verdict: str  # "enable" (EPLB), "deploy" (the decision, not EPLB), "no gain", "not evaluated", "separate", "together", "missing", ...
     option: str | None  # the option it recommends (an option key); None: none
     text: str  # the verdict in words, as the command prints it
     info: dict[str, Any] = field(default_factory=dict)  # the figures behind it (rearrangement cost ...), as written

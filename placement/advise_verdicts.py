@@ -173,10 +173,14 @@ def verdicts(
     weights: dict[str, float],
     missing: tuple[str, ...],
     rearrangement: Rearrangement,
+    decisions: dict[str, StageChoice] | None = None,
 ) -> tuple[list[AdviceVerdict], list[tuple[str, str]]]:
     """One verdict per stage in plain words, with the numbers behind it; and the recommended (stage,
     option key) pairs (their placement files and commands). The placement of ``both`` serves prefill
-    and decode steps, weighed by ``weights`` (the steps each stage's traffic takes)."""
+    and decode steps, weighed by ``weights`` (the steps each stage's traffic takes). ``decisions``:
+    each stage's decision by the one rule (``stage_choices``); where it is an option other than EPLB's
+    best point (ours, with its router), the verdict leads with it and EPLB's sentence follows as the
+    alternative, so the words say the decision the table and the card show."""
     out: list[AdviceVerdict] = []
     recommended: list[tuple[str, str]] = []
     for st in stages:
@@ -262,10 +266,21 @@ def verdicts(
             )
             text += more
             recommended += [(st, k) for k in keys]
+            c = (decisions or {}).get(st)
+            if c is not None and c.decision not in (ref_key, option):  # the decision is not EPLB's point
+                row = next(r for r in here if r.option == c.decision and r.steps == st)
+                name = "ours (joint)" if row.strategy == "joint" else row.label
+                text = (
+                    f"{who}: deploy {name}, the decision ({what} {pct(row.vs_ref(tk))}, the lowest within the "
+                    f"node-load limit; placement file placements/{st}-{row.option}.json). EPLB alone: "
+                    + text.removeprefix(f"{who}: ")
+                )
+                verdict, option = "deploy", c.decision
+                recommended = [(st, c.decision), *recommended]
         out.append(AdviceVerdict(stage=st, verdict=verdict, option=option, text=text, info=plain_json(info)))
     if correlation is not None and "both" in stages:
         sep = correlation < SEPARATE_BELOW
-        gains = any(v.verdict == "enable" for v in out)
+        gains = any(v.verdict in ("enable", "deploy") for v in out)
         advice = (
             "balance them separately (one placement per stage, as with prefill/decode disaggregation)."
             if sep and gains

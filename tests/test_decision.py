@@ -86,6 +86,13 @@ def test_compare_advise_and_place_name_the_same_best_option_per_stage(tmp_path):
     assert advised["decode"]["decision"] != "linear" and advised["decode"]["time"] < 0.9
     assert compared["decode"]["time"] == pytest.approx(advised["decode"]["time"], abs=0.02)
     assert math.isfinite(advised["prefill"]["time"])
+    # one answer in words too: each stage's verdict names the decision (EPLB's point, or "deploy" another)
+    for v in json.loads((tmp_path / "a" / "advice.json").read_text())["verdicts"]:
+        if v["stage"] in advised and advised[v["stage"]]["decision"] != "linear":
+            assert v["option"] == advised[v["stage"]]["decision"], v
+            assert v["verdict"] in ("enable", "deploy") and (v["verdict"] == "deploy") == (
+                not v["option"].startswith("eplb")
+            )
 
 
 def test_advise_commands_write_beside_the_advice_with_distinct_names(tmp_path):
@@ -115,3 +122,27 @@ def test_dashboard_without_out_writes_beside_its_inputs_and_says_where(tmp_path)
     output = _run(["dashboard", str(t), "-q"])
     assert f"no -o: writing {(tmp_path / 'traces' / 'report.html').resolve()}" in output
     assert (tmp_path / "traces" / "report.html").is_file()
+
+
+def test_advise_words_lead_with_the_decision_when_it_is_not_eplb(tmp_path):
+    """Parity domains (each request uses only its domain's experts): ours (joint) with its router is
+    advise's decode decision, and the verdict says so first ("deploy ours (joint)"), EPLB's point
+    following as the alternative, its placement file the first written: the table, the card and
+    the words give one answer."""
+    from factories import planted_trace
+
+    t = planted_trace(tmp_path / "t", structured=True, num_requests=80)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 7168, "moe_intermediate_size": 2048}))
+    dep = ["--config", "DP2TP1EP2", "--gpus-per-node", "1", "--model-config", str(tmp_path / "config.json")]
+    out = _run(
+        ["advise", str(t), *dep, "--strategies", "linear,eplb,joint", "--steps", "40",
+         "--decode-tokens-per-gpu", "256", "-q", "-o", str(tmp_path / "a")]
+    )  # fmt: skip
+    advice = json.loads((tmp_path / "a" / "advice.json").read_text())
+    assert advice["best"]["decode"]["decision"] == "joint", advice["best"]["decode"]
+    v = next(v for v in advice["verdicts"] if v["stage"] == "decode")
+    assert v["verdict"] == "deploy" and v["option"] == "joint"
+    assert v["text"].startswith("Decode: deploy ours (joint), the decision (") and "EPLB alone: " in v["text"]
+    assert "Decode: deploy ours (joint)" in out
+    decode_commands = [c for c in advice["commands"] if c["stage"] == "decode"]
+    assert decode_commands and decode_commands[0]["option"] == "joint"  # the decision's files first
