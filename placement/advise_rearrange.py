@@ -80,6 +80,10 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.3g} ms"
 
 
+def _secs(x: float) -> str:
+    return f"{x:,.0f} s" if x >= 10 else f"{x:.2g} s" if x >= 0.01 else _ms(x)
+
+
 def _steps(x: float) -> str:
     return f"{x:,.0f}" if x >= 10 else f"{x:.1f}"
 
@@ -107,7 +111,9 @@ def rearrangement_text(cost: dict[str, Any], *, steps: str, what: str) -> str:
         if cost["worth_it"]
         else f"not worth it: rearrange at most every ~{_steps(pay)} steps, asynchronously, or once before serving"
     )
+    serving = pay * (cost["step_seconds"] - cost["saving_seconds"])  # at the placement's own step time
     return head + (
-        f". It pays back after ~{_steps(pay)} steps of the {_ms(cost['saving_seconds'])} it saves per step, so it is "
-        f"worth it if the load stays put that long; {at}: {verdict}."
+        f". It pays back after ~{_steps(pay)} steps (~{_secs(serving)} of serving, one step after another) of the "
+        f"{_ms(cost['saving_seconds'])} it saves per step, so it is worth it if the load stays put that long; "
+        f"{at}: {verdict}."
     )

@@ -103,6 +103,9 @@ def test_the_stall_and_its_payback_are_in_the_verdict():
     assert "stalls serving ~2 s" in v.text and "not worth it" in v.text
     assert cost["payback_steps"] == pytest.approx(2.0 / cost["saving_seconds"])
     assert cost["stall_steps"] == pytest.approx(2.0 / cost["step_seconds"])
+    # the payback also in seconds of serving: payback steps at the placement's own step time
+    served = cost["payback_steps"] * (cost["step_seconds"] - cost["saving_seconds"])
+    assert served > 0 and "of serving, one step after another" in v.text
     assert adv.manifest.rearrangement == r
     assert adv.manifest.to_json()["rearrangement"] == {"stall_seconds": 2.0, "interval_steps": 100}
     with pytest.raises(ConfigError, match="--stall-seconds"):
