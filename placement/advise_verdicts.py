@@ -107,6 +107,23 @@ def _other_policy(cand: list[OptionRow], best: OptionRow, tk: Measure) -> str:
     )
 
 
+def _fewer_slots_reason(cand: list[OptionRow], best: OptionRow, tk: Measure) -> str:
+    """Why the chosen sweep point has fewer redundant experts than the best-balanced one, where it does:
+    each redundant slot is one more expert a GPU may read per step ("" otherwise)."""
+    balanced = max(cand, key=lambda r: (r.balancedness_vllm, -r.num_redundant))
+    if balanced.num_redundant <= best.num_redundant or tk != "moe":
+        return ""
+    if not balanced.activated_experts_per_gpu_max > best.activated_experts_per_gpu_max:
+        return ""
+    return (
+        f" Why not more redundant experts: {balanced.num_redundant} balance tokens better (balancedness "
+        f"{balanced.balancedness_vllm:.2f}) but each redundant slot is one more expert a GPU may read per step "
+        f"(activated experts on the busiest GPU {best.activated_experts_per_gpu_max:.1f} → "
+        f"{balanced.activated_experts_per_gpu_max:.1f}): MoE-layer time {pct(balanced.vs_ref(tk))} against "
+        f"{pct(best.vs_ref(tk))}."
+    )
+
+
 def _no_gain_reason(b0: float, best: OptionRow, drift: dict[str, Any]) -> str:
     static, lagged, own = (drift.get(k, float("nan")) for k in ("static", "lagged", "own"))
     if np.isfinite(b0) and b0 >= BALANCED:
@@ -234,6 +251,7 @@ def verdicts(
         if gain >= MIN_GAIN:
             verdict, option = "enable", best.option
             text = _enable_text(who, best, b0, change) + _other_policy(cand, best, tk)
+            text += _fewer_slots_reason(cand, best, tk)
             recommended.append((st, best.option))
             d = drift.get(st, {})
             if d.get("lagged", float("nan")) - d.get("static", float("nan")) > DRIFT_GAP:

@@ -279,3 +279,17 @@ def test_a_newly_registered_strategy_is_advised_by_name(monkeypatch):
     assert "toy_sorted" in rows and np.isfinite(rows["toy_sorted"].moe_vs_ref)
     assert rows["toy_sorted"].fitted_on == "decode"
     assert seen and seen[0] > 0  # fitted on the stage's load, not a zero load
+
+
+def test_decode_says_why_it_keeps_fewer_redundant_experts():
+    """At EP64 and 4 decode tokens per GPU (memory-bound) the best sweep point (64 redundant) has fewer
+    redundant experts than the best-balanced one (128): the verdict says why (each redundant slot is
+    one more expert a GPU may read)."""
+    cfg = AdviseConfig(deployment=EP64, decode_tokens_per_gpu=4)
+    adv = advise_profile_counts(SMALL, {"decode": _stats(3)}, cfg, source="stats")
+    v = next(v for v in adv.manifest.verdicts if v.stage == "decode")
+    rows = [r for r in adv.rows if r.strategy.startswith("eplb")]
+    balanced = max(rows, key=lambda r: (r.balancedness_vllm, -r.num_redundant))
+    chosen = next(r for r in rows if r.option == v.option)
+    assert v.verdict == "enable" and chosen.num_redundant < balanced.num_redundant
+    assert "Why not more redundant experts" in v.text and "one more expert a GPU may read" in v.text
