@@ -276,10 +276,14 @@ def test_synth_overwrite_with_a_killed_worker_leaves_an_incomplete_trace(tmp_pat
 
 
 def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
+    """The child processes of ``pid``, forked by any of its threads."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return out
 
 
 @pytest.mark.slow
@@ -291,11 +295,14 @@ def test_synth_worker_killed_from_outside(tmp_path):
     args = ["synth", "--model", "olmoe-1b-7b-tiny", "--requests", "5000", "--workers", "2", "-q", "-o", str(out)]
     p = subprocess.Popen([sys.executable, "-m", "moetrace", *args], stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes()
         deadline = time.monotonic() + 90
         workers: list[int] = []
         while len(workers) < 2 and time.monotonic() < deadline and p.poll() is None:
-            workers = [c for c in _children(p.pid) if Path(f"/proc/{c}/cmdline").read_bytes() == cmdline]
+            try:  # read each time: right after Popen the child may not have exec'd yet (pytest's cmdline)
+                cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes()
+                workers = [c for c in _children(p.pid) if Path(f"/proc/{c}/cmdline").read_bytes() == cmdline]
+            except (FileNotFoundError, ProcessLookupError):  # a process ended between the reads
+                workers = []
             time.sleep(0.05)
         assert len(workers) == 2, "the worker processes never started"
         time.sleep(0.5)
