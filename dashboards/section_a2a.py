@@ -70,9 +70,10 @@ def a2a_section(res: Results, *, key_prefix: str = "") -> tuple[Section | None, 
     df = res.table(rf.A2A_COLLECTIVES)
     if df is None or df.height == 0:
         return None, [f"all-to-all measurements vs predictions: no {rf.A2A_COLLECTIVES} in {res.path}"]
+    c = m.config
     setup = (
-        f"{m.deployment} on {m.num_nodes} node(s) of {m.gpus_per_node} GPUs, {m.world_size} EP ranks on "
-        f"{m.backend} ({m.device}); {m.num_batches} global batches of {m.batch_requests} requests; token rows of "
+        f"{c.deployment} on {c.num_nodes} node(s) of {c.gpus_per_node} GPUs, {m.world_size} EP ranks on "
+        f"{m.backend} ({m.device}); {c.num_batches} global batches of {c.batch_requests} requests; token rows of "
         f"{m.hidden_size} {m.dtype} values ({m.bytes_per_token} bytes)."
     )
     notes: list[str] = []

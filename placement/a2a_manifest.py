@@ -22,7 +22,6 @@ model, kept as the JSON it was written as (``replay.predict.ReplayCost.to_json``
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -156,22 +155,10 @@ _A2A_ROW_KEYS: tuple[str, ...] = (
 
 @dataclass(frozen=True, kw_only=True)
 class A2AManifest:
-    """One ``moetrace a2a`` run (fields in the order a2a.json holds them; the first thirteen are the
-    replay plan's ``A2AConfig``, ``config``)."""
+    """One ``moetrace a2a`` run (fields in the order a2a.json holds them; its first thirteen keys are
+    the replay plan's ``A2AConfig``, flattened)."""
 
-    deployment: str  # DPaTPbEPc[TPd]
-    gpus_per_node: int  # GPUs per node
-    num_ep: int  # W EP ranks
-    num_nodes: int  # G nodes
-    ranks_per_node: int  # EP ranks per node
-    num_batches: int  # global batches replayed
-    batch_requests: int  # requests per global batch
-    dedup: str  # copy model of the decode steps ("rank", "expert", "node")
-    replica_policy: str  # which replica serves a token
-    seed: int  # split and batch sampling
-    test_fraction: float  # share of requests held out
-    trace: str  # the trace's path, relative to the results directory
-    model: ModelInfo  # the traced model
+    config: A2AConfig  # the replay plan's provenance, the trace's path relative to the results directory
     strategies: tuple[str, ...]  # V strategies, in run order
     backend: str  # "gloo" or "nccl"
     world_size: int  # ranks that ran
@@ -185,11 +172,6 @@ class A2AManifest:
     summary: tuple[A2ASummaryRow, ...]  # one per strategy, in run order
     network: Network | None  # how the links between nodes were realized; None: an older file
     cost_model: dict[str, Any] | None  # the step model's links as realized (replay.predict.ReplayCost), as written
-
-    @property
-    def config(self) -> A2AConfig:
-        """The replay plan's provenance as recorded (the trace relative to the results directory)."""
-        return A2AConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(A2AConfig)})
 
     def to_json(self) -> dict[str, Any]:
         """a2a.json's body (``moetrace.results.write_result_json`` puts format and version first)."""
@@ -214,9 +196,8 @@ class A2AManifest:
     def from_json(cls, obj: dict[str, Any], *, where: str) -> A2AManifest:
         """The manifest in ``obj`` (a2a.json read from ``where``, format and version already checked)."""
         r = ManifestFields(obj, where, kind=A2A, later=A2A_LATER_KEYS)
-        config = A2AConfig.from_json(obj, where=where)
         return cls(
-            **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
+            config=A2AConfig.from_json(obj, where=where),
             strategies=r.names("strategies"),
             backend=r.text("backend"),
             world_size=r.integer("world_size"),

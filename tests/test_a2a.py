@@ -314,7 +314,7 @@ def test_a2a_json_is_its_typed_record_written_through_to_json(plan, tmp_path):
     assert rec.network == network and rec.cost_model is not None and rec.strategies == plan.strategies
     assert rec.bytes_match and rec.first_mismatch is None and rec.reference == "linear"
     # the plan's provenance is typed too: a2a.json's first keys, the trace recorded relative to the results
-    assert isinstance(plan.config, A2AConfig) and rec.config == dataclasses.replace(plan.config, trace=rec.trace)
+    assert isinstance(plan.config, A2AConfig) and rec.config == dataclasses.replace(plan.config, trace=rec.config.trace)
     assert list(rec.to_json())[: len(plan.config.to_json())] == list(plan.config.to_json())
     assert A2AConfig.from_json(plan.config.to_json(), where="config") == plan.config
 

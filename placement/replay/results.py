@@ -14,6 +14,7 @@ Out of scope: running the collectives (``rank``, ``launch``), the time predictio
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -213,19 +214,7 @@ def a2a_manifest(
     mismatch = first_mismatch(plan, records)
     cost = replay_cost(plan, records, network)
     return A2AManifest(
-        deployment=c.deployment,
-        gpus_per_node=c.gpus_per_node,
-        num_ep=c.num_ep,
-        num_nodes=c.num_nodes,
-        ranks_per_node=c.ranks_per_node,
-        num_batches=c.num_batches,
-        batch_requests=c.batch_requests,
-        dedup=c.dedup,
-        replica_policy=c.replica_policy,
-        seed=c.seed,
-        test_fraction=c.test_fraction,
-        trace=rf.recorded_path(c.trace, results_dir=out),  # relative to the results
-        model=c.model,
+        config=replace(c, trace=rf.recorded_path(c.trace, results_dir=out)),  # the trace relative to the results
         strategies=tuple(plan.strategies),
         backend=plan.backend,
         world_size=plan.world_size,
