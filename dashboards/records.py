@@ -1,8 +1,10 @@
 """The typed result records the dashboard reads, by the names it imports them under: ``a2a.json``
 (``placement.a2a_manifest``: ``A2AManifest`` and its ``A2ASummaryRow``), ``advice.json``
-(``placement.advise_manifest``: ``AdviceManifest``, its ``AdviceVerdict``, ``Recommended`` and
-``AdviceCommand``) and ``options.parquet``'s rows (``placement.advise_option_row``: ``OptionRow``,
-its times read by ``Measure``). ``compare.json`` is ``placement.compare_manifest.CompareManifest``.
+(``placement.advise_manifest``: ``AdviceManifest``, its ``AdviceVerdict``, ``Recommended``,
+``AdviceCommand`` and ``DriftEstimate``) and ``options.parquet``'s rows (``placement.advise_option_row``:
+``OptionRow``, its times read by ``Measure``). ``compare.json`` is
+``placement.compare_manifest.CompareManifest``, compare's ``summary.parquet`` rows
+``placement.compare_row.CompareRow``.
 
 The records live beside their writers (``placement.replay.results.write_a2a_results``,
 ``placement.advise_files.write_advice``), which build them and write through their ``to_json``
@@ -19,9 +21,11 @@ from moetrace.placement.advise_manifest import (
     AdviceCommand,
     AdviceManifest,
     AdviceVerdict,
+    DriftEstimate,
     Recommended,
 )
 from moetrace.placement.advise_option_row import Measure, OptionRow
+from moetrace.placement.compare_row import CompareRow
 
 __all__ = [
     "A2A_LATER_KEYS",
@@ -31,6 +35,8 @@ __all__ = [
     "AdviceCommand",
     "AdviceManifest",
     "AdviceVerdict",
+    "CompareRow",
+    "DriftEstimate",
     "Measure",
     "OptionRow",
     "Recommended",

@@ -11,16 +11,17 @@ Out of scope: the figures (``section_placement_figures``, ``section_placement_no
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import polars as pl
 
 from moetrace.dashboards.page import Table
 from moetrace.dashboards.results import Results
 from moetrace.dashboards.section_placement_strategies import BOUNDS_GROUP, STRATEGY_NAMES, is_bound, strategies_in_order
-from moetrace.dashboards.section_placement_text import any_finite, finite, has_time, held_out
+from moetrace.dashboards.section_placement_text import any_finite, finite, has_time, held_out, summary_rows
 from moetrace.placement.compare_manifest import CompareManifest
+from moetrace.placement.compare_row import CompareRow
 from moetrace.placement.strategies import BOUNDS
+from moetrace.results import COMPARE_SUMMARY
 
 __all__ = ["node_load_text", "summary_tables"]
 
@@ -30,9 +31,9 @@ def _ratio(v: object) -> str:
     return "-" if f is None else f"{f:.3f}"
 
 
-def _ratio_of(column: str) -> Callable[[dict[str, Any]], str]:
+def _ratio_of(value: Callable[[CompareRow], float]) -> Callable[[CompareRow], str]:
     """A column's cell: its ratio (3 decimals)."""
-    return lambda r: _ratio(r[column])
+    return lambda r: _ratio(value(r))
 
 
 def _span(lo: object, hi: object) -> str:
@@ -51,77 +52,96 @@ def _seconds(v: object) -> str:
     return f"{f * 1e3:.3g} ms" if f >= 1e-3 else f"{f * 1e6:.3g} µs"
 
 
-def node_load_text(row: dict[str, Any], m: CompareManifest) -> str:
+def node_load_text(row: CompareRow, m: CompareManifest) -> str:
     """``busiest_node_load`` to 2 decimals, flagged when the row is over compare.json's ``max_node_load``."""
-    load = finite(row.get("busiest_node_load"))
+    load = finite(row.busiest_node_load)
     if load is None:
         return "-"
-    if not row.get("over_node_load_limit"):
+    if not row.over_node_load_limit:
         return f"{load:.2f}"
     limit = "" if m.max_node_load is None else f" {m.max_node_load:.2f}"
     return f"{load:.2f} ⚠ over{limit or ' the limit'}"
 
 
-_Column = tuple[str, Callable[[dict[str, Any]], object]]
+_Column = tuple[str, Callable[[CompareRow], object]]
 
 
 def _bytes_columns() -> list[_Column]:
     """The table of results written before the cost model, column by column (as it always was)."""
     return [
-        ("strategy", lambda r: STRATEGY_NAMES.get(r["strategy"], r["strategy"])),
-        ("inter-node (normalized median)", lambda r: r["inter_node_normalized_median"]),
-        ("p10", lambda r: r["inter_node_normalized_p10"]),
-        ("p90", lambda r: r["inter_node_normalized_p90"]),
-        ("inter-node / batch", lambda r: _kib(r["inter_node_bytes_per_batch_median"])),
-        ("intra-node / batch", lambda r: _kib(r["intra_node_bytes_per_batch_median"])),
-        ("largest rank send / layer", lambda r: _kib(r["max_rank_dispatch_send_bytes_mean"])),
-        ("max tokens per rank", lambda r: r["tokens_per_rank_max_mean"]),
-        ("max activated experts per rank", lambda r: r["activated_experts_per_rank_max_mean"]),
+        ("strategy", lambda r: STRATEGY_NAMES.get(r.strategy, r.strategy)),
+        ("inter-node (normalized median)", lambda r: r.inter_node_normalized_median),
+        ("p10", lambda r: r.inter_node_normalized_p10),
+        ("p90", lambda r: r.inter_node_normalized_p90),
+        ("inter-node / batch", lambda r: _kib(r.inter_node_bytes_per_batch_median)),
+        ("intra-node / batch", lambda r: _kib(r.intra_node_bytes_per_batch_median)),
+        ("largest rank send / layer", lambda r: _kib(r.max_rank_dispatch_send_bytes_mean)),
+        ("max tokens per rank", lambda r: r.tokens_per_rank_max_mean),
+        ("max activated experts per rank", lambda r: r.activated_experts_per_rank_max_mean),
         ("router match", _router_match),
-        ("busiest node's requests / even share", lambda r: _load2(r.get("busiest_node_load"))),
+        ("busiest node's requests / even share", lambda r: _load2(r.busiest_node_load)),
     ]
 
 
 def _time_columns(m: CompareManifest, summary: pl.DataFrame) -> list[_Column]:
     """The table of results written with the cost model: predicted time first, then bytes and load."""
     cols: list[_Column] = [
-        ("strategy", lambda r: STRATEGY_NAMES.get(r["strategy"], r["strategy"])),
-        ("all-to-all / step", lambda r: _seconds(r["a2a_seconds_per_step_median"])),
-        ("all-to-all vs median (p10–p90)", _with_span("a2a_time_normalized")),
-        ("MoE layers / step", lambda r: _seconds(r["moe_seconds_per_step_median"])),
-        ("MoE vs median (p10–p90)", _with_span("moe_time_normalized")),
-        ("inter-node bytes vs median (p10–p90)", _with_span("inter_node_normalized")),
-        ("inter-node / batch", lambda r: _kib(r["inter_node_bytes_per_batch_median"])),
-        ("intra-node / batch", lambda r: _kib(r["intra_node_bytes_per_batch_median"])),
-        ("largest rank send / layer", lambda r: _kib(r["max_rank_dispatch_send_bytes_mean"])),
+        ("strategy", lambda r: STRATEGY_NAMES.get(r.strategy, r.strategy)),
+        ("all-to-all / step", lambda r: _seconds(r.a2a_seconds_per_step_median)),
+        (
+            "all-to-all vs median (p10–p90)",
+            lambda r: _with_span(r.a2a_time_normalized_median, r.a2a_time_normalized_p10, r.a2a_time_normalized_p90),
+        ),
+        ("MoE layers / step", lambda r: _seconds(r.moe_seconds_per_step_median)),
+        (
+            "MoE vs median (p10–p90)",
+            lambda r: _with_span(r.moe_time_normalized_median, r.moe_time_normalized_p10, r.moe_time_normalized_p90),
+        ),
+        (
+            "inter-node bytes vs median (p10–p90)",
+            lambda r: _with_span(
+                r.inter_node_normalized_median, r.inter_node_normalized_p10, r.inter_node_normalized_p90
+            ),
+        ),
+        ("inter-node / batch", lambda r: _kib(r.inter_node_bytes_per_batch_median)),
+        ("intra-node / batch", lambda r: _kib(r.intra_node_bytes_per_batch_median)),
+        ("largest rank send / layer", lambda r: _kib(r.max_rank_dispatch_send_bytes_mean)),
         ("busiest node's requests / even share", lambda r: node_load_text(r, m)),
-        ("busiest GPU's tokens / mean GPU's", lambda r: _load2(r.get("busiest_gpu_load"))),
-        ("max activated experts per rank", lambda r: r["activated_experts_per_rank_max_mean"]),
+        ("busiest GPU's tokens / mean GPU's", lambda r: _load2(r.busiest_gpu_load)),
+        ("max activated experts per rank", lambda r: r.activated_experts_per_rank_max_mean),
         ("router match", _router_match),
     ]
-    prefill = [
-        ("prefill all-to-all (normalized median)", "prefill_a2a_time_normalized_median"),
-        ("prefill MoE (normalized median)", "prefill_moe_time_normalized_median"),
-        ("prefill inter-node bytes (normalized median)", "prefill_inter_node_normalized_median"),
+    prefill: list[tuple[str, str, Callable[[CompareRow], float]]] = [
+        (
+            "prefill all-to-all (normalized median)",
+            "prefill_a2a_time_normalized_median",
+            lambda r: r.prefill_time_normalized("a2a"),
+        ),
+        (
+            "prefill MoE (normalized median)",
+            "prefill_moe_time_normalized_median",
+            lambda r: r.prefill_time_normalized("moe"),
+        ),
+        (
+            "prefill inter-node bytes (normalized median)",
+            "prefill_inter_node_normalized_median",
+            lambda r: r.prefill_inter_node_normalized_median,
+        ),
     ]
-    for header, col in prefill:  # a decode-only trace has no prefill step: no empty columns
+    for header, col, value in prefill:  # a decode-only trace has no prefill step: no empty columns
         if col in summary.columns and any_finite(summary[col]):
-            cols.append((header, _ratio_of(col)))
+            cols.append((header, _ratio_of(value)))
     return cols
 
 
-def _with_span(column: str) -> Callable[[dict[str, Any]], str]:
-    """A normalized column's cell: its median and p10–p90 in one, ``0.912 (0.880–0.950)``."""
-
-    def cell(r: dict[str, Any]) -> str:
-        med, span = _ratio(r[f"{column}_median"]), _span(r[f"{column}_p10"], r[f"{column}_p90"])
-        return med if span == "-" else f"{med} ({span})"
-
-    return cell
+def _with_span(median: float, p10: float, p90: float) -> str:
+    """A normalized figure's cell: its median and p10–p90 in one, ``0.912 (0.880–0.950)``."""
+    med, span = _ratio(median), _span(p10, p90)
+    return med if span == "-" else f"{med} ({span})"
 
 
-def _router_match(r: dict[str, Any]) -> str:
-    return "-" if r.get("router_match_rate") is None else f"{100 * r['router_match_rate']:.0f}%"
+def _router_match(r: CompareRow) -> str:
+    return "-" if r.router_match_rate is None else f"{100 * r.router_match_rate:.0f}%"
 
 
 def _load2(v: object) -> str:
@@ -136,7 +156,7 @@ def summary_tables(res: Results, summary: pl.DataFrame, *, key: str) -> list[Tab
     ref = STRATEGY_NAMES.get(m.reference, m.reference)
     timed = has_time(summary)
     columns = _time_columns(m, summary) if timed else _bytes_columns()
-    by = {r["strategy"]: r for r in summary.iter_rows(named=True)}
+    by = summary_rows(summary, where=res.source(COMPARE_SUMMARY))
     strategies = strategies_in_order(res, summary)
     deployable = [s for s in strategies if not is_bound(s)]
     bounds = [s for s in strategies if is_bound(s)]
@@ -181,9 +201,7 @@ def summary_tables(res: Results, summary: pl.DataFrame, *, key: str) -> list[Tab
     return tables
 
 
-def _varying_columns(
-    columns: list[_Column], rows: list[dict[str, Any]]
-) -> tuple[list[_Column], list[tuple[str, object]]]:
+def _varying_columns(columns: list[_Column], rows: list[CompareRow]) -> tuple[list[_Column], list[tuple[str, object]]]:
     """The columns whose cells differ between ``rows`` (the first, the row's name, always), and the
     (header, value) of each column that holds one value in every row (none dropped for one row)."""
     if len(rows) < 2:

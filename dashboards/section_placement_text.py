@@ -2,7 +2,8 @@
 
 What compare.json (``CompareManifest``) and ``summary.parquet`` say, as the page and the summary card
 word it: each stage's copy model, the links the time was predicted for, whether the simulated batches
-were held out, whether the results predict time at all, and a table cell as a finite float.
+were held out, whether the results predict time at all, a table cell as a finite float, and
+``summary.parquet``'s rows as their typed record (``summary_rows``: ``placement.compare_row.CompareRow``).
 
 Out of scope: the tables and figures that use them (``section_placement_table`` and the others).
 """
@@ -13,6 +14,7 @@ import numpy as np
 import polars as pl
 
 from moetrace.placement.compare_manifest import CompareManifest
+from moetrace.placement.compare_row import CompareRow
 
 __all__ = [
     "COPY_MODELS",
@@ -24,6 +26,7 @@ __all__ = [
     "links_text",
     "finite",
     "any_finite",
+    "summary_rows",
 ]
 
 
@@ -43,6 +46,13 @@ def has_time(summary: pl.DataFrame) -> bool:
     """The compare results predict time per step (``summary.parquet`` has the time columns);
     results written before the cost model hold bytes alone."""
     return TIME_COLUMN in summary.columns
+
+
+def summary_rows(summary: pl.DataFrame, *, where: str) -> dict[str, CompareRow]:
+    """``summary.parquet``'s rows read from ``where``, typed, by strategy (a column of another type:
+    ``TraceFormatError`` naming ``where``, the row and the column)."""
+    rows = (CompareRow.from_row(r, where=f"{where} row {i}") for i, r in enumerate(summary.iter_rows(named=True)))
+    return {r.strategy: r for r in rows}
 
 
 def _copy_model(dedup: str) -> str:

@@ -43,6 +43,7 @@ import moetrace.results as rf
 from moetrace.dashboards.page import Headline
 from moetrace.dashboards.results import Results
 from moetrace.dashboards.section_imbalance import _stages
+from moetrace.placement.compare_row import Measure
 from moetrace.placement.decision import StageChoice
 from moetrace.stats import mean_skip_nan
 
@@ -136,14 +137,16 @@ def placement_headline(res: Results, *, key_prefix: str = "", suffix: str = "") 
 
 def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suffix: str) -> Headline | None:
     from moetrace.dashboards.section_placement import STRATEGY_NAMES, copy_models, finite, held_out, links_text
+    from moetrace.dashboards.section_placement_text import summary_rows
     from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
 
     m = res.compare
     ref = m.reference
     moe_verdict = _moe_verdict(res)
-    col = "moe_time_normalized_median" if moe_verdict else "a2a_time_normalized_median"
+    measure: Measure = "moe" if moe_verdict else "a2a"
     what = "MoE-layer time" if moe_verdict else "all-to-all time"
-    rows = {r["strategy"]: r for r in summary.iter_rows(named=True) if finite(r[col]) is not None}
+    typed = summary_rows(summary, where=res.source(rf.COMPARE_SUMMARY))
+    rows = {s: r for s, r in typed.items() if finite(r.time_normalized(measure)) is not None}
     candidates = {s: r for s, r in rows.items() if s != ref and s in REGISTERED}
     if not candidates:
         return None
@@ -153,21 +156,21 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
 
     def facts(s: str) -> str:
         r = candidates[s]
-        load = finite(r.get("busiest_node_load"))
-        inter = finite(r.get("inter_node_normalized_median"))
+        load = finite(r.busiest_node_load)
+        inter = finite(r.inter_node_normalized_median)
         return (
-            f"{_change(r[col])} predicted {what} per step ({'-' if inter is None else _change(inter)} "
+            f"{_change(r.time_normalized(measure))} predicted {what} per step ({'-' if inter is None else _change(inter)} "
             f"inter-node bytes), node load {'-' if load is None else f'{load:.2f}'}"
         )
 
-    within = {s: float(r[col]) for s, r in candidates.items() if not r.get("over_node_load_limit")}
+    within = {s: r.time_normalized(measure) for s, r in candidates.items() if not r.over_node_load_limit}
     best_v = min(within.values()) if within else None
     best = [s for s, v in within.items() if v == best_v]
-    fastest = min(candidates, key=lambda s: float(candidates[s][col]))
-    fv = float(candidates[fastest][col])
+    fastest = min(candidates, key=lambda s: candidates[s].time_normalized(measure))
+    fv = candidates[fastest].time_normalized(measure)
     note = ""
-    if candidates[fastest].get("over_node_load_limit") and fv < min(1.0, best_v if best_v is not None else 1.0):
-        load = finite(candidates[fastest].get("busiest_node_load"))
+    if candidates[fastest].over_node_load_limit and fv < min(1.0, best_v if best_v is not None else 1.0):
+        load = finite(candidates[fastest].busiest_node_load)
         limit = "" if m.max_node_load is None else f" (the limit is {m.max_node_load:.2f}×)"
         note = (
             f"{name(fastest)} would be {_change(fv)[1:]} faster but sends "
@@ -191,10 +194,9 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
             f"; closest: {name(best[0])}: {facts(best[0])}" if best else ""
         )
     r = candidates[best[0]] if best else None
-    moe = None if r is None else finite(r.get("moe_time_normalized_median"))
-    a2a = None if r is None else finite(r.get("a2a_time_normalized_median"))
-    pre_col = "prefill_moe_time_normalized_median" if moe_verdict else "prefill_a2a_time_normalized_median"
-    prefill = None if r is None else finite(r.get(pre_col))
+    moe = None if r is None else finite(r.moe_time_normalized_median)
+    a2a = None if r is None else finite(r.a2a_time_normalized_median)
+    prefill = None if r is None else finite(r.prefill_time_normalized(measure))
     also = []
     if r is not None:
         if moe_verdict:
@@ -205,23 +207,24 @@ def _time_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suff
                 if moe is not None
                 else "MoE-layer time not predicted: the model's expert size is unknown"
             )
-        kinds = (("MoE layers", "moe"), ("all-to-all", "a2a"))  # the verdict's measure first
-        pre = {
-            what_: finite(r.get(f"prefill_{c}_time_normalized_median"))
-            for what_, c in (kinds if moe_verdict else kinds[::-1])
-        } | {"inter-node bytes": finite(r.get("prefill_inter_node_normalized_median"))}
+        kinds: tuple[tuple[str, Measure], ...] = (("MoE layers", "moe"), ("all-to-all", "a2a"))  # the verdict's first
+        pre = {what_: finite(r.prefill_time_normalized(c)) for what_, c in (kinds if moe_verdict else kinds[::-1])} | {
+            "inter-node bytes": finite(r.prefill_inter_node_normalized_median)
+        }
         if prefill is not None:
             also.append("its prefill " + ", ".join(f"{w} {_change(v)}" for w, v in pre.items() if v is not None))
         costs = {
             "decode MoE layers": moe,
             "decode all-to-all": a2a,
-            "decode inter-node bytes": finite(r.get("inter_node_normalized_median")),
+            "decode inter-node bytes": finite(r.inter_node_normalized_median),
             **{f"prefill {w}": v for w, v in pre.items()},
         }
         worse = [f"{w} {_change(v)}" for w, v in costs.items() if v is not None and round(v, 3) > 1.0]
         if worse and not note and best[0] != ref and value not in ("none", f"keep {ref}"):
             note = f"{name(best[0])} is worse than {ref} in: {', '.join(worse)}"
-    bounds = [f"{name(s)} {_change(float(b[col]))}" for s, b in rows.items() if s != ref and s not in REGISTERED]
+    bounds = [
+        f"{name(s)} {_change(b.time_normalized(measure))}" for s, b in rows.items() if s != ref and s not in REGISTERED
+    ]
     links = links_text(m)
     limit = (
         ""
@@ -301,6 +304,7 @@ def stage_winners(res: Results) -> list[StageWinner]:
     winners). Each stage names the copy model it was simulated with (decode: ``dedup``, prefill:
     ``prefill_dedup``). Empty for results written before the cost model."""
     from moetrace.dashboards.section_placement import finite, has_time, stage_copy_model
+    from moetrace.dashboards.section_placement_text import summary_rows
     from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
 
     summary = res.table(rf.COMPARE_SUMMARY)
@@ -325,14 +329,17 @@ def stage_winners(res: Results) -> list[StageWinner]:
         return out
     out = []
     moe_verdict = _moe_verdict(res)
+    measure: Measure = "moe" if moe_verdict else "a2a"
+    typed = summary_rows(summary, where=res.source(rf.COMPARE_SUMMARY))
     for stage, col in _MOE_STAGE_COLUMNS if moe_verdict else _STAGE_COLUMNS:
         if col not in summary.columns or (stage == "prefill" and not m.num_prefill_batches):
             continue
         times = {
-            str(r["strategy"]): v
-            for r in summary.iter_rows(named=True)
-            if r["strategy"] in REGISTERED and r["strategy"] != m.reference and not r.get("over_node_load_limit")
-            and (v := finite(r[col])) is not None
+            s: v
+            for s, r in typed.items()
+            if s in REGISTERED and s != m.reference and not r.over_node_load_limit
+            and (v := finite(r.time_normalized(measure) if stage == "decode" else r.prefill_time_normalized(measure)))
+            is not None
         }  # fmt: skip
         best = min(times, key=lambda s: times[s]) if times else None
         out.append(
@@ -358,16 +365,15 @@ def _moe_verdict(res: Results) -> bool:
 def _bytes_headline(res: Results, summary: pl.DataFrame, *, key_prefix: str, suffix: str) -> Headline | None:
     """Results written before the cost model: the best strategy's normalized inter-node volume."""
     from moetrace.dashboards.section_placement import STRATEGY_NAMES
+    from moetrace.dashboards.section_placement_text import summary_rows
     from moetrace.placement.strategies import STRATEGY_NAMES as REGISTERED
 
     deployable = set(REGISTERED)  # registered strategies; any other row is a bound (strategies.BOUNDS)
     m = res.compare
     ref = m.reference
-    col = "inter_node_normalized_median"
+    typed = summary_rows(summary, where=res.source(rf.COMPARE_SUMMARY))
     rows = {
-        r["strategy"]: float(r[col])
-        for r in summary.select("strategy", col).iter_rows(named=True)
-        if r[col] is not None
+        s: r.inter_node_normalized_median for s, r in typed.items() if not math.isnan(r.inter_node_normalized_median)
     }
     candidates = {s: v for s, v in rows.items() if s != ref and s in deployable}
     if not candidates:

@@ -60,7 +60,7 @@ from moetrace.placement.advise_evaluate import evaluate_counts, evaluate_tokens
 from moetrace.placement.advise_files import commands, format_advice, read_advice, write_advice
 from moetrace.placement.advise_fit import stage_options
 from moetrace.placement.advise_inputs import profile_inputs, trace_inputs
-from moetrace.placement.advise_manifest import AdviceManifest, AdviceVerdict, Recommended, plain_json
+from moetrace.placement.advise_manifest import AdviceManifest, AdviceVerdict, DriftEstimate, Recommended, plain_json
 from moetrace.placement.advise_option_row import OptionRow
 from moetrace.placement.advise_options import data_free_placement, resolve_strategies
 from moetrace.placement.advise_rows import (
@@ -330,7 +330,7 @@ def _manifest(
     *,
     missing: list[str],
     correlation: float | None,
-    drift: dict[str, dict[str, Any]],
+    drift: dict[str, DriftEstimate],
     drift_estimated: bool,
     verdicts: list[AdviceVerdict],
     best: list[StageChoice],
@@ -368,7 +368,7 @@ def _manifest(
         rearrangement=cfg.rearrangement,
         prefill_decode_correlation=plain_json(correlation),
         drift_estimated=drift_estimated,
-        drift=plain_json(drift),
+        drift=dict(drift),
         verdicts=tuple(verdicts),
         best={c.stage: c for c in best},
         recommended=tuple(
@@ -390,8 +390,8 @@ def advise_arrays(
     evals = _evaluate(inputs, cfg, run, progress=progress)
     rows, layer_rows = _rows(inputs, cfg, run, evals)
     correlation = stage_correlation(inputs)
-    drift: dict[str, dict[str, Any]] = {st: stage_drift(inputs, st, cfg=cfg, rows=rows) for st in run.stages}
-    drift_estimated = all("skipped" not in d for d in drift.values())
+    drift: dict[str, DriftEstimate] = {st: stage_drift(inputs, st, cfg=cfg, rows=rows) for st in run.stages}
+    drift_estimated = all(d.estimated for d in drift.values())
     missing = _missing(inputs, run, drift_estimated=drift_estimated)
     best = stage_choices(rows, stages=list(run.stages), ref_key=run.ref.key)  # the one rule (decision.choose)
     verdict_list, recommended = verdicts(

@@ -10,12 +10,13 @@ Out of scope: the verdicts worded from them (``advise_verdicts``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moetrace.placement.advise_config import AdviseConfig
 from moetrace.placement.advise_fit import eplb_fit
+from moetrace.placement.advise_manifest import DriftEstimate
 from moetrace.placement.advise_metrics import expected_rank_load, vllm_balancedness
 from moetrace.placement.advise_option_row import OptionRow
 from moetrace.placement.advise_options import EPLB_STRATEGIES, data_free_placement
@@ -62,7 +63,7 @@ def _stage_windows(inputs: AdviseInputs, stage: Stage) -> np.ndarray:
     return inputs.stages[stage].windows_NLE
 
 
-def stage_drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: list[OptionRow]) -> dict[str, Any]:
+def stage_drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: list[OptionRow]) -> DriftEstimate:
     """Does the imbalance move faster than a static placement follows? On the windows in arrival order,
     balancedness (vLLM's figure, mean over the later half of the windows) of: the reference; EPLB fitted
     on the first half (``static``); EPLB refitted on the window before each one (``lagged``: a placement
@@ -70,17 +71,17 @@ def stage_drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: 
     (``own``: a ceiling no deployed placement reaches, since it knows the window's load in advance). All
     with the recommended EPLB option's policy and sweep point (else the largest). Moving load: ``lagged``
     beats ``static``; load that changes faster than any placement follows: ``own`` far above both.
-    Fewer than ``MIN_DRIFT_WINDOWS`` windows: skipped, with the reason."""
+    Fewer than ``MIN_DRIFT_WINDOWS`` windows: skipped, with the reason (``DriftEstimate.skipped``)."""
     m, dep = inputs.model, cfg.deployment
     w_NLE = _stage_windows(inputs, stage)
     N = len(w_NLE)
     if N < MIN_DRIFT_WINDOWS:
-        return {"num_windows": N, "skipped": f"fewer than {MIN_DRIFT_WINDOWS} windows: no drift estimate"}
+        return DriftEstimate(num_windows=N, skipped=f"fewer than {MIN_DRIFT_WINDOWS} windows: no drift estimate")
     half = N // 2
     own: Steps = "decode" if stage == "both" else stage
     cand = [r for r in rows if r.stage == stage and r.strategy in EPLB_STRATEGIES and r.steps == own]
     if not cand:
-        return {"num_windows": N, "skipped": "no EPLB option evaluated"}
+        return DriftEstimate(num_windows=N, skipped="no EPLB option evaluated")
     best = best_eplb(cand)
     R = int(best.num_redundant) if best is not None else max(int(r.num_redundant) for r in cand)
     strategy = str(best.strategy) if best is not None else "eplb"
@@ -94,15 +95,15 @@ def stage_drift(inputs: AdviseInputs, stage: Stage, *, cfg: AdviseConfig, rows: 
 
     ref, static = _ref_placement(inputs, m=m, dep=dep, seed=cfg.seed), fitted(w_NLE[:half].sum(0))
     later = range(half, N)
-    return {
-        "num_windows": N,
-        "num_redundant": R,
-        "strategy": strategy,
-        "reference": _mean_or_nan(np.array([b(w_NLE[i], ref) for i in later])),
-        "static": _mean_or_nan(np.array([b(w_NLE[i], static) for i in later])),
-        "lagged": _mean_or_nan(np.array([b(w_NLE[i], fitted(w_NLE[i - 1])) for i in later])),
-        "own": _mean_or_nan(np.array([b(w_NLE[i], fitted(w_NLE[i])) for i in later])),
-    }
+    return DriftEstimate.of(
+        num_windows=N,
+        num_redundant=R,
+        strategy=strategy,
+        reference=_mean_or_nan(np.array([b(w_NLE[i], ref) for i in later])),
+        static=_mean_or_nan(np.array([b(w_NLE[i], static) for i in later])),
+        lagged=_mean_or_nan(np.array([b(w_NLE[i], fitted(w_NLE[i - 1])) for i in later])),
+        own=_mean_or_nan(np.array([b(w_NLE[i], fitted(w_NLE[i])) for i in later])),
+    )
 
 
 def _mean_or_nan(x: np.ndarray) -> float:

@@ -11,11 +11,10 @@ itself (``advise_manifest``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -190,12 +189,18 @@ def best_lines(man: AdviceManifest) -> list[str]:
     return out
 
 
-def read_advice(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``advice.json`` of an advice directory, checked (format and version)."""
+def read_advice(path: str | os.PathLike) -> AdviceManifest:
+    """The ``advice.json`` of an advice directory, its format and version checked, as its typed record;
+    ``TraceFormatError`` naming the file and the problem (absent, unreadable, a key missing or of the
+    wrong type)."""
+    from moetrace.inputs import read_input_json
+
     p = Path(path) / rf.ADVICE_MANIFEST
-    try:
-        obj = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise TraceFormatError(f"{path}: no {rf.ADVICE_MANIFEST} (write one with `moetrace advise`)") from None
+    if not p.is_file():
+        raise TraceFormatError(f"{path}: no {rf.ADVICE_MANIFEST} (write one with `moetrace advise`)")
+    try:  # a regular file of bounded size and bounded integers
+        obj = read_input_json(p, max_bytes=rf.MAX_RESULT_JSON_BYTES)
+    except OSError as exc:
+        raise TraceFormatError(f"{p}: unreadable ({exc.strerror or exc})") from None
     rf.check_result_json(p, obj, rf.ADVICE)
-    return obj
+    return AdviceManifest.from_json(obj, where=str(p))

@@ -7,7 +7,8 @@ recorded paths; ``format`` and ``version`` from ``moetrace.results.ADVICE``, put
 ``moetrace.results.write_result_json``), and what every reader gets back (``from_json``; the
 dashboard's advice section and card read its fields, never the JSON's keys). Its verdicts are
 ``AdviceVerdict`` (``advise_verdicts.verdicts``), its recommended placements ``Recommended``, their
-commands ``AdviceCommand`` (``advise_files.commands``), its decision per stage
+commands ``AdviceCommand`` (``advise_files.commands``), its drift estimates
+``DriftEstimate`` (``advise_drift.stage_drift``), its decision per stage
 ``placement.decision.StageChoice``, its step model ``placement.hardware.Hardware`` and its
 rearrangement ``advise_rearrange.Rearrangement``. ``from_json`` takes exactly what the writer writes
 and raises ``TraceFormatError`` naming the first key that is missing or of the wrong type; ``to_json``
@@ -19,7 +20,7 @@ null), so that what ``advise`` returns and what a reader gets back from the file
 
 Out of scope: computing the advice (``advise``); ``options.parquet`` and ``layers.parquet``
 (``advise_rows``); the parts no reader interprets, kept as the JSON they were written as (the
-experts' size, the drift estimates, a verdict's figures).
+experts' size, a verdict's figures).
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADVICE_LATER_KEYS",
+    "DRIFT_LATER_KEYS",
     "AdviceCommand",
     "AdviceManifest",
     "AdviceVerdict",
+    "DriftEstimate",
     "Recommended",
     "plain_json",
 ]
@@ -100,6 +103,87 @@ class AdviceVerdict:
             option=r.text("option", optional=True),
             text=r.text("text"),
             info=info,
+        )
+
+
+#: keys a drift estimate gained after advice.json v1 was stamped -> their value in files that lack them
+DRIFT_LATER_KEYS: dict[str, Any] = {
+    "strategy": None,  # EPLB's policy came later (EPLB's hierarchical one, the only one then): unsaid
+    "lagged": None,  # the refitted and per-window placements came later: unknown
+    "own": None,
+}
+
+#: a drift estimate's balancedness figures, in the order advice.json holds them
+_DRIFT_FIGURES: tuple[str, ...] = ("reference", "static", "lagged", "own")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DriftEstimate:
+    """One stage's drift estimate in ``advice.json``'s ``drift`` (``advise_drift.stage_drift``): on the
+    later half of the windows in arrival order, the balancedness (vLLM's figure, mean over windows) of
+    the reference and of EPLB fitted three ways; or, when skipped, why. A figure that is unknown (NaN:
+    no window with load) is None, written as null."""
+
+    num_windows: int  # N windows of the stage's load in arrival order
+    skipped: str | None = None  # why there is no estimate (too few windows, no EPLB option); None: estimated
+    num_redundant: int | None = None  # redundant slots of the EPLB sweep point used; None: skipped
+    strategy: str | None = None  # EPLB's policy used ("eplb", "eplb_global"); None: skipped, or an older file
+    reference: float | None = None  # balancedness of the reference placement (``--current``, else linear)
+    static: float | None = None  # EPLB fitted once on the first half of the windows
+    lagged: float | None = None  # EPLB refitted on the window before each one (a periodic rearrangement)
+    own: float | None = None  # EPLB fitted on each window itself (a ceiling no deployed placement reaches)
+
+    @property
+    def estimated(self) -> bool:
+        """The drift was estimated (not skipped)."""
+        return self.skipped is None
+
+    def figure(self, name: str) -> float:
+        """The balancedness ``name`` (``reference``, ``static``, ``lagged``, ``own``); NaN when unknown or skipped."""
+        v = getattr(self, name) if name in _DRIFT_FIGURES else None
+        return float("nan") if v is None else v
+
+    def to_json(self) -> dict[str, Any]:
+        if self.skipped is not None:
+            return {"num_windows": self.num_windows, "skipped": self.skipped}
+        policy = {} if self.strategy is None else {"strategy": self.strategy}  # None: an older file, unsaid
+        return {
+            "num_windows": self.num_windows,
+            "num_redundant": self.num_redundant,
+            **policy,
+            **{k: getattr(self, k) for k in _DRIFT_FIGURES},
+        }
+
+    @classmethod
+    def from_json(cls, obj: object, *, where: str) -> DriftEstimate:
+        r = ManifestFields(obj, where, kind=ADVICE, later=DRIFT_LATER_KEYS)
+        if "skipped" in r.obj:
+            return cls(num_windows=r.integer("num_windows"), skipped=r.text("skipped"))
+        return cls(
+            num_windows=r.integer("num_windows"),
+            num_redundant=r.integer("num_redundant"),
+            strategy=r.text("strategy", optional=True),
+            reference=r.number("reference", optional=True),
+            static=r.number("static", optional=True),
+            lagged=r.number("lagged", optional=True),
+            own=r.number("own", optional=True),
+        )
+
+    @classmethod
+    def of(cls, *, num_windows: int, num_redundant: int, strategy: str, **figures: float) -> DriftEstimate:
+        """An estimate from its figures (NaN: unknown, kept as None)."""
+
+        def known(k: str) -> float | None:
+            return None if math.isnan(figures[k]) else float(figures[k])
+
+        return cls(
+            num_windows=num_windows,
+            num_redundant=num_redundant,
+            strategy=strategy,
+            reference=known("reference"),
+            static=known("static"),
+            lagged=known("lagged"),
+            own=known("own"),
         )
 
 
@@ -192,7 +276,7 @@ class AdviceManifest:
     rearrangement: Rearrangement | None  # the rearrangement's stall and interval; None: an older file
     prefill_decode_correlation: float | None  # the stages' loads' correlation; None: one stage recorded
     drift_estimated: bool | None  # the drift was estimated over windows
-    drift: dict[str, Any]  # stage -> the drift estimate (or why skipped), as written
+    drift: dict[str, DriftEstimate]  # stage -> its drift estimate (or why skipped)
     verdicts: tuple[AdviceVerdict, ...]  # in the order the command prints them
     best: dict[str, StageChoice]  # stage -> its decision by the one rule (placement.decision); empty: older file
     recommended: tuple[Recommended, ...]  # the placements written under placements/
@@ -205,8 +289,8 @@ class AdviceManifest:
             v = getattr(self, name)
             if name == "model":
                 v = v.to_dict()
-            elif name == "best":
-                v = {st: ch.to_json() for st, ch in v.items()}
+            elif name in ("best", "drift"):
+                v = {st: x.to_json() for st, x in v.items()}
             elif name in ("verdicts", "recommended", "commands"):
                 v = [x.to_json() for x in v]
             elif name == "hardware" and v is not None:
@@ -252,7 +336,10 @@ class AdviceManifest:
             rearrangement=r.parsed_or_none("rearrangement", _rearrangement),
             prefill_decode_correlation=r.number("prefill_decode_correlation", optional=True),
             drift_estimated=r.get("drift_estimated", bool, optional=True),
-            drift=r.get("drift", dict),
+            drift={
+                str(st): DriftEstimate.from_json(d, where=f"{where} drift {st!r}")
+                for st, d in r.get("drift", dict).items()
+            },
             verdicts=tuple(
                 AdviceVerdict.from_json(v, where=f"{where} verdicts[{i}]")
                 for i, v in enumerate(r.get("verdicts", list))

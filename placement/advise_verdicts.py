@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from moetrace.placement.advise_manifest import AdviceVerdict, plain_json
+from moetrace.placement.advise_manifest import AdviceVerdict, DriftEstimate, plain_json
 from moetrace.placement.advise_option_row import Measure, OptionRow
 from moetrace.placement.advise_options import EPLB_STRATEGIES
 from moetrace.placement.advise_rearrange import Rearrangement, rearrangement_cost, rearrangement_text
@@ -124,8 +124,8 @@ def _fewer_slots_reason(cand: list[OptionRow], best: OptionRow, tk: Measure) -> 
     )
 
 
-def _no_gain_reason(b0: float, best: OptionRow, drift: dict[str, Any]) -> str:
-    static, lagged, own = (drift.get(k, float("nan")) for k in ("static", "lagged", "own"))
+def _no_gain_reason(b0: float, best: OptionRow, drift: DriftEstimate | None) -> str:
+    static, lagged, own = (float("nan") if drift is None else drift.figure(k) for k in ("static", "lagged", "own"))
     if np.isfinite(b0) and b0 >= BALANCED:
         return f"already balanced (balancedness {b0:.2f} ≥ {BALANCED:.2f})"
     if all(np.isfinite(x) for x in (static, lagged, own)):
@@ -185,7 +185,7 @@ def verdicts(
     stages: list[str],
     ref_key: str,
     ref_label: str,
-    drift: dict[str, dict[str, Any]],
+    drift: dict[str, DriftEstimate],
     correlation: float | None,
     weights: dict[str, float],
     missing: tuple[str, ...],
@@ -253,11 +253,12 @@ def verdicts(
             text = _enable_text(who, best, b0, change) + _other_policy(cand, best, tk)
             text += _fewer_slots_reason(cand, best, tk)
             recommended.append((st, best.option))
-            d = drift.get(st, {})
-            if d.get("lagged", float("nan")) - d.get("static", float("nan")) > DRIFT_GAP:
+            d = drift.get(st)
+            lagged, static = (float("nan"), float("nan")) if d is None else (d.figure("lagged"), d.figure("static"))
+            if lagged - static > DRIFT_GAP:
                 text += (
                     f" The load also moves between windows: refitted on the window before, EPLB keeps balancedness "
-                    f"{d['lagged']:.2f} against {d['static']:.2f} fitted once: rebalance periodically (vLLM's "
+                    f"{lagged:.2f} against {static:.2f} fitted once: rebalance periodically (vLLM's "
                     "--eplb-config step_interval)."
                 )
             ref_row = r0_by[own_steps]
@@ -269,7 +270,7 @@ def verdicts(
             text = (
                 f"{who}: no gain from EPLB: the best sweep point ({_eplb_name(best)}, {best.num_redundant} "
                 f"redundant) gives {change} (balancedness {b0:.2f} → {best.balancedness_vllm:.2f}); "
-                f"{_no_gain_reason(b0, best, drift.get(st, {}))}."
+                f"{_no_gain_reason(b0, best, drift.get(st))}."
             )
         if st != "both":
             more, keys = _others_text(

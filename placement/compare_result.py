@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from moetrace import results as rf
 from moetrace.placement.compare_config import CompareConfig
 from moetrace.placement.compare_manifest import CompareManifest
 from moetrace.placement.compare_placing import PlacedStrategy
+from moetrace.placement.compare_row import CompareRow
 from moetrace.placement.compare_steps import Measure, a2a_seconds_B, a2a_seconds_median, inter_bytes_BL
 from moetrace.placement.simulate import METRICS
 
@@ -93,9 +94,9 @@ class CompareResult:
         v = self.manifest.verdict
         return "moe" if v is not None and v.by_moe_time else "a2a"
 
-    def summary_rows(self) -> list[dict[str, Any]]:
-        """One row per strategy and bound. ``oracle_captured``: the share of the oracle's saving over
-        linear that the row reaches, (1 - v) / (1 - v_oracle) of median normalized times in the
+    def summary_rows(self) -> list[CompareRow]:
+        """One row per strategy and bound (``summary.parquet``'s, ``compare_row.CompareRow``).
+        ``oracle_captured``: the share of the oracle's saving over linear that the row reaches, (1 - v) / (1 - v_oracle) of median normalized times in the
         verdict's measure (``measure``: MoE-layer time, all-to-all time when the expert size is
         unknown); None without an oracle row, or when the oracle saves less than ``MIN_ORACLE_GAIN``
         (a share of noise is noise). Time columns: decode steps unless prefixed ``prefill_``."""
@@ -113,43 +114,41 @@ class CompareResult:
             )
             pre = self.prefill_metrics.get(s)
             rows.append(
-                {
-                    "strategy": s,
-                    "is_bound": s in self.bounds,
-                    "a2a_time_normalized_median": _q(a2a, 0.5),
-                    "a2a_time_normalized_p10": _q(a2a, 0.1),
-                    "a2a_time_normalized_p90": _q(a2a, 0.9),
-                    "moe_time_normalized_median": _q(moe, 0.5),
-                    "moe_time_normalized_p10": _q(moe, 0.1),
-                    "moe_time_normalized_p90": _q(moe, 0.9),
-                    "a2a_seconds_per_step_median": a2a_seconds_median(m),
-                    "moe_seconds_per_step_median": float(np.median(m["moe_seconds"].sum(1))),
-                    "busiest_node_load": load,
-                    "over_node_load_limit": bool(
+                CompareRow(
+                    strategy=s,
+                    is_bound=s in self.bounds,
+                    a2a_time_normalized_median=_q(a2a, 0.5),
+                    a2a_time_normalized_p10=_q(a2a, 0.1),
+                    a2a_time_normalized_p90=_q(a2a, 0.9),
+                    moe_time_normalized_median=_q(moe, 0.5),
+                    moe_time_normalized_p10=_q(moe, 0.1),
+                    moe_time_normalized_p90=_q(moe, 0.9),
+                    a2a_seconds_per_step_median=a2a_seconds_median(m),
+                    moe_seconds_per_step_median=float(np.median(m["moe_seconds"].sum(1))),
+                    busiest_node_load=load,
+                    over_node_load_limit=bool(
                         load is not None
                         and limit is not None
                         and load > self.placed[s].extra.get("node_load_limit", limit) + 1e-9
                     ),
-                    "busiest_gpu_load": float(np.nanmean(gpu_load)) if np.isfinite(gpu_load).any() else float("nan"),
-                    "oracle_captured": (1.0 - med[s]) / gain if gain > 0 else None,
-                    "inter_node_normalized_median": float(np.median(nb)),
-                    "inter_node_normalized_p10": float(np.quantile(nb, 0.1)),
-                    "inter_node_normalized_p90": float(np.quantile(nb, 0.9)),
-                    "inter_node_bytes_per_batch_median": float(np.median(self.inter_BL(s).sum(1))),
-                    "intra_node_bytes_per_batch_median": float(
+                    busiest_gpu_load=float(np.nanmean(gpu_load)) if np.isfinite(gpu_load).any() else float("nan"),
+                    oracle_captured=(1.0 - med[s]) / gain if gain > 0 else None,
+                    inter_node_normalized_median=float(np.median(nb)),
+                    inter_node_normalized_p10=float(np.quantile(nb, 0.1)),
+                    inter_node_normalized_p90=float(np.quantile(nb, 0.9)),
+                    inter_node_bytes_per_batch_median=float(np.median(self.inter_BL(s).sum(1))),
+                    intra_node_bytes_per_batch_median=float(
                         np.median((m["dispatch_intra_bytes"] + m["combine_intra_bytes"]).sum(1))
                     ),
-                    "max_rank_dispatch_send_bytes_mean": float(m["max_rank_dispatch_send_bytes"].mean()),
-                    "tokens_per_rank_max_mean": float(m["tokens_per_rank_max"].mean()),
-                    "activated_experts_per_rank_max_mean": float(m["activated_experts_per_rank_max"].mean()),
-                    "router_match_rate": self.placed[s].router_match_rate,
-                    "groups_without_routed_requests": len(
-                        self.placed[s].extra.get("groups_without_routed_requests", [])
-                    ),
-                    "prefill_a2a_time_normalized_median": _q(self.time_normalized_B(s, "a2a", stage="prefill"), 0.5),
-                    "prefill_moe_time_normalized_median": _q(self.time_normalized_B(s, "moe", stage="prefill"), 0.5),
-                    "prefill_inter_node_normalized_median": self._prefill_bytes_normalized(s, pre),
-                }
+                    max_rank_dispatch_send_bytes_mean=float(m["max_rank_dispatch_send_bytes"].mean()),
+                    tokens_per_rank_max_mean=float(m["tokens_per_rank_max"].mean()),
+                    activated_experts_per_rank_max_mean=float(m["activated_experts_per_rank_max"].mean()),
+                    router_match_rate=self.placed[s].router_match_rate,
+                    groups_without_routed_requests=len(self.placed[s].extra.get("groups_without_routed_requests", [])),
+                    prefill_a2a_time_normalized_median=_q(self.time_normalized_B(s, "a2a", stage="prefill"), 0.5),
+                    prefill_moe_time_normalized_median=_q(self.time_normalized_B(s, "moe", stage="prefill"), 0.5),
+                    prefill_inter_node_normalized_median=self._prefill_bytes_normalized(s, pre),
+                )
             )
         return rows
 
@@ -230,7 +229,9 @@ def write_results(result: CompareResult, out: str | os.PathLike) -> list[Path]:
     return [
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_LAYERS, pl.concat(frames)),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_BATCHES, pl.concat(batch_frames)),
-        rf.write_result_table(out, rf.COMPARE, rf.COMPARE_SUMMARY, pl.DataFrame(result.summary_rows())),
+        rf.write_result_table(
+            out, rf.COMPARE, rf.COMPARE_SUMMARY, pl.DataFrame([r.to_row() for r in result.summary_rows()])
+        ),
         rf.write_result_table(out, rf.COMPARE, rf.COMPARE_PLACEMENTS, pl.concat(rows)),
         rf.write_result_json(
             out,

@@ -21,6 +21,7 @@ import textwrap
 
 from moetrace.placement.compare import MIN_HELD_OUT_REQUESTS, CompareResult, PlacedStrategy
 from moetrace.placement.compare_manifest import CompareManifest, CompareVerdict
+from moetrace.placement.compare_row import Measure
 from moetrace.placement.cost import expert_unknown_reason
 from moetrace.placement.decision import MIN_GAIN, objective, relation
 from moetrace.placement.hardware import Hardware
@@ -128,7 +129,7 @@ def format_compare_summary(result: CompareResult) -> str:
     c = result.manifest
     pre = bool(result.prefill_metrics)
     measure = result.measure
-    lead, beside = ("moe", "a2a") if measure == "moe" else ("a2a", "moe")  # the decisions' measure first
+    lead, beside = _MEASURES if measure == "moe" else _MEASURES[::-1]  # the decisions' measure first
     lines = [
         f"{c.deployment} ({c.num_nodes} nodes), "
         + (
@@ -156,19 +157,19 @@ def format_compare_summary(result: CompareResult) -> str:
     rows = result.summary_rows()
     beaten = False
     for i, r in enumerate(rows):
-        if r["is_bound"] and (i == 0 or not rows[i - 1]["is_bound"]):
+        if r.is_bound and (i == 0 or not rows[i - 1].is_bound):
             lines.append(_bounds_header(c))
-        router = f"{r['router_match_rate']:.0%}" if r["router_match_rate"] is not None else "-"
-        load = r.get("busiest_node_load")
-        load_s = "-" if load is None else f"{load:.2f}" + ("!" if r["over_node_load_limit"] else "")
-        captured = _captured(r["oracle_captured"])
+        router = f"{r.router_match_rate:.0%}" if r.router_match_rate is not None else "-"
+        load = r.busiest_node_load
+        load_s = "-" if load is None else f"{load:.2f}" + ("!" if r.over_node_load_limit else "")
+        captured = _captured(r.oracle_captured)
         beaten |= captured == ">100%"
         lines.append(
-            f"{r['strategy']:<16} {_mark(r[f'{lead}_time_normalized_median'], 8)}"
-            f"{_ratio(r[f'{lead}_time_normalized_p10']):>6} {_ratio(r[f'{lead}_time_normalized_p90']):>6} "
-            f"{_mark(r[f'{beside}_time_normalized_median'], 8)}{_mark(r['inter_node_normalized_median'], 7)}"
-            f"{human_bytes(r['inter_node_bytes_per_batch_median']):>9} "
-            f"{router:>7} {load_s:>9} {r['busiest_gpu_load']:>8.2f} {captured:>9}"
+            f"{r.strategy:<16} {_mark(r.time_normalized(lead), 8)}"
+            f"{_ratio(r.time_normalized(lead, 'p10')):>6} {_ratio(r.time_normalized(lead, 'p90')):>6} "
+            f"{_mark(r.time_normalized(beside), 8)}{_mark(r.inter_node_normalized_median, 7)}"
+            f"{human_bytes(r.inter_node_bytes_per_batch_median):>9} "
+            f"{router:>7} {load_s:>9} {r.busiest_gpu_load:>8.2f} {captured:>9}"
         )
     if c.expert_copy_floor is not None:  # dedup expert, no redundancy: a proven bound, not a placement
         J = result.model.num_experts // c.num_nodes
@@ -179,14 +180,14 @@ def format_compare_summary(result: CompareResult) -> str:
     if pre:
         lines += ["", "prefill steps:", f"{'strategy':<16} {_NAME[lead]:>9} {_NAME[beside]:>9} {'inter B':>8}"]
         for i, r in enumerate(rows):
-            if r["is_bound"] and (i == 0 or not rows[i - 1]["is_bound"]):
+            if r.is_bound and (i == 0 or not rows[i - 1].is_bound):
                 lines.append("the bounds above, on prefill steps (not deployable):")
             lines.append(
-                f"{r['strategy']:<16} {_mark(r[f'prefill_{lead}_time_normalized_median'], 8)}"
-                f"{_mark(r[f'prefill_{beside}_time_normalized_median'], 8)}"
-                f"{_mark(r['prefill_inter_node_normalized_median'], 7)}"
+                f"{r.strategy:<16} {_mark(r.prefill_time_normalized(lead), 8)}"
+                f"{_mark(r.prefill_time_normalized(beside), 8)}"
+                f"{_mark(r.prefill_inter_node_normalized_median, 7)}"
             )
-    over = [r["strategy"] for r in rows if r["over_node_load_limit"] and not r["is_bound"]]
+    over = [r.strategy for r in rows if r.over_node_load_limit and not r.is_bound]
     if over:
         lines.append(
             f"! node load over --max-node-load {c.max_node_load:g}: {', '.join(over)} (that node is every step's "
@@ -204,6 +205,8 @@ def format_compare_summary(result: CompareResult) -> str:
     return "\n".join(lines)
 
 
+#: the two predicted times, MoE-layer time first
+_MEASURES: tuple[Measure, Measure] = ("moe", "a2a")
 #: the time columns' headers
 _NAME = {"moe": "MoE time", "a2a": "a2a time"}
 
@@ -292,7 +295,7 @@ def compare_notes(result: CompareResult) -> list[str]:
     notes += [f"note: {c.tokens_from}"] if c.tokens_from is not None else []
     few = c.num_test_requests < MIN_HELD_OUT_REQUESTS * c.num_nodes  # too few to reach every node by chance
     notes += [
-        f"note: {r['strategy']}: {r['groups_without_routed_requests']} group(s) had no held-out request routed "
+        f"note: {r.strategy}: {r.groups_without_routed_requests} group(s) had no held-out request routed "
         "to them; those nodes idled in every step "
         + (
             "(more held-out requests or fewer clusters avoid this)"
@@ -302,7 +305,7 @@ def compare_notes(result: CompareResult) -> list[str]:
             "--max-node-load)"
         )
         for r in result.summary_rows()
-        if r["groups_without_routed_requests"]
+        if r.groups_without_routed_requests
     ]
     splitters = [s for s in c.strategies if not get_strategy(s).keeps_groups(num_redundant=c.num_redundant)]
     per_node = c.dedup == "node" or (c.dedup == "rank" and c.ranks_per_node == 1)  # one GPU a node

@@ -24,7 +24,6 @@ from moetrace.placement.advise import (
     write_advice,
 )
 from moetrace.placement.advise_current import read_current
-from moetrace.placement.advise_manifest import AdviceManifest
 from moetrace.placement.advise_metrics import (
     balancedness,
     expected_traffic,
@@ -225,15 +224,13 @@ def test_trace_advice_stays_within_the_slot_limit_and_writes_its_files(tmp_path)
     assert [v.stage for v in adv.manifest.verdicts[:3]] == ["prefill", "decode", "both"]
     assert any("correlate" in v for v in adv.verdicts)
     files = write_advice(adv, tmp_path / "out", deployment=DEP)
-    man = read_advice(tmp_path / "out")
-    assert man["format"] == "moetrace.advice" and man["version"] == 1
-    for rec in man["recommended"]:  # every recommended placement is a valid placement file with its commands
-        assert load_placement(tmp_path / "out" / rec["placement"]).strategy in ("eplb", "joint")
-        cmds = next(c for c in man["commands"] if c["option"] == rec["option"] and c["stage"] == rec["stage"])
-        assert set(cmds["export"]) >= {"sglang", "trtllm", "vllm", "vllm-ascend"}
+    written = read_advice(tmp_path / "out")  # format and version checked, read into its record
+    for rec in written.recommended:  # every recommended placement is a valid placement file with its commands
+        assert load_placement(tmp_path / "out" / rec.placement).strategy in ("eplb", "joint")
+        cmds = next(c for c in written.commands if c.option == rec.option and c.stage == rec.stage)
+        assert set(cmds.export) >= {"sglang", "trtllm", "vllm", "vllm-ascend"}
     assert files[-1].name == "advice.json"
     # the record advise returns is the file's, once the commands and the recorded paths are in
-    written = AdviceManifest.from_json(man, where="advice.json")
     assert written.recommended == adv.manifest.recommended and len(written.commands) == len(written.recommended)
     assert written == dataclasses.replace(
         adv.manifest, input=written.input, trace=written.trace, commands=written.commands
@@ -314,7 +311,7 @@ def test_a_load_that_moves_every_window_is_named_as_such():
     w = np.round((1 - mix) * a + mix * b).astype(np.int64)
     adv = advise_profile_counts(WIDE, {"decode": w}, CFG, source="mem")
     d = adv.manifest.drift["decode"]
-    assert d["lagged"] > d["static"] + 0.05 and d["own"] >= d["lagged"] - 0.01
+    assert d.figure("lagged") > d.figure("static") + 0.05 and d.figure("own") >= d.figure("lagged") - 0.01
     assert "rebalance periodically" in adv.manifest.verdicts[0].text
 
 

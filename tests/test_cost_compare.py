@@ -142,12 +142,12 @@ def test_a_deployable_row_that_beats_a_bound_is_reported_never_substituted(tmp_p
         seed=seed,
     )
     res = run_compare(data, cfg)
-    rows = {r["strategy"]: r for r in res.summary_rows()}
+    rows = {r.strategy: r for r in res.summary_rows()}
     for bound in ("perfect_routing", "oracle"):
-        assert not rows[bound]["over_node_load_limit"]
+        assert not rows[bound].over_node_load_limit
         assert res.placed[bound].extra["kind"] in ("joint", "joint_aligned")  # never a deployable row's
         for s, r in rows.items():
-            if not r["is_bound"] and not r["over_node_load_limit"]:
-                beats = r["a2a_time_normalized_median"] < rows[bound]["a2a_time_normalized_median"] - 1e-12
+            if not r.is_bound and not r.over_node_load_limit:
+                beats = r.a2a_time_normalized_median < rows[bound].a2a_time_normalized_median - 1e-12
                 assert not beats or s in res.manifest.bound_failures.get(bound, []), (bound, s)
-    assert not rows["joint"]["over_node_load_limit"]  # ours keeps within the limit by its admission cap
+    assert not rows["joint"].over_node_load_limit  # ours keeps within the limit by its admission cap

@@ -50,13 +50,13 @@ def _cfg(**kw):
 def test_grouped_placers_remove_inter_node_traffic_on_planted_domains(planted):
     data = load_trace_data(planted, test_fraction=0.25, seed=0)
     res = run_compare(data, _cfg())
-    norm = {r["strategy"]: r["inter_node_normalized_median"] for r in res.summary_rows()}
+    norm = {r.strategy: r.inter_node_normalized_median for r in res.summary_rows()}
     assert norm["linear"] == pytest.approx(1.0)
     assert norm["data"] == norm["improved"] == norm["joint"] == 0.0  # every token finds its experts on its node
     # the oracle is the fastest row found within the node-load limit (predicted all-to-all time per step)
-    t = {r["strategy"]: r for r in res.summary_rows()}
-    within = [s for s, r in t.items() if not r["is_bound"] and not r["over_node_load_limit"]]
-    assert all(t["oracle"]["a2a_time_normalized_median"] <= t[s]["a2a_time_normalized_median"] for s in within)
+    t = {r.strategy: r for r in res.summary_rows()}
+    within = [s for s, r in t.items() if not r.is_bound and not r.over_node_load_limit]
+    assert all(t["oracle"].a2a_time_normalized_median <= t[s].a2a_time_normalized_median for s in within)
     assert norm["round_robin"] > 0.5 and norm["eplb"] > 0.5
     assert res.placed["data"].router_match_rate == 1.0
 
@@ -65,8 +65,8 @@ def test_nobody_wins_on_structureless_traces(flat):
     data = load_trace_data(flat, test_fraction=0.25, seed=0)
     res = run_compare(data, _cfg())
     for r in res.summary_rows():  # the bounds fit the 20 held-out requests themselves: they may overfit
-        if not r["is_bound"]:
-            assert 0.85 < r["inter_node_normalized_median"] < 1.15, r
+        if not r.is_bound:
+            assert 0.85 < r.inter_node_normalized_median < 1.15, r
 
 
 def test_expert_copy_floor_is_below_any_membership_and_routing():
@@ -102,7 +102,7 @@ def test_compare_reports_the_floor_with_expert_copies(planted, flat):
         if planted_domains:  # every request uses 8 experts, a node holds 8: nothing has to cross
             assert floor == pytest.approx(0.0)
         for r in res.summary_rows():
-            assert r["inter_node_normalized_median"] >= floor - 0.05, r  # 50 small batches: a little noise
+            assert r.inter_node_normalized_median >= floor - 0.05, r  # 50 small batches: a little noise
         floor_line = next(ln for ln in format_compare_summary(res).splitlines() if ln.startswith("floor"))
         assert floor_line.split()[1] == f"{floor:.3f}" and "inter-node bytes, proven for any placement" in floor_line
     no_floor = run_compare(load_trace_data(planted, test_fraction=0.25, seed=0), _cfg(dedup="rank"))  # not proven

@@ -169,30 +169,30 @@ def test_compare_reports_bounds_and_the_joint_placer_meets_the_oracle(tmp_path):
         strategies=("linear", "eplb", "data", "joint"),
     )
     res = run_compare(data, cfg)
-    rows = {r["strategy"]: r for r in res.summary_rows()}
+    rows = {r.strategy: r for r in res.summary_rows()}
     assert list(rows) == ["linear", "eplb", "data", "joint", "perfect_routing", "oracle"]
-    assert [r["is_bound"] for r in rows.values()] == [False] * 4 + [True] * 2
-    v = {s: r["inter_node_normalized_median"] for s, r in rows.items()}
-    t = {s: r["a2a_time_normalized_median"] for s, r in rows.items()}
+    assert [r.is_bound for r in rows.values()] == [False] * 4 + [True] * 2
+    v = {s: r.inter_node_normalized_median for s, r in rows.items()}
+    t = {s: r.a2a_time_normalized_median for s, r in rows.items()}
     assert v["oracle"] < 0.6  # the planted structure is there to exploit
     # the joint placer gets most of it while its router keeps every node within the load limit
-    assert v["joint"] < 0.4 and t["joint"] < 0.75 and rows["joint"]["busiest_node_load"] <= cfg.max_node_load
-    assert rows["joint"]["router_match_rate"] > 0.8
+    assert v["joint"] < 0.4 and t["joint"] < 0.75 and rows["joint"].busiest_node_load <= cfg.max_node_load
+    assert rows["joint"].router_match_rate > 0.8
     # a deployable row within the load limit that beats a bound, in what compare ranks by, is the bound's
     # failure, named in compare.json; the bound's row stays its own placement (never the deployable one)
     for s, r in rows.items():
-        if not r["is_bound"] and not r["over_node_load_limit"]:
+        if not r.is_bound and not r.over_node_load_limit:
             for b in ("oracle", "perfect_routing"):
                 assert t[b] <= t[s] + 1e-12 or s in res.manifest.bound_failures[b], (b, s)
     assert {res.placed[b].extra["kind"] for b in ("oracle", "perfect_routing")} <= {"joint", "joint_aligned"}
-    assert rows["linear"]["busiest_node_load"] == rows["eplb"]["busiest_node_load"] == 1.0  # they route nothing
+    assert rows["linear"].busiest_node_load == rows["eplb"].busiest_node_load == 1.0  # they route nothing
     test_R = data.is_test_R
     for s in ("data", "joint", "perfect_routing", "oracle"):  # the busiest node's held-out requests over an even share
         n_G = np.bincount(res.placed[s].group_of_test_R[test_R], minlength=4)
-        assert rows[s]["busiest_node_load"] == pytest.approx(n_G.max() * 4 / test_R.sum(), abs=1e-4)
-        assert rows[s]["busiest_node_load"] >= 1.0
-    assert rows["oracle"]["oracle_captured"] == pytest.approx(1.0)
-    assert rows["linear"]["oracle_captured"] == pytest.approx(0.0, abs=0.02)
+        assert rows[s].busiest_node_load == pytest.approx(n_G.max() * 4 / test_R.sum(), abs=1e-4)
+        assert rows[s].busiest_node_load >= 1.0
+    assert rows["oracle"].oracle_captured == pytest.approx(1.0)
+    assert rows["linear"].oracle_captured == pytest.approx(0.0, abs=0.02)
     text = format_compare_summary(res)
     assert text.count("upper bounds") == 1 and "of oracle" in text
 
@@ -207,10 +207,10 @@ def test_no_structure_no_gain(tmp_path):
         strategies=("linear", "data", "joint"),
         oracle=False,
     )
-    rows = {r["strategy"]: r for r in run_compare(data, cfg).summary_rows()}
+    rows = {r.strategy: r for r in run_compare(data, cfg).summary_rows()}
     assert set(rows) == {"linear", "data", "joint"}
     for r in rows.values():
-        assert 0.9 < r["inter_node_normalized_median"] < 1.1, r
+        assert 0.9 < r.inter_node_normalized_median < 1.1, r
 
 
 def test_place_joint_writes_a_price_router_that_loads_and_exports(tmp_path):
@@ -374,7 +374,7 @@ def test_joint_aligned_keeps_the_node_limit_and_wins_when_copies_go_per_node(tmp
         dedup="node",
     )
     res = run_compare(data, cfg)
-    rows = {r["strategy"]: r for r in res.summary_rows()}
+    rows = {r.strategy: r for r in res.summary_rows()}
     aligned = res.placed["joint_aligned"]
     # every token's experts sit on at most topk_group = 2 nodes (each expert's group is on one node)
     node_of_LE = np.zeros((L, E), np.int64)
@@ -384,7 +384,7 @@ def test_joint_aligned_keeps_the_node_limit_and_wins_when_copies_go_per_node(tmp
     for l in range(L):
         assert max(len(set(t)) for t in node_of_LE[l][ids[:, l]].tolist()) <= 2
     # each request goes to the node holding one of its two groups: one copy per token leaves the node
-    v = {s: r["inter_node_normalized_median"] for s, r in rows.items()}
+    v = {s: r.inter_node_normalized_median for s, r in rows.items()}
     assert (
         v["joint_aligned"] < 0.75 and v["joint_aligned"] < v["joint"] - 0.05 and v["joint_aligned"] < v["data"] - 0.05
     )
@@ -551,16 +551,16 @@ def test_compare_ranks_by_moe_layer_time_when_the_expert_size_is_known(tmp_path)
     )
     res = run_compare(data, cfg)
     assert res.measure == "moe"
-    rows = {r["strategy"]: r for r in res.summary_rows()}
+    rows = {r.strategy: r for r in res.summary_rows()}
     v = res.manifest.verdict
     assert v is not None and v.measure == "moe_time" and set(v.stages) == {"decode", "prefill"}
-    deployable = [s for s in ("linear", "eplb", "joint", "ours") if not rows[s]["over_node_load_limit"]]
-    best = min(rows[s]["moe_time_normalized_median"] for s in deployable)
-    assert v.recommended is not None and rows[v.recommended]["moe_time_normalized_median"] == pytest.approx(best)
-    assert list(v.ranking) == sorted(v.ranking, key=lambda s: rows[s]["moe_time_normalized_median"])
+    deployable = [s for s in ("linear", "eplb", "joint", "ours") if not rows[s].over_node_load_limit]
+    best = min(rows[s].moe_time_normalized_median for s in deployable)
+    assert v.recommended is not None and rows[v.recommended].moe_time_normalized_median == pytest.approx(best)
+    assert list(v.ranking) == sorted(v.ranking, key=lambda s: rows[s].moe_time_normalized_median)
     for b in ("perfect_routing", "oracle"):  # a bound beaten in MoE-layer time is named, never substituted
         for s in deployable:
-            beats = rows[s]["moe_time_normalized_median"] < rows[b]["moe_time_normalized_median"] - 1e-12
+            beats = rows[s].moe_time_normalized_median < rows[b].moe_time_normalized_median - 1e-12
             assert not beats or s in res.manifest.bound_failures.get(b, [])
     lines = format_compare_summary(res).splitlines()
     head = next(ln for ln in lines if ln.startswith("strategy"))

@@ -241,10 +241,10 @@ def _is_new_advice(out: Path) -> bool:
     man = read_advice(out)
     text = "".join(p.read_text() for p in sorted(out.rglob("*.json")))
     return (
-        man["num_steps"]["decode"] == 12
+        man.num_steps["decode"] == 12
         and f".{out.name}." not in text
-        and bool(man["commands"])
-        and all(c["placement"].startswith(f"{out}/") for c in man["commands"])
+        and bool(man.commands)
+        and all(c.placement.startswith(f"{out}/") for c in man.commands)
     )
 
 

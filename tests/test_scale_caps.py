@@ -127,9 +127,9 @@ def test_below_the_caps_nothing_changes(trace):
     b = run_compare(wide, _cfg(max_train_requests=45, max_test_requests=15))
     assert not a.manifest.capped and a.manifest.num_train_requests == 45
     for ra, rb in zip(a.summary_rows(), b.summary_rows()):
-        assert ra["strategy"] == rb["strategy"]
-        assert ra["inter_node_normalized_median"] == rb["inter_node_normalized_median"]
-        assert ra["a2a_time_normalized_median"] == rb["a2a_time_normalized_median"]
+        assert ra.strategy == rb.strategy
+        assert ra.inter_node_normalized_median == rb.inter_node_normalized_median
+        assert ra.a2a_time_normalized_median == rb.a2a_time_normalized_median
 
 
 def test_caps_must_match_the_config(trace):

@@ -151,13 +151,11 @@ def winners_text(results: Path, advice: Path | None = None, placement: Path | No
     decided: dict[str, str] = {}
     if advice is not None and (advice / "advice.json").is_file():
         from moetrace.placement.advise_files import read_advice
-        from moetrace.placement.decision import StageChoice
 
-        best = read_advice(advice).get("best") or {}
+        best = read_advice(advice).best  # stage -> its decision (placement.decision.StageChoice)
         if best:
             lines.append("decision per stage (advise: every option, each fitted on the stage it serves):")
-            for st, obj in best.items():
-                ch = StageChoice.from_json(obj)
+            for st, ch in best.items():
                 decided[st] = ch.decision
                 lines.append(f"  {ch.text()}")
     res = Results.from_input(detect(results))
