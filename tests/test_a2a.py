@@ -123,7 +123,7 @@ def test_check_against_simulator_names_the_mismatch(plan):
 
 
 def test_gloo_collectives_move_exactly_the_predicted_bytes(plan, records):
-    assert [r["rank"] for r in records] == [0, 1, 2, 3]
+    assert [r.rank for r in records] == [0, 1, 2, 3]
     assert ar.first_mismatch(plan, records) is None
     table = ar.result_table(plan, records)
     V, B, L = plan.sim_inter_VBL.shape
@@ -189,8 +189,10 @@ def test_mismatch_is_a_clean_error(plan, records, monkeypatch):
 
 
 def test_payload_errors_are_reported(plan, records):
-    bad = [dict(r) for r in records]
-    bad[3] = {**bad[3], "payload_errors": ["rank 3 linear batch 0 layer 0 dispatch: a received row does not carry ..."]}
+    bad = list(records)
+    bad[3] = dataclasses.replace(
+        bad[3], payload_errors=("rank 3 linear batch 0 layer 0 dispatch: a received row does not carry ...",)
+    )
     assert ar.first_mismatch(plan, bad).startswith("rank 3 linear batch 0 layer 0 dispatch")
 
 
@@ -204,18 +206,18 @@ def _fake_records(plan, *, fixed_s, intra_s):
     for w in range(W):
         sent = np.stack([plan.sends_VBLWW[..., w, :], plan.sends_VBLWW[..., :, w]], axis=3) * bpt  # [V,B,L,2,W]
         recs.append(
-            {
-                "rank": w,
-                "sent_VBL2W": sent,
-                "recv_VBL2W": sent,
-                "seconds_VBL2": 0.01 + 0.01 * rng.random((V, B, L, 2)),
-                "probe_empty_seconds_BN": np.full((B, ar.PROBE_REPEATS), fixed_s),
-                "probe_intra_seconds_BN": np.full((B, ar.PROBE_REPEATS), intra_s),
-                "probe_intra_bytes": ar.PROBE_INTRA_BYTES,
-                "payload_errors": [],
-                "device": "cpu",
-                "host": "h",
-            }
+            ar.RankRecord(
+                rank=w,
+                sent_VBL2W=sent,
+                recv_VBL2W=sent,
+                seconds_VBL2=0.01 + 0.01 * rng.random((V, B, L, 2)),
+                probe_empty_seconds_BN=np.full((B, ar.PROBE_REPEATS), fixed_s),
+                probe_intra_seconds_BN=np.full((B, ar.PROBE_REPEATS), intra_s),
+                probe_intra_bytes=ar.PROBE_INTRA_BYTES,
+                payload_errors=(),
+                device="cpu",
+                host="h",
+            )
         )
     network = ar.Network(mode="emulated", link="8Mbit", qdisc="tbf")
     return recs, network
@@ -246,7 +248,7 @@ def test_predicted_time_ratios_follow_the_busiest_node_link(plan):
         want[v, b] += 2 * (fixed + max(t_inter, t_intra))  # dispatch + combine
     np.testing.assert_allclose(2 * ar.predicted_seconds_VBL(plan, cost).sum(2), want, rtol=1e-9)
     rows = ar.summary_rows(plan, recs, network)
-    secs_VB = np.stack([r["seconds_VBL2"] for r in recs], -1).max(-1).sum(axis=(2, 3))
+    secs_VB = np.stack([r.seconds_VBL2 for r in recs], -1).max(-1).sum(axis=(2, 3))
     for v, r in enumerate(rows):
         pred = np.median(want[v]) / np.median(want[0])
         meas = np.median(secs_VB[v]) / np.median(secs_VB[0])

@@ -8,7 +8,7 @@ One process per EP rank. The modules, in the order a replay runs them:
   ``simulate_volume``; the ``A2APlan`` every rank holds;
 - ``capacity`` and ``backend``: whether this machine can run the local ranks, gloo or nccl;
 - ``rank``: one rank's dispatch and combine collectives, timed, their bytes recorded, probes before
-  every batch;
+  every batch; its result a ``RankRecord``, gathered on rank 0;
 - ``launch``: the ranks started under torchrun or as local processes (loopback, or emulated nodes:
   ``netemu``), ``Network`` (``network``) saying how the links were realized;
 - ``smoke``: the 1-rank NCCL check on one GPU;
@@ -52,7 +52,7 @@ from moetrace.placement.replay.predict import (
     replay_kernel,
     replay_traffic,
 )
-from moetrace.placement.replay.rank import PROBE_INTRA_BYTES, PROBE_REPEATS, run_rank
+from moetrace.placement.replay.rank import PROBE_INTRA_BYTES, PROBE_REPEATS, RankRecord, run_rank
 from moetrace.placement.replay.results import (
     a2a_manifest,
     first_mismatch,
@@ -75,6 +75,7 @@ __all__ = [
     "A2ARunError",
     "Backend",
     "Network",
+    "RankRecord",
     "ReplayCost",
     "ReplayRun",
     "a2a_manifest",

@@ -27,7 +27,7 @@ from moetrace.errors import ConfigError, MoetraceError
 from moetrace.placement import netemu
 from moetrace.placement.replay.network import Network
 from moetrace.placement.replay.plan import A2APlan
-from moetrace.placement.replay.rank import run_rank
+from moetrace.placement.replay.rank import RankRecord, run_rank
 
 __all__ = ["A2ARunError", "launch_local", "run_a2a"]
 
@@ -125,7 +125,7 @@ def run_a2a(
     link: str = netemu.DEFAULT_LINK,
     log: Callable[[str], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[list[dict[str, Any]] | None, Network]:
+) -> tuple[list[RankRecord] | None, Network]:
     """Run the replay: in this process as one rank of a torchrun job (``torchrun``; the records on
     rank 0, None elsewhere), or as ``plan.world_size`` local processes. Returns ``(records, network)``.
 
@@ -170,7 +170,7 @@ class _BatchProgress:
 
 def _run_local(
     plan: A2APlan, spec: netemu.Link, emulate: bool | None, say: Callable[[str], None], bar: _BatchProgress
-) -> tuple[list[dict[str, Any]] | None, Network]:
+) -> tuple[list[RankRecord] | None, Network]:
     """``run_a2a`` for local ranks (``plan.world_size`` processes on this machine)."""
     args = (plan, str(bar.path))
     G = plan.world_size // plan.ranks_per_node
@@ -180,7 +180,7 @@ def _run_local(
             "with NCCL, run on real nodes"
         )
 
-    def unshaped(why: str, links: str = "loopback") -> tuple[list[dict[str, Any]] | None, Network]:
+    def unshaped(why: str, links: str = "loopback") -> tuple[list[RankRecord] | None, Network]:
         note = (
             ""
             if G < 2

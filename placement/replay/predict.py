@@ -14,6 +14,7 @@ Out of scope: the measured side (``results``), the step model's formulas (``step
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from moetrace.placement import netemu
 from moetrace.placement.cost import Link, Links
 from moetrace.placement.replay.network import Network
 from moetrace.placement.replay.plan import A2APlan
+from moetrace.placement.replay.rank import RankRecord
 from moetrace.placement.step_model import GpuTraffic, Kernel, ValueType, layer_seconds
 from moetrace.placement.step_model import Phase as KernelPhase
 
@@ -51,7 +53,7 @@ class ReplayCost:
         }
 
 
-def replay_cost(plan: A2APlan, records: list[dict[str, Any]], network: Network | None) -> ReplayCost | None:
+def replay_cost(plan: A2APlan, records: Sequence[RankRecord], network: Network | None) -> ReplayCost | None:
     """The cost model of an emulated run (``network.mode == "emulated"``), else None (loopback or
     torchrun: every link is what the machine has, and the model's link classes mean nothing there).
 
@@ -67,15 +69,15 @@ def replay_cost(plan: A2APlan, records: list[dict[str, Any]], network: Network |
     notes: list[str] = []
     overhead = netemu.WIRE_BYTES_PER_PAYLOAD_BYTE
     inter = Link(bytes_per_s=netemu.parse_link(network.link).rate_bit / 8 / overhead, latency_s=0.0)
-    empty = np.stack([r["probe_empty_seconds_BN"] for r in records]).max(0)  # [B, N] slowest rank
+    empty = np.stack([r.probe_empty_seconds_BN for r in records]).max(0)  # [B, N] slowest rank
     fixed = float(np.median(empty))
-    nbytes = int(max(r["probe_intra_bytes"] for r in records))
+    nbytes = int(max(r.probe_intra_bytes for r in records))
     intra_s: float | None = None
     if plan.ranks_per_node == 1:
         intra = inter
         notes.append("one rank per node: no node-local traffic, the intra link is unused")
     else:
-        intra_s = float(np.median(np.stack([r["probe_intra_seconds_BN"] for r in records]).max(0)))
+        intra_s = float(np.median(np.stack([r.probe_intra_seconds_BN for r in records]).max(0)))
         if intra_s > fixed:
             intra = Link(bytes_per_s=nbytes / (intra_s - fixed), latency_s=0.0)
         else:

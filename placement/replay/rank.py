@@ -6,8 +6,10 @@ calls ``all_to_all_single`` for dispatch and again for combine (the received row
 splits), times each (barrier first; ``perf_counter`` on gloo, CUDA events on NCCL), checks every
 received row came from the rank it should, and records the bytes of every split it actually sent.
 Batches are the outer loop (strategies inside), and before each batch every rank runs probes: empty
-collectives (gloo's fixed cost) and node-local ones (loopback's rate). Rank 0 gathers the records
-(``gather_object``).
+collectives (gloo's fixed cost) and node-local ones (loopback's rate). Each rank's result is one
+``RankRecord``; rank 0 gathers them (``gather_object``, which pickles: a frozen dataclass of numpy arrays
+and plain values pickles as it is) and, under ``launch.launch_local``, pickles the list once more to
+the parent.
 
 Shape legend (docs/architecture.md): B batches, L MoE layers, W EP ranks (GPUs), V strategies,
 N probe repeats.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ import numpy as np
 from moetrace.errors import ConfigError
 from moetrace.placement.replay.plan import A2APlan
 
-__all__ = ["PROBE_INTRA_BYTES", "PROBE_REPEATS", "run_rank"]
+__all__ = ["PROBE_INTRA_BYTES", "PROBE_REPEATS", "RankRecord", "run_rank"]
 
 #: probe collectives of each kind (empty; node-local rows only) before every batch's collectives
 PROBE_REPEATS = 4
@@ -36,18 +39,35 @@ PROBE_REPEATS = 4
 PROBE_INTRA_BYTES = 4 << 20
 
 
-def run_rank(
-    rank: int, world_size: int, plan: A2APlan, progress_path: str | None = None
-) -> list[dict[str, Any]] | None:
-    """Replay ``plan`` as EP rank ``rank``; rank 0 returns every rank's record (others None).
+@dataclass(frozen=True, kw_only=True)
+class RankRecord:
+    """One EP rank's record of a whole replay (``run_rank``; read by ``results`` and ``predict``).
+
+    Phase axis (the ``2``): dispatch, combine (``sends.PHASES``). Bytes are of the splits of the
+    tensors actually passed to ``all_to_all_single``; seconds are wall time per collective (barrier
+    first; ``perf_counter`` on gloo, CUDA events on NCCL).
+    """
+
+    rank: int  # this EP rank, 0..W-1
+    sent_VBL2W: np.ndarray  # int64 [V, B, L, 2, W] bytes this rank sent to each rank
+    recv_VBL2W: np.ndarray  # int64 [V, B, L, 2, W] bytes this rank received from each rank
+    seconds_VBL2: np.ndarray  # float64 [V, B, L, 2] seconds of each collective on this rank
+    probe_empty_seconds_BN: np.ndarray  # float64 [B, N] seconds of each empty probe collective before batch b
+    probe_intra_seconds_BN: np.ndarray  # float64 [B, N] seconds of each node-local probe; NaN: none (1 rank/node)
+    probe_intra_bytes: int  # bytes this rank sent (and received) in one node-local probe
+    payload_errors: tuple[str, ...]  # received rows that came from the wrong rank, one line each (at most 5)
+    device: str  # the GPU's name (NCCL), or "cpu"
+    host: str  # this rank's host name
+
+
+def run_rank(rank: int, world_size: int, plan: A2APlan, progress_path: str | None = None) -> list[RankRecord] | None:
+    """Replay ``plan`` as EP rank ``rank``; rank 0 returns every rank's ``RankRecord``, in rank order (others None).
 
     ``progress_path``: rank 0 writes there the number of batches it has finished, after each one (the
     parent of local ranks reads it for its progress bar).
 
     Initializes ``torch.distributed`` from ``env://`` unless a process group already exists (then
-    uses and keeps it). A record: ``rank``, ``sent_VBL2W`` / ``recv_VBL2W`` (int64 bytes sent to /
-    received from each rank, phase axis dispatch, combine), ``seconds_VBL2`` (float64 per collective),
-    ``payload_errors`` (rows that arrived from the wrong rank), ``device``.
+    uses and keeps it).
     """
     import torch
     import torch.distributed as dist
@@ -70,14 +90,21 @@ def run_rank(
         rec = _collectives(rank, plan, device, progress_path if rank == 0 else None)
         gathered: list[Any] | None = [None] * world_size if rank == 0 else None
         dist.gather_object(rec, gathered, dst=0)
-        return gathered
+        return None if gathered is None else [_gathered_record(r, w) for w, r in enumerate(gathered)]
     finally:
         if own:
             dist.destroy_process_group()
 
 
-def _collectives(rank: int, plan: A2APlan, device: Any, progress_path: str | None = None) -> dict[str, Any]:
-    """This rank's record of the whole plan on ``device`` (``run_rank``'s docstring), the process group up."""
+def _gathered_record(rec: object, rank: int) -> RankRecord:
+    """Rank ``rank``'s gathered record, checked to be one (``gather_object`` unpickles whatever was sent)."""
+    if not isinstance(rec, RankRecord) or rec.rank != rank:
+        raise TypeError(f"gathered record {rank} is {type(rec).__name__} of rank {getattr(rec, 'rank', '?')}")
+    return rec
+
+
+def _collectives(rank: int, plan: A2APlan, device: Any, progress_path: str | None = None) -> RankRecord:
+    """This rank's record of the whole plan on ``device``, the process group up."""
     import torch
     import torch.distributed as dist
 
@@ -152,15 +179,15 @@ def _collectives(rank: int, plan: A2APlan, device: Any, progress_path: str | Non
                 check(back, to_W, stamp_W[rank].repeat(W), f"{where} combine")
         if progress_path is not None:
             Path(progress_path).write_text(str(b + 1))
-    return {
-        "rank": rank,
-        "sent_VBL2W": sent,
-        "recv_VBL2W": recv,
-        "seconds_VBL2": secs,
-        "probe_empty_seconds_BN": empty_s,
-        "probe_intra_seconds_BN": intra_s,
-        "probe_intra_bytes": int(sum(local_W)) * plan.bytes_per_token,
-        "payload_errors": errors,
-        "device": str(torch.cuda.get_device_name(device) if cuda else "cpu"),
-        "host": socket.gethostname(),
-    }
+    return RankRecord(
+        rank=rank,
+        sent_VBL2W=sent,
+        recv_VBL2W=recv,
+        seconds_VBL2=secs,
+        probe_empty_seconds_BN=empty_s,
+        probe_intra_seconds_BN=intra_s,
+        probe_intra_bytes=int(sum(local_W)) * plan.bytes_per_token,
+        payload_errors=tuple(errors),
+        device=str(torch.cuda.get_device_name(device) if cuda else "cpu"),
+        host=socket.gethostname(),
+    )

@@ -1,10 +1,11 @@
 """A replay's records read back: bytes checked against the plan, the summary, and the result files.
 
-Records are what ``rank.run_rank`` gathers on rank 0 (one dict per rank). ``first_mismatch`` compares
-every rank's measured bytes per link class with the send matrices' (exact); ``summary_rows`` /
-``format_summary`` rank the strategies (``a2a_manifest.A2ASummaryRow``); ``a2a_manifest`` builds the
-typed ``a2a.json`` (``placement.a2a_manifest.A2AManifest``) and ``write_a2a_results`` writes it through
-its ``to_json``, with ``collectives.parquet`` (``moetrace.results.A2A``).
+Records are what ``rank.run_rank`` gathers on rank 0 (one ``rank.RankRecord`` per rank, read by
+attribute). ``first_mismatch`` compares every rank's measured bytes per link class with the send
+matrices' (exact); ``summary_rows`` / ``format_summary`` rank the strategies
+(``a2a_manifest.A2ASummaryRow``); ``a2a_manifest`` builds the typed ``a2a.json``
+(``placement.a2a_manifest.A2AManifest``) and ``write_a2a_results`` writes it through its ``to_json``,
+with ``collectives.parquet`` (``moetrace.results.A2A``).
 
 Shape legend (docs/architecture.md): B batches, L MoE layers, W EP ranks (GPUs), V strategies.
 
@@ -14,9 +15,9 @@ Out of scope: running the collectives (``rank``, ``launch``), the time predictio
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from moetrace.placement.a2a_manifest import A2AManifest, A2ASummaryRow
 from moetrace.placement.replay.network import Network, links_line
 from moetrace.placement.replay.plan import A2APlan
 from moetrace.placement.replay.predict import ReplayCost, predicted_seconds_VBL, replay_cost
+from moetrace.placement.replay.rank import RankRecord
 from moetrace.placement.replay.sends import PHASES, A2AMismatchError, rank_link_bytes
 from moetrace.sizes import human_bytes
 
@@ -39,13 +41,11 @@ __all__ = [
 ]
 
 
-def _measured(plan: A2APlan, records: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+def _measured(plan: A2APlan, records: Sequence[RankRecord]) -> tuple[np.ndarray, np.ndarray]:
     """Measured (intra, inter) bytes each rank sent, int64 [V, B, L, 2, W] (phase axis: dispatch, combine)."""
     W = plan.world_size
     node_W = np.arange(W) // plan.ranks_per_node
-    sent = np.stack(
-        [r["sent_VBL2W"] for r in sorted(records, key=lambda r: r["rank"])], axis=-2
-    )  # [V,B,L,2,W src,W dst]
+    sent = np.stack([r.sent_VBL2W for r in sorted(records, key=lambda r: r.rank)], axis=-2)  # [V,B,L,2,W src,W dst]
     inter_WW = node_W[:, None] != node_W[None, :]
     return (sent * ~inter_WW).sum(-1), (sent * inter_WW).sum(-1)
 
@@ -65,10 +65,10 @@ def _predicted(plan: A2APlan) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def first_mismatch(plan: A2APlan, records: list[dict[str, Any]]) -> str | None:
+def first_mismatch(plan: A2APlan, records: Sequence[RankRecord]) -> str | None:
     """The first collective whose measured bytes (per rank and link class) differ from the prediction,
     or whose received rows came from the wrong rank, as one line; None when all match exactly."""
-    errors = [e for r in records for e in r["payload_errors"]]
+    errors = [e for r in records for e in r.payload_errors]
     if errors:
         return errors[0]
     mi, me = _measured(plan, records)
@@ -84,14 +84,14 @@ def first_mismatch(plan: A2APlan, records: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def result_table(plan: A2APlan, records: list[dict[str, Any]]):
+def result_table(plan: A2APlan, records: Sequence[RankRecord]):
     """One row per (strategy, batch, layer, phase, rank): measured and predicted bytes, seconds (polars)."""
     import polars as pl
 
     V, B, L, W = plan.sends_VBLWW.shape[:4]
     mi, me = _measured(plan, records)
     pi, pe = _predicted(plan)
-    secs = np.stack([r["seconds_VBL2"] for r in sorted(records, key=lambda r: r["rank"])], axis=-1)  # [V,B,L,2,W]
+    secs = np.stack([r.seconds_VBL2 for r in sorted(records, key=lambda r: r.rank)], axis=-1)  # [V,B,L,2,W]
     idx = np.indices((V, B, L, 2, W)).reshape(5, -1)
     return pl.DataFrame(
         {
@@ -110,7 +110,7 @@ def result_table(plan: A2APlan, records: list[dict[str, Any]]):
     )
 
 
-def summary_rows(plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None) -> list[A2ASummaryRow]:
+def summary_rows(plan: A2APlan, records: Sequence[RankRecord], network: Network | None = None) -> list[A2ASummaryRow]:
     """Per strategy: measured and simulated inter-node bytes per batch normalized to the reference's
     median (``linear`` when present, else the first strategy), and the median collective times (the
     slowest rank of each collective): dispatch, combine, and both of one (batch, layer)
@@ -126,7 +126,7 @@ def summary_rows(plan: A2APlan, records: list[dict[str, Any]], network: Network 
     meas_VB = me.sum(axis=(2, 3, 4))
     sim_VB = 2 * plan.sim_inter_VBL.sum(2)  # dispatch + combine
     ref = plan.strategies.index("linear") if "linear" in plan.strategies else 0
-    secs = np.stack([r["seconds_VBL2"] for r in records], axis=-1).max(-1)  # [V,B,L,2]
+    secs = np.stack([r.seconds_VBL2 for r in records], axis=-1).max(-1)  # [V,B,L,2]
     time_VB = secs.sum(axis=(2, 3))
     cost = replay_cost(plan, records, network)
     pred_VB = None if cost is None else 2 * predicted_seconds_VBL(plan, cost).sum(2)
@@ -175,13 +175,13 @@ def _cost_line(cost: ReplayCost | None, network: Network | None) -> str:
     )
 
 
-def format_summary(plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None) -> str:
+def format_summary(plan: A2APlan, records: Sequence[RankRecord], network: Network | None = None) -> str:
     """Header lines, column titles and one row per strategy (the time columns: dispatch + combine
     summed over layers per batch, median, over the reference's; predicted: the cost model, on
     emulated nodes only)."""
     c = plan.config
     lines = [
-        f"{c.deployment} ({c.num_nodes} nodes), {plan.world_size} ranks on {plan.backend} ({records[0]['device']}), "
+        f"{c.deployment} ({c.num_nodes} nodes), {plan.world_size} ranks on {plan.backend} ({records[0].device}), "
         f"{c.num_batches} batches x {plan.sends_VBLWW.shape[2]} layers, hidden {plan.hidden_size} {plan.dtype}",
         links_line(network),
         _cost_line(replay_cost(plan, records, network), network),
@@ -205,7 +205,7 @@ def format_summary(plan: A2APlan, records: list[dict[str, Any]], network: Networ
 
 
 def a2a_manifest(
-    plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None, *, out: str | os.PathLike
+    plan: A2APlan, records: Sequence[RankRecord], network: Network | None = None, *, out: str | os.PathLike
 ) -> A2AManifest:
     """The ``a2a.json`` of a replay written to the results directory ``out`` (the trace's path is
     recorded relative to it): the plan's provenance (``config``), the run, the byte check, the summary
@@ -221,8 +221,8 @@ def a2a_manifest(
         hidden_size=plan.hidden_size,
         dtype=plan.dtype,
         bytes_per_token=plan.bytes_per_token,
-        device=records[0]["device"],
-        hosts=tuple(sorted({r["host"] for r in records})),
+        device=records[0].device,
+        hosts=tuple(sorted({r.host for r in records})),
         bytes_match=mismatch is None,
         first_mismatch=mismatch,
         summary=tuple(summary_rows(plan, records, network)),
@@ -232,7 +232,7 @@ def a2a_manifest(
 
 
 def write_a2a_results(
-    out: str | os.PathLike, plan: A2APlan, records: list[dict[str, Any]], network: Network | None = None
+    out: str | os.PathLike, plan: A2APlan, records: Sequence[RankRecord], network: Network | None = None
 ) -> list[Path]:
     """Write ``collectives.parquet`` and ``a2a.json`` (``a2a_manifest``'s ``to_json``; names, format and
     version from ``moetrace.results.A2A``; ``network``: how the links were realized); ``a2a.json`` last.
@@ -246,7 +246,7 @@ def write_a2a_results(
     ]
 
 
-def raise_on_mismatch(plan: A2APlan, records: list[dict[str, Any]]) -> None:
+def raise_on_mismatch(plan: A2APlan, records: Sequence[RankRecord]) -> None:
     """Raise ``A2AMismatchError`` naming the first mismatch between measured and predicted bytes."""
     mismatch = first_mismatch(plan, records)
     if mismatch is not None:

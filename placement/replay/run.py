@@ -13,13 +13,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from moetrace.placement import netemu
 from moetrace.placement.replay.capacity import check_local_capacity
 from moetrace.placement.replay.launch import run_a2a
 from moetrace.placement.replay.network import Network
 from moetrace.placement.replay.plan import A2APlan, plan_bytes_per_rank
+from moetrace.placement.replay.rank import RankRecord
 from moetrace.placement.replay.results import first_mismatch, format_summary, raise_on_mismatch, write_a2a_results
 
 __all__ = ["ReplayRun", "replay"]
@@ -27,11 +27,11 @@ __all__ = ["ReplayRun", "replay"]
 
 @dataclass(frozen=True, kw_only=True)
 class ReplayRun:
-    """A finished replay as rank 0 holds it: the plan, every rank's record (``rank.run_rank``) and
-    how the links were realized."""
+    """A finished replay as rank 0 holds it: the plan, every rank's record (``rank.RankRecord``, gathered
+    by ``rank.run_rank``) and how the links were realized."""
 
     plan: A2APlan
-    records: list[dict[str, Any]]  # one per rank, in rank order
+    records: tuple[RankRecord, ...]  # one per rank, in rank order
     network: Network
 
     @property
@@ -74,4 +74,4 @@ def replay(
     records, network = run_a2a(plan, torchrun=torchrun, emulate=emulate, link=link, log=log, progress=progress)
     if records is None:
         return None
-    return ReplayRun(plan=plan, records=records, network=network)
+    return ReplayRun(plan=plan, records=tuple(records), network=network)
