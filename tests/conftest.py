@@ -137,3 +137,41 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     finally:
         if limit > 0:
             faulthandler.cancel_dump_traceback_later()
+
+
+# ---------------------------------------------------------------- mypy beside the slow tier
+# `test_tooling.py::test_mypy_is_clean` takes a minute or two of one core from a cold cache; the slow tier's
+# long set-ups (the demo, the screenshots' pipeline, Ray) leave the other core mostly idle. So when that
+# test is selected, mypy starts as soon as collection ends and the test waits for its result.
+_MYPY_KEY = pytest.StashKey[subprocess.Popen]()
+MYPY_TEST = "test_tooling.py::test_mypy_is_clean"
+
+
+def start_mypy(cache_dir: Path) -> subprocess.Popen:
+    """``python -m mypy`` over the package (its settings in pyproject.toml), output captured."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(cache_dir)],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any(item.nodeid.endswith(MYPY_TEST) for item in session.items) and len(session.items) > 1:
+        import tempfile
+
+        cache = Path(tempfile.mkdtemp(prefix="moetrace-mypy-cache-"))
+        session.config.stash[_MYPY_KEY] = start_mypy(cache)
+        session.config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+        session.config.add_cleanup(lambda: session.config.stash[_MYPY_KEY].kill())
+
+
+@pytest.fixture
+def mypy_run(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[int, str]:
+    """mypy's exit code and output: from the run started beside the tier, else one started now."""
+    proc = request.config.stash.get(_MYPY_KEY, None) or start_mypy(tmp_path / "mypy-cache")
+    out, _ = proc.communicate()
+    return proc.returncode, out

@@ -33,9 +33,9 @@ def test_ruff_format_is_clean() -> None:
 
 
 @pytest.mark.slow
-def test_mypy_is_clean(tmp_path: Path) -> None:
-    r = _run(sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "mypy-cache"))
-    assert r.returncode == 0, r.stdout + r.stderr
+def test_mypy_is_clean(mypy_run: tuple[int, str]) -> None:
+    code, out = mypy_run  # started when the tier's collection ended (tests/conftest.py), so it runs beside it
+    assert code == 0, out
 
 
 def test_package_declares_its_types() -> None:
