@@ -3,8 +3,9 @@
 A failed write (disk full, interrupted) removes its temporary file and leaves whatever was at
 ``path`` before untouched. No symbolic link is ever followed: the temporary file is created
 exclusively (``O_CREAT | O_EXCL``, which never follows a link) under an unpredictable name
-(``.<name>.<random>.tmp``) in ``path``'s directory, and the final rename replaces the directory
-entry ``path`` itself. A ``path`` that exists as a symbolic link or as anything but a regular file
+(``.<name>.<pid>.<random>.tmp``) in ``path``'s directory, and the final rename replaces the directory
+entry ``path`` itself. A temporary left by a writer killed with SIGKILL (its ``pid`` gone) is removed
+by the next write of the same path. A ``path`` that exists as a symbolic link or as anything but a regular file
 (a directory, a device node, a named pipe) is refused (``OutputExistsError``), before anything is
 written.
 
@@ -56,11 +57,12 @@ def check_regular_target(path: str | os.PathLike) -> None:
 
 
 def temp_file_beside(path: str | os.PathLike, *, suffix: str = ".tmp") -> Path:
-    """Create (exclusively, mode 0666 & ~umask) an empty temporary file ``.<name>.<random><suffix>`` in
-    ``path``'s directory and return its path; the name cannot be guessed, and creating it never
+    """Create (exclusively, mode 0666 & ~umask) an empty temporary file ``.<name>.<pid>.<random><suffix>``
+    in ``path``'s directory and return its path (``pid``: this process's, so that a later write can tell
+    a killed writer's leftover from a live one's); the name cannot be guessed, and creating it never
     follows a symbolic link."""
     path = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=suffix, dir=path.parent)
     try:
         mask = os.umask(0)
         os.umask(mask)
@@ -68,6 +70,31 @@ def temp_file_beside(path: str | os.PathLike, *, suffix: str = ".tmp") -> Path:
     finally:
         os.close(fd)
     return Path(name)
+
+
+def remove_dead_temporaries(path: str | os.PathLike, *, suffix: str = ".tmp") -> list[Path]:
+    """Remove the temporaries ``.<name>.<pid>.<random><suffix>`` beside ``path`` whose writer ``pid`` no
+    longer runs (a write killed by SIGKILL between its temporary and its rename); returns them. A live
+    writer's temporary, and any file not named so, is left alone."""
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.[A-Za-z0-9_]+{re.escape(suffix)}")
+    gone: list[Path] = []
+    if not os.path.isdir("/proc/self"):
+        return gone  # no /proc to tell a dead writer from a live one
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return gone
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid() or os.path.exists(f"/proc/{m.group(1)}"):
+            continue
+        leftover = path.parent / name
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISREG(os.lstat(leftover).st_mode):  # never a link or a directory
+                leftover.unlink()
+                gone.append(leftover)
+    return gone
 
 
 @contextlib.contextmanager
@@ -78,6 +105,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     Refuses (``OutputExistsError``) a ``path`` that is a symbolic link or not a regular file."""
     path = Path(path)
     check_regular_target(path)
+    remove_dead_temporaries(path)
     tmp = temp_file_beside(path)
     try:
         yield tmp

@@ -483,6 +483,10 @@ def test_dashboard_overwrite_sigkilled_at_its_rename(reported):
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert out.read_text() == OLD_REPORT  # byte for byte; the finished temporary waits hidden beside it
     assert len(_hidden(out)) == 1 and _hidden(out)[0].endswith(".tmp")
+    # the next write of the same report removes the killed writer's temporary (its pid is gone)
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert _report(out) == "new" and _hidden(out) == []
 
 
 # ============================================================ kill injection: compare --overwrite's folder swap
