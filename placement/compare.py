@@ -31,7 +31,6 @@ Out of scope: the algorithms themselves (pure functions in the sibling modules);
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,6 +68,7 @@ from moetrace.placement.compare_steps import (
     prefill_batches,
     seconds_B,
     seconds_median,
+    simulation_workers,
 )
 from moetrace.placement.compare_verdict import compare_stage_choices, compare_verdict, within_limit
 from moetrace.placement.joint import effective_node_load_limit
@@ -116,6 +116,12 @@ __all__ = [
 
 #: fewer held-out requests than this and compare warns: its steps draw again and again from the same few
 MIN_HELD_OUT_REQUESTS = 20
+
+
+def _simulation_key(ps: PlacedStrategy) -> tuple[int, int, int]:
+    """Candidates with one key simulate alike: the same placement and routing objects, and the same
+    ``extra`` (which the simulation annotates); ``dataclasses.replace`` keeps all three."""
+    return id(ps.placement), id(ps.group_of_test_R), id(ps.extra)
 
 
 def run_compare(
@@ -189,8 +195,8 @@ def run_compare(
     def both_stages(s: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
         return simulate(placed[s]), simulate_prefill(placed[s])
 
-    # numpy's sorts and ufuncs release the GIL: two threads keep two cores busy (results do not depend on it)
-    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+    # the simulation kernel releases the GIL: one thread per core (results do not depend on their number)
+    with ThreadPoolExecutor(max_workers=simulation_workers(len(todo))) as pool:
         for s, (dm, pm) in zip(todo, pool.map(both_stages, todo)):
             metrics[s] = dm
             if pm is not None:
@@ -205,17 +211,22 @@ def run_compare(
         return seconds_median(mc, measure)
 
     within = [s for s in todo if within_limit(placed[s])]
+    # every bound's candidates side by side, each simulated once (the oracle's include perfect routing's)
+    distinct = {_simulation_key(c): c for s in bounds for c in candidates[s]}
+    with ThreadPoolExecutor(max_workers=simulation_workers(len(distinct))) as pool:
+        simulated = dict(zip(distinct, pool.map(simulate, distinct.values())))
     for s in bounds:
-        with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-            sims = list(zip(pool.map(simulate, candidates[s]), candidates[s]))
+        sims = [(dict(simulated[_simulation_key(c)]), c) for c in candidates[s]]
         fits = [mc for mc in sims if within_limit(mc[1])] or sims
         metrics[s], placed[s] = min(fits, key=lambda mc: verdict_s(mc[0]))
         beaten = [d for d in within if verdict_s(metrics[d]) < verdict_s(metrics[s]) - 1e-12]
         if beaten:
             bound_failures[s] = beaten
-        if (pm := simulate_prefill(placed[s])) is not None:
-            prefill[s] = pm
-        step()
+    with ThreadPoolExecutor(max_workers=simulation_workers(len(bounds))) as pool:
+        for s, pm in zip(bounds, pool.map(simulate_prefill, [placed[s] for s in bounds])):
+            if pm is not None:
+                prefill[s] = pm
+            step()
     floor = None
     if cfg.oracle and data.tokens_from is not None:
         skipped["floor"] = "a load profile has no requests; the floor bounds each held-out request's local share"

@@ -10,13 +10,20 @@ Out of scope: choosing among the candidates (``ours``); compare's own held-out s
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
 
 from moetrace.placement.compare_config import CompareConfig
 from moetrace.placement.compare_data import TraceData, with_held_out_tokens
-from moetrace.placement.compare_steps import Stepper, held_out_batches, prefill_batches, seconds_median
+from moetrace.placement.compare_steps import (
+    Stepper,
+    held_out_batches,
+    prefill_batches,
+    seconds_median,
+    simulation_workers,
+)
 from moetrace.placement.maps import Placement
 
 __all__ = ["VALIDATION_BATCHES", "validation_pricer"]
@@ -67,8 +74,11 @@ def validation_pricer(data: TraceData, cfg: CompareConfig) -> Callable[..., dict
             num_layers=m.num_moe_layers, num_experts=m.num_experts, num_slots=P, num_ranks=cfg.deployment.num_ep
         )
         assert vdata.test_topk_ids_TLK is not None and vdata.test_req_T is not None
-        medians: dict[str, dict[str, float]] = {}
-        for name, (placement, group_V) in {"linear": (lin, None), **candidates}.items():
+
+        def medians_of(item: tuple[str, tuple[Placement, np.ndarray | None]]) -> dict[str, float]:
+            """One candidate's decode and prefill medians over the validation steps."""
+            placement, group_V = item[1]
+            assert vdata.test_topk_ids_TLK is not None
             group_R = None
             if group_V is not None:
                 group_R = np.zeros(R, dtype=np.int64)
@@ -90,7 +100,13 @@ def validation_pricer(data: TraceData, cfg: CompareConfig) -> Callable[..., dict
                 med |= {f"prefill_{w}": seconds_median(pm, w) for w in ("moe", "a2a")}
             else:
                 med |= {"prefill_moe": float("nan"), "prefill_a2a": float("nan")}
-            medians[name] = med
+            return med
+
+        # the candidates side by side (the simulation kernel releases the GIL); each is computed whole on
+        # one thread, so the medians do not depend on the number of threads
+        items = list({"linear": (lin, None), **candidates}.items())
+        with ThreadPoolExecutor(max_workers=simulation_workers(len(items))) as pool:
+            medians = {name: med for (name, _), med in zip(items, pool.map(medians_of, items))}
         w = stepper.measure
         decode_steps = len(vdata.test_req_T) / vcfg.batch_requests
         prompt_tokens = 0.0

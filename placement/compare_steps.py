@@ -26,6 +26,7 @@ from moetrace.placement.compare_config import CompareConfig
 from moetrace.placement.compare_data import TraceData
 from moetrace.placement.cost import expert_compute_for
 from moetrace.placement.deployment import Deployment
+from moetrace.placement.grouping import available_cores
 from moetrace.placement.hardware import CostModel
 from moetrace.placement.maps import Placement
 from moetrace.placement.simulate import simulate_volume
@@ -46,8 +47,20 @@ __all__ = [
     "prefill_batches",
     "seconds_B",
     "seconds_median",
+    "simulation_workers",
     "time_hidden_size",
 ]
+
+#: most simulations run side by side (each holds its steps' token ids: ~120 MB for 500 DeepSeek-V3 decode steps)
+MAX_SIMULATION_THREADS = 4
+
+
+def simulation_workers(tasks: int | None = None) -> int:
+    """Threads to simulate ``tasks`` placements side by side: the cores this process may run on, at most
+    ``MAX_SIMULATION_THREADS`` (and ``tasks``). The simulation kernel releases the GIL; each simulation
+    is computed whole on one thread, so results do not depend on the number."""
+    n = min(available_cores(), MAX_SIMULATION_THREADS)
+    return max(1, min(n, tasks) if tasks is not None else n)
 
 
 def _sources(dep: Deployment, per_group: int) -> np.ndarray:

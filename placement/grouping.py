@@ -15,6 +15,7 @@ Out of scope: which expert goes to which group (``data_placement``, ``improved``
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from moetrace.errors import ConfigError
 
 __all__ = [
     "Grouping",
+    "available_cores",
     "l2_normalize",
     "normalized_rows",
     "map_clusters_to_groups",
@@ -61,9 +63,22 @@ def normalized_rows(x_RF: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def _kmeans(x_RF: np.ndarray, num_clusters: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     sklearn_cluster = require("sklearn.cluster", purpose="K-means micro-batch grouping")
+    threadpoolctl = require("threadpoolctl", purpose="K-means micro-batch grouping")  # scikit-learn's own dependency
     # copy_x=False: sklearn centres x in place and restores it, instead of holding a second [R, F] copy
-    km = sklearn_cluster.KMeans(n_clusters=num_clusters, n_init=4, random_state=seed, copy_x=False).fit(x_RF)
+    km = sklearn_cluster.KMeans(n_clusters=num_clusters, n_init=4, random_state=seed, copy_x=False)
+    # BLAS and OpenMP threads no more than the cores this process is given (a cpuset or taskset smaller than
+    # the machine: more threads than cores only wait on each other)
+    with threadpoolctl.threadpool_limits(limits=available_cores()):
+        km.fit(x_RF)
     return km.labels_.astype(np.int64), km.cluster_centers_
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        return max(1, os.cpu_count() or 1)
 
 
 def map_clusters_to_groups(

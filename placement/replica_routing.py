@@ -20,12 +20,16 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["ReplicaPolicy", "choose_slots"]
+__all__ = ["ReplicaPolicy", "choose_slots", "local_replicas"]
 
 ReplicaPolicy = Literal["same_node", "even", "metro"]
 
 
-def _local_replicas(phy2log_P: np.ndarray, node_of_slot_P: np.ndarray, num_nodes: int, num_experts: int):
+def local_replicas(
+    phy2log_P: np.ndarray, node_of_slot_P: np.ndarray, num_nodes: int, num_experts: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The replicas of each expert on each node: slots int64 [G, E, M'] in slot order (-1 padded; M' the
+    most on one node, at least 1) and their counts int64 [G, E]."""
     P = len(phy2log_P)
     key = node_of_slot_P * num_experts + phy2log_P
     order = np.argsort(key, kind="stable")
@@ -68,7 +72,7 @@ def choose_slots(
         P = len(phy2log_P)
         node_of_slot = (np.arange(P) // (P // num_ranks)) // ranks_per_node
         num_nodes = num_ranks // ranks_per_node
-        local, lcnt = _local_replicas(phy2log_P, node_of_slot, num_nodes, log2phy_EM.shape[0])
+        local, lcnt = local_replicas(phy2log_P, node_of_slot, num_nodes, log2phy_EM.shape[0])
         src = np.broadcast_to(np.asarray(src_node_T)[:, None], (T, K))
         n_local = lcnt[src, e]
         slot = np.where(n_local > 0, local[src, e, idx % np.maximum(n_local, 1)], even)

@@ -18,6 +18,11 @@ with at least one token) per GPU (max, mean).
 Shape legend (docs/architecture.md): T tokens, L MoE layers, K top-k slots, B batches, W EP ranks
 (GPUs), P physical slots.
 
+How: ``simulate_kernel`` counts each layer in one fused numba pass (where numba runs) and
+``step_model.layer_seconds`` prices the counts; ``_simulate_volume_reference`` is the same model as NumPy
+passes (``choose_slots``, the copy model's ``traffic``), the reference the kernel is tested against bit for
+bit and what runs without numba.
+
 Out of scope: choosing placements or batches (``compare``); per-GPU send matrices and real collectives
 (``replay``).
 """
@@ -29,10 +34,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from moetrace.placement import simulate_kernel
 from moetrace.placement.hardware import CostModel
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy, choose_slots
-from moetrace.placement.step_model import DedupUnit, copy_model, layer_seconds
+from moetrace.placement.step_model import DedupUnit, GpuTraffic, copy_model, layer_seconds
 
 __all__ = ["DedupUnit", "LayerCopies", "METRICS", "TIME_METRICS", "layer_copies", "simulate_volume"]
 
@@ -145,7 +151,144 @@ def simulate_volume(
 
     ``topk_ids_TLK``: int [T, L, K] logical expert ids (-1 ignored); ``batch_T``: batch of each token
     (0..B-1); ``src_rank_T``: GPU (EP rank) the token leaves from.
+
+    Counted by ``simulate_kernel`` (one fused pass per layer, GIL released) where numba runs, else by
+    the NumPy passes (``_simulate_volume_reference``); the two give the same arrays bit for bit.
     """
+    kw: dict[str, Any] = dict(
+        placement=placement,
+        batch_T=batch_T,
+        src_rank_T=src_rank_T,
+        num_batches=num_batches,
+        num_ranks=num_ranks,
+        ranks_per_node=ranks_per_node,
+        bytes_per_token=bytes_per_token,
+        dedup=dedup,
+        policy=policy,
+        cost=cost,
+        time_hidden_size=time_hidden_size,
+    )
+    if simulate_kernel.available():
+        try:
+            return _simulate_volume_fused(topk_ids_TLK, **kw)
+        except simulate_kernel.KernelUnavailable:
+            pass
+    return _simulate_volume_reference(topk_ids_TLK, **kw)
+
+
+#: most (layer, batch, GPU) cells counted per kernel call (the int32 counts of a chunk: 44 MiB)
+_CHUNK_CELLS = 1 << 20
+
+
+def _simulate_volume_fused(
+    topk_ids_TLK: np.ndarray,
+    *,
+    placement: Placement,
+    batch_T: np.ndarray,
+    src_rank_T: np.ndarray,
+    num_batches: int,
+    num_ranks: int,
+    ranks_per_node: int,
+    bytes_per_token: int,
+    dedup: DedupUnit = "rank",
+    policy: ReplicaPolicy = "same_node",
+    cost: CostModel | None = None,
+    time_hidden_size: int | None = None,
+) -> dict[str, np.ndarray]:
+    """``simulate_volume`` from ``simulate_kernel.layer_counts``, a chunk of layers at a time: the same
+    metrics and the same ``layer_seconds`` call over the chunk's (layer, batch) rows (every step-model
+    formula is per row, so stacking rows changes no value)."""
+    ids = np.asarray(topk_ids_TLK)
+    if ids.dtype not in (np.int16, np.int32, np.int64):
+        ids = ids.astype(np.int64)
+    ids = np.ascontiguousarray(ids)
+    T, L, K = ids.shape
+    B, W, g = num_batches, num_ranks, ranks_per_node
+    copy_model(dedup)  # an unknown copy model fails here as in the reference
+    batch_T = np.ascontiguousarray(batch_T, dtype=np.int64)
+    src_rank_T = np.ascontiguousarray(src_rank_T, dtype=np.int64)
+    P = placement.phy2log.shape[1]
+    if W < 1 or g < 1 or P % W or W % g:  # the reference fails on these too (its reshapes)
+        raise ValueError(f"{P} slots must divide over {W} EP ranks, and those over nodes of {g} GPUs")
+    if T and (batch_T.min() < 0 or batch_T.max() >= B or src_rank_T.min() < 0 or src_rank_T.max() >= W):
+        raise ValueError(f"batch_T must be in 0..{B - 1} and src_rank_T in 0..{W - 1}")
+    out = {m: np.zeros((B, L)) for m in METRICS + (TIME_METRICS if cost is not None else ())}
+    tokens_BW = np.bincount(batch_T * W + src_rank_T, minlength=B * W).reshape(B, W)  # shared experts' tokens
+    tables = simulate_kernel.routing_tables(placement, num_ranks=W, ranks_per_node=g, policy=policy)
+    order_T = np.argsort(batch_T, kind="stable")
+    start_B1 = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(np.bincount(batch_T, minlength=B), out=start_B1[1:])
+    step = max(1, _CHUNK_CELLS // max(B * W, 1))
+    if policy == "metro":  # choose_slots' slots of a chunk are held too (int32 [T, chunk, K])
+        step = max(1, min(step, _CHUNK_CELLS * 16 // max(T * K, 1)))
+    for l0 in range(0, L, step):
+        l1 = min(L, l0 + step)
+        Lc, cols = l1 - l0, slice(l0, l1)
+        q = simulate_kernel.layer_counts(
+            ids,
+            layers=(l0, l1),
+            placement=placement,
+            tables=tables,
+            order_T=order_T,
+            start_B1=start_B1,
+            batch_T=batch_T,
+            src_rank_T=src_rank_T,
+            num_ranks=W,
+            ranks_per_node=g,
+            dedup=dedup,
+            policy=policy,
+        )
+        tok_LBW, nact_LBW, pairs_LBW = q[0], q[1], q[2]
+        out["tokens_per_rank_max"][:, cols] = tok_LBW.max(2).T
+        out["tokens_per_rank_mean"][:, cols] = tok_LBW.mean(2).T
+        out["activated_experts_per_rank_max"][:, cols] = nact_LBW.max(2).T
+        out["activated_experts_per_rank_mean"][:, cols] = nact_LBW.mean(2).T
+        traffic = GpuTraffic(*(q[i].reshape(Lc * B, W).astype(np.float64) for i in range(3, 11)))
+        n_intra = traffic.intra_copies_B().reshape(Lc, B).T
+        n_inter = traffic.inter_copies_B().reshape(Lc, B).T
+        out["dispatch_intra_bytes"][:, cols] = n_intra * bytes_per_token
+        out["dispatch_inter_bytes"][:, cols] = n_inter * bytes_per_token
+        out["combine_intra_bytes"][:, cols] = n_intra * bytes_per_token  # the same copies back
+        out["combine_inter_bytes"][:, cols] = n_inter * bytes_per_token
+        send = (traffic.send_intra + traffic.send_inter).max(1).reshape(Lc, B).T
+        recv = (traffic.recv_intra + traffic.recv_inter).max(1).reshape(Lc, B).T
+        out["max_rank_dispatch_send_bytes"][:, cols] = send * bytes_per_token
+        out["max_rank_combine_send_bytes"][:, cols] = recv * bytes_per_token
+        if cost is not None:
+            secs = layer_seconds(
+                traffic,
+                kernel=cost.kernel(dedup),
+                hidden_size=time_hidden_size or bytes_per_token // 2,
+                ranks_per_node=g,
+                expert=cost.expert,
+                pairs_BW=pairs_LBW.reshape(Lc * B, W),
+                active_BW=nact_LBW.reshape(Lc * B, W),
+                tokens_BW=np.tile(tokens_BW, (Lc, 1)),
+            )
+            out["dispatch_seconds"][:, cols] = secs.dispatch.reshape(Lc, B).T
+            out["combine_seconds"][:, cols] = secs.combine.reshape(Lc, B).T
+            out["expert_seconds"][:, cols] = secs.expert.reshape(Lc, B).T  # NaN when the expert size is unknown
+            out["moe_seconds"][:, cols] = secs.moe.reshape(Lc, B).T
+    return out
+
+
+def _simulate_volume_reference(
+    topk_ids_TLK: np.ndarray,
+    *,
+    placement: Placement,
+    batch_T: np.ndarray,
+    src_rank_T: np.ndarray,
+    num_batches: int,
+    num_ranks: int,
+    ranks_per_node: int,
+    bytes_per_token: int,
+    dedup: DedupUnit = "rank",
+    policy: ReplicaPolicy = "same_node",
+    cost: CostModel | None = None,
+    time_hidden_size: int | None = None,
+) -> dict[str, np.ndarray]:
+    """``simulate_volume`` by NumPy passes per layer (``choose_slots``, the copy model's ``traffic``, sorts
+    and bincounts): the reference the fused kernel is tested against, and what runs without numba."""
     ids = np.asarray(topk_ids_TLK)
     T, L, K = ids.shape
     B, W = num_batches, num_ranks

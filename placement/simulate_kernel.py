@@ -1,0 +1,327 @@
+"""The fused per-layer counts of ``simulate_volume``: one numba pass over a layer's ``[T, K]`` ids gives
+everything the volume and step models read, per (batch, GPU).
+
+Per token of a batch (docs/placement.md), in one pass: the slot serving each (token, expert) (the
+replica ``replica_routing.choose_slots`` picks: the one replica; ``even``: token index modulo the replica
+count; ``same_node``: a replica on the token's node if there is one; ``metro`` is routed by
+``choose_slots`` itself and handed in), the GPU holding it, the token's distinct GPUs, the slots
+activated in the batch, and the copies of the copy model (``step_model.COPY_MODELS``: ``expert``, one
+per routed slot named once in the row; ``rank``, one per distinct destination GPU; ``node``, one per
+GPU on the own node, one RDMA copy per remote node to the sender's peer there, forwarded over NVLink
+to that node's other destination GPUs), each counted sent and received per link class, and each
+(source, destination) pair of a batch once as a peer. Counts are integers, so the ``[B, W]`` sums the
+step model takes of them are the same numbers whatever their order: ``simulate_volume`` prices them with
+``step_model.layer_seconds``, bit for bit what the NumPy passes (``simulate._simulate_volume_reference``)
+give.
+
+The kernel is compiled on first use (``cache=True``: on disk by numba) and releases the GIL
+(``nogil``): callers simulate placements on threads. Without numba (the bare install: ``available`` is
+False) or where numba cannot compile the kernel (``analysis.jit`` warns once; ``layer_counts`` raises
+``KernelUnavailable``), ``simulate_volume`` runs the NumPy passes.
+
+Shape legend (docs/architecture.md): T tokens, L MoE layers (Lc of one chunk), K top-k slots,
+E logical experts, P physical slots, M max replicas, B batches, W EP ranks (GPUs), G node groups (= nodes),
+Q the counted quantities (``QUANTITIES``).
+
+Out of scope: pricing the counts (``step_model``); the metrics built from them (``simulate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from moetrace.placement.maps import Placement
+from moetrace.placement.replica_routing import ReplicaPolicy, choose_slots, local_replicas
+from moetrace.placement.step_model import DedupUnit
+
+__all__ = ["QUANTITIES", "available", "layer_counts", "routing_tables"]
+
+#: what ``layer_counts`` returns along axis Q, each an int32 count per (layer, batch, GPU)
+QUANTITIES = (
+    "tokens",  # distinct tokens a GPU receives (one per token whatever the copy model)
+    "active",  # slots with at least one (token, expert) of the batch
+    "pairs",  # (token, expert) pairs the GPU computes
+    "send_intra",  # copies sent over NVLink
+    "recv_intra",
+    "send_inter",  # copies sent over the network
+    "recv_inter",
+    "peers_send_intra",  # distinct GPUs sent to over NVLink
+    "peers_recv_intra",
+    "peers_send_inter",
+    "peers_recv_inter",
+)
+_COPIES = {"expert": 0, "rank": 1, "node": 2}
+#: how a layer's slots are chosen: the one replica, ``even``, ``same_node``, or handed in (``metro``)
+_ONE, _EVEN, _SAME_NODE, _GIVEN = 0, 1, 2, 3
+
+_KERNELS: dict[str, Callable[..., Any]] = {}
+
+
+class KernelUnavailable(RuntimeError):
+    """numba is missing or could not compile the kernel: use the NumPy passes."""
+
+
+def available() -> bool:
+    """Whether numba is importable (whether it compiles the kernel, ``layer_counts`` finds out)."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernel() -> Callable[..., Any]:
+    """The numba kernel, compiled on first use (cached on disk by numba)."""
+    if "layers" in _KERNELS:
+        return _KERNELS["layers"]
+    import numba
+
+    @numba.njit(cache=True, nogil=True)
+    def layers_kernel(
+        ids_TLK, l0, slots_TLK, mode_L, log2phy_LEM, logcnt_LE, local_LGEM, lcnt_LGE,
+        order_T, start_B1, src_T, rank_of_slot_P, node_of_rank_W, g, copies, out_QLBW,
+    ):  # fmt: skip
+        # ids_TLK: int [T, L, K] logical ids (< 0: not recorded); slots_TLK: int32 [T, Lc, K] slots of
+        # the layers whose mode_L is _GIVEN (else unused); order_T, start_B1: tokens grouped by batch
+        # (batch b is order_T[start_B1[b]:start_B1[b + 1]]); src_T: int64 source GPU; rank_of_slot_P,
+        # node_of_rank_W: int64 lookups (no division in the loop); out_QLBW: int32 [Q, Lc, B, W] zeros,
+        # filled for layers l0 .. l0 + Lc - 1. Returns the number of ids >= E.
+        K = ids_TLK.shape[2]
+        Lc = out_QLBW.shape[1]
+        B = out_QLBW.shape[2]
+        W = out_QLBW.shape[3]
+        E = logcnt_LE.shape[1]
+        P = rank_of_slot_P.shape[0]
+        # stamps: the last batch (pairs, activated slots) or token (its slots, GPUs, nodes) that saw each
+        pair_stamp_WW = np.zeros(W * W, dtype=np.int64)  # (src, dst) flat
+        slot_batch_P = np.zeros(P, dtype=np.int64)
+        slot_token_P = np.zeros(P, dtype=np.int64)
+        rank_token_W = np.zeros(W, dtype=np.int64)
+        node_token_G = np.zeros(W, dtype=np.int64)
+        slot_K = np.empty(K, dtype=np.int64)
+        dist_K = np.empty(K, dtype=np.int64)  # the token's distinct GPUs
+        cx = np.empty(2 * K, dtype=np.int64)  # the token's copies: from cx to cy
+        cy = np.empty(2 * K, dtype=np.int64)
+        bad = 0
+        serial = 0  # token stamp
+        # batch outer, layer inner: a batch's token rows stay in cache while every layer passes
+        for b in range(B):
+            for li in range(Lc):
+                l = l0 + li
+                mode = mode_L[l]
+                stamp = li * B + b + 1
+                tok_W = out_QLBW[0, li, b]  # this (layer, batch)'s row of each quantity
+                act_W = out_QLBW[1, li, b]
+                pairs_W = out_QLBW[2, li, b]
+                send_in_W, recv_in_W = out_QLBW[3, li, b], out_QLBW[4, li, b]
+                send_out_W, recv_out_W = out_QLBW[5, li, b], out_QLBW[6, li, b]
+                psend_in_W, precv_in_W = out_QLBW[7, li, b], out_QLBW[8, li, b]
+                psend_out_W, precv_out_W = out_QLBW[9, li, b], out_QLBW[10, li, b]
+                for j in range(start_B1[b], start_B1[b + 1]):
+                    t = order_T[j]
+                    s = src_T[t]
+                    sn = node_of_rank_W[s]
+                    serial += 1
+                    # the slot of each (token, expert): choose_slots' rule
+                    for k in range(K):
+                        e = np.int64(ids_TLK[t, l, k])
+                        sl = -1
+                        if mode == _GIVEN:
+                            sl = np.int64(slots_TLK[t, li, k])
+                        elif e >= E:
+                            bad += 1
+                        elif e >= 0:
+                            if mode == _ONE:
+                                sl = log2phy_LEM[l, e, 0]
+                            else:
+                                cnt = logcnt_LE[l, e]
+                                sl = log2phy_LEM[l, e, t % cnt if cnt > 0 else 0]  # even
+                                if mode == _SAME_NODE:
+                                    n_local = lcnt_LGE[l, sn, e]
+                                    if n_local > 0:
+                                        sl = local_LGEM[l, sn, e, t % n_local]
+                        slot_K[k] = sl
+                    # pairs, activated slots, distinct GPUs; the copies of copy models expert (each slot of
+                    # the row once) and rank (each distinct GPU once), all sent by s: counted as they come
+                    nd = 0
+                    nc = 0
+                    sent_in = sent_out = peers_in = peers_out = 0
+                    for k in range(K):
+                        sl = slot_K[k]
+                        if sl < 0:
+                            continue
+                        r = rank_of_slot_P[sl]
+                        pairs_W[r] += 1
+                        # branch-free first sightings (data-dependent branches mispredict)
+                        act_W[r] += np.int32(slot_batch_P[sl] != stamp)
+                        slot_batch_P[sl] = stamp
+                        new_rank = np.int32(rank_token_W[r] != serial)
+                        rank_token_W[r] = serial
+                        dist_K[nd] = r
+                        nd += new_rank
+                        tok_W[r] += new_rank
+                        new_slot = slot_token_P[sl] != serial
+                        slot_token_P[sl] = serial
+                        if r != s and ((copies == 0 and new_slot) or (copies == 1 and new_rank == 1)):
+                            first = np.int32(pair_stamp_WW[s * W + r] != stamp)  # the pair's first copy in the batch
+                            pair_stamp_WW[s * W + r] = stamp
+                            if node_of_rank_W[r] == sn:  # intra-node
+                                sent_in += 1
+                                peers_in += first
+                                recv_in_W[r] += 1
+                                precv_in_W[r] += first
+                            else:
+                                sent_out += 1
+                                peers_out += first
+                                recv_out_W[r] += 1
+                                precv_out_W[r] += first
+                    send_in_W[s] += sent_in
+                    send_out_W[s] += sent_out
+                    psend_in_W[s] += peers_in
+                    psend_out_W[s] += peers_out
+                    if copies == 2:  # node: own node direct; one RDMA copy per remote node, then forwarded
+                        for i in range(nd):
+                            d = dist_K[i]
+                            if d == s:
+                                continue
+                            node = node_of_rank_W[d]
+                            if node == sn:
+                                cx[nc] = s
+                                cy[nc] = d
+                                nc += 1
+                                continue
+                            land = s + (node - sn) * g  # the sender's peer on that node
+                            if node_token_G[node] != serial:
+                                node_token_G[node] = serial
+                                cx[nc] = s
+                                cy[nc] = land
+                                nc += 1
+                            if land != d:
+                                cx[nc] = land
+                                cy[nc] = d
+                                nc += 1
+                    for c in range(nc):
+                        x = cx[c]
+                        y = cy[c]
+                        first = np.int32(pair_stamp_WW[x * W + y] != stamp)  # the pair's first copy in this batch
+                        pair_stamp_WW[x * W + y] = stamp
+                        if node_of_rank_W[x] == node_of_rank_W[y]:  # intra-node
+                            send_in_W[x] += 1
+                            recv_in_W[y] += 1
+                            psend_in_W[x] += first
+                            precv_in_W[y] += first
+                        else:
+                            send_out_W[x] += 1
+                            recv_out_W[y] += 1
+                            psend_out_W[x] += first
+                            precv_out_W[y] += first
+        return bad
+
+    _KERNELS["layers"] = layers_kernel
+    return layers_kernel
+
+
+def _unavailable(*args: Any) -> int:
+    raise KernelUnavailable("the fused simulation kernel could not be compiled")
+
+
+def routing_tables(placement: Placement, *, num_ranks: int, ranks_per_node: int, policy: ReplicaPolicy):
+    """What the kernel routes by, per layer: ``mode_L`` int64 [L] (how slots are chosen), and for
+    ``same_node`` the local replicas ``local_LGEM`` int64 [L, G, E, M'] (-1 padded) with their counts
+    ``lcnt_LGE`` int64 [L, G, E] (``replica_routing.local_replicas``; [L, 1, 1, 1] zeros otherwise)."""
+    L, P = placement.phy2log.shape
+    multi_L = placement.logcnt.max(axis=1, initial=1) > 1
+    if multi_L.any() and policy not in ("same_node", "even", "metro"):  # one replica: every policy picks it
+        raise ValueError(f"unknown replica policy {policy!r}")
+    E = placement.logcnt.shape[1]
+    code = {"even": _EVEN, "same_node": _SAME_NODE, "metro": _GIVEN}.get(policy, _ONE)
+    mode_L = np.where(multi_L, code, _ONE).astype(np.int64)
+    local_LGEM = np.zeros((L, 1, 1, 1), dtype=np.int64)
+    lcnt_LGE = np.zeros((L, 1, 1), dtype=np.int64)
+    if policy == "same_node" and multi_L.any():
+        G = num_ranks // ranks_per_node
+        node_of_slot = (np.arange(P) // (P // num_ranks)) // ranks_per_node
+        tables = [local_replicas(placement.phy2log[l], node_of_slot, G, E) for l in range(L)]
+        M = max(t[0].shape[2] for t in tables)
+        local_LGEM = np.full((L, G, E, M), -1, dtype=np.int64)
+        lcnt_LGE = np.zeros((L, G, E), dtype=np.int64)
+        for l, (local, cnt) in enumerate(tables):
+            local_LGEM[l, :, :, : local.shape[2]] = local
+            lcnt_LGE[l] = cnt
+    return mode_L, local_LGEM, lcnt_LGE
+
+
+def layer_counts(
+    ids_TLK: np.ndarray,
+    *,
+    layers: tuple[int, int],
+    placement: Placement,
+    tables: tuple[np.ndarray, np.ndarray, np.ndarray],
+    order_T: np.ndarray,
+    start_B1: np.ndarray,
+    batch_T: np.ndarray,
+    src_rank_T: np.ndarray,
+    num_ranks: int,
+    ranks_per_node: int,
+    dedup: DedupUnit,
+    policy: ReplicaPolicy,
+) -> np.ndarray:
+    """The ``QUANTITIES`` of layers ``layers = (l0, l1)``, int32 [Q, l1 - l0, B, W].
+
+    ``ids_TLK``: int16/int32/int64 [T, L, K] logical ids (< 0 not recorded; C-contiguous); ``tables``:
+    ``routing_tables``' three arrays; ``order_T``, ``start_B1``: int64 tokens grouped by batch and the
+    start of each batch's run [B + 1]; ``batch_T``, ``src_rank_T``: int64 [T] (``batch_T`` only to route
+    ``metro``). Raises ``KernelUnavailable`` where numba cannot run the kernel, ``IndexError`` on an id
+    >= E (as ``choose_slots`` would).
+    """
+    from moetrace.analysis.jit import run_kernel
+
+    l0, l1 = layers
+    T, _, K = ids_TLK.shape
+    B, W = len(start_B1) - 1, num_ranks
+    P = placement.phy2log.shape[1]
+    mode_L, local_LGEM, lcnt_LGE = tables
+    slots_TLK = np.zeros((1, 1, 1), dtype=np.int32)
+    if (mode_L[l0:l1] == _GIVEN).any():  # metro: choose_slots routes, the kernel counts
+        slots_TLK = np.empty((T, l1 - l0, K), dtype=np.int32)
+        for li, l in enumerate(range(l0, l1)):
+            slots_TLK[:, li, :] = choose_slots(
+                ids_TLK[:, l, :],
+                phy2log_P=placement.phy2log[l],
+                log2phy_EM=placement.log2phy[l],
+                logcnt_E=placement.logcnt[l],
+                src_node_T=src_rank_T // ranks_per_node,
+                batch_T=batch_T,
+                num_batches=B,
+                num_ranks=W,
+                ranks_per_node=ranks_per_node,
+                policy=policy,
+            )
+    out_QLBW = np.zeros((len(QUANTITIES), l1 - l0, B, W), dtype=np.int32)
+    bad = run_kernel(
+        "simulate-layers",
+        _kernel,
+        _unavailable,
+        ids_TLK,
+        l0,
+        slots_TLK,
+        mode_L,
+        np.ascontiguousarray(placement.log2phy, dtype=np.int64),
+        np.ascontiguousarray(placement.logcnt, dtype=np.int64),
+        local_LGEM,
+        lcnt_LGE,
+        order_T,
+        start_B1,
+        src_rank_T,
+        np.arange(P) // (P // W),
+        np.arange(W) // ranks_per_node,
+        ranks_per_node,
+        _COPIES[dedup],
+        out_QLBW,
+    )
+    if bad:
+        raise IndexError(f"{bad} expert ids of layers {l0}..{l1 - 1} are >= num_experts={placement.logcnt.shape[1]}")
+    return out_QLBW
