@@ -66,9 +66,12 @@ def _kmeans(x_RF: np.ndarray, num_clusters: int, seed: int) -> tuple[np.ndarray,
     threadpoolctl = require("threadpoolctl", purpose="K-means micro-batch grouping")  # scikit-learn's own dependency
     # copy_x=False: sklearn centres x in place and restores it, instead of holding a second [R, F] copy
     km = sklearn_cluster.KMeans(n_clusters=num_clusters, n_init=4, random_state=seed, copy_x=False)
-    # BLAS and OpenMP threads no more than the cores this process is given (a cpuset or taskset smaller than
-    # the machine: more threads than cores only wait on each other)
-    with threadpoolctl.threadpool_limits(limits=available_cores()):
+    # OpenMP threads (the Lloyd iterations) no more than the cores this process is given (a cpuset or taskset
+    # smaller than the machine: more threads than cores only wait on each other); BLAS on one thread: its
+    # only calls are k-means++'s distances of a few candidates to every row, matrices too small to share,
+    # where threads cost 5-10x the time (measured: DeepSeek-V3, 800 requests, 2 cores: 2 s instead of 10-20 s).
+    # Threads split a product's outputs, never its sums: the distances, hence the labels, are the same
+    with threadpoolctl.threadpool_limits(limits=available_cores()), threadpoolctl.threadpool_limits(1, user_api="blas"):
         km.fit(x_RF)
     return km.labels_.astype(np.int64), km.cluster_centers_
 

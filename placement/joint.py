@@ -51,7 +51,7 @@ from moetrace.errors import ConfigError
 from moetrace.placement.cost import ExpertCompute, Links
 from moetrace.placement.data_placement import check_usage, expected_slot_load, spread_in_nodes
 from moetrace.placement.expert_layout import choose_layouts
-from moetrace.placement.improved import optimal_members
+from moetrace.placement.improved import fixed_constraint_lp, optimal_members
 from moetrace.placement.maps import Placement, placement_from_phy2log
 from moetrace.placement.step_search import expected_step_seconds, improve_layout
 
@@ -162,7 +162,6 @@ def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tup
     ``argmax_g score - price`` gives the same assignment up to ties (``route_requests``); a node in
     demand has a positive price, one that must be filled a negative one.
     """
-    optimize = require("scipy.optimize", purpose="the joint placer's balanced routing")
     sparse = require("scipy.sparse", purpose="the joint placer's balanced routing")
     s = np.asarray(score_RG, dtype=np.float64)
     R, G = s.shape
@@ -181,13 +180,12 @@ def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tup
         shape=(2 * G, R * G),
     )
     b_ub = np.concatenate([np.full(G, hi), np.full(G, -lo)])
-    res = optimize.linprog(
-        -s.reshape(-1), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=np.ones(R), bounds=(0, 1), method="highs-ipm"
-    )  # interior point + crossover: a vertex, 2x faster than simplex here
-    if res.status != 0:
+    # interior point + crossover: a vertex, 2x faster than simplex here (linprog's answer, without its overhead)
+    res = fixed_constraint_lp(A_ub, b_ub, A_eq, np.ones(R), bounds=(0, 1), method="highs-ipm")(-s.reshape(-1))
+    if res.status != 0 or res.x is None or res.ineqlin_marginals is None:
         raise AssertionError(f"balanced routing LP failed ({res.message})")
     group_R = np.argmax(res.x.reshape(R, G), axis=1).astype(np.int64)
-    marg = -np.asarray(res.ineqlin.marginals, dtype=np.float64)  # >= 0: duals of the upper, then the lower bounds
+    marg = -res.ineqlin_marginals  # >= 0: duals of the upper, then the lower bounds
     return group_R, marg[:G] - marg[G:]
 
 
