@@ -2,8 +2,13 @@
 (``evaluate_tokens``: the replicas an engine's dispatch picks, the copies, the one step model) or on a
 load profile's windows of counts (``evaluate_counts``: expected loads and traffic).
 
+How: on tokens, ``simulate_kernel.rule_counts`` counts each (step, layer) in one fused numba pass (the
+engine's rule routed from ``eplb_replicas.rule_tables``) and ``step_model.layer_seconds`` prices the
+counts; ``_evaluate_tokens_reference`` is the same evaluation as NumPy passes per layer, the reference the
+kernel is tested against bit for bit (tests/test_advise_fused.py) and what runs without numba.
+
 Shape legend (docs/architecture.md): N windows, B steps, L MoE layers, E logical experts, P physical
-slots, W EP ranks, T tokens, K top-k slots.
+slots, W EP ranks, T tokens, K top-k slots; a chunk's arrays ``_LBW`` are per (layer, step, rank).
 
 Out of scope: which options are evaluated (``advise_fit``); their summary (``advise_rows``); the
 metrics' formulas (``advise_metrics``, ``step_model``).
@@ -11,8 +16,11 @@ metrics' formulas (``advise_metrics``, ``step_model``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from moetrace.placement import simulate_kernel
 from moetrace.placement.advise_metrics import (
     balancedness,
     expected_active_slots,
@@ -24,10 +32,10 @@ from moetrace.placement.advise_metrics import (
 )
 from moetrace.placement.advise_types import StepMetrics, StepTokens
 from moetrace.placement.deployment import Deployment
-from moetrace.placement.eplb_replicas import ReplicaRule, rule_copies
+from moetrace.placement.eplb_replicas import ReplicaRule, check_rule, rule_copies, rule_tables
 from moetrace.placement.hardware import CostModel
 from moetrace.placement.maps import Placement
-from moetrace.placement.step_model import DedupUnit, copy_model, layer_seconds
+from moetrace.placement.step_model import DedupUnit, GpuTraffic, copy_model, layer_seconds
 
 __all__ = ["evaluate_counts", "evaluate_tokens"]
 
@@ -43,11 +51,168 @@ def evaluate_tokens(
     hidden_size: int,
     rule: ReplicaRule = "same_node",
 ) -> StepMetrics:
-    """One placement on a trace's simulated steps, one pass over the layers: the routing and copies of
-    ``eplb_replicas.rule_copies`` (replica policy ``rule``), priced by the one step model
-    (``step_model.layer_seconds`` with ``cost``'s kernel for ``dedup``; copies of ``hidden_size``
-    values), and from the same routing each rank's (token, expert) pairs and each token's
-    destination ranks."""
+    """One placement on a trace's simulated steps: the routing and copies of ``eplb_replicas.rule_copies``
+    (replica policy ``rule``), priced by the one step model (``step_model.layer_seconds`` with ``cost``'s
+    kernel for ``dedup``; copies of ``hidden_size`` values, ``bytes_per_token`` bytes each), and from the
+    same routing each rank's (token, expert) pairs and each token's destination ranks. Every field of
+    ``StepMetrics`` float64 [B, L] (B = ``tokens.num_steps``) but ``vllm_balancedness_B`` [B] and
+    ``send_ranks_L`` [L].
+
+    Counted by ``simulate_kernel`` (one fused pass per (step, layer), GIL released) where numba runs,
+    else by the NumPy passes (``_evaluate_tokens_reference``); the two give the same arrays bit for bit."""
+    kw: dict[str, Any] = dict(
+        deployment=deployment,
+        dedup=dedup,
+        cost=cost,
+        bytes_per_token=bytes_per_token,
+        hidden_size=hidden_size,
+        rule=rule,
+    )
+    if simulate_kernel.available() and _fusable(tokens, placement, deployment):
+        try:
+            return _evaluate_tokens_fused(tokens, placement, **kw)
+        except simulate_kernel.KernelUnavailable:
+            pass
+    return _evaluate_tokens_reference(tokens, placement, **kw)
+
+
+def _fusable(tokens: StepTokens, placement: Placement, deployment: Deployment) -> bool:
+    """Whether the inputs are ones the kernel counts as the reference does: slots that divide over the
+    ranks and those over nodes, every expert with a replica, steps and source ranks in range, a layer at
+    least. Otherwise the reference runs (and fails, or counts, as it always did)."""
+    W, g, B = deployment.num_ep, deployment.ranks_per_node, tokens.num_steps
+    L, P = placement.phy2log.shape
+    if W < 1 or g < 1 or P % W or W % g or L == 0 or tokens.topk_ids_TLK.ndim != 3 or not placement.logcnt.size:
+        return False
+    if tokens.topk_ids_TLK.shape[1] != L or (placement.logcnt < 1).any():
+        return False
+    step_T, src_T = np.asarray(tokens.step_T), np.asarray(tokens.src_rank_T)
+    if len(step_T) != len(tokens.topk_ids_TLK) or len(src_T) != len(step_T):
+        return False
+    return not len(step_T) or bool(step_T.min() >= 0 and step_T.max() < B and src_T.min() >= 0 and src_T.max() < W)
+
+
+#: most (layer, step, GPU) cells counted per kernel call (the int32 counts of a chunk: 44 MiB)
+_CHUNK_CELLS = 1 << 20
+
+
+def _evaluate_tokens_fused(
+    tokens: StepTokens,
+    placement: Placement,
+    *,
+    deployment: Deployment,
+    dedup: DedupUnit,
+    cost: CostModel,
+    bytes_per_token: int,
+    hidden_size: int,
+    rule: ReplicaRule = "same_node",
+) -> StepMetrics:
+    """``evaluate_tokens`` from ``simulate_kernel.rule_counts`` (routed by ``eplb_replicas.rule_tables``),
+    a chunk of layers at a time: every quantity the reference reads is an integer count per (step, GPU)
+    (pairs, activated slots, distinct destination GPUs, the copy model's copies and peers), so its sums are
+    exact whatever their order; the step model's formulas are per row, so one ``layer_seconds`` call over a
+    chunk's (layer, step) rows gives the reference's values; vLLM's balancedness adds the layers' means in
+    layer order, as the reference does."""
+    W, g, B = deployment.num_ep, deployment.ranks_per_node, tokens.num_steps
+    ids = np.asarray(tokens.topk_ids_TLK)
+    if ids.dtype not in (np.int16, np.int32, np.int64):
+        ids = ids.astype(np.int64)
+    ids = np.ascontiguousarray(ids)
+    T, L, K = ids.shape
+    step_T = np.ascontiguousarray(tokens.step_T, dtype=np.int64)
+    src_T = np.ascontiguousarray(tokens.src_rank_T, dtype=np.int64)
+    P = placement.phy2log.shape[1]
+    kernel = cost.kernel(dedup)  # unknown names fail in the reference's order: kernel, rule, copy model
+    check_rule(rule)
+    copy_model(dedup)
+    out = {k: np.zeros((B, L)) for k in ("bal", "busy", "mean", "amax", "amean", "inter", "a2a", "moe")}
+    tokens_BW = np.bincount(step_T * W + src_T, minlength=B * W).reshape(B, W)
+    vllm_mean, vllm_max = np.zeros(B), np.zeros(B)
+    send_L = np.full(L, np.nan)
+    tables = rule_tables(placement, rule=rule, batch_T=step_T, src_rank_T=src_T, num_ranks=W, ranks_per_node=g)
+    order_T = np.argsort(step_T, kind="stable")
+    start_B1 = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(np.bincount(step_T, minlength=B), out=start_B1[1:])
+    routed_L = (ids >= 0).any(axis=2).sum(axis=0)  # tokens with a recorded id, per layer
+    step = max(1, _CHUNK_CELLS // max(B * W, 1))
+    for l0 in range(0, L, step):
+        l1 = min(L, l0 + step)
+        Lc, cols = l1 - l0, slice(l0, l1)
+        q = simulate_kernel.rule_counts(
+            ids,
+            layers=(l0, l1),
+            tables=tables,
+            num_slots=P,
+            order_T=order_T,
+            start_B1=start_B1,
+            src_rank_T=src_T,
+            num_ranks=W,
+            ranks_per_node=g,
+            dedup=dedup,
+        )
+        load_LBW = q[2].astype(np.float64)  # (token, expert) pairs per (layer, step, GPU)
+        nact_LBW = q[1]
+        out["bal"][:, cols] = balancedness(load_LBW).T
+        max_LB, mean_LB = load_LBW.max(axis=2), load_LBW.mean(axis=2)
+        out["busy"][:, cols], out["mean"][:, cols] = max_LB.T, mean_LB.T
+        for li in range(Lc):  # layer by layer, the reference's order of float additions
+            vllm_mean += mean_LB[li]
+            vllm_max += max_LB[li]
+        sent_L = q[0].sum(axis=(1, 2), dtype=np.int64)  # distinct destination GPUs, summed over tokens
+        for li, l in enumerate(range(l0, l1)):
+            if routed_L[l] > 0:
+                send_L[l] = float(np.float64(sent_L[li]) / routed_L[l])
+        traffic = GpuTraffic(*(q[i].reshape(Lc * B, W).astype(np.float64) for i in range(3, 11)))
+        out["inter"][:, cols] = (traffic.inter_copies_B() * 2 * bytes_per_token).reshape(Lc, B).T
+        out["amax"][:, cols], out["amean"][:, cols] = nact_LBW.max(axis=2).T, nact_LBW.mean(axis=2).T
+        secs = layer_seconds(
+            traffic,
+            kernel=kernel,
+            hidden_size=hidden_size,
+            ranks_per_node=g,
+            expert=cost.expert,
+            pairs_BW=load_LBW.reshape(Lc * B, W),
+            active_BW=nact_LBW.reshape(Lc * B, W),
+            tokens_BW=np.tile(tokens_BW, (Lc, 1)),
+        )
+        out["a2a"][:, cols], out["moe"][:, cols] = secs.a2a.reshape(Lc, B).T, secs.moe.reshape(Lc, B).T
+    return _metrics(out, vllm_mean, vllm_max, send_L)
+
+
+def _metrics(
+    out: dict[str, np.ndarray], vllm_mean: np.ndarray, vllm_max: np.ndarray, send_L: np.ndarray
+) -> StepMetrics:
+    """``StepMetrics`` of the [B, L] arrays ``out``, vLLM's per-step sums over layers (float64 [B]) and the
+    mean destination ranks per token (float64 [L])."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        vllm_B = np.where(vllm_max > 0, vllm_mean / np.where(vllm_max > 0, vllm_max, 1.0), np.nan)
+    return StepMetrics(
+        balancedness_BL=out["bal"],
+        vllm_balancedness_B=vllm_B,
+        busiest_BL=out["busy"],
+        mean_rank_BL=out["mean"],
+        active_max_BL=out["amax"],
+        active_mean_BL=out["amean"],
+        send_ranks_L=send_L,
+        inter_bytes_BL=out["inter"],
+        a2a_seconds_BL=out["a2a"],
+        moe_seconds_BL=out["moe"],
+    )
+
+
+def _evaluate_tokens_reference(
+    tokens: StepTokens,
+    placement: Placement,
+    *,
+    deployment: Deployment,
+    dedup: DedupUnit,
+    cost: CostModel,
+    bytes_per_token: int,
+    hidden_size: int,
+    rule: ReplicaRule = "same_node",
+) -> StepMetrics:
+    """``evaluate_tokens`` by NumPy passes per layer (``rule_copies``, sorts and bincounts, the copy
+    model's ``traffic``): the reference the fused kernel is tested against, and what runs without numba."""
     W, g, B = deployment.num_ep, deployment.ranks_per_node, tokens.num_steps
     ids = tokens.topk_ids_TLK
     L = ids.shape[1]
@@ -105,20 +270,7 @@ def evaluate_tokens(
             tokens_BW=tokens_BW,
         )
         out["a2a"][:, l], out["moe"][:, l] = secs.a2a, secs.moe
-    with np.errstate(invalid="ignore", divide="ignore"):
-        vllm_B = np.where(vllm_max > 0, vllm_mean / np.where(vllm_max > 0, vllm_max, 1.0), np.nan)
-    return StepMetrics(
-        balancedness_BL=out["bal"],
-        vllm_balancedness_B=vllm_B,
-        busiest_BL=out["busy"],
-        mean_rank_BL=out["mean"],
-        active_max_BL=out["amax"],
-        active_mean_BL=out["amean"],
-        send_ranks_L=send_L,
-        inter_bytes_BL=out["inter"],
-        a2a_seconds_BL=out["a2a"],
-        moe_seconds_BL=out["moe"],
-    )
+    return _metrics(out, vllm_mean, vllm_max, send_L)
 
 
 def evaluate_counts(

@@ -41,6 +41,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from moetrace.errors import ConfigError
+from moetrace.placement import simulate_kernel
 from moetrace.placement.maps import Placement
 from moetrace.placement.simulate import LayerCopies, layer_copies
 
@@ -48,6 +49,7 @@ __all__ = [
     "REPLICA_RULES",
     "ReplicaRule",
     "rule_copies",
+    "rule_tables",
     "sglang_dispatch_map",
     "slot_shares",
     "token_rows",
@@ -212,3 +214,38 @@ def rule_copies(
         else:
             slot = np.where(valid, dmap[l][src[:, None], np.where(valid, e, 0)], -1)
         yield LayerCopies(slot_TK=slot, valid_TK=valid, rank_TK=np.where(valid, slot // per_rank, 0))
+
+
+def rule_tables(
+    placement: Placement,
+    *,
+    rule: ReplicaRule,
+    batch_T: np.ndarray,
+    src_rank_T: np.ndarray,
+    num_ranks: int,
+    ranks_per_node: int,
+) -> simulate_kernel.RuleTables:
+    """The tables ``simulate_kernel.rule_counts`` routes ``rule`` by, the slots ``rule_copies`` picks:
+    ``same_node`` the kernel's own policy; ``vllm`` each token's Knuth hash of its row
+    (``token_rows``; int64 [T]) into each expert's replicas in ascending slot order; ``sglang`` the
+    static map (``sglang_dispatch_map``, int64 [L, W, E]). ``batch_T``, ``src_rank_T``: int [T]."""
+    check_rule(rule)
+    if rule == "same_node":
+        return simulate_kernel.policy_tables(
+            placement, num_ranks=num_ranks, ranks_per_node=ranks_per_node, policy="same_node"
+        )
+    p2l = placement.phy2log
+    L, P = p2l.shape
+    E = placement.logcnt.shape[1]
+    if rule == "sglang":
+        dmap = sglang_dispatch_map(p2l, num_experts=E, num_ranks=num_ranks, ranks_per_node=ranks_per_node)
+        return simulate_kernel.mapped_tables(placement, dmap)
+    per_layer = [_ascending_replicas(p2l[l], E) for l in range(L)]
+    M = max((r.shape[1] for r, _ in per_layer), default=1)
+    reps_LEM = np.full((L, E, M), -1, dtype=np.int64)
+    cnt_LE = np.zeros((L, E), dtype=np.int64)
+    for l, (reps, cnt) in enumerate(per_layer):
+        reps_LEM[l, :, : reps.shape[1]] = reps
+        cnt_LE[l] = cnt
+    rows = token_rows(batch_T, np.asarray(src_rank_T, dtype=np.int64), num_ranks=num_ranks)
+    return simulate_kernel.hashed_tables(reps_LEM, cnt_LE, (rows * KNUTH) & 0xFFFFFFFF)

@@ -1,35 +1,39 @@
-"""The fused per-layer counts of ``simulate_volume``: one numba pass over a layer's ``[T, K]`` ids gives
-everything the volume and step models read, per (batch, GPU).
+"""The fused per-layer counts of ``simulate_volume`` and of ``advise``'s ``evaluate_tokens``: one numba
+pass over a layer's ``[T, K]`` ids gives everything the volume and step models read, per (batch, GPU).
 
 Per token of a batch (docs/placement.md), in one pass: the slot serving each (token, expert) (the
 replica ``replica_routing.choose_slots`` picks: the one replica; ``even``: token index modulo the replica
 count; ``same_node``: a replica on the token's node if there is one; ``metro`` is routed by
-``choose_slots`` itself and handed in), the GPU holding it, the token's distinct GPUs, the slots
-activated in the batch, and the copies of the copy model (``step_model.COPY_MODELS``: ``expert``, one
-per routed slot named once in the row; ``rank``, one per distinct destination GPU; ``node``, one per
-GPU on the own node, one RDMA copy per remote node to the sender's peer there, forwarded over NVLink
-to that node's other destination GPUs), each counted sent and received per link class, and each
-(source, destination) pair of a batch once as a peer. Counts are integers, so the ``[B, W]`` sums the
-step model takes of them are the same numbers whatever their order: ``simulate_volume`` prices them with
-``step_model.layer_seconds``, bit for bit what the NumPy passes (``simulate._simulate_volume_reference``)
+``choose_slots`` itself and handed in; or the engines' rules of ``eplb_replicas.rule_copies``, from the
+tables ``eplb_replicas.rule_tables`` builds in NumPy: vLLM's hash of the token's row as a per-token key
+into the expert's replicas, SGLang's static map as a (source GPU, expert) table), the GPU holding it,
+the token's distinct GPUs, the slots activated in the batch, and the copies of the copy model
+(``step_model.COPY_MODELS``: ``expert``, one per routed slot named once in the row; ``rank``, one per
+distinct destination GPU; ``node``, one per GPU on the own node, one RDMA copy per remote node to the
+sender's peer there, forwarded over NVLink to that node's other destination GPUs), each counted sent and
+received per link class, and each (source, destination) pair of a batch once as a peer. Counts are
+integers, so the ``[B, W]`` sums the step model takes of them are the same numbers whatever their order:
+``simulate_volume`` and ``evaluate_tokens`` price them with ``step_model.layer_seconds``, bit for bit what
+the NumPy passes (``simulate._simulate_volume_reference``, ``advise_evaluate._evaluate_tokens_reference``)
 give.
 
 The kernel is compiled on first use (``cache=True``: on disk by numba) and releases the GIL
 (``nogil``): callers simulate placements on threads. Without numba (the bare install: ``available`` is
-False) or where numba cannot compile the kernel (``analysis.jit`` warns once; ``layer_counts`` raises
-``KernelUnavailable``), ``simulate_volume`` runs the NumPy passes.
+False) or where numba cannot compile the kernel (``analysis.jit`` warns once; ``layer_counts`` and
+``rule_counts`` raise ``KernelUnavailable``), the callers run their NumPy passes.
 
 Shape legend (docs/architecture.md): T tokens, L MoE layers (Lc of one chunk), K top-k slots,
 E logical experts, P physical slots, M max replicas, B batches, W EP ranks (GPUs), G node groups (= nodes),
 Q the counted quantities (``QUANTITIES``).
 
-Out of scope: pricing the counts (``step_model``); the metrics built from them (``simulate``).
+Out of scope: pricing the counts (``step_model``); the metrics built from them (``simulate``,
+``advise_evaluate``); the engines' rules themselves (``eplb_replicas``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,7 +41,17 @@ from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy, choose_slots, local_replicas
 from moetrace.placement.step_model import DedupUnit
 
-__all__ = ["QUANTITIES", "available", "layer_counts", "routing_tables"]
+__all__ = [
+    "QUANTITIES",
+    "RuleTables",
+    "available",
+    "hashed_tables",
+    "layer_counts",
+    "mapped_tables",
+    "policy_tables",
+    "routing_tables",
+    "rule_counts",
+]
 
 #: what ``layer_counts`` returns along axis Q, each an int32 count per (layer, batch, GPU)
 QUANTITIES = (
@@ -54,8 +68,9 @@ QUANTITIES = (
     "peers_recv_inter",
 )
 _COPIES = {"expert": 0, "rank": 1, "node": 2}
-#: how a layer's slots are chosen: the one replica, ``even``, ``same_node``, or handed in (``metro``)
-_ONE, _EVEN, _SAME_NODE, _GIVEN = 0, 1, 2, 3
+#: how a layer's slots are chosen: the one replica, ``even``, ``same_node``, handed in (``metro``), a
+#: per-token key modulo the replica count (vLLM's hash), a (source GPU, expert) map (SGLang's static map)
+_ONE, _EVEN, _SAME_NODE, _GIVEN, _HASH, _MAP = 0, 1, 2, 3, 4, 5
 
 _KERNELS: dict[str, Callable[..., Any]] = {}
 
@@ -81,14 +96,17 @@ def _kernel() -> Callable[..., Any]:
 
     @numba.njit(cache=True, nogil=True)
     def layers_kernel(
-        ids_TLK, l0, slots_TLK, mode_L, log2phy_LEM, logcnt_LE, local_LGEM, lcnt_LGE,
+        ids_TLK, l0, slots_TLK, mode_L, log2phy_LEM, logcnt_LE, local_LGEM, lcnt_LGE, key_T, map_LWE,
         order_T, start_B1, src_T, rank_of_slot_P, node_of_rank_W, g, copies, out_QLBW,
     ):  # fmt: skip
         # ids_TLK: int [T, L, K] logical ids (< 0: not recorded); slots_TLK: int32 [T, Lc, K] slots of
-        # the layers whose mode_L is _GIVEN (else unused); order_T, start_B1: tokens grouped by batch
-        # (batch b is order_T[start_B1[b]:start_B1[b + 1]]); src_T: int64 source GPU; rank_of_slot_P,
-        # node_of_rank_W: int64 lookups (no division in the loop); out_QLBW: int32 [Q, Lc, B, W] zeros,
-        # filled for layers l0 .. l0 + Lc - 1. Returns the number of ids >= E.
+        # the layers whose mode_L is _GIVEN (else unused); key_T: int64 [T] each token's replica key
+        # (_HASH); map_LWE: int64 [L, W, E] the slot each source GPU sends each expert to (_MAP);
+        # log2phy_LEM, logcnt_LE: each expert's replicas (_HASH: in the order the key indexes);
+        # order_T, start_B1: tokens grouped by batch (batch b is order_T[start_B1[b]:start_B1[b + 1]]);
+        # src_T: int64 source GPU; rank_of_slot_P, node_of_rank_W: int64 lookups (no division in the
+        # loop); out_QLBW: int32 [Q, Lc, B, W] zeros, filled for layers l0 .. l0 + Lc - 1. Returns the
+        # number of ids >= E.
         K = ids_TLK.shape[2]
         Lc = out_QLBW.shape[1]
         B = out_QLBW.shape[2]
@@ -136,6 +154,11 @@ def _kernel() -> Callable[..., Any]:
                         elif e >= 0:
                             if mode == _ONE:
                                 sl = log2phy_LEM[l, e, 0]
+                            elif mode == _HASH:  # vLLM: the token's key modulo the replica count
+                                cnt = logcnt_LE[l, e]
+                                sl = log2phy_LEM[l, e, key_T[t] % cnt if cnt > 0 else 0]
+                            elif mode == _MAP:  # SGLang's static map: one slot per (source GPU, expert)
+                                sl = map_LWE[l, s, e]
                             else:
                                 cnt = logcnt_LE[l, e]
                                 sl = log2phy_LEM[l, e, t % cnt if cnt > 0 else 0]  # even
@@ -228,6 +251,24 @@ def _unavailable(*args: Any) -> int:
     raise KernelUnavailable("the fused simulation kernel could not be compiled")
 
 
+class RuleTables(NamedTuple):
+    """What the kernel routes a layer's (token, expert) pairs by (``policy_tables``, ``hashed_tables``,
+    ``mapped_tables``); the arrays a mode does not read are placeholders of one element."""
+
+    mode_L: np.ndarray  # int64 [L] how each layer's slots are chosen (_ONE, _EVEN, ...)
+    replicas_LEM: np.ndarray  # int64 [L, E, M] each expert's slots (-1 padded; _HASH indexes them by key)
+    count_LE: np.ndarray  # int64 [L, E] each expert's replica count
+    local_LGEM: np.ndarray  # int64 [L, G, E, M'] replicas on each node (``same_node``), counts ``lcnt_LGE``
+    lcnt_LGE: np.ndarray  # int64 [L, G, E]
+    key_T: np.ndarray  # int64 [T] each token's replica key (_HASH)
+    map_LWE: np.ndarray  # int64 [L, W, E] the slot each source GPU sends each expert to (_MAP)
+
+
+def _none() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The placeholders of ``local_LGEM``, ``key_T`` and ``map_LWE`` (int64, one element each)."""
+    return np.zeros((1, 1, 1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros((1, 1, 1), dtype=np.int64)
+
+
 def routing_tables(placement: Placement, *, num_ranks: int, ranks_per_node: int, policy: ReplicaPolicy):
     """What the kernel routes by, per layer: ``mode_L`` int64 [L] (how slots are chosen), and for
     ``same_node`` the local replicas ``local_LGEM`` int64 [L, G, E, M'] (-1 padded) with their counts
@@ -254,6 +295,57 @@ def routing_tables(placement: Placement, *, num_ranks: int, ranks_per_node: int,
     return mode_L, local_LGEM, lcnt_LGE
 
 
+def policy_tables(placement: Placement, *, num_ranks: int, ranks_per_node: int, policy: ReplicaPolicy) -> RuleTables:
+    """``RuleTables`` of a ``replica_routing`` policy (``routing_tables``; ``metro``'s slots are handed in)."""
+    mode_L, local_LGEM, lcnt_LGE = routing_tables(
+        placement, num_ranks=num_ranks, ranks_per_node=ranks_per_node, policy=policy
+    )
+    return _policy_rule_tables(placement, (mode_L, local_LGEM, lcnt_LGE))
+
+
+def _policy_rule_tables(placement: Placement, tables: tuple[np.ndarray, np.ndarray, np.ndarray]) -> RuleTables:
+    _, key_T, map_LWE = _none()
+    return RuleTables(
+        tables[0],
+        np.ascontiguousarray(placement.log2phy, dtype=np.int64),
+        np.ascontiguousarray(placement.logcnt, dtype=np.int64),
+        tables[1],
+        tables[2],
+        key_T,
+        map_LWE,
+    )
+
+
+def hashed_tables(replicas_LEM: np.ndarray, count_LE: np.ndarray, key_T: np.ndarray) -> RuleTables:
+    """``RuleTables`` where token ``t`` takes replica ``key_T[t] % count`` of each expert, listed in
+    ``replicas_LEM`` (int [L, E, M], -1 padded) with ``count_LE`` (int [L, E]) each; ``key_T``: int [T],
+    not negative (vLLM's hash of the token's row: ``eplb_replicas.rule_tables``). A layer where every
+    expert has one replica takes it."""
+    count = np.ascontiguousarray(count_LE, dtype=np.int64)
+    local_LGEM, _, map_LWE = _none()
+    mode_L = np.where(count.max(axis=1, initial=1) > 1, _HASH, _ONE).astype(np.int64)
+    lcnt = np.zeros((1, 1, 1), dtype=np.int64)
+    reps = np.ascontiguousarray(replicas_LEM, dtype=np.int64)
+    return RuleTables(mode_L, reps, count, local_LGEM, lcnt, np.ascontiguousarray(key_T, dtype=np.int64), map_LWE)
+
+
+def mapped_tables(placement: Placement, map_LWE: np.ndarray) -> RuleTables:
+    """``RuleTables`` where a token from GPU ``w`` sends expert ``e`` of layer ``l`` to slot
+    ``map_LWE[l, w, e]`` (int [L, W, E]: SGLang's static dispatch map, ``eplb_replicas.sglang_dispatch_map``).
+    A layer where every expert has one replica takes it."""
+    local_LGEM, key_T, _ = _none()
+    mode_L = np.where(placement.logcnt.max(axis=1, initial=1) > 1, _MAP, _ONE).astype(np.int64)
+    return RuleTables(
+        mode_L,
+        np.ascontiguousarray(placement.log2phy, dtype=np.int64),
+        np.ascontiguousarray(placement.logcnt, dtype=np.int64),
+        local_LGEM,
+        np.zeros((1, 1, 1), dtype=np.int64),
+        key_T,
+        np.ascontiguousarray(map_LWE, dtype=np.int64),
+    )
+
+
 def layer_counts(
     ids_TLK: np.ndarray,
     *,
@@ -277,15 +369,12 @@ def layer_counts(
     ``metro``). Raises ``KernelUnavailable`` where numba cannot run the kernel, ``IndexError`` on an id
     >= E (as ``choose_slots`` would).
     """
-    from moetrace.analysis.jit import run_kernel
-
     l0, l1 = layers
     T, _, K = ids_TLK.shape
     B, W = len(start_B1) - 1, num_ranks
-    P = placement.phy2log.shape[1]
-    mode_L, local_LGEM, lcnt_LGE = tables
-    slots_TLK = np.zeros((1, 1, 1), dtype=np.int32)
-    if (mode_L[l0:l1] == _GIVEN).any():  # metro: choose_slots routes, the kernel counts
+    rt = _policy_rule_tables(placement, tables)
+    slots_TLK = None
+    if (rt.mode_L[l0:l1] == _GIVEN).any():  # metro: choose_slots routes, the kernel counts
         slots_TLK = np.empty((T, l1 - l0, K), dtype=np.int32)
         for li, l in enumerate(range(l0, l1)):
             slots_TLK[:, li, :] = choose_slots(
@@ -300,6 +389,47 @@ def layer_counts(
                 ranks_per_node=ranks_per_node,
                 policy=policy,
             )
+    return rule_counts(
+        ids_TLK,
+        layers=layers,
+        tables=rt,
+        num_slots=placement.phy2log.shape[1],
+        order_T=order_T,
+        start_B1=start_B1,
+        src_rank_T=src_rank_T,
+        num_ranks=num_ranks,
+        ranks_per_node=ranks_per_node,
+        dedup=dedup,
+        slots_TLK=slots_TLK,
+    )
+
+
+def rule_counts(
+    ids_TLK: np.ndarray,
+    *,
+    layers: tuple[int, int],
+    tables: RuleTables,
+    num_slots: int,
+    order_T: np.ndarray,
+    start_B1: np.ndarray,
+    src_rank_T: np.ndarray,
+    num_ranks: int,
+    ranks_per_node: int,
+    dedup: DedupUnit,
+    slots_TLK: np.ndarray | None = None,
+) -> np.ndarray:
+    """The ``QUANTITIES`` of layers ``layers = (l0, l1)`` routed by ``tables``, int32 [Q, l1 - l0, B, W].
+
+    ``ids_TLK``: int16/int32/int64 [T, L, K] logical ids (< 0 not recorded; C-contiguous); ``num_slots``:
+    P, the slots of the placement; ``order_T``, ``start_B1``: int64 tokens grouped by batch and the start
+    of each batch's run [B + 1]; ``src_rank_T``: int64 [T]; ``slots_TLK``: int32 [T, l1 - l0, K] the
+    slots of the layers whose mode is handed in (None: none is). Raises ``KernelUnavailable`` where numba
+    cannot run the kernel, ``IndexError`` on an id >= E.
+    """
+    from moetrace.analysis.jit import run_kernel
+
+    l0, l1 = layers
+    B, W, P = len(start_B1) - 1, num_ranks, num_slots
     out_QLBW = np.zeros((len(QUANTITIES), l1 - l0, B, W), dtype=np.int32)
     bad = run_kernel(
         "simulate-layers",
@@ -307,12 +437,14 @@ def layer_counts(
         _unavailable,
         ids_TLK,
         l0,
-        slots_TLK,
-        mode_L,
-        np.ascontiguousarray(placement.log2phy, dtype=np.int64),
-        np.ascontiguousarray(placement.logcnt, dtype=np.int64),
-        local_LGEM,
-        lcnt_LGE,
+        np.zeros((1, 1, 1), dtype=np.int32) if slots_TLK is None else slots_TLK,
+        tables.mode_L,
+        tables.replicas_LEM,
+        tables.count_LE,
+        tables.local_LGEM,
+        tables.lcnt_LGE,
+        tables.key_T,
+        tables.map_LWE,
         order_T,
         start_B1,
         src_rank_T,
@@ -323,5 +455,5 @@ def layer_counts(
         out_QLBW,
     )
     if bad:
-        raise IndexError(f"{bad} expert ids of layers {l0}..{l1 - 1} are >= num_experts={placement.logcnt.shape[1]}")
+        raise IndexError(f"{bad} expert ids of layers {l0}..{l1 - 1} are >= num_experts={tables.count_LE.shape[1]}")
     return out_QLBW

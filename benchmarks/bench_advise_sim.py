@@ -1,0 +1,175 @@
+"""Benchmark: ``moetrace advise`` on a DeepSeek-V3 synth trace, this checkout against a baseline checkout
+(advise's step simulation, ``advise_evaluate.evaluate_tokens``, on the fused kernel or not).
+
+Builds (once, into ``--workdir``) or takes (``--trace``) the trace of ``moetrace demo``'s shape
+(``moetrace synth --model deepseek-v3 --datasets gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr
+--requests 2100 --seed 0``), then runs ``moetrace advise TRACE --config DP8TP8EP64 --seed 0`` (every
+default: EPLB over the redundant-slot sweep, 200 decode steps, the prefill steps, ``same_node``
+replicas; ``--replica-policy`` picks another rule) in a fresh child process per run, and reports wall
+time and CPU time (user + system of the child and its threads) per side: medians and minima, with the
+load average before and after each run.
+
+With ``--baseline DIR`` (a whole checkout made before the change, e.g. ``git archive HEAD | tar -x -C
+/tmp/adv_before``, put first on the child's ``PYTHONPATH`` and used as its working directory) the two
+sides alternate for ``--reps`` repetitions each (this checkout first on even repetitions, the baseline
+first on odd ones; ``--tree DIR`` times another checkout as `after`, e.g. the baseline with only the
+change's files copied in, where the working tree holds others' edits too), after one untimed warm-up run
+per side (numba's on-disk cache). Every run writes to the same folder (``WORKDIR/out``), moved to
+``out-<side>`` afterwards, so the paths advice.json names are the same on both sides; then every file of
+the two advice folders is compared: the Parquet tables decoded (column names, dtypes, values, nulls
+equal), ``advice.json`` and the placement files as JSON with the fields that hold a time left out
+(``IGNORED_JSON_FIELDS``; advice.json holds none today, the list is explicit so that a new one shows up
+as a difference), anything else byte for byte.
+
+    .venv/bin/python benchmarks/bench_advise_sim.py --trace /tmp/adv_trace --baseline /tmp/adv_before --reps 3
+    # only this change, not the working tree's other edits: the baseline plus the change's files
+    mkdir -p /tmp/adv_mine && git archive HEAD | tar -x -C /tmp/adv_mine && cp placement/advise_evaluate.py \
+        placement/eplb_replicas.py placement/simulate_kernel.py /tmp/adv_mine/placement/
+    .venv/bin/python benchmarks/bench_advise_sim.py --trace /tmp/adv_trace --baseline /tmp/adv_before \
+        --tree /tmp/adv_mine --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATASETS = "gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr"
+DEPLOYMENT = "DP8TP8EP64"
+#: JSON fields that may differ between two runs of the same inputs (times); none today
+IGNORED_JSON_FIELDS: tuple[str, ...] = ()
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def make_trace(workdir: Path, requests: int) -> Path:
+    """The synth trace (built once; reused when it exists)."""
+    trace = workdir / f"synth-dsv3-{requests}"
+    if not (trace / "manifest.json").exists():
+        cmd = [sys.executable, "-m", "moetrace", "synth", "--model", "deepseek-v3", "--datasets", DATASETS]
+        cmd += ["--requests", str(requests), "--seed", "0", "-o", str(trace), "--overwrite", "-q"]
+        subprocess.run(cmd, check=True, cwd=ROOT)
+    return trace
+
+
+def run_advise(trace: Path, workdir: Path, side: str, *, tree: Path, extra: list[str]) -> dict[str, float]:
+    """One ``moetrace advise`` in a child process with ``tree`` first on its path, written to
+    ``workdir/out`` and moved to ``workdir/out-<side>``: wall and CPU seconds."""
+    out = workdir / "out"
+    cmd = [sys.executable, "-m", "moetrace", "advise", str(trace), "--config", DEPLOYMENT, "--seed", "0"]
+    cmd += ["-o", str(out), "--overwrite", "-q", *extra]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(tree), env.get("PYTHONPATH")) if x)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        sys.exit(f"advise failed in {tree}:\n{proc.stderr[-4000:]}")
+    dest = workdir / f"out-{side}"
+    shutil.rmtree(dest, ignore_errors=True)
+    out.rename(dest)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall": wall, "cpu": cpu, "load0": load0, "load1": os.getloadavg()[0]}
+
+
+def _json_without(doc: object, ignored: tuple[str, ...]) -> object:
+    if isinstance(doc, dict):
+        return {k: _json_without(v, ignored) for k, v in doc.items() if k not in ignored}
+    if isinstance(doc, list):
+        return [_json_without(v, ignored) for v in doc]
+    return doc
+
+
+def same_results(a: Path, b: Path) -> dict[str, bool]:
+    """Each file of either advice folder (sub-folders included): whether the other holds the same
+    (Parquet: the same decoded table; JSON: the same document but ``IGNORED_JSON_FIELDS``; else bytes)."""
+    import polars as pl
+
+    names = {p.relative_to(a) for p in a.rglob("*") if p.is_file()} | {
+        p.relative_to(b) for p in b.rglob("*") if p.is_file()
+    }
+    same = {}
+    for name in sorted(names, key=str):
+        fa, fb = a / name, b / name
+        if not (fa.exists() and fb.exists()):
+            same[str(name)] = False
+        elif fa.suffix == ".parquet":
+            same[str(name)] = pl.read_parquet(fa).equals(pl.read_parquet(fb), null_equal=True)
+        elif fa.suffix == ".json":
+            ja, jb = (_json_without(json.loads(f.read_text()), IGNORED_JSON_FIELDS) for f in (fa, fb))
+            same[str(name)] = ja == jb
+        else:
+            same[str(name)] = fa.read_bytes() == fb.read_bytes()
+    return same
+
+
+def _summary(runs: list[dict[str, float]]) -> str:
+    walls, cpus = [r["wall"] for r in runs], [r["cpu"] for r in runs]
+    loads = [r["load0"] for r in runs] + [r["load1"] for r in runs]
+    return (
+        f"wall median {statistics.median(walls):6.1f} s (min {min(walls):6.1f}), "
+        f"CPU median {statistics.median(cpus):6.1f} s (min {min(cpus):6.1f}), load {min(loads):.1f}-{max(loads):.1f}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, help="an existing trace (default: build the synth trace in --workdir)")
+    ap.add_argument("--requests", type=int, default=2100)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/bench_advise_sim"))
+    ap.add_argument("--baseline", type=Path, help="a checkout to time against (first on PYTHONPATH)")
+    ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout timed as `after` (default: this one)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--replica-policy", choices=("same_node", "vllm", "sglang"), help="advise's (default: its own)")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed first run per side")
+    args = ap.parse_args()
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    trace = args.trace or make_trace(args.workdir, args.requests)
+    extra = ["--replica-policy", args.replica_policy] if args.replica_policy else []
+    sides = {"after": args.tree.resolve()} | ({"before": args.baseline.resolve()} if args.baseline else {})
+    print(f"trace {trace}; advise --config {DEPLOYMENT} --seed 0 {' '.join(extra)}; load {_load()}", flush=True)
+    if not args.no_warmup:
+        for side, tree in sides.items():
+            r = run_advise(trace, args.workdir, side, tree=tree, extra=extra)
+            print(f"  warm-up {side:6s}: wall {r['wall']:6.1f} s, CPU {r['cpu']:6.1f} s (load {_load()})", flush=True)
+    runs: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
+    for rep in range(args.reps):
+        order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
+        for side in order:
+            r = run_advise(trace, args.workdir, side, tree=sides[side], extra=extra)
+            runs[side].append(r)
+            print(
+                f"  rep {rep} {side:6s}: wall {r['wall']:6.1f} s, CPU {r['cpu']:6.1f} s "
+                f"(load {r['load0']:.2f} -> {r['load1']:.2f})",
+                flush=True,
+            )
+    for side in sides:
+        print(f"{side:6s}: {_summary(runs[side])}")
+    if "before" in sides:
+        a, b = (statistics.median(r["wall"] for r in runs[s]) for s in ("after", "before"))
+        c, d = (statistics.median(r["cpu"] for r in runs[s]) for s in ("after", "before"))
+        print(f"after / before: wall {a / b:.2f}x, CPU {c / d:.2f}x")
+        same = same_results(args.workdir / "out-after", args.workdir / "out-before")
+        for name, ok in same.items():
+            print(f"  {name}: {'identical' if ok else 'DIFFERENT'}")
+        if not all(same.values()):
+            sys.exit("the two sides' advice differs")
+
+
+if __name__ == "__main__":
+    main()
