@@ -171,8 +171,8 @@ def simulate_volume(
     if simulate_kernel.available():
         try:
             return _simulate_volume_fused(topk_ids_TLK, **kw)
-        except simulate_kernel.KernelUnavailable:
-            pass
+        except simulate_kernel.KernelUnavailable:  # these inputs or this numba: the NumPy passes, same bits
+            return _simulate_volume_reference(topk_ids_TLK, **kw)
     return _simulate_volume_reference(topk_ids_TLK, **kw)
 
 
