@@ -35,7 +35,7 @@ from moetrace.placement.deployment import Deployment
 from moetrace.placement.eplb_replicas import ReplicaRule, check_rule, rule_copies, rule_tables
 from moetrace.placement.hardware import CostModel
 from moetrace.placement.maps import Placement
-from moetrace.placement.step_model import DedupUnit, GpuTraffic, copy_model, layer_seconds
+from moetrace.placement.step_model import DedupUnit, copy_model, layer_seconds
 
 __all__ = ["evaluate_counts", "evaluate_tokens"]
 
@@ -92,10 +92,6 @@ def _fusable(tokens: StepTokens, placement: Placement, deployment: Deployment) -
     return not len(step_T) or bool(step_T.min() >= 0 and step_T.max() < B and src_T.min() >= 0 and src_T.max() < W)
 
 
-#: most (layer, step, GPU) cells counted per kernel call (the int32 counts of a chunk: 44 MiB)
-_CHUNK_CELLS = 1 << 20
-
-
 def _evaluate_tokens_fused(
     tokens: StepTokens,
     placement: Placement,
@@ -114,13 +110,9 @@ def _evaluate_tokens_fused(
     chunk's (layer, step) rows gives the reference's values; vLLM's balancedness adds the layers' means in
     layer order, as the reference does."""
     W, g, B = deployment.num_ep, deployment.ranks_per_node, tokens.num_steps
-    ids = np.asarray(tokens.topk_ids_TLK)
-    if ids.dtype not in (np.int16, np.int32, np.int64):
-        ids = ids.astype(np.int64)
-    ids = np.ascontiguousarray(ids)
+    steps = simulate_kernel.sorted_steps(tokens.topk_ids_TLK, tokens.step_T, tokens.src_rank_T, num_batches=B)
+    ids, step_T, src_T = steps.ids_TLK, steps.batch_T, steps.src_rank_T
     T, L, K = ids.shape
-    step_T = np.ascontiguousarray(tokens.step_T, dtype=np.int64)
-    src_T = np.ascontiguousarray(tokens.src_rank_T, dtype=np.int64)
     P = placement.phy2log.shape[1]
     kernel = cost.kernel(dedup)  # unknown names fail in the reference's order: kernel, rule, copy model
     check_rule(rule)
@@ -130,11 +122,8 @@ def _evaluate_tokens_fused(
     vllm_mean, vllm_max = np.zeros(B), np.zeros(B)
     send_L = np.full(L, np.nan)
     tables = rule_tables(placement, rule=rule, batch_T=step_T, src_rank_T=src_T, num_ranks=W, ranks_per_node=g)
-    order_T = np.argsort(step_T, kind="stable")
-    start_B1 = np.zeros(B + 1, dtype=np.int64)
-    np.cumsum(np.bincount(step_T, minlength=B), out=start_B1[1:])
     routed_L = (ids >= 0).any(axis=2).sum(axis=0)  # tokens with a recorded id, per layer
-    step = max(1, _CHUNK_CELLS // max(B * W, 1))
+    step = max(1, simulate_kernel.CHUNK_CELLS // max(B * W, 1))
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         Lc, cols = l1 - l0, slice(l0, l1)
@@ -143,8 +132,8 @@ def _evaluate_tokens_fused(
             layers=(l0, l1),
             tables=tables,
             num_slots=P,
-            order_T=order_T,
-            start_B1=start_B1,
+            order_T=steps.order_T,
+            start_B1=steps.start_B1,
             src_rank_T=src_T,
             num_ranks=W,
             ranks_per_node=g,
@@ -162,7 +151,7 @@ def _evaluate_tokens_fused(
         for li, l in enumerate(range(l0, l1)):
             if routed_L[l] > 0:
                 send_L[l] = float(np.float64(sent_L[li]) / routed_L[l])
-        traffic = GpuTraffic(*(q[i].reshape(Lc * B, W).astype(np.float64) for i in range(3, 11)))
+        traffic = simulate_kernel.chunk_traffic(q)
         out["inter"][:, cols] = (traffic.inter_copies_B() * 2 * bytes_per_token).reshape(Lc, B).T
         out["amax"][:, cols], out["amean"][:, cols] = nact_LBW.max(axis=2).T, nact_LBW.mean(axis=2).T
         secs = layer_seconds(

@@ -38,7 +38,7 @@ from moetrace.placement import simulate_kernel
 from moetrace.placement.hardware import CostModel
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy, choose_slots
-from moetrace.placement.step_model import DedupUnit, GpuTraffic, copy_model, layer_seconds
+from moetrace.placement.step_model import DedupUnit, copy_model, layer_seconds
 
 __all__ = ["DedupUnit", "LayerCopies", "METRICS", "TIME_METRICS", "layer_copies", "simulate_volume"]
 
@@ -176,10 +176,6 @@ def simulate_volume(
     return _simulate_volume_reference(topk_ids_TLK, **kw)
 
 
-#: most (layer, batch, GPU) cells counted per kernel call (the int32 counts of a chunk: 44 MiB)
-_CHUNK_CELLS = 1 << 20
-
-
 def _simulate_volume_fused(
     topk_ids_TLK: np.ndarray,
     *,
@@ -198,15 +194,11 @@ def _simulate_volume_fused(
     """``simulate_volume`` from ``simulate_kernel.layer_counts``, a chunk of layers at a time: the same
     metrics and the same ``layer_seconds`` call over the chunk's (layer, batch) rows (every step-model
     formula is per row, so stacking rows changes no value)."""
-    ids = np.asarray(topk_ids_TLK)
-    if ids.dtype not in (np.int16, np.int32, np.int64):
-        ids = ids.astype(np.int64)
-    ids = np.ascontiguousarray(ids)
-    T, L, K = ids.shape
     B, W, g = num_batches, num_ranks, ranks_per_node
+    steps = simulate_kernel.sorted_steps(topk_ids_TLK, batch_T, src_rank_T, num_batches=B)
+    ids, batch_T, src_rank_T = steps.ids_TLK, steps.batch_T, steps.src_rank_T
+    T, L, K = ids.shape
     copy_model(dedup)  # an unknown copy model fails here as in the reference
-    batch_T = np.ascontiguousarray(batch_T, dtype=np.int64)
-    src_rank_T = np.ascontiguousarray(src_rank_T, dtype=np.int64)
     P = placement.phy2log.shape[1]
     if W < 1 or g < 1 or P % W or W % g:  # the reference fails on these too (its reshapes)
         raise ValueError(f"{P} slots must divide over {W} EP ranks, and those over nodes of {g} GPUs")
@@ -215,12 +207,9 @@ def _simulate_volume_fused(
     out = {m: np.zeros((B, L)) for m in METRICS + (TIME_METRICS if cost is not None else ())}
     tokens_BW = np.bincount(batch_T * W + src_rank_T, minlength=B * W).reshape(B, W)  # shared experts' tokens
     tables = simulate_kernel.routing_tables(placement, num_ranks=W, ranks_per_node=g, policy=policy)
-    order_T = np.argsort(batch_T, kind="stable")
-    start_B1 = np.zeros(B + 1, dtype=np.int64)
-    np.cumsum(np.bincount(batch_T, minlength=B), out=start_B1[1:])
-    step = max(1, _CHUNK_CELLS // max(B * W, 1))
+    step = max(1, simulate_kernel.CHUNK_CELLS // max(B * W, 1))
     if policy == "metro":  # choose_slots' slots of a chunk are held too (int32 [T, chunk, K])
-        step = max(1, min(step, _CHUNK_CELLS * 16 // max(T * K, 1)))
+        step = max(1, min(step, simulate_kernel.CHUNK_CELLS * 16 // max(T * K, 1)))
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         Lc, cols = l1 - l0, slice(l0, l1)
@@ -229,8 +218,8 @@ def _simulate_volume_fused(
             layers=(l0, l1),
             placement=placement,
             tables=tables,
-            order_T=order_T,
-            start_B1=start_B1,
+            order_T=steps.order_T,
+            start_B1=steps.start_B1,
             batch_T=batch_T,
             src_rank_T=src_rank_T,
             num_ranks=W,
@@ -243,7 +232,7 @@ def _simulate_volume_fused(
         out["tokens_per_rank_mean"][:, cols] = tok_LBW.mean(2).T
         out["activated_experts_per_rank_max"][:, cols] = nact_LBW.max(2).T
         out["activated_experts_per_rank_mean"][:, cols] = nact_LBW.mean(2).T
-        traffic = GpuTraffic(*(q[i].reshape(Lc * B, W).astype(np.float64) for i in range(3, 11)))
+        traffic = simulate_kernel.chunk_traffic(q)
         n_intra = traffic.intra_copies_B().reshape(Lc, B).T
         n_inter = traffic.inter_copies_B().reshape(Lc, B).T
         out["dispatch_intra_bytes"][:, cols] = n_intra * bytes_per_token

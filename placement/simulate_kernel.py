@@ -39,19 +39,26 @@ import numpy as np
 
 from moetrace.placement.maps import Placement
 from moetrace.placement.replica_routing import ReplicaPolicy, choose_slots, local_replicas
-from moetrace.placement.step_model import DedupUnit
+from moetrace.placement.step_model import DedupUnit, GpuTraffic
 
 __all__ = [
+    "CHUNK_CELLS",
     "QUANTITIES",
     "RuleTables",
+    "SortedSteps",
     "available",
+    "chunk_traffic",
     "hashed_tables",
     "layer_counts",
     "mapped_tables",
     "policy_tables",
     "routing_tables",
     "rule_counts",
+    "sorted_steps",
 ]
+
+#: most (layer, batch, GPU) cells the callers count per kernel call (the int32 counts of a chunk: 44 MiB)
+CHUNK_CELLS = 1 << 20
 
 #: what ``layer_counts`` returns along axis Q, each an int32 count per (layer, batch, GPU)
 QUANTITIES = (
@@ -73,6 +80,42 @@ _COPIES = {"expert": 0, "rank": 1, "node": 2}
 _ONE, _EVEN, _SAME_NODE, _GIVEN, _HASH, _MAP = 0, 1, 2, 3, 4, 5
 
 _KERNELS: dict[str, Callable[..., Any]] = {}
+
+
+class SortedSteps(NamedTuple):
+    """A step simulation's inputs as every kernel call takes them."""
+
+    ids_TLK: np.ndarray  # int16/32/64 [T, L, K] C-contiguous logical ids (-1: not recorded)
+    batch_T: np.ndarray  # int64 [T] step of each token
+    src_rank_T: np.ndarray  # int64 [T] EP rank each token leaves from
+    order_T: np.ndarray  # int64 [T] tokens sorted by step (stable)
+    start_B1: np.ndarray  # int64 [B + 1] where each step's tokens start in ``order_T``
+
+
+def sorted_steps(
+    topk_ids_TLK: np.ndarray, batch_T: np.ndarray, src_rank_T: np.ndarray, *, num_batches: int
+) -> SortedSteps:
+    """The ids in a dtype the kernel reads, contiguous, and the tokens grouped by step."""
+    ids = np.asarray(topk_ids_TLK)
+    if ids.dtype not in (np.int16, np.int32, np.int64):
+        ids = ids.astype(np.int64)
+    batch = np.ascontiguousarray(batch_T, dtype=np.int64)
+    start_B1 = np.zeros(num_batches + 1, dtype=np.int64)
+    np.cumsum(np.bincount(batch, minlength=num_batches), out=start_B1[1:])
+    return SortedSteps(
+        ids_TLK=np.ascontiguousarray(ids),
+        batch_T=batch,
+        src_rank_T=np.ascontiguousarray(src_rank_T, dtype=np.int64),
+        order_T=np.argsort(batch, kind="stable"),
+        start_B1=start_B1,
+    )
+
+
+def chunk_traffic(counts_QLBW: np.ndarray) -> GpuTraffic:
+    """The copy model's traffic of a chunk's counts (``QUANTITIES`` 3..10), one row per (layer, batch):
+    float64 [Lc * B, W] each, as ``step_model.layer_seconds`` reads it."""
+    _, Lc, B, W = counts_QLBW.shape
+    return GpuTraffic(*(counts_QLBW[i].reshape(Lc * B, W).astype(np.float64) for i in range(3, 11)))
 
 
 class KernelUnavailable(RuntimeError):

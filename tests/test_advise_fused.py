@@ -133,7 +133,7 @@ def test_fused_chunks_of_layers(monkeypatch):
     """Layers counted a few at a time give the arrays of one call (and of the reference)."""
     tokens, placement, dep = _case(8, L=7, B=6)
     whole = {r: _assert_same(tokens, placement, **_kw(dep, dedup="node", rule=r)) for r in RULES}
-    monkeypatch.setattr(advise_evaluate, "_CHUNK_CELLS", 2 * 6 * 8)  # two layers per call
+    monkeypatch.setattr(simulate_kernel, "CHUNK_CELLS", 2 * 6 * 8)  # two layers per call
     for r in RULES:
         chunked = _assert_same(tokens, placement, **_kw(dep, dedup="node", rule=r))
         assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(whole[r], chunked, strict=True))

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetrace.placement import simulate, simulate_kernel
+from moetrace.placement import simulate_kernel
 from moetrace.placement.cost import ExpertCompute
 from moetrace.placement.hardware import CostModel, preset
 from moetrace.placement.maps import placement_from_phy2log
@@ -107,7 +107,7 @@ def test_fused_chunks_of_layers_and_sparse_traffic(monkeypatch):
 
     ids, kw = _case(7, L=7, B=6)
     whole = {p: _assert_same(ids, dedup="node", policy=p, cost=CostModel(expert=EXPERT), **kw) for p in POLICIES}
-    monkeypatch.setattr(simulate, "_CHUNK_CELLS", 2 * 6 * 8)  # two layers per call (metro: fewer)
+    monkeypatch.setattr(simulate_kernel, "CHUNK_CELLS", 2 * 6 * 8)  # two layers per call (metro: fewer)
     monkeypatch.setattr(step_model, "_DENSE_PAIRS", 1)  # the reference's sparse path
     for p in POLICIES:
         chunked = _assert_same(ids, dedup="node", policy=p, cost=CostModel(expert=EXPERT), **kw)
