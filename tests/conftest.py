@@ -15,6 +15,12 @@ import pytest
 from factories import planted_trace, register_planted_backend, write_small_trace
 from hypothesis import settings
 
+# The session's own processes cache bytecode (in __pycache__/, git-ignored) even where the environment sets
+# PYTHONDONTWRITEBYTECODE: else every test module is rewritten and compiled anew by each worker, and each of the
+# hundreds of `moetrace` processes the tests start compiles the package again.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 # property tests check behaviour, not speed (timings live in benchmarks/): no per-example deadline, which a
 # loaded 2-core machine trips on the first, import-warming example
 settings.register_profile("moetrace", deadline=None)
@@ -57,11 +63,15 @@ def tiny_fs(tmp_path):
 
 
 # ---------------------------------------------------------------- the two tiers
-# The slow tier: end-to-end checks that take seconds each. Plain `pytest` runs the fast tier
-# (pyproject's addopts: -m "not slow"); `pytest -m slow` runs this tier (also for one file:
-# `pytest -m slow tests/test_demo.py`); the README's test command and CI run both. Module file
-# name -> the test functions of it in the tier (every parametrization), or None for the whole file.
-# A test may also carry @pytest.mark.slow itself.
+# The slow tier: end-to-end checks that take a second or more each on the 2-core development machine
+# (real ranks, namespaces, a browser, real model forward passes, CLI processes started and killed,
+# fuzzers of a hundred CLI runs, a kernel compiled per id dtype). Plain `pytest` runs the fast tier
+# (pyproject's addopts: -m "not slow") on every core (`-n auto`, pytest-xdist; `pytest_xdist_auto_num_workers`
+# below); `pytest -m slow` runs this tier, one test at a time (also for one file: `pytest -m slow
+# tests/test_demo.py`); the README's test command and CI run both. Module file name -> the test
+# functions of it in the tier (every parametrization), or None for the whole file. A test may also
+# carry @pytest.mark.slow itself. A fast-tier test that grows past a second moves here (`pytest
+# --durations=40` lists them) or is made faster.
 SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
     "test_demo.py": None,  # the whole pipeline as `moetrace demo` runs it
     "test_dashboard_browser.py": None,  # a real headless Chromium
@@ -80,13 +90,101 @@ SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
         "test_cli_a2a_end_to_end",
         "test_cli_a2a_from_placement_files",
     ),
-    "test_progress.py": ("test_synth_draws_a_bar_with_rate_and_eta_on_a_terminal",),  # `moetrace synth` in a terminal
+    "test_progress.py": (
+        "test_synth_draws_a_bar_with_rate_and_eta_on_a_terminal",  # `moetrace synth` in a terminal
+        "test_import_progress",  # an import's bar, in a child process
+    ),
     "test_guards.py": ("test_a2a_reports_progress_as_rank_0_finishes_batches",),  # real gloo ranks
-    "test_analysis_run.py": ("test_cli_writes_every_result_with_the_documented_columns",),  # UMAP's numba compile
-    "test_collect.py": ("test_sigkill_then_resume_loses_nothing_and_duplicates_nothing",),  # a collector killed mid-run
-    "test_reliability.py": ("test_disk_full",),  # writes until a tmpfs is full
+    "test_analysis_run.py": (
+        "test_cli_writes_every_result_with_the_documented_columns",  # UMAP's numba compile
+        "test_analyze_a_trace_from_the_tiny_model_collector",  # a real tiny model collected, then analysed
+        "test_cli_errors_are_clean",  # a dozen CLI runs
+        "test_max_requests_analyses_a_stratified_sample_and_says_so",  # analyze twice
+    ),
+    "test_collect.py": (
+        "test_sigkill_then_resume_loses_nothing_and_duplicates_nothing",  # a collector killed mid-run
+        "test_collect_from_a_local_checkpoint_directory",  # real forward passes through the CLI
+        "test_refuses_existing_output_and_full_size_model_on_cpu",
+        "test_sharded_collection_from_the_cli",
+    ),
+    "test_reliability.py": (
+        "test_disk_full",  # writes until a tmpfs is full
+        "test_fuzz_placement_files",  # fuzzers: a hundred CLI runs each
+        "test_fuzz_the_part_list",
+        "test_fuzz_what_stands_at_o",
+    ),
     "test_ray_cluster.py": None,  # a two-node Ray cluster (`ray start` x2) running collection shards
+    # fuzzers: each example is a whole CLI run
+    "test_fuzz.py": None,
+    "test_import_megatron.py": ("test_fuzz_router_traces_never_a_traceback",),
+    "test_import_sglang_dump.py": ("test_fuzz_dumps_never_a_traceback",),
+    "test_import_tokens.py": ("test_fuzz_tokens_import_never_a_traceback",),
+    # real model forward passes
+    "test_hf.py": ("test_batched_equals_batch_size_one", "test_recorded_experts_are_the_routers_decision"),
+    "test_checkpoint.py": ("test_collect_runs_on_the_checkpoint_through_the_cli",),
+    # processes started, raced and killed
+    "test_writer_lock.py": None,
+    "test_reliability_concurrency.py": (
+        "test_a_collector_that_loses_a_lock_race_leaves_the_winners_directory",
+        "test_a_guard_cleans_up_after_a_sigkill",
+        "test_merge_shards_is_refused_while_a_whole_trace_writer_runs",
+        "test_no_command_writes_into_a_trace_being_collected",
+    ),
+    "test_hostile_round4.py": ("test_default_budget_follows_rlimit_as",),
+    "test_synth.py": ("test_trace_is_valid_deterministic_across_workers_and_carries_its_truth",),
+    # a numba kernel compiled per id dtype
+    "test_advise_fused.py": ("test_fused_equals_reference_id_dtypes",),
+    "test_jit_fallback.py": ("test_count_numpy_equals_the_kernel",),
+    "test_analysis_counts.py": ("test_dtype_grows_with_request_length",),
+    # whole commands chained (synth, analyze, compare, advise, place, dashboard)
+    "test_advise.py": ("test_the_dashboard_shows_the_advice_first",),
+    "test_analysis_metrics.py": ("test_cross_layer_affinity_tracks_its_knob",),
+    "test_analysis_tsne.py": ("test_map_is_as_good_as_scikit_learns_barnes_hut",),
+    "test_cost_compare.py": ("test_a_deployable_row_that_beats_a_bound_is_reported_never_substituted",),
+    "test_dashboard.py": (
+        "test_dashboard_on_a_load_profiles_results",
+        "test_html_figures_equal_result_files",
+        "test_progress_counts_sections_and_the_page",
+        "test_scatter_cap_is_applied_and_shown",
+        "test_two_results_of_one_kind_get_their_own_sections",
+    ),
+    "test_dashboard_sections.py": ("test_the_page_holds_the_rows_sections_in_table_order_with_their_titles",),
+    "test_decision.py": ("test_compare_advise_and_place_name_the_same_best_option_per_stage",),
+    "test_import_registry.py": ("test_cli_choices_come_from_the_registry",),
+    "test_import_stages.py": ("test_decode_only_capture_imports_validates_and_analyses_skip_with_reason",),
+    "test_one_answer_screens.py": (
+        "test_advise_and_compare_name_only_their_own_options",
+        "test_every_cost_worse_than_linear_is_marked_in_both_stages",
+        "test_heatmap_colour_bars_speak_the_cells_unit",
+    ),
+    "test_parquet_encoder.py": ("test_cli_synth_with_the_escape_hatch",),
+    "test_place_reuse.py": ("test_place_after_compare_writes_what_place_alone_writes",),
+    "test_placement_joint.py": ("test_joint_placement_invariants",),
+    "test_profile.py": ("test_cli_profile_info_analyze_compare_place_export",),
+    "test_results.py": ("test_results_record_their_trace_relative_never_absolute",),
+    # pip building a wheel and installing a clean copy of the checkout
+    "test_architecture.py": (
+        "test_wheel_from_a_clean_checkout_holds_exactly_the_packages",
+        "test_pip_install_from_a_clean_checkout",
+    ),
 }
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many workers ``-n auto`` starts: none (one process, in order) for the slow tier, whose tests hold
+    namespaces, ports, a browser or every core themselves, and for a run naming files or tests (a worker's
+    start costs more than it saves there); else one per core this process may use, at most 8.
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` (pytest-xdist's own setting) overrides."""
+    if env := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(env)
+    if (config.option.markexpr or "").strip() == "slow":
+        return 0
+    here = config.invocation_params.dir
+    if config.args and all((here / a.split("::")[0]).is_file() for a in config.args):
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, 8) if cores > 1 else 0
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
