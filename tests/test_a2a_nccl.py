@@ -88,11 +88,34 @@ def test_smoke_runs_nccl_all_to_all_on_one_gpu(replay_trace):
     )
     rows = ar.run_smoke(plan)
     B, L = plan.sim_inter_VBL.shape[1:]
-    assert [r["strategy"] for r in rows] == ["linear", "data"]
+    assert [r.strategy for r in rows] == ["linear", "data"]
     for v, r in enumerate(rows):
-        assert r["collectives"] == B * L and r["seconds_median"] > 0
+        assert r.collectives == B * L and r.seconds_median > 0
         total_BL = plan.sim_intra_VBL[v] + plan.sim_inter_VBL[v]
-        assert r["bytes_per_collective_median"] == np.median(
+        assert r.bytes_per_collective_median == np.median(
             total_BL
         )  # the simulator's dispatch bytes (checked per collective)
     assert "NCCL smoke check on 1 GPU" in ar.format_smoke(plan, rows)
+
+
+def test_smoke_table_reads_typed_rows(replay_trace):
+    """The smoke check's table is built from its typed rows (no GPU needed to print one)."""
+    cfg = CompareConfig(
+        deployment=parse_deployment("DP2TP2EP4", num_gpus_per_node=2), strategies=("linear",), num_batches=2
+    )
+    plan = ar.build_plan(
+        load_trace_data(replay_trace, test_fraction=cfg.test_fraction, seed=0), cfg=cfg, hidden_size=64
+    )
+    row = ar.SmokeRow(
+        strategy="linear",
+        collectives=4,
+        bytes_per_collective_median=2048.0,
+        seconds_median=1.5e-5,
+        gbytes_per_second_median=0.14,
+        device="NVIDIA H200",
+    )
+    text = ar.format_smoke(plan, [row])
+    assert text.splitlines()[0].startswith("NCCL smoke check on 1 GPU (NVIDIA H200): each DP2TP2EP4")
+    assert text.splitlines()[-1].split() == ["linear", "4", "2.0", "KiB", "1.50e-05", "0.14"]
+    with pytest.raises(AttributeError):
+        row.collectives = 5  # type: ignore[misc]

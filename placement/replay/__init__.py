@@ -64,7 +64,7 @@ from moetrace.placement.replay.results import (
 )
 from moetrace.placement.replay.run import ReplayRun, replay
 from moetrace.placement.replay.sends import A2AMismatchError
-from moetrace.placement.replay.smoke import format_smoke, run_smoke
+from moetrace.placement.replay.smoke import SmokeRow, format_smoke, run_smoke
 
 __all__ = [
     "DTYPE_BYTES",
@@ -78,6 +78,7 @@ __all__ = [
     "RankRecord",
     "ReplayCost",
     "ReplayRun",
+    "SmokeRow",
     "a2a_manifest",
     "build_plan",
     "check_local_capacity",

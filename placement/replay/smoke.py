@@ -5,7 +5,7 @@ Out of scope: the W-rank replay (``rank``, ``launch``).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -15,18 +15,29 @@ from moetrace.placement.replay.plan import A2APlan
 from moetrace.placement.replay.sends import A2AMismatchError
 from moetrace.sizes import human_bytes
 
-__all__ = ["format_smoke", "run_smoke"]
+__all__ = ["SmokeRow", "format_smoke", "run_smoke"]
 
 
-def run_smoke(plan: A2APlan, *, device_index: int = 0) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class SmokeRow:
+    """One strategy's NCCL smoke check (``run_smoke``): medians over its (batch, layer) collectives."""
+
+    strategy: str  # the strategy whose dispatch was moved
+    collectives: int  # all_to_all_single calls timed, one per (batch, layer)
+    bytes_per_collective_median: float  # bytes moved per collective (each equals the simulator's dispatch bytes)
+    seconds_median: float  # seconds per collective (CUDA events)
+    gbytes_per_second_median: float  # 1e9 bytes per second, the median over collectives of bytes / seconds
+    device: str  # the GPU's name
+
+
+def run_smoke(plan: A2APlan, *, device_index: int = 0) -> list[SmokeRow]:
     """A 1-rank NCCL check on ``cuda:<device_index>`` (for a machine with fewer GPUs than ranks).
 
     Per (strategy, batch, layer): one ``all_to_all_single`` with world size 1 of the batch's whole
     dispatch (every rank's token copies, ``sends_VBLWW[v, b, l].sum()`` rows of ``hidden_size``
     values, grouped by sending rank and stamped with it; input and output splits ``[rows]``), timed
     with CUDA events. Checks the rows arrive unchanged and their bytes equal the simulator's dispatch
-    total (intra + inter); raises ``A2AMismatchError`` otherwise. Returns one row per strategy:
-    ``collectives``, ``bytes_per_collective_median``, ``seconds_median``, ``gbytes_per_second_median``.
+    total (intra + inter); raises ``A2AMismatchError`` otherwise. Returns one ``SmokeRow`` per strategy.
 
     Out of scope: links between GPUs (with one rank NCCL copies on the device; the W-rank replay
     needs W GPUs), combine (the same copy back).
@@ -77,31 +88,31 @@ def run_smoke(plan: A2APlan, *, device_index: int = 0) -> list[dict[str, Any]]:
                     nbytes.append(got)
             med_s = float(np.median(secs))
             out.append(
-                {
-                    "strategy": name,
-                    "collectives": len(secs),
-                    "bytes_per_collective_median": float(np.median(nbytes)),
-                    "seconds_median": med_s,
-                    "gbytes_per_second_median": float(np.median(np.asarray(nbytes) / np.maximum(secs, 1e-12)) / 1e9),
-                    "device": torch.cuda.get_device_name(device),
-                }
+                SmokeRow(
+                    strategy=name,
+                    collectives=len(secs),
+                    bytes_per_collective_median=float(np.median(nbytes)),
+                    seconds_median=med_s,
+                    gbytes_per_second_median=float(np.median(np.asarray(nbytes) / np.maximum(secs, 1e-12)) / 1e9),
+                    device=torch.cuda.get_device_name(device),
+                )
             )
         return out
     finally:
         dist.destroy_process_group()
 
 
-def format_smoke(plan: A2APlan, rows: list[dict[str, Any]]) -> str:
+def format_smoke(plan: A2APlan, rows: list[SmokeRow]) -> str:
     """Header line, column titles and one row per strategy of ``run_smoke``'s result."""
     lines = [
-        f"NCCL smoke check on 1 GPU ({rows[0]['device'] if rows else '?'}): each {plan.config.deployment} "
+        f"NCCL smoke check on 1 GPU ({rows[0].device if rows else '?'}): each {plan.config.deployment} "
         f"batch's dispatch ({plan.world_size} ranks' rows) as one all_to_all_single of world size 1, "
         f"hidden {plan.hidden_size} {plan.dtype}",
         f"{'strategy':<12} {'collectives':>11} {'bytes (median)':>15} {'seconds':>10} {'GB/s':>8}",
     ]
     for r in rows:
         lines.append(
-            f"{r['strategy']:<12} {r['collectives']:>11} {human_bytes(r['bytes_per_collective_median']):>15} "
-            f"{r['seconds_median']:>10.2e} {r['gbytes_per_second_median']:>8.2f}"
+            f"{r.strategy:<12} {r.collectives:>11} {human_bytes(r.bytes_per_collective_median):>15} "
+            f"{r.seconds_median:>10.2e} {r.gbytes_per_second_median:>8.2f}"
         )
     return "\n".join(lines)
