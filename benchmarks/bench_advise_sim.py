@@ -33,24 +33,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import shutil
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sides import alternate, json_without, load, report, timed_child
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASETS = "gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr"
 DEPLOYMENT = "DP8TP8EP64"
 #: JSON fields that may differ between two runs of the same inputs (times); none today
 IGNORED_JSON_FIELDS: tuple[str, ...] = ()
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def make_trace(workdir: Path, requests: int) -> Path:
@@ -69,29 +64,13 @@ def run_advise(trace: Path, workdir: Path, side: str, *, tree: Path, extra: list
     out = workdir / "out"
     cmd = [sys.executable, "-m", "moetrace", "advise", str(trace), "--config", DEPLOYMENT, "--seed", "0"]
     cmd += ["-o", str(out), "--overwrite", "-q", *extra]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(tree), env.get("PYTHONPATH")) if x)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc, timings = timed_child(cmd, tree=tree)
     if proc.returncode != 0:
         sys.exit(f"advise failed in {tree}:\n{proc.stderr[-4000:]}")
     dest = workdir / f"out-{side}"
     shutil.rmtree(dest, ignore_errors=True)
     out.rename(dest)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall": wall, "cpu": cpu, "load0": load0, "load1": os.getloadavg()[0]}
-
-
-def _json_without(doc: object, ignored: tuple[str, ...]) -> object:
-    if isinstance(doc, dict):
-        return {k: _json_without(v, ignored) for k, v in doc.items() if k not in ignored}
-    if isinstance(doc, list):
-        return [_json_without(v, ignored) for v in doc]
-    return doc
+    return timings
 
 
 def same_results(a: Path, b: Path) -> dict[str, bool]:
@@ -110,20 +89,11 @@ def same_results(a: Path, b: Path) -> dict[str, bool]:
         elif fa.suffix == ".parquet":
             same[str(name)] = pl.read_parquet(fa).equals(pl.read_parquet(fb), null_equal=True)
         elif fa.suffix == ".json":
-            ja, jb = (_json_without(json.loads(f.read_text()), IGNORED_JSON_FIELDS) for f in (fa, fb))
+            ja, jb = (json_without(json.loads(f.read_text()), IGNORED_JSON_FIELDS) for f in (fa, fb))
             same[str(name)] = ja == jb
         else:
             same[str(name)] = fa.read_bytes() == fb.read_bytes()
     return same
-
-
-def _summary(runs: list[dict[str, float]]) -> str:
-    walls, cpus = [r["wall"] for r in runs], [r["cpu"] for r in runs]
-    loads = [r["load0"] for r in runs] + [r["load1"] for r in runs]
-    return (
-        f"wall median {statistics.median(walls):6.1f} s (min {min(walls):6.1f}), "
-        f"CPU median {statistics.median(cpus):6.1f} s (min {min(cpus):6.1f}), load {min(loads):.1f}-{max(loads):.1f}"
-    )
 
 
 def main() -> None:
@@ -142,33 +112,14 @@ def main() -> None:
     trace = args.trace or make_trace(args.workdir, args.requests)
     extra = ["--replica-policy", args.replica_policy] if args.replica_policy else []
     sides = {"after": args.tree.resolve()} | ({"before": args.baseline.resolve()} if args.baseline else {})
-    print(f"trace {trace}; advise --config {DEPLOYMENT} --seed 0 {' '.join(extra)}; load {_load()}", flush=True)
-    if not args.no_warmup:
-        for side, tree in sides.items():
-            r = run_advise(trace, args.workdir, side, tree=tree, extra=extra)
-            print(f"  warm-up {side:6s}: wall {r['wall']:6.1f} s, CPU {r['cpu']:6.1f} s (load {_load()})", flush=True)
-    runs: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
-    for rep in range(args.reps):
-        order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
-        for side in order:
-            r = run_advise(trace, args.workdir, side, tree=sides[side], extra=extra)
-            runs[side].append(r)
-            print(
-                f"  rep {rep} {side:6s}: wall {r['wall']:6.1f} s, CPU {r['cpu']:6.1f} s "
-                f"(load {r['load0']:.2f} -> {r['load1']:.2f})",
-                flush=True,
-            )
-    for side in sides:
-        print(f"{side:6s}: {_summary(runs[side])}")
-    if "before" in sides:
-        a, b = (statistics.median(r["wall"] for r in runs[s]) for s in ("after", "before"))
-        c, d = (statistics.median(r["cpu"] for r in runs[s]) for s in ("after", "before"))
-        print(f"after / before: wall {a / b:.2f}x, CPU {c / d:.2f}x")
-        same = same_results(args.workdir / "out-after", args.workdir / "out-before")
-        for name, ok in same.items():
-            print(f"  {name}: {'identical' if ok else 'DIFFERENT'}")
-        if not all(same.values()):
-            sys.exit("the two sides' advice differs")
+    print(f"trace {trace}; advise --config {DEPLOYMENT} --seed 0 {' '.join(extra)}; load {load()}", flush=True)
+
+    def run(side: str, tree: Path) -> dict[str, float]:
+        return run_advise(trace, args.workdir, side, tree=tree, extra=extra)
+
+    runs = alternate(sides, run, reps=args.reps, warmup=not args.no_warmup)
+    outs = (args.workdir / "out-after", args.workdir / "out-before")
+    report(runs, lambda: same_results(*outs), differ="the two sides' advice differs")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ wrap them live in ``conftest.py``.
   ``zipf_trace`` (skewed load, advise), ``partial_trace`` (one MoE layer recorded);
 - routing and inputs: ``sample_topk``, ``stage_mask``, ``planted_ids``, ``sglang_response``,
   ``write_jsonl``, ``save_expert_dump`` (SGLang's expert-distribution ``.pt``), ``SHORT`` (synth lengths);
+- the fused simulation kernel's cases (``test_simulate_fused``, ``test_advise_fused``): ``FUSED_EXPERT``,
+  ``FUSED_DEDUPS``, ``redundant_placement``, ``fused_ids``, ``FUSED_SHAPES`` / ``fused_slots`` (hypothesis);
 - processes and backends: ``start_lock_holder`` / ``finish_lock_holder`` (a writer holding a trace's
   lock in another process), ``PlantedBackend`` / ``planted_rows`` / ``register_planted_backend``;
 - ``tree_hashes``: SHA-256 of every file under a directory.
@@ -29,7 +31,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+from hypothesis import strategies as st
 
+from moetrace.placement.cost import ExpertCompute
+from moetrace.placement.maps import Placement, placement_from_phy2log
 from moetrace.tracer.presets import model_info_for
 from moetrace.tracer.synth import PAPER_DATASETS
 from moetrace.tracer.trace.schema import ModelInfo
@@ -372,6 +377,54 @@ def save_expert_dump(path: Path, records: list[dict], map_HP: np.ndarray | None)
 SHORT = {
     d: {"prompt_median": 40, "prompt_sigma": 0.2, "output_median": 40, "output_sigma": 0.2} for d in PAPER_DATASETS
 }
+
+
+# ---------------------------------------------------------------- fused simulation kernel's cases
+#: the fused-kernel tests' expert: hidden size 64, FFN 32, one shared expert of FFN 48
+FUSED_EXPERT = ExpertCompute(hidden_size=64, ffn_size=32, num_shared_experts=1, shared_ffn_size=48)
+#: the copy models (``dedup``) the fused-kernel tests run
+FUSED_DEDUPS = ("rank", "expert", "node")
+
+
+def redundant_placement(rng: np.random.Generator, L: int, E: int, P: int) -> Placement:
+    """Every expert once plus ``P - E`` random redundant replicas, shuffled over the slots, per layer."""
+    phy2log = np.empty((L, P), dtype=np.int64)
+    for l in range(L):
+        phy2log[l] = rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, P - E)]))
+    return placement_from_phy2log(phy2log, num_experts=E)
+
+
+def fused_ids(rng: np.random.Generator, *, T: int, L: int, K: int, E: int, minus_one: float) -> np.ndarray:
+    """int64 [T, L, K]: random experts below ``E``, a ``minus_one`` share of them -1, and (``K > 1``) the
+    first tenth of the rows naming one expert twice (the expert copy model counts its slot once)."""
+    ids = rng.integers(0, E, (T, L, K))
+    ids[rng.random(ids.shape) < minus_one] = -1
+    if K > 1:
+        ids[: T // 10, :, 1] = ids[: T // 10, :, 0]
+    return ids
+
+
+#: hypothesis strategies of a random fused-kernel case: ``T`` tokens, ``L`` layers, top-``K`` of ``E``
+#: experts, a ``minus_one`` share of -1 ids, ``B`` batches, ``nodes`` nodes of ``g`` ranks, ``per_rank``
+#: slots a rank (``fused_slots``)
+FUSED_SHAPES: dict[str, st.SearchStrategy] = dict(
+    seed=st.integers(0, 2**32 - 1),
+    T=st.integers(0, 120),
+    L=st.integers(1, 3),
+    K=st.integers(1, 8),
+    E=st.integers(1, 10),
+    nodes=st.integers(1, 4),
+    g=st.sampled_from([1, 2, 4]),
+    per_rank=st.integers(1, 3),
+    B=st.integers(1, 4),
+    minus_one=st.sampled_from([0.0, 0.2, 0.9]),
+)
+
+
+def fused_slots(E: int, W: int, per_rank: int) -> int:
+    """Slots over ``W`` ranks: ``per_rank`` a rank, or as many a rank as hold every expert once."""
+    P = W * per_rank
+    return P if P >= E else W * -(-E // W)
 
 
 # ---------------------------------------------------------------- processes and backends

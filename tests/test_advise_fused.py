@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from factories import FUSED_DEDUPS, FUSED_EXPERT, FUSED_SHAPES, fused_ids, fused_slots, redundant_placement
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +19,6 @@ from moetrace.errors import ConfigError
 from moetrace.placement import advise_evaluate, simulate_kernel
 from moetrace.placement.advise_evaluate import _evaluate_tokens_reference, evaluate_tokens
 from moetrace.placement.advise_types import StepMetrics, StepTokens
-from moetrace.placement.cost import ExpertCompute
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.eplb import rebalance
 from moetrace.placement.hardware import CostModel, preset
@@ -26,30 +26,19 @@ from moetrace.placement.maps import Placement, placement_from_phy2log
 
 pytest.importorskip("numba")
 
-DEDUPS = ("rank", "expert", "node")
+DEDUPS = FUSED_DEDUPS
 RULES = ("vllm", "sglang", "same_node")
-EXPERT = ExpertCompute(hidden_size=64, ffn_size=32, num_shared_experts=1, shared_ffn_size=48)
-
-
-def _placement(rng: np.random.Generator, L: int, E: int, P: int) -> Placement:
-    """Every expert once plus ``P - E`` random redundant replicas, shuffled over the slots, per layer."""
-    phy2log = np.empty((L, P), dtype=np.int64)
-    for l in range(L):
-        phy2log[l] = rng.permutation(np.concatenate([np.arange(E), rng.integers(0, E, P - E)]))
-    return placement_from_phy2log(phy2log, num_experts=E)
+EXPERT = FUSED_EXPERT
 
 
 def _case(seed: int, *, T=300, L=3, K=6, E=12, W=8, g=4, B=5, redundant=4, minus_one=0.15, dtype=np.int16):
     """Steps of ``T`` tokens over ``B`` steps from ``W`` ranks on nodes of ``g``, and a placement."""
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, E, (T, L, K))
-    ids[rng.random(ids.shape) < minus_one] = -1
-    if K > 1:  # some rows name one expert twice (the expert copy model counts its slot once)
-        ids[: T // 10, :, 1] = ids[: T // 10, :, 0]
+    ids = fused_ids(rng, T=T, L=L, K=K, E=E, minus_one=minus_one)
     tokens = StepTokens(ids.astype(dtype), rng.integers(0, B, T), rng.integers(0, W, T), B)
     deployment = Deployment(num_dp=1, num_tp=W, num_ep=W, num_gpus_per_node=g)
     assert deployment.ranks_per_node == g
-    return tokens, _placement(rng, L, E, E + redundant), deployment
+    return tokens, redundant_placement(rng, L, E, E + redundant), deployment
 
 
 def _kw(deployment: Deployment, **over) -> dict:
@@ -231,25 +220,10 @@ def test_threads_give_the_same_results():
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    T=st.integers(0, 120),
-    L=st.integers(1, 3),
-    K=st.integers(1, 8),
-    E=st.integers(1, 10),
-    nodes=st.integers(1, 4),
-    g=st.sampled_from([1, 2, 4]),
-    per_rank=st.integers(1, 3),
-    B=st.integers(1, 4),
-    minus_one=st.sampled_from([0.0, 0.2, 0.9]),
-    dedup=st.sampled_from(DEDUPS),
-    rule=st.sampled_from(RULES),
-)
+@given(**FUSED_SHAPES, dedup=st.sampled_from(DEDUPS), rule=st.sampled_from(RULES))
 def test_fused_equals_reference_random(seed, T, L, K, E, nodes, g, per_rank, B, minus_one, dedup, rule):
     """Random placements with redundant experts (every expert once, the other slots random copies)."""
     W = nodes * g
-    P = W * per_rank
-    if P < E:
-        P = W * -(-E // W)  # enough slots for every expert once
+    P = fused_slots(E, W, per_rank)
     tokens, placement, dep = _case(seed, T=T, L=L, K=K, E=E, W=W, g=g, B=B, redundant=P - E, minus_one=minus_one)
     _assert_same(tokens, placement, **_kw(dep, dedup=dedup, rule=rule, cost=CostModel(expert=EXPERT), hidden_size=32))

@@ -9,39 +9,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from factories import FUSED_DEDUPS, FUSED_EXPERT, FUSED_SHAPES, fused_ids, fused_slots, redundant_placement
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moetrace.placement import simulate_kernel
-from moetrace.placement.cost import ExpertCompute
 from moetrace.placement.hardware import CostModel, preset
-from moetrace.placement.maps import placement_from_phy2log
 from moetrace.placement.simulate import _simulate_volume_reference, simulate_volume
 
 pytest.importorskip("numba")
 
-DEDUPS = ("rank", "expert", "node")
+DEDUPS = FUSED_DEDUPS
 POLICIES = ("same_node", "even", "metro")
-EXPERT = ExpertCompute(hidden_size=64, ffn_size=32, num_shared_experts=1, shared_ffn_size=48)
-
-
-def _placement(rng: np.random.Generator, L: int, E: int, P: int):
-    """Every expert once plus ``P - E`` random redundant replicas, shuffled over the slots, per layer."""
-    phy2log = np.empty((L, P), dtype=np.int64)
-    for l in range(L):
-        row = np.concatenate([np.arange(E), rng.integers(0, E, P - E)])
-        phy2log[l] = rng.permutation(row)
-    return placement_from_phy2log(phy2log, num_experts=E)
+EXPERT = FUSED_EXPERT
 
 
 def _case(seed: int, *, T=300, L=3, K=6, E=12, W=8, g=4, B=5, redundant=4, minus_one=0.15, dtype=np.int16):
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, E, (T, L, K))
-    ids[rng.random(ids.shape) < minus_one] = -1
-    if K > 1:  # some rows name one expert twice (the expert copy model counts its slot once)
-        ids[: T // 10, :, 1] = ids[: T // 10, :, 0]
+    ids = fused_ids(rng, T=T, L=L, K=K, E=E, minus_one=minus_one)
     kw = dict(
-        placement=_placement(rng, L, E, E + redundant),
+        placement=redundant_placement(rng, L, E, E + redundant),
         batch_T=rng.integers(0, B, T),
         src_rank_T=rng.integers(0, W, T),
         num_batches=B,
@@ -147,25 +134,10 @@ def test_threads_give_the_same_results():
 
 
 @settings(max_examples=40)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    T=st.integers(0, 120),
-    L=st.integers(1, 3),
-    K=st.integers(1, 8),
-    E=st.integers(1, 10),
-    nodes=st.integers(1, 4),
-    g=st.sampled_from([1, 2, 4]),
-    per_rank=st.integers(1, 3),
-    B=st.integers(1, 4),
-    minus_one=st.sampled_from([0.0, 0.2, 0.9]),
-    dedup=st.sampled_from(DEDUPS),
-    policy=st.sampled_from(POLICIES),
-)
+@given(**FUSED_SHAPES, dedup=st.sampled_from(DEDUPS), policy=st.sampled_from(POLICIES))
 def test_fused_equals_reference_random(seed, T, L, K, E, nodes, g, per_rank, B, minus_one, dedup, policy):
     W = nodes * g
-    P = W * per_rank
-    if P < E:
-        P = W * -(-E // W)  # enough slots for every expert once
+    P = fused_slots(E, W, per_rank)
     ids, kw = _case(seed, T=T, L=L, K=K, E=E, W=W, g=g, B=B, redundant=P - E, minus_one=minus_one)
     _assert_same(ids, dedup=dedup, policy=policy, cost=CostModel(expert=EXPERT), time_hidden_size=32, **kw)
 
