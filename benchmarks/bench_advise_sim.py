@@ -1,5 +1,5 @@
 """Benchmark: ``moetrace advise`` on a DeepSeek-V3 synth trace, this checkout against a baseline checkout
-(advise's step simulation, ``advise_evaluate.evaluate_tokens``, on the fused kernel or not).
+(advise's step simulation, ``advise.evaluate.evaluate_tokens``, on the fused kernel or not).
 
 Builds (once, into ``--workdir``) or takes (``--trace``) the trace of ``moetrace demo``'s shape
 (``moetrace synth --model deepseek-v3 --datasets gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from moetrace.placement.advise import AdviseConfig, advise_profile
-from moetrace.placement.advise_verdicts import best_eplb, pct
+from moetrace.placement.advise.verdicts import best_eplb, pct
 from moetrace.placement.deployment import parse_deployment
 from moetrace.tracer.importers import import_profile
 from moetrace.tracer.presets import resolve

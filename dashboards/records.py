@@ -7,7 +7,7 @@
 ``placement.compare_row.CompareRow``.
 
 The records live beside their writers (``placement.replay.results.write_a2a_results``,
-``placement.advise_files.write_advice``), which build them and write through their ``to_json``
+``placement.advise.files.write_advice``), which build them and write through their ``to_json``
 (``to_row``); the dashboard reads their fields, never the JSON's keys or the table's column names.
 
 Out of scope: the records themselves (their modules above); recognising result directories (``inputs``).

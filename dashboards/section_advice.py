@@ -129,7 +129,7 @@ def advice_section(res: Results, *, key_prefix: str = "") -> tuple[Section | Non
         for steps in dict.fromkeys(r.steps for r in rows if r.stage == st)
     ]
     figures = [] if layers is None else [_figure(res, layers, stage=st, kp=kp) for st in m.recorded_stages]
-    from moetrace.placement.advise_files import best_lines  # the words `moetrace advise` prints, said once
+    from moetrace.placement.advise.files import best_lines  # the words `moetrace advise` prints, said once
 
     decision = " ".join(line.strip() for line in best_lines(m))  # the decision per stage, then why
     verdicts = [decision, *(v.text for v in m.verdicts)]

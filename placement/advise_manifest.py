@@ -2,15 +2,15 @@
 recommended placements and their commands, built and read here only.
 
 ``AdviceManifest`` is what ``advise.advise_arrays`` builds (``Advice.manifest``) and
-``advise_files.write_advice`` writes as ``advice.json`` (``to_json``, with the commands and the
+``advise.files.write_advice`` writes as ``advice.json`` (``to_json``, with the commands and the
 recorded paths; ``format`` and ``version`` from ``moetrace.results.ADVICE``, put first by
 ``moetrace.results.write_result_json``), and what every reader gets back (``from_json``; the
 dashboard's advice section and card read its fields, never the JSON's keys). Its verdicts are
-``AdviceVerdict`` (``advise_verdicts.verdicts``), its recommended placements ``Recommended``, their
-commands ``AdviceCommand`` (``advise_files.commands``), its drift estimates
-``DriftEstimate`` (``advise_drift.stage_drift``), its decision per stage
+``AdviceVerdict`` (``advise.verdicts.verdicts``), its recommended placements ``Recommended``, their
+commands ``AdviceCommand`` (``advise.files.commands``), its drift estimates
+``DriftEstimate`` (``advise.drift.stage_drift``), its decision per stage
 ``placement.decision.StageChoice``, its step model ``placement.hardware.Hardware`` and its
-rearrangement ``advise_rearrange.Rearrangement``. ``from_json`` takes exactly what the writer writes
+rearrangement ``advise.rearrange.Rearrangement``. ``from_json`` takes exactly what the writer writes
 and raises ``TraceFormatError`` naming the first key that is missing or of the wrong type; ``to_json``
 gives the body back key for key, so a file read and written again is the same bytes. Keys added after
 the format was stamped (``ADVICE_LATER_KEYS``) get their meaning from before they existed.
@@ -19,7 +19,7 @@ The record holds strict JSON values only (``plain_json``: numpy scalars as Pytho
 null), so that what ``advise`` returns and what a reader gets back from the file are equal.
 
 Out of scope: computing the advice (``advise``); ``options.parquet`` and ``layers.parquet``
-(``advise_rows``); the parts no reader interprets, kept as the JSON they were written as (the
+(``advise.rows``); the parts no reader interprets, kept as the JSON they were written as (the
 experts' size, a verdict's figures).
 """
 
@@ -37,7 +37,7 @@ from moetrace.results import ADVICE, ManifestFields
 from moetrace.tracer.trace.schema import ModelInfo
 
 if TYPE_CHECKING:
-    from moetrace.placement.advise_rearrange import Rearrangement
+    from moetrace.placement.advise.rearrange import Rearrangement
     from moetrace.placement.hardware import Hardware
 
 __all__ = [
@@ -82,7 +82,7 @@ def plain_json(x: Any) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class AdviceVerdict:
-    """One verdict of ``advice.json`` (``advise_verdicts.verdicts``): a stage's answer in words."""
+    """One verdict of ``advice.json`` (``advise.verdicts.verdicts``): a stage's answer in words."""
 
     stage: str | None  # "prefill", "decode", "both"; None: about the input as a whole (what it lacks)
     verdict: str  # "enable" (EPLB), "deploy" (the decision, not EPLB), "no gain", "not evaluated", "separate", "together", "missing", ...
@@ -119,7 +119,7 @@ _DRIFT_FIGURES: tuple[str, ...] = ("reference", "static", "lagged", "own")
 
 @dataclass(frozen=True, kw_only=True)
 class DriftEstimate:
-    """One stage's drift estimate in ``advice.json``'s ``drift`` (``advise_drift.stage_drift``): on the
+    """One stage's drift estimate in ``advice.json``'s ``drift`` (``advise.drift.stage_drift``): on the
     later half of the windows in arrival order, the balancedness (vLLM's figure, mean over windows) of
     the reference and of EPLB fitted three ways; or, when skipped, why. A figure that is unknown (NaN:
     no window with load) is None, written as null."""
@@ -211,7 +211,7 @@ class Recommended:
 
 @dataclass(frozen=True, kw_only=True)
 class AdviceCommand:
-    """The commands that reproduce and export one recommended placement (``advise_files.commands``)."""
+    """The commands that reproduce and export one recommended placement (``advise.files.commands``)."""
 
     stage: str  # the stage it serves
     option: str  # the option's key
@@ -363,7 +363,7 @@ def _hardware(obj: dict[str, Any]) -> Hardware:
 
 
 def _rearrangement(obj: dict[str, Any]) -> Rearrangement:
-    from moetrace.placement.advise_rearrange import Rearrangement
+    from moetrace.placement.advise.rearrange import Rearrangement
 
     s, n = obj.get("stall_seconds"), obj.get("interval_steps")
     if isinstance(s, bool) or not isinstance(s, (int, float)) or isinstance(n, bool) or not isinstance(n, int):

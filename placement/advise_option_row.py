@@ -1,9 +1,9 @@
 """``options.parquet``'s row, typed: one option evaluated on one stage's steps, as ``moetrace advise``
 reports it.
 
-``OptionRow`` is what ``advise_rows.summary_row`` builds (``Advice.rows``), what the verdicts
-(``advise_verdicts``), the drift check (``advise_drift``) and the printed table (``advise_files``) read,
-and what ``advise_files.write_advice`` writes as ``options.parquet`` (``to_row``: one column per field,
+``OptionRow`` is what ``advise.rows.summary_row`` builds (``Advice.rows``), what the verdicts
+(``advise.verdicts``), the drift check (``advise.drift``) and the printed table (``advise.files``) read,
+and what ``advise.files.write_advice`` writes as ``options.parquet`` (``to_row``: one column per field,
 in field order) and every reader gets back (``from_row``: the dashboard's advice section reads its
 fields, never the table's column names). The two predicted times are read through ``vs_ref`` /
 ``seconds_per_step`` with a ``Measure`` (``"moe"``: dispatch + experts + combine; ``"a2a"``: dispatch +
@@ -12,7 +12,7 @@ combine), never through column names built from it; ``measure`` says which one a
 Ratios ``*_vs_ref`` are over the reference option's median on the same steps (NaN when that median
 is 0 or not finite); ``*_p10`` / ``*_p90`` are the 10th and 90th percentile over steps of the same ratio.
 
-Out of scope: computing the row (``advise_rows``); ``layers.parquet`` (columns, ``advise_rows.add_layer_rows``);
+Out of scope: computing the row (``advise.rows``); ``layers.parquet`` (columns, ``advise.rows.add_layer_rows``);
 ``advice.json`` (``advise_manifest``).
 """
 
@@ -30,7 +30,7 @@ from moetrace.results import ADVICE, ADVICE_OPTIONS, ManifestFields
 __all__ = ["MEASURES", "OPTION_COLUMNS", "STAGES", "Measure", "OptionRow", "Stage", "Steps"]
 
 #: the placements advise fits (a recorded stage, or both with one placement) and the steps it evaluates
-#: them on (a recorded stage); ``advise_types`` re-exports them
+#: them on (a recorded stage); ``advise.types`` re-exports them
 Stage = Literal["prefill", "decode", "both"]
 Steps = Literal["prefill", "decode"]
 STAGES: tuple[Stage, ...] = ("prefill", "decode", "both")

@@ -19,7 +19,7 @@ served on both stages at ``--redundancy`` slots; ``advise`` also sweeps EPLB's r
 fits each stage's placement on that stage's own load (``relation``).
 
 Out of scope: simulating the options (``compare``, ``advise``), the verdicts' prose (``report``,
-``advise_verdicts``).
+``advise.verdicts``).
 """
 
 from __future__ import annotations

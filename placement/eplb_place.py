@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moetrace.errors import ConfigError
-from moetrace.placement.advise_options import EPLB_STRATEGIES, eplb_option_placement
+from moetrace.placement.advise.options import EPLB_STRATEGIES, eplb_option_placement
 from moetrace.placement.eplb import ACCUMULATE, Accumulate
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """What each column of ``compare``'s and ``advise``'s tables means, said once: printed under the
 tables and in the commands' ``--help`` (plain text, no dependency: ``--help`` imports it).
 
-Out of scope: the tables themselves (``report``, ``advise_files``).
+Out of scope: the tables themselves (``report``, ``advise.files``).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from moetrace.placement.advise import (
     read_advice,
     write_advice,
 )
-from moetrace.placement.advise_current import read_current
-from moetrace.placement.advise_metrics import (
+from moetrace.placement.advise.current import read_current
+from moetrace.placement.advise.metrics import (
     balancedness,
     expected_traffic,
     migration,

@@ -1,5 +1,5 @@
-"""advise's fused evaluation (``advise_evaluate.evaluate_tokens`` over ``simulate_kernel.rule_counts``)
-against the NumPy passes it replaced (``advise_evaluate._evaluate_tokens_reference``): every field of
+"""advise's fused evaluation (``advise.evaluate.evaluate_tokens`` over ``simulate_kernel.rule_counts``)
+against the NumPy passes it replaced (``advise.evaluate._evaluate_tokens_reference``): every field of
 ``StepMetrics`` bit for bit (NaNs in the same places), for every copy model, replica rule (``vllm``,
 ``sglang``, ``same_node``) and hardware preset, on random placements with redundant experts, -1 ids,
 repeated ids in a row, several steps and nodes; the fallbacks (no numba, a numba that cannot compile,
@@ -15,10 +15,11 @@ from factories import FUSED_DEDUPS, FUSED_EXPERT, FUSED_SHAPES, fused_ids, fused
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import moetrace.placement.advise.evaluate as advise_evaluate
 from moetrace.errors import ConfigError
-from moetrace.placement import advise_evaluate, simulate_kernel
-from moetrace.placement.advise_evaluate import _evaluate_tokens_reference, evaluate_tokens
-from moetrace.placement.advise_types import StepMetrics, StepTokens
+from moetrace.placement import simulate_kernel
+from moetrace.placement.advise.evaluate import _evaluate_tokens_reference, evaluate_tokens
+from moetrace.placement.advise.types import StepMetrics, StepTokens
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.eplb import rebalance
 from moetrace.placement.hardware import CostModel, preset

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from moetrace.cli import app
 from moetrace.errors import ConfigError
 from moetrace.placement.advise import AdviseConfig, advise_profile_counts
-from moetrace.placement.advise_options import eplb_option_placement
-from moetrace.placement.advise_rearrange import Rearrangement
+from moetrace.placement.advise.options import eplb_option_placement
+from moetrace.placement.advise.rearrange import Rearrangement
 from moetrace.placement.deployment import parse_deployment
 from moetrace.placement.eplb_replicas import KNUTH, sglang_dispatch_map, slot_shares, vllm_slots
 from moetrace.placement.maps import placement_from_phy2log
@@ -254,7 +254,8 @@ def test_a_newly_registered_strategy_is_advised_by_name(monkeypatch):
     """The change path "a placement strategy" (docs/architecture.md) reaches advise with no other change:
     a registered ungrouped strategy that reads load is fitted on each stage's load and evaluated by
     name (advise once evaluated only the names it knew, and dropped any other without a word)."""
-    from moetrace.placement import advise_options, strategies
+    import moetrace.placement.advise.options as advise_options
+    from moetrace.placement import strategies
     from moetrace.placement.maps import placement_from_phy2log
 
     seen: list[float] = []

@@ -236,7 +236,7 @@ def _advise_again(t: Path, out: Path):
 def _is_new_advice(out: Path) -> bool:
     """The second run's advice (12 steps), whose commands and placement files name -o, never the folder
     it was built in."""
-    from moetrace.placement.advise_files import read_advice
+    from moetrace.placement.advise.files import read_advice
 
     man = read_advice(out)
     text = "".join(p.read_text() for p in sorted(out.rglob("*.json")))

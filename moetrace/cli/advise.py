@@ -106,7 +106,7 @@ def advise_cmd(
         --decode-tokens-per-gpu 128 -o advice
     """
     from moetrace.placement.advise import AdviseConfig, advise_input, format_advice, write_advice
-    from moetrace.placement.advise_rearrange import Rearrangement
+    from moetrace.placement.advise.rearrange import Rearrangement
     from moetrace.placement.deployment import parse_deployment
     from moetrace.placement.hardware import load_hardware
     from moetrace.results import ADVICE

@@ -150,7 +150,7 @@ def winners_text(results: Path, advice: Path | None = None, placement: Path | No
     lines = []
     decided: dict[str, str] = {}
     if advice is not None and (advice / "advice.json").is_file():
-        from moetrace.placement.advise_files import read_advice
+        from moetrace.placement.advise.files import read_advice
 
         best = read_advice(advice).best  # stage -> its decision (placement.decision.StageChoice)
         if best:

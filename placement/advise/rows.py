@@ -6,8 +6,8 @@ layers.parquet (``add_layer_rows``, ``layer_arrays``).
 
 Shape legend (docs/architecture.md): B steps, L MoE layers.
 
-Out of scope: evaluating the options (``advise_evaluate``); the verdicts (``advise_verdicts``); the
-files (``advise_files``).
+Out of scope: evaluating the options (``evaluate``); the verdicts (``verdicts``); the
+files (``files``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moetrace.placement.advise_metrics import migration, quantiles_over_layers
+from moetrace.placement.advise.metrics import migration, quantiles_over_layers
+from moetrace.placement.advise.types import Option, Stage, StepMetrics, Steps
 from moetrace.placement.advise_option_row import OptionRow
-from moetrace.placement.advise_types import Option, Stage, StepMetrics, Steps
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.hardware import CostModel
 

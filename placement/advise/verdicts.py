@@ -4,7 +4,7 @@ rows (``advise_option_row.OptionRow``, from ``advise.advise_arrays``), and which
 - **enable**: the best EPLB option over both policies (``best_eplb``: the fewest redundant slots
   within ``WITHIN_BEST`` of the best predicted time, then the faster), when it gains at least
   ``MIN_GAIN``; the other policy's figure beside it; the rearrangement's stall and whether the
-  engine's schedule pays for it (``advise_rearrange``).
+  engine's schedule pays for it (``rearrange``).
 - **no gain**, with the reason (already balanced, load that moves, small-batch noise, or balance
   that does not shorten the step); without a drift estimate (fewer than 4 windows: one statistics
   file) the moving-load reasons are not claimed.
@@ -12,7 +12,7 @@ rows (``advise_option_row.OptionRow``, from ``advise.advise_arrays``), and which
 
 Shape legend (docs/architecture.md): S stages.
 
-Out of scope: evaluating options (``advise``), the drift check's numbers (``advise._drift``).
+Out of scope: evaluating options (``run``), the drift check's numbers (``drift``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from moetrace.placement.advise.options import EPLB_STRATEGIES
+from moetrace.placement.advise.rearrange import Rearrangement, rearrangement_cost, rearrangement_text
 from moetrace.placement.advise_manifest import AdviceVerdict, DriftEstimate, plain_json
 from moetrace.placement.advise_option_row import Measure, OptionRow
-from moetrace.placement.advise_options import EPLB_STRATEGIES
-from moetrace.placement.advise_rearrange import Rearrangement, rearrangement_cost, rearrangement_text
 from moetrace.placement.decision import MIN_GAIN, WITHIN_BEST, Candidate, StageChoice, choose, pct
 
 __all__ = [

@@ -7,7 +7,7 @@ simulated steps as ``StepTokens``) and what one option on one stage's steps meas
 Shape legend (docs/architecture.md): N windows, B steps, L MoE layers, E logical experts, T tokens,
 K top-k slots.
 
-Out of scope: computing them (``advise``), writing them (``advise_files``).
+Out of scope: computing them (``run``), writing them (``files``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 
+from moetrace.placement.advise.options import EPLB_STRATEGIES, EplbPolicy, option_label
 from moetrace.placement.advise_manifest import AdviceManifest
 from moetrace.placement.advise_option_row import STAGES, OptionRow, Stage, Steps
-from moetrace.placement.advise_options import EPLB_STRATEGIES, EplbPolicy, option_label
 from moetrace.placement.maps import Placement
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 the steps simulated, the strategies, how EPLB sums, the replica rule, the rearrangement, the split,
 the step model's kernels and copy models) with its checks, and the step sizes' defaults.
 
-Out of scope: the inputs and the evaluation (``advise``); the strategies evaluated (``advise_options``).
+Out of scope: the inputs and the evaluation (``run``); the strategies evaluated (``options``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetrace.errors import ConfigError
-from moetrace.placement.advise_metrics import redundancy_sweep
-from moetrace.placement.advise_rearrange import Rearrangement
+from moetrace.placement.advise.metrics import redundancy_sweep
+from moetrace.placement.advise.rearrange import Rearrangement
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.eplb import ACCUMULATE, Accumulate
 from moetrace.placement.eplb_replicas import ReplicaRule, check_rule
@@ -39,7 +39,7 @@ class AdviseConfig:
     num_steps: int = 200  # decode steps simulated on a trace (each of step_requests tokens)
     decode_tokens_per_gpu: int = DECODE_TOKENS_PER_GPU  # decode tokens (one per request) per EP rank and step
     prefill_tokens_per_gpu: int = PREFILL_TOKENS_PER_GPU  # chunked-prefill tokens per EP rank and prefill step
-    # registered strategies to evaluate (advise_options; empty: DEFAULT_STRATEGIES where they apply)
+    # registered strategies to evaluate (``options``; empty: DEFAULT_STRATEGIES where they apply)
     strategies: tuple[str, ...] = ()
     eplb_sum: Accumulate = "float64"  # how EPLB sums pack weights: float64 as SGLang/vLLM, float32 as DeepSeek's
     replica_policy: ReplicaRule = (

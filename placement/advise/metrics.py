@@ -28,7 +28,7 @@ E logical experts, P physical slots, W EP ranks (GPUs), G nodes, T tokens, K top
 
 Out of scope: choosing placements (``eplb``, ``baselines``, ``joint``), simulating token copies
 (``simulate``), the per-step time formulas (``cost``); reading inputs and wording the verdict
-(``advise``).
+(``run``).
 """
 
 from __future__ import annotations

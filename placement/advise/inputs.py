@@ -6,7 +6,7 @@ windows in time order, the first half fits, the later half is evaluated).
 Shape legend (docs/architecture.md): N windows, R requests, L MoE layers, E logical experts, T tokens,
 K top-k slots.
 
-Out of scope: evaluating the inputs (``advise``); the trace's counts and split themselves (``compare_data``).
+Out of scope: evaluating the inputs (``run``); the trace's counts and split themselves (``compare_data``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moetrace.errors import ConfigError, TraceFormatError
-from moetrace.placement.advise_config import AdviseConfig
-from moetrace.placement.advise_options import resolve_strategies
-from moetrace.placement.advise_types import AdviseInputs, Option, StageInput, Steps, StepTokens
+from moetrace.placement.advise.config import AdviseConfig
+from moetrace.placement.advise.options import resolve_strategies
+from moetrace.placement.advise.types import AdviseInputs, Option, StageInput, Steps, StepTokens
 from moetrace.placement.held_out import held_out_R
 from moetrace.placement.maps import Placement
 
@@ -149,7 +149,7 @@ def trace_inputs(
         get_strategy(n).check(model, num_nodes=dep.num_nodes)
     cur = None
     if current is not None:  # before minutes of counting
-        from moetrace.placement.advise_current import read_current
+        from moetrace.placement.advise.current import read_current
 
         cur = read_current(current, model=model, num_ranks=dep.num_ep)
     data = _load_trace(trace, cfg, progress=count_progress)

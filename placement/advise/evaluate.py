@@ -10,8 +10,8 @@ kernel is tested against bit for bit (tests/test_advise_fused.py) and what runs 
 Shape legend (docs/architecture.md): N windows, B steps, L MoE layers, E logical experts, P physical
 slots, W EP ranks, T tokens, K top-k slots; a chunk's arrays ``_LBW`` are per (layer, step, rank).
 
-Out of scope: which options are evaluated (``advise_fit``); their summary (``advise_rows``); the
-metrics' formulas (``advise_metrics``, ``step_model``).
+Out of scope: which options are evaluated (``fit``); their summary (``rows``); the
+metrics' formulas (``metrics``, ``step_model``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from moetrace.placement import simulate_kernel
-from moetrace.placement.advise_metrics import (
+from moetrace.placement.advise.metrics import (
     balancedness,
     expected_active_slots,
     expected_rank_load,
@@ -30,7 +30,7 @@ from moetrace.placement.advise_metrics import (
     send_ranks_per_token,
     vllm_balancedness,
 )
-from moetrace.placement.advise_types import StepMetrics, StepTokens
+from moetrace.placement.advise.types import StepMetrics, StepTokens
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.eplb_replicas import ReplicaRule, check_rule, rule_copies, rule_tables
 from moetrace.placement.hardware import CostModel

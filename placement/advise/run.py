@@ -1,46 +1,13 @@
-"""``moetrace advise``: should this deployment enable EPLB, with which policy and how many redundant
-experts, and what does a data-based placement add, answered per stage in the engines' own terms.
+"""The advise run: ``advise_arrays`` evaluates every option on every recorded stage of an
+``AdviseInputs`` in six named steps (``_prepare`` the options, ``_evaluate`` their evaluation,
+``_rows`` the rows, ``_missing`` what the input lacks, ``_recommended`` the placements written,
+``_manifest`` advice.json), and the entry points over it: ``advise_trace`` (a trace),
+``advise_profile_counts`` / ``advise_profile`` (a load profile), ``advise_input`` (either, by what
+the path is).
 
-For each recorded stage (prefill, decode, and both together) and each option (the placement served
-now, ``--current``, or linear, vLLM's default; the strategies of ``advise_options``: by default
-round robin, DeepSeek's EPLB under its hierarchical and its global policy with R redundant slots for
-every R of ``advise_metrics.redundancy_sweep``, and ours, ``joint``, where per-request routing
-allows; any registered strategy by name) this module measures, per MoE layer and step, then
-summarised:
-
-- balancedness as vLLM logs it, the busiest rank's (token, expert) pairs, activated experts per GPU,
-  distinct destination ranks per token (``advise_metrics``), with the replicas an engine's dispatch
-  picks (``eplb_replicas``: vLLM's hash, SGLang's local-first map, or moetrace's same-node model);
-- inter-node bytes, predicted all-to-all and MoE-layer seconds per step from the cost model
-  (``step_model`` with ``cost.CostModel`` on a trace's simulated steps; the cost model's formulas on
-  expected traffic for a load profile), with the step-to-step spread;
-- migration from the placement served now (``advise_metrics.migration``) and the memory the
-  redundant slots take per GPU.
-
-Then one verdict per stage in plain words (``advise_verdicts``), with the rearrangement's stall in
-steps and whether the engine's schedule pays for it (``advise_rearrange``). Steps hold
-``decode_tokens_per_gpu`` / ``prefill_tokens_per_gpu`` tokens per GPU (defaults 4 and 128).
-
-Inputs: a trace (requests split into placement and held-out ones as ``compare`` splits them, so
-``moetrace place --strategy eplb`` reproduces the decode EPLB placement advised; the held-out
-requests' steps are drawn by ``compare.held_out_batches`` / ``prefill_batches``) or a load profile
-(windows of expert counts in time order: the first half fits, the rest is evaluated; one window,
-such as one engine statistics file, is fitted and evaluated in-sample, with no drift estimate, and
-the output says so; no tokens, so no send-ranks-per-token and the per-(token, expert) copy model only).
-
-Shape legend (docs/architecture.md): N windows, B steps, R requests, L MoE layers, E logical
-experts, P physical slots, W EP ranks, G nodes, T tokens, K top-k slots, S stages.
-
-This module runs the evaluation (``advise_arrays``) and the three entry points (``advise_trace``,
-``advise_profile_counts`` / ``advise_profile``, ``advise_input``); its parts live beside it, and the
-names other modules import are re-exported here: the config (``advise_config``), the records
-(``advise_types``), the inputs read from a trace or a profile (``advise_inputs``), the options fitted
-per stage (``advise_fit``), their evaluation (``advise_evaluate``), their rows (``advise_rows``, typed
-as ``advise_option_row.OptionRow``), the stages' correlation and the drift (``advise_drift``).
-
-Out of scope: the placers (``eplb``, ``baselines``, ``joint``), the volume and cost models
-(``simulate``, ``cost``), engine files (``exports``), the result files (``advise_files``);
-time-varying rebalancing schedules beyond the stall's cost: every option is a static placement.
+Out of scope: the parts it calls (the package's other modules: ``inputs``, ``fit``, ``evaluate``,
+``rows``, ``drift``, ``verdicts``), the result files (``files``); what ``moetrace advise`` answers
+and how (the package's docstring).
 """
 
 from __future__ import annotations
@@ -54,16 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moetrace.placement.advise_config import DECODE_TOKENS_PER_GPU, PREFILL_TOKENS_PER_GPU, AdviseConfig
-from moetrace.placement.advise_drift import MIN_DRIFT_WINDOWS, stage_correlation, stage_drift, stage_weights
-from moetrace.placement.advise_evaluate import evaluate_counts, evaluate_tokens
-from moetrace.placement.advise_files import commands, format_advice, read_advice, write_advice
-from moetrace.placement.advise_fit import stage_options
-from moetrace.placement.advise_inputs import profile_inputs, trace_inputs
-from moetrace.placement.advise_manifest import AdviceManifest, AdviceVerdict, DriftEstimate, Recommended, plain_json
-from moetrace.placement.advise_option_row import OptionRow
-from moetrace.placement.advise_options import data_free_placement, resolve_strategies
-from moetrace.placement.advise_rows import (
+from moetrace.placement.advise.config import AdviseConfig
+from moetrace.placement.advise.drift import MIN_DRIFT_WINDOWS, stage_correlation, stage_drift, stage_weights
+from moetrace.placement.advise.evaluate import evaluate_counts, evaluate_tokens
+from moetrace.placement.advise.fit import stage_options
+from moetrace.placement.advise.inputs import profile_inputs, trace_inputs
+from moetrace.placement.advise.options import data_free_placement, resolve_strategies
+from moetrace.placement.advise.rows import (
     MigrationRow,
     add_layer_rows,
     layer_arrays,
@@ -71,18 +35,10 @@ from moetrace.placement.advise_rows import (
     summary_row,
     weight_bytes,
 )
-from moetrace.placement.advise_types import (
-    STAGES,
-    Advice,
-    AdviseInputs,
-    Option,
-    Stage,
-    StageInput,
-    StepMetrics,
-    Steps,
-    StepTokens,
-)
-from moetrace.placement.advise_verdicts import stage_choices, verdicts
+from moetrace.placement.advise.types import Advice, AdviseInputs, Option, Stage, StepMetrics, Steps
+from moetrace.placement.advise.verdicts import stage_choices, verdicts
+from moetrace.placement.advise_manifest import AdviceManifest, AdviceVerdict, DriftEstimate, Recommended, plain_json
+from moetrace.placement.advise_option_row import OptionRow
 from moetrace.placement.eplb_replicas import slot_shares
 from moetrace.placement.hardware import CostModel
 
@@ -93,27 +49,12 @@ if TYPE_CHECKING:
     from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = [
-    "AdviseConfig",
-    "StepTokens",
-    "StepMetrics",
-    "StageInput",
-    "AdviseInputs",
-    "Option",
-    "Advice",
-    "OptionRow",
-    "evaluate_tokens",
-    "evaluate_counts",
     "advise_arrays",
-    "advise_trace",
-    "advise_profile_counts",
-    "write_advice",
-    "read_advice",
-    "format_advice",
     "advise_input",
-    "commands",
-    "STAGES",
-    "DECODE_TOKENS_PER_GPU",
-    "PREFILL_TOKENS_PER_GPU",
+    "advise_profile",
+    "advise_profile_counts",
+    "advise_trace",
+    "is_profile",
 ]
 
 
@@ -482,7 +423,7 @@ def advise_profile(path: str | os.PathLike, cfg: AdviseConfig, *, current: str |
     p = prof.open_profile(path)
     cur = None
     if current is not None:
-        from moetrace.placement.advise_current import read_current
+        from moetrace.placement.advise.current import read_current
 
         cur = read_current(current, model=p.model, num_ranks=cfg.deployment.num_ep)
     return advise_profile_counts(

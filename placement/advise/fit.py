@@ -3,7 +3,7 @@ EPLB's per redundancy sweep point (``eplb_fit``), the trace's grouped ones for a
 
 Shape legend (docs/architecture.md): L MoE layers, E logical experts.
 
-Out of scope: which strategies apply (``advise_options``); evaluating the options (``advise_evaluate``).
+Out of scope: which strategies apply (``options``); evaluating the options (``evaluate``).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moetrace.placement.advise_config import AdviseConfig
-from moetrace.placement.advise_options import (
+from moetrace.placement.advise.config import AdviseConfig
+from moetrace.placement.advise.options import (
     EPLB_STRATEGIES,
     data_free_placement,
     eplb_option_placement,
     eplb_policy,
     ungrouped_placement,
 )
-from moetrace.placement.advise_types import AdviseInputs, Option, Stage
+from moetrace.placement.advise.types import AdviseInputs, Option, Stage
 from moetrace.placement.strategies import get_strategy
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ policies swept over redundant slots, summed as the engine that will load them su
 
 Shape legend (docs/architecture.md): L MoE layers, E logical experts, P physical slots, W EP ranks.
 
-Out of scope: evaluating the placements (``advise``), the placers themselves (``eplb``,
+Out of scope: evaluating the placements (``run``), the placers themselves (``eplb``,
 ``baselines``, ``joint``, ...), the registry (``strategies``).
 """
 

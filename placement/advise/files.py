@@ -4,7 +4,7 @@ placement, written through its ``to_json``), ``options.parquet`` (``advise_optio
 rows, written through their ``to_row``), ``layers.parquet``, the placements, and the table and
 verdicts the command prints.
 
-Out of scope: computing the advice (``advise``), its verdicts (``advise_verdicts``), the record
+Out of scope: computing the advice (``run``), its verdicts (``verdicts``), the record
 itself (``advise_manifest``).
 """
 
@@ -26,7 +26,7 @@ from moetrace.placement.eplb import ACCUMULATE_WHO
 from moetrace.placement.legends import ADVISE_LEGEND, legend_lines
 
 if TYPE_CHECKING:
-    from moetrace.placement.advise_types import Advice
+    from moetrace.placement.advise.types import Advice
 
 __all__ = ["best_lines", "commands", "format_advice", "read_advice", "write_advice"]
 
@@ -35,7 +35,7 @@ __all__ = ["best_lines", "commands", "format_advice", "read_advice", "write_advi
 def commands(advice: Advice, *, out: str | os.PathLike) -> list[AdviceCommand]:
     """The ``moetrace place`` / ``moetrace export`` commands of every recommended option, per engine
     (``out``: the advice directory holding its placement files)."""
-    from moetrace.placement.advise_options import EPLB_STRATEGIES
+    from moetrace.placement.advise.options import EPLB_STRATEGIES
     from moetrace.placement.exports import PLACEMENT_EXPORTS
     from moetrace.placement.strategies import STRATEGY_NAMES, get_strategy
 

@@ -5,7 +5,7 @@ windows in arrival order).
 
 Shape legend (docs/architecture.md): N windows, L MoE layers, E logical experts.
 
-Out of scope: the verdicts worded from them (``advise_verdicts``).
+Out of scope: the verdicts worded from them (``verdicts``).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moetrace.placement.advise_config import AdviseConfig
-from moetrace.placement.advise_fit import eplb_fit
+from moetrace.placement.advise.config import AdviseConfig
+from moetrace.placement.advise.fit import eplb_fit
+from moetrace.placement.advise.metrics import expected_rank_load, vllm_balancedness
+from moetrace.placement.advise.options import EPLB_STRATEGIES, data_free_placement
+from moetrace.placement.advise.types import AdviseInputs, Stage, Steps
+from moetrace.placement.advise.verdicts import best_eplb
 from moetrace.placement.advise_manifest import DriftEstimate
-from moetrace.placement.advise_metrics import expected_rank_load, vllm_balancedness
 from moetrace.placement.advise_option_row import OptionRow
-from moetrace.placement.advise_options import EPLB_STRATEGIES, data_free_placement
-from moetrace.placement.advise_types import AdviseInputs, Stage, Steps
-from moetrace.placement.advise_verdicts import best_eplb
 from moetrace.placement.deployment import Deployment
 from moetrace.placement.maps import Placement
 
