@@ -14,7 +14,7 @@ sender's peer there, forwarded over NVLink to that node's other destination GPUs
 received per link class, and each (source, destination) pair of a batch once as a peer. Counts are
 integers, so the ``[B, W]`` sums the step model takes of them are the same numbers whatever their order:
 ``simulate_volume`` and ``evaluate_tokens`` price them with ``step_model.layer_seconds``, bit for bit what
-the NumPy passes (``simulate._simulate_volume_reference``, ``advise_evaluate._evaluate_tokens_reference``)
+the NumPy passes (``simulate._simulate_volume_reference``, ``advise.evaluate._evaluate_tokens_reference``)
 give.
 
 The kernel is compiled on first use (``cache=True``: on disk by numba) and releases the GIL
@@ -27,7 +27,7 @@ E logical experts, P physical slots, M max replicas, B batches, W EP ranks (GPUs
 Q the counted quantities (``QUANTITIES``).
 
 Out of scope: pricing the counts (``step_model``); the metrics built from them (``simulate``,
-``advise_evaluate``); the engines' rules themselves (``eplb_replicas``).
+``advise.evaluate``); the engines' rules themselves (``eplb_replicas``).
 """
 
 from __future__ import annotations
@@ -199,16 +199,22 @@ def _kernel() -> Callable[..., Any]:
                                 sl = log2phy_LEM[l, e, 0]
                             elif mode == _HASH:  # vLLM: the token's key modulo the replica count
                                 cnt = logcnt_LE[l, e]
-                                sl = log2phy_LEM[l, e, key_T[t] % cnt if cnt > 0 else 0]
+                                sl = log2phy_LEM[l, e, key_T[t] % cnt if cnt > 1 else 0]
                             elif mode == _MAP:  # SGLang's static map: one slot per (source GPU, expert)
                                 sl = map_LWE[l, s, e]
-                            else:
+                            elif mode == _SAME_NODE:  # a replica on the token's node if there is one, else even
+                                # (a division only where there is a choice: x % 1 is 0)
+                                n_local = lcnt_LGE[l, sn, e]
+                                if n_local == 1:
+                                    sl = local_LGEM[l, sn, e, 0]
+                                elif n_local > 1:
+                                    sl = local_LGEM[l, sn, e, t % n_local]
+                                else:
+                                    cnt = logcnt_LE[l, e]
+                                    sl = log2phy_LEM[l, e, t % cnt if cnt > 1 else 0]
+                            else:  # even
                                 cnt = logcnt_LE[l, e]
-                                sl = log2phy_LEM[l, e, t % cnt if cnt > 0 else 0]  # even
-                                if mode == _SAME_NODE:
-                                    n_local = lcnt_LGE[l, sn, e]
-                                    if n_local > 0:
-                                        sl = local_LGEM[l, sn, e, t % n_local]
+                                sl = log2phy_LEM[l, e, t % cnt if cnt > 1 else 0]
                         slot_K[k] = sl
                     # pairs, activated slots, distinct GPUs; the copies of copy models expert (each slot of
                     # the row once) and rank (each distinct GPU once), all sent by s: counted as they come
