@@ -108,13 +108,27 @@ def test_a_failed_build_leaves_the_old_folder_and_no_temporary(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- analyze
-@pytest.fixture
-def analysed(tmp_path):
-    t = write_small_trace(tmp_path / "t", num_requests=8)
-    out = tmp_path / "a"
-    r = runner.invoke(app, ["analyze", str(t), "-o", str(out), "--only", "imbalance", "-q"])
-    assert r.exit_code == 0, r.output
+def _copy_of(built: Path, tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """A test's own copy of a module's trace ``t`` and results ``a`` (built once: they record each other
+    by relative path, so a copy side by side is the same pair)."""
+    t, out = tmp_path / "t", tmp_path / "a"
+    shutil.copytree(built / "t", t, symlinks=True)
+    shutil.copytree(built / "a", out, symlinks=True)
     return t, out, tree_hashes(out)
+
+
+@pytest.fixture(scope="module")
+def _analysed_once(tmp_path_factory) -> Path:
+    built = tmp_path_factory.mktemp("analysed")
+    t = write_small_trace(built / "t", num_requests=8)
+    r = runner.invoke(app, ["analyze", str(t), "-o", str(built / "a"), "--only", "imbalance", "-q"])
+    assert r.exit_code == 0, r.output
+    return built
+
+
+@pytest.fixture
+def analysed(_analysed_once, tmp_path):
+    return _copy_of(_analysed_once, tmp_path)
 
 
 def _analyze_again(t: Path, out: Path):
@@ -218,15 +232,20 @@ def _advise_args(t: Path, out: Path, steps: int) -> list[str]:
     return ["advise", str(t), *deployment, *step_tokens, "--steps", str(steps), "-q", "-o", str(out)]
 
 
-@pytest.fixture
-def advised(tmp_path):
+@pytest.fixture(scope="module")
+def _advised_once(tmp_path_factory) -> Path:
     from factories import zipf_trace
 
-    t = zipf_trace(tmp_path / "t")
-    out = tmp_path / "a"
-    r = runner.invoke(app, _advise_args(t, out, 8))
+    built = tmp_path_factory.mktemp("advised")
+    t = zipf_trace(built / "t")
+    r = runner.invoke(app, _advise_args(t, built / "a", 8))
     assert r.exit_code == 0, r.output
-    return t, out, tree_hashes(out)
+    return built
+
+
+@pytest.fixture
+def advised(_advised_once, tmp_path):
+    return _copy_of(_advised_once, tmp_path)
 
 
 def _advise_again(t: Path, out: Path):
