@@ -34,28 +34,17 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sides import alternate, json_without, load, report, timed_child
+from sides import alternate, json_without, load, report, synth_trace, timed_child
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASETS = "gsm8k,math,mbpp,humaneval,lmsys-chat,xsum,tldr"
 DEPLOYMENT = "DP8TP8EP64"
 #: JSON fields that may differ between two runs of the same inputs (times); none today
 IGNORED_JSON_FIELDS: tuple[str, ...] = ()
-
-
-def make_trace(workdir: Path, requests: int) -> Path:
-    """The synth trace (built once; reused when it exists)."""
-    trace = workdir / f"synth-dsv3-{requests}"
-    if not (trace / "manifest.json").exists():
-        cmd = [sys.executable, "-m", "moetrace", "synth", "--model", "deepseek-v3", "--datasets", DATASETS]
-        cmd += ["--requests", str(requests), "--seed", "0", "-o", str(trace), "--overwrite", "-q"]
-        subprocess.run(cmd, check=True, cwd=ROOT)
-    return trace
 
 
 def run_advise(trace: Path, workdir: Path, side: str, *, tree: Path, extra: list[str]) -> dict[str, float]:
@@ -109,7 +98,7 @@ def main() -> None:
     args = ap.parse_args()
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    trace = args.trace or make_trace(args.workdir, args.requests)
+    trace = args.trace or synth_trace(args.workdir, args.requests, datasets=DATASETS, root=ROOT)
     extra = ["--replica-policy", args.replica_policy] if args.replica_policy else []
     sides = {"after": args.tree.resolve()} | ({"before": args.baseline.resolve()} if args.baseline else {})
     print(f"trace {trace}; advise --config {DEPLOYMENT} --seed 0 {' '.join(extra)}; load {load()}", flush=True)

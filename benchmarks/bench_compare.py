@@ -22,28 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sides import alternate, json_without, load, report, timed_child
+from sides import alternate, json_without, load, report, synth_trace, timed_child
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASETS = "gsm8k,math,mbpp,humaneval"
 DEPLOYMENT = "DP8TP8EP64"
 #: compare.json fields that may differ between two runs of the same inputs (paths of the run, times)
 IGNORED_JSON_FIELDS: tuple[str, ...] = ()
-
-
-def make_trace(workdir: Path, requests: int) -> Path:
-    """The synth trace (built once; reused when it exists)."""
-    trace = workdir / f"synth-dsv3-{requests}"
-    if not (trace / "manifest.json").exists():
-        cmd = [sys.executable, "-m", "moetrace", "synth", "--model", "deepseek-v3", "--datasets", DATASETS]
-        cmd += ["--requests", str(requests), "--seed", "0", "-o", str(trace), "--overwrite", "-q"]
-        subprocess.run(cmd, check=True, cwd=ROOT)
-    return trace
 
 
 def run_compare(trace: Path, out: Path, *, tree: Path, batches: int) -> dict[str, float]:
@@ -88,7 +77,7 @@ def main() -> None:
     args = ap.parse_args()
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    trace = args.trace or make_trace(args.workdir, args.requests)
+    trace = args.trace or synth_trace(args.workdir, args.requests, datasets=DATASETS, root=ROOT)
     sides = {"after": ROOT} | ({"before": args.baseline.resolve()} if args.baseline else {})
     print(f"trace {trace}; compare --config {DEPLOYMENT} --batches {args.batches}; load {load()}", flush=True)
 

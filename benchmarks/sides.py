@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["alternate", "json_without", "load", "report", "summary", "timed_child"]
+__all__ = ["alternate", "json_without", "load", "report", "summary", "synth_trace", "timed_child"]
 
 
 def load() -> str:
@@ -113,3 +113,14 @@ def json_without(doc: object, ignored: tuple[str, ...]) -> object:
     if isinstance(doc, list):
         return [json_without(v, ignored) for v in doc]
     return doc
+
+
+def synth_trace(workdir: Path, requests: int, *, datasets: str, root: Path) -> Path:
+    """``moetrace synth --model deepseek-v3 --datasets DATASETS --requests N --seed 0`` into ``workdir``,
+    built once (reused when its manifest exists; the folder is named by the request count and datasets)."""
+    trace = workdir / f"synth-dsv3-{requests}-{datasets.replace(',', '-')}"
+    if not (trace / "manifest.json").exists():
+        cmd = [sys.executable, "-m", "moetrace", "synth", "--model", "deepseek-v3", "--datasets", datasets]
+        cmd += ["--requests", str(requests), "--seed", "0", "-o", str(trace), "--overwrite", "-q"]
+        subprocess.run(cmd, check=True, cwd=root)
+    return trace
