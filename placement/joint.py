@@ -42,7 +42,7 @@ one copy); the GPUs inside a node (``data_placement.spread_in_nodes``); simulati
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -67,6 +67,7 @@ __all__ = [
     "local_share_ceiling",
     "node_scores",
     "balanced_assign",
+    "balanced_constraints",
     "route_requests",
     "node_capacity",
     "effective_node_load_limit",
@@ -152,21 +153,15 @@ def group_usage(
     return out.reshape(num_groups, L, E)
 
 
-def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
-    """Assign every request to one node, maximising the total score, every node taking between
-    ``floor((1 - slack) R / G)`` and ``node_capacity(R, G, 1 + slack)`` requests: ``(group_R int64 [R],
-    price_G float64 [G])``.
-
-    A transportation LP (HiGHS), integral at its optimum because its constraint matrix is totally
-    unimodular. ``price_G`` (score units) is the net dual of each node's two capacity constraints:
-    ``argmax_g score - price`` gives the same assignment up to ties (``route_requests``); a node in
-    demand has a positive price, one that must be filled a negative one.
-    """
+def balanced_constraints(
+    num_requests: int, num_groups: int, *, balance_slack: float = 0.05
+) -> tuple[Any, np.ndarray, Any, np.ndarray]:
+    """``balanced_assign``'s constraints over the R * G assignment variables (request-major):
+    ``(A_ub, b_ub, A_eq, b_eq)``: scipy CSR matrices, int64 upper bounds, float64 ones. Each request on one node
+    (``A_eq x = 1``); each node's count at most ``node_capacity(R, G, 1 + slack)`` (rows 0..G-1) and at
+    least ``floor((1 - slack) R / G)`` (rows G..2G-1, negated)."""
     sparse = require("scipy.sparse", purpose="the joint placer's balanced routing")
-    s = np.asarray(score_RG, dtype=np.float64)
-    R, G = s.shape
-    if R == 0:
-        return np.zeros(0, np.int64), np.zeros(G)
+    R, G = num_requests, num_groups
     hi = node_capacity(R, G, 1.0 + balance_slack)  # the router's own cap: integer counts can meet it
     lo = min(int(np.floor((1.0 - balance_slack) * R / G)), R // G)
     cols = np.arange(R * G)
@@ -180,8 +175,26 @@ def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tup
         shape=(2 * G, R * G),
     )
     b_ub = np.concatenate([np.full(G, hi), np.full(G, -lo)])
+    return A_ub, b_ub, A_eq, np.ones(R)
+
+
+def balanced_assign(score_RG: np.ndarray, *, balance_slack: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """Assign every request to one node, maximising the total score, every node taking between
+    ``floor((1 - slack) R / G)`` and ``node_capacity(R, G, 1 + slack)`` requests: ``(group_R int64 [R],
+    price_G float64 [G])``.
+
+    A transportation LP (HiGHS), integral at its optimum because its constraint matrix is totally
+    unimodular. ``price_G`` (score units) is the net dual of each node's two capacity constraints:
+    ``argmax_g score - price`` gives the same assignment up to ties (``route_requests``); a node in
+    demand has a positive price, one that must be filled a negative one.
+    """
+    s = np.asarray(score_RG, dtype=np.float64)
+    R, G = s.shape
+    if R == 0:
+        return np.zeros(0, np.int64), np.zeros(G)
+    A_ub, b_ub, A_eq, b_eq = balanced_constraints(R, G, balance_slack=balance_slack)
     # interior point + crossover: a vertex, 2x faster than simplex here (linprog's answer, without its overhead)
-    res = fixed_constraint_lp(A_ub, b_ub, A_eq, np.ones(R), bounds=(0, 1), method="highs-ipm")(-s.reshape(-1))
+    res = fixed_constraint_lp(A_ub, b_ub, A_eq, b_eq, bounds=(0, 1), method="highs-ipm")(-s.reshape(-1))
     if res.status != 0 or res.x is None or res.ineqlin_marginals is None:
         raise AssertionError(f"balanced routing LP failed ({res.message})")
     group_R = np.argmax(res.x.reshape(R, G), axis=1).astype(np.int64)

@@ -65,9 +65,9 @@ def tiny_fs(tmp_path):
 # ---------------------------------------------------------------- the two tiers
 # The slow tier: end-to-end checks that take a second or more each on the 2-core development machine
 # (real ranks, namespaces, a browser, real model forward passes, CLI processes started and killed,
-# fuzzers and hostile-input tables of a hundred CLI runs, a kernel compiled per id dtype). Plain `pytest` runs the fast tier
-# (pyproject's addopts: -m "not slow") on every core (`-n auto`, pytest-xdist; `pytest_xdist_auto_num_workers`
-# below); `pytest -m slow` runs this tier, one test at a time (also for one file: `pytest -m slow
+# fuzzers and hostile-input tables of a hundred CLI runs, a kernel compiled per id dtype). Plain
+# `pytest` runs the fast tier (pyproject's addopts: -m "not slow") on every core (`-n auto`,
+# pytest-xdist; `pytest_xdist_auto_num_workers` below); `pytest -m slow` runs this tier, one test at a time (also for one file: `pytest -m slow
 # tests/test_demo.py`); the README's test command and CI run both. Module file name -> the test
 # functions of it in the tier (every parametrization), or None for the whole file. A test may also
 # carry @pytest.mark.slow itself. A fast-tier test that grows past a second moves here (`pytest

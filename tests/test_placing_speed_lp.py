@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from moetrace.placement import improved
 from moetrace.placement.improved import fixed_constraint_lp, optimal_members
-from moetrace.placement.joint import balanced_assign, node_capacity
+from moetrace.placement.joint import balanced_assign, balanced_constraints
 
 optimize = pytest.importorskip("scipy.optimize")
 sparse = pytest.importorskip("scipy.sparse")
@@ -163,24 +163,12 @@ def test_optimal_members_is_the_linprog_loop(G, per, extra, L, kind, threads, se
 
 
 def _linprog_balanced(score_RG: np.ndarray, balance_slack: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
-    """``balanced_assign`` as it was: one ``linprog`` (interior point)."""
+    """``balanced_assign`` as it was: one ``linprog`` (interior point) on the same constraints."""
     s = np.asarray(score_RG, dtype=np.float64)
     R, G = s.shape
-    hi = node_capacity(R, G, 1.0 + balance_slack)
-    lo = min(int(np.floor((1.0 - balance_slack) * R / G)), R // G)
-    cols = np.arange(R * G)
-    A_eq = sparse.csr_matrix((np.ones(R * G), (np.repeat(np.arange(R), G), cols)), shape=(R, R * G))
-    node = np.tile(np.arange(G), R)
-    A_ub = sparse.csr_matrix(
-        (
-            np.concatenate([np.ones(R * G), -np.ones(R * G)]),
-            (np.concatenate([node, G + node]), np.concatenate([cols, cols])),
-        ),
-        shape=(2 * G, R * G),
-    )
-    b_ub = np.concatenate([np.full(G, hi), np.full(G, -lo)])
+    A_ub, b_ub, A_eq, b_eq = balanced_constraints(R, G, balance_slack=balance_slack)
     res = optimize.linprog(
-        -s.reshape(-1), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=np.ones(R), bounds=(0, 1), method="highs-ipm"
+        -s.reshape(-1), A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq, bounds=(0, 1), method="highs-ipm"
     )
     marg = -np.asarray(res.ineqlin.marginals, dtype=np.float64)
     return np.argmax(res.x.reshape(R, G), axis=1).astype(np.int64), marg[:G] - marg[G:]
