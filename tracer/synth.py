@@ -192,15 +192,15 @@ def iter_chunks(sampler: _Sampler, chunks: list[int], *, workers: int) -> Iterat
             if len(pending) >= 2 * workers:
                 break
         while pending:
-            try:
+            try:  # a dead worker breaks the pool: the next result or the next submit says so
                 done = pending.pop(0).result()
+                nxt = next(it, None)
+                if nxt is not None:
+                    pending.append(ex.submit(_worker_chunk, nxt))
             except BrokenProcessPool as exc:
                 raise CollectionError(
                     "a synth worker process ended abruptly (killed by a signal: the out-of-memory killer, kill -9)"
                 ) from exc
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(ex.submit(_worker_chunk, nxt))
             yield done
 
 
