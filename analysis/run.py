@@ -57,6 +57,11 @@ Analysis = Literal["imbalance", "correlation", "embedding", "classify", "affinit
 #: what runs when nothing is chosen (``counts``, the tidy table, is opt-in: it can be large)
 DEFAULT_ANALYSES: tuple[str, ...] = ("imbalance", "correlation", "embedding", "classify", "affinity")
 ANALYSES: tuple[str, ...] = (*DEFAULT_ANALYSES, "counts")
+#: the scikit-learn modules a step imports, loaded on a background thread while the trace is counted
+PRELOADED_MODULES: dict[str, tuple[str, ...]] = {
+    "classify": ("sklearn.linear_model", "sklearn.metrics"),
+    "embedding": ("sklearn.decomposition", "sklearn.manifold", "sklearn.cluster", "sklearn.neighbors"),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,84 +173,89 @@ def analyze(
         rf.write_result_table(out, rf.ANALYSIS, name, df)
         files[name] = what
 
-    needs_counts = [a for a in config.only if a != "affinity"]
-    counts = None
-    if needs_counts:
-        say("counting tokens per (request, stage, layer, expert)")
-        t0 = time.perf_counter()
-        sample = request_sample(trace.request_arrays.dataset_R, max_requests=config.max_requests, seed=config.seed)
-        if sample is not None:
-            summary["request_sample"] = {
-                "num_trace_requests": int(trace.request_arrays.dataset_R.shape[0]),
-                "num_analysed": int(sample.size),
-                "max_requests": config.max_requests,
-            }
-            say(
-                f"analysing a sample of {sample.size:,} of the trace's {trace.request_arrays.dataset_R.shape[0]:,} "
-                f"requests (stratified by dataset; --max-requests {config.max_requests:,}, 0 for all)"
-            )
-        counts = count_trace(
-            trace,
-            stages=[s for s in STAGES if s in recorded],
-            layers=config.layers,
-            allow_incomplete=config.allow_incomplete,
-            progress=progress,
-            rows=sample,
-        )
-        timings["counts"] = time.perf_counter() - t0
-        summary["num_requests"] = counts.num_requests
-        summary["datasets"] = counts.datasets()
-        empty = counts.empty_layers()
-        if all(len(ls) == len(counts.layers) for ls in empty.values()):
-            raise ConfigError(
-                f"no recorded routing at the analysed MoE layers {list(counts.layers)} (every id there is -1); "
-                f"`moetrace info {trace_path}` lists the layers that hold routing; pass those to --layers"
-            )
-        summary["layers"] = {"num_layers": len(counts.layers), "empty": empty}
-        for stage, ls in empty.items():
-            if ls:
-                say(
-                    f"{stage}: {len(ls)} of {len(counts.layers)} MoE layers have no recorded routing (left out of means)"
-                )
-
-    if "counts" in config.only:
-        t0 = time.perf_counter()
-        assert counts is not None  # "counts" is one of needs_counts
-        n = write_counts_table(counts, out / rf.COUNTS)
-        files[rf.COUNTS] = "tidy non-zero token counts per request, stage, layer, expert"
-        summary["counts_rows"] = n
-        timings["counts_table"] = time.perf_counter() - t0
-
-    # affinity reads the trace again and needs no counts: it starts now on a background thread (its numba
-    # kernel and pyarrow's decoding release the GIL) and is written in its turn, last, as if it ran there
-    early: dict[str, Future[tuple[dict[str, Any], list[tuple[str, pl.DataFrame, str]], float]]] = {}
-    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrace-affinity")
-    if "affinity" in config.only:
-        early["affinity"] = background.submit(_deferred, lambda w: _run_affinity(trace, config, w))
-    steps = (  # (analysis, what it does, step) in the order they run
-        ("imbalance", "expert load and imbalance factor", lambda: _run_imbalance(counts, config, write)),
-        (
-            "correlation",
-            "datasets, prefill↔decode (pooled, per request), recall@k",
-            lambda: _run_correlation(counts, config, write),
-        ),
-        (
-            "classify",
-            "per-layer logistic regression from prefill counts to dataset",
-            lambda: _run_classify(counts, config, write),
-        ),
-        (
-            "embedding",
-            embedding_line(config),
-            lambda: run_embedding_one_thread(counts, config, write),
-        ),
-        (
-            "affinity",
-            "cross-layer affinity and co-activation on a token sample",
-            lambda: _run_affinity(trace, config, write),
-        ),
-    )
+    # one background thread: first scikit-learn's imports for the later steps (2-3 s of imports, loaded
+    # while numba and pyarrow count the trace and leave a core free), then affinity (below)
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrace-analyze")
     try:
+        preload = tuple(dict.fromkeys(m for a in config.only for m in PRELOADED_MODULES.get(a, ())))
+        if preload:
+            background.submit(_preload, preload)
+        needs_counts = [a for a in config.only if a != "affinity"]
+        counts = None
+        if needs_counts:
+            say("counting tokens per (request, stage, layer, expert)")
+            t0 = time.perf_counter()
+            sample = request_sample(trace.request_arrays.dataset_R, max_requests=config.max_requests, seed=config.seed)
+            if sample is not None:
+                summary["request_sample"] = {
+                    "num_trace_requests": int(trace.request_arrays.dataset_R.shape[0]),
+                    "num_analysed": int(sample.size),
+                    "max_requests": config.max_requests,
+                }
+                say(
+                    f"analysing a sample of {sample.size:,} of the trace's {trace.request_arrays.dataset_R.shape[0]:,} "
+                    f"requests (stratified by dataset; --max-requests {config.max_requests:,}, 0 for all)"
+                )
+            counts = count_trace(
+                trace,
+                stages=[s for s in STAGES if s in recorded],
+                layers=config.layers,
+                allow_incomplete=config.allow_incomplete,
+                progress=progress,
+                rows=sample,
+            )
+            timings["counts"] = time.perf_counter() - t0
+            summary["num_requests"] = counts.num_requests
+            summary["datasets"] = counts.datasets()
+            empty = counts.empty_layers()
+            if all(len(ls) == len(counts.layers) for ls in empty.values()):
+                raise ConfigError(
+                    f"no recorded routing at the analysed MoE layers {list(counts.layers)} (every id there is -1); "
+                    f"`moetrace info {trace_path}` lists the layers that hold routing; pass those to --layers"
+                )
+            summary["layers"] = {"num_layers": len(counts.layers), "empty": empty}
+            for stage, ls in empty.items():
+                if ls:
+                    say(
+                        f"{stage}: {len(ls)} of {len(counts.layers)} MoE layers have no recorded routing (left out of means)"
+                    )
+
+        if "counts" in config.only:
+            t0 = time.perf_counter()
+            assert counts is not None  # "counts" is one of needs_counts
+            n = write_counts_table(counts, out / rf.COUNTS)
+            files[rf.COUNTS] = "tidy non-zero token counts per request, stage, layer, expert"
+            summary["counts_rows"] = n
+            timings["counts_table"] = time.perf_counter() - t0
+
+        # affinity reads the trace again and needs no counts: it starts now on a background thread (its numba
+        # kernel and pyarrow's decoding release the GIL) and is written in its turn, last, as if it ran there
+        early: dict[str, Future[tuple[dict[str, Any], list[tuple[str, pl.DataFrame, str]], float]]] = {}
+        if "affinity" in config.only:
+            early["affinity"] = background.submit(_deferred, lambda w: _run_affinity(trace, config, w))
+        steps = (  # (analysis, what it does, step) in the order they run
+            ("imbalance", "expert load and imbalance factor", lambda: _run_imbalance(counts, config, write)),
+            (
+                "correlation",
+                "datasets, prefill↔decode (pooled, per request), recall@k",
+                lambda: _run_correlation(counts, config, write),
+            ),
+            (
+                "classify",
+                "per-layer logistic regression from prefill counts to dataset",
+                lambda: _run_classify(counts, config, write),
+            ),
+            (
+                "embedding",
+                embedding_line(config),
+                lambda: run_embedding_one_thread(counts, config, write),
+            ),
+            (
+                "affinity",
+                "cross-layer affinity and co-activation on a token sample",
+                lambda: _run_affinity(trace, config, write),
+            ),
+        )
         for name, what, step in steps:
             if name in config.only:
                 say(f"{name}: {what}")
@@ -450,6 +460,15 @@ def _run_affinity(trace, config: AnalyzeConfig, write) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------- helpers
+def _preload(modules: tuple[str, ...]) -> None:
+    """Import ``modules`` (a background thread's head start). An import that fails here fails again,
+    with the same clear error, in the step that needs the module (``require``)."""
+    from moetrace._deps import require
+
+    for module in modules:
+        require(module, purpose="moetrace analyze")
+
+
 def _deferred(step: Callable[[Callable[[str, pl.DataFrame, str], None]], dict[str, Any]]):
     """Run ``step(write)`` keeping what it writes: (its summary entry, its tables in order, its seconds)."""
     tables: list[tuple[str, pl.DataFrame, str]] = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from factories import profile_trace, stage_mask, tiny_model, write_trace
 
 from moetrace.analysis.affinity import affinity_table, coactivation_lift_LEE, pair_counts
@@ -14,6 +16,7 @@ from moetrace.analysis.correlation import (
     prefill_decode_per_request,
     prefill_decode_pooled,
     prefill_decode_recall,
+    topk_sets,
 )
 from moetrace.analysis.counts import count_trace
 from moetrace.analysis.embedding import cluster_scores, request_features
@@ -154,6 +157,28 @@ def test_recall_at_k_exact_on_planted_hot_sets(tmp_path):
         if keep:
             assert rec["recall_popularity"].item() < 1.0  # one popular set cannot fit every request
 
+
+
+def _topk_by_stable_sort(c, k):
+    """The definition: the first k of a stable descending sort, counts > 0."""
+    order = np.argsort(-c.astype(np.int64), axis=-1, kind="stable")[..., :k]
+    sel = np.zeros(c.shape, dtype=bool)
+    np.put_along_axis(sel, order, True, axis=-1)
+    return sel & (c > 0)
+
+
+@given(
+    shape=st.tuples(st.integers(0, 4), st.integers(1, 3), st.integers(1, 40)),
+    high=st.integers(1, 6),
+    dtype=st.sampled_from([np.uint8, np.int16, np.uint16, np.int32, np.int64]),
+    data=st.data(),
+)
+def test_topk_sets_equal_the_stable_sort(shape, high, dtype, data):
+    """Ties (small counts) go to the lower expert id, zeros are never hot, as the sort's first k."""
+    k = data.draw(st.integers(1, shape[-1]))
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    c = np.random.default_rng(seed).integers(0, high, size=shape).astype(dtype)
+    assert np.array_equal(topk_sets(c, k), _topk_by_stable_sort(c, k))
 
 # ---------------------------------------------------------------------------------- classification and clusters
 def _datasets_trace(path, *, separated, seed=0):
