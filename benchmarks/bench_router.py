@@ -32,6 +32,7 @@ from moetrace.placement.exports import PlacementFile, save_placement
 from moetrace.placement.maps import placement_from_phy2log
 from moetrace.placement.routers import PriceRouter
 from moetrace.serving import ExpertRouter
+from moetrace.serving.router import warm_up_counting
 from moetrace.tracer.presets import model_info_for
 
 
@@ -110,6 +111,16 @@ def main() -> None:
         path = Path(d) / "placement.json"
         make_placement(path)
         size = os.path.getsize(path)
+        # the counting kernel is loaded once per process (numba and its compiled code), not per router:
+        # measured apart, before the router's own memory
+        gc.collect()
+        tracemalloc.start()
+        t0 = time.perf_counter()
+        warm_up_counting(58, 256)
+        warm_s = time.perf_counter() - t0
+        gc.collect()
+        kernel_held, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
         gc.collect()
         tracemalloc.start()
         router = ExpertRouter.from_placement(path)
@@ -118,7 +129,8 @@ def main() -> None:
         tracemalloc.stop()
     print(
         f"placement file (DeepSeek-V3, DP64TP1EP64, 8 nodes, 64 DP ranks): {size / 2**20:.2f} MiB; "
-        f"a loaded router holds {held / 2**20:.2f} MiB (peak while loading {peak / 2**20:.2f} MiB)"
+        f"a loaded router holds {held / 2**20:.2f} MiB (peak while loading {peak / 2**20:.2f} MiB); "
+        f"the counting kernel, once per process: {kernel_held / 2**20:.1f} MiB, loaded in {warm_s:.2f} s"
     )
     print(f"open loop at {args.rate:.0f} requests/s for {args.seconds:.0f} s, each in flight {args.hold} s")
     print("| prompt tokens | what | p50 ms | p99 ms | max ms | achieved req/s | arrivals late |")

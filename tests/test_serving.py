@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -217,6 +219,40 @@ def test_replay_reports_window_equal_to_offline(made):
     res = replay(ExpertRouter.from_placement(made["joint"]), made["trace"])
     assert res.window_equals_offline and res.num_requests == 60
     assert 0.0 <= res.stream_agreement <= 1.0 and res.decision_p99_ms > 0
+
+
+@given(
+    shape=st.tuples(st.integers(1, 40), st.integers(1, 5), st.integers(1, 9)),
+    num_experts=st.integers(1, 300),
+    dtype=st.sampled_from([np.uint8, np.int16, np.int32, np.int64]),  # one compilation each and layout
+    layout=st.sampled_from(["contiguous", "layer view"]),
+    bad=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_counting_kernel_equals_numpy(shape, num_experts, dtype, layout, bad, seed):
+    """The numba kernel and the NumPy bincount give the same counts (every id dtype, views of consecutive
+    MoE layers as the proxy hands in), and refuse the same ids."""
+    from moetrace.serving.router import _count_kernel, _count_numpy
+
+    T, L, K = shape
+    rng = np.random.default_rng(seed)
+    top = min(num_experts, np.iinfo(dtype).max + 1)
+    full = rng.integers(-1 if np.iinfo(dtype).min < 0 else 0, top, size=(T, L + 2, K)).astype(dtype)
+    if bad:  # one id outside -1..E-1 where the dtype can hold one
+        if np.iinfo(dtype).max >= num_experts:
+            full[rng.integers(T), 1, rng.integers(K)] = num_experts
+        elif np.iinfo(dtype).min < -1:
+            full[rng.integers(T), 1, rng.integers(K)] = -2
+    ids = np.ascontiguousarray(full[:, 1 : L + 1]) if layout == "contiguous" else full[:, 1 : L + 1]
+    a, b = np.zeros((L, num_experts), np.int64), np.zeros((L, num_experts), np.int64)
+    bad_a, bad_b = _count_kernel()(ids, a), _count_numpy(ids, b)
+    assert bad_a == bad_b
+    if not bad_a:
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(expert_counts(ids, num_layers=L, num_experts=num_experts), a)
+    else:
+        with pytest.raises(RoutingError, match="routed expert ids must be in"):
+            expert_counts(ids, num_layers=L, num_experts=num_experts)
 
 
 def test_expert_counts_rejects_ids_beyond_the_model():
