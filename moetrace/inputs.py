@@ -91,7 +91,11 @@ def read_input_bytes(
             size = os.fstat(f.fileno()).st_size
             if size > max_bytes:
                 raise error(f"{what or path}: {size:,} bytes, more than the {max_bytes:,} such a file may hold")
-            data = f.read(max_bytes + 1)
+            # read what fstat says (a read of max_bytes would allocate that whole buffer first), then
+            # whatever the file grew by meanwhile, up to one byte past the bound
+            data = f.read(size + 1)
+            if len(data) > size:
+                data += f.read(max_bytes + 1 - len(data))
             if len(data) > max_bytes:  # grew while read
                 raise error(f"{what or path}: more than the {max_bytes:,} bytes such a file may hold")
             return data
