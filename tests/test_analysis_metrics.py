@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 import pytest
+from factories import profile_trace, stage_mask, tiny_model, write_trace
 from hypothesis import given
 from hypothesis import strategies as st
-from factories import profile_trace, stage_mask, tiny_model, write_trace
 
 from moetrace.analysis.affinity import affinity_table, coactivation_lift_LEE, pair_counts
 from moetrace.analysis.classify import classify_layers
@@ -158,7 +158,6 @@ def test_recall_at_k_exact_on_planted_hot_sets(tmp_path):
             assert rec["recall_popularity"].item() < 1.0  # one popular set cannot fit every request
 
 
-
 def _topk_by_stable_sort(c, k):
     """The definition: the first k of a stable descending sort, counts > 0."""
     order = np.argsort(-c.astype(np.int64), axis=-1, kind="stable")[..., :k]
@@ -179,6 +178,7 @@ def test_topk_sets_equal_the_stable_sort(shape, high, dtype, data):
     seed = data.draw(st.integers(0, 2**32 - 1))
     c = np.random.default_rng(seed).integers(0, high, size=shape).astype(dtype)
     assert np.array_equal(topk_sets(c, k), _topk_by_stable_sort(c, k))
+
 
 # ---------------------------------------------------------------------------------- classification and clusters
 def _datasets_trace(path, *, separated, seed=0):
