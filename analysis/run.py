@@ -9,7 +9,8 @@ its one-line reason; ``summary.json`` holds the headline numbers (and the same `
 
 Affinity reads the trace a second time and needs no counts: it starts on a background thread once the
 counts are done and runs beside the other steps; its tables are written in its turn (last), so the results
-are the same as run one after another.
+are the same as run one after another. Before it, that thread imports the scikit-learn modules of the chosen
+steps (``PRELOADED_MODULES``) while the trace is counted.
 
 Partial captures (a public capture of one MoE layer of 24; only some layers recorded): a layer
 where no request has a recorded id in a stage is *empty* (``RequestCounts.empty_layers``, listed
@@ -173,8 +174,7 @@ def analyze(
         rf.write_result_table(out, rf.ANALYSIS, name, df)
         files[name] = what
 
-    # one background thread: first scikit-learn's imports for the later steps (2-3 s of imports, loaded
-    # while numba and pyarrow count the trace and leave a core free), then affinity (below)
+    # one background thread: scikit-learn's imports while the trace is counted, then affinity (below)
     background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrace-analyze")
     try:
         preload = tuple(dict.fromkeys(m for a in config.only for m in PRELOADED_MODULES.get(a, ())))
