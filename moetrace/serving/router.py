@@ -84,12 +84,12 @@ def expert_counts(topk_ids_TLK: Any, *, num_layers: int, num_experts: int) -> np
     counts = np.zeros((num_layers, num_experts), dtype=np.int64)
     if ids.size == 0:
         return counts
-    if _has_numba():
+    if _count_kernel() is None:
+        bad = _count_numpy(ids, counts)
+    else:
         from moetrace.analysis.jit import run_kernel
 
         bad = run_kernel("router counting", _count_kernel, _count_numpy, ids, counts)
-    else:
-        bad = _count_numpy(ids, counts)
     if bad:
         raise RoutingError(
             f"routed expert ids must be in -1..{num_experts - 1}, got {int(ids.min())}..{int(ids.max())}"
@@ -112,23 +112,21 @@ def _count_numpy(ids_TLK: np.ndarray, counts_LE: np.ndarray) -> int:
     return 0
 
 
-def _has_numba() -> bool:
-    if "numba" not in _KERNELS:
-        from importlib.util import find_spec
-
-        _KERNELS["numba"] = find_spec("numba") is not None
-    return bool(_KERNELS["numba"])
-
-
 _KERNELS: dict[str, Any] = {}
 
 
 def _count_kernel() -> Any:
     """The numba counting kernel, compiled per id dtype and memory layout on first use (cached on disk by
-    numba). ``kernel(ids_TLK, counts_LE)`` adds every id in ``0 .. E-1`` to ``counts_LE`` (int64, E its
-    columns), skips -1 and returns how many ids were outside ``-1 .. E-1`` (the caller then raises)."""
+    numba), or None where numba is not installed (looked up once per process: the fallback is decided once,
+    not per request). ``kernel(ids_TLK, counts_LE)`` adds every id in ``0 .. E-1`` to ``counts_LE`` (int64,
+    E its columns), skips -1 and returns how many ids were outside ``-1 .. E-1`` (the caller then raises)."""
     if "count" in _KERNELS:
         return _KERNELS["count"]
+    from importlib.util import find_spec
+
+    if find_spec("numba") is None:
+        _KERNELS["count"] = None
+        return None
     import numba
 
     @numba.njit(cache=True, nogil=True)
@@ -154,7 +152,7 @@ def warm_up_counting(num_layers: int, num_experts: int) -> None:
     """Compile (or load from numba's cache) the counting kernel for the id arrays routers receive (int64,
     int32 and int16 arrays, and a uint8 view of consecutive MoE layers: the prefill–decode proxy's), so
     that no request pays it. Without numba: nothing to do."""
-    if not _has_numba():
+    if _count_kernel() is None:
         return
     for dtype in (np.int64, np.int32, np.int16, np.uint8):
         expert_counts(np.zeros((2, num_layers, 2), dtype), num_layers=num_layers, num_experts=num_experts)
