@@ -1,8 +1,9 @@
 """Starting a replay's ranks: in this process under torchrun, or as local processes (loopback or emulated nodes).
 
 Ranks start either from torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the
-environment; ``moetrace a2a --torchrun``) or from ``launch_local``, which spawns them on this
-machine with an ``env://`` rendezvous on a free port. A local gloo run can emulate the nodes
+environment; ``moetrace a2a --torchrun``) or from ``launch_local``, which starts them on this
+machine with an ``env://`` rendezvous on a free port: gloo ranks forked from a fork server that has
+imported torch once (``rank_start_method``), NCCL ranks spawned. A local gloo run can emulate the nodes
 (``netemu``: one network namespace per node, its link shaped to ``--link``; ranks of node i run in
 namespace i, so only inter-node traffic is slowed); without root every link is loopback (bytes
 exact, times do not separate the link classes; ``Network.note`` says so). Backend ``gloo`` runs on
@@ -19,7 +20,7 @@ import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from moetrace import lifetime
 from moetrace.environ import environ
@@ -29,7 +30,7 @@ from moetrace.placement.replay.network import Network
 from moetrace.placement.replay.plan import A2APlan
 from moetrace.placement.replay.rank import RankRecord, run_rank
 
-__all__ = ["A2ARunError", "launch_local", "run_a2a"]
+__all__ = ["RANK_PRELOAD", "A2ARunError", "launch_local", "rank_start_method", "run_a2a"]
 
 
 class A2ARunError(MoetraceError):
@@ -42,6 +43,29 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: what the rank server imports once, so that a rank forked from it imports none of it again (torch alone
+#: is ~2.5 CPU-seconds a process: the eight ranks of a small local run spent more CPU importing than replaying)
+RANK_PRELOAD = ("torch", "torch.distributed", "moetrace.placement.replay.rank")
+
+
+def rank_start_method() -> Literal["forkserver", "spawn"]:
+    """How ``launch_local`` starts ranks: forked from multiprocessing's fork server, which imports
+    ``RANK_PRELOAD`` once (where the platform has one: Linux, macOS), else spawned (each rank a fresh
+    interpreter). The fork server is started here on first use, once per process, and lives as long as
+    this process does. It starts with ``netemu.EmulatedNodes.spawn_env()`` (c10d's C++ log level, read
+    when torch loads: so in the server, once, for every rank it forks, on loopback too). A fork server something else
+    in this process started first is used as it is (ranks then import what it did not)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    forkserver.set_forkserver_preload(list(RANK_PRELOAD))
+    with environ(netemu.EmulatedNodes.spawn_env()):
+        forkserver.ensure_running()
+    return "forkserver"
+
+
 def _spawned(
     rank: int,
     world_size: int,
@@ -51,8 +75,14 @@ def _spawned(
     result: str,
     netns_W: tuple[str, ...],
     env: dict[str, str],
+    parent_env: dict[str, str],
 ) -> None:
-    lifetime.die_with_parent()  # a rank never outlives the run that started it (SIGKILL of the parent too)
+    # a rank never outlives its parent (SIGKILL too): this process, or the fork server, which exits with it
+    lifetime.die_with_parent()
+    # the environment the run was started in, as a spawned rank inherits it (a fork server's child
+    # inherits the server's, from when the server started)
+    os.environ.clear()
+    os.environ.update(parent_env)
     if netns_W:
         netemu.enter_netns(
             netns_W[rank]
@@ -79,9 +109,11 @@ def launch_local(
     nodes: netemu.EmulatedNodes | None = None,
     ranks_per_node: int = 1,
     poll: Callable[[], None] | None = None,
+    start_method: Literal["forkserver", "spawn"] | None = None,
 ) -> Any:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes on this machine (spawned,
-    ``env://`` rendezvous on a free local port) and return rank 0's return value. With ``nodes``,
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes on this machine (started by
+    ``start_method``, by default ``rank_start_method()``; each sees this process's environment of the
+    call; ``env://`` rendezvous on a free local port) and return rank 0's return value. With ``nodes``,
     rank ``r`` runs in emulated node ``r // ranks_per_node``'s namespace (gloo on its link, rendezvous
     at node 0). ``poll()`` is called about twice a second while the ranks run (progress). A failing rank
     raises ``A2ARunError`` with its last error line."""
@@ -95,6 +127,7 @@ def launch_local(
         netns_W = tuple(nodes.namespaces[r // ranks_per_node] for r in range(world_size))
         env = nodes.rank_env()
     start_env = nodes.spawn_env() if nodes is not None else {}
+    method = start_method or rank_start_method()
     with (
         tempfile.TemporaryDirectory(prefix="moetrace-a2a-") as d,
         lifetime.guard(paths=[d]),  # ranks and temp dir go with this process, however it ends
@@ -102,8 +135,12 @@ def launch_local(
     ):
         result = str(Path(d) / "rank0.pkl")
         try:
-            ctx = mp.spawn(
-                _spawned, args=(world_size, _free_port(), fn, args, result, netns_W, env), nprocs=world_size, join=False
+            ctx = mp.start_processes(
+                _spawned,
+                args=(world_size, _free_port(), fn, args, result, netns_W, env, dict(os.environ)),
+                nprocs=world_size,
+                join=False,
+                start_method=method,
             )
             while not ctx.join(timeout=0.5):
                 if poll is not None:
@@ -188,7 +225,10 @@ def _run_local(
         )
         if note:
             say(note)
-        return launch_local(plan.world_size, run_rank, *args, poll=bar.poll), Network(mode="loopback", note=note)
+        # NCCL ranks keep spawn, the start method the GPU runs were checked with
+        method: Literal["spawn"] | None = "spawn" if plan.backend == "nccl" else None
+        records = launch_local(plan.world_size, run_rank, *args, poll=bar.poll, start_method=method)
+        return records, Network(mode="loopback", note=note)
 
     if plan.backend != "gloo":
         return unshaped("NCCL", "this machine's GPU links")
