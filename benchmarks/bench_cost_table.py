@@ -87,7 +87,7 @@ def main() -> None:
                 "| node load | busiest GPU / mean | prefill a2a time / linear |"
             )
             print("|---|---|---|---|---|---|---|")
-            for r in res.summary_rows():
+            for r in (row.to_row() for row in res.summary_rows()):
                 load = f"{r['busiest_node_load']:.2f}" + (" !" if r["over_node_load_limit"] else "")
                 name = LABELS.get(r["strategy"], r["strategy"]) + (" (bound)" if r["is_bound"] else "")
                 print(

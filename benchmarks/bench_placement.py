@@ -53,7 +53,7 @@ def main() -> None:
         f"load + count: {t1 - t0:.1f} s; place {len(STRATEGY_NAMES)} strategies + simulate {args.batches} batches x "
         f"{cfg.batch_requests} requests x {data.model.num_moe_layers} layers: {t2 - t1:.1f} s"
     )
-    for r in res.summary_rows():
+    for r in (row.to_row() for row in res.summary_rows()):
         print(f"  {r['strategy']:<12} inter-node normalized median {r['inter_node_normalized_median']:.3f}")
 
 

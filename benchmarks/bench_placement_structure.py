@@ -65,7 +65,7 @@ def main() -> None:
                 num_batches=args.batches,
                 num_redundant=num_redundant,
             )
-            rows = run_compare(data, cfg).summary_rows()
+            rows = [row.to_row() for row in run_compare(data, cfg).summary_rows()]
             ratios = {r["strategy"]: round(r["inter_node_normalized_median"], 3) for r in rows}
             print(
                 json.dumps(

@@ -83,7 +83,7 @@ def main() -> None:
             t1 = time.perf_counter()
             res = run_compare(data, cfg)
             t2 = time.perf_counter()
-            rows = res.summary_rows()
+            rows = [row.to_row() for row in res.summary_rows()]
             lin_load = next(r for r in rows if r["strategy"] == "linear")["tokens_per_rank_max_mean"]
             print(
                 f"\n### {model}, {config} ({gpn} GPUs/node), structure {structure}, dedup {dedup}: {n} requests "

@@ -376,6 +376,7 @@ def run_source(
                 deployment=parse_deployment(config, num_gpus_per_node=GPUS_PER_NODE),
                 strategies=STRATEGIES,
                 num_batches=args.batches,
+                num_batch_requests=args.requests_per_node * nodes,
                 dedup=dedup,  # type: ignore[arg-type]
                 seed=seed,
                 test_fraction=args.test_fraction,
@@ -386,7 +387,7 @@ def run_source(
             wall = time.perf_counter() - t1
             done += 1
             ours_extra = res.placed["ours"].extra
-            for r in res.summary_rows():
+            for r in (row.to_row() for row in res.summary_rows()):
                 rows.append(
                     {
                         "source": source,
@@ -417,7 +418,7 @@ def run_source(
                         ),
                     }
                 )
-            by = {r["strategy"]: r for r in res.summary_rows()}
+            by = {row.strategy: row.to_row() for row in res.summary_rows()}
             log(
                 f"[{source} {done}/{runs}] seed {seed}, {order}, {config}, dedup {dedup}: {wall:.1f} s; ours -> "
                 f"{ours_extra.get('ours_choice')}: MoE {by['ours']['moe_time_normalized_median']:.4f} "
@@ -426,7 +427,7 @@ def run_source(
                 f"a2a {by['joint']['a2a_time_normalized_median']:.4f} ({time.perf_counter() - t_start:.0f} s so far)"
             )
     header = (
-        f"{header}: {num_requests} requests ({args.test_fraction:.0%} held out), {args.batches} decode steps, "
+        f"{header}: {num_requests} requests ({args.test_fraction:.0%} held out), {args.batches} decode steps of {args.requests_per_node} requests per node, "
         f"DP(8n)TP1EP(8n) on nodes of {GPUS_PER_NODE} GPUs"
     )
     return rows, header
@@ -475,6 +476,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2", help="train/held-out splits (compare --seed)")
     ap.add_argument("--orders", default="shuffled,bursts", help=f"held-out arrival orders: {', '.join(ORDERS)}")
     ap.add_argument("--batches", type=int, default=200, help="decode steps simulated per run")
+    ap.add_argument(
+        "--requests-per-node", type=int, default=32, help="decode batch of each node (compare's default 32)"
+    )
     ap.add_argument("--test-fraction", type=float, default=0.3)
     ap.add_argument("--prompt-fraction", type=float, default=esft.DEFAULT_PROMPT_FRACTION, help="ESFT only")
     ap.add_argument("--max-node-load", type=float, default=1.10)
