@@ -107,6 +107,7 @@ SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
         "test_fuzz_what_stands_at_o",
     ),
     "test_ray_cluster.py": None,  # a two-node Ray cluster (`ray start` x2) running collection shards
+    "test_bench_real.py": None,  # the real-data benchmark script, end to end on a tiny capture
     # fuzzers: each example is a whole CLI run
     "test_fuzz.py": None,
     # the hostile-input tables: a CLI run per case, a hundred cases each
