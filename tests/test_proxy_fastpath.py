@@ -1,7 +1,8 @@
 """The proxy's fast reading of prefill replies (moetrace/serving/engines.py) equals the plain one.
 
 ``Wire.parse_reply`` lifts the routed experts' base64 text out of the reply before the JSON parser
-runs, ``b64decode`` decodes long texts with numpy, ``moe_layers_of`` returns a view: each is checked
+runs, ``b64decode`` decodes long texts in one numba pass (numpy without numba), ``moe_layers_of`` returns a
+view: each is checked
 against what it replaces (``json.loads``, ``base64.b64decode(validate=True)``, a copy of the MoE
 layers) on valid replies and on replies built to defeat it (the key twice, in a text, escaped).
 """
@@ -17,7 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 from factories import TINY_MOE as MODEL
+from hypothesis import given
+from hypothesis import strategies as st
 
+from moetrace.serving import engines
 from moetrace.serving.engines import SglangWire, VllmWire, b64decode, loads_lifted, moe_layers_of
 
 
@@ -116,6 +120,25 @@ def test_b64decode_refuses_what_base64_refuses(text):
     except ValueError as exc:
         got = (type(exc), str(exc))
     assert got == want
+
+
+@given(
+    raw=st.binary(min_size=3, max_size=600).map(lambda b: b[: len(b) - len(b) % 3]),
+    bad=st.one_of(st.none(), st.tuples(st.integers(0, 10**6), st.sampled_from(b"=-_ \n\x00\xff"))),
+)
+def test_decoding_kernel_equals_its_numpy_twin(raw, bad):
+    """Both decode every group of the alphabet to the same bytes, and both refuse a character outside it."""
+    kernel = engines._b64_kernel()
+    if kernel is None:
+        pytest.skip("numba is not installed")
+    chars = np.frombuffer(base64.b64encode(raw), np.uint8).copy()
+    if bad is not None:
+        chars[bad[0] % len(chars)] = bad[1]
+    got = [np.zeros(len(chars) // 4 * 3, np.uint8) for _ in range(2)]
+    refused = [f(chars, engines._B64_VALUE, out) for f, out in zip((kernel, engines._b64_numpy), got)]
+    assert refused[0] == refused[1] == (bad is not None)
+    if bad is None:
+        assert bytes(got[0]) == bytes(got[1]) == raw
 
 
 def test_moe_layers_of_is_the_copy_it_replaces():

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from moetrace.errors import ConfigError
-from moetrace.serving.engines import Hop, wire_for
+from moetrace.serving.engines import Hop, warm_up_decoding, wire_for
 from moetrace.serving.http11 import (
     MAX_HEAD,
     ChunkedWriter,
@@ -121,6 +121,7 @@ class Proxy:
             raise ConfigError(
                 "the proxy needs at least one prefill server (--prefill) and one decode server (--decode)"
             )
+        warm_up_decoding()  # the routed experts' base64 decoder, compiled before any request needs it
         try:
             self.wire = wire_for(
                 config.engine, self.router.placement_file.model, pd=config.pd, bootstrap_port=config.bootstrap_port
