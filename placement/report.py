@@ -261,12 +261,16 @@ def verdict_line(v: CompareVerdict, *, reference: str) -> str:
     return head + (f"; then {rest}" if rest else "")
 
 
+#: decode tokens a GPU per step under which ``compare_notes`` says that the all-to-all is mostly fixed cost
+SMALL_DECODE_BATCH_PER_GPU = 8
+
+
 def compare_notes(result: CompareResult) -> list[str]:
     """``caution:``, ``warning:`` and ``note: ...`` lines (empty when none): a model with seeded random
     weights (model source ``moetrace:<preset>-tiny``); fewer than ``MIN_HELD_OUT_REQUESTS`` held-out
     requests; each bound the run left out (``manifest.skipped``) and why; groups that no held-out
-    request was routed to; strategies that split a group-limited router's expert groups over nodes
-    when copies are counted per node."""
+    request was routed to; a decode batch under ``SMALL_DECODE_BATCH_PER_GPU`` tokens a GPU; strategies
+    that split a group-limited router's expert groups over nodes when copies are counted per node."""
     m, c = result.model, result.manifest
     notes: list[str] = []
     if m.source.startswith("moetrace:"):
@@ -275,6 +279,15 @@ def compare_notes(result: CompareResult) -> list[str]:
         notes.append(
             f"warning: {c.num_test_requests} held-out request(s) (fewer than {MIN_HELD_OUT_REQUESTS}): every step "
             "draws from the same few, so the figures are noise; trace more requests or raise --test-fraction"
+        )
+    per_gpu = c.batch_requests / c.num_ep
+    if per_gpu < SMALL_DECODE_BATCH_PER_GPU:
+        notes.append(
+            f"note: {per_gpu:g} decode token{'' if per_gpu == 1 else 's'} a GPU per step ({c.batch_requests} "
+            f"requests over {c.num_ep} EP ranks): "
+            "an all-to-all this small is mostly its fixed cost per collective, so placements differ little in "
+            "time; set --batch-requests to your deployment's decode batch (DeepEP benchmarks its low-latency "
+            "kernels at 128 tokens a GPU)"
         )
     notes += [f"note: no {b} row: {why}" for b, why in c.skipped.items()]
     notes += [
