@@ -285,9 +285,9 @@ def compare_notes(result: CompareResult) -> list[str]:
         notes.append(
             f"note: {per_gpu:g} decode token{'' if per_gpu == 1 else 's'} a GPU per step ({c.batch_requests} "
             f"requests over {c.num_ep} EP ranks): "
-            "an all-to-all this small is mostly its fixed cost per collective, so placements differ little in "
-            "time; set --batch-requests to your deployment's decode batch (DeepEP benchmarks its low-latency "
-            "kernels at 128 tokens a GPU)"
+            "an all-to-all this small is mostly its fixed cost per collective, which hides part of what a placement "
+            "saves at a larger batch; set --batch-requests to your deployment's decode batch (DeepEP benchmarks its "
+            "low-latency kernels at 128 tokens a GPU)"
         )
     notes += [f"note: no {b} row: {why}" for b, why in c.skipped.items()]
     notes += [
