@@ -8,6 +8,9 @@ version, which gives the same result more slowly (``analysis/kernels_numpy.py``;
 two). Errors a kernel raises while *running* (plain Python exceptions) are not caught: only numba's
 own errors and a ``RecursionError``, which a compiled kernel without recursion cannot raise.
 
+:func:`cached_kernel` builds a kernel once per process, or answers None where numba is not installed
+(found once), so that a caller on a hot path decides its fallback once and never per call.
+
 Out of scope: choosing between the two for speed (numba is always tried first).
 """
 
@@ -19,6 +22,18 @@ from typing import Any
 
 #: kernels whose compilation failed in this process: name -> the reason, said once
 _FAILED: dict[str, str] = {}
+
+
+def cached_kernel(
+    cache: dict[str, Any], name: str, build: Callable[[], Callable[..., Any]]
+) -> Callable[..., Any] | None:
+    """``cache[name]``, set on the first call to ``build()`` (which imports numba and returns the njit
+    dispatcher), or to None where numba is not installed."""
+    if name not in cache:
+        from importlib.util import find_spec
+
+        cache[name] = build() if find_spec("numba") is not None else None
+    return cache[name]
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:

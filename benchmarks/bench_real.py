@@ -387,7 +387,8 @@ def run_source(
             wall = time.perf_counter() - t1
             done += 1
             ours_extra = res.placed["ours"].extra
-            for r in (row.to_row() for row in res.summary_rows()):
+            summary = [row.to_row() for row in res.summary_rows()]
+            for r in summary:
                 rows.append(
                     {
                         "source": source,
@@ -418,7 +419,7 @@ def run_source(
                         ),
                     }
                 )
-            by = {row.strategy: row.to_row() for row in res.summary_rows()}
+            by = {r["strategy"]: r for r in summary}
             log(
                 f"[{source} {done}/{runs}] seed {seed}, {order}, {config}, dedup {dedup}: {wall:.1f} s; ours -> "
                 f"{ours_extra.get('ours_choice')}: MoE {by['ours']['moe_time_normalized_median']:.4f} "

@@ -75,6 +75,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from moetrace.analysis.jit import cached_kernel, run_kernel
 from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = [
@@ -193,8 +194,6 @@ def b64decode(text: str | bytes) -> bytes | np.ndarray:
     if _b64_kernel() is None:
         bad = _b64_numpy(chars, _B64_VALUE, out)
     else:
-        from moetrace.analysis.jit import run_kernel
-
         bad = run_kernel("base64 decoding", _b64_kernel, _b64_numpy, chars, _B64_VALUE, out)
     if bad:
         return base64.b64decode(text, validate=True)
@@ -224,13 +223,10 @@ _KERNELS: dict[str, Any] = {}
 def _b64_kernel() -> Any:
     """The numba decoding kernel (``_b64_numpy``'s signature and effect), compiled on first use (cached on
     disk by numba), or None where numba is not installed (looked up once per process)."""
-    if "b64" in _KERNELS:
-        return _KERNELS["b64"]
-    from importlib.util import find_spec
+    return cached_kernel(_KERNELS, "b64", _build_b64_kernel)
 
-    if find_spec("numba") is None:
-        _KERNELS["b64"] = None
-        return None
+
+def _build_b64_kernel() -> Any:
     import numba
 
     @numba.njit(cache=True, nogil=True)
@@ -249,7 +245,6 @@ def _b64_kernel() -> Any:
             j += 3
         return False
 
-    _KERNELS["b64"] = decode_groups
     return decode_groups
 
 

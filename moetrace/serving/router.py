@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from moetrace.analysis.jit import cached_kernel, run_kernel
 from moetrace.errors import ConfigError, MoetraceError
 from moetrace.placement.exports import PlacementFile, load_placement
 from moetrace.placement.grouping import predict_clusters
@@ -87,8 +88,6 @@ def expert_counts(topk_ids_TLK: Any, *, num_layers: int, num_experts: int) -> np
     if _count_kernel() is None:
         bad = _count_numpy(ids, counts)
     else:
-        from moetrace.analysis.jit import run_kernel
-
         bad = run_kernel("router counting", _count_kernel, _count_numpy, ids, counts)
     if bad:
         raise RoutingError(
@@ -120,13 +119,10 @@ def _count_kernel() -> Any:
     numba), or None where numba is not installed (looked up once per process: the fallback is decided once,
     not per request). ``kernel(ids_TLK, counts_LE)`` adds every id in ``0 .. E-1`` to ``counts_LE`` (int64,
     E its columns), skips -1 and returns how many ids were outside ``-1 .. E-1`` (the caller then raises)."""
-    if "count" in _KERNELS:
-        return _KERNELS["count"]
-    from importlib.util import find_spec
+    return cached_kernel(_KERNELS, "count", _build_count_kernel)
 
-    if find_spec("numba") is None:
-        _KERNELS["count"] = None
-        return None
+
+def _build_count_kernel() -> Any:
     import numba
 
     @numba.njit(cache=True, nogil=True)
@@ -144,7 +140,6 @@ def _count_kernel() -> Any:
                         bad += 1
         return bad
 
-    _KERNELS["count"] = count_ids
     return count_ids
 
 
