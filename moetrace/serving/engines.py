@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import json
 import random
@@ -135,6 +136,17 @@ _NPY_HEADER = re.compile(
 )
 
 
+@functools.lru_cache(maxsize=4096)  # replies for one prompt length share their header (~100 bytes each)
+def _npy_header(header: bytes) -> tuple[np.dtype, int, tuple[int, ...], Literal["C", "F"]] | None:
+    """The dtype, element count, shape and order an ``np.save`` header states; None for another header."""
+    m = _NPY_HEADER.match(header.decode("latin-1"))
+    if m is None:
+        return None
+    shape = tuple(int(x) for x in m.group(3).replace(",", " ").split())
+    count = int(np.prod(shape)) if shape else 1
+    return np.dtype(m.group(1)), count, shape, "F" if m.group(2) == "True" else "C"
+
+
 def npy_array(data: bytes | np.ndarray) -> np.ndarray:
     """An integer array from ``.npy`` bytes (or a uint8 array of them: a view of it is returned),
     never unpickling. The header ``np.save`` writes is read with a pattern (``np.load`` parses it with
@@ -146,13 +158,11 @@ def npy_array(data: bytes | np.ndarray) -> np.ndarray:
             n, start = int.from_bytes(head[8:10], "little"), 10
         else:
             n, start = int.from_bytes(head[8:12], "little"), 12
-        m = _NPY_HEADER.match(bytes(data[start : start + n]).decode("latin-1"))
-        if m is not None:
-            shape = tuple(int(x) for x in m.group(3).replace(",", " ").split())
-            dtype = np.dtype(m.group(1))
-            count = int(np.prod(shape)) if shape else 1
+        known = _npy_header(bytes(data[start : start + n]))
+        if known is not None:
+            dtype, count, shape, order = known
             flat = np.frombuffer(data, dtype=dtype, count=count, offset=start + n)
-            return flat.reshape(shape, order="F" if m.group(2) == "True" else "C")
+            return flat.reshape(shape, order=order)
     raw = data if isinstance(data, bytes) else np.asarray(data).tobytes()  # the rare header np.load must read
     arr = np.load(io.BytesIO(raw), allow_pickle=False)
     if arr.dtype.kind not in "iu":

@@ -54,6 +54,7 @@ __all__ = ["Decision", "ExpertRouter", "Fallback", "RoutingError", "expert_count
 
 Fallback = Literal["least_loaded", "error"]
 FALLBACKS: tuple[str, ...] = ("least_loaded", "error")
+_F32_EXACT = 1 << 24  # integers below this are exact in float32, and so is any float32 sum of them
 
 
 class RoutingError(MoetraceError, ValueError):
@@ -183,10 +184,15 @@ class ExpertRouter:
             self._m_FG = np.ascontiguousarray(np.transpose(member_LGE, (0, 2, 1)).reshape(L * E, G), dtype=np.float32)
             self._price_G = np.asarray(router.node_prices_G, dtype=np.float64)
         self._lock = threading.Lock()
-        self._inflight_A = np.zeros(self.num_ranks, dtype=np.int64)
-        self._live_A = np.ones(self.num_ranks, dtype=bool)
+        # the live state, in plain lists: a decision reads a few of 8-64 entries, which numpy makes slower
+        self._node_of = [int(g) for g in self.rank_node_A]
+        self._ranks_of_G = [[a for a in range(self.num_ranks) if self._node_of[a] == g] for g in range(self.num_nodes)]
+        self._inflight_A = [0] * self.num_ranks
+        self._live_A = [True] * self.num_ranks
+        self._decisions_A = [0] * self.num_ranks
+        self._inflight_G = [0] * self.num_nodes  # in-flight requests per node (the sum of its ranks')
+        self._live_ranks_G = [len(r) for r in self._ranks_of_G]  # live ranks per node
         self._turn_C: Counter[int] = Counter()  # centroid router: the next of each cluster's nodes
-        self._decisions_A = np.zeros(self.num_ranks, dtype=np.int64)
         self._fallbacks: Counter[str] = Counter()
         warm_up_counting(self.num_layers, self.num_experts)  # no request pays the kernel's compilation
 
@@ -203,7 +209,7 @@ class ExpertRouter:
     def inflight(self) -> np.ndarray:
         """Requests in flight per DP rank, int64 [A] (a copy)."""
         with self._lock:
-            return self._inflight_A.copy()
+            return np.array(self._inflight_A, dtype=np.int64)
 
     def release(self, rank: int) -> None:
         """A request served by ``rank`` finished (or failed): it no longer counts as in flight."""
@@ -212,6 +218,7 @@ class ExpertRouter:
             if self._inflight_A[rank] <= 0:
                 raise ValueError(f"rank {rank} has no request in flight to release")
             self._inflight_A[rank] -= 1
+            self._inflight_G[self._node_of[rank]] -= 1
 
     def move(self, from_rank: int, to_rank: int) -> None:
         """A request counted on ``from_rank`` went to ``to_rank`` instead (a transport that overrode the
@@ -222,7 +229,9 @@ class ExpertRouter:
             if self._inflight_A[from_rank] <= 0:
                 raise ValueError(f"rank {from_rank} has no request in flight to move")
             self._inflight_A[from_rank] -= 1
+            self._inflight_G[self._node_of[from_rank]] -= 1
             self._inflight_A[to_rank] += 1
+            self._inflight_G[self._node_of[to_rank]] += 1
 
     def reroute(self, rank: int, why: str) -> Decision:
         """A request counted on ``rank`` cannot be served there (the rank failed before answering): its
@@ -233,28 +242,32 @@ class ExpertRouter:
             if self._inflight_A[rank] <= 0:
                 raise ValueError(f"rank {rank} has no request in flight to reroute")
             self._inflight_A[rank] -= 1
+            self._inflight_G[self._node_of[rank]] -= 1
             return self._fallback_locked(why)
 
     def live(self) -> np.ndarray:
         """Whether each DP rank takes new requests, bool [A] (a copy)."""
         with self._lock:
-            return self._live_A.copy()
+            return np.array(self._live_A, dtype=bool)
 
     def set_live(self, rank: int, live: bool) -> None:
         """Mark a DP rank up or down; a down rank takes no new request (its in-flight ones still count
         until released)."""
         with self._lock:
             self._check_rank(rank)
-            self._live_A[rank] = live
+            live = bool(live)
+            if live != self._live_A[rank]:
+                self._live_A[rank] = live
+                self._live_ranks_G[self._node_of[rank]] += 1 if live else -1
 
     def stats(self) -> dict[str, Any]:
         """Decisions per rank, fallbacks by reason and the current in-flight load."""
         with self._lock:
             return {
-                "decisions_per_rank": self._decisions_A.tolist(),
+                "decisions_per_rank": list(self._decisions_A),
                 "fallbacks": dict(self._fallbacks),
-                "inflight_per_rank": self._inflight_A.tolist(),
-                "live_ranks": np.flatnonzero(self._live_A).tolist(),
+                "inflight_per_rank": list(self._inflight_A),
+                "live_ranks": [a for a, up in enumerate(self._live_A) if up],
             }
 
     # ---- routing -------------------------------------------------------------------------------
@@ -262,22 +275,27 @@ class ExpertRouter:
         """``expert_counts`` for this placement's model, int64 [L, E]."""
         return expert_counts(topk_ids_TLK, num_layers=self.num_layers, num_experts=self.num_experts)
 
-    def scores(self, counts_LE: np.ndarray) -> np.ndarray:
+    def scores(self, counts_LE: np.ndarray, *, total: int | None = None) -> np.ndarray:
         """Price router: each node's share of the request's activations, float64 [G], computed as
-        ``joint.node_scores`` computes it (float32 shares times the membership matrix)."""
+        ``joint.node_scores`` computes it (float32 shares times the membership matrix). ``total``:
+        ``counts_LE.sum()`` when the caller has it (a positive int)."""
         c = np.asarray(counts_LE).reshape(1, -1).astype(np.float32)
-        tot = c.sum(1, keepdims=True)
-        np.divide(c, tot, out=c, where=tot > 0)
+        if total is not None and 0 < total < _F32_EXACT:
+            # the float32 sum of integer counts below 2**24 is exact: the same divisor, the same shares
+            np.divide(c, np.float32(total), out=c)
+        else:
+            tot = c.sum(1, keepdims=True)
+            np.divide(c, tot, out=c, where=tot > 0)
         out = np.empty((1, self.num_nodes))
         out[:] = c @ self._m_FG
         return out[0]
 
     def route(self, topk_ids_TLK: Any) -> Decision:
         """One arrival: its node and DP rank, counted in flight until ``release(decision.rank)``."""
-        counts, why = self._read(topk_ids_TLK)
+        counts, total, why = self._read(topk_ids_TLK)
         if counts is None:
             return self._take_fallback(why)
-        return self.route_counts(counts)
+        return self._route_counted(counts, total)
 
     def route_fallback(self, why: str) -> Decision:
         """A request whose routing the caller could not read (``why``: "no routing", "malformed: ...",
@@ -292,19 +310,20 @@ class ExpertRouter:
             raise RoutingError(f"counts must be [{self.num_layers}, {self.num_experts}], got {counts.shape}")
         if not counts.any():
             return self._take_fallback("no routing")
+        return self._route_counted(counts, None)
+
+    def _route_counted(self, counts: np.ndarray, total: int | None) -> Decision:
+        """``route_counts`` of counts already checked: [L, E], not all zero (``total``: their sum, if known)."""
         if isinstance(self.router, PriceRouter):
-            net_G = self.scores(counts) - self._price_G
+            net_G = (self.scores(counts, total=total) - self._price_G).tolist()
             with self._lock:
-                eligible_G = self._node_live_G()
-                if not eligible_G.any():
+                eligible = [g for g in range(self.num_nodes) if self._live_ranks_G[g]]
+                if not eligible:
                     return self._fallback_locked("no live rank")
                 if self.router.max_node_load is not None:
-                    load_G = np.bincount(self.rank_node_A, weights=self._inflight_A, minlength=self.num_nodes)
-                    cap = node_capacity(
-                        int(self._inflight_A.sum()) + 1, int(eligible_G.sum()), self.router.max_node_load
-                    )
-                    eligible_G &= load_G < cap
-                node = int(np.flatnonzero(eligible_G)[np.argmax(net_G[eligible_G])])  # ties: the lowest node
+                    cap = node_capacity(sum(self._inflight_G) + 1, len(eligible), self.router.max_node_load)
+                    eligible = [g for g in eligible if self._inflight_G[g] < cap]
+                node = max(eligible, key=net_G.__getitem__)  # ties: the lowest node (max keeps the first)
                 return self._admit_locked(node)
         if isinstance(self.router, CentroidRouter):
             cluster = int(predict_clusters(counts.reshape(1, -1), self.router.prefill_centroids_CF)[0])
@@ -323,7 +342,7 @@ class ExpertRouter:
         out: list[Decision | None] = [None] * len(requests)
         rows, counts = [], []
         for i, ids in enumerate(requests):
-            c, why = self._read(ids)
+            c, _, why = self._read(ids)
             if c is None:
                 out[i] = self._take_fallback(why)
             else:
@@ -356,42 +375,42 @@ class ExpertRouter:
         if not 0 <= rank < self.num_ranks:
             raise ValueError(f"DP rank {rank} is not one of this placement's ranks 0..{self.num_ranks - 1}")
 
-    def _read(self, ids: Any) -> tuple[np.ndarray | None, str]:
+    def _read(self, ids: Any) -> tuple[np.ndarray | None, int, str]:
+        """The counts of ``ids`` and their sum, or None, 0 and why not."""
         if ids is None:
-            return None, "no routing"
+            return None, 0, "no routing"
         try:
             counts = self.counts(ids)
         except RoutingError as exc:
             if self.fallback == "error":
                 raise
-            return None, f"malformed: {exc}"
-        if not counts.any():
-            return None, "no routing"
-        return counts, "routed"
-
-    def _node_live_G(self) -> np.ndarray:
-        return np.bincount(self.rank_node_A, weights=self._live_A, minlength=self.num_nodes) > 0
+            return None, 0, f"malformed: {exc}"
+        total = int(counts.sum())  # counts are >= 0: a zero sum is no routing
+        if total == 0:
+            return None, 0, "no routing"
+        return counts, total, "routed"
 
     def _take_fallback(self, why: str) -> Decision:
         with self._lock:
             return self._fallback_locked(why)
 
     def _fallback_locked(self, why: str) -> Decision:
-        live = np.flatnonzero(self._live_A)
-        if not len(live):
+        live = [a for a, up in enumerate(self._live_A) if up]
+        if not live:
             raise RoutingError("no live DP rank to route to")
-        rank = int(live[np.argmin(self._inflight_A[live])])
+        rank = min(live, key=self._inflight_A.__getitem__)  # ties: the lowest rank
         self._fallbacks[why.split(":", 1)[0]] += 1
         return self._count_locked(rank, routed=False, reason=why)
 
     def _admit_locked(self, node: int) -> Decision:
-        ranks = np.flatnonzero((self.rank_node_A == node) & self._live_A)
-        if not len(ranks):
+        ranks = [a for a in self._ranks_of_G[node] if self._live_A[a]]
+        if not ranks:
             return self._fallback_locked("node down")
-        rank = int(ranks[np.argmin(self._inflight_A[ranks])])
+        rank = min(ranks, key=self._inflight_A.__getitem__)  # ties: the lowest rank
         return self._count_locked(rank, routed=True, reason="routed")
 
     def _count_locked(self, rank: int, *, routed: bool, reason: str) -> Decision:
         self._inflight_A[rank] += 1
+        self._inflight_G[self._node_of[rank]] += 1
         self._decisions_A[rank] += 1
-        return Decision(rank=rank, node=int(self.rank_node_A[rank]), routed=routed, reason=reason)
+        return Decision(rank=rank, node=self._node_of[rank], routed=routed, reason=reason)
