@@ -17,7 +17,7 @@ each row.
 stand-ins on CPU 1, as in a deployment, where the engines and the clients are other machines: what
 is measured is then the proxy's own latency, not its fight with the load generator for a core.
 ``--repeat N`` runs each prompt length N times (a fresh set of processes each) and ends with the
-median of the runs' added p50 and p99 and how many runs added less than 5 ms at the p99.
+median of the runs' added p50 and p99 and how many runs stayed under 5 ms at the p99, added and whole.
 
     python benchmarks/bench_proxy.py [--rate 1000] [--seconds 5] [--tokens 32,128] [--pin] [--repeat 5]
 
@@ -182,7 +182,13 @@ def one_run(placement: str, T: int, args: argparse.Namespace) -> dict[str, float
         f"| {cpu_ms:.2f} | {eng_ms:.2f} | {client_ms:.2f} | {load_p:.1f} |",
         flush=True,
     )
-    return {"added_p50": added[0], "added_p99": added[1], "cpu_ms": cpu_ms, "achieved": ach_p}
+    return {
+        "added_p50": added[0],
+        "added_p99": added[1],
+        "proxy_p99": p["proxy"][1],
+        "cpu_ms": cpu_ms,
+        "achieved": ach_p,
+    }
 
 
 def main() -> None:
@@ -211,15 +217,17 @@ def main() -> None:
     if args.repeat > 1:
         print(
             "\n| prompt tokens | runs | added p50, median | added p99, median | runs under 5 ms added at p99 "
+            "| through the proxy p99, median | runs under 5 ms through the proxy at p99 "
             "| proxy CPU ms / request, median |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for T, runs in summary:
             med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
             under = sum(r["added_p99"] < 5.0 for r in runs)
+            whole = sum(r["proxy_p99"] < 5.0 for r in runs)
             print(
                 f"| {T} | {len(runs)} | {med['added_p50']:.2f} | {med['added_p99']:.2f} | {under} of {len(runs)} "
-                f"| {med['cpu_ms']:.2f} |"
+                f"| {med['proxy_p99']:.2f} | {whole} of {len(runs)} | {med['cpu_ms']:.2f} |"
             )
 
 
