@@ -261,3 +261,56 @@ def test_expert_counts_rejects_ids_beyond_the_model():
     np.testing.assert_array_equal(
         expert_counts(np.array([[[3, -1]], [[3, 0]]]), num_layers=1, num_experts=4), [[1, 0, 0, 2]]
     )
+
+
+def _reference_rank(router: ExpertRouter, counts, inflight_A, live_A) -> int:
+    """The stream rule (module docstring of moetrace.serving.router) restated on numpy arrays."""
+    node_A = router.rank_node_A
+    G = router.num_nodes
+    net_G = router.scores(counts) - np.asarray(router.router.node_prices_G)
+    eligible_G = np.bincount(node_A, weights=live_A, minlength=G) > 0
+    if not eligible_G.any():
+        raise RoutingError("no live rank")
+    load_G = np.bincount(node_A, weights=inflight_A, minlength=G)
+    cap = node_capacity(int(inflight_A.sum()) + 1, int(eligible_G.sum()), router.router.max_node_load)
+    eligible_G &= load_G < cap
+    node = int(np.flatnonzero(eligible_G)[np.argmax(net_G[eligible_G])])
+    ranks = np.flatnonzero((node_A == node) & live_A)
+    return int(ranks[np.argmin(inflight_A[ranks])])
+
+
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["route", "route", "release", "down", "down", "up"]), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_stream_decisions_equal_the_rule_restated_on_arrays(made, held, ops):
+    """Any sequence of arrivals, releases and ranks going down and up: each decision is the stream rule's
+    on the router's own in-flight and live state, and that state adds up (per rank and per node)."""
+    router = ExpertRouter.from_placement(made["joint"])
+    A = router.num_ranks
+    for op, x in ops:
+        inflight, live = router.inflight(), router.live()
+        if op == "route":
+            ids = held.prefill_ids[x % len(held.prefill_ids)]
+            try:
+                want = _reference_rank(router, router.counts(ids), inflight, live)
+            except RoutingError:
+                want = None
+            if want is None:  # every rank is down
+                with pytest.raises(RoutingError):
+                    router.route(ids)
+            else:
+                d = router.route(ids)
+                assert d.routed and d.rank == want and d.node == router.rank_node_A[want]
+        elif op == "release" and inflight.sum():
+            router.release(int(np.flatnonzero(inflight)[x % np.count_nonzero(inflight)]))
+        elif op in ("down", "up"):
+            router.set_live(x % A, op == "up")
+        after = router.inflight()
+        assert after.min() >= 0
+        stats = router.stats()
+        assert stats["inflight_per_rank"] == after.tolist()
+        assert stats["live_ranks"] == np.flatnonzero(router.live()).tolist()
