@@ -52,15 +52,15 @@ def main() -> None:
             batched += generate_batch(model, tok, ids[s : s + args.batch], info=info, max_new_tokens=args.new)
         singles = [generate_batch(model, tok, [p], info=info, max_new_tokens=args.new)[0] for p in ids]
         rows = row_diff = tok_diff = ties = pairs = 0
-        for b, s in zip(batched, singles):
-            rows += s.topk_ids_TX.shape[0]
-            row_diff += abs(b.topk_ids_TX.shape[0] - s.topk_ids_TX.shape[0])
-            tok_diff += sum(x != y for x, y in zip(b.output_ids, s.output_ids)) + abs(
-                len(b.output_ids) - len(s.output_ids)
+        for in_batch, alone in zip(batched, singles):
+            rows += alone.topk_ids_TX.shape[0]
+            row_diff += abs(in_batch.topk_ids_TX.shape[0] - alone.topk_ids_TX.shape[0])
+            tok_diff += sum(x != y for x, y in zip(in_batch.output_ids, alone.output_ids)) + abs(
+                len(in_batch.output_ids) - len(alone.output_ids)
             )
-            n = min(b.topk_ids_TX.shape[0], s.topk_ids_TX.shape[0])
-            bb = np.sort(b.topk_ids_TX[:n].reshape(n, info.num_moe_layers, info.top_k), -1)
-            ss = np.sort(s.topk_ids_TX[:n].reshape(n, info.num_moe_layers, info.top_k), -1)
+            n = min(in_batch.topk_ids_TX.shape[0], alone.topk_ids_TX.shape[0])
+            bb = np.sort(in_batch.topk_ids_TX[:n].reshape(n, info.num_moe_layers, info.top_k), -1)
+            ss = np.sort(alone.topk_ids_TX[:n].reshape(n, info.num_moe_layers, info.top_k), -1)
             ties += int((bb != ss).any(-1).sum())
             pairs += n * info.num_moe_layers
         print(f"{name:<22} {rows:>7} {row_diff:>9} {tok_diff:>11} {pairs:>13} {ties:>9}", flush=True)

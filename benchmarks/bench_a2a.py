@@ -112,6 +112,7 @@ def main() -> None:
     t0 = time.perf_counter()
     records, net = ar.run_a2a(plan, emulate=None, link=args.link, log=print)
     wall = time.perf_counter() - t0
+    assert records is not None  # local ranks: the records come back to this process
     ar.raise_on_mismatch(plan, records)
 
     rows = {r.strategy: r for r in ar.summary_rows(plan, records, net)}

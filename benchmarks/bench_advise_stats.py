@@ -21,6 +21,7 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 from moetrace.placement.advise import AdviseConfig, advise_profile
 from moetrace.placement.advise.verdicts import best_eplb, pct
@@ -42,14 +43,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         prof = Path(tmp) / "stats.profile.parquet"
         info = resolve(args.model).model_info()
-        import_profile(Path(args.stats), out=prof, model=info, stages=f"{args.stage}-only")
+        stages: Literal["decode-only", "prefill-only"] = "decode-only" if args.stage == "decode" else "prefill-only"
+        import_profile(Path(args.stats), out=prof, model=info, stages=stages)
         sizes = args.decode_tokens if args.stage == "decode" else args.prefill_tokens
         for config in args.configs.split(","):
             dep = parse_deployment(config)
             for n in (int(x) for x in sizes.split(",")):
-                key = "decode_tokens_per_gpu" if args.stage == "decode" else "prefill_tokens_per_gpu"
                 # a mixed/one-stage statistics file is advised as decode steps; prefill sizes apply to prefill files
-                cfg = AdviseConfig(deployment=dep, replica_policy=args.replica_policy, **{key: n})
+                if args.stage == "decode":
+                    cfg = AdviseConfig(deployment=dep, replica_policy=args.replica_policy, decode_tokens_per_gpu=n)
+                else:
+                    cfg = AdviseConfig(deployment=dep, replica_policy=args.replica_policy, prefill_tokens_per_gpu=n)
                 t0 = time.perf_counter()
                 adv = advise_profile(prof, cfg)
                 wall = time.perf_counter() - t0

@@ -23,6 +23,8 @@ import numpy as np
 
 def _load(path: str):
     spec = importlib.util.spec_from_file_location("moetrace_bench_baseline_affinity", path)
+    if spec is None or spec.loader is None:
+        sys.exit(f"{path}: not a Python module this script can load")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)

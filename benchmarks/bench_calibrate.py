@@ -268,8 +268,8 @@ def vendor(aic: Path, deepep: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ presets
-def _pure_rdma_error(kernel) -> float:
-    """Median relative error (dispatch and combine together) on DeepEP's pure-RDMA rows (H800, one
+def _pure_rdma_error(kernel) -> tuple[float, float]:
+    """Median and worst relative error (dispatch and combine together) on DeepEP's pure-RDMA rows (H800, one
     NVLink domain per GPU: every copy over the NIC), EP 8..256: the only rows beyond EP 64."""
     rows = [r for r in vendored_tables("h800") if r.gpus_per_node == 1]
     d, c = C.predict(rows, kernel)

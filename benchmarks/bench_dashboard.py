@@ -31,7 +31,7 @@ def build(points: int, cap: int, out: Path) -> tuple[float, int]:
     xy = rng.normal(size=(points, 2)) + cat[:, None] * 3.0
     t0 = time.perf_counter()
     fig = scatter_by_category(
-        xy[:, 0], xy[:, 1], category_N=names[cat], hover_N={"request": np.arange(points), "prompt tokens": rng.integers(1, 4000, points)},
+        xy[:, 0], xy[:, 1], category_N=names[cat].tolist(), hover_N={"request": np.arange(points), "prompt tokens": rng.integers(1, 4000, points)},
         x_title="t-SNE 1", y_title="t-SNE 2", what="bench scatter", source="synthetic", max_points=cap, seed=0,
     )  # fmt: skip
     page = render_page(

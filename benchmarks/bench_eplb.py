@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +23,7 @@ def main() -> None:
     args = ap.parse_args()
     load = np.random.default_rng(0).gamma(0.5, size=(58, 256)) * 1000
     for groups, policy in ((8, "hierarchical"), (1, "global")):
-        kw = dict(num_replicas=320, num_groups=groups, num_nodes=8, num_gpus=64)
+        kw: dict[str, Any] = dict(num_replicas=320, num_groups=groups, num_nodes=8, num_gpus=64)
         rebalance(load, **kw)  # warm-up
         times = []
         for _ in range(args.repeats):

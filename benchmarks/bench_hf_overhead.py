@@ -54,7 +54,8 @@ def main() -> None:
 
     plain()
     traced()  # warm-up
-    tp, tt = [], []
+    tp: list[float] = []
+    tt: list[float] = []
     for _ in range(args.reps):
         for fn, acc in ((plain, tp), (traced, tt)):
             t0 = time.perf_counter()

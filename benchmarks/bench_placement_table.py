@@ -18,9 +18,11 @@ import argparse
 import itertools
 import time
 from pathlib import Path
+from typing import Literal
 
 from moetrace.placement.compare import CompareConfig, load_trace_data, run_compare
 from moetrace.placement.deployment import parse_deployment
+from moetrace.placement.step_model import DedupUnit
 from moetrace.placement.strategies import LABELS
 from moetrace.tracer.presets import model_info_for
 
@@ -34,7 +36,7 @@ CASES = {
 STRATEGIES = ("linear", "eplb", "data", "joint")
 
 
-def trace_for(root: Path, case: str, structure: str) -> Path:
+def trace_for(root: Path, case: str, structure: Literal["planted", "none"]) -> Path:
     from moetrace.tracer.synth import SynthPlan, default_calibration, load_calibration, synthesize
 
     model, n, _, _ = CASES[case]
@@ -68,9 +70,9 @@ def main() -> None:
         grouped_router = model_info_for(model).n_group is not None
         strategies = (*STRATEGIES, "joint_aligned") if grouped_router else STRATEGIES
         # a group-limited router (DeepSeek-V3) also under per-node copies, where keeping its groups whole pays
-        for structure, dedup in itertools.product(
-            ("planted", "none"), ("rank", "node") if grouped_router else ("rank",)
-        ):
+        structures: tuple[Literal["planted", "none"], ...] = ("planted", "none")
+        dedups: tuple[DedupUnit, ...] = ("rank", "node") if grouped_router else ("rank",)
+        for structure, dedup in itertools.product(structures, dedups):
             trace = trace_for(args.root, case, structure)
             cfg = CompareConfig(
                 deployment=parse_deployment(config, num_gpus_per_node=gpn),

@@ -137,10 +137,12 @@ def one_run(placement: str, T: int, args: argparse.Namespace) -> dict[str, float
     proxy = ctx.Process(target=run_proxy, args=(placement, pre, dec, q), daemon=True)
     proxy.start()
     port = q.get(timeout=60)
+    proxy_pid, engines_pid = proxy.pid, engines.pid
+    assert proxy_pid is not None and engines_pid is not None  # both started
     mine = os.sched_getaffinity(0)
     if args.pin:
-        os.sched_setaffinity(proxy.pid, {0})
-        os.sched_setaffinity(engines.pid, {1})
+        os.sched_setaffinity(proxy_pid, {0})
+        os.sched_setaffinity(engines_pid, {1})
         os.sched_setaffinity(0, {1})
     try:
         url = f"http://127.0.0.1:{port}"
@@ -148,10 +150,10 @@ def one_run(placement: str, T: int, args: argparse.Namespace) -> dict[str, float
         asyncio.run(open_loop([url], rate=100, seconds=1, direct=False))  # warm-up
         direct, ach_d = asyncio.run(open_loop([pre, dec], rate=args.rate, seconds=args.seconds, direct=True))
         load_d = os.getloadavg()[0]
-        cpu0, eng0, me0 = cpu_seconds(proxy.pid), cpu_seconds(engines.pid), time.process_time()
+        cpu0, eng0, me0 = cpu_seconds(proxy_pid), cpu_seconds(engines_pid), time.process_time()
         via, ach_p = asyncio.run(open_loop([url], rate=args.rate, seconds=args.seconds, direct=False))
-        cpu_ms = (cpu_seconds(proxy.pid) - cpu0) * 1e3 / n
-        eng_ms = (cpu_seconds(engines.pid) - eng0) * 1e3 / n
+        cpu_ms = (cpu_seconds(proxy_pid) - cpu0) * 1e3 / n
+        eng_ms = (cpu_seconds(engines_pid) - eng0) * 1e3 / n
         client_ms = (time.process_time() - me0) * 1e3 / n
         load_p = os.getloadavg()[0]
 

@@ -377,7 +377,7 @@ def run_source(
                 strategies=STRATEGIES,
                 num_batches=args.batches,
                 num_batch_requests=args.requests_per_node * nodes,
-                dedup=dedup,  # type: ignore[arg-type]
+                dedup=dedup,
                 seed=seed,
                 test_fraction=args.test_fraction,
                 max_node_load=args.max_node_load,

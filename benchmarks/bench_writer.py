@@ -56,6 +56,8 @@ def _load_writer(path: str | None):
 
         return TraceWriter
     spec = importlib.util.spec_from_file_location("moetrace_bench_baseline_writer", path)
+    if spec is None or spec.loader is None:
+        sys.exit(f"{path}: not a Python module this script can load")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up by name
     spec.loader.exec_module(mod)
@@ -108,6 +110,7 @@ def _child(variant: str, ids_path: str, out: str, writer_path: str | None) -> di
             write_statistics=False,
         )
     else:
+        assert TraceWriter is not None  # every variant but the ceiling has one
         R = T // (PROMPT + OUTPUT)
         P, O = np.full(R, PROMPT, np.int32), np.full(R, OUTPUT, np.int32)
         offsets = np.concatenate([[0], np.cumsum(P + O)])

@@ -139,8 +139,8 @@ def main() -> None:
     )
     t_vllm = time.perf_counter() - t0
     h = run_hf_teacher_forced(resolved, {rid: toks for rid, (toks, _, _) in v.items()})
-    eq = {"prefill": [], "decode": []}
-    mg = {"prefill": [], "decode": []}
+    eq: dict[str, list[np.ndarray]] = {"prefill": [], "decode": []}
+    mg: dict[str, list[np.ndarray]] = {"prefill": [], "decode": []}
     same_tokens = total_tokens = 0
     for rid, (tokens, P, v_TLK) in v.items():
         h_TLK, rel_TL, argmax_T = h[rid]

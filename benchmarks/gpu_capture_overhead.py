@@ -90,6 +90,7 @@ def main() -> None:
             if side == "on":
                 outs_on = outs
         rounds.append(row)
+    assert outs_on is not None  # a.rounds >= 1 ran the "on" side
     t = time.perf_counter()
     converted = [convert_output(o, info=info, layer_axis=capture.layer_axis) for o in outs_on]
     convert_s = time.perf_counter() - t

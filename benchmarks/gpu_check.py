@@ -54,6 +54,7 @@ class Runner:
         log = self.work / "logs" / f"{name}.log"
         t = time.monotonic()
         with open(log, "w") as f:
+            rc: int | str
             try:
                 rc = subprocess.run(
                     cmd, stdout=f, stderr=subprocess.STDOUT, timeout=min(timeout, left), cwd=ROOT
