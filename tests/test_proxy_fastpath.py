@@ -135,10 +135,23 @@ def test_decoding_kernel_equals_its_numpy_twin(raw, bad):
     if bad is not None:
         chars[bad[0] % len(chars)] = bad[1]
     got = [np.zeros(len(chars) // 4 * 3, np.uint8) for _ in range(2)]
-    refused = [f(chars, engines._B64_VALUE, out) for f, out in zip((kernel, engines._b64_numpy), got)]
+    pairs = chars.view(np.uint16)
+    refused = [f(pairs, engines._B64_PAIRS, out) for f, out in zip((kernel, engines._b64_numpy), got)]
     assert refused[0] == refused[1] == (bad is not None)
     if bad is None:
         assert bytes(got[0]) == bytes(got[1]) == raw
+
+
+def test_the_pair_table_is_two_characters_six_bits_each():
+    alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    table = engines._B64_PAIRS
+    for x in range(256):
+        for y in range(256):
+            got = int(table[int(np.frombuffer(bytes([x, y]), np.uint16)[0])])
+            if x in alphabet and y in alphabet:
+                assert got == alphabet.index(x) * 64 + alphabet.index(y)
+            else:
+                assert got == 0xFFFF
 
 
 def test_moe_layers_of_is_the_copy_it_replaces():
