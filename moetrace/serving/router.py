@@ -184,14 +184,13 @@ class ExpertRouter:
             self._m_FG = np.ascontiguousarray(np.transpose(member_LGE, (0, 2, 1)).reshape(L * E, G), dtype=np.float32)
             self._price_G = np.asarray(router.node_prices_G, dtype=np.float64)
         self._lock = threading.Lock()
-        # the live state, in plain lists: a decision reads a few of 8-64 entries, which numpy makes slower
+        # the live state, in plain lists: a decision reads a few of 8-64 entries, which numpy makes slower;
+        # a node's load and liveness are summed from its ranks' when needed, never kept twice
         self._node_of = [int(g) for g in self.rank_node_A]
         self._ranks_of_G = [[a for a in range(self.num_ranks) if self._node_of[a] == g] for g in range(self.num_nodes)]
         self._inflight_A = [0] * self.num_ranks
         self._live_A = [True] * self.num_ranks
         self._decisions_A = [0] * self.num_ranks
-        self._inflight_G = [0] * self.num_nodes  # in-flight requests per node (the sum of its ranks')
-        self._live_ranks_G = [len(r) for r in self._ranks_of_G]  # live ranks per node
         self._turn_C: Counter[int] = Counter()  # centroid router: the next of each cluster's nodes
         self._fallbacks: Counter[str] = Counter()
         warm_up_counting(self.num_layers, self.num_experts)  # no request pays the kernel's compilation
@@ -218,7 +217,6 @@ class ExpertRouter:
             if self._inflight_A[rank] <= 0:
                 raise ValueError(f"rank {rank} has no request in flight to release")
             self._inflight_A[rank] -= 1
-            self._inflight_G[self._node_of[rank]] -= 1
 
     def move(self, from_rank: int, to_rank: int) -> None:
         """A request counted on ``from_rank`` went to ``to_rank`` instead (a transport that overrode the
@@ -229,9 +227,7 @@ class ExpertRouter:
             if self._inflight_A[from_rank] <= 0:
                 raise ValueError(f"rank {from_rank} has no request in flight to move")
             self._inflight_A[from_rank] -= 1
-            self._inflight_G[self._node_of[from_rank]] -= 1
             self._inflight_A[to_rank] += 1
-            self._inflight_G[self._node_of[to_rank]] += 1
 
     def reroute(self, rank: int, why: str) -> Decision:
         """A request counted on ``rank`` cannot be served there (the rank failed before answering): its
@@ -242,7 +238,6 @@ class ExpertRouter:
             if self._inflight_A[rank] <= 0:
                 raise ValueError(f"rank {rank} has no request in flight to reroute")
             self._inflight_A[rank] -= 1
-            self._inflight_G[self._node_of[rank]] -= 1
             return self._fallback_locked(why)
 
     def live(self) -> np.ndarray:
@@ -255,10 +250,7 @@ class ExpertRouter:
         until released)."""
         with self._lock:
             self._check_rank(rank)
-            live = bool(live)
-            if live != self._live_A[rank]:
-                self._live_A[rank] = live
-                self._live_ranks_G[self._node_of[rank]] += 1 if live else -1
+            self._live_A[rank] = bool(live)
 
     def stats(self) -> dict[str, Any]:
         """Decisions per rank, fallbacks by reason and the current in-flight load."""
@@ -317,12 +309,13 @@ class ExpertRouter:
         if isinstance(self.router, PriceRouter):
             net_G = (self.scores(counts, total=total) - self._price_G).tolist()
             with self._lock:
-                eligible = [g for g in range(self.num_nodes) if self._live_ranks_G[g]]
+                live, inflight = self._live_A, self._inflight_A
+                eligible = [g for g, ranks in enumerate(self._ranks_of_G) if any(live[a] for a in ranks)]
                 if not eligible:
                     return self._fallback_locked("no live rank")
                 if self.router.max_node_load is not None:
-                    cap = node_capacity(sum(self._inflight_G) + 1, len(eligible), self.router.max_node_load)
-                    eligible = [g for g in eligible if self._inflight_G[g] < cap]
+                    cap = node_capacity(sum(inflight) + 1, len(eligible), self.router.max_node_load)
+                    eligible = [g for g in eligible if sum(inflight[a] for a in self._ranks_of_G[g]) < cap]
                 node = max(eligible, key=net_G.__getitem__)  # ties: the lowest node (max keeps the first)
                 return self._admit_locked(node)
         if isinstance(self.router, CentroidRouter):
@@ -411,6 +404,5 @@ class ExpertRouter:
 
     def _count_locked(self, rank: int, *, routed: bool, reason: str) -> Decision:
         self._inflight_A[rank] += 1
-        self._inflight_G[self._node_of[rank]] += 1
         self._decisions_A[rank] += 1
         return Decision(rank=rank, node=self._node_of[rank], routed=routed, reason=reason)

@@ -83,7 +83,6 @@ class StandinEngine:
         self.killed = False  # after kill(): a dead process, nothing more is written or recorded as finished
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self._encoded: dict[str, str] = {}  # vLLM: prompt -> its routed experts as sent
         # prefill request body -> the reply sent (a stand-in's own CPU stays off the proxy's benchmark)
         self._replies: dict[bytes, bytes] = {}
 
@@ -169,13 +168,9 @@ class StandinEngine:
         }
         if self.engine == "vllm":
             # vLLM 0.33: base64 of np.save(array), uint8 for <= 256 experts (routed_experts_capturer.py)
-            routed: Any = self._encoded.get(prompt) if not bad else None
-            if routed is None:
-                buf = io.BytesIO()
-                np.save(buf, ids.astype(np.uint8 if self.model.num_experts <= 256 else np.uint16), allow_pickle=False)
-                routed = base64.b64encode(buf.getvalue()).decode()
-                if not bad:
-                    self._encoded[prompt] = routed  # a stand-in's own CPU stays off the proxy's benchmark
+            buf = io.BytesIO()
+            np.save(buf, ids.astype(np.uint8 if self.model.num_experts <= 256 else np.uint16), allow_pickle=False)
+            routed = base64.b64encode(buf.getvalue()).decode()
             choice["routed_experts"] = None if bad == "!noroute" else ("@@not base64@@" if bad == "!b64" else routed)
             kv = body.get("kv_transfer_params")
             if isinstance(kv, dict) and kv.get("do_remote_decode"):
