@@ -32,7 +32,8 @@ Out of scope: the algorithms themselves (pure functions in the sibling modules);
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +50,7 @@ from moetrace.placement.compare_data import (
     MAX_PREFILL_TOKENS,
     TraceData,
     check_caps,
+    held_out_nbytes,
     load_trace_data,
     request_caps,
     with_held_out_tokens,
@@ -65,6 +67,7 @@ from moetrace.placement.compare_steps import (
     held_out_batches,
     node_counts,
     node_shares,
+    one_blas_thread,
     prefill_batches,
     seconds_B,
     seconds_median,
@@ -118,10 +121,59 @@ __all__ = [
 MIN_HELD_OUT_REQUESTS = 20
 
 
+#: held-out tokens of at most this many bytes (``held_out_nbytes``: the decode ids and the prefill sample)
+#: are read before placing, and each strategy's simulations run beside the placing of the next; more are
+#: read after placing, so that the clustering's arrays and the tokens are never resident together (the
+#: README's 10,000-request trace holds 570 MB of them)
+EARLY_HELD_OUT_BYTES = 256 << 20
+
+
 def _simulation_key(ps: PlacedStrategy) -> tuple[int, int, int]:
     """Candidates with one key simulate alike: the same placement and routing objects, and the same
-    ``extra`` (which the simulation annotates); ``dataclasses.replace`` keeps all three."""
+    ``extra`` (which the simulation's notes go to); ``dataclasses.replace`` keeps all three."""
     return id(ps.placement), id(ps.group_of_test_R), id(ps.extra)
+
+
+def _decode_steps(
+    data: TraceData, cfg: CompareConfig, stepper: Stepper, ps: PlacedStrategy
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``ps`` simulated on the held-out decode steps, and what the steps note of its routing (for
+    ``ps.extra``, which the caller updates: simulations run on threads beside the placing)."""
+    assert data.test_topk_ids_TLK is not None and data.test_req_T is not None  # read by with_held_out_tokens
+    G = cfg.deployment.num_groups
+    usable = np.flatnonzero(data.is_test_R & (np.bincount(data.test_req_T, minlength=len(data.is_test_R)) > 0))
+    rows, batch, src, empty = held_out_batches(data, cfg, ps.group_of_test_R)
+    notes = {
+        "groups_without_routed_requests": empty,
+        # held-out requests routed to the busiest node, over an even share (1: no router, even by construction)
+        "busiest_node_load": round(float(node_shares(ps.group_of_test_R, usable, G).max() * G), 4),
+        # the limit integer counts of these requests can meet (9 requests on 8 nodes: 2 on one node)
+        "node_load_limit": round(effective_node_load_limit(len(usable), G, cfg.max_node_load), 4),
+    }
+    metrics = stepper.volume(
+        data.test_topk_ids_TLK, ps.placement, (rows, batch, src), steps=cfg.num_batches, dedup=cfg.dedup
+    )
+    return metrics, notes
+
+
+def _prefill_steps(
+    data: TraceData, cfg: CompareConfig, stepper: Stepper, ps: PlacedStrategy
+) -> dict[str, np.ndarray] | None:
+    """``ps`` simulated on the held-out prefill steps (None: the trace has none to draw)."""
+    drawn = prefill_batches(data, cfg, ps.group_of_test_R)
+    if drawn is None:
+        return None
+    assert data.test_prefill_ids_TLK is not None
+    return stepper.volume(
+        data.test_prefill_ids_TLK, ps.placement, drawn, steps=cfg.num_prefill_batches, dedup=cfg.prefill_dedup
+    )
+
+
+def _both_stages(
+    data: TraceData, cfg: CompareConfig, stepper: Stepper, ps: PlacedStrategy
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None, dict[str, Any]]:
+    metrics, notes = _decode_steps(data, cfg, stepper, ps)
+    return metrics, _prefill_steps(data, cfg, stepper, ps), notes
 
 
 def run_compare(
@@ -131,7 +183,17 @@ def run_compare(
 
     ``progress(steps_done, steps_total)`` is called after each placement and each simulation
     (two steps per strategy, the linear reference included).
+
+    The simulations run on threads (``simulation_workers``; the kernel releases the GIL), beside the
+    placing where the held-out tokens are small enough to read first (``EARLY_HELD_OUT_BYTES``), else
+    beside the bounds' placing; BLAS on one thread (``one_blas_thread``). Each simulation is computed
+    whole on one thread from seeded draws, so the results do not depend on the threads or the order.
     """
+    with one_blas_thread():
+        return _run_compare(data, cfg, progress=progress)
+
+
+def _run_compare(data: TraceData, cfg: CompareConfig, *, progress: Callable[[int, int], None] | None) -> CompareResult:
     dep, m = cfg.deployment, data.model
     G = dep.num_groups
     strategies = list(dict.fromkeys(cfg.strategies))
@@ -147,86 +209,83 @@ def run_compare(
             progress(done, steps)
 
     check_caps(data, cfg)
-    placed = place_strategies(data, cfg, todo, on_placed=step)
-    data = with_held_out_tokens(data)  # after placing: the tokens and the clustering never share memory
-    skipped: dict[str, str] = {}  # bound -> why it has no row (compare.json `skipped`, printed as a note)
-    bound_failures: dict[str, list[str]] = {}  # bound -> deployable rows within the limit that beat it
-    if bounds and data.tokens_from is not None:  # a load profile: no requests to route by their own decode
-        skipped.update(dict.fromkeys(bounds, "a load profile has no requests; the bounds route held-out requests"))
-        bounds, steps = [], steps - 2 * len(bounds)
-    if bounds and not data.routable:  # the bounds start from the joint placement, which needs prefill
-        why = (
-            "the trace recorded decode routing only; the bounds start from the joint placement, whose router "
-            "needs prefill routing (or the what-if --route-on first-decode:N)"
-        )
-        skipped.update(dict.fromkeys(bounds, why))
-        bounds, steps = [], steps - 2 * len(bounds)
-    candidates = bound_placements(data, cfg, placed, on_placed=step) if bounds else {}
-
     stepper = Stepper.of(data.model, cfg)
     measure = stepper.measure
-    assert data.test_req_T is not None  # read by with_held_out_tokens above
-    usable = np.flatnonzero(data.is_test_R & (np.bincount(data.test_req_T, minlength=len(data.is_test_R)) > 0))
-
-    def simulate(ps: PlacedStrategy) -> dict[str, np.ndarray]:
-        assert data.test_topk_ids_TLK is not None  # read by with_held_out_tokens above
-        rows, batch, src, empty = held_out_batches(data, cfg, ps.group_of_test_R)
-        ps.extra["groups_without_routed_requests"] = empty
-        # held-out requests routed to the busiest node, over an even share (1: no router, even by construction)
-        ps.extra["busiest_node_load"] = round(float(node_shares(ps.group_of_test_R, usable, G).max() * G), 4)
-        # the limit integer counts of these requests can meet (9 requests on 8 nodes: 2 on one node)
-        ps.extra["node_load_limit"] = round(effective_node_load_limit(len(usable), G, cfg.max_node_load), 4)
-        return stepper.volume(
-            data.test_topk_ids_TLK, ps.placement, (rows, batch, src), steps=cfg.num_batches, dedup=cfg.dedup
-        )
-
-    def simulate_prefill(ps: PlacedStrategy) -> dict[str, np.ndarray] | None:
-        drawn = prefill_batches(data, cfg, ps.group_of_test_R)
-        if drawn is None:
-            return None
-        assert data.test_prefill_ids_TLK is not None
-        return stepper.volume(
-            data.test_prefill_ids_TLK, ps.placement, drawn, steps=cfg.num_prefill_batches, dedup=cfg.prefill_dedup
-        )
-
+    early = held_out_nbytes(data) <= EARLY_HELD_OUT_BYTES
+    if early:
+        data = with_held_out_tokens(data)
+    runs: dict[str, Future] = {}
     metrics: dict[str, dict[str, np.ndarray]] = {}
     prefill: dict[str, dict[str, np.ndarray]] = {}
+    skipped: dict[str, str] = {}  # bound -> why it has no row (compare.json `skipped`, printed as a note)
+    bound_failures: dict[str, list[str]] = {}  # bound -> deployable rows within the limit that beat it
+    pool = ThreadPoolExecutor(max_workers=simulation_workers(len(todo)))
+    try:
 
-    def both_stages(s: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
-        return simulate(placed[s]), simulate_prefill(placed[s])
+        def placed_one(s: str, ps: PlacedStrategy) -> None:
+            step()
+            if early:  # its simulations beside the next placement
+                runs[s] = pool.submit(_both_stages, data, cfg, stepper, ps)
 
-    # the simulation kernel releases the GIL: one thread per core (results do not depend on their number)
-    with ThreadPoolExecutor(max_workers=simulation_workers(len(todo))) as pool:
-        for s, (dm, pm) in zip(todo, pool.map(both_stages, todo)):
+        placed = place_strategies(data, cfg, todo, on_placed=placed_one)
+        if not early:
+            data = with_held_out_tokens(data)  # after placing: the tokens and the clustering never share memory
+            runs = {s: pool.submit(_both_stages, data, cfg, stepper, placed[s]) for s in todo}
+        if bounds and data.tokens_from is not None:  # a load profile: no requests to route by their own decode
+            skipped.update(dict.fromkeys(bounds, "a load profile has no requests; the bounds route held-out requests"))
+            bounds, steps = [], steps - 2 * len(bounds)
+        if bounds and not data.routable:  # the bounds start from the joint placement, which needs prefill
+            why = (
+                "the trace recorded decode routing only; the bounds start from the joint placement, whose router "
+                "needs prefill routing (or the what-if --route-on first-decode:N)"
+            )
+            skipped.update(dict.fromkeys(bounds, why))
+            bounds, steps = [], steps - 2 * len(bounds)
+        # the bounds are placed while the strategies simulate, and simulated as their candidates come: every
+        # bound's candidates side by side, each simulated once (the oracle's include perfect routing's)
+        decode_runs: dict[tuple[int, int, int], tuple[PlacedStrategy, Future]] = {}
+
+        def bound_placed(_: str, built: list[PlacedStrategy]) -> None:
+            step()
+            for c in built:
+                if (key := _simulation_key(c)) not in decode_runs:
+                    decode_runs[key] = c, pool.submit(_decode_steps, data, cfg, stepper, c)
+
+        candidates = bound_placements(data, cfg, placed, on_placed=bound_placed) if bounds else {}
+        for s in todo:
+            dm, pm, notes = runs[s].result()
+            placed[s].extra.update(notes)
             metrics[s] = dm
             if pm is not None:
                 prefill[s] = pm
             step()
 
-    # a bound is the best of its own candidates (one per kind of placement, each with the held-out decode
-    # known) within the node-load limit, ranked by the verdict's measure (MoE-layer time per step; all-to-all
-    # time when the expert size is unknown); never a deployable row: a deployable row within the limit that
-    # beats a bound is the bound's failure, reported as such
-    def verdict_s(mc: dict[str, np.ndarray]) -> float:
-        return seconds_median(mc, measure)
+        # a bound is the best of its own candidates (one per kind of placement, each with the held-out decode
+        # known) within the node-load limit, ranked by the verdict's measure (MoE-layer time per step; all-to-all
+        # time when the expert size is unknown); never a deployable row: a deployable row within the limit that
+        # beats a bound is the bound's failure, reported as such
+        def verdict_s(mc: dict[str, np.ndarray]) -> float:
+            return seconds_median(mc, measure)
 
-    within = [s for s in todo if within_limit(placed[s])]
-    # every bound's candidates side by side, each simulated once (the oracle's include perfect routing's)
-    distinct = {_simulation_key(c): c for s in bounds for c in candidates[s]}
-    with ThreadPoolExecutor(max_workers=simulation_workers(len(distinct))) as pool:
-        simulated = dict(zip(distinct, pool.map(simulate, distinct.values())))
-    for s in bounds:
-        sims = [(dict(simulated[_simulation_key(c)]), c) for c in candidates[s]]
-        fits = [mc for mc in sims if within_limit(mc[1])] or sims
-        metrics[s], placed[s] = min(fits, key=lambda mc: verdict_s(mc[0]))
-        beaten = [d for d in within if verdict_s(metrics[d]) < verdict_s(metrics[s]) - 1e-12]
-        if beaten:
-            bound_failures[s] = beaten
-    with ThreadPoolExecutor(max_workers=simulation_workers(len(bounds))) as pool:
-        for s, pm in zip(bounds, pool.map(simulate_prefill, [placed[s] for s in bounds])):
-            if pm is not None:
+        within = [s for s in todo if within_limit(placed[s])]
+        simulated = {}
+        for key, (c, run) in decode_runs.items():
+            simulated[key], notes = run.result()
+            c.extra.update(notes)  # the extra of every candidate with this key
+        for s in bounds:
+            sims = [(dict(simulated[_simulation_key(c)]), c) for c in candidates[s]]
+            fits = [mc for mc in sims if within_limit(mc[1])] or sims
+            metrics[s], placed[s] = min(fits, key=lambda mc: verdict_s(mc[0]))
+            beaten = [d for d in within if verdict_s(metrics[d]) < verdict_s(metrics[s]) - 1e-12]
+            if beaten:
+                bound_failures[s] = beaten
+        prefill_runs = {s: pool.submit(_prefill_steps, data, cfg, stepper, placed[s]) for s in bounds}
+        for s, run in prefill_runs.items():
+            if (pm := run.result()) is not None:
                 prefill[s] = pm
             step()
+    finally:  # an error in placing: the simulations not started are dropped, not waited for
+        pool.shutdown(wait=True, cancel_futures=True)
     floor = None
     if cfg.oracle and data.tokens_from is not None:
         skipped["floor"] = "a load profile has no requests; the floor bounds each held-out request's local share"

@@ -28,7 +28,7 @@ def bound_placements(
     cfg: CompareConfig,
     placed: dict[str, PlacedStrategy],
     *,
-    on_placed: Callable[[], None] | None = None,
+    on_placed: Callable[[str, list[PlacedStrategy]], None] | None = None,
 ) -> dict[str, list[PlacedStrategy]]:
     """The candidates of each upper bound of ``strategies.BOUNDS``, one per kind of joint placement
     (free membership; and, for a group-limited router whose groups fill whole nodes, groups kept
@@ -41,7 +41,8 @@ def bound_placements(
       decode, started from the perfect routing: the inter-node volume this trace's structure allows
       a placement of these kinds (one node per request, ``J`` slots per node) to reach.
 
-    ``extra["kind"]`` of a candidate names the strategy it derives from.
+    ``extra["kind"]`` of a candidate names the strategy it derives from. ``on_placed(bound, candidates)``
+    is called as each bound's candidates are built (``compare`` simulates them while the next are).
     """
     from moetrace.placement.joint import aligned_router_groups, joint_placement
 
@@ -67,7 +68,7 @@ def bound_placements(
         ]
     }
     if on_placed is not None:
-        on_placed()
+        on_placed("perfect_routing", out["perfect_routing"])
     P = cfg.deployment.check_slots(num_experts=m.num_experts, num_redundant=cfg.num_redundant)
     out["oracle"] = []
     for name, rg in kinds:
@@ -100,7 +101,7 @@ def bound_placements(
     # the oracle sees everything perfect routing sees: its candidates are the oracle's too
     out["oracle"] += [replace(c, strategy="oracle") for c in out["perfect_routing"]]
     if on_placed is not None:
-        on_placed()
+        on_placed("oracle", out["oracle"])
     return out
 
 

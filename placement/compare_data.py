@@ -30,6 +30,7 @@ __all__ = [
     "MAX_PREFILL_TOKENS",
     "TraceData",
     "check_caps",
+    "held_out_nbytes",
     "load_trace_data",
     "request_caps",
     "with_held_out_tokens",
@@ -190,6 +191,23 @@ def _release_arrow_memory() -> None:
     import pyarrow as pa
 
     pa.default_memory_pool().release_unused()
+
+
+def held_out_nbytes(data: TraceData) -> int:
+    """About the bytes ``with_held_out_tokens`` holds for ``data``: the held-out requests' decode ids and
+    the prefill sample (int16 [T, L, K] each), estimated from the counts already in memory (a token
+    adds K ids over each layer's experts); 0 when they are read already."""
+    if data.test_topk_ids_TLK is not None:
+        return 0
+    test = np.flatnonzero(data.is_test_R)
+    L, K = data.decode_RLE.shape[1], max(data.model.top_k, 1)
+
+    def tokens(x_RLE: np.ndarray) -> int:  # summed a chunk of rows at a time: no copy of the selected rows
+        ids = sum(int(x_RLE[test[lo : lo + 1024]].sum(dtype=np.int64)) for lo in range(0, len(test), 1024))
+        return ids // (L * K)
+
+    prefill = min(tokens(data.prefill_RLE), MAX_PREFILL_TOKENS + (1 << 14)) if "prefill" in data.stages else 0
+    return (tokens(data.decode_RLE) + prefill) * L * K * np.dtype(np.int16).itemsize
 
 
 def with_held_out_tokens(data: TraceData) -> TraceData:

@@ -161,10 +161,15 @@ def _sum_rows(
 
 
 def place_strategies(
-    data: TraceData, cfg: CompareConfig, strategies: Sequence[str], *, on_placed: Callable[[], None] | None = None
+    data: TraceData,
+    cfg: CompareConfig,
+    strategies: Sequence[str],
+    *,
+    on_placed: Callable[[str, PlacedStrategy], None] | None = None,
 ) -> dict[str, PlacedStrategy]:
     """Each strategy's placement from the training requests, in order (duplicates once); the grouped
-    strategies share one grouping. ``on_placed()`` is called after each."""
+    strategies share one grouping. ``on_placed(name, placed)`` is called after each (``compare``
+    starts its simulations there while the next strategy is placed)."""
     placed: dict[str, PlacedStrategy] = {}
     grouping = None
     for s in strategies:  # fail before minutes of other placements
@@ -177,7 +182,7 @@ def place_strategies(
             placed[s] = make_placement(data, cfg, s, grouping=grouping)
         grouping = placed[s].grouping or grouping
         if on_placed is not None:
-            on_placed()
+            on_placed(s, placed[s])
     return placed
 
 

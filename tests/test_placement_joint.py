@@ -426,7 +426,7 @@ def test_joint_aligned_refuses_a_router_without_groups(tmp_path):
         deployment=parse_deployment("DP4TP2EP8", num_gpus_per_node=2), strategies=("data", "joint_aligned")
     )
     with pytest.raises(ConfigError, match="not group-limited"):
-        place_strategies(data, cfg, cfg.strategies, on_placed=lambda: pytest.fail("placed before refusing"))
+        place_strategies(data, cfg, cfg.strategies, on_placed=lambda *_: pytest.fail("placed before refusing"))
     gl = _grouped_router_trace(tmp_path / "gl", num_requests=40)
     data = load_trace_data(gl, test_fraction=0.25, seed=0, held_out_tokens=False)
     cfg = CompareConfig(deployment=parse_deployment("DP8TP1EP8", num_gpus_per_node=1), strategies=("joint_aligned",))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from moetrace._deps import import_in_background
 from moetrace.cli.common import (
     AllowIncomplete,
     ModelConfigOpt,
@@ -31,7 +32,7 @@ from moetrace.cli.common import (
 )
 from moetrace.errors import ConfigError
 from moetrace.placement.legends import COMPARE_LEGEND, help_epilog
-from moetrace.placement.strategies import RECOMMENDED, STRATEGIES, STRATEGY_NAMES
+from moetrace.placement.strategies import RECOMMENDED, STRATEGIES, STRATEGY_NAMES, get_strategy
 
 if TYPE_CHECKING:
     from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData
@@ -456,6 +457,8 @@ def compare_cmd(
         out, kind="results", overwrite=overwrite, command="moetrace compare", result=COMPARE, inputs=inputs
     ):
         check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
+        if any(get_strategy(s).grouped for s in cfg.strategies):  # K-means' import beside the counting
+            import_in_background("sklearn.cluster")
         data, cfg = load_data(
             trace, cfg, asked=strategies != DEFAULT_STRATEGIES, allow_incomplete=allow_incomplete, quiet=quiet
         )
