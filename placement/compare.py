@@ -78,6 +78,7 @@ from moetrace.placement.joint import effective_node_load_limit
 from moetrace.placement.strategies import BOUNDS
 
 __all__ = [
+    "EARLY_HELD_OUT_BYTES",
     "MAX_PREFILL_TOKENS",
     "MAX_ROUTE_FIRST_DECODE",
     "MAX_SIMULATED_TOKENS",
@@ -98,6 +99,7 @@ __all__ = [
     "compare_verdict",
     "expert_copy_floor",
     "held_out_batches",
+    "held_out_nbytes",
     "load_trace_data",
     "make_placement",
     "node_counts",

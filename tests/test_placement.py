@@ -230,7 +230,7 @@ def test_simulator_counts_by_hand():
 def test_grouping_fitted_on_a_sample_labels_every_request_like_kmeans():
     """Past max_fit_requests K-means sees a seeded sample; every request gets its nearest centroid,
     and planted clusters come out the same as with the full fit."""
-    from moetrace.placement.grouping import fit_grouping
+    from moetrace.placement.grouping import fit_grouping, l2_normalize
 
     rng = np.random.default_rng(0)
     R, F, C = 240, 24, 3
@@ -245,3 +245,10 @@ def test_grouping_fitted_on_a_sample_labels_every_request_like_kmeans():
     xn = x / np.linalg.norm(x, axis=1, keepdims=True)
     d = ((xn[:, None, :] - sampled.decode_centroids_CF[None]) ** 2).sum(-1)
     np.testing.assert_array_equal(sampled.labels_R, d.argmin(1))
+    # the router's prefill centroids: each cluster's normalized rows summed in row order (np.add.at's sums,
+    # bit for bit), over its size
+    for g in (full, sampled):
+        pre = np.zeros((C, F))
+        np.add.at(pre, g.labels_R, l2_normalize(x))
+        pre /= np.bincount(g.labels_R, minlength=C)[:, None]
+        np.testing.assert_array_equal(g.prefill_centroids_CF, pre)

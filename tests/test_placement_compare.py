@@ -416,3 +416,40 @@ def test_the_verdict_follows_moe_layer_time_where_all_to_all_time_ranks_otherwis
         "verdict (MoE-layer time, deployable within the node-load limit): recommended moe_fast 0.900"
     )
     assert "(all-to-all 0.900)" in line and "a2a_fast 1.050 (0.800)" in line
+
+
+def test_simulating_beside_the_placing_changes_no_result(planted, tmp_path, monkeypatch):
+    """Held-out tokens read first (each strategy simulated while the next is placed) or after placing (the
+    large-trace path): the same result files, provenance and verdict included."""
+    import polars as pl
+
+    from moetrace.placement import compare
+    from moetrace.placement.compare import write_results
+
+    cfg = replace(_cfg(), strategies=("linear", "eplb", "data", "joint", "joint_free", "ours"))
+    outs = {}
+    for name, limit in (("beside", compare.EARLY_HELD_OUT_BYTES), ("after", 0)):
+        monkeypatch.setattr(compare, "EARLY_HELD_OUT_BYTES", limit)
+        data = load_trace_data(planted, test_fraction=0.25, seed=0, held_out_tokens=False)
+        assert (compare.held_out_nbytes(data) <= limit) == (name == "beside")
+        outs[name] = tmp_path / name
+        outs[name].mkdir()
+        write_results(run_compare(data, cfg), outs[name])
+    files = sorted(f.name for f in outs["beside"].iterdir())
+    assert files == sorted(f.name for f in outs["after"].iterdir()) and "compare.json" in files
+    for f in files:
+        a, b = outs["beside"] / f, outs["after"] / f
+        if f.endswith(".parquet"):
+            assert pl.read_parquet(a).equals(pl.read_parquet(b), null_equal=True), f
+        else:
+            assert json.loads(a.read_text()) == json.loads(b.read_text()), f
+
+
+def test_the_held_out_bytes_estimate_is_what_is_read(planted):
+    from moetrace.placement.compare import held_out_nbytes, with_held_out_tokens
+
+    data = load_trace_data(planted, test_fraction=0.25, seed=0, held_out_tokens=False)
+    read = with_held_out_tokens(data)
+    assert read.test_topk_ids_TLK is not None and read.test_prefill_ids_TLK is not None
+    assert held_out_nbytes(data) == read.test_topk_ids_TLK.nbytes + read.test_prefill_ids_TLK.nbytes > 0
+    assert held_out_nbytes(read) == 0  # already read: nothing more to hold

@@ -159,3 +159,32 @@ def test_a_kernel_numba_cannot_compile_falls_back_to_the_reference(monkeypatch):
     again = simulate_volume(ids, dedup="expert", cost=CostModel(), **kw)  # no second warning needed
     for m in want:
         assert np.array_equal(got[m], want[m], equal_nan=True) and np.array_equal(again[m], want[m], equal_nan=True)
+
+
+@settings(max_examples=25)
+@given(**FUSED_SHAPES, dedup=st.sampled_from(DEDUPS), policy=st.sampled_from(POLICIES))
+def test_drawn_rows_equal_the_gathered_tokens(seed, T, L, K, E, nodes, g, per_rank, B, minus_one, dedup, policy):
+    """``rows_T`` (compare's draws, with repeats, in any order) gives what ``ids[rows_T]`` gives, bit for bit,
+    through the kernel and through the NumPy passes alike."""
+    W = nodes * g
+    P = fused_slots(E, W, per_rank)
+    ids, kw = _case(seed, T=T, L=L, K=K, E=E, W=W, g=g, B=B, redundant=P - E, minus_one=minus_one)
+    rng = np.random.default_rng(seed + 1)
+    rows = rng.integers(0, T, 2 * T)  # every drawn token: a row of ids, some twice, some never
+    kw |= dict(batch_T=rng.integers(0, B, 2 * T), src_rank_T=rng.integers(0, W, 2 * T))
+    cost = CostModel(expert=EXPERT)
+    want = _simulate_volume_reference(ids[rows], dedup=dedup, policy=policy, cost=cost, time_hidden_size=32, **kw)
+    got = simulate_volume(ids, rows_T=rows, dedup=dedup, policy=policy, cost=cost, time_hidden_size=32, **kw)
+    assert list(got) == list(want)
+    assert all(np.array_equal(got[m], want[m], equal_nan=True) for m in want)
+
+
+def test_drawn_rows_outside_the_ids_fail_before_the_kernel_reads():
+    ids, kw = _case(11)
+    kw |= dict(batch_T=kw["batch_T"][:4], src_rank_T=kw["src_rank_T"][:4])
+    with pytest.raises(IndexError, match="rows_T must be in 0..299"):
+        simulate_volume(ids, rows_T=np.array([0, 5, 300, 2]), **kw)
+    with pytest.raises(ValueError, match="rows_T has 3 entries for 4 tokens"):
+        simulate_volume(ids, rows_T=np.array([0, 5, 2]), **kw)
+    with pytest.raises(ValueError, match="batch_T has 4 entries for 300 tokens"):
+        simulate_volume(ids, **kw)
