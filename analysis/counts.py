@@ -202,6 +202,7 @@ def count_trace(
     progress: Callable[[int, int], None] | None = None,
     rows: np.ndarray | None = None,
     keep_T: Callable[[TokenArrays], np.ndarray] | None = None,
+    on_batch: Callable[[TokenArrays], None] | None = None,
 ) -> RequestCounts:
     """Count tokens per (request, stage, layer, expert) over a whole trace, streaming.
 
@@ -228,6 +229,9 @@ def count_trace(
     keep_T
         Only the tokens of each batch for which it is True (bool ``[T]`` of a ``TokenArrays``, e.g. a
         request's first generated tokens by position); default all.
+    on_batch
+        Called with every batch read, after it is counted, for a caller that collects more from the
+        same pass (``compare``'s held-out tokens); default none.
 
     Returns
     -------
@@ -282,6 +286,8 @@ def count_trace(
             layers_L=layers_arr,
             top_k=K,
         )
+        if on_batch is not None:
+            on_batch(ta)
         done += T
         if progress is not None:
             progress(done, total)

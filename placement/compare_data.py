@@ -24,6 +24,7 @@ from moetrace.placement.compare_config import MAX_TEST_REQUESTS, MAX_TRAIN_REQUE
 from moetrace.placement.held_out import held_out_R
 
 if TYPE_CHECKING:
+    from moetrace.tracer.trace.reader import TokenArrays, Trace
     from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = [
@@ -93,13 +94,16 @@ def load_trace_data(
     allow_incomplete: bool = False,
     progress: Callable[[int, int], None] | None = None,
     held_out_tokens: bool = True,
+    held_out_max_bytes: int | None = None,
     route_first_decode: int = 0,
     max_train_requests: int = MAX_TRAIN_REQUESTS,
     max_test_requests: int = MAX_TEST_REQUESTS,
 ) -> TraceData:
     """Count the trace, split train/test and (``held_out_tokens``) keep the held-out requests' decode
-    tokens (streamed once more; ``with_held_out_tokens`` reads them later instead, so that placing
-    and holding the tokens never add up in memory).
+    tokens, collected in the counting pass. ``held_out_max_bytes``: keep them only when they take at
+    most this many bytes (the requests table's bound), else leave them to ``with_held_out_tokens``
+    (``compare`` reads large ones after placing, so that placing and holding them never add up in
+    memory); None: always.
 
     Bounded memory: after the split (every request of the trace, as without caps), at most
     ``max_train_requests`` training and ``max_test_requests`` held-out requests are kept (seeded
@@ -141,8 +145,25 @@ def load_trace_data(
         )
     )
     capped = len(keep) < R
-    counts = count_trace(tr, allow_incomplete=allow_incomplete, progress=progress, rows=keep if capped else None)
     is_test = is_test_all[keep]
+    held_out = None
+    if held_out_tokens:
+        held_out = _HeldOut(
+            tr,
+            is_test_R=is_test,
+            trace_rows_R=keep if capped else None,
+            stages=stages,
+            route_first_decode=route_first_decode,
+        )
+        if held_out_max_bytes is not None and held_out.nbytes > held_out_max_bytes:
+            held_out = None
+    counts = count_trace(
+        tr,
+        allow_incomplete=allow_incomplete,
+        progress=progress,
+        rows=keep if capped else None,
+        on_batch=None if held_out is None else held_out.add,
+    )
     _release_arrow_memory()
     route_RLE, decode_RLE = counts.stage("prefill"), counts.stage("decode")  # views of one counts array
     if route_first_decode > 0:  # one more pass: each request's first N generated tokens
@@ -175,7 +196,7 @@ def load_trace_data(
         max_train_requests=max_train_requests,
         max_test_requests=max_test_requests,
     )
-    return with_held_out_tokens(data) if held_out_tokens else data
+    return data if held_out is None else held_out.finish(data)
 
 
 def _sample_rows(rows: np.ndarray, cap: int, rng: np.random.Generator) -> np.ndarray:
@@ -211,76 +232,108 @@ def held_out_nbytes(data: TraceData) -> int:
 
 
 def with_held_out_tokens(data: TraceData) -> TraceData:
-    """``data`` with ``test_topk_ids_TLK`` / ``test_req_T`` read from its trace (itself if they are).
-
-    The held-out decode rows are written in place into one array sized from the requests table (an
-    upper bound: rows with no recorded id are skipped): no list of parts and no concatenated copy,
-    and pages never written are never resident.
-    """
+    """``data`` with ``test_topk_ids_TLK`` / ``test_req_T`` read from its trace (itself if they are): one
+    pass over the trace (``load_trace_data`` collects them in its counting pass instead)."""
     from moetrace.tracer.trace.reader import open_trace
 
     if data.test_topk_ids_TLK is not None:
         return data
     tr = open_trace(data.trace_path, require_complete=not data.allow_incomplete)
-    L, K = tr.model.num_moe_layers, tr.model.top_k
-    req_table = tr.request_arrays  # sorted by request id (the rows of the counts when nothing was capped)
-    is_test = data.is_test_R
-    trace_rows = np.arange(len(is_test)) if data.trace_rows_R is None else data.trace_rows_R
-    row_map = np.full(len(req_table.request_id_R), -1, dtype=np.int64)  # trace row -> row of data (-1: not kept)
-    row_map[trace_rows] = np.arange(len(trace_rows))
-    is_test_x = np.append(is_test, False)  # indexed by row_map: -1 (a request not kept) reads False
-    bound = int(req_table.output_tokens_R[trace_rows[is_test]].sum(dtype=np.int64))
-    ids = np.empty((bound, L, K), dtype=np.int16)
-    req_parts, n = [], 0
-    with_prefill = "prefill" in data.stages
-    p_bound = int(req_table.prompt_tokens_R[trace_rows[is_test]].sum(dtype=np.int64)) if with_prefill else 0
-    keep_share = min(1.0, MAX_PREFILL_TOKENS / max(p_bound, 1))  # a uniform sample of the prompt tokens
-    p_ids = np.empty((min(p_bound, MAX_PREFILL_TOKENS + (1 << 14)), L, K), dtype=np.int16)
-    p_req_parts: list[np.ndarray] = []
-    pn = 0
-    p_rng = np.random.default_rng([len(is_test), 11])
-    for ta in tr.iter_token_arrays(batch_tokens=1 << 14):
-        trace_row = np.searchsorted(req_table.request_id_R, ta.request_id_T)
-        row = row_map[trace_row]
-        recorded = (ta.topk_ids_TLK >= 0).any(axis=(1, 2))
-        keep = ta.is_decode_T & is_test_x[row] & recorded
-        if data.route_first_decode:  # the router saw the first N generated tokens: simulate the later ones
-            keep &= ta.position_T - req_table.prompt_tokens_R[trace_row] >= data.route_first_decode
-        k = int(keep.sum())
-        if n + k > bound:  # the reader checked every row against the requests table, so this cannot happen
-            raise AssertionError(f"{data.trace_path}: more held-out decode rows than the requests table claims")
-        ids[n : n + k] = ta.topk_ids_TLK[keep]
-        req_parts.append(row[keep])
-        n += k
-        if with_prefill:
-            pkeep = ~ta.is_decode_T & is_test_x[row] & recorded & (p_rng.random(len(row)) < keep_share)
-            pk = min(int(pkeep.sum()), len(p_ids) - pn)
-            sel = np.flatnonzero(pkeep)[:pk]
-            p_ids[pn : pn + pk] = ta.topk_ids_TLK[sel]
-            p_req_parts.append(row[sel])
-            pn += pk
-    _release_arrow_memory()
-    if n == 0:
-        raise TraceFormatError(
-            f"{data.trace_path}: the held-out requests have no decode tokens; the volume model needs decode steps"
-        )
-    req = np.concatenate(req_parts)
-    ids = ids[:n]
-    if (np.diff(req) < 0).any():  # rows not in request order (e.g. shards interleaved): one reordered copy
-        order = np.argsort(req, kind="stable")
-        ids, req = ids[order], req[order]
-    p_req = np.concatenate(p_req_parts) if p_req_parts else np.zeros(0, dtype=np.int64)
-    p_out = p_ids[:pn]
-    if (np.diff(p_req) < 0).any():
-        order = np.argsort(p_req, kind="stable")
-        p_out, p_req = p_out[order], p_req[order]
-    return replace(
-        data,
-        test_topk_ids_TLK=ids,
-        test_req_T=req,
-        test_prefill_ids_TLK=p_out if pn else None,
-        test_prefill_req_T=p_req if pn else None,
+    held_out = _HeldOut(
+        tr,
+        is_test_R=data.is_test_R,
+        trace_rows_R=data.trace_rows_R,
+        stages=data.stages,
+        route_first_decode=data.route_first_decode,
     )
+    for ta in tr.iter_token_arrays(batch_tokens=1 << 14):
+        held_out.add(ta)
+    _release_arrow_memory()
+    return held_out.finish(data)
+
+
+class _HeldOut:
+    """The held-out requests' tokens, collected from the batches of one pass over a trace (``add``, in the
+    trace's order), then set on the data (``finish``): the decode rows with a recorded id (but a
+    ``route_first_decode`` request's first N), and a seeded uniform sample of ``MAX_PREFILL_TOKENS`` of
+    the prompt rows. They are written in place into arrays sized from the requests table (an upper
+    bound: rows with no recorded id are skipped): no list of parts and no concatenated copy, and pages
+    never written are never resident."""
+
+    def __init__(
+        self,
+        tr: Trace,
+        *,
+        is_test_R: np.ndarray,
+        trace_rows_R: np.ndarray | None,
+        stages: frozenset[str],
+        route_first_decode: int,
+    ) -> None:
+        L, K = tr.model.num_moe_layers, tr.model.top_k
+        self.path, self.route_first_decode = str(tr.path), route_first_decode
+        self.req_table = req_table = tr.request_arrays  # sorted by request id (the rows of the counts when uncapped)
+        trace_rows = np.arange(len(is_test_R)) if trace_rows_R is None else trace_rows_R
+        self.row_map = np.full(len(req_table.request_id_R), -1, dtype=np.int64)  # trace row -> row (-1: not kept)
+        self.row_map[trace_rows] = np.arange(len(trace_rows))
+        self.is_test_x = np.append(is_test_R, False)  # indexed by row_map: -1 (a request not kept) reads False
+        self.bound = int(req_table.output_tokens_R[trace_rows[is_test_R]].sum(dtype=np.int64))
+        self.with_prefill = "prefill" in stages
+        p_bound = int(req_table.prompt_tokens_R[trace_rows[is_test_R]].sum(dtype=np.int64)) if self.with_prefill else 0
+        self.keep_share = min(1.0, MAX_PREFILL_TOKENS / max(p_bound, 1))  # a uniform sample of the prompt tokens
+        self.p_rng = np.random.default_rng([len(is_test_R), 11])
+        #: the most bytes the two arrays can hold (what ``load_trace_data``'s ``held_out_max_bytes`` weighs)
+        self.nbytes = (self.bound + min(p_bound, MAX_PREFILL_TOKENS + (1 << 14))) * L * K * np.dtype(np.int16).itemsize
+        self.ids: np.ndarray | None = None  # allocated on the first batch: not before the caller decides to read
+        self.shape = (self.bound, L, K), (min(p_bound, MAX_PREFILL_TOKENS + (1 << 14)), L, K)
+        self.req_parts: list[np.ndarray] = []
+        self.p_req_parts: list[np.ndarray] = []
+        self.n = self.pn = 0
+
+    def add(self, ta: TokenArrays) -> None:
+        if self.ids is None:
+            self.ids, self.p_ids = (np.empty(shape, dtype=np.int16) for shape in self.shape)
+        trace_row = np.searchsorted(self.req_table.request_id_R, ta.request_id_T)
+        row = self.row_map[trace_row]
+        recorded = (ta.topk_ids_TLK >= 0).any(axis=(1, 2))
+        keep = ta.is_decode_T & self.is_test_x[row] & recorded
+        if self.route_first_decode:  # the router saw the first N generated tokens: simulate the later ones
+            keep &= ta.position_T - self.req_table.prompt_tokens_R[trace_row] >= self.route_first_decode
+        k = int(keep.sum())
+        if self.n + k > self.bound:  # the reader checked every row against the requests table: cannot happen
+            raise AssertionError(f"{self.path}: more held-out decode rows than the requests table claims")
+        self.ids[self.n : self.n + k] = ta.topk_ids_TLK[keep]
+        self.req_parts.append(row[keep])
+        self.n += k
+        if self.with_prefill:
+            pkeep = ~ta.is_decode_T & self.is_test_x[row] & recorded & (self.p_rng.random(len(row)) < self.keep_share)
+            pk = min(int(pkeep.sum()), len(self.p_ids) - self.pn)
+            sel = np.flatnonzero(pkeep)[:pk]
+            self.p_ids[self.pn : self.pn + pk] = ta.topk_ids_TLK[sel]
+            self.p_req_parts.append(row[sel])
+            self.pn += pk
+
+    def finish(self, data: TraceData) -> TraceData:
+        if self.n == 0 or self.ids is None:
+            raise TraceFormatError(
+                f"{data.trace_path}: the held-out requests have no decode tokens; the volume model needs decode steps"
+            )
+        req = np.concatenate(self.req_parts)
+        ids = self.ids[: self.n]
+        if (np.diff(req) < 0).any():  # rows not in request order (e.g. shards interleaved): one reordered copy
+            order = np.argsort(req, kind="stable")
+            ids, req = ids[order], req[order]
+        p_req = np.concatenate(self.p_req_parts) if self.p_req_parts else np.zeros(0, dtype=np.int64)
+        p_out = self.p_ids[: self.pn]
+        if (np.diff(p_req) < 0).any():
+            order = np.argsort(p_req, kind="stable")
+            p_out, p_req = p_out[order], p_req[order]
+        return replace(
+            data,
+            test_topk_ids_TLK=ids,
+            test_req_T=req,
+            test_prefill_ids_TLK=p_out if self.pn else None,
+            test_prefill_req_T=p_req if self.pn else None,
+        )
 
 
 def check_caps(data: TraceData, cfg: CompareConfig) -> None:

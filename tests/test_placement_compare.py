@@ -453,3 +453,20 @@ def test_the_held_out_bytes_estimate_is_what_is_read(planted):
     assert read.test_topk_ids_TLK is not None and read.test_prefill_ids_TLK is not None
     assert held_out_nbytes(data) == read.test_topk_ids_TLK.nbytes + read.test_prefill_ids_TLK.nbytes > 0
     assert held_out_nbytes(read) == 0  # already read: nothing more to hold
+
+
+def test_the_held_out_tokens_collected_in_the_counting_pass_are_those_read_after(planted):
+    """One pass over the trace (``load_trace_data``) or a second one (``with_held_out_tokens``): the same
+    arrays; over ``held_out_max_bytes`` they are left for the second pass."""
+    from moetrace.placement.compare import with_held_out_tokens
+
+    counted = load_trace_data(planted, test_fraction=0.25, seed=0, held_out_tokens=False)
+    assert counted.test_topk_ids_TLK is None
+    after = with_held_out_tokens(counted)
+    once = load_trace_data(planted, test_fraction=0.25, seed=0)
+    for f in ("test_topk_ids_TLK", "test_req_T", "test_prefill_ids_TLK", "test_prefill_req_T"):
+        assert getattr(after, f) is not None and np.array_equal(getattr(once, f), getattr(after, f)), f
+    assert np.array_equal(once.decode_RLE, counted.decode_RLE)
+    nbytes = once.test_topk_ids_TLK.nbytes + once.test_prefill_ids_TLK.nbytes  # what was read (the bound is more)
+    assert load_trace_data(planted, test_fraction=0.25, seed=0, held_out_max_bytes=1 << 30).test_req_T is not None
+    assert load_trace_data(planted, test_fraction=0.25, seed=0, held_out_max_bytes=nbytes - 1).test_req_T is None

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from moetrace._deps import import_in_background
 from moetrace.cli.common import (
     AllowIncomplete,
     ModelConfigOpt,
@@ -32,7 +31,7 @@ from moetrace.cli.common import (
 )
 from moetrace.errors import ConfigError
 from moetrace.placement.legends import COMPARE_LEGEND, help_epilog
-from moetrace.placement.strategies import RECOMMENDED, STRATEGIES, STRATEGY_NAMES, get_strategy
+from moetrace.placement.strategies import RECOMMENDED, STRATEGIES, STRATEGY_NAMES
 
 if TYPE_CHECKING:
     from moetrace.placement.compare import CompareConfig, PlacedStrategy, TraceData
@@ -165,14 +164,15 @@ def check_before_reading(trace: Path, cfg: CompareConfig, *, allow_incomplete: b
 
 
 def load_data(
-    trace: Path, cfg: CompareConfig, *, asked: bool, allow_incomplete: bool, quiet: bool
+    trace: Path, cfg: CompareConfig, *, asked: bool, allow_incomplete: bool, quiet: bool, held_out: bool = False
 ) -> tuple[TraceData, CompareConfig]:
     """The placement input and the config to run: a trace's counts (a progress bar), or a load
     profile's loads with tokens drawn from them (``profile_batches``; grouped strategies refused when
-    ``asked`` for, else left out)."""
+    ``asked`` for, else left out). ``held_out``: the held-out tokens too, from the counting pass, when
+    they fit ``compare.EARLY_HELD_OUT_BYTES`` (else ``run_compare`` reads them after placing)."""
     from dataclasses import replace
 
-    from moetrace.placement.compare import load_trace_data
+    from moetrace.placement.compare import EARLY_HELD_OUT_BYTES, load_trace_data
     from moetrace.tracer.trace.profile import is_profile
 
     if is_profile(trace):
@@ -191,9 +191,10 @@ def load_data(
             seed=cfg.seed,
             allow_incomplete=allow_incomplete,
             progress=bar,
-            held_out_tokens=False,
+            held_out_tokens=held_out,
+            held_out_max_bytes=EARLY_HELD_OUT_BYTES,
             route_first_decode=cfg.route_first_decode,
-        )  # placing never reads them; compare reads them after placing
+        )  # placing never reads them
     return data, cfg
 
 
@@ -457,14 +458,21 @@ def compare_cmd(
         out, kind="results", overwrite=overwrite, command="moetrace compare", result=COMPARE, inputs=inputs
     ):
         check_before_reading(trace, cfg, allow_incomplete=allow_incomplete)
-        if any(get_strategy(s).grouped for s in cfg.strategies):  # K-means' import beside the counting
-            import_in_background("sklearn.cluster")
         data, cfg = load_data(
-            trace, cfg, asked=strategies != DEFAULT_STRATEGIES, allow_incomplete=allow_incomplete, quiet=quiet
+            trace,
+            cfg,
+            asked=strategies != DEFAULT_STRATEGIES,
+            allow_incomplete=allow_incomplete,
+            quiet=quiet,
+            held_out=True,
         )
         with progress_bar("place+simulate", "steps", quiet=quiet) as bar:
             result = run_compare(data, cfg, progress=bar)
-        _keep_for_place(trace, cfg, allow_incomplete=allow_incomplete, data=data, placed=result.placed)
+        # place never reads the held-out tokens: kept without them
+        kept = replace(
+            data, test_topk_ids_TLK=None, test_req_T=None, test_prefill_ids_TLK=None, test_prefill_req_T=None
+        )
+        _keep_for_place(trace, cfg, allow_incomplete=allow_incomplete, data=kept, placed=result.placed)
         typer.echo(format_compare_summary(result))
         for note in compare_notes(result):
             typer.secho(note, fg=typer.colors.YELLOW, err=True)
