@@ -56,6 +56,11 @@ METRICS = (
     "activated_experts_per_rank_mean",
 )
 
+#: most (layer, batch, GPU) cells ``simulate_volume`` prices at a time (a kernel call's layers, a few at a time):
+#: the step model's float64 temporaries, 1 MiB each, then come from the allocator's heap, not fresh pages
+#: (the kernel's 44 MiB chunks priced whole cost compare ~2 s of page clearing)
+PRICE_CELLS = 1 << 17
+
 #: with a cost model (``cost``): seconds per (batch, layer), the busiest GPU of each phase charged
 TIME_METRICS = (
     "dispatch_seconds",
@@ -217,11 +222,12 @@ def _simulate_volume_fused(
     tokens_BW = np.bincount(batch_T * W + src_rank_T, minlength=B * W).reshape(B, W)  # shared experts' tokens
     tables = simulate_kernel.routing_tables(placement, num_ranks=W, ranks_per_node=g, policy=policy)
     step = max(1, simulate_kernel.CHUNK_CELLS // max(B * W, 1))
+    sub = max(1, PRICE_CELLS // max(B * W, 1))
     if policy == "metro":  # choose_slots' slots of a chunk are held too (int32 [T, chunk, K])
         step = max(1, min(step, simulate_kernel.CHUNK_CELLS * 16 // max(T * K, 1)))
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
-        Lc, cols = l1 - l0, slice(l0, l1)
+        Lc = l1 - l0
         q = simulate_kernel.layer_counts(
             ids,
             layers=(l0, l1),
@@ -237,38 +243,69 @@ def _simulate_volume_fused(
             policy=policy,
             row_T=steps.row_T,
         )
-        tok_LBW, nact_LBW, pairs_LBW = q[0], q[1], q[2]
-        out["tokens_per_rank_max"][:, cols] = tok_LBW.max(2).T
-        out["tokens_per_rank_mean"][:, cols] = tok_LBW.mean(2).T
-        out["activated_experts_per_rank_max"][:, cols] = nact_LBW.max(2).T
-        out["activated_experts_per_rank_mean"][:, cols] = nact_LBW.mean(2).T
-        traffic = simulate_kernel.chunk_traffic(q)
-        n_intra = traffic.intra_copies_B().reshape(Lc, B).T
-        n_inter = traffic.inter_copies_B().reshape(Lc, B).T
-        out["dispatch_intra_bytes"][:, cols] = n_intra * bytes_per_token
-        out["dispatch_inter_bytes"][:, cols] = n_inter * bytes_per_token
-        out["combine_intra_bytes"][:, cols] = n_intra * bytes_per_token  # the same copies back
-        out["combine_inter_bytes"][:, cols] = n_inter * bytes_per_token
-        send = (traffic.send_intra + traffic.send_inter).max(1).reshape(Lc, B).T
-        recv = (traffic.recv_intra + traffic.recv_inter).max(1).reshape(Lc, B).T
-        out["max_rank_dispatch_send_bytes"][:, cols] = send * bytes_per_token
-        out["max_rank_combine_send_bytes"][:, cols] = recv * bytes_per_token
-        if cost is not None:
-            secs = layer_seconds(
-                traffic,
-                kernel=cost.kernel(dedup),
-                hidden_size=time_hidden_size or bytes_per_token // 2,
+        for a in range(0, Lc, sub):  # priced a few layers at a time: their float64 copies are reused heap memory
+            b = min(Lc, a + sub)
+            _price_counts(
+                out,
+                q[:, a:b],
+                cols=slice(l0 + a, l0 + b),
+                tokens_BW=tokens_BW,
+                bytes_per_token=bytes_per_token,
                 ranks_per_node=g,
-                expert=cost.expert,
-                pairs_BW=pairs_LBW.reshape(Lc * B, W),
-                active_BW=nact_LBW.reshape(Lc * B, W),
-                tokens_BW=np.tile(tokens_BW, (Lc, 1)),
+                dedup=dedup,
+                cost=cost,
+                time_hidden_size=time_hidden_size,
             )
-            out["dispatch_seconds"][:, cols] = secs.dispatch.reshape(Lc, B).T
-            out["combine_seconds"][:, cols] = secs.combine.reshape(Lc, B).T
-            out["expert_seconds"][:, cols] = secs.expert.reshape(Lc, B).T  # NaN when the expert size is unknown
-            out["moe_seconds"][:, cols] = secs.moe.reshape(Lc, B).T
     return out
+
+
+def _price_counts(
+    out: dict[str, np.ndarray],
+    q: np.ndarray,
+    *,
+    cols: slice,
+    tokens_BW: np.ndarray,
+    bytes_per_token: int,
+    ranks_per_node: int,
+    dedup: DedupUnit,
+    cost: CostModel | None,
+    time_hidden_size: int | None,
+) -> None:
+    """The metrics of the layers ``cols`` from their counts ``q`` (int32 [Q, Lc, B, W], ``simulate_kernel``'s
+    ``QUANTITIES``), written into ``out``'s [B, L] arrays (the step model's formulas are per (layer, batch)
+    row: any split of the layers gives the same values)."""
+    _, Lc, B, W = q.shape
+    tok_LBW, nact_LBW, pairs_LBW = q[0], q[1], q[2]
+    out["tokens_per_rank_max"][:, cols] = tok_LBW.max(2).T
+    out["tokens_per_rank_mean"][:, cols] = tok_LBW.mean(2).T
+    out["activated_experts_per_rank_max"][:, cols] = nact_LBW.max(2).T
+    out["activated_experts_per_rank_mean"][:, cols] = nact_LBW.mean(2).T
+    traffic = simulate_kernel.chunk_traffic(q)
+    n_intra = traffic.intra_copies_B().reshape(Lc, B).T
+    n_inter = traffic.inter_copies_B().reshape(Lc, B).T
+    out["dispatch_intra_bytes"][:, cols] = n_intra * bytes_per_token
+    out["dispatch_inter_bytes"][:, cols] = n_inter * bytes_per_token
+    out["combine_intra_bytes"][:, cols] = n_intra * bytes_per_token  # the same copies back
+    out["combine_inter_bytes"][:, cols] = n_inter * bytes_per_token
+    send = (traffic.send_intra + traffic.send_inter).max(1).reshape(Lc, B).T
+    recv = (traffic.recv_intra + traffic.recv_inter).max(1).reshape(Lc, B).T
+    out["max_rank_dispatch_send_bytes"][:, cols] = send * bytes_per_token
+    out["max_rank_combine_send_bytes"][:, cols] = recv * bytes_per_token
+    if cost is not None:
+        secs = layer_seconds(
+            traffic,
+            kernel=cost.kernel(dedup),
+            hidden_size=time_hidden_size or bytes_per_token // 2,
+            ranks_per_node=ranks_per_node,
+            expert=cost.expert,
+            pairs_BW=pairs_LBW.reshape(Lc * B, W),
+            active_BW=nact_LBW.reshape(Lc * B, W),
+            tokens_BW=np.tile(tokens_BW, (Lc, 1)),
+        )
+        out["dispatch_seconds"][:, cols] = secs.dispatch.reshape(Lc, B).T
+        out["combine_seconds"][:, cols] = secs.combine.reshape(Lc, B).T
+        out["expert_seconds"][:, cols] = secs.expert.reshape(Lc, B).T  # NaN when the expert size is unknown
+        out["moe_seconds"][:, cols] = secs.moe.reshape(Lc, B).T
 
 
 def _simulate_volume_reference(

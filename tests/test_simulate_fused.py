@@ -13,7 +13,7 @@ from factories import FUSED_DEDUPS, FUSED_EXPERT, FUSED_SHAPES, fused_ids, fused
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moetrace.placement import simulate_kernel
+from moetrace.placement import simulate, simulate_kernel
 from moetrace.placement.hardware import CostModel, preset
 from moetrace.placement.simulate import _simulate_volume_reference, simulate_volume
 
@@ -99,6 +99,11 @@ def test_fused_chunks_of_layers_and_sparse_traffic(monkeypatch):
     for p in POLICIES:
         chunked = _assert_same(ids, dedup="node", policy=p, cost=CostModel(expert=EXPERT), **kw)
         assert all(np.array_equal(whole[p][m], chunked[m], equal_nan=True) for m in whole[p])
+    monkeypatch.setattr(simulate_kernel, "CHUNK_CELLS", 5 * 6 * 8)  # five layers per call, priced one at a time
+    monkeypatch.setattr(simulate, "PRICE_CELLS", 6 * 8)
+    for p in POLICIES:
+        priced = _assert_same(ids, dedup="node", policy=p, cost=CostModel(expert=EXPERT), **kw)
+        assert all(np.array_equal(whole[p][m], priced[m], equal_nan=True) for m in whole[p])
 
 
 def test_out_of_range_ids_and_unknown_names_fail_as_before():
