@@ -225,6 +225,7 @@ def _simulate_volume_fused(
     sub = max(1, PRICE_CELLS // max(B * W, 1))
     if policy == "metro":  # choose_slots' slots of a chunk are held too (int32 [T, chunk, K])
         step = max(1, min(step, simulate_kernel.CHUNK_CELLS * 16 // max(T * K, 1)))
+    buffer = np.empty(len(simulate_kernel.QUANTITIES) * min(step, L) * B * W, dtype=np.int32)  # every call's counts
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         Lc = l1 - l0
@@ -242,6 +243,7 @@ def _simulate_volume_fused(
             dedup=dedup,
             policy=policy,
             row_T=steps.row_T,
+            buffer=buffer,
         )
         for a in range(0, Lc, sub):  # priced a few layers at a time: their float64 copies are reused heap memory
             b = min(Lc, a + sub)

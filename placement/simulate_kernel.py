@@ -425,6 +425,7 @@ def layer_counts(
     dedup: DedupUnit,
     policy: ReplicaPolicy,
     row_T: np.ndarray | None = None,
+    buffer: np.ndarray | None = None,
 ) -> np.ndarray:
     """The ``QUANTITIES`` of layers ``layers = (l0, l1)``, int32 [Q, l1 - l0, B, W].
 
@@ -468,6 +469,7 @@ def layer_counts(
         dedup=dedup,
         slots_TLK=slots_TLK,
         row_T=row_T,
+        buffer=buffer,
     )
 
 
@@ -485,6 +487,7 @@ def rule_counts(
     dedup: DedupUnit,
     slots_TLK: np.ndarray | None = None,
     row_T: np.ndarray | None = None,
+    buffer: np.ndarray | None = None,
 ) -> np.ndarray:
     """The ``QUANTITIES`` of layers ``layers = (l0, l1)`` routed by ``tables``, int32 [Q, l1 - l0, B, W].
 
@@ -492,14 +495,22 @@ def rule_counts(
     row ``row_T[t]`` (int64 [T], in range: ``sorted_steps`` checks it; None: row t); ``num_slots``:
     P, the slots of the placement; ``order_T``, ``start_B1``: int64 tokens grouped by batch and the start
     of each batch's run [B + 1]; ``src_rank_T``: int64 [T]; ``slots_TLK``: int32 [T, l1 - l0, K] the
-    slots of the layers whose mode is handed in (None: none is). Raises ``KernelUnavailable`` where numba
-    cannot run the kernel, ``IndexError`` on an id >= E.
+    slots of the layers whose mode is handed in (None: none is); ``buffer``: int32, C-contiguous, the memory of
+    the result when it is large enough (a caller's, reused between calls; None: a new array). Raises
+    ``KernelUnavailable`` where numba cannot run the kernel, ``IndexError`` on an id >= E.
     """
     from moetrace.analysis.jit import run_kernel
 
     l0, l1 = layers
     B, W, P = len(start_B1) - 1, num_ranks, num_slots
-    out_QLBW = np.zeros((len(QUANTITIES), l1 - l0, B, W), dtype=np.int32)
+    shape = (len(QUANTITIES), l1 - l0, B, W)
+    size = len(QUANTITIES) * (l1 - l0) * B * W
+    out_QLBW: np.ndarray
+    if buffer is None or buffer.size < size:
+        out_QLBW = np.zeros(shape, dtype=np.int32)
+    else:  # the caller's memory, reused from call to call (44 MiB a call: fresh pages cost their clearing)
+        out_QLBW = buffer.reshape(-1)[:size].reshape(shape)
+        out_QLBW.fill(0)
     if row_T is None:
         row_T = np.arange(len(src_rank_T), dtype=np.int64)
     bad = run_kernel(
