@@ -77,6 +77,9 @@ __all__ = [
 
 #: rows converted to float at a time (bounds memory on [R, L, E] count arrays)
 _CHUNK_ROWS = 1024
+#: the most bytes of per-request shares (float32 [rows, L*E], decode and routing each) the joint placer holds
+#: across its iterations instead of recomputing them per call (DeepSeek-V3: 800 training requests, 48 MB)
+_HELD_SHARES_BYTES = 128 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,18 +106,31 @@ def _shares(x_RLE: np.ndarray, rows: np.ndarray, lo: int, dtype: type = np.float
     return np.divide(c, tot, out=c, where=tot > 0)
 
 
-def node_scores(x_RLE: np.ndarray, member_LGE: np.ndarray, *, rows: np.ndarray | None = None) -> np.ndarray:
+def row_shares(x_RLE: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Every selected row's activation shares, float32 [len(rows), L*E]: ``_shares``' chunks, stacked (the
+    same values: each row is divided by its own total)."""
+    out = np.empty((len(rows), x_RLE.shape[1] * x_RLE.shape[2]), dtype=np.float32)
+    for lo in range(0, len(rows), _CHUNK_ROWS):
+        out[lo : lo + _CHUNK_ROWS] = _shares(x_RLE, rows, lo)
+    return out
+
+
+def node_scores(
+    x_RLE: np.ndarray, member_LGE: np.ndarray, *, rows: np.ndarray | None = None, shares_NF: np.ndarray | None = None
+) -> np.ndarray:
     """Share of each request's expert activations held by each node, float64 [len(rows), G] in [0, 1].
 
     ``x_RLE``: token counts [R, L, E] (any numeric dtype; prefill counts for a router, decode counts
     to measure); ``member_LGE``: bool [L, G, E]. A request with no activations scores 0 everywhere.
+    ``shares_NF``: ``row_shares(x_RLE, rows)`` when the caller holds them (None: a chunk at a time).
     """
     rows = np.arange(x_RLE.shape[0]) if rows is None else np.asarray(rows)
     L, G, E = member_LGE.shape
     m_FG = np.ascontiguousarray(np.transpose(member_LGE, (0, 2, 1)).reshape(L * E, G), dtype=np.float32)
     out = np.empty((len(rows), G))
     for lo in range(0, len(rows), _CHUNK_ROWS):
-        out[lo : lo + _CHUNK_ROWS] = _shares(x_RLE, rows, lo) @ m_FG
+        s = _shares(x_RLE, rows, lo) if shares_NF is None else shares_NF[lo : lo + _CHUNK_ROWS]
+        out[lo : lo + _CHUNK_ROWS] = s @ m_FG
     return out
 
 
@@ -136,17 +152,23 @@ def local_share_ceiling(x_RLE: np.ndarray, *, num_node_slots: int, rows: np.ndar
 
 
 def group_usage(
-    x_RLE: np.ndarray, group_N: np.ndarray, *, num_groups: int, rows: np.ndarray | None = None
+    x_RLE: np.ndarray,
+    group_N: np.ndarray,
+    *,
+    num_groups: int,
+    rows: np.ndarray | None = None,
+    shares_NF: np.ndarray | None = None,
 ) -> np.ndarray:
     """Per node, the sum of its requests' activation shares, float64 [G, L, E] (each request weighs 1).
 
-    ``group_N``: int [len(rows)] node of each selected row.
+    ``group_N``: int [len(rows)] node of each selected row; ``shares_NF``: ``row_shares(x_RLE, rows)`` when
+    the caller holds them (None: a chunk at a time).
     """
     rows = np.arange(x_RLE.shape[0]) if rows is None else np.asarray(rows)
     R, L, E = x_RLE.shape
     out = np.zeros((num_groups, L * E))
     for lo in range(0, len(rows), _CHUNK_ROWS):
-        s = _shares(x_RLE, rows, lo)
+        s = _shares(x_RLE, rows, lo) if shares_NF is None else shares_NF[lo : lo + _CHUNK_ROWS]
         g = np.asarray(group_N[lo : lo + _CHUNK_ROWS])
         for k in np.unique(g):
             out[k] += s[g == k].sum(0, dtype=np.float64)
@@ -378,15 +400,20 @@ def joint_placement(
     check_usage(np.zeros((G, 1, decode_RLE.shape[2])), num_slots, ranks_per_group)
     history: list[float] = []
     best = None
-    usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows)
+    # each iteration reads the same rows' shares: held once where they fit, else a chunk at a time per call
+    held = len(rows) * decode_RLE.shape[1] * decode_RLE.shape[2] * 4 <= _HELD_SHARES_BYTES
+    dec_NF = row_shares(decode_RLE, rows) if held else None
+    route_NF = (dec_NF if route_RLE is decode_RLE else row_shares(route_RLE, rows)) if held else None
+    usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows, shares_NF=dec_NF)
     for _ in range(num_iters):
         member = (
             optimal_members(usage_GLE, num_slots=num_slots)
             if router_groups is None
             else aligned_members(usage_GLE, num_slots=num_slots, router_groups=router_groups)
         )
-        routed, price = balanced_assign(node_scores(route_RLE, member, rows=rows), balance_slack=balance_slack)
-        routed_usage = group_usage(decode_RLE, routed, num_groups=G, rows=rows)
+        scores = node_scores(route_RLE, member, rows=rows, shares_NF=route_NF)
+        routed, price = balanced_assign(scores, balance_slack=balance_slack)
+        routed_usage = group_usage(decode_RLE, routed, num_groups=G, rows=rows, shares_NF=dec_NF)
         # training objective: the decode share a request finds on the node the router sends it to,
         # averaged over requests (each request's shares sum to 1 over all layers and experts)
         obj = float(sum((routed_usage[g] * member[:, g, :]).sum() for g in range(G)) / len(rows))
@@ -408,8 +435,9 @@ def joint_placement(
         phy2log = improve_layout(phy2log, usage_GLE, num_ranks=W, links=links, across_nodes=router_groups is None)
         placement = placement_from_phy2log(phy2log, num_experts=E)
         member = members_of_placement(placement, num_groups=G, num_experts=E)  # the membership the moves left
-        group, price = balanced_assign(node_scores(route_RLE, member, rows=rows), balance_slack=balance_slack)
-        usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows)  # as the re-fitted router leaves it
+        scores = node_scores(route_RLE, member, rows=rows, shares_NF=route_NF)
+        group, price = balanced_assign(scores, balance_slack=balance_slack)
+        usage_GLE = group_usage(decode_RLE, group, num_groups=G, rows=rows, shares_NF=dec_NF)  # the re-fitted router's
         after = expected_step_seconds(phy2log, usage_GLE, num_ranks=W, links=links)
         gain = after / before if before > 0 else None
         if expert is not None and copies_per_step > 0 and copy_bytes > 0:

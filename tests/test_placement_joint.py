@@ -288,6 +288,29 @@ def test_joint_placement_invariants(nodes_rpn, per_rank, extra, seed, aligned, t
     np.testing.assert_array_equal(again.price_G, jp.price_G)
 
 
+@pytest.mark.parametrize("chunk", [1024, 7])
+def test_the_joint_placer_holding_its_shares_changes_nothing(monkeypatch, chunk):
+    """The per-request shares held across the iterations (``_HELD_SHARES_BYTES``) or recomputed a chunk of
+    rows at a time by every call: the same placement, prices, routing and objective, bit for bit."""
+    from moetrace.placement import joint
+
+    rng = np.random.default_rng(3)
+    R, L, E, nodes = 40, 3, 16, 4
+    decode = rng.poisson(rng.gamma(0.5, 2.0, (R, L, E))).astype(np.uint16)
+    prefill = rng.poisson(rng.gamma(0.5, 2.0, (R, L, E))).astype(np.uint16)
+    kw = dict(init_group_R=np.arange(R) % nodes, num_groups=nodes, num_slots=E, ranks_per_group=2, links=DEFAULT_LINKS)
+    monkeypatch.setattr(joint, "_CHUNK_ROWS", chunk)
+    runs = []
+    for held in (joint._HELD_SHARES_BYTES, 0):
+        monkeypatch.setattr(joint, "_HELD_SHARES_BYTES", held)
+        runs.append(joint_placement(decode, prefill, **kw))
+    a, b = runs
+    np.testing.assert_array_equal(a.placement.phy2log, b.placement.phy2log)
+    np.testing.assert_array_equal(a.price_G, b.price_G)
+    np.testing.assert_array_equal(a.group_R, b.group_R)
+    assert a.objective_history == b.objective_history and a.num_iters > 1
+
+
 # ---------------------------------------------------------------- router groups kept whole (joint_aligned)
 
 #: a DeepSeek-V3-like router at test size: 16 experts in 4 groups of 4, a token may use 2 groups
