@@ -124,9 +124,10 @@ MIN_HELD_OUT_REQUESTS = 20
 
 
 #: held-out tokens of at most this many bytes (``held_out_nbytes``: the decode ids and the prefill sample)
-#: are read before placing, and each strategy's simulations run beside the placing of the next; more are
-#: read after placing, so that the clustering's arrays and the tokens are never resident together (the
-#: README's 10,000-request trace holds 570 MB of them)
+#: are read before placing (``moetrace compare`` collects them in its counting pass:
+#: ``load_trace_data(held_out_max_bytes=...)``), and each strategy's simulations run beside the placing of
+#: the next; more are read after placing, so that the clustering's arrays and the tokens are never resident
+#: together (the README's 10,000-request trace holds 570 MB of them)
 EARLY_HELD_OUT_BYTES = 256 << 20
 
 

@@ -276,6 +276,8 @@ def _kernel() -> Callable[..., Any]:
                     psend_in_W[s] += peers_in
                     psend_out_W[s] += peers_out
                     if copies == 2:  # node: own node direct; one RDMA copy per remote node, then forwarded
+                        # (each copy's counting is written out: as an inlined njit helper it measured 230 against
+                        # 182 ns per (token, layer), the arrays' reference counting at every call)
                         for i in range(nd):
                             d = dist_K[i]
                             if d == s:
