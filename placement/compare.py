@@ -31,6 +31,9 @@ Out of scope: the algorithms themselves (pure functions in the sibling modules);
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -137,6 +140,24 @@ def _simulation_key(ps: PlacedStrategy) -> tuple[int, int, int]:
     return id(ps.placement), id(ps.group_of_test_R), id(ps.extra)
 
 
+#: the nice value of compare's simulation threads (Linux), over the process's own
+SIMULATION_NICE = 10
+
+
+def _behind_the_placing() -> None:
+    """A simulation thread yields its core to the placing where both want it (Linux: the thread's nice value
+    raised by ``SIMULATION_NICE``; the placing's own threads keep the process's): the placing is compare's
+    critical path, and the simulations fill the cores it leaves (19.3 against 20.4 s, median of 6
+    alternating runs). Results do not depend on it; elsewhere nothing changes."""
+    if sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + SIMULATION_NICE)
+    except OSError:  # a sandbox that forbids it: the simulations compete with the placing, as they did
+        return
+
+
 def _decode_steps(
     data: TraceData, cfg: CompareConfig, stepper: Stepper, ps: PlacedStrategy
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -222,7 +243,7 @@ def _run_compare(data: TraceData, cfg: CompareConfig, *, progress: Callable[[int
     prefill: dict[str, dict[str, np.ndarray]] = {}
     skipped: dict[str, str] = {}  # bound -> why it has no row (compare.json `skipped`, printed as a note)
     bound_failures: dict[str, list[str]] = {}  # bound -> deployable rows within the limit that beat it
-    pool = ThreadPoolExecutor(max_workers=simulation_workers(len(todo)))
+    pool = ThreadPoolExecutor(max_workers=simulation_workers(len(todo)), initializer=_behind_the_placing)
     try:
 
         def placed_one(s: str, ps: PlacedStrategy) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -470,3 +471,25 @@ def test_the_held_out_tokens_collected_in_the_counting_pass_are_those_read_after
     nbytes = once.test_topk_ids_TLK.nbytes + once.test_prefill_ids_TLK.nbytes  # what was read (the bound is more)
     assert load_trace_data(planted, test_fraction=0.25, seed=0, held_out_max_bytes=1 << 30).test_req_T is not None
     assert load_trace_data(planted, test_fraction=0.25, seed=0, held_out_max_bytes=nbytes - 1).test_req_T is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_simulation_threads_yield_to_the_placing():
+    """compare's simulation threads run at a higher nice value than the thread that places (the critical path)."""
+    import os
+    import threading
+
+    from moetrace.placement import compare
+
+    seen = {}
+
+    def worker() -> None:
+        compare._behind_the_placing()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["nice"] == min(before + compare.SIMULATION_NICE, 19)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the placing's own thread
