@@ -40,6 +40,8 @@ __all__ = [
 
 #: the most held-out prompt tokens kept for the prefill steps (a uniform, seeded sample of them beyond)
 MAX_PREFILL_TOKENS = 1 << 17
+#: rows the prefill sample's array is sized for (the seeded sample keeps about MAX_PREFILL_TOKENS; it stops here)
+_PREFILL_ROWS = MAX_PREFILL_TOKENS + (1 << 14)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,7 +229,7 @@ def held_out_nbytes(data: TraceData) -> int:
         ids = sum(int(x_RLE[test[lo : lo + 1024]].sum(dtype=np.int64)) for lo in range(0, len(test), 1024))
         return ids // (L * K)
 
-    prefill = min(tokens(data.prefill_RLE), MAX_PREFILL_TOKENS + (1 << 14)) if "prefill" in data.stages else 0
+    prefill = min(tokens(data.prefill_RLE), _PREFILL_ROWS) if "prefill" in data.stages else 0
     return (tokens(data.decode_RLE) + prefill) * L * K * np.dtype(np.int16).itemsize
 
 
@@ -281,10 +283,10 @@ class _HeldOut:
         p_bound = int(req_table.prompt_tokens_R[trace_rows[is_test_R]].sum(dtype=np.int64)) if self.with_prefill else 0
         self.keep_share = min(1.0, MAX_PREFILL_TOKENS / max(p_bound, 1))  # a uniform sample of the prompt tokens
         self.p_rng = np.random.default_rng([len(is_test_R), 11])
-        #: the most bytes the two arrays can hold (what ``load_trace_data``'s ``held_out_max_bytes`` weighs)
-        self.nbytes = (self.bound + min(p_bound, MAX_PREFILL_TOKENS + (1 << 14))) * L * K * np.dtype(np.int16).itemsize
         self.ids: np.ndarray | None = None  # allocated on the first batch: not before the caller decides to read
-        self.shape = (self.bound, L, K), (min(p_bound, MAX_PREFILL_TOKENS + (1 << 14)), L, K)
+        self.shape = (self.bound, L, K), (min(p_bound, _PREFILL_ROWS), L, K)
+        #: the most bytes the two arrays can hold (what ``load_trace_data``'s ``held_out_max_bytes`` weighs)
+        self.nbytes = sum(int(np.prod(shape)) for shape in self.shape) * np.dtype(np.int16).itemsize
         self.req_parts: list[np.ndarray] = []
         self.p_req_parts: list[np.ndarray] = []
         self.n = self.pn = 0

@@ -124,6 +124,7 @@ def _evaluate_tokens_fused(
     tables = rule_tables(placement, rule=rule, batch_T=step_T, src_rank_T=src_T, num_ranks=W, ranks_per_node=g)
     routed_L = (ids >= 0).any(axis=2).sum(axis=0)  # tokens with a recorded id, per layer
     step = max(1, simulate_kernel.CHUNK_CELLS // max(B * W, 1))
+    buffer = np.empty(len(simulate_kernel.QUANTITIES) * min(step, L) * B * W, dtype=np.int32)  # every call's counts
     for l0 in range(0, L, step):
         l1 = min(L, l0 + step)
         Lc, cols = l1 - l0, slice(l0, l1)
@@ -138,6 +139,7 @@ def _evaluate_tokens_fused(
             num_ranks=W,
             ranks_per_node=g,
             dedup=dedup,
+            buffer=buffer,
         )
         load_LBW = q[2].astype(np.float64)  # (token, expert) pairs per (layer, step, GPU)
         nact_LBW = q[1]
