@@ -6,6 +6,7 @@ no heavy dependency, so ``moetrace --help`` works on a bare install.
 
 from __future__ import annotations
 
+import gc
 import importlib
 
 import typer
@@ -63,7 +64,14 @@ for _name in _COMMAND_MODULES:
 
 
 def main() -> None:
-    app(prog_name="moetrace")
+    try:
+        app(prog_name="moetrace")
+    finally:
+        # The command is over (its files written and closed, its threads joined): the interpreter's
+        # collections at exit would only walk the objects its libraries made (~0.2-0.4 s after
+        # `compare`, measured in docs/benchmarks.md 2h). Frozen, they are freed as the modules are
+        # cleared, without that walk.
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ from moetrace.tracer.trace.layout import (
     ROUTING_DIR,
     read_manifest,
 )
+from moetrace.tracer.trace.read_ahead import read_ahead
 from moetrace.tracer.trace.schema import (
     REQUIRED_REQUESTS,
     ModelInfo,
@@ -266,8 +267,9 @@ class Trace:
     def iter_token_arrays(self, *, batch_tokens: int = 1 << 20) -> Iterator[TokenArrays]:
         """Stream the routing rows as checked numpy arrays, part by part, row group by row group.
 
-        Memory: one batch of ``batch_tokens`` rows plus one byte per token of the trace.
-        Raises ``TraceFormatError`` at the first row that breaks the format (module docstring).
+        Memory: two batches of ``batch_tokens`` rows (the caller's and the next, decoded on a thread
+        while the caller works: ``read_ahead``; one where a part holds one batch) plus one byte per
+        token of the trace. Raises ``TraceFormatError`` at the first row that breaks the format (module docstring).
         """
         req = self.request_arrays
         rows = RowCheck(self.model, RequestIndex.of(req.request_id_R, req.prompt_tokens_R, req.output_tokens_R))
@@ -282,18 +284,19 @@ class Trace:
                     pf = pq.ParquetFile(f, pre_buffer=False)
                     self._refuse(f, routing_schema_problems(pf.schema_arrow, self.model, exact=False))
                     batches = pf.iter_batches(batch_size=batch_tokens, columns=["request_id", "position", "experts"])
-                    for rb in batches:
-                        b, problems = rows.batch(rb)
-                        self._refuse(f, problems or rows.totals())
-                        assert b is not None  # a batch without arrays has problems
-                        num_read += rb.num_rows
-                        yield TokenArrays(
-                            b.request_id_T,
-                            b.position_T.astype(np.int32),
-                            b.position_T >= req.prompt_tokens_R[b.row_T],
-                            b.ids_N.astype(np.int16, copy=False).reshape(rb.num_rows, L, K),
-                            b.row_T,
-                        )
+                    with read_ahead(batches) as ahead:  # the next batch decoded while the caller counts this one
+                        for rb in ahead:
+                            b, problems = rows.batch(rb)
+                            self._refuse(f, problems or rows.totals())
+                            assert b is not None  # a batch without arrays has problems
+                            num_read += rb.num_rows
+                            yield TokenArrays(
+                                b.request_id_T,
+                                b.position_T.astype(np.int32),
+                                b.position_T >= req.prompt_tokens_R[b.row_T],
+                                b.ids_N.astype(np.int16, copy=False).reshape(rb.num_rows, L, K),
+                                b.row_T,
+                            )
                 except (pa.ArrowException, OSError, KeyError) as exc:
                     raise TraceFormatError(
                         f"{f}: {unreadable(exc)}; run `moetrace validate {self.path}` for details"
