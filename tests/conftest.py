@@ -168,7 +168,10 @@ SLOW_TESTS: dict[str, tuple[str, ...] | None] = {
         "test_a2a_reports_progress_as_rank_0_finishes_batches",  # real gloo ranks
         "test_compare_has_no_caution_for_real_weights_and_enough_requests",
     ),
-    "test_validate_fast.py": ("test_validate_imports_no_pandas",),  # a fresh interpreter
+    "test_validate_fast.py": (  # a fresh interpreter each
+        "test_validate_imports_no_pandas",
+        "test_reading_a_trace_imports_no_pandas",
+    ),
     "test_collect.py": (
         "test_sigkill_then_resume_loses_nothing_and_duplicates_nothing",  # a collector killed mid-run
         "test_collect_from_a_local_checkpoint_directory",  # real forward passes through the CLI

@@ -103,3 +103,17 @@ def test_validate_imports_no_pandas(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_reading_a_trace_imports_no_pandas(tmp_path):
+    """The reader (requests table, every routing row) as compare and analyze start with it: pandas (~0.3 s
+    to import) is not among what it loads."""
+    path = write_small_trace(tmp_path / "t")
+    code = (
+        "import sys\nfrom moetrace.tracer.trace import open_trace\n"
+        "tr = open_trace(sys.argv[1])\nassert len(tr.request_arrays.request_id_R) == 6\n"
+        "assert sum(len(ta.row_T) for ta in tr.iter_token_arrays(batch_tokens=8)) == tr.num_tokens()\n"
+        "assert 'pandas' not in sys.modules, 'the reader imported pandas'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
