@@ -10,6 +10,8 @@ import json
 import numpy as np
 import pytest
 from factories import ADVISE_MODEL, zipf_trace
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from moetrace.cli import app
@@ -130,6 +132,32 @@ def test_migration_is_minimal_against_brute_force():
         new = np.concatenate([rng.permutation(6), rng.integers(0, 6, 2)])[None]
         m = migration(cur, new, num_ranks=4, ranks_per_node=2, num_experts=6)
         assert m.experts_moved == _brute_moved(cur, new, 4, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    L=st.integers(1, 3),
+    W=st.sampled_from([1, 2, 4]),
+    J=st.integers(1, 4),
+    K=st.integers(1, 4),
+    E=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_missing_copies_are_the_multiset_difference_of_every_rank_pair(L, W, J, K, E, seed):
+    """migration's cost table: the experts of new rank v that current rank u lacks, each extra copy counted
+    (a rank may hold an expert twice), for every (layer, u, v), as Counter subtraction counts them."""
+    from collections import Counter
+
+    from moetrace.placement.advise.metrics import _missing_LWW
+
+    rng = np.random.default_rng(seed)
+    cur, new = rng.integers(0, E, (L, W, J)), rng.integers(0, E, (L, W, K))
+    got = _missing_LWW(cur, new, E)
+    want = [
+        [[sum((Counter(new[l, v]) - Counter(cur[l, u])).values()) for v in range(W)] for u in range(W)]
+        for l in range(L)
+    ]
+    assert got.tolist() == want
 
 
 # ---------------------------------------------------------------- the sweep

@@ -177,13 +177,25 @@ class Migration(NamedTuple):
     rank_of_new_LW: np.ndarray  # int64 [L, W]: the new placement's rank w of layer l goes to current rank [l, w]
 
 
-def _multiset_missing(cur_XJ: np.ndarray, new_YJ: np.ndarray, num_experts: int) -> np.ndarray:
-    """``out[x, y]``: experts of ``new[y]`` (a multiset of J ids) that ``cur[x]`` lacks, int64 [X, Y]."""
-    ca = np.zeros((cur_XJ.shape[0], num_experts), dtype=np.int64)
-    np.add.at(ca, (np.repeat(np.arange(cur_XJ.shape[0]), cur_XJ.shape[1]), cur_XJ.reshape(-1)), 1)
-    na = np.zeros((new_YJ.shape[0], num_experts), dtype=np.int64)
-    np.add.at(na, (np.repeat(np.arange(new_YJ.shape[0]), new_YJ.shape[1]), new_YJ.reshape(-1)), 1)
-    return np.maximum(na[None, :, :] - ca[:, None, :], 0).sum(axis=2)
+def _missing_LWW(cur_LWJ: np.ndarray, new_LWK: np.ndarray, num_experts: int) -> np.ndarray:
+    """``out[l, u, v]``: experts of new rank ``v`` (a multiset of K ids) that current rank ``u`` lacks in
+    layer ``l`` (each extra copy counts), int64 [L, W, W]; ids in 0 .. num_experts - 1.
+
+    The j-th id of ``v``, the o-th copy of its expert within ``v`` (o = 0 for the first), is missing from
+    ``u`` when ``u`` holds at most o copies of it: summing that over ``v``'s K ids is the multiset
+    difference, without a [W, W, E] table per layer."""
+    L, W, J = cur_LWJ.shape
+    K = new_LWK.shape[2]
+    E = num_experts
+    have_LWE = np.bincount((np.arange(L * W).repeat(J) * E + cur_LWJ.reshape(-1)), minlength=L * W * E).reshape(
+        L, W, E
+    )  # copies of each expert on each current rank
+    new_LX = new_LWK.reshape(L, W * K)
+    # occurrence index of each new id within its rank: the ids before it in the rank equal to it
+    same = new_LWK[:, :, :, None] == new_LWK[:, :, None, :]  # [L, W, K(j), K(i)]
+    occ_LX = np.tril(same, k=-1).sum(axis=3).reshape(L, W * K)
+    held_LWX = np.take_along_axis(have_LWE, new_LX[:, None, :].repeat(W, axis=1), axis=2)  # [L, W(u), W*K]
+    return (held_LWX <= occ_LX[:, None, :]).reshape(L, W, W, K).sum(axis=3)
 
 
 def migration(
@@ -202,28 +214,22 @@ def migration(
     cur, new = np.asarray(current_LP, dtype=np.int64), np.asarray(new_LP, dtype=np.int64)
     L, W, g = cur.shape[0], num_ranks, ranks_per_node
     G = W // g
-    cur_LWJ = cur.reshape(L, W, -1)
-    new_LWJ = new.reshape(L, W, -1)
     # rank-to-rank costs per layer: experts of new rank v missing from current rank u, [L, W(u), W(v)]
-    cost_LWW = np.stack([_multiset_missing(cur_LWJ[l], new_LWJ[l], num_experts) for l in range(L)])
-    # inside each (current node a, new node b) pair and layer, the best assignment of ranks
-    inner = np.zeros((G, G), dtype=np.int64)
-    best: dict[tuple[int, int, int], np.ndarray] = {}
+    cost_LWW = _missing_LWW(cur.reshape(L, W, -1), new.reshape(L, W, -1), num_experts)
+    # inside each (current node a, new node b) pair and layer, the best assignment of ranks: block
+    # [a, b, l] is cost_LWW[l, a*g:(a+1)*g, b*g:(b+1)*g]; cols[a, b, l, i] the new local rank of current i
+    blocks = cost_LWW.reshape(L, G, g, G, g).transpose(1, 3, 0, 2, 4)
+    cols = np.empty((G, G, L, g), dtype=np.int64)
     for a in range(G):
         for b in range(G):
             for l in range(L):
-                block = cost_LWW[l, a * g : (a + 1) * g, b * g : (b + 1) * g]
-                rows, cols = linear_sum_assignment(block)
-                inner[a, b] += int(block[rows, cols].sum())
-                best[(a, b, l)] = rows[np.argsort(cols)]  # for new local rank j, the current local rank
+                cols[a, b, l] = linear_sum_assignment(blocks[a, b, l])[1]  # rows: 0..g-1 (square)
+    inner = np.take_along_axis(blocks, cols[..., None], axis=4)[..., 0].sum(axis=(2, 3))  # [G, G]
+    best = np.argsort(cols, axis=3)  # for new local rank j, the current local rank
     cur_nodes, new_nodes = linear_sum_assignment(inner)
     node_of_new = np.empty(G, dtype=np.int64)
     node_of_new[new_nodes] = cur_nodes
-    rank_of_new = np.empty((L, W), dtype=np.int64)
-    for b in range(G):
-        a = int(node_of_new[b])
-        for l in range(L):
-            rank_of_new[l, b * g : (b + 1) * g] = a * g + best[(a, b, l)]
+    rank_of_new = (node_of_new[:, None, None] * g + best[node_of_new, np.arange(G)]).transpose(1, 0, 2).reshape(L, W)
     moved = int(inner[cur_nodes, new_nodes].sum())
     return Migration(experts_moved=moved, node_of_new_G=node_of_new, rank_of_new_LW=rank_of_new)
 
