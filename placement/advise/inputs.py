@@ -50,15 +50,21 @@ def _load_trace(
 ) -> TraceData:
     """Counts, the compare split and the held-out tokens of a trace, whatever stages it recorded."""
     from moetrace.analysis.counts import count_trace
-    from moetrace.placement.compare import load_trace_data
+    from moetrace.placement.compare import EARLY_HELD_OUT_BYTES, load_trace_data
     from moetrace.tracer.trace.reader import open_trace
     from moetrace.tracer.trace.schema import stages_of
 
     tr = open_trace(trace)
     stages = stages_of(tr)
     if "decode" in stages:
+        # the held-out tokens from the counting pass where they fit, as compare's (else read after fitting)
         return load_trace_data(
-            trace, test_fraction=cfg.test_fraction, seed=cfg.seed, progress=progress, held_out_tokens=False
+            trace,
+            test_fraction=cfg.test_fraction,
+            seed=cfg.seed,
+            progress=progress,
+            held_out_tokens=True,
+            held_out_max_bytes=EARLY_HELD_OUT_BYTES,
         )
     from moetrace.placement.compare import TraceData
 
@@ -171,7 +177,7 @@ def trace_inputs(
     missing: list[str] = []
     has_p, has_d = "prefill" in data.stages, "decode" in data.stages
     if has_p and has_d:
-        for n in grouped:  # fitted before the held-out tokens are read (memory)
+        for n in grouped:  # fitted before large held-out tokens are read (memory; small ones came with the counts)
             ps = make_placement(data, ccfg, n)
             extra.append(Option(name=n, num_redundant=0, placement=ps.placement, fitted_on="decode", router=ps.router))
             if ps.group_of_test_R is not None:
