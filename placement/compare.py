@@ -97,6 +97,7 @@ __all__ = [
     "TraceData",
     "a2a_seconds_B",
     "a2a_seconds_median",
+    "behind_the_placing",
     "bound_placements",
     "check_caps",
     "compare_verdict",
@@ -144,11 +145,12 @@ def _simulation_key(ps: PlacedStrategy) -> tuple[int, int, int]:
 SIMULATION_NICE = 10
 
 
-def _behind_the_placing() -> None:
+def behind_the_placing() -> None:
     """A simulation thread yields its core to the placing where both want it (Linux: the thread's nice value
     raised by ``SIMULATION_NICE``; the placing's own threads keep the process's): the placing is compare's
     critical path, and the simulations fill the cores it leaves (19.3 against 20.4 s, median of 6
-    alternating runs). Results do not depend on it; elsewhere nothing changes."""
+    alternating runs; advise's evaluations beside its grouped fits likewise). Results do not depend on
+    it; elsewhere nothing changes."""
     if sys.platform != "linux":
         return
     tid = threading.get_native_id()
@@ -243,7 +245,7 @@ def _run_compare(data: TraceData, cfg: CompareConfig, *, progress: Callable[[int
     prefill: dict[str, dict[str, np.ndarray]] = {}
     skipped: dict[str, str] = {}  # bound -> why it has no row (compare.json `skipped`, printed as a note)
     bound_failures: dict[str, list[str]] = {}  # bound -> deployable rows within the limit that beat it
-    pool = ThreadPoolExecutor(max_workers=simulation_workers(len(todo)), initializer=_behind_the_placing)
+    pool = ThreadPoolExecutor(max_workers=simulation_workers(len(todo)), initializer=behind_the_placing)
     try:
 
         def placed_one(s: str, ps: PlacedStrategy) -> None:

@@ -19,6 +19,7 @@ from moetrace.errors import TraceFormatError
 from moetrace.placement.advise import (
     AdviseConfig,
     StepTokens,
+    advise_arrays,
     advise_profile_counts,
     advise_trace,
     evaluate_tokens,
@@ -26,6 +27,7 @@ from moetrace.placement.advise import (
     write_advice,
 )
 from moetrace.placement.advise.current import read_current
+from moetrace.placement.advise.inputs import trace_inputs
 from moetrace.placement.advise.metrics import (
     balancedness,
     expected_traffic,
@@ -264,6 +266,32 @@ def test_trace_advice_stays_within_the_slot_limit_and_writes_its_files(tmp_path)
         adv.manifest, input=written.input, trace=written.trace, commands=written.commands
     )
     assert written.input == "../t" and written.hardware == CFG.hardware and written.rearrangement == CFG.rearrangement
+
+
+def test_options_evaluated_while_joint_is_fitted_are_the_sequential_advice(tmp_path, monkeypatch):
+    """advise_trace evaluates the options that need no grouped fit while joint is fitted: its rows and
+    manifest are those of the inputs read whole and then evaluated, and the early path was taken."""
+    from moetrace.placement.advise import inputs as advise_inputs
+    from moetrace.placement.advise import run as advise_run
+
+    t = zipf_trace(tmp_path / "t")
+    sequential = advise_arrays(trace_inputs(t, CFG), CFG)
+    early: list[int] = []
+    real = advise_inputs.trace_inputs
+
+    def spy(*args, on_ungrouped=None, **kw):
+        def seen(ungrouped):
+            early.append(len(ungrouped.extra))
+            on_ungrouped(ungrouped)
+
+        return real(*args, on_ungrouped=seen, **kw)
+
+    monkeypatch.setattr(advise_run, "trace_inputs", spy)
+    adv = advise_trace(t, CFG)
+    assert early == [0]  # called once, before the grouped strategies were fitted
+    # repr: the rows hold NaN where a measure is unknown (NaN != NaN), and floats in full
+    assert repr(adv.rows) == repr(sequential.rows) and repr(adv.manifest) == repr(sequential.manifest)
+    assert "joint" in {r.strategy for r in adv.rows}
 
 
 def test_eplb_advised_for_decode_is_what_place_writes(tmp_path):

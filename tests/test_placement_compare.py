@@ -484,7 +484,7 @@ def test_simulation_threads_yield_to_the_placing():
     seen = {}
 
     def worker() -> None:
-        compare._behind_the_placing()
+        compare.behind_the_placing()
         seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

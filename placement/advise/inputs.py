@@ -26,7 +26,7 @@ from moetrace.placement.held_out import held_out_R
 from moetrace.placement.maps import Placement
 
 if TYPE_CHECKING:
-    from moetrace.placement.compare import TraceData
+    from moetrace.placement.compare import CompareConfig, TraceData
     from moetrace.tracer.trace.schema import ModelInfo
 
 __all__ = ["profile_inputs", "trace_inputs"]
@@ -121,12 +121,17 @@ def trace_inputs(
     *,
     current: str | os.PathLike | None = None,
     count_progress: Callable[[int, int], None] | None = None,
+    on_ungrouped: Callable[[AdviseInputs], None] | None = None,
 ) -> AdviseInputs:
     """What ``advise_trace`` evaluates on a trace: the placements of the grouped strategies fitted on
     ``compare``'s training requests, and the steps drawn from the held-out requests (decode:
     ``num_steps`` steps of ``step_requests`` tokens; prefill: ``prefill_tokens_per_node`` per node and
     step, one per 100 decode steps and at least 4), through each grouped option's router too. The
-    strategies and ``current`` are checked before minutes of counting."""
+    strategies and ``current`` are checked before minutes of counting.
+
+    ``on_ungrouped(inputs)``: called with the same inputs but the grouped strategies (no ``extra``),
+    before those are fitted, where the held-out tokens came with the counts (``advise_trace`` evaluates
+    the other options meanwhile); not called otherwise."""
     from moetrace.placement.compare import (
         CompareConfig,
         held_out_batches,
@@ -172,27 +177,80 @@ def trace_inputs(
         hardware=cfg.hardware,
         prefill_tokens_per_node=cfg.prefill_tokens_per_node,
     )
+    has_p, has_d = "prefill" in data.stages, "decode" in data.stages
+    missing: list[str] = []
+    if not (has_p and has_d):
+        missing.append(
+            f"The trace recorded {'prefill' if has_p else 'decode'} routing only: no advice on "
+            f"{'decode' if has_p else 'prefill'} steps, no prefill/decode correlation, and no joint placement "
+            "(its router reads a request's prefill and places its decode)."
+        )
+
+    def inputs_of(
+        stages: dict[Steps, StageInput],
+        extra: tuple[Option, ...] = (),
+        extra_tokens: dict[tuple[str, Steps], StepTokens] | None = None,
+    ) -> AdviseInputs:
+        return AdviseInputs(
+            model=data.model,
+            source=str(trace),
+            kind="trace",
+            stages=stages,
+            current=None if cur is None else cur[0],
+            current_format="" if cur is None else cur[1],
+            extra=extra,
+            extra_tokens={} if extra_tokens is None else extra_tokens,
+            routable=has_p and has_d,
+            missing=tuple(missing),
+        )
+
+    stages = None
+    if data.test_topk_ids_TLK is not None or not has_d:  # the held-out tokens came with the counts (or no decode)
+        data = with_held_out_tokens(data) if has_d else _prefill_tokens(data)
+        stages = _stage_inputs(data, ccfg, cfg)
+        if on_ungrouped is not None:
+            on_ungrouped(inputs_of(stages))
     extra: list[Option] = []
     groups: dict[str, np.ndarray] = {}  # option key -> group of each request, where a router sends it
-    missing: list[str] = []
-    has_p, has_d = "prefill" in data.stages, "decode" in data.stages
     if has_p and has_d:
         for n in grouped:  # fitted before large held-out tokens are read (memory; small ones came with the counts)
             ps = make_placement(data, ccfg, n)
             extra.append(Option(name=n, num_redundant=0, placement=ps.placement, fitted_on="decode", router=ps.router))
             if ps.group_of_test_R is not None:
                 groups[n] = ps.group_of_test_R
-    else:
-        missing.append(
-            f"The trace recorded {'prefill' if has_p else 'decode'} routing only: no advice on "
-            f"{'decode' if has_p else 'prefill'} steps, no prefill/decode correlation, and no joint placement "
-            "(its router reads a request's prefill and places its decode)."
-        )
-    data = with_held_out_tokens(data) if has_d else _prefill_tokens(data)
+    if stages is None:
+        data = with_held_out_tokens(data)
+        stages = _stage_inputs(data, ccfg, cfg)
+    extra_tokens: dict[tuple[str, Steps], StepTokens] = {}
+    for key, group in groups.items():  # the steps each grouped option's router draws
+        if has_d:
+            assert data.test_topk_ids_TLK is not None
+            jr, js, jsrc, _ = held_out_batches(data, ccfg, group)
+            extra_tokens[(key, "decode")] = StepTokens(data.test_topk_ids_TLK[jr], js, jsrc, cfg.num_steps)
+        if "prefill" in stages:
+            assert data.test_prefill_ids_TLK is not None
+            if (jd := prefill_batches(data, _prefill_cfg(ccfg, cfg, has_d=has_d), group)) is not None:
+                pcfg = _prefill_cfg(ccfg, cfg, has_d=has_d)
+                extra_tokens[(key, "prefill")] = StepTokens(
+                    data.test_prefill_ids_TLK[jd[0]], jd[1], jd[2], pcfg.num_prefill_batches
+                )
+    return inputs_of(stages, tuple(extra), extra_tokens)
+
+
+def _prefill_cfg(ccfg: CompareConfig, cfg: AdviseConfig, *, has_d: bool) -> CompareConfig:
+    """The prefill steps' config: compare's with decode recorded, else one step per 100 decode steps (at least 4)."""
+    return ccfg if has_d else replace(ccfg, num_batches=max(4, cfg.num_steps // 100))
+
+
+def _stage_inputs(data: TraceData, ccfg: CompareConfig, cfg: AdviseConfig) -> dict[Steps, StageInput]:
+    """Each recorded stage's fitting load, time windows and steps drawn from the held-out requests (no router)."""
+    from moetrace.placement.compare import held_out_batches, prefill_batches
+
+    has_d = "decode" in data.stages
+    dep = cfg.deployment
     train = np.flatnonzero(~data.is_test_R)
     order = np.arange(len(data.is_test_R))  # counts rows are in request-id (arrival) order
     stages: dict[Steps, StageInput] = {}
-    extra_tokens: dict[tuple[str, Steps], StepTokens] = {}
     if has_d:
         assert data.test_topk_ids_TLK is not None
         rows, step, src, _ = held_out_batches(data, ccfg, None)
@@ -202,12 +260,8 @@ def trace_inputs(
             tokens=StepTokens(data.test_topk_ids_TLK[rows], step, src, cfg.num_steps),
             pairs_per_step=float(cfg.step_requests * data.model.top_k),
         )
-        for key, group in groups.items():
-            jr, js, jsrc, _ = held_out_batches(data, ccfg, group)
-            extra_tokens[(key, "decode")] = StepTokens(data.test_topk_ids_TLK[jr], js, jsrc, cfg.num_steps)
-    if has_p:
-        nb = ccfg.num_prefill_batches if has_d else max(4, cfg.num_steps // 100)
-        pcfg = replace(ccfg, num_batches=nb) if not has_d else ccfg
+    if "prefill" in data.stages:
+        pcfg = _prefill_cfg(ccfg, cfg, has_d=has_d)
         drawn = prefill_batches(data, pcfg, None)
         if drawn is not None:
             assert data.test_prefill_ids_TLK is not None
@@ -218,23 +272,7 @@ def trace_inputs(
                 tokens=StepTokens(data.test_prefill_ids_TLK[prow], pstep, psrc, pcfg.num_prefill_batches),
                 pairs_per_step=float(cfg.prefill_tokens_per_node * dep.num_groups * data.model.top_k),
             )
-            for key, group in groups.items():
-                if (jd := prefill_batches(data, pcfg, group)) is not None:
-                    extra_tokens[(key, "prefill")] = StepTokens(
-                        data.test_prefill_ids_TLK[jd[0]], jd[1], jd[2], pcfg.num_prefill_batches
-                    )
-    return AdviseInputs(
-        model=data.model,
-        source=str(trace),
-        kind="trace",
-        stages=stages,
-        current=None if cur is None else cur[0],
-        current_format="" if cur is None else cur[1],
-        extra=tuple(extra),
-        extra_tokens=extra_tokens,
-        routable=has_p and has_d,
-        missing=tuple(missing),
-    )
+    return stages
 
 
 def profile_inputs(

@@ -12,10 +12,11 @@ and how (the package's docstring).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -180,21 +181,46 @@ def _evaluate_one(
     )
 
 
-def _evaluate(
-    inputs: AdviseInputs, cfg: AdviseConfig, run: _Run, *, progress: Callable[[int, int], None] | None
-) -> dict[_JobKey, StepMetrics]:
-    """Step 2: every (option, steps) of the plan evaluated once (an option shared by stages too), on two
-    threads; ``progress(done, total)`` after each."""
+#: the most threads that evaluate options side by side
+MAX_EVALUATION_THREADS = 2
+
+
+def _evaluation_threads() -> int:
+    return min(MAX_EVALUATION_THREADS, os.cpu_count() or 1)
+
+
+def _jobs(run: _Run) -> dict[_JobKey, tuple[Option, Steps]]:
+    """Every (option, steps) of the plan once (an option shared by stages too), in the plan's order."""
     jobs: dict[_JobKey, tuple[Option, Steps]] = {}
     for st, steps in run.plan:
         for opt in [run.ref, *run.options[st]]:
             jobs.setdefault(_job_key(opt, steps), (opt, steps))
+    return jobs
+
+
+def _evaluate(
+    inputs: AdviseInputs,
+    cfg: AdviseConfig,
+    run: _Run,
+    *,
+    progress: Callable[[int, int], None] | None,
+    pool: Executor | None = None,
+    started: dict[_JobKey, Future[StepMetrics]] | None = None,
+) -> dict[_JobKey, StepMetrics]:
+    """Step 2: every (option, steps) of the plan evaluated once, on two threads (``pool``'s where given);
+    ``started``: evaluations already under way (``advise_trace``'s, of the same options on the same
+    steps); ``progress(done, total)`` after each."""
+    jobs = _jobs(run)
     one = functools.partial(_evaluate_one, inputs=inputs, cfg=cfg, run=run, shares={})
+    started = started or {}
     evals: dict[_JobKey, StepMetrics] = {}
-    # numpy's sorts and bincounts release the GIL: two threads keep two cores busy (results do not depend on it)
-    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        for n, (k, em) in enumerate(zip(jobs, pool.map(one, jobs.values())), start=1):
-            evals[k] = em
+    with contextlib.ExitStack() as stack:
+        if pool is None:
+            # numpy's sorts and bincounts release the GIL: two threads keep two cores busy (results do not depend on it)
+            pool = stack.enter_context(ThreadPoolExecutor(max_workers=_evaluation_threads()))
+        futures = {k: started[k] if k in started else pool.submit(one, job) for k, job in jobs.items()}
+        for n, (k, fut) in enumerate(futures.items(), start=1):
+            evals[k] = fut.result()
             if progress is not None:
                 progress(n, len(jobs))
     return evals
@@ -319,16 +345,22 @@ def _manifest(
 
 
 def advise_arrays(
-    inputs: AdviseInputs, cfg: AdviseConfig, *, progress: Callable[[int, int], None] | None = None
+    inputs: AdviseInputs,
+    cfg: AdviseConfig,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    pool: Executor | None = None,
+    started: dict[_JobKey, Future[StepMetrics]] | None = None,
 ) -> Advice:
     """Evaluate every option on every recorded stage of ``inputs``, then word the verdicts, in six
     steps: the options (``_prepare``), their evaluation (``_evaluate``), the rows (``_rows``), what the
     input lacks (``_missing``), the recommended placements (``_recommended``) and advice.json (``_manifest``).
 
-    ``progress(done, total)`` after each (option, steps) evaluation.
+    ``progress(done, total)`` after each (option, steps) evaluation; ``pool``, ``started``: the
+    evaluations' threads and those already under way (``advise_trace``).
     """
     run = _prepare(inputs, cfg)
-    evals = _evaluate(inputs, cfg, run, progress=progress)
+    evals = _evaluate(inputs, cfg, run, progress=progress, pool=pool, started=started)
     rows, layer_rows = _rows(inputs, cfg, run, evals)
     correlation = stage_correlation(inputs)
     drift: dict[str, DriftEstimate] = {st: stage_drift(inputs, st, cfg=cfg, rows=rows) for st in run.stages}
@@ -390,9 +422,28 @@ def advise_trace(
 ) -> Advice:
     """The advice on a trace: placements fitted on ``compare``'s training requests, evaluated on steps
     drawn from the held-out requests (decode: ``num_steps`` steps of ``step_requests`` tokens; prefill:
-    ``prefill_tokens_per_node`` per node and step, one per 100 decode steps and at least 4)."""
-    inputs = trace_inputs(trace, cfg, current=current, count_progress=count_progress)
-    return advise_arrays(inputs, cfg, progress=progress)
+    ``prefill_tokens_per_node`` per node and step, one per 100 decode steps and at least 4).
+
+    Where the held-out tokens come with the counts, the options that need no grouped strategy (EPLB's,
+    the data-free ones) are evaluated while the grouped ones (joint) are fitted, on threads that yield
+    their cores to the fitting (``compare.behind_the_placing``); each evaluation is the same whenever it
+    runs."""
+    from moetrace.placement.compare import behind_the_placing
+
+    started: dict[_JobKey, Future[StepMetrics]] = {}
+    with ThreadPoolExecutor(max_workers=_evaluation_threads(), initializer=behind_the_placing) as pool:
+
+        def start(ungrouped: AdviseInputs) -> None:
+            run = _prepare(ungrouped, cfg)
+            one = functools.partial(_evaluate_one, inputs=ungrouped, cfg=cfg, run=run, shares={})
+            started.update({k: pool.submit(one, job) for k, job in _jobs(run).items()})
+
+        try:
+            inputs = trace_inputs(trace, cfg, current=current, count_progress=count_progress, on_ungrouped=start)
+            return advise_arrays(inputs, cfg, progress=progress, pool=pool, started=started)
+        finally:  # an error: the evaluations not started are dropped, not waited for
+            for fut in started.values():
+                fut.cancel()
 
 
 def advise_profile_counts(
