@@ -222,18 +222,17 @@ def trace_inputs(
         data = with_held_out_tokens(data)
         stages = _stage_inputs(data, ccfg, cfg)
     extra_tokens: dict[tuple[str, Steps], StepTokens] = {}
+    pcfg = _prefill_cfg(ccfg, cfg, has_d=has_d)
     for key, group in groups.items():  # the steps each grouped option's router draws
         if has_d:
             assert data.test_topk_ids_TLK is not None
             jr, js, jsrc, _ = held_out_batches(data, ccfg, group)
             extra_tokens[(key, "decode")] = StepTokens(data.test_topk_ids_TLK[jr], js, jsrc, cfg.num_steps)
-        if "prefill" in stages:
+        if "prefill" in stages and (jd := prefill_batches(data, pcfg, group)) is not None:
             assert data.test_prefill_ids_TLK is not None
-            if (jd := prefill_batches(data, _prefill_cfg(ccfg, cfg, has_d=has_d), group)) is not None:
-                pcfg = _prefill_cfg(ccfg, cfg, has_d=has_d)
-                extra_tokens[(key, "prefill")] = StepTokens(
-                    data.test_prefill_ids_TLK[jd[0]], jd[1], jd[2], pcfg.num_prefill_batches
-                )
+            extra_tokens[(key, "prefill")] = StepTokens(
+                data.test_prefill_ids_TLK[jd[0]], jd[1], jd[2], pcfg.num_prefill_batches
+            )
     return inputs_of(stages, tuple(extra), extra_tokens)
 
 
