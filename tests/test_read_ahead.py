@@ -45,7 +45,7 @@ def test_same_items_in_order_at_most_one_ahead():
             assert src.produced <= i + 2  # this one and the next, no more
             seen.append(i)
     assert seen == list(range(6))
-    assert src.threads == {"moetrace-read-ahead"}  # decoded on the thread, not the caller's
+    assert src.threads == {"moetrace-read-ahead_0"}  # decoded on the thread, not the caller's
 
 
 def test_an_error_reaches_the_caller_after_the_items_before_it():

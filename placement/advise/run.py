@@ -431,19 +431,18 @@ def advise_trace(
     from moetrace.placement.compare import behind_the_placing
 
     started: dict[_JobKey, Future[StepMetrics]] = {}
-    with ThreadPoolExecutor(max_workers=_evaluation_threads(), initializer=behind_the_placing) as pool:
+    pool = ThreadPoolExecutor(max_workers=_evaluation_threads(), initializer=behind_the_placing)
 
-        def start(ungrouped: AdviseInputs) -> None:
-            run = _prepare(ungrouped, cfg)
-            one = functools.partial(_evaluate_one, inputs=ungrouped, cfg=cfg, run=run, shares={})
-            started.update({k: pool.submit(one, job) for k, job in _jobs(run).items()})
+    def start(ungrouped: AdviseInputs) -> None:
+        run = _prepare(ungrouped, cfg)
+        one = functools.partial(_evaluate_one, inputs=ungrouped, cfg=cfg, run=run, shares={})
+        started.update({k: pool.submit(one, job) for k, job in _jobs(run).items()})
 
-        try:
-            inputs = trace_inputs(trace, cfg, current=current, count_progress=count_progress, on_ungrouped=start)
-            return advise_arrays(inputs, cfg, progress=progress, pool=pool, started=started)
-        finally:  # an error: the evaluations not started are dropped, not waited for
-            for fut in started.values():
-                fut.cancel()
+    try:
+        inputs = trace_inputs(trace, cfg, current=current, count_progress=count_progress, on_ungrouped=start)
+        return advise_arrays(inputs, cfg, progress=progress, pool=pool, started=started)
+    finally:  # an error: the evaluations not started are dropped, not waited for
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def advise_profile_counts(

@@ -16,60 +16,29 @@ other core is the caller's).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TypeVar
 
 B = TypeVar("B")
 
-_END = object()  # what the thread hands over after the last batch
+_END = object()  # what ``next`` gives after the last batch
 
 
 @contextmanager
 def read_ahead(batches: Iterator[B]) -> Iterator[Iterator[B]]:
     """``with read_ahead(it) as ahead: for b in ahead: ...``: the items of ``it``, each produced on
     a background thread while the caller works on the previous one (at most one ahead). Leaving the
-    block early (a ``break``, an exception) stops the thread after the item it is producing, and
-    waits for it: nothing reads the file after the block. An exception raised by ``it`` is raised
-    by the caller's ``next``, after the items before it."""
-    slot: list[object] = []  # the item handed over (one at most)
-    ready = threading.Semaphore(0)  # released when ``slot`` holds an item (or the end, or an error)
-    wanted = threading.Semaphore(1)  # released when the caller takes an item: produce the next
-    stop = threading.Event()
+    block early (a ``break``, an exception) waits for the item being produced: nothing reads the file
+    after the block. An exception raised by ``it`` is raised by the caller's ``next``, after the items
+    before it."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrace-read-ahead") as pool:
 
-    def produce() -> None:
-        while True:
-            wanted.acquire()
-            if stop.is_set():
-                return
-            try:
-                item: object = next(batches)
-            except StopIteration:
-                item = _END
-            except BaseException as exc:  # handed to the caller, who raises it
-                item = exc
-            slot.append(item)
-            ready.release()
-            if item is _END or isinstance(item, BaseException):
-                return
+        def ahead() -> Iterator[B]:
+            fut = pool.submit(next, batches, _END)
+            while (item := fut.result()) is not _END:
+                fut = pool.submit(next, batches, _END)  # decode the next one while the caller works on this one
+                yield item  # type: ignore[misc]
 
-    def consume() -> Iterator[B]:
-        while True:
-            ready.acquire()
-            item = slot.pop()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            wanted.release()  # decode the next one while the caller works on this one
-            yield item  # type: ignore[misc]
-
-    thread = threading.Thread(target=produce, name="moetrace-read-ahead", daemon=True)
-    thread.start()
-    try:
-        yield consume()
-    finally:
-        stop.set()
-        wanted.release()  # wake the thread if it waits for the caller
-        thread.join()
+        yield ahead()
